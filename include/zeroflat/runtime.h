@@ -1,0 +1,31 @@
+// Process-wide runtime facts: cores, ranks on this host, thread counts, ZEROFLAT_* variables.
+//
+// Every environment variable zeroflat reads is read here, once (docs/environment.md lists them).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+namespace zeroflat {
+
+struct RuntimeEnv {
+  // ZEROFLAT_NUM_THREADS: host threads per rank, overriding the default.
+  std::optional<unsigned> num_threads;
+  // ZEROFLAT_LOCAL_RANKS, else the launcher's count of ranks on this host
+  // (OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, LOCAL_WORLD_SIZE).
+  std::optional<unsigned> local_ranks;
+};
+
+// The environment as read at first call. Throws InvalidArgument naming the variable when one is
+// set to something other than a positive integer (every later call throws the same).
+const RuntimeEnv& runtime_env();
+
+// Cores this process may run on (its CPU affinity mask), at least 1.
+unsigned available_cores() noexcept;
+
+// Threads each rank uses for host work: ZEROFLAT_NUM_THREADS if set, else the available cores
+// divided by the ranks sharing this host (local_ranks if > 0, else runtime_env().local_ranks,
+// else 1), at least 1. Ranks on one host then never oversubscribe its cores.
+unsigned default_num_threads(unsigned local_ranks = 0);
+
+}  // namespace zeroflat
