@@ -1,0 +1,257 @@
+// The layout engine against DeepSpeed's layout: the spec's vectors, worked examples, properties
+// on thousands of random inputs, and bad input.
+#include "zeroflat/layout.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "zeroflat/error.h"
+
+namespace zeroflat {
+namespace {
+
+using nlohmann::json;
+
+json load_vectors() {
+  std::ifstream in(std::string(ZEROFLAT_TEST_DATA_DIR) + "/layout-vectors.json");
+  EXPECT_TRUE(in.good()) << "missing tests/data/layout-vectors.json";
+  return json::parse(in);
+}
+
+LayoutOptions options_of(const json& c) {
+  LayoutOptions o;
+  o.dp = c.at("dp").get<std::uint64_t>();
+  o.alignment_factor = c.at("alignment_factor").get<std::uint64_t>();
+  o.round_robin = c.at("round_robin").get<bool>();
+  o.dtype = parse_dtype(c.at("dtype").get<std::string>());
+  o.param_align_bytes = c.at("param_align_bytes").get<std::uint64_t>();
+  return o;
+}
+
+TEST(LayoutVectors, EveryCaseMatchesExactly) {
+  json vectors = load_vectors();
+  ASSERT_GE(vectors.size(), 35u);
+  for (std::size_t k = 0; k < vectors.size(); ++k) {
+    const json& c = vectors[k].at("case");
+    Layout l = Layout::compute(c.at("numels").get<std::vector<std::uint64_t>>(), options_of(c));
+    json got = json::parse(l.to_json());
+    EXPECT_EQ(got, vectors[k].at("expect")) << "case " << k << ": " << c.dump();
+  }
+}
+
+TEST(LayoutVectors, JsonKeysInContractOrder) {
+  Layout l = Layout::compute(std::vector<std::uint64_t>{5, 7, 3}, LayoutOptions{4});
+  std::string doc = l.to_json();
+  EXPECT_EQ(doc.rfind("{\"dp\":4,\"alignment\":8,\"dtype\":\"bf16\",\"numel\":15,\"padding\":1,"
+                      "\"flat_numel\":16,\"flat_bytes\":32,\"partition_numel\":4,",
+                      0),
+            0u)
+      << doc;
+}
+
+TEST(LayoutExamples, LastWorkedExampleHasTrailingAllPaddingRanks) {
+  Layout l = Layout::compute(std::vector<std::uint64_t>{266240}, LayoutOptions{768});
+  EXPECT_EQ(l.flat_numel(), 267264u);
+  EXPECT_EQ(l.partition_numel(), 348u);
+  EXPECT_EQ(l.rank(767).padding, 348u);
+  EXPECT_EQ(l.rank(766).padding, 348u);
+  EXPECT_EQ(l.rank(765).padding, 328u);
+  EXPECT_TRUE(l.rank(767).params_in_partition.empty());
+  EXPECT_TRUE(l.rank(767).fragments.empty());
+}
+
+TEST(LayoutExamples, RoundRobinOrder) {
+  LayoutOptions o;
+  o.dp = 2;
+  o.round_robin = true;
+  Layout l = Layout::compute(std::vector<std::uint64_t>{5, 7, 3, 4, 6}, o);
+  EXPECT_EQ(l.order(), (std::vector<std::uint64_t>{0, 2, 4, 1, 3}));
+  EXPECT_EQ(l.offsets(), (std::vector<std::uint64_t>{0, 14, 5, 21, 8}));
+  // More buckets than parameters.
+  o.dp = 8;
+  l = Layout::compute(std::vector<std::uint64_t>{1, 2, 3}, o);
+  EXPECT_EQ(l.order(), (std::vector<std::uint64_t>{0, 1, 2}));
+}
+
+TEST(LayoutExamples, ZeroSizedParameterInsideAPartitionCounts) {
+  Layout l = Layout::compute(std::vector<std::uint64_t>{16, 0, 16}, LayoutOptions{2});
+  EXPECT_EQ(l.rank(1).params_in_partition, (std::vector<std::uint64_t>{1, 2}));
+  EXPECT_EQ(l.rank(1).fragments.size(), 1u);  // the empty overlap is skipped
+}
+
+TEST(LayoutExamples, EmptyGroup) {
+  Layout l = Layout::compute(std::vector<std::uint64_t>{}, LayoutOptions{4});
+  EXPECT_EQ(l.flat_numel(), 0u);
+  EXPECT_EQ(l.partition_numel(), 0u);
+  EXPECT_TRUE(l.rank(3).params_in_partition.empty());
+}
+
+TEST(LayoutBadInput, RejectedWithTheValueNamed) {
+  auto msg = [](std::vector<std::uint64_t> numels, LayoutOptions o) {
+    try {
+      (void)Layout::compute(numels, o);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  LayoutOptions dp0;
+  dp0.dp = 0;
+  EXPECT_NE(msg({1}, dp0).find("dp = 0"), std::string::npos);
+  LayoutOptions af0;
+  af0.alignment_factor = 0;
+  EXPECT_NE(msg({1}, af0).find("alignment factor = 0"), std::string::npos);
+  for (std::uint64_t bad : {1, 3, 6, 24}) {
+    LayoutOptions o;
+    o.param_align_bytes = bad;
+    EXPECT_NE(msg({1}, o).find("param_align_bytes = " + std::to_string(bad)), std::string::npos);
+  }
+  LayoutOptions fp32_align2;
+  fp32_align2.dtype = DType::kFP32;
+  fp32_align2.param_align_bytes = 2;  // a power of two, but smaller than the element
+  EXPECT_NE(msg({1}, fp32_align2).find("at least the element size"), std::string::npos);
+  EXPECT_NE(msg({UINT64_MAX, 1}, {}).find("overflows"), std::string::npos);
+  // The sum fits, the padded size does not.
+  EXPECT_NE(msg({UINT64_MAX}, {}).find("padded flat size overflows"), std::string::npos);
+  // Elements fit, bytes do not.
+  EXPECT_NE(msg({UINT64_MAX / 2 + 10}, {}).find("bytes overflows"), std::string::npos);
+  LayoutOptions huge;
+  huge.dp = UINT64_MAX / 2;
+  huge.alignment_factor = 4;
+  EXPECT_NE(msg({1}, huge).find("overflows"), std::string::npos);
+  EXPECT_THROW((void)Layout::compute(std::vector<std::uint64_t>{1}, {}).rank(1), InvalidArgument);
+}
+
+// A brute-force model of the rules: per element, who owns it.
+void check_properties(const std::vector<std::uint64_t>& numels, const LayoutOptions& o) {
+  SCOPED_TRACE(::testing::Message()
+               << "dp " << o.dp << " af " << o.alignment_factor << " rr " << o.round_robin << " B "
+               << o.param_align_bytes << " n " << numels.size());
+  Layout l = Layout::compute(numels, o);
+  const std::uint64_t n = numels.size();
+  const std::uint64_t es = l.element_size();
+  ASSERT_EQ(l.flat_numel() % l.alignment(), 0u);
+  ASSERT_EQ(l.flat_numel() % o.dp, 0u);
+  ASSERT_GE(l.flat_numel(), l.numel());
+  ASSERT_LT(l.flat_numel() - l.data_end(), l.alignment());
+  // Parameters occupy disjoint ranges in flat order; alignment holds; the first starts at 0.
+  std::vector<std::int64_t> owner(l.flat_numel(), -1);  // -1: padding
+  for (std::uint64_t k = 0; k < n; ++k) {
+    const std::uint64_t i = l.order()[k];
+    const std::uint64_t off = l.offsets()[i];
+    if (k == 0) ASSERT_EQ(off, 0u);
+    if (o.param_align_bytes > 0) ASSERT_EQ(off * es % o.param_align_bytes, 0u);
+    if (k > 0) {
+      const std::uint64_t prev = l.order()[k - 1];
+      ASSERT_GE(off, l.offsets()[prev] + numels[prev]);
+      if (o.param_align_bytes == 0) ASSERT_EQ(off, l.offsets()[prev] + numels[prev]);
+    }
+    for (std::uint64_t e = 0; e < numels[i]; ++e) {
+      ASSERT_EQ(owner[off + e], -1);
+      owner[off + e] = static_cast<std::int64_t>(i);
+    }
+  }
+  if (o.round_robin) {
+    // Bucket-major: bucket (i mod dp) never decreases along the flat order.
+    for (std::uint64_t k = 1; k < n; ++k) {
+      ASSERT_LE(l.order()[k - 1] % o.dp, l.order()[k] % o.dp);
+    }
+  }
+  // Partitions tile the buffer; every parameter element is in exactly one fragment of one rank.
+  std::vector<int> covered(l.flat_numel(), 0);
+  std::uint64_t padding_total = 0;
+  for (std::uint64_t r = 0; r < o.dp; ++r) {
+    RankLayout rl = l.rank(r);
+    ASSERT_EQ(rl.start, r * l.partition_numel());
+    ASSERT_EQ(rl.end - rl.start, l.partition_numel());
+    std::uint64_t pad = 0;
+    for (std::uint64_t x = rl.start; x < rl.end; ++x) pad += x >= l.data_end();
+    ASSERT_EQ(rl.padding, pad);
+    padding_total += pad;
+    ASSERT_EQ(rl.params_in_partition.size() + rl.params_not_in_partition.size(), n);
+    for (const Fragment& f : rl.fragments) {
+      ASSERT_GT(f.numel, 0u);
+      for (std::uint64_t e = 0; e < f.numel; ++e) {
+        const std::uint64_t x = rl.start + f.partition_offset + e;
+        ASSERT_LT(x, rl.end);
+        ASSERT_EQ(owner[x], static_cast<std::int64_t>(f.param));
+        ASSERT_EQ(l.offsets()[f.param] + f.param_offset + e, x);
+        ++covered[x];
+      }
+      // Every fragment's parameter is listed as in the partition.
+      bool listed = std::find(rl.params_in_partition.begin(), rl.params_in_partition.end(),
+                              f.param) != rl.params_in_partition.end();
+      ASSERT_TRUE(listed);
+    }
+  }
+  for (std::uint64_t x = 0; x < l.flat_numel(); ++x) {
+    ASSERT_EQ(covered[x], owner[x] >= 0 ? 1 : 0) << "element " << x;
+  }
+  ASSERT_EQ(padding_total, l.flat_numel() - l.data_end());
+}
+
+TEST(LayoutProperties, ThousandsOfRandomGroups) {
+  std::mt19937_64 rng(20261129);
+  const DType dtypes[] = {DType::kBF16, DType::kFP16, DType::kFP32};
+  int cases = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    LayoutOptions o;
+    o.dp = 1 + rng() % (iter % 10 == 0 ? 70 : 9);
+    o.alignment_factor = 1 + rng() % 8;
+    o.round_robin = rng() % 2 == 0;
+    o.dtype = dtypes[rng() % 3];
+    const std::uint64_t es = element_size(o.dtype);
+    o.param_align_bytes = rng() % 3 == 0 ? 0 : es << (rng() % 6);
+    const std::size_t n = rng() % 12;
+    std::vector<std::uint64_t> numels(n);
+    for (auto& m : numels) {
+      const int kind = static_cast<int>(rng() % 6);
+      m = kind == 0 ? 0 : kind == 1 ? 1 : rng() % (kind == 5 ? 300 : 40);
+    }
+    check_properties(numels, o);
+    if (::testing::Test::HasFatalFailure()) return;
+    ++cases;
+  }
+  EXPECT_EQ(cases, 3000);
+}
+
+TEST(LayoutFragments, RangeQueryMatchesRankFragments) {
+  std::mt19937_64 rng(7);
+  for (int iter = 0; iter < 200; ++iter) {
+    LayoutOptions o;
+    o.dp = 1 + rng() % 6;
+    std::vector<std::uint64_t> numels(1 + rng() % 20);
+    for (auto& m : numels) m = rng() % 50;
+    Layout l = Layout::compute(numels, o);
+    for (std::uint64_t r = 0; r < o.dp; ++r) {
+      RankLayout rl = l.rank(r);
+      EXPECT_EQ(l.fragments_in(rl.start, rl.end), rl.fragments);
+    }
+    EXPECT_TRUE(l.fragments_in(5, 5).empty());
+  }
+}
+
+TEST(LayoutScale, MillionParametersIsLinear) {
+  std::vector<std::uint64_t> numels(1'000'000);
+  for (std::size_t i = 0; i < numels.size(); ++i) numels[i] = i % 4099;
+  LayoutOptions o;
+  o.dp = 64;
+  o.round_robin = true;
+  Layout l = Layout::compute(numels, o);
+  EXPECT_EQ(l.order().size(), numels.size());
+  EXPECT_EQ(l.flat_numel() % 128, 0u);
+  std::uint64_t sum = 0;
+  for (std::uint64_t r = 0; r < o.dp; ++r) {
+    for (const Fragment& f :
+         l.fragments_in(r * l.partition_numel(), (r + 1) * l.partition_numel())) {
+      sum += f.numel;
+    }
+  }
+  EXPECT_EQ(sum, l.numel());
+}
+
+}  // namespace
+}  // namespace zeroflat
