@@ -1,0 +1,128 @@
+// The Device interface: where parameter memory lives and where flattening copies run.
+//
+// A Device allocates, releases, gathers many (src, dst, bytes) runs into one buffer in a single
+// call, up-casts, hashes, reports memory and synchronizes. Backends register by name ("cpu";
+// later "sim:SIZE" and "cuda:N") so the CLI and the bindings pick them with a string.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zeroflat/dtype.h"
+
+namespace zeroflat {
+
+// One contiguous run of a gather: num_bytes bytes from src to dst + dst_offset.
+struct Segment {
+  const void* src = nullptr;
+  std::uint64_t dst_offset = 0;
+  std::uint64_t num_bytes = 0;
+};
+
+// A device's own view of its memory, in bytes.
+struct MemoryInfo {
+  std::uint64_t total_bytes = 0;
+  std::uint64_t free_bytes = 0;
+  std::uint64_t allocated_bytes = 0;       // currently allocated through this Device
+  std::uint64_t peak_allocated_bytes = 0;  // high-water mark of allocated_bytes
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  Device() = default;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  // "cpu", "cuda:0", "sim:80GiB".
+  virtual std::string name() const = 0;
+  // True when the CPU can read and write this device's pointers directly.
+  virtual bool host_accessible() const noexcept = 0;
+
+  // Returns at least num_bytes of uninitialized memory, aligned to at least 64 bytes (a
+  // zero-byte request returns a valid, unique pointer). Throws OutOfMemory naming the size.
+  virtual void* allocate(std::uint64_t num_bytes) = 0;
+  // Releases memory from allocate(); num_bytes must be the size that was asked for.
+  // Null is ignored.
+  virtual void release(void* ptr, std::uint64_t num_bytes) noexcept = 0;
+
+  // Writes the byte range [0, num_bytes) of dst in one call: every segment's bytes go to
+  // dst + dst_offset, and every byte no segment covers becomes zero. Segments must be sorted by
+  // dst_offset, must not overlap each other, must lie inside [0, num_bytes), and must not
+  // overlap dst's range in their sources. Sources and dst belong to this device. Throws
+  // InvalidArgument when the segments break these rules (checked before any byte is written).
+  virtual void gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) = 0;
+
+  // dst[i] = float(src[i]) for i < numel; src holds elements of dtype. dst must not overlap src.
+  virtual void upcast_to_fp32(float* dst, const void* src, DType dtype, std::uint64_t numel) = 0;
+
+  // The zeroflat checksum of [ptr, ptr + num_bytes) (see checksum.h): the same bytes give the
+  // same value on every device and with any number of threads.
+  virtual std::uint64_t checksum(const void* ptr, std::uint64_t num_bytes) = 0;
+
+  virtual MemoryInfo memory_info() = 0;
+
+  // Waits until every operation issued on this device has completed.
+  virtual void synchronize() {}
+};
+
+// Owns one allocation on a Device; releases it on destruction. Move-only.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Device& device, std::uint64_t num_bytes)
+      : device_(&device), data_(device.allocate(num_bytes)), num_bytes_(num_bytes) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { swap(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    DeviceBuffer(std::move(other)).swap(*this);
+    return *this;
+  }
+  ~DeviceBuffer() { reset(); }
+
+  void reset() noexcept {
+    if (device_ != nullptr) device_->release(data_, num_bytes_);
+    device_ = nullptr;
+    data_ = nullptr;
+    num_bytes_ = 0;
+  }
+  void swap(DeviceBuffer& other) noexcept {
+    std::swap(device_, other.device_);
+    std::swap(data_, other.data_);
+    std::swap(num_bytes_, other.num_bytes_);
+  }
+
+  void* data() const noexcept { return data_; }
+  std::uint64_t num_bytes() const noexcept { return num_bytes_; }
+  Device* device() const noexcept { return device_; }
+  explicit operator bool() const noexcept { return device_ != nullptr; }
+
+ private:
+  Device* device_ = nullptr;
+  void* data_ = nullptr;
+  std::uint64_t num_bytes_ = 0;
+};
+
+struct DeviceOptions {
+  // Worker threads for host-side work; 0 picks default_num_threads() (see runtime.h).
+  unsigned num_threads = 0;
+};
+
+using DeviceFactory =
+    std::function<std::unique_ptr<Device>(std::string_view spec, const DeviceOptions& options)>;
+
+// Makes the device a spec names: "cpu" always; other backends once registered. Throws
+// InvalidArgument for an unknown or malformed spec, naming it and listing the known ones.
+std::unique_ptr<Device> make_device(std::string_view spec, const DeviceOptions& options = {});
+
+// Registers a backend for specs equal to prefix or starting with prefix + ":".
+void register_device(std::string prefix, DeviceFactory factory);
+
+// The registered prefixes, sorted.
+std::vector<std::string> device_prefixes();
+
+}  // namespace zeroflat

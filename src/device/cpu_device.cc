@@ -1,0 +1,171 @@
+// The `cpu` device.
+#include "device/cpu_device.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "device/host_kernels.h"
+#include "zeroflat/checksum.h"
+#include "zeroflat/error.h"
+#include "zeroflat/runtime.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::detail {
+namespace {
+
+constexpr std::uint64_t kHugePage = std::uint64_t{2} << 20;
+constexpr std::uint64_t kMapThreshold = kHugePage;
+constexpr std::uint64_t kGrain = 64;  // thread ranges start on cache lines
+
+std::uint64_t round_up(std::uint64_t x, std::uint64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+std::uint64_t meminfo_bytes(const char* key) {
+  std::ifstream in("/proc/meminfo");
+  std::string name;
+  std::uint64_t kb = 0;
+  std::string unit;
+  while (in >> name >> kb) {
+    std::getline(in, unit);
+    if (name == key) return kb * 1024;
+  }
+  return 0;
+}
+
+}  // namespace
+
+void* host_allocate(std::uint64_t num_bytes) {
+  auto oom = [&] {
+    return OutOfMemory("cpu: cannot allocate " + format_bytes(num_bytes) + " (" +
+                       std::to_string(num_bytes) + " bytes) of host memory");
+  };
+  if (num_bytes < kMapThreshold) {
+    void* p = std::aligned_alloc(kGrain, round_up(num_bytes == 0 ? 1 : num_bytes, kGrain));
+    if (p == nullptr) throw oom();
+    return p;
+  }
+  const std::uint64_t size = round_up(num_bytes, kHugePage);
+  if (size > (std::uint64_t{1} << 62)) throw oom();
+  void* raw = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) throw oom();
+  // Trim to a 2 MiB-aligned window so that every huge page can be used.
+  auto base = reinterpret_cast<std::uintptr_t>(raw);
+  std::uintptr_t aligned = round_up(base, kHugePage);
+  if (aligned > base) munmap(raw, aligned - base);
+  std::uintptr_t tail = base + size + kHugePage - (aligned + size);
+  if (tail > 0) munmap(reinterpret_cast<void*>(aligned + size), tail);
+  auto* p = reinterpret_cast<void*>(aligned);
+#ifdef MADV_HUGEPAGE
+  madvise(p, size, MADV_HUGEPAGE);
+#endif
+  return p;
+}
+
+void host_release(void* ptr, std::uint64_t num_bytes) noexcept {
+  if (ptr == nullptr) return;
+  if (num_bytes < kMapThreshold) {
+    std::free(ptr);
+  } else {
+    munmap(ptr, round_up(num_bytes, kHugePage));
+  }
+}
+
+CpuDevice::CpuDevice(const DeviceOptions& options)
+    : pool_(options.num_threads > 0 ? options.num_threads : default_num_threads()) {}
+
+void* CpuDevice::allocate(std::uint64_t num_bytes) {
+  void* p = host_allocate(num_bytes);
+  std::uint64_t now = allocated_.fetch_add(num_bytes) + num_bytes;
+  std::uint64_t peak = peak_.load();
+  while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+  }
+  return p;
+}
+
+void CpuDevice::release(void* ptr, std::uint64_t num_bytes) noexcept {
+  if (ptr == nullptr) return;
+  host_release(ptr, num_bytes);
+  allocated_.fetch_sub(num_bytes);
+}
+
+void CpuDevice::parallel(const std::function<void(unsigned)>& fn) {
+  std::lock_guard<std::mutex> lock(run_mutex_);
+  pool_.run(fn);
+}
+
+void CpuDevice::gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) {
+  check_gather_segments(dst, num_bytes, segments);
+  auto* out = static_cast<unsigned char*>(dst);
+  const bool streaming = use_streaming_stores(num_bytes);
+  const unsigned parts = pool_.size();
+  // Split by destination bytes, not by segment: one huge tensor and many tiny ones both keep
+  // every thread busy, and each thread writes (and first-touches) one contiguous range.
+  parallel([&](unsigned t) {
+    Range r = split_range(num_bytes, parts, t, kGrain);
+    gather_range(out, segments, r.begin, r.end, streaming);
+    store_fence();
+  });
+}
+
+void CpuDevice::memcpy_parallel(void* dst, const void* src, std::uint64_t num_bytes) {
+  const unsigned parts = pool_.size();
+  parallel([&](unsigned t) {
+    Range r = split_range(num_bytes, parts, t, kGrain);
+    std::memcpy(static_cast<unsigned char*>(dst) + r.begin,
+                static_cast<const unsigned char*>(src) + r.begin, r.end - r.begin);
+  });
+}
+
+void CpuDevice::zero_parallel(void* dst, std::uint64_t num_bytes) {
+  const unsigned parts = pool_.size();
+  parallel([&](unsigned t) {
+    Range r = split_range(num_bytes, parts, t, kGrain);
+    std::memset(static_cast<unsigned char*>(dst) + r.begin, 0, r.end - r.begin);
+  });
+}
+
+void CpuDevice::upcast_to_fp32(float* dst, const void* src, DType dtype, std::uint64_t numel) {
+  const unsigned parts = pool_.size();
+  const std::uint64_t esize = element_size(dtype);
+  parallel([&](unsigned t) {
+    Range r = split_range(numel, parts, t, 16);
+    upcast_range(dst + r.begin, static_cast<const unsigned char*>(src) + r.begin * esize, dtype,
+                 r.end - r.begin);
+  });
+}
+
+std::uint64_t CpuDevice::checksum(const void* ptr, std::uint64_t num_bytes) {
+  const std::uint64_t chunks = (num_bytes + kChecksumChunkBytes - 1) / kChecksumChunkBytes;
+  std::vector<std::uint64_t> digests(chunks);
+  const auto* p = static_cast<const unsigned char*>(ptr);
+  const unsigned parts = pool_.size();
+  parallel([&](unsigned t) {
+    Range r = split_range(chunks, parts, t, 1);
+    for (std::uint64_t c = r.begin; c < r.end; ++c) {
+      std::uint64_t off = c * kChecksumChunkBytes;
+      std::uint64_t n = std::min(kChecksumChunkBytes, num_bytes - off);
+      digests[c] = checksum_chunk(p + off, n);
+    }
+  });
+  return checksum_combine(digests, num_bytes);
+}
+
+MemoryInfo CpuDevice::memory_info() {
+  MemoryInfo info;
+  info.total_bytes = meminfo_bytes("MemTotal:");
+  info.free_bytes = meminfo_bytes("MemAvailable:");
+  info.allocated_bytes = allocated_.load();
+  info.peak_allocated_bytes = peak_.load();
+  return info;
+}
+
+}  // namespace zeroflat::detail

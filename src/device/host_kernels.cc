@@ -1,0 +1,229 @@
+// Host memory kernels: streaming copies and fills, the per-thread gather, up-casts.
+#include "device/host_kernels.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <string>
+
+#include "zeroflat/error.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define ZEROFLAT_X86 1
+#else
+#define ZEROFLAT_X86 0
+#endif
+
+namespace zeroflat::detail {
+namespace {
+
+constexpr std::size_t kLine = 64;
+// Below this size a segment is copied with ordinary stores: the streaming body would be a few
+// lines at most, and the head and tail already use ordinary stores.
+constexpr std::size_t kStreamMin = 256;
+
+#if ZEROFLAT_X86
+void stream_copy_body(unsigned char* dst, const unsigned char* src, std::size_t n) noexcept {
+  // dst is 64-byte aligned; n is a multiple of 64.
+  for (std::size_t i = 0; i < n; i += kLine) {
+    const auto* s = reinterpret_cast<const __m128i*>(src + i);
+    auto* d = reinterpret_cast<__m128i*>(dst + i);
+    __m128i a = _mm_loadu_si128(s + 0);
+    __m128i b = _mm_loadu_si128(s + 1);
+    __m128i c = _mm_loadu_si128(s + 2);
+    __m128i e = _mm_loadu_si128(s + 3);
+    _mm_stream_si128(d + 0, a);
+    _mm_stream_si128(d + 1, b);
+    _mm_stream_si128(d + 2, c);
+    _mm_stream_si128(d + 3, e);
+  }
+}
+
+void stream_zero_body(unsigned char* dst, std::size_t n) noexcept {
+  const __m128i z = _mm_setzero_si128();
+  for (std::size_t i = 0; i < n; i += kLine) {
+    auto* d = reinterpret_cast<__m128i*>(dst + i);
+    _mm_stream_si128(d + 0, z);
+    _mm_stream_si128(d + 1, z);
+    _mm_stream_si128(d + 2, z);
+    _mm_stream_si128(d + 3, z);
+  }
+}
+
+__attribute__((target("f16c,avx"))) void upcast_fp16_f16c(float* dst, const std::uint16_t* src,
+                                                          std::uint64_t n) noexcept {
+  std::uint64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+}
+#endif
+
+float fp16_to_float(std::uint16_t h) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t mant = h & 0x3ffu;
+  std::uint32_t bits = 0;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do {
+        ++e;
+        mant <<= 1;
+      } while ((mant & 0x400u) == 0);
+      bits = sign | static_cast<std::uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ffu) << 13;
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | mant << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+}  // namespace
+
+void copy_bytes(void* dst_v, const void* src_v, std::size_t n, bool streaming) noexcept {
+  auto* dst = static_cast<unsigned char*>(dst_v);
+  const auto* src = static_cast<const unsigned char*>(src_v);
+#if ZEROFLAT_X86
+  if (streaming && n >= kStreamMin) {
+    std::size_t head = (kLine - reinterpret_cast<std::uintptr_t>(dst) % kLine) % kLine;
+    std::memcpy(dst, src, head);
+    std::size_t body = (n - head) & ~(kLine - 1);
+    stream_copy_body(dst + head, src + head, body);
+    std::memcpy(dst + head + body, src + head + body, n - head - body);
+    return;
+  }
+#else
+  (void)streaming;
+#endif
+  std::memcpy(dst, src, n);
+}
+
+void zero_bytes(void* dst_v, std::size_t n, bool streaming) noexcept {
+  auto* dst = static_cast<unsigned char*>(dst_v);
+#if ZEROFLAT_X86
+  if (streaming && n >= kStreamMin) {
+    std::size_t head = (kLine - reinterpret_cast<std::uintptr_t>(dst) % kLine) % kLine;
+    std::memset(dst, 0, head);
+    std::size_t body = (n - head) & ~(kLine - 1);
+    stream_zero_body(dst + head, body);
+    std::memset(dst + head + body, 0, n - head - body);
+    return;
+  }
+#else
+  (void)streaming;
+#endif
+  std::memset(dst, 0, n);
+}
+
+void store_fence() noexcept {
+#if ZEROFLAT_X86
+  _mm_sfence();
+#else
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+#endif
+}
+
+void gather_range(unsigned char* dst, std::span<const Segment> segments, std::uint64_t begin,
+                  std::uint64_t end, bool streaming) noexcept {
+  if (begin >= end) return;
+  auto it = std::partition_point(segments.begin(), segments.end(), [&](const Segment& s) {
+    return s.dst_offset + s.num_bytes <= begin;
+  });
+  std::uint64_t cursor = begin;
+  for (; it != segments.end() && it->dst_offset < end; ++it) {
+    const std::uint64_t lo = std::max(it->dst_offset, begin);
+    const std::uint64_t hi = std::min(it->dst_offset + it->num_bytes, end);
+    if (lo > cursor) zero_bytes(dst + cursor, lo - cursor, streaming);
+    if (hi > lo) {
+      copy_bytes(dst + lo, static_cast<const unsigned char*>(it->src) + (lo - it->dst_offset),
+                 hi - lo, streaming);
+      cursor = hi;
+    } else {
+      cursor = std::max(cursor, lo);
+    }
+  }
+  if (end > cursor) zero_bytes(dst + cursor, end - cursor, streaming);
+}
+
+void upcast_range(float* dst, const void* src, DType dtype, std::uint64_t numel) noexcept {
+  switch (dtype) {
+    case DType::kBF16: {
+      const auto* s = static_cast<const std::uint16_t*>(src);
+      auto* d = reinterpret_cast<std::uint32_t*>(dst);
+      for (std::uint64_t i = 0; i < numel; ++i) d[i] = static_cast<std::uint32_t>(s[i]) << 16;
+      return;
+    }
+    case DType::kFP16: {
+      const auto* s = static_cast<const std::uint16_t*>(src);
+#if ZEROFLAT_X86
+      if (__builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx")) {
+        upcast_fp16_f16c(dst, s, numel);
+        return;
+      }
+#endif
+      for (std::uint64_t i = 0; i < numel; ++i) dst[i] = fp16_to_float(s[i]);
+      return;
+    }
+    case DType::kFP32:
+      std::memcpy(dst, src, numel * sizeof(float));
+      return;
+  }
+}
+
+void check_gather_segments(const void* dst, std::uint64_t num_bytes,
+                           std::span<const Segment> segments) {
+  const auto dst_lo = reinterpret_cast<std::uintptr_t>(dst);
+  const std::uintptr_t dst_hi = dst_lo + num_bytes;
+  std::uint64_t prev_end = 0;
+  for (std::size_t k = 0; k < segments.size(); ++k) {
+    const Segment& s = segments[k];
+    auto where = [&] {
+      return "gather segment " + std::to_string(k) + " (dst_offset " +
+             std::to_string(s.dst_offset) + ", " + std::to_string(s.num_bytes) + " bytes)";
+    };
+    std::uint64_t seg_end = 0;
+    if (__builtin_add_overflow(s.dst_offset, s.num_bytes, &seg_end) || seg_end > num_bytes) {
+      throw InvalidArgument(where() + " ends past the destination's " + std::to_string(num_bytes) +
+                            " bytes");
+    }
+    if (s.dst_offset < prev_end) {
+      throw InvalidArgument(where() + " overlaps or precedes the previous segment, which ends at " +
+                            std::to_string(prev_end) + ": segments must be sorted and disjoint");
+    }
+    if (s.num_bytes > 0) {
+      if (s.src == nullptr) throw InvalidArgument(where() + " has a null source");
+      const auto src_lo = reinterpret_cast<std::uintptr_t>(s.src);
+      if (src_lo < dst_hi && dst_lo < src_lo + s.num_bytes) {
+        throw InvalidArgument(where() + " reads from the destination buffer itself");
+      }
+      prev_end = seg_end;
+    }
+  }
+}
+
+bool use_streaming_stores(std::uint64_t num_bytes) noexcept {
+  // Past the last-level cache, ordinary stores cost a read of every destination line as well
+  // as the write; streaming stores skip that read.
+  static const std::uint64_t threshold = [] {
+    long llc = -1;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+    return llc > 0 ? static_cast<std::uint64_t>(llc) : std::uint64_t{32} << 20;
+  }();
+  return num_bytes >= threshold;
+}
+
+}  // namespace zeroflat::detail

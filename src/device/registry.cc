@@ -1,0 +1,64 @@
+// The registry of device backends, by name.
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+#include "device/cpu_device.h"
+#include "zeroflat/device.h"
+#include "zeroflat/error.h"
+
+namespace zeroflat {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::map<std::string, DeviceFactory> factories;
+  Registry() {
+    factories["cpu"] = [](std::string_view spec, const DeviceOptions& options) {
+      if (spec != "cpu") {
+        throw InvalidArgument("device '" + std::string(spec) + "': the cpu device takes no index");
+      }
+      return std::unique_ptr<Device>(new detail::CpuDevice(options));
+    };
+  }
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+}  // namespace
+
+void register_device(std::string prefix, DeviceFactory factory) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.factories[std::move(prefix)] = std::move(factory);
+}
+
+std::vector<std::string> device_prefixes() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::vector<std::string> out;
+  for (const auto& [name, factory] : r.factories) out.push_back(name);
+  return out;
+}
+
+std::unique_ptr<Device> make_device(std::string_view spec, const DeviceOptions& options) {
+  std::string prefix(spec.substr(0, spec.find(':')));
+  DeviceFactory factory;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.factories.find(prefix);
+    if (it != r.factories.end()) factory = it->second;
+  }
+  if (!factory) {
+    std::string known;
+    for (const std::string& name : device_prefixes()) known += (known.empty() ? "" : ", ") + name;
+    throw InvalidArgument("unknown device '" + std::string(spec) + "': this build knows " + known);
+  }
+  return factory(spec, options);
+}
+
+}  // namespace zeroflat
