@@ -1,0 +1,70 @@
+// Model specifications: ordered lists of named parameter tensors with shapes, and the built-in
+// catalog (qwen3-30b-a3b, llama-3.1-8b, tiny-moe) that needs no download.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zeroflat/tensor.h"
+
+namespace zeroflat {
+
+struct TensorSpec {
+  std::string name;
+  Shape shape;
+  std::uint64_t numel = 0;
+};
+
+struct ModelSpec {
+  std::string name;                 // "qwen3-30b-a3b", or where it was read from
+  std::string architecture;         // "Qwen3MoeForCausalLM"
+  std::vector<TensorSpec> tensors;  // in the order the framework registers parameters
+
+  std::uint64_t numel() const noexcept;
+  std::vector<std::uint64_t> numels() const;
+};
+
+// The fields of a Hugging Face config.json that decide parameter shapes. experts == 0 means a
+// dense MLP of intermediate_size; otherwise every layer is a sparse MoE block with a router.
+struct TransformerConfig {
+  std::string architecture;
+  std::uint64_t hidden_size = 0;
+  std::uint64_t num_layers = 0;
+  std::uint64_t num_heads = 0;
+  std::uint64_t num_kv_heads = 0;
+  std::uint64_t head_dim = 0;
+  std::uint64_t intermediate_size = 0;      // dense MLP
+  std::uint64_t moe_intermediate_size = 0;  // per expert
+  std::uint64_t num_experts = 0;
+  std::uint64_t vocab_size = 0;
+  bool tie_word_embeddings = false;
+  bool qk_norm = false;         // per-head q_norm / k_norm (Qwen3)
+  bool attention_bias = false;  // q/k/v biases (Qwen2)
+};
+
+// Scales a model down for a small machine: fewer layers, fewer experts (MoE only).
+struct ModelOverrides {
+  std::optional<std::uint64_t> layers;
+  std::optional<std::uint64_t> experts;
+};
+
+// The tensors of a decoder-only transformer with this config, in registration order:
+// embed_tokens, then per layer self_attn (q, k, v, o, q_norm, k_norm), mlp (router and experts,
+// or gate/up/down), input_layernorm, post_attention_layernorm; then norm and, unless tied,
+// lm_head. Throws InvalidArgument for a zero dimension or overflow.
+ModelSpec build_transformer(std::string name, const TransformerConfig& config);
+
+// Applies overrides to a config. Throws InvalidArgument for layers == 0, experts == 0, or
+// experts on a dense model.
+TransformerConfig apply_overrides(TransformerConfig config, const ModelOverrides& overrides);
+
+// Built-in catalog.
+std::vector<std::string> catalog_names();
+std::optional<TransformerConfig> catalog_config(std::string_view name);
+// Throws InvalidArgument naming the model and listing the catalog when name is unknown.
+ModelSpec catalog_model(std::string_view name, const ModelOverrides& overrides = {});
+
+}  // namespace zeroflat

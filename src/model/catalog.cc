@@ -1,0 +1,167 @@
+// Transformer parameter lists from a config, and the built-in catalog of docs/models.md.
+#include <string>
+
+#include "zeroflat/error.h"
+#include "zeroflat/model.h"
+
+namespace zeroflat {
+namespace {
+
+std::int64_t dim(std::uint64_t v, const char* what) {
+  if (v == 0) throw InvalidArgument(std::string(what) + " must be at least 1");
+  if (v > (std::uint64_t{1} << 40)) {
+    throw InvalidArgument(std::string(what) + " = " + std::to_string(v) + " is implausibly large");
+  }
+  return static_cast<std::int64_t>(v);
+}
+
+struct Builder {
+  ModelSpec spec;
+  void add(std::string name, Shape shape) {
+    std::uint64_t numel = shape_numel(shape);
+    spec.tensors.push_back(TensorSpec{std::move(name), std::move(shape), numel});
+  }
+};
+
+}  // namespace
+
+std::uint64_t ModelSpec::numel() const noexcept {
+  std::uint64_t n = 0;
+  for (const TensorSpec& t : tensors) n += t.numel;
+  return n;
+}
+
+std::vector<std::uint64_t> ModelSpec::numels() const {
+  std::vector<std::uint64_t> out;
+  out.reserve(tensors.size());
+  for (const TensorSpec& t : tensors) out.push_back(t.numel);
+  return out;
+}
+
+ModelSpec build_transformer(std::string name, const TransformerConfig& c) {
+  const std::int64_t hidden = dim(c.hidden_size, "hidden_size");
+  const std::int64_t layers = dim(c.num_layers, "num_hidden_layers");
+  const std::int64_t heads = dim(c.num_heads, "num_attention_heads");
+  const std::int64_t kv_heads = dim(c.num_kv_heads, "num_key_value_heads");
+  const std::int64_t head_dim = dim(c.head_dim, "head_dim");
+  const std::int64_t vocab = dim(c.vocab_size, "vocab_size");
+  const bool moe = c.num_experts > 0;
+  const std::int64_t experts = moe ? dim(c.num_experts, "num_experts") : 0;
+  const std::int64_t ffn = moe ? dim(c.moe_intermediate_size, "moe_intermediate_size")
+                               : dim(c.intermediate_size, "intermediate_size");
+  const std::int64_t q_out = heads * head_dim;
+  const std::int64_t kv_out = kv_heads * head_dim;
+
+  Builder b;
+  b.spec.name = std::move(name);
+  b.spec.architecture = c.architecture;
+  b.add("model.embed_tokens.weight", {vocab, hidden});
+  for (std::int64_t l = 0; l < layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    b.add(p + "self_attn.q_proj.weight", {q_out, hidden});
+    if (c.attention_bias) b.add(p + "self_attn.q_proj.bias", {q_out});
+    b.add(p + "self_attn.k_proj.weight", {kv_out, hidden});
+    if (c.attention_bias) b.add(p + "self_attn.k_proj.bias", {kv_out});
+    b.add(p + "self_attn.v_proj.weight", {kv_out, hidden});
+    if (c.attention_bias) b.add(p + "self_attn.v_proj.bias", {kv_out});
+    b.add(p + "self_attn.o_proj.weight", {hidden, q_out});
+    if (c.qk_norm) {
+      b.add(p + "self_attn.q_norm.weight", {head_dim});
+      b.add(p + "self_attn.k_norm.weight", {head_dim});
+    }
+    if (moe) {
+      b.add(p + "mlp.gate.weight", {experts, hidden});
+      for (std::int64_t e = 0; e < experts; ++e) {
+        const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
+        b.add(ep + "gate_proj.weight", {ffn, hidden});
+        b.add(ep + "up_proj.weight", {ffn, hidden});
+        b.add(ep + "down_proj.weight", {hidden, ffn});
+      }
+    } else {
+      b.add(p + "mlp.gate_proj.weight", {ffn, hidden});
+      b.add(p + "mlp.up_proj.weight", {ffn, hidden});
+      b.add(p + "mlp.down_proj.weight", {hidden, ffn});
+    }
+    b.add(p + "input_layernorm.weight", {hidden});
+    b.add(p + "post_attention_layernorm.weight", {hidden});
+  }
+  b.add("model.norm.weight", {hidden});
+  if (!c.tie_word_embeddings) b.add("lm_head.weight", {vocab, hidden});
+  return std::move(b.spec);
+}
+
+TransformerConfig apply_overrides(TransformerConfig config, const ModelOverrides& overrides) {
+  if (overrides.layers) {
+    if (*overrides.layers == 0) throw InvalidArgument("--layers 0: a model needs at least 1 layer");
+    config.num_layers = *overrides.layers;
+  }
+  if (overrides.experts) {
+    if (config.num_experts == 0) {
+      throw InvalidArgument("--experts " + std::to_string(*overrides.experts) + ": " +
+                            config.architecture + " is a dense model without experts");
+    }
+    if (*overrides.experts == 0) {
+      throw InvalidArgument("--experts 0: a MoE layer needs at least 1 expert");
+    }
+    config.num_experts = *overrides.experts;
+  }
+  return config;
+}
+
+std::vector<std::string> catalog_names() {
+  return {"llama-3.1-8b", "qwen3-30b-a3b", "tiny-moe"};
+}
+
+std::optional<TransformerConfig> catalog_config(std::string_view name) {
+  TransformerConfig c;
+  if (name == "qwen3-30b-a3b") {
+    c.architecture = "Qwen3MoeForCausalLM";
+    c.hidden_size = 2048;
+    c.num_layers = 48;
+    c.num_heads = 32;
+    c.num_kv_heads = 4;
+    c.head_dim = 128;
+    c.moe_intermediate_size = 768;
+    c.num_experts = 128;
+    c.vocab_size = 151936;
+    c.qk_norm = true;
+    return c;
+  }
+  if (name == "llama-3.1-8b") {
+    c.architecture = "LlamaForCausalLM";
+    c.hidden_size = 4096;
+    c.num_layers = 32;
+    c.num_heads = 32;
+    c.num_kv_heads = 8;
+    c.head_dim = 128;
+    c.intermediate_size = 14336;
+    c.vocab_size = 128256;
+    return c;
+  }
+  if (name == "tiny-moe") {
+    c.architecture = "Qwen3MoeForCausalLM";
+    c.hidden_size = 264;
+    c.num_layers = 3;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 66;
+    c.moe_intermediate_size = 98;
+    c.num_experts = 6;
+    c.vocab_size = 1001;
+    c.qk_norm = true;
+    return c;
+  }
+  return std::nullopt;
+}
+
+ModelSpec catalog_model(std::string_view name, const ModelOverrides& overrides) {
+  std::optional<TransformerConfig> config = catalog_config(name);
+  if (!config) {
+    std::string known;
+    for (const std::string& n : catalog_names()) known += (known.empty() ? "" : ", ") + n;
+    throw InvalidArgument("unknown model '" + std::string(name) + "': the catalog has " + known);
+  }
+  return build_transformer(std::string(name), apply_overrides(*config, overrides));
+}
+
+}  // namespace zeroflat

@@ -1,0 +1,115 @@
+// The built-in catalog: tensor names, order, shapes and totals of docs/models.md.
+#include "zeroflat/model.h"
+
+#include <gtest/gtest.h>
+
+#include "zeroflat/error.h"
+
+namespace zeroflat {
+namespace {
+
+TEST(Catalog, Qwen3MoeTotalsMatchTheReference) {
+  ModelSpec full = catalog_model("qwen3-30b-a3b");
+  EXPECT_EQ(full.architecture, "Qwen3MoeForCausalLM");
+  EXPECT_EQ(full.numel(), 30'532'122'624u);
+  EXPECT_EQ(full.tensors.size(), 48u * 393 + 3);
+  ModelSpec seed = catalog_model("qwen3-30b-a3b", {.layers = 32});
+  EXPECT_EQ(seed.numel(), 20'562'192'384u);
+  EXPECT_EQ(seed.tensors.size(), 12'579u);
+  EXPECT_EQ(seed.numel() * 2, 41'124'384'768u);
+  // One layer: 623,120,640 parameters in 393 tensors.
+  ModelSpec one = catalog_model("qwen3-30b-a3b", {.layers = 1});
+  ModelSpec two = catalog_model("qwen3-30b-a3b", {.layers = 2});
+  EXPECT_EQ(two.numel() - one.numel(), 623'120'640u);
+  EXPECT_EQ(two.tensors.size() - one.tensors.size(), 393u);
+}
+
+TEST(Catalog, Qwen3MoeNamesShapesAndOrder) {
+  ModelSpec m = catalog_model("qwen3-30b-a3b", {.layers = 1, .experts = 2});
+  std::vector<std::pair<std::string, Shape>> want = {
+      {"model.embed_tokens.weight", {151936, 2048}},
+      {"model.layers.0.self_attn.q_proj.weight", {4096, 2048}},
+      {"model.layers.0.self_attn.k_proj.weight", {512, 2048}},
+      {"model.layers.0.self_attn.v_proj.weight", {512, 2048}},
+      {"model.layers.0.self_attn.o_proj.weight", {2048, 4096}},
+      {"model.layers.0.self_attn.q_norm.weight", {128}},
+      {"model.layers.0.self_attn.k_norm.weight", {128}},
+      {"model.layers.0.mlp.gate.weight", {2, 2048}},
+      {"model.layers.0.mlp.experts.0.gate_proj.weight", {768, 2048}},
+      {"model.layers.0.mlp.experts.0.up_proj.weight", {768, 2048}},
+      {"model.layers.0.mlp.experts.0.down_proj.weight", {2048, 768}},
+      {"model.layers.0.mlp.experts.1.gate_proj.weight", {768, 2048}},
+      {"model.layers.0.mlp.experts.1.up_proj.weight", {768, 2048}},
+      {"model.layers.0.mlp.experts.1.down_proj.weight", {2048, 768}},
+      {"model.layers.0.input_layernorm.weight", {2048}},
+      {"model.layers.0.post_attention_layernorm.weight", {2048}},
+      {"model.norm.weight", {2048}},
+      {"lm_head.weight", {151936, 2048}},
+  };
+  ASSERT_EQ(m.tensors.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(m.tensors[i].name, want[i].first);
+    EXPECT_EQ(m.tensors[i].shape, want[i].second) << want[i].first;
+    EXPECT_EQ(m.tensors[i].numel, shape_numel(want[i].second));
+  }
+}
+
+TEST(Catalog, Llama31Total) {
+  ModelSpec m = catalog_model("llama-3.1-8b");
+  EXPECT_EQ(m.numel(), 8'030'261'248u);
+  EXPECT_EQ(m.tensors.size(), 32u * 9 + 3);
+  EXPECT_EQ(m.tensors[1].name, "model.layers.0.self_attn.q_proj.weight");
+  EXPECT_EQ(m.tensors[5].name, "model.layers.0.mlp.gate_proj.weight");
+  EXPECT_EQ(m.tensors[5].shape, (Shape{14336, 4096}));
+}
+
+TEST(Catalog, TinyMoeHasUnalignedSizes) {
+  ModelSpec m = catalog_model("tiny-moe");
+  EXPECT_EQ(m.tensors.front().shape, (Shape{1001, 264}));
+  EXPECT_EQ(m.tensors.size(), 3u * (6 + 1 + 6 * 3 + 2) + 3);
+  bool odd = false;
+  for (const TensorSpec& t : m.tensors) odd |= t.numel % 8 != 0;
+  EXPECT_TRUE(odd);
+  EXPECT_EQ(m.tensors[1].shape, (Shape{4 * 66, 264}));  // q_proj: heads * head_dim
+  EXPECT_EQ(m.tensors[2].shape, (Shape{2 * 66, 264}));  // k_proj
+}
+
+TEST(Catalog, OverridesAndErrors) {
+  EXPECT_EQ(catalog_model("tiny-moe", {.layers = 1, .experts = 1}).tensors.size(),
+            1u + (6 + 1 + 3 + 2) + 2);
+  EXPECT_THROW((void)catalog_model("tiny-moe", {.layers = 0}), InvalidArgument);
+  EXPECT_THROW((void)catalog_model("tiny-moe", {.experts = 0}), InvalidArgument);
+  EXPECT_THROW((void)catalog_model("llama-3.1-8b", {.experts = 4}), InvalidArgument);
+  try {
+    (void)catalog_model("gpt-5");
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'gpt-5'"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("qwen3-30b-a3b"), std::string::npos);
+  }
+  // More layers than the reference model is allowed (a deeper variant), within reason.
+  EXPECT_EQ(catalog_model("tiny-moe", {.layers = 5}).tensors.size(), 5u * 27 + 3);
+}
+
+TEST(Transformer, DenseWithBiasAndTiedEmbeddings) {
+  TransformerConfig c;
+  c.architecture = "Qwen2ForCausalLM";
+  c.hidden_size = 8;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  c.head_dim = 4;
+  c.intermediate_size = 16;
+  c.vocab_size = 10;
+  c.attention_bias = true;
+  c.tie_word_embeddings = true;
+  ModelSpec m = build_transformer("toy", c);
+  EXPECT_EQ(m.tensors.back().name, "model.norm.weight");  // no lm_head when tied
+  EXPECT_EQ(m.tensors[2].name, "model.layers.0.self_attn.q_proj.bias");
+  EXPECT_EQ(m.tensors.size(), 1u + 2 * (7 + 3 + 2) + 1);
+  c.hidden_size = 0;
+  EXPECT_THROW((void)build_transformer("toy", c), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace zeroflat
