@@ -1,0 +1,121 @@
+// `zeroflat layout`: the flat layout of one parameter group, as a table or as JSON.
+#include <cstdio>
+#include <string>
+
+#include "zeroflat/common.h"
+#include "zeroflat/error.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::cli {
+namespace {
+
+// "0 1 2 ... 17 18 (19 in all)" for long lists.
+std::string list_text(const std::vector<std::uint64_t>& v, std::size_t keep = 8) {
+  std::string out;
+  auto add = [&](std::uint64_t x) { out += (out.empty() ? "" : " ") + std::to_string(x); };
+  if (v.empty()) return "-";
+  if (v.size() <= 2 * keep) {
+    for (std::uint64_t x : v) add(x);
+    return out;
+  }
+  for (std::size_t i = 0; i < keep; ++i) add(v[i]);
+  out += " ...";
+  for (std::size_t i = v.size() - keep; i < v.size(); ++i) add(v[i]);
+  return out + " (" + format_count(v.size()) + " in all)";
+}
+
+void print_table(const Layout& l, const std::string& source) {
+  const LayoutOptions& o = l.options();
+  const std::uint64_t es = l.element_size();
+  std::printf("layout of %s: %s parameters, %s elements of %s\n", source.c_str(),
+              format_count(l.num_params()).c_str(), format_count(l.numel()).c_str(),
+              std::string(dtype_name(o.dtype)).c_str());
+  std::printf(
+      "  dp %llu%s, alignment %llu elements (factor %llu x dp)%s\n",
+      static_cast<unsigned long long>(o.dp), o.round_robin ? ", round-robin order" : "",
+      static_cast<unsigned long long>(l.alignment()),
+      static_cast<unsigned long long>(o.alignment_factor),
+      o.param_align_bytes
+          ? (", parameters aligned to " + std::to_string(o.param_align_bytes) + " bytes").c_str()
+          : "");
+  std::printf("  flat buffer  %s elements, %s (%s padding elements)\n",
+              format_count(l.flat_numel()).c_str(), format_bytes(l.flat_bytes()).c_str(),
+              format_count(l.padding()).c_str());
+  std::printf("  partition    %s elements, %s per rank\n",
+              format_count(l.partition_numel()).c_str(),
+              format_bytes(l.partition_numel() * es).c_str());
+  std::printf("  order        %s\n", list_text(l.order()).c_str());
+  std::printf("  offsets      %s\n\n", list_text(l.offsets()).c_str());
+  std::printf("%6s %14s %14s %12s %12s  %s\n", "rank", "start", "end", "padding", "first_off",
+              "params in partition");
+  const std::uint64_t max_rows = 64;
+  for (std::uint64_t r = 0; r < o.dp; ++r) {
+    if (o.dp > max_rows && r == max_rows / 2) {
+      std::printf("%6s (%llu ranks not shown; --json lists every rank)\n", "...",
+                  static_cast<unsigned long long>(o.dp - max_rows));
+      r = o.dp - max_rows / 2;
+    }
+    RankLayout rl = l.rank(r);
+    std::printf("%6llu %14llu %14llu %12llu %12llu  %s\n", static_cast<unsigned long long>(r),
+                static_cast<unsigned long long>(rl.start), static_cast<unsigned long long>(rl.end),
+                static_cast<unsigned long long>(rl.padding),
+                static_cast<unsigned long long>(rl.first_offset),
+                list_text(rl.params_in_partition, 4).c_str());
+  }
+}
+
+}  // namespace
+
+int subcommand_layout(const std::vector<std::string>& argv) {
+  Parser p("layout", "(--numels LIST | --model NAME) [options]",
+           "Prints the ZeRO-1/2 flat layout of one parameter group: the order, each parameter's\n"
+           "offset, the padding, and each rank's partition and bookkeeping, exactly as\n"
+           "DeepSpeed's DeepSpeedZeroOptimizer builds it.");
+  p.option("numels", "LIST",
+           "element counts in group order: 5,7,3 or @FILE (one per line, or a "
+           "JSON list)");
+  add_model_options(p, "");
+  add_layout_options(p);
+  p.flag("json", "print one JSON document (the shape of docs/cli.md)");
+  p.epilog(
+      "examples:\n"
+      "  zeroflat layout --numels 5,7,3 --dp 4\n"
+      "  zeroflat layout --numels 5,7,3,4,6 --dp 2 --round-robin --json\n"
+      "  zeroflat layout --model tiny-moe --dp 8 --param-align-bytes 16");
+  Args args = p.parse(argv);
+  if (args.has("help")) {
+    std::fputs(p.help().c_str(), stdout);
+    return kExitOk;
+  }
+  const bool numels_given = args.has("numels");
+  const bool model_given = args.has("model");
+  if (numels_given == model_given) {
+    throw UsageError(numels_given ? "give --numels or --model, not both"
+                                  : "give the group's element counts with --numels or --model");
+  }
+  if (!model_given && (args.has("layers") || args.has("experts"))) {
+    throw UsageError("--layers and --experts go with --model");
+  }
+  std::vector<std::uint64_t> numels;
+  std::string source;
+  if (numels_given) {
+    numels = parse_numels(*args.get("numels"));
+    source = "--numels";
+  } else {
+    ModelSpec model = model_from_args(args, "");
+    numels = model.numels();
+    source = model.name;
+  }
+  LayoutOptions options = layout_options_from_args(args);
+  Layout layout = Layout::compute(numels, options);
+  if (args.has("json")) {
+    std::string doc = layout.to_json();
+    std::fwrite(doc.data(), 1, doc.size(), stdout);
+    std::fputc('\n', stdout);
+  } else {
+    print_table(layout, source);
+  }
+  return kExitOk;
+}
+
+}  // namespace zeroflat::cli

@@ -1,0 +1,38 @@
+// Options shared by subcommands: which model, which layout; and the exit-code contract.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "zeroflat/args.h"
+#include "zeroflat/layout.h"
+#include "zeroflat/model.h"
+
+namespace zeroflat::cli {
+
+// Exit codes of docs/cli.md.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitOther = 1;
+inline constexpr int kExitInvalid = 2;
+inline constexpr int kExitInfeasible = 3;
+inline constexpr int kExitExecFailed = 4;
+
+// --model, --layers, --experts.
+void add_model_options(Parser& parser, const std::string& default_model);
+// The model the options name; throws InvalidArgument for an unknown model or bad numbers.
+ModelSpec model_from_args(const Args& args, const std::string& default_model);
+
+// --dp, --round-robin, --alignment-factor, --dtype, --param-align-bytes.
+void add_layout_options(Parser& parser);
+// Validated layout options (InvalidArgument names the bad value).
+LayoutOptions layout_options_from_args(const Args& args);
+
+// Element counts from "5,7,3" (commas and/or white space) or "@FILE" (one integer per line, or
+// a JSON list). Throws InvalidArgument naming the bad item or file.
+std::vector<std::uint64_t> parse_numels(const std::string& text);
+
+int subcommand_layout(const std::vector<std::string>& argv);
+int subcommand_run(const std::vector<std::string>& argv);
+
+}  // namespace zeroflat::cli

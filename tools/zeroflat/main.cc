@@ -1,0 +1,77 @@
+// The zeroflat command: dispatch to subcommands and map errors to the exit codes of docs/cli.md.
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "zeroflat/common.h"
+#include "zeroflat/config.h"
+#include "zeroflat/error.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: zeroflat <command> [options]
+
+Builds the flat, partitioned parameter buffers of ZeRO stage 1/2 data-parallel training,
+exactly as DeepSpeed lays them out.
+
+commands:
+  layout   print the flat layout of one parameter group (offsets, padding, partitions)
+  run      materialize a model, flatten it, re-point its parameters, verify, report
+  help     show this text, or `zeroflat help COMMAND` for a command's options
+
+Every command takes --help. Exit codes: 0 ok, 2 invalid input, 3 no feasible plan,
+4 failure while executing (parameters restored), 1 anything else.
+
+examples:
+  zeroflat layout --numels 5,7,3 --dp 4
+  zeroflat layout --model qwen3-30b-a3b --layers 2 --dp 8 --json
+  zeroflat run --model qwen3-30b-a3b --layers 1 --experts 16 --verify
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace zeroflat;
+  using namespace zeroflat::cli;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) {
+    std::fputs(kUsage, stderr);
+    return kExitInvalid;
+  }
+  std::string command = args.front();
+  args.erase(args.begin());
+  if (command == "help" && !args.empty()) {
+    command = args.front();
+    args = {"--help"};
+  }
+  try {
+    if (command == "-h" || command == "--help" || command == "help") {
+      std::fputs(kUsage, stdout);
+      return kExitOk;
+    }
+    if (command == "--version" || command == "version") {
+      std::printf("zeroflat %s (cuda %s, nccl %s, mpi %s)\n", ZEROFLAT_VERSION,
+                  ZEROFLAT_HAVE_CUDA ? "yes" : "no", ZEROFLAT_HAVE_NCCL ? "yes" : "no",
+                  ZEROFLAT_HAVE_MPI ? "yes" : "no");
+      return kExitOk;
+    }
+    if (command == "layout") return subcommand_layout(args);
+    if (command == "run") return subcommand_run(args);
+    std::fprintf(stderr, "zeroflat: unknown command '%s'\n\n%s", command.c_str(), kUsage);
+    return kExitInvalid;
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "zeroflat %s: %s\n(see `zeroflat %s --help`)\n", command.c_str(), e.what(),
+                 command.c_str());
+    return kExitInvalid;
+  } catch (const InvalidArgument& e) {
+    std::fprintf(stderr, "zeroflat %s: invalid input: %s\n", command.c_str(), e.what());
+    return kExitInvalid;
+  } catch (const Unsupported& e) {
+    std::fprintf(stderr, "zeroflat %s: not supported: %s\n", command.c_str(), e.what());
+    return kExitInvalid;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "zeroflat %s: error: %s\n", command.c_str(), e.what());
+    return kExitOther;
+  }
+}
