@@ -42,6 +42,22 @@ void stream_copy_body(unsigned char* dst, const unsigned char* src, std::size_t 
   }
 }
 
+__attribute__((target("avx"))) void stream_copy_body_avx(unsigned char* dst,
+                                                         const unsigned char* src,
+                                                         std::size_t n) noexcept {
+  for (std::size_t i = 0; i < n; i += kLine) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+  }
+}
+
+const bool kHaveAvx = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx") != 0;
+}();
+
 void stream_zero_body(unsigned char* dst, std::size_t n) noexcept {
   const __m128i z = _mm_setzero_si128();
   for (std::size_t i = 0; i < n; i += kLine) {
@@ -100,7 +116,11 @@ void copy_bytes(void* dst_v, const void* src_v, std::size_t n, bool streaming) n
     std::size_t head = (kLine - reinterpret_cast<std::uintptr_t>(dst) % kLine) % kLine;
     std::memcpy(dst, src, head);
     std::size_t body = (n - head) & ~(kLine - 1);
-    stream_copy_body(dst + head, src + head, body);
+    if (kHaveAvx) {
+      stream_copy_body_avx(dst + head, src + head, body);
+    } else {
+      stream_copy_body(dst + head, src + head, body);
+    }
     std::memcpy(dst + head + body, src + head + body, n - head - body);
     return;
   }
