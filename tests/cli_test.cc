@@ -2,6 +2,7 @@
 // and `run` giving the same verified checksum with any thread count.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -20,7 +21,10 @@ struct Result {
 };
 
 Result run(const std::string& args, const std::string& env = "") {
-  const std::string err_path = ::testing::TempDir() + "zeroflat_cli_stderr.txt";
+  // Tests run as parallel processes: each needs its own file.
+  static int calls = 0;
+  const std::string err_path = ::testing::TempDir() + "zeroflat_cli_stderr." +
+                               std::to_string(getpid()) + "." + std::to_string(calls++) + ".txt";
   const std::string cmd =
       env + (env.empty() ? "" : " ") + ZEROFLAT_CLI_PATH + " " + args + " 2>" + err_path;
   Result r;
@@ -31,13 +35,16 @@ Result run(const std::string& args, const std::string& env = "") {
   while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
   int status = pclose(pipe);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream e(err_path);
-  r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
+  {
+    std::ifstream e(err_path);
+    r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
+  }
+  std::remove(err_path.c_str());
   return r;
 }
 
 std::string write_temp(const std::string& name, const std::string& content) {
-  const std::string path = ::testing::TempDir() + name;
+  const std::string path = ::testing::TempDir() + std::to_string(getpid()) + "." + name;
   std::ofstream(path) << content;
   return path;
 }

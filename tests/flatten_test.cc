@@ -45,6 +45,7 @@ Params make_params(Device& dev, const std::vector<std::uint64_t>& numels, DType 
 std::vector<unsigned char> naive_flat(const Layout& l, const std::vector<TensorRef>& params) {
   std::vector<unsigned char> out(l.flat_bytes(), 0);
   for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].numel == 0) continue;
     std::memcpy(out.data() + l.offsets()[i] * l.element_size(), params[i].data,
                 params[i].num_bytes());
   }
@@ -73,8 +74,10 @@ TEST(Flatten, EqualsNaiveReferenceForManyShapesAndThreadCounts) {
       FlatGroup g = flatten_group(*dev, p.refs, o);
       const std::vector<unsigned char> want = naive_flat(g.layout, p.refs);
       ASSERT_EQ(g.flat.num_bytes(), want.size());
-      ASSERT_EQ(0, std::memcmp(g.flat.data(), want.data(), want.size()))
-          << threads << " threads, iter " << iter;
+      if (!want.empty()) {
+        ASSERT_EQ(0, std::memcmp(g.flat.data(), want.data(), want.size()))
+            << threads << " threads, iter " << iter;
+      }
       EXPECT_EQ(p.arena, arena_before) << "the originals were modified";
       // Views point into the flat buffer at the layout offsets, same metadata.
       for (std::size_t i = 0; i < numels.size(); ++i) {
