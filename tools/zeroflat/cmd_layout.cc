@@ -27,8 +27,8 @@ std::string list_text(const std::vector<std::uint64_t>& v, std::size_t keep = 8)
 void print_table(const Layout& l, const std::string& source) {
   const LayoutOptions& o = l.options();
   const std::uint64_t es = l.element_size();
-  std::printf("layout of %s: %s parameters, %s elements of %s\n", source.c_str(),
-              format_count(l.num_params()).c_str(), format_count(l.numel()).c_str(),
+  std::printf("layout: %s parameters (%s), %s elements of %s\n",
+              format_count(l.num_params()).c_str(), source.c_str(), format_count(l.numel()).c_str(),
               std::string(dtype_name(o.dtype)).c_str());
   std::printf(
       "  dp %llu%s, alignment %llu elements (factor %llu x dp)%s\n",
@@ -38,7 +38,7 @@ void print_table(const Layout& l, const std::string& source) {
       o.param_align_bytes
           ? (", parameters aligned to " + std::to_string(o.param_align_bytes) + " bytes").c_str()
           : "");
-  std::printf("  flat buffer  %s elements, %s (%s padding elements)\n",
+  std::printf("  flat buffer  %s elements, %s, of which %s padding\n",
               format_count(l.flat_numel()).c_str(), format_bytes(l.flat_bytes()).c_str(),
               format_count(l.padding()).c_str());
   std::printf("  partition    %s elements, %s per rank\n",
@@ -100,7 +100,7 @@ int subcommand_layout(const std::vector<std::string>& argv) {
   std::string source;
   if (numels_given) {
     numels = parse_numels(*args.get("numels"));
-    source = "--numels";
+    source = "from --numels";
   } else {
     ModelSpec model = model_from_args(args, "");
     numels = model.numels();

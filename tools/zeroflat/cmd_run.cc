@@ -385,8 +385,8 @@ int subcommand_run(const std::vector<std::string>& argv) {
                 format_bytes(model_bytes).c_str(), std::string(dtype_name(dtype)).c_str());
     std::printf("  device %s, %u threads, dp %llu, tier device\n", device->name().c_str(), threads,
                 static_cast<unsigned long long>(options.dp));
-    std::printf("  flat buffer       %s (%s padding elements)\n", format_bytes(flat_bytes).c_str(),
-                format_count(group.layout.padding()).c_str());
+    std::printf("  flat buffer       %s, %s elements of padding\n",
+                format_bytes(flat_bytes).c_str(), format_count(group.layout.padding()).c_str());
     std::printf("  flatten, copy     %6.2f GB/s   %.2f x memcpy (%.2f GB/s)\n", flatten_gbps,
                 memcpy_gbps > 0 ? flatten_gbps / memcpy_gbps : 0.0, memcpy_gbps);
     std::printf("  flatten, e2e      %6.2f GB/s   %.2f x memcpy into fresh memory (%.2f GB/s)\n",
