@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 
 namespace {
@@ -200,6 +201,107 @@ TEST(Cli, RunBadInputExits2BeforeAnyWork) {
   Result env = run("run --model tiny-moe", "ZEROFLAT_NUM_THREADS=lots");
   EXPECT_EQ(env.code, 2);
   EXPECT_NE(env.err.find("ZEROFLAT_NUM_THREADS='lots'"), std::string::npos) << env.err;
+}
+
+}  // namespace
+
+namespace {
+
+json plan_json(const std::string& args, int want_code) {
+  Result r = run("plan --model qwen3-30b-a3b " + args + " --json");
+  EXPECT_EQ(r.code, want_code) << args << "\n" << r.err;
+  return r.out.empty() ? json() : json::parse(r.out);
+}
+
+TEST(CliPlan, TheSeedScenarios) {
+  struct Case {
+    std::string args;
+    std::string tier;
+  };
+  const Case cases[] = {
+      {"--layers 32 --dp 8 --device h100-80gb", "device"}, {"--dp 8 --device h100-80gb", "sharded"},
+      {"--dp 8 --device h100-80gb --free 4GiB", "staged"}, {"--dp 1 --device h200", "device"},
+      {"--dp 1 --device h100-80gb --free 2GiB", "staged"},
+  };
+  for (const Case& c : cases) {
+    json doc = plan_json(c.args, 0);
+    EXPECT_EQ(doc["tier"], c.tier) << c.args;
+    EXPECT_EQ(doc["feasible"], true);
+    ASSERT_EQ(doc["candidates"].size(), 4u);
+    std::set<std::string> tiers;
+    for (const json& cand : doc["candidates"]) {
+      tiers.insert(cand["tier"].get<std::string>());
+      EXPECT_EQ(cand["feasible"].get<bool>(), cand["why_not"].is_null()) << c.args;
+      for (const char* key : {"peak_device_bytes", "host_bytes", "pcie_bytes", "comm_bytes",
+                              "predicted_seconds", "steps"}) {
+        EXPECT_TRUE(cand.contains(key)) << key;
+      }
+      if (cand["tier"] == c.tier) {
+        EXPECT_LE(cand["peak_device_bytes"].get<std::uint64_t>(),
+                  doc["device"]["capacity_bytes"].get<std::uint64_t>() -
+                      doc["margin_bytes"].get<std::uint64_t>());
+      }
+    }
+    EXPECT_EQ(tiers, (std::set<std::string>{"device", "sharded", "staged", "host"}));
+    for (const char* key : {"model", "dp", "device", "free_bytes", "margin_bytes", "flat_bytes",
+                            "partition_bytes", "reason", "after_init"}) {
+      EXPECT_TRUE(doc.contains(key)) << key;
+    }
+  }
+  json seed = plan_json("--layers 32 --dp 8 --device h100-80gb", 0);
+  EXPECT_EQ(seed["model"]["tensors"], 12579);
+  EXPECT_EQ(seed["model"]["numel"], 20562192384ull);
+  EXPECT_EQ(seed["model"]["bytes"], 41124384768ull);
+  EXPECT_EQ(seed["device"]["capacity_bytes"], 85520809984ull);
+}
+
+TEST(CliPlan, NoFeasiblePlanExits3WithTheNumbers) {
+  json doc = plan_json("--dp 8 --device a100-40gb", 3);
+  EXPECT_EQ(doc["feasible"], false);
+  EXPECT_TRUE(doc["tier"].is_null());
+  EXPECT_NE(doc["reason"].get<std::string>().find("61.1 GB"), std::string::npos);
+  json forced = plan_json("--dp 8 --device h100-80gb --tier device", 3);
+  EXPECT_NE(forced["reason"].get<std::string>().find("forced"), std::string::npos);
+  Result table = run("plan --model qwen3-30b-a3b --dp 8 --device a100-40gb");
+  EXPECT_EQ(table.code, 3);
+  EXPECT_NE(table.out.find("NO PLAN"), std::string::npos);
+}
+
+TEST(CliPlan, WarnsWhenTrainingWillNotFitAndDrawsTheSvg) {
+  const std::string svg = ::testing::TempDir() + std::to_string(getpid()) + ".plan.svg";
+  Result r = run("plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --svg " + svg);
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.err.find("training needs"), std::string::npos) << r.err;
+  std::ifstream in(svg);
+  std::string content((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(content.rfind("<svg", 0), 0u);
+  EXPECT_NE(content.find("</svg>"), std::string::npos);
+  for (const char* tier : {">device", ">sharded (chosen)", ">staged", ">host"}) {
+    EXPECT_NE(content.find(tier), std::string::npos) << tier;
+  }
+  EXPECT_NE(content.find("capacity - margin"), std::string::npos);
+  std::remove(svg.c_str());
+}
+
+TEST(CliPlan, BadInputExits2) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"plan --dp 8 --device h100-80gb", "--model is required"},
+      {"plan --model qwen3-30b-a3b --dp 8", "--device is required"},
+      {"plan --model qwen3-30b-a3b --dp 8 --device h900", "'h900'"},
+      {"plan --model qwen3-30b-a3b --dp 8 --device 0", "capacity"},
+      {"plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --free 90GiB", "more than"},
+      {"plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --free 30GiB", "less than the model"},
+      {"plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --free lots", "'lots'"},
+      {"plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --tier fastest", "'fastest'"},
+      {"plan --model qwen3-30b-a3b --dp 0 --device h100-80gb", "--dp 0"},
+      {"plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --svg /nonexistent/x.svg",
+       "cannot write"},
+  };
+  for (const auto& [args, says] : cases) {
+    Result r = run(args);
+    EXPECT_EQ(r.code, 2) << args;
+    EXPECT_NE(r.err.find(says), std::string::npos) << args << "\n" << r.err;
+  }
 }
 
 }  // namespace

@@ -17,6 +17,7 @@ exactly as DeepSpeed lays them out.
 
 commands:
   layout   print the flat layout of one parameter group (offsets, padding, partitions)
+  plan     which way of flattening fits a model on a node, its peak memory and time
   run      materialize a model, flatten it, re-point its parameters, verify, report
   help     show this text, or `zeroflat help COMMAND` for a command's options
 
@@ -58,6 +59,7 @@ int main(int argc, char** argv) {
     }
     if (command == "layout") return subcommand_layout(args);
     if (command == "run") return subcommand_run(args);
+    if (command == "plan") return subcommand_plan(args);
     std::fprintf(stderr, "zeroflat: unknown command '%s'\n\n%s", command.c_str(), kUsage);
     return kExitInvalid;
   } catch (const UsageError& e) {

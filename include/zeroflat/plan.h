@@ -1,0 +1,163 @@
+// The planner: each way of flattening (a tier) is a list of steps; a memory model runs a step
+// list symbolically to get its peak device bytes, host bytes and traffic; a cost model turns the
+// traffic into seconds; the planner keeps the feasible candidates and picks the fastest.
+//
+// The executor runs the very same step lists, so the planner's account of memory and the
+// executor's cannot drift apart.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zeroflat/layout.h"
+
+namespace zeroflat {
+
+enum class Tier : std::uint8_t { kDevice, kSharded, kStaged, kHost };
+inline constexpr Tier kAllTiers[] = {Tier::kDevice, Tier::kSharded, Tier::kStaged, Tier::kHost};
+
+std::string_view tier_name(Tier tier) noexcept;  // "device", "sharded", "staged", "host"
+std::optional<Tier> try_parse_tier(std::string_view text) noexcept;
+
+// The buffers a step list names. kPartition and kFlat live on the device, kHostStage in
+// (pinned) host memory; kOriginals are the parameters as they are before flattening.
+enum class Buffer : std::uint8_t { kNone, kOriginals, kFlat, kPartition, kHostStage };
+std::string_view buffer_name(Buffer buffer) noexcept;
+bool on_host(Buffer buffer) noexcept;
+
+enum class Op : std::uint8_t {
+  kAllocate,          // buffer, bytes
+  kGather,            // write flat-layout bytes [flat_offset, +bytes) from the originals into
+                      // buffer at dst_offset (padding as zeros); over the host link when buffer
+                      // is on the host
+  kCopy,              // buffer[dst_offset, +bytes) = source[src_offset, +bytes); over the host
+                      // link when exactly one of the two is on the host
+  kReleaseOriginals,  // the original parameter storage is freed
+  kAllGather,         // every rank's slice [r * S, (r + 1) * S) of the layout, read from
+                      // source at src_offset (source == buffer: in place), lands in buffer;
+                      // bytes = the whole buffer
+  kRepoint,           // parameters become views into kFlat
+  kRelease,           // buffer
+};
+std::string_view op_name(Op op) noexcept;
+
+struct Step {
+  Op op = Op::kRepoint;
+  Buffer buffer = Buffer::kNone;
+  Buffer source = Buffer::kNone;
+  std::uint64_t bytes = 0;
+  std::uint64_t flat_offset = 0;
+  std::uint64_t dst_offset = 0;
+  std::uint64_t src_offset = 0;
+
+  // "allocate partition 7.63 GB", "gather [0, 7.63 GB) -> partition", ...
+  std::string describe() const;
+};
+
+// What a step list costs, from the memory model.
+struct StepAccount {
+  std::uint64_t device_bytes = 0;  // device usage after the step (resident included)
+  std::uint64_t host_bytes = 0;    // host bytes held by the step list after the step
+};
+
+struct Profile {
+  std::uint64_t peak_device_bytes = 0;  // highest device usage, resident bytes included
+  std::uint64_t peak_host_bytes = 0;    // highest host memory the steps hold
+  std::uint64_t device_copy_bytes = 0;  // bytes copied device to device
+  std::uint64_t pcie_bytes = 0;         // bytes over the host link, both directions
+  std::uint64_t comm_bytes = 0;         // bytes each rank receives from the communicator
+  std::vector<StepAccount> after_step;  // one per step
+};
+
+// Runs steps against counters, starting from resident_device_bytes on the device (the
+// originals included, original_bytes of them). Throws InternalError for a step list that
+// releases what it did not allocate.
+Profile simulate(const std::vector<Step>& steps, std::uint64_t resident_device_bytes,
+                 std::uint64_t original_bytes, std::uint64_t dp);
+
+// Bandwidths of the cost model, in bytes per second. Copy bandwidths count each byte copied
+// once (a copy reads and writes it).
+struct Bandwidths {
+  double device_copy = 0;    // on the device
+  double host_link = 0;      // host <-> device, each direction, pinned
+  double allgather_bus = 0;  // NCCL-style bus bandwidth of the all-gather
+  double host_copy = 0;      // host memory copies of the whole node, shared by its ranks
+};
+
+// An accelerator preset (docs/models.md).
+struct DevicePreset {
+  std::string name;
+  std::uint64_t capacity_bytes = 0;
+  std::uint64_t host_bytes_per_node = 0;  // host memory of a typical node with 8 of them
+  Bandwidths bandwidths;
+  bool integrated = false;  // memory shared with the host
+};
+
+std::vector<DevicePreset> device_presets();
+std::optional<DevicePreset> find_preset(std::string_view name);
+// A device known only by its size, with conservative bandwidths.
+DevicePreset generic_preset(std::uint64_t capacity_bytes);
+
+struct PlanInput {
+  Layout layout;                      // the group's layout (dp = ranks sharing it)
+  std::uint64_t original_bytes = 0;   // the group's parameter bytes as they sit on the device
+  std::uint64_t capacity_bytes = 0;   // device capacity
+  std::uint64_t free_bytes = 0;       // agreed free device bytes (minimum over ranks)
+  std::uint64_t margin_bytes = 0;     // never planned into
+  std::uint64_t host_free_bytes = 0;  // host bytes this rank may use
+  std::uint64_t rank = 0;             // whose slice the step lists name (they differ only there)
+  bool integrated = false;            // device memory is host memory: staging frees nothing
+  Bandwidths bandwidths;
+  std::optional<Tier> forced;  // plan only this tier (the others are still reported)
+};
+
+struct Candidate {
+  Tier tier = Tier::kDevice;
+  std::vector<Step> steps;
+  Profile profile;
+  double predicted_seconds = 0;
+  bool feasible = false;
+  std::string why_not;  // empty when feasible
+};
+
+struct Plan {
+  std::vector<Candidate> candidates;  // all four tiers, in kAllTiers order
+  std::optional<Tier> chosen;         // none when nothing is feasible
+  std::string reason;                 // one line: why this tier, or why none
+
+  const Candidate* chosen_candidate() const;
+};
+
+// The default margin: 3% of capacity or 1 GiB, whichever is smaller.
+std::uint64_t default_margin(std::uint64_t capacity_bytes) noexcept;
+
+// The step list of one tier. staged_device_bytes is how much of the rank's slice the staged
+// tier keeps on the device (the rest goes through the host).
+std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank,
+                             std::uint64_t staged_device_bytes = 0);
+
+// Plans one group: every tier is built, simulated, costed, and checked against
+// free - margin (device) and host_free (host). Picks the fastest feasible one, or the forced one
+// if feasible. Throws InvalidArgument when free exceeds capacity or original_bytes exceeds
+// what is resident.
+Plan plan_group(const PlanInput& input);
+
+// What training needs after init, per rank (bytes).
+struct AfterInit {
+  std::uint64_t master_bytes = 0;        // fp32 master partition, 4 * S
+  std::uint64_t optimizer_bytes = 0;     // Adam's two fp32 moments, 8 * S
+  std::uint64_t gradient_bytes = 0;      // ZeRO-2 gradient partition, S elements of the dtype
+  std::uint64_t device_bytes_after = 0;  // resident after init plus the three above
+  bool fits = false;
+};
+AfterInit estimate_after_init(const PlanInput& input, bool zero2 = true,
+                              bool offload_optimizer = false);
+
+// Plans several groups one after another: the originals freed by group g make room for g + 1.
+// free_bytes of each input after the first is replaced by what the previous plan leaves free.
+std::vector<Plan> plan_groups(std::vector<PlanInput> inputs);
+
+}  // namespace zeroflat

@@ -1,0 +1,246 @@
+// Presets, the cost model, candidate selection, and the estimate of what training needs after.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "zeroflat/error.h"
+#include "zeroflat/plan.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat {
+namespace {
+
+constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
+constexpr std::uint64_t kGiB = std::uint64_t{1} << 30;
+constexpr std::uint64_t kTiB = std::uint64_t{1} << 40;
+// Fixed cost per step (allocation, launch, synchronization), so that of two step lists that
+// move the same bytes the shorter one wins.
+constexpr double kStepSeconds = 50e-6;
+// Page-locking host memory for staging runs at a few GB/s.
+constexpr double kPinBytesPerSecond = 8e9;
+
+std::string seconds_text(double s) {
+  char buf[32];
+  if (s < 1e-3) {
+    std::snprintf(buf, sizeof buf, "%.0f us", s * 1e6);
+  } else if (s < 1) {
+    std::snprintf(buf, sizeof buf, "%.1f ms", s * 1e3);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f s", s);
+  }
+  return buf;
+}
+
+double predicted_seconds(const Candidate& c, const Bandwidths& bw) {
+  double t = kStepSeconds * static_cast<double>(c.steps.size());
+  auto add = [&](std::uint64_t bytes, double rate) {
+    if (bytes > 0) t += rate > 0 ? static_cast<double>(bytes) / rate : INFINITY;
+  };
+  add(c.profile.device_copy_bytes, bw.device_copy);
+  add(c.profile.pcie_bytes, bw.host_link);
+  add(c.profile.comm_bytes, bw.allgather_bus);
+  add(c.profile.peak_host_bytes, kPinBytesPerSecond);
+  return t;
+}
+
+}  // namespace
+
+std::vector<DevicePreset> device_presets() {
+  // Copy bandwidths count bytes copied (each read once and written once): about half of the
+  // memory's read+write figure. Host memory is that of a typical 8-accelerator node.
+  return {
+      {"h100-80gb", 81559 * kMiB, 2 * kTiB, {1.4e12, 50e9, 360e9, 100e9}, false},
+      {"h200", 143771 * kMiB, 2 * kTiB, {2.15e12, 50e9, 360e9, 100e9}, false},
+      {"a100-80gb", 81920 * kMiB, 2 * kTiB, {0.8e12, 25e9, 230e9, 80e9}, false},
+      {"a100-40gb", 40960 * kMiB, 1 * kTiB, {0.65e12, 25e9, 230e9, 80e9}, false},
+      {"gb10", 128'000'000'000ull, 0, {0.12e12, 100e9, 10e9, 100e9}, true},
+  };
+}
+
+std::optional<DevicePreset> find_preset(std::string_view name) {
+  for (DevicePreset& p : device_presets()) {
+    if (p.name == name) return p;
+  }
+  return std::nullopt;
+}
+
+DevicePreset generic_preset(std::uint64_t capacity_bytes) {
+  return {"custom", capacity_bytes, 0, {0.5e12, 20e9, 100e9, 50e9}, false};
+}
+
+std::uint64_t default_margin(std::uint64_t capacity_bytes) noexcept {
+  return std::min(capacity_bytes / 100 * 3, kGiB);
+}
+
+const Candidate* Plan::chosen_candidate() const {
+  if (!chosen) return nullptr;
+  for (const Candidate& c : candidates) {
+    if (c.tier == *chosen) return &c;
+  }
+  return nullptr;
+}
+
+Plan plan_group(const PlanInput& in) {
+  const Layout& l = in.layout;
+  const std::uint64_t fb = l.flat_bytes();
+  const std::uint64_t sb = l.partition_bytes();
+  const std::uint64_t m = in.original_bytes;
+  if (in.free_bytes > in.capacity_bytes) {
+    throw InvalidArgument("free memory " + format_bytes(in.free_bytes) + " exceeds the capacity " +
+                          format_bytes(in.capacity_bytes));
+  }
+  const std::uint64_t resident = in.capacity_bytes - in.free_bytes;
+  const bool model_fits = m <= in.capacity_bytes;
+  if (model_fits && m > resident) {
+    throw InvalidArgument("free memory " + format_bytes(in.free_bytes) + " leaves " +
+                          format_bytes(resident) + " in use, less than the group's own " +
+                          format_bytes(m) + ", which are resident");
+  }
+  const std::uint64_t limit =
+      in.capacity_bytes > in.margin_bytes ? in.capacity_bytes - in.margin_bytes : 0;
+  const std::uint64_t headroom = limit > resident ? limit - resident : 0;  // free - margin
+
+  Plan plan;
+  for (Tier tier : kAllTiers) {
+    Candidate c;
+    c.tier = tier;
+    std::uint64_t staged_x = 0;
+    if (tier == Tier::kStaged) {
+      // As much of the slice on the device as fits at both peaks: beside the originals, and
+      // beside the flat buffer once the originals are gone.
+      const std::uint64_t after_release = resident - (model_fits ? m : 0) + fb;
+      const std::uint64_t room2 = limit > after_release ? limit - after_release : 0;
+      staged_x = std::min({sb, headroom, room2});
+    }
+    c.steps = tier_steps(tier, l, in.rank, staged_x);
+    if (!model_fits) {
+      c.feasible = false;
+      c.why_not = "the group's " + format_bytes(m) + " do not fit in the device's " +
+                  format_bytes(in.capacity_bytes);
+      c.profile = simulate(c.steps, m, m, l.options().dp);
+      c.predicted_seconds = predicted_seconds(c, in.bandwidths);
+      plan.candidates.push_back(std::move(c));
+      continue;
+    }
+    c.profile = simulate(c.steps, resident, m, l.options().dp);
+    c.predicted_seconds = predicted_seconds(c, in.bandwidths);
+    const std::uint64_t peak = c.profile.peak_device_bytes;
+    std::string why;
+    if (peak > limit) {
+      why = "peak " + format_bytes(peak) + " exceeds capacity " + format_bytes(in.capacity_bytes) +
+            " - margin " + format_bytes(in.margin_bytes) + " by " + format_bytes(peak - limit);
+      if (tier == Tier::kDevice) {
+        why += ": a second copy (" + format_bytes(fb) + ") does not fit in " +
+               format_bytes(headroom) + " free";
+      } else if (tier == Tier::kSharded) {
+        why += ": the partition buffer (" + format_bytes(sb) + ") does not fit in " +
+               format_bytes(headroom) + " free";
+      } else {
+        why += ": the flat buffer does not fit even after the originals are freed";
+      }
+    } else if (in.integrated && c.profile.peak_host_bytes > 0) {
+      why =
+          "on an integrated device host memory is device memory: staging through it frees "
+          "nothing";
+    } else if (c.profile.peak_host_bytes > in.host_free_bytes) {
+      why = "needs " + format_bytes(c.profile.peak_host_bytes) + " of pinned host memory; " +
+            format_bytes(in.host_free_bytes) + " available to this rank";
+    }
+    c.feasible = why.empty();
+    c.why_not = why;
+    plan.candidates.push_back(std::move(c));
+  }
+
+  // The fastest feasible candidate (earlier tiers win ties), or the forced one.
+  const Candidate* best = nullptr;
+  for (const Candidate& c : plan.candidates) {
+    if (!c.feasible || (in.forced && c.tier != *in.forced)) continue;
+    if (best == nullptr || c.predicted_seconds < best->predicted_seconds) best = &c;
+  }
+  std::size_t feasible = 0;
+  for (const Candidate& c : plan.candidates) feasible += c.feasible;
+  if (best != nullptr) {
+    plan.chosen = best->tier;
+    plan.reason = std::string(tier_name(best->tier)) +
+                  (in.forced ? " (forced)"
+                             : ": the fastest of " + std::to_string(feasible) + " feasible tier" +
+                                   (feasible == 1 ? "" : "s")) +
+                  ", " + seconds_text(best->predicted_seconds) + ", peak " +
+                  format_bytes(best->profile.peak_device_bytes) + " of " + format_bytes(limit) +
+                  " usable (capacity - margin)";
+  } else if (in.forced) {
+    const Candidate* f = nullptr;
+    for (const Candidate& c : plan.candidates) {
+      if (c.tier == *in.forced) f = &c;
+    }
+    plan.reason = "the forced tier " + std::string(tier_name(*in.forced)) +
+                  " does not fit: " + (f ? f->why_not : std::string("?"));
+  } else {
+    // Closest: the smallest excess over the device limit (or over host memory).
+    const Candidate* closest = nullptr;
+    std::uint64_t closest_excess = UINT64_MAX;
+    for (const Candidate& c : plan.candidates) {
+      std::uint64_t excess = c.profile.peak_device_bytes > limit
+                                 ? c.profile.peak_device_bytes - limit
+                                 : (c.profile.peak_host_bytes > in.host_free_bytes
+                                        ? c.profile.peak_host_bytes - in.host_free_bytes
+                                        : 0);
+      if (excess < closest_excess) {
+        closest_excess = excess;
+        closest = &c;
+      }
+    }
+    plan.reason =
+        !model_fits
+            ? "no tier fits: the group's " + format_bytes(m) +
+                  " are more than the device's capacity of " + format_bytes(in.capacity_bytes)
+            : "no tier fits: " + format_bytes(headroom) + " free beyond the margin; closest is " +
+                  std::string(tier_name(closest->tier)) + ", short by " +
+                  format_bytes(closest_excess) + " (" + closest->why_not + ")";
+  }
+  return plan;
+}
+
+AfterInit estimate_after_init(const PlanInput& in, bool zero2, bool offload_optimizer) {
+  AfterInit a;
+  const std::uint64_t s = in.layout.partition_numel();
+  a.master_bytes = 4 * s;
+  a.optimizer_bytes = 8 * s;
+  // ZeRO-2 keeps the fp32 gradient of this rank's partition only; ZeRO-1 also holds the full
+  // low-precision gradients until they are reduced.
+  a.gradient_bytes = 4 * s + (zero2 ? 0 : in.layout.flat_bytes());
+  const std::uint64_t resident = in.capacity_bytes - std::min(in.free_bytes, in.capacity_bytes);
+  const std::uint64_t base =
+      resident - std::min(in.original_bytes, resident) + in.layout.flat_bytes();
+  a.device_bytes_after =
+      base + (offload_optimizer ? 0 : a.master_bytes + a.optimizer_bytes) + a.gradient_bytes;
+  const std::uint64_t limit =
+      in.capacity_bytes > in.margin_bytes ? in.capacity_bytes - in.margin_bytes : 0;
+  a.fits = a.device_bytes_after <= limit;
+  return a;
+}
+
+std::vector<Plan> plan_groups(std::vector<PlanInput> inputs) {
+  std::vector<Plan> plans;
+  for (std::size_t g = 0; g < inputs.size(); ++g) {
+    if (g > 0) {
+      const PlanInput& prev = inputs[g - 1];
+      const Candidate* c = plans.back().chosen_candidate();
+      if (c != nullptr) {
+        // What the previous group's plan leaves in use: its flat buffer replaced its originals.
+        const std::uint64_t used_after = c->profile.after_step.empty()
+                                             ? prev.capacity_bytes - prev.free_bytes
+                                             : c->profile.after_step.back().device_bytes;
+        inputs[g].free_bytes =
+            prev.capacity_bytes > used_after ? prev.capacity_bytes - used_after : 0;
+      } else {
+        inputs[g].free_bytes = prev.free_bytes;
+      }
+    }
+    plans.push_back(plan_group(inputs[g]));
+  }
+  return plans;
+}
+
+}  // namespace zeroflat

@@ -1,0 +1,240 @@
+// Step lists of the four tiers, and the memory model that runs them against counters.
+#include <map>
+#include <string>
+
+#include "zeroflat/error.h"
+#include "zeroflat/plan.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat {
+
+std::string_view tier_name(Tier tier) noexcept {
+  switch (tier) {
+    case Tier::kDevice:
+      return "device";
+    case Tier::kSharded:
+      return "sharded";
+    case Tier::kStaged:
+      return "staged";
+    case Tier::kHost:
+      return "host";
+  }
+  return "?";
+}
+
+std::optional<Tier> try_parse_tier(std::string_view text) noexcept {
+  for (Tier t : kAllTiers) {
+    if (tier_name(t) == text) return t;
+  }
+  return std::nullopt;
+}
+
+std::string_view buffer_name(Buffer buffer) noexcept {
+  switch (buffer) {
+    case Buffer::kNone:
+      return "-";
+    case Buffer::kOriginals:
+      return "originals";
+    case Buffer::kFlat:
+      return "flat";
+    case Buffer::kPartition:
+      return "partition";
+    case Buffer::kHostStage:
+      return "host stage";
+  }
+  return "?";
+}
+
+bool on_host(Buffer buffer) noexcept {
+  return buffer == Buffer::kHostStage;
+}
+
+std::string_view op_name(Op op) noexcept {
+  switch (op) {
+    case Op::kAllocate:
+      return "allocate";
+    case Op::kGather:
+      return "gather";
+    case Op::kCopy:
+      return "copy";
+    case Op::kReleaseOriginals:
+      return "release originals";
+    case Op::kAllGather:
+      return "all-gather";
+    case Op::kRepoint:
+      return "re-point";
+    case Op::kRelease:
+      return "release";
+  }
+  return "?";
+}
+
+std::string Step::describe() const {
+  const std::string b(buffer_name(buffer));
+  switch (op) {
+    case Op::kAllocate:
+      return "allocate " + b + " (" + format_bytes(bytes) +
+             (on_host(buffer) ? ", pinned host)" : ")");
+    case Op::kGather:
+      return "gather layout bytes [" + format_bytes(flat_offset) + ", " +
+             format_bytes(flat_offset + bytes) + ") from the originals into " + b +
+             (on_host(buffer) ? " (device to host)" : "");
+    case Op::kCopy:
+      return "copy " + format_bytes(bytes) + " from " + std::string(buffer_name(source)) +
+             " into " + b + (on_host(buffer) != on_host(source) ? " (over the host link)" : "");
+    case Op::kReleaseOriginals:
+      return "release the original parameters";
+    case Op::kAllGather:
+      return "all-gather " + format_bytes(bytes) + " into " + b +
+             (source == buffer ? " (in place)" : " from " + std::string(buffer_name(source)));
+    case Op::kRepoint:
+      return "re-point parameters as views into flat";
+    case Op::kRelease:
+      return "release " + b;
+  }
+  return "?";
+}
+
+namespace {
+
+Step allocate(Buffer b, std::uint64_t bytes) {
+  return Step{Op::kAllocate, b, Buffer::kNone, bytes};
+}
+Step release(Buffer b) {
+  return Step{Op::kRelease, b};
+}
+Step gather(Buffer b, std::uint64_t dst_offset, std::uint64_t flat_offset, std::uint64_t bytes) {
+  return Step{Op::kGather, b, Buffer::kOriginals, bytes, flat_offset, dst_offset, 0};
+}
+Step copy(Buffer dst, std::uint64_t dst_offset, Buffer src, std::uint64_t src_offset,
+          std::uint64_t bytes) {
+  return Step{Op::kCopy, dst, src, bytes, 0, dst_offset, src_offset};
+}
+
+}  // namespace
+
+std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank,
+                             std::uint64_t staged_device_bytes) {
+  if (rank >= layout.options().dp) {
+    throw InvalidArgument("rank " + std::to_string(rank) + " is outside [0, " +
+                          std::to_string(layout.options().dp) + ")");
+  }
+  const std::uint64_t fb = layout.flat_bytes();
+  const std::uint64_t sb = layout.partition_bytes();
+  const std::uint64_t slice = rank * sb;
+  std::vector<Step> s;
+  switch (tier) {
+    case Tier::kDevice:
+      s = {allocate(Buffer::kFlat, fb), gather(Buffer::kFlat, 0, 0, fb), Step{Op::kRepoint},
+           Step{Op::kReleaseOriginals}};
+      break;
+    case Tier::kSharded:
+      s = {allocate(Buffer::kPartition, sb),
+           gather(Buffer::kPartition, 0, slice, sb),
+           Step{Op::kReleaseOriginals},
+           allocate(Buffer::kFlat, fb),
+           Step{Op::kAllGather, Buffer::kFlat, Buffer::kPartition, fb},
+           Step{Op::kRepoint},
+           release(Buffer::kPartition)};
+      break;
+    case Tier::kStaged: {
+      // The first x bytes of the rank's slice stay on the device, the rest waits on the host
+      // while the originals are freed and the flat buffer is allocated.
+      const std::uint64_t x = staged_device_bytes < sb ? staged_device_bytes : sb;
+      const std::uint64_t h = sb - x;
+      if (x > 0) s.push_back(allocate(Buffer::kPartition, x));
+      if (h > 0) s.push_back(allocate(Buffer::kHostStage, h));
+      if (x > 0) s.push_back(gather(Buffer::kPartition, 0, slice, x));
+      if (h > 0) s.push_back(gather(Buffer::kHostStage, 0, slice + x, h));
+      s.push_back(Step{Op::kReleaseOriginals});
+      s.push_back(allocate(Buffer::kFlat, fb));
+      if (x > 0) {
+        s.push_back(copy(Buffer::kFlat, slice, Buffer::kPartition, 0, x));
+        s.push_back(release(Buffer::kPartition));
+      }
+      if (h > 0) {
+        s.push_back(copy(Buffer::kFlat, slice + x, Buffer::kHostStage, 0, h));
+        s.push_back(release(Buffer::kHostStage));
+      }
+      s.push_back(Step{Op::kAllGather, Buffer::kFlat, Buffer::kFlat, fb, 0, 0, slice});
+      s.push_back(Step{Op::kRepoint});
+      break;
+    }
+    case Tier::kHost:
+      s = {allocate(Buffer::kHostStage, fb),
+           gather(Buffer::kHostStage, 0, 0, fb),
+           Step{Op::kReleaseOriginals},
+           allocate(Buffer::kFlat, fb),
+           copy(Buffer::kFlat, 0, Buffer::kHostStage, 0, fb),
+           release(Buffer::kHostStage),
+           Step{Op::kRepoint}};
+      break;
+  }
+  return s;
+}
+
+Profile simulate(const std::vector<Step>& steps, std::uint64_t resident_device_bytes,
+                 std::uint64_t original_bytes, std::uint64_t dp) {
+  if (original_bytes > resident_device_bytes) {
+    throw InternalError("simulate: originals (" + std::to_string(original_bytes) +
+                        " bytes) exceed what is resident (" +
+                        std::to_string(resident_device_bytes) + ")");
+  }
+  Profile p;
+  std::uint64_t device = resident_device_bytes;
+  std::uint64_t host = 0;
+  bool originals = true;
+  std::map<Buffer, std::uint64_t> live;
+  p.peak_device_bytes = device;
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    const Step& st = steps[k];
+    auto bad = [&](const std::string& why) {
+      return InternalError("step " + std::to_string(k) + " (" + st.describe() + "): " + why);
+    };
+    switch (st.op) {
+      case Op::kAllocate:
+        if (live.count(st.buffer)) throw bad("buffer already allocated");
+        live[st.buffer] = st.bytes;
+        (on_host(st.buffer) ? host : device) += st.bytes;
+        break;
+      case Op::kRelease: {
+        auto it = live.find(st.buffer);
+        if (it == live.end()) throw bad("buffer not allocated");
+        (on_host(st.buffer) ? host : device) -= it->second;
+        live.erase(it);
+        break;
+      }
+      case Op::kReleaseOriginals:
+        if (!originals) throw bad("originals already released");
+        originals = false;
+        device -= original_bytes;
+        break;
+      case Op::kGather:
+        if (!originals) throw bad("reads the originals after they were released");
+        if (!live.count(st.buffer)) throw bad("writes a buffer that is not allocated");
+        (on_host(st.buffer) ? p.pcie_bytes : p.device_copy_bytes) += st.bytes;
+        break;
+      case Op::kCopy:
+        if (!live.count(st.buffer) || !live.count(st.source)) throw bad("buffer not allocated");
+        (on_host(st.buffer) != on_host(st.source) ? p.pcie_bytes : p.device_copy_bytes) += st.bytes;
+        break;
+      case Op::kAllGather:
+        if (!live.count(st.buffer) || !live.count(st.source)) throw bad("buffer not allocated");
+        if (dp > 1) {
+          p.comm_bytes += st.bytes / dp * (dp - 1);
+        } else if (st.source != st.buffer) {
+          p.device_copy_bytes += st.bytes;  // one rank: the all-gather is a copy
+        }
+        break;
+      case Op::kRepoint:
+        if (!live.count(Buffer::kFlat)) throw bad("no flat buffer to point into");
+        break;
+    }
+    p.peak_device_bytes = std::max(p.peak_device_bytes, device);
+    p.peak_host_bytes = std::max(p.peak_host_bytes, host);
+    p.after_step.push_back(StepAccount{device, host});
+  }
+  return p;
+}
+
+}  // namespace zeroflat

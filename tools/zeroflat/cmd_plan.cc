@@ -1,0 +1,228 @@
+// `zeroflat plan`: which way of flattening fits, its peak memory and predicted time, and why the
+// others were not chosen; for a model and a node you may not have.
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "zeroflat/common.h"
+#include "zeroflat/error.h"
+#include "zeroflat/plan.h"
+#include "zeroflat/runtime.h"
+#include "zeroflat/size.h"
+#include "zeroflat/svg.h"
+
+namespace zeroflat::cli {
+namespace {
+
+std::string secs(double s) {
+  char buf[32];
+  if (s < 1) {
+    std::snprintf(buf, sizeof buf, "%.1f ms", s * 1e3);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f s", s);
+  }
+  return buf;
+}
+
+nlohmann::ordered_json step_json(const Step& st, const StepAccount& acc) {
+  return {{"op", std::string(op_name(st.op))},
+          {"buffer", std::string(buffer_name(st.buffer))},
+          {"bytes", st.bytes},
+          {"description", st.describe()},
+          {"device_bytes_after", acc.device_bytes},
+          {"host_bytes_after", acc.host_bytes}};
+}
+
+}  // namespace
+
+int subcommand_plan(const std::vector<std::string>& argv) {
+  std::string presets;
+  for (const DevicePreset& p : device_presets()) presets += (presets.empty() ? "" : ", ") + p.name;
+  Parser p("plan", "--model NAME --dp P --device PRESET|SIZE [options]",
+           "Plans the flatten of one parameter group holding every tensor of the model, with the\n"
+           "model already resident on each of P devices: builds the four tiers (device, sharded,\n"
+           "staged, host) as step lists, runs each on a memory model for its peak device and host\n"
+           "bytes and its traffic, predicts its time from the device's bandwidths, and picks the\n"
+           "fastest one that fits. Nothing is allocated: plan a node you do not have.");
+  add_model_options(p, "");
+  add_layout_options(p);
+  p.option("device", "PRESET|SIZE", "accelerator preset (" + presets + ") or a capacity (80GiB)");
+  p.option("free", "SIZE", "free device memory per rank", "capacity - model bytes");
+  p.option("margin", "SIZE", "reserve never planned into", "3% of capacity, at most 1 GiB");
+  p.option("host-free", "SIZE", "host memory each rank may use for staging",
+           "the preset node's host memory / ranks on it");
+  p.option("tier", "TIER", "auto, or force one of device, sharded, staged, host", "auto");
+  p.option("svg", "FILE", "draw device memory over the steps of each tier into FILE");
+  p.flag("json", "print one JSON document (docs/cli.md)");
+  p.epilog(
+      "exit codes: 0 a plan fits; 3 no tier fits (or the forced one does not), with the numbers;\n"
+      "2 invalid input.\n\n"
+      "examples:\n"
+      "  zeroflat plan --model qwen3-30b-a3b --layers 32 --dp 8 --device h100-80gb\n"
+      "  zeroflat plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --free 4GiB --json\n"
+      "  zeroflat plan --model qwen3-30b-a3b --dp 1 --device h100-80gb --free 2GiB --svg plan.svg");
+  Args args = p.parse(argv);
+  if (args.has("help")) {
+    std::fputs(p.help().c_str(), stdout);
+    return kExitOk;
+  }
+  if (!args.has("model")) throw UsageError("--model is required");
+  if (!args.has("device")) throw UsageError("--device is required (a preset or a size)");
+  ModelSpec model = model_from_args(args, "");
+  LayoutOptions options = layout_options_from_args(args);
+  const std::string device_text = *args.get("device");
+  DevicePreset preset;
+  if (auto found = find_preset(device_text)) {
+    preset = *found;
+  } else {
+    try {
+      preset = generic_preset(parse_size(device_text));
+    } catch (const InvalidArgument&) {
+      throw InvalidArgument("--device '" + device_text + "': expected a preset (" + presets +
+                            ") or a capacity such as 80GiB");
+    }
+    if (preset.capacity_bytes == 0) throw InvalidArgument("--device 0: a device needs capacity");
+  }
+  std::optional<Tier> forced;
+  if (auto t = args.get("tier"); t && *t != "auto") {
+    forced = try_parse_tier(*t);
+    if (!forced) {
+      throw InvalidArgument("--tier '" + *t + "': expected auto, device, sharded, staged or host");
+    }
+  }
+  const std::uint64_t es = element_size(options.dtype);
+  const std::uint64_t model_bytes = model.numel() * es;
+  PlanInput in{Layout::compute(model.numels(), options)};
+  in.original_bytes = model_bytes;
+  in.capacity_bytes = preset.capacity_bytes;
+  in.free_bytes = model_bytes < preset.capacity_bytes ? preset.capacity_bytes - model_bytes : 0;
+  if (auto v = args.get("free")) {
+    in.free_bytes = parse_size(*v);
+    if (in.free_bytes > preset.capacity_bytes) {
+      throw InvalidArgument("--free " + *v + " is more than the device's capacity of " +
+                            format_bytes(preset.capacity_bytes));
+    }
+    if (model_bytes <= preset.capacity_bytes &&
+        preset.capacity_bytes - in.free_bytes < model_bytes) {
+      throw InvalidArgument("--free " + *v + " leaves " +
+                            format_bytes(preset.capacity_bytes - in.free_bytes) +
+                            " in use, less than the model's own " + format_bytes(model_bytes) +
+                            ", which are resident");
+    }
+  }
+  in.margin_bytes =
+      args.get("margin") ? parse_size(*args.get("margin")) : default_margin(preset.capacity_bytes);
+  const std::uint64_t ranks_per_node = std::min<std::uint64_t>(options.dp, 8);
+  if (auto v = args.get("host-free")) {
+    in.host_free_bytes = parse_size(*v);
+  } else {
+    in.host_free_bytes = preset.host_bytes_per_node / ranks_per_node;
+  }
+  in.integrated = preset.integrated;
+  in.bandwidths = preset.bandwidths;
+  in.forced = forced;
+  Plan plan = plan_group(in);
+  AfterInit after = estimate_after_init(in);
+  const Candidate* chosen = plan.chosen_candidate();
+
+  if (auto svg_path = args.get("svg")) {
+    std::ofstream out(*svg_path);
+    if (!out) throw InvalidArgument("--svg " + *svg_path + ": cannot write this file");
+    out << plan_svg(plan, in,
+                    model.name + ", dp " + std::to_string(options.dp) + ", " + preset.name);
+    if (!out.good()) throw Error("--svg " + *svg_path + ": write failed");
+  }
+
+  if (args.has("json")) {
+    nlohmann::ordered_json doc;
+    doc["model"] = {{"name", model.name},
+                    {"architecture", model.architecture},
+                    {"tensors", model.tensors.size()},
+                    {"numel", model.numel()},
+                    {"bytes", model_bytes}};
+    doc["dp"] = options.dp;
+    doc["device"] = {{"preset", preset.name}, {"capacity_bytes", preset.capacity_bytes}};
+    doc["free_bytes"] = in.free_bytes;
+    doc["margin_bytes"] = in.margin_bytes;
+    doc["host_free_bytes"] = in.host_free_bytes;
+    doc["flat_bytes"] = in.layout.flat_bytes();
+    doc["partition_bytes"] = in.layout.partition_bytes();
+    doc["tier"] = chosen ? nlohmann::ordered_json(std::string(tier_name(chosen->tier)))
+                         : nlohmann::ordered_json();
+    doc["feasible"] = chosen != nullptr;
+    doc["reason"] = plan.reason;
+    nlohmann::ordered_json cands = nlohmann::ordered_json::array();
+    for (const Candidate& c : plan.candidates) {
+      nlohmann::ordered_json j;
+      j["tier"] = std::string(tier_name(c.tier));
+      j["feasible"] = c.feasible;
+      j["peak_device_bytes"] = c.profile.peak_device_bytes;
+      j["host_bytes"] = c.profile.peak_host_bytes;
+      j["pcie_bytes"] = c.profile.pcie_bytes;
+      j["comm_bytes"] = c.profile.comm_bytes;
+      j["device_copy_bytes"] = c.profile.device_copy_bytes;
+      j["predicted_seconds"] = c.predicted_seconds;
+      j["why_not"] = c.feasible ? nlohmann::ordered_json() : nlohmann::ordered_json(c.why_not);
+      nlohmann::ordered_json steps = nlohmann::ordered_json::array();
+      for (std::size_t k = 0; k < c.steps.size(); ++k) {
+        steps.push_back(step_json(c.steps[k], c.profile.after_step[k]));
+      }
+      j["steps"] = std::move(steps);
+      cands.push_back(std::move(j));
+    }
+    doc["candidates"] = std::move(cands);
+    doc["after_init"] = {{"master_bytes", after.master_bytes},
+                         {"optimizer_bytes", after.optimizer_bytes},
+                         {"gradient_bytes", after.gradient_bytes},
+                         {"device_bytes", after.device_bytes_after},
+                         {"fits", after.fits}};
+    std::printf("%s\n", doc.dump(2).c_str());
+  } else {
+    std::printf("plan: %s, %s tensors, %s parameters, %s %s; dp %llu on %s (%s)\n",
+                model.name.c_str(), format_count(model.tensors.size()).c_str(),
+                format_count(model.numel()).c_str(), format_bytes(model_bytes).c_str(),
+                std::string(dtype_name(options.dtype)).c_str(),
+                static_cast<unsigned long long>(options.dp), preset.name.c_str(),
+                format_bytes(preset.capacity_bytes).c_str());
+    std::printf("  free %s per rank, margin %s, host %s per rank; flat buffer %s, partition %s\n\n",
+                format_bytes(in.free_bytes).c_str(), format_bytes(in.margin_bytes).c_str(),
+                format_bytes(in.host_free_bytes).c_str(),
+                format_bytes(in.layout.flat_bytes()).c_str(),
+                format_bytes(in.layout.partition_bytes()).c_str());
+    std::printf("  %-8s %-4s %12s %11s %11s %11s %10s  %s\n", "tier", "fits", "peak device", "host",
+                "pcie", "all-gather", "time", "why not");
+    for (const Candidate& c : plan.candidates) {
+      std::printf(
+          "  %-8s %-4s %12s %11s %11s %11s %10s  %s\n", std::string(tier_name(c.tier)).c_str(),
+          c.feasible ? "yes" : "no", format_bytes(c.profile.peak_device_bytes).c_str(),
+          format_bytes(c.profile.peak_host_bytes).c_str(),
+          format_bytes(c.profile.pcie_bytes).c_str(), format_bytes(c.profile.comm_bytes).c_str(),
+          secs(c.predicted_seconds).c_str(), c.why_not.c_str());
+    }
+    std::printf("\n%s: %s\n", chosen ? "chosen" : "NO PLAN", plan.reason.c_str());
+    if (chosen) {
+      std::printf("steps:\n");
+      for (std::size_t k = 0; k < chosen->steps.size(); ++k) {
+        std::printf("  %2zu. %-72s device %s\n", k, chosen->steps[k].describe().c_str(),
+                    format_bytes(chosen->profile.after_step[k].device_bytes).c_str());
+      }
+    }
+    std::printf(
+        "\nafter init, per rank: master %s + Adam %s + gradients %s -> device %s: %s\n",
+        format_bytes(after.master_bytes).c_str(), format_bytes(after.optimizer_bytes).c_str(),
+        format_bytes(after.gradient_bytes).c_str(), format_bytes(after.device_bytes_after).c_str(),
+        after.fits ? "fits" : "WARNING: init fits but training will not");
+  }
+  if (chosen && !after.fits) {
+    std::fprintf(
+        stderr,
+        "zeroflat plan: warning: init fits, but training needs %s per rank (%s "
+        "usable)\n",
+        format_bytes(after.device_bytes_after).c_str(),
+        format_bytes(in.capacity_bytes - std::min(in.margin_bytes, in.capacity_bytes)).c_str());
+  }
+  return chosen ? kExitOk : kExitInfeasible;
+}
+
+}  // namespace zeroflat::cli
