@@ -305,3 +305,68 @@ TEST(CliPlan, BadInputExits2) {
 }
 
 }  // namespace
+
+namespace {
+
+std::string safetensors_file(const std::string& header, std::size_t data_bytes) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  return out + header + std::string(data_bytes, '\x02');
+}
+
+TEST(CliInspect, ReadsARealFileAndRejectsMalformedOnesWithExit2) {
+  const std::string good = write_temp(
+      "good.safetensors",
+      safetensors_file(R"({"w": {"dtype": "BF16", "shape": [3, 4], "data_offsets": [0, 24]},)"
+                       R"( "b": {"dtype": "F32", "shape": [5], "data_offsets": [24, 44]}})",
+                       44));
+  Result r = run("inspect " + good + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  json doc = json::parse(r.out);
+  EXPECT_EQ(doc["tensors"], 2);
+  EXPECT_EQ(doc["numel"], 17);
+  EXPECT_EQ(doc["bytes"], 44);
+  EXPECT_EQ(doc["dtypes"], (json{{"bf16", 24}, {"fp32", 20}}));
+  EXPECT_EQ(doc["largest"][0]["name"], "w");
+  EXPECT_EQ(run("inspect " + good).code, 0);
+  // The model of a checkpoint file plans and lays out like any other.
+  EXPECT_EQ(run("layout --model " + good + " --dp 2").code, 0);
+
+  const std::pair<std::string, std::string> bad[] = {
+      {"short", "too short"},
+      {safetensors_file("{\"w\": 1", 0), "not valid JSON"},
+      {safetensors_file(R"({"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 8]}})", 8),
+       "needs 6"},
+      {safetensors_file(R"({"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]}})", 2),
+       "truncated"},
+  };
+  int k = 0;
+  for (const auto& [content, says] : bad) {
+    const std::string path = write_temp("bad" + std::to_string(k++) + ".safetensors", content);
+    Result b = run("inspect " + path);
+    EXPECT_EQ(b.code, 2) << says;
+    EXPECT_NE(b.err.find(path), std::string::npos) << b.err;
+    EXPECT_NE(b.err.find(says), std::string::npos) << b.err;
+  }
+  EXPECT_EQ(run("inspect /nonexistent/model").code, 2);
+  EXPECT_EQ(run("inspect").code, 2);
+}
+
+TEST(CliInspect, ConfigJsonThroughInspectPlanAndLayout) {
+  const std::string cfg = write_temp("config.json", R"({"architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256})");
+  Result r = run("inspect " + cfg + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(json::parse(r.out)["numel"], 8030261248ull);
+  Result p = run("plan --model " + cfg + " --layers 4 --dp 2 --device h100-80gb --json");
+  ASSERT_EQ(p.code, 0) << p.err;
+  EXPECT_EQ(json::parse(p.out)["tier"], "device");
+  const std::string broken =
+      write_temp("broken.json", R"({"architectures": ["LlamaForCausalLM"]})");
+  Result b = run("plan --model " + broken + " --dp 2 --device h100-80gb");
+  EXPECT_EQ(b.code, 2);
+  EXPECT_NE(b.err.find("'hidden_size' is missing"), std::string::npos) << b.err;
+}
+
+}  // namespace

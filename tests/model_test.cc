@@ -101,7 +101,7 @@ TEST(Transformer, DenseWithBiasAndTiedEmbeddings) {
   c.head_dim = 4;
   c.intermediate_size = 16;
   c.vocab_size = 10;
-  c.attention_bias = true;
+  c.qkv_bias = true;
   c.tie_word_embeddings = true;
   ModelSpec m = build_transformer("toy", c);
   EXPECT_EQ(m.tensors.back().name, "model.norm.weight");  // no lm_head when tied
@@ -109,6 +109,29 @@ TEST(Transformer, DenseWithBiasAndTiedEmbeddings) {
   EXPECT_EQ(m.tensors.size(), 1u + 2 * (7 + 3 + 2) + 1);
   c.hidden_size = 0;
   EXPECT_THROW((void)build_transformer("toy", c), InvalidArgument);
+}
+
+TEST(Transformer, MoeWithDenseLayersAndBiases) {
+  TransformerConfig c = *catalog_config("tiny-moe");
+  c.num_layers = 4;
+  c.intermediate_size = 50;
+  c.decoder_sparse_step = 2;  // layers 1 and 3 sparse
+  c.mlp_only_layers = {3};    // ... but 3 is dense
+  c.o_bias = true;
+  ModelSpec m = build_transformer("mixed", c);
+  int routers = 0, dense = 0, o_bias = 0;
+  for (const TensorSpec& t : m.tensors) {
+    routers += t.name.find("mlp.gate.weight") != std::string::npos;
+    dense += t.name.find("mlp.gate_proj.weight") != std::string::npos &&
+             t.name.find("experts") == std::string::npos;
+    o_bias += t.name.find("o_proj.bias") != std::string::npos;
+    if (t.name == "model.layers.0.mlp.gate_proj.weight") EXPECT_EQ(t.shape, (Shape{50, 264}));
+  }
+  EXPECT_EQ(routers, 1);
+  EXPECT_EQ(dense, 3);
+  EXPECT_EQ(o_bias, 4);
+  c.intermediate_size = 0;  // dense layers need it
+  EXPECT_THROW((void)build_transformer("mixed", c), InvalidArgument);
 }
 
 }  // namespace

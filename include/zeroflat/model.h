@@ -41,8 +41,14 @@ struct TransformerConfig {
   std::uint64_t num_experts = 0;
   std::uint64_t vocab_size = 0;
   bool tie_word_embeddings = false;
-  bool qk_norm = false;         // per-head q_norm / k_norm (Qwen3)
-  bool attention_bias = false;  // q/k/v biases (Qwen2)
+  bool qk_norm = false;   // per-head q_norm / k_norm (Qwen3)
+  bool qkv_bias = false;  // q/k/v projection biases (Qwen2; attention_bias elsewhere)
+  bool o_bias = false;    // o_proj bias (attention_bias in Llama and Qwen3)
+  bool mlp_bias = false;  // gate/up/down biases (Llama's mlp_bias)
+  // MoE only: layer l is sparse when (l + 1) % decoder_sparse_step == 0 and l is not listed in
+  // mlp_only_layers; other layers have a dense MLP of intermediate_size.
+  std::uint64_t decoder_sparse_step = 1;
+  std::vector<std::uint64_t> mlp_only_layers;
 };
 
 // Scales a model down for a small machine: fewer layers, fewer experts (MoE only).

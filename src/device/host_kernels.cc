@@ -11,6 +11,7 @@
 #include "zeroflat/error.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define ZEROFLAT_X86 1
 #else
@@ -53,10 +54,26 @@ __attribute__((target("avx"))) void stream_copy_body_avx(unsigned char* dst,
   }
 }
 
-const bool kHaveAvx = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx") != 0;
-}();
+// AVX (and F16C) usable: the CPU has them and the OS saves the YMM state.
+struct CpuFeatures {
+  bool avx = false;
+  bool f16c = false;
+};
+CpuFeatures detect_cpu() noexcept {
+  CpuFeatures f;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return f;
+  const bool osxsave = (ecx & (1u << 27)) != 0;
+  if (!osxsave) return f;
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  const bool ymm_state = (lo & 0x6u) == 0x6u;
+  f.avx = ymm_state && (ecx & (1u << 28)) != 0;
+  f.f16c = f.avx && (ecx & (1u << 29)) != 0;
+  return f;
+}
+const CpuFeatures kCpu = detect_cpu();
+const bool kHaveAvx = kCpu.avx;
 
 void stream_zero_body(unsigned char* dst, std::size_t n) noexcept {
   const __m128i z = _mm_setzero_si128();
@@ -188,7 +205,7 @@ void upcast_range(float* dst, const void* src, DType dtype, std::uint64_t numel)
     case DType::kFP16: {
       const auto* s = static_cast<const std::uint16_t*>(src);
 #if ZEROFLAT_X86
-      if (__builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx")) {
+      if (kCpu.f16c) {
         upcast_fp16_f16c(dst, s, numel);
         return;
       }

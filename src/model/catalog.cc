@@ -1,4 +1,5 @@
 // Transformer parameter lists from a config, and the built-in catalog of docs/models.md.
+#include <algorithm>
 #include <string>
 
 #include "zeroflat/error.h"
@@ -47,8 +48,19 @@ ModelSpec build_transformer(std::string name, const TransformerConfig& c) {
   const std::int64_t vocab = dim(c.vocab_size, "vocab_size");
   const bool moe = c.num_experts > 0;
   const std::int64_t experts = moe ? dim(c.num_experts, "num_experts") : 0;
-  const std::int64_t ffn = moe ? dim(c.moe_intermediate_size, "moe_intermediate_size")
-                               : dim(c.intermediate_size, "intermediate_size");
+  const std::int64_t expert_ffn = moe ? dim(c.moe_intermediate_size, "moe_intermediate_size") : 0;
+  if (moe && c.decoder_sparse_step == 0) {
+    throw InvalidArgument("decoder_sparse_step must be at least 1");
+  }
+  auto sparse = [&](std::int64_t l) {
+    const auto ul = static_cast<std::uint64_t>(l);
+    return moe && (ul + 1) % c.decoder_sparse_step == 0 &&
+           std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), ul) ==
+               c.mlp_only_layers.end();
+  };
+  bool any_dense = !moe;
+  for (std::int64_t l = 0; l < layers && !any_dense; ++l) any_dense = !sparse(l);
+  const std::int64_t ffn = any_dense ? dim(c.intermediate_size, "intermediate_size") : 0;
   const std::int64_t q_out = heads * head_dim;
   const std::int64_t kv_out = kv_heads * head_dim;
 
@@ -59,28 +71,32 @@ ModelSpec build_transformer(std::string name, const TransformerConfig& c) {
   for (std::int64_t l = 0; l < layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     b.add(p + "self_attn.q_proj.weight", {q_out, hidden});
-    if (c.attention_bias) b.add(p + "self_attn.q_proj.bias", {q_out});
+    if (c.qkv_bias) b.add(p + "self_attn.q_proj.bias", {q_out});
     b.add(p + "self_attn.k_proj.weight", {kv_out, hidden});
-    if (c.attention_bias) b.add(p + "self_attn.k_proj.bias", {kv_out});
+    if (c.qkv_bias) b.add(p + "self_attn.k_proj.bias", {kv_out});
     b.add(p + "self_attn.v_proj.weight", {kv_out, hidden});
-    if (c.attention_bias) b.add(p + "self_attn.v_proj.bias", {kv_out});
+    if (c.qkv_bias) b.add(p + "self_attn.v_proj.bias", {kv_out});
     b.add(p + "self_attn.o_proj.weight", {hidden, q_out});
+    if (c.o_bias) b.add(p + "self_attn.o_proj.bias", {hidden});
     if (c.qk_norm) {
       b.add(p + "self_attn.q_norm.weight", {head_dim});
       b.add(p + "self_attn.k_norm.weight", {head_dim});
     }
-    if (moe) {
+    if (sparse(l)) {
       b.add(p + "mlp.gate.weight", {experts, hidden});
       for (std::int64_t e = 0; e < experts; ++e) {
         const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
-        b.add(ep + "gate_proj.weight", {ffn, hidden});
-        b.add(ep + "up_proj.weight", {ffn, hidden});
-        b.add(ep + "down_proj.weight", {hidden, ffn});
+        b.add(ep + "gate_proj.weight", {expert_ffn, hidden});
+        b.add(ep + "up_proj.weight", {expert_ffn, hidden});
+        b.add(ep + "down_proj.weight", {hidden, expert_ffn});
       }
     } else {
       b.add(p + "mlp.gate_proj.weight", {ffn, hidden});
+      if (c.mlp_bias) b.add(p + "mlp.gate_proj.bias", {ffn});
       b.add(p + "mlp.up_proj.weight", {ffn, hidden});
+      if (c.mlp_bias) b.add(p + "mlp.up_proj.bias", {ffn});
       b.add(p + "mlp.down_proj.weight", {hidden, ffn});
+      if (c.mlp_bias) b.add(p + "mlp.down_proj.bias", {hidden});
     }
     b.add(p + "input_layernorm.weight", {hidden});
     b.add(p + "post_attention_layernorm.weight", {hidden});

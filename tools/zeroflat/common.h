@@ -35,5 +35,6 @@ std::vector<std::uint64_t> parse_numels(const std::string& text);
 int subcommand_layout(const std::vector<std::string>& argv);
 int subcommand_run(const std::vector<std::string>& argv);
 int subcommand_plan(const std::vector<std::string>& argv);
+int subcommand_inspect(const std::vector<std::string>& argv);
 
 }  // namespace zeroflat::cli

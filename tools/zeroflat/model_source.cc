@@ -1,4 +1,6 @@
 // Options shared by subcommands: model selection, layout options, element-count lists.
+#include "zeroflat/model_source.h"
+
 #include <cctype>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -13,7 +15,10 @@ namespace zeroflat::cli {
 void add_model_options(Parser& parser, const std::string& default_model) {
   std::string names;
   for (const std::string& n : catalog_names()) names += (names.empty() ? "" : ", ") + n;
-  parser.option("model", "NAME", "model from the built-in catalog (" + names + ")", default_model);
+  parser.option("model", "NAME|PATH",
+                "a catalog model (" + names +
+                    "), a config.json, or a checkpoint directory or .safetensors file",
+                default_model);
   parser.option("layers", "L", "keep only the first L decoder layers");
   parser.option("experts", "E", "keep only E experts per MoE layer");
 }
@@ -22,7 +27,7 @@ ModelSpec model_from_args(const Args& args, const std::string& default_model) {
   ModelOverrides overrides;
   if (auto v = args.get("layers")) overrides.layers = parse_u64(*v, "--layers");
   if (auto v = args.get("experts")) overrides.experts = parse_u64(*v, "--experts");
-  return catalog_model(args.get("model").value_or(default_model), overrides);
+  return load_model(args.get("model").value_or(default_model), overrides);
 }
 
 void add_layout_options(Parser& parser) {

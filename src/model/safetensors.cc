@@ -1,0 +1,194 @@
+// safetensors headers: 8 bytes of little-endian length n, then n bytes of JSON, then the data.
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "model/strict_json.h"
+#include "zeroflat/error.h"
+#include "zeroflat/model_source.h"
+
+namespace zeroflat {
+namespace {
+
+// Names from a hostile file, made safe to print: printable ASCII, at most 80 characters.
+std::string shown(std::string_view s) {
+  std::string out;
+  for (char c : s.substr(0, 80)) {
+    out += (c >= 0x20 && c < 0x7f) ? c : '?';
+  }
+  if (s.size() > 80) out += "...";
+  return out;
+}
+
+bool get_u64(const nlohmann::json& v, std::uint64_t* out) {
+  if (v.is_number_unsigned()) {
+    *out = v.get<std::uint64_t>();
+    return true;
+  }
+  if (v.is_number_integer() && v.get<std::int64_t>() >= 0) {
+    *out = static_cast<std::uint64_t>(v.get<std::int64_t>());
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::uint64_t safetensors_dtype_size(std::string_view dtype) noexcept {
+  struct Entry {
+    const char* name;
+    std::uint64_t size;
+  };
+  static constexpr Entry kTypes[] = {
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1},
+      {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},     {"U32", 4},
+      {"F32", 4},  {"I64", 8}, {"U64", 8}, {"F64", 8},
+  };
+  for (const Entry& e : kTypes) {
+    if (dtype == e.name) return e.size;
+  }
+  return 0;
+}
+
+SafetensorsHeader parse_safetensors_header(std::span<const unsigned char> head,
+                                           std::uint64_t file_size, const std::string& source) {
+  auto fail = [&](const std::string& why) { return InvalidArgument(source + ": " + why); };
+  if (file_size < 8 || head.size() < 8) {
+    throw fail("too short for a safetensors file (" + std::to_string(file_size) +
+               " bytes; the header length alone takes 8)");
+  }
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = n << 8 | head[static_cast<std::size_t>(i)];
+  if (n > kMaxHeaderBytes) {
+    throw fail("header length " + std::to_string(n) + " exceeds the limit of " +
+               std::to_string(kMaxHeaderBytes) + " bytes");
+  }
+  if (n > file_size - 8) {
+    throw fail("header length " + std::to_string(n) + " runs past the end of the " +
+               std::to_string(file_size) + "-byte file");
+  }
+  if (n < 2) throw fail("header length " + std::to_string(n) + " is too short for JSON");
+  if (head.size() < 8 + n) throw fail("header is truncated");
+  std::string_view text(reinterpret_cast<const char*>(head.data() + 8), n);
+  if (text.find('\0') != std::string_view::npos) throw fail("header holds a NUL byte");
+  if (text.front() != '{') throw fail("header does not start with '{'");
+  nlohmann::json doc = detail::parse_strict_json(text, source + " header", 8);
+  if (!doc.is_object()) throw fail("header is not a JSON object");
+
+  SafetensorsHeader h;
+  h.header_bytes = n;
+  h.data_bytes = file_size - 8 - n;
+  for (auto it = doc.begin(); it != doc.end(); ++it) {
+    const std::string& name = it.key();
+    const nlohmann::json& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object()) throw fail("__metadata__ is not an object of strings");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) {
+          throw fail("__metadata__ entry '" + shown(m.key()) + "' is not a string");
+        }
+        h.metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    auto bad = [&](const std::string& why) { return fail("tensor '" + shown(name) + "': " + why); };
+    if (name.empty()) throw fail("a tensor has an empty name");
+    if (!v.is_object()) throw bad("entry is not an object");
+    for (auto f = v.begin(); f != v.end(); ++f) {
+      if (f.key() != "dtype" && f.key() != "shape" && f.key() != "data_offsets") {
+        throw bad("unknown field '" + shown(f.key()) + "'");
+      }
+    }
+    SafetensorsTensor t;
+    t.name = name;
+    if (!v.contains("dtype") || !v["dtype"].is_string()) throw bad("dtype missing or not a string");
+    t.dtype = v["dtype"].get<std::string>();
+    const std::uint64_t esize = safetensors_dtype_size(t.dtype);
+    if (esize == 0) throw bad("unknown dtype '" + shown(t.dtype) + "'");
+    if (!v.contains("shape") || !v["shape"].is_array()) throw bad("shape missing or not a list");
+    if (v["shape"].size() > 16) throw bad("shape has more than 16 dimensions");
+    for (const nlohmann::json& d : v["shape"]) {
+      std::uint64_t dim = 0;
+      if (!get_u64(d, &dim) || dim > (std::uint64_t{1} << 62)) {
+        throw bad("shape " + v["shape"].dump().substr(0, 80) +
+                  " holds something other than a non-negative integer");
+      }
+      t.shape.push_back(static_cast<std::int64_t>(dim));
+    }
+    try {
+      t.numel = shape_numel(t.shape);
+    } catch (const InvalidArgument&) {
+      throw bad("shape " + shape_to_string(t.shape) + " has more elements than fit in 64 bits");
+    }
+    std::uint64_t bytes = 0;
+    if (__builtin_mul_overflow(t.numel, esize, &bytes)) {
+      throw bad("shape " + shape_to_string(t.shape) + " has more bytes than fit in 64 bits");
+    }
+    const nlohmann::json& off = v.contains("data_offsets") ? v["data_offsets"] : nlohmann::json();
+    if (!off.is_array() || off.size() != 2 || !get_u64(off[0], &t.begin) ||
+        !get_u64(off[1], &t.end)) {
+      throw bad("data_offsets must be [begin, end], two non-negative integers");
+    }
+    if (t.begin > t.end) {
+      throw bad("data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                "] end before they begin");
+    }
+    if (t.end - t.begin != bytes) {
+      throw bad("data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                "] hold " + std::to_string(t.end - t.begin) + " bytes, but " + t.dtype + " " +
+                shape_to_string(t.shape) + " needs " + std::to_string(bytes));
+    }
+    if (t.end > h.data_bytes) {
+      throw bad("data_offsets end at " + std::to_string(t.end) + ", past the " +
+                std::to_string(h.data_bytes) + " bytes of data the file holds (truncated?)");
+    }
+    h.tensors.push_back(std::move(t));
+  }
+  // Tensors tile the data section: sorted by offset, no overlap, no gap.
+  std::sort(h.tensors.begin(), h.tensors.end(), [](const auto& a, const auto& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  std::uint64_t cursor = 0;
+  for (const SafetensorsTensor& t : h.tensors) {
+    if (t.begin < cursor) {
+      throw fail("tensor '" + shown(t.name) + "' overlaps the tensor before it (data_offsets [" +
+                 std::to_string(t.begin) + ", " + std::to_string(t.end) + "], previous ends at " +
+                 std::to_string(cursor) + ")");
+    }
+    if (t.begin > cursor) {
+      throw fail("bytes [" + std::to_string(cursor) + ", " + std::to_string(t.begin) +
+                 ") of the data belong to no tensor (before '" + shown(t.name) + "')");
+    }
+    cursor = t.end;
+  }
+  if (cursor != h.data_bytes) {
+    throw fail("the data section has " + std::to_string(h.data_bytes) + " bytes, the tensors " +
+               std::to_string(cursor));
+  }
+  return h;
+}
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw InvalidArgument(path + ": cannot open");
+  const std::streamoff size = in.tellg();
+  if (size < 0) throw InvalidArgument(path + ": cannot tell its size");
+  const auto file_size = static_cast<std::uint64_t>(size);
+  in.seekg(0);
+  std::vector<unsigned char> head(std::min<std::uint64_t>(file_size, 8));
+  in.read(reinterpret_cast<char*>(head.data()), static_cast<std::streamsize>(head.size()));
+  if (head.size() == 8) {
+    std::uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = n << 8 | head[static_cast<std::size_t>(i)];
+    // Read the JSON only when its length is plausible; the parser reports the rest.
+    if (n <= kMaxHeaderBytes && n <= file_size - 8) {
+      head.resize(8 + n);
+      in.read(reinterpret_cast<char*>(head.data() + 8), static_cast<std::streamsize>(n));
+      if (!in) throw InvalidArgument(path + ": read failed");
+    }
+  }
+  return parse_safetensors_header(head, file_size, path);
+}
+
+}  // namespace zeroflat

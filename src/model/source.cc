@@ -1,0 +1,238 @@
+// Models from names and paths, and the inspection of checkpoints and configs.
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "model/strict_json.h"
+#include "zeroflat/error.h"
+#include "zeroflat/model_source.h"
+
+namespace zeroflat {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string read_text(const fs::path& path) {
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);
+  if (ec) throw InvalidArgument(path.string() + ": cannot read (" + ec.message() + ")");
+  if (size > kMaxHeaderBytes) {
+    throw InvalidArgument(path.string() + ": " + std::to_string(size) +
+                          " bytes is too large for a config or index file");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InvalidArgument(path.string() + ": cannot open");
+  std::ostringstream buf;
+  buf << in.rdbuf();
+  return buf.str();
+}
+
+// "layers.10" after "layers.9": digits compare as numbers.
+bool natural_less(const std::string& a, const std::string& b) {
+  std::size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (std::isdigit(static_cast<unsigned char>(a[i])) &&
+        std::isdigit(static_cast<unsigned char>(b[j]))) {
+      std::size_t i2 = i, j2 = j;
+      while (i2 < a.size() && std::isdigit(static_cast<unsigned char>(a[i2]))) ++i2;
+      while (j2 < b.size() && std::isdigit(static_cast<unsigned char>(b[j2]))) ++j2;
+      std::string_view x(a.data() + i, i2 - i), y(b.data() + j, j2 - j);
+      while (x.size() > 1 && x.front() == '0') x.remove_prefix(1);
+      while (y.size() > 1 && y.front() == '0') y.remove_prefix(1);
+      if (x.size() != y.size()) return x.size() < y.size();
+      if (x != y) return x < y;
+      i = i2;
+      j = j2;
+    } else {
+      if (a[i] != b[j]) return a[i] < b[j];
+      ++i;
+      ++j;
+    }
+  }
+  return a.size() - i < b.size() - j;
+}
+
+std::string zeroflat_dtype(const std::string& st) {
+  if (st == "BF16") return "bf16";
+  if (st == "F16") return "fp16";
+  if (st == "F32") return "fp32";
+  if (st == "F64") return "fp64";
+  std::string out = st;
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+struct Checkpoint {
+  std::vector<TensorInfo> tensors;
+  std::uint64_t files = 0;
+};
+
+// Every *.safetensors of a directory (or the shards its index names), headers only.
+Checkpoint read_checkpoint_dir(const fs::path& dir) {
+  std::vector<fs::path> files;
+  const fs::path index = dir / "model.safetensors.index.json";
+  std::map<std::string, std::string> weight_map;
+  if (fs::exists(index)) {
+    nlohmann::json doc = detail::parse_strict_json(read_text(index), index.string());
+    if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
+      throw InvalidArgument(index.string() + ": no 'weight_map' object");
+    }
+    std::set<std::string> shard_names;
+    for (auto it = doc["weight_map"].begin(); it != doc["weight_map"].end(); ++it) {
+      if (!it.value().is_string()) {
+        throw InvalidArgument(index.string() +
+                              ": weight_map entry for a tensor is not a file name");
+      }
+      const std::string shard = it.value().get<std::string>();
+      if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..") {
+        throw InvalidArgument(index.string() + ": shard name '" + shard.substr(0, 80) +
+                              "' is not a plain file name in this directory");
+      }
+      weight_map[it.key()] = shard;
+      shard_names.insert(shard);
+    }
+    for (const std::string& s : shard_names) files.push_back(dir / s);
+  } else {
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
+    }
+    std::sort(files.begin(), files.end());
+  }
+  if (files.empty()) {
+    throw InvalidArgument(dir.string() + ": no config.json and no .safetensors files");
+  }
+  Checkpoint ck;
+  std::map<std::string, std::string> seen;  // tensor -> file
+  for (const fs::path& f : files) {
+    if (!fs::exists(f)) {
+      throw InvalidArgument(index.string() + ": names shard '" + f.filename().string() +
+                            "', which does not exist");
+    }
+    SafetensorsHeader h = read_safetensors_header(f.string());
+    ++ck.files;
+    for (const SafetensorsTensor& t : h.tensors) {
+      auto [it, fresh] = seen.emplace(t.name, f.filename().string());
+      if (!fresh) {
+        throw InvalidArgument(f.string() + ": tensor '" + t.name.substr(0, 80) + "' is also in " +
+                              it->second);
+      }
+      if (!weight_map.empty()) {
+        auto w = weight_map.find(t.name);
+        if (w == weight_map.end() || w->second != f.filename().string()) {
+          throw InvalidArgument(f.string() + ": tensor '" + t.name.substr(0, 80) +
+                                "' is not where the index says it is");
+        }
+      }
+      std::uint64_t size = safetensors_dtype_size(t.dtype);
+      ck.tensors.push_back(
+          TensorInfo{t.name, zeroflat_dtype(t.dtype), t.shape, t.numel, t.numel * size});
+    }
+  }
+  for (const auto& [name, file] : weight_map) {
+    if (!seen.count(name)) {
+      throw InvalidArgument(index.string() + ": tensor '" + name.substr(0, 80) + "' is not in " +
+                            file);
+    }
+  }
+  std::sort(ck.tensors.begin(), ck.tensors.end(),
+            [](const TensorInfo& a, const TensorInfo& b) { return natural_less(a.name, b.name); });
+  return ck;
+}
+
+ModelSpec from_tensors(const std::string& name, const std::vector<TensorInfo>& tensors) {
+  ModelSpec m;
+  m.name = name;
+  m.architecture = "checkpoint";
+  for (const TensorInfo& t : tensors) m.tensors.push_back(TensorSpec{t.name, t.shape, t.numel});
+  return m;
+}
+
+}  // namespace
+
+ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& overrides) {
+  if (catalog_config(name_or_path)) return catalog_model(name_or_path, overrides);
+  const fs::path path(name_or_path);
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    std::string known;
+    for (const std::string& n : catalog_names()) known += (known.empty() ? "" : ", ") + n;
+    throw InvalidArgument("unknown model '" + name_or_path + "': neither a catalog name (" + known +
+                          ") nor an existing config.json, checkpoint directory or .safetensors "
+                          "file");
+  }
+  auto config_model = [&](const fs::path& config) {
+    TransformerConfig c = parse_hf_config(read_text(config), config.string());
+    return build_transformer(config.string(), apply_overrides(c, overrides));
+  };
+  auto no_overrides = [&](const std::string& what) {
+    if (overrides.layers || overrides.experts) {
+      throw InvalidArgument(what +
+                            ": --layers and --experts apply to catalog models and configs, "
+                            "not to a checkpoint's tensors");
+    }
+  };
+  if (fs::is_directory(path)) {
+    if (fs::exists(path / "config.json")) return config_model(path / "config.json");
+    no_overrides(path.string());
+    return from_tensors(path.string(), read_checkpoint_dir(path).tensors);
+  }
+  if (path.extension() == ".safetensors") {
+    no_overrides(path.string());
+    Inspection i = inspect_path(path.string());
+    return from_tensors(path.string(), i.tensors);
+  }
+  return config_model(path);
+}
+
+Inspection inspect_path(const std::string& p) {
+  const fs::path path(p);
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw InvalidArgument(p + ": no such file or directory");
+  Inspection out;
+  if (fs::is_directory(path)) {
+    Checkpoint ck = read_checkpoint_dir(path);
+    out.source = "checkpoint";
+    out.files = ck.files;
+    out.tensors = std::move(ck.tensors);
+  } else if (path.extension() == ".safetensors") {
+    SafetensorsHeader h = read_safetensors_header(p);
+    out.source = "safetensors";
+    out.files = 1;
+    for (const SafetensorsTensor& t : h.tensors) {
+      out.tensors.push_back(TensorInfo{t.name, zeroflat_dtype(t.dtype), t.shape, t.numel,
+                                       t.numel * safetensors_dtype_size(t.dtype)});
+    }
+    std::sort(out.tensors.begin(), out.tensors.end(),
+              [](const auto& a, const auto& b) { return natural_less(a.name, b.name); });
+  } else {
+    const std::string text = read_text(path);
+    TransformerConfig c = parse_hf_config(text, p);
+    ModelSpec m = build_transformer(p, c);
+    // The dtype the config declares, bf16 when it says none.
+    std::string dtype = "bf16";
+    nlohmann::json doc = detail::parse_strict_json(text, p);
+    if (doc.contains("torch_dtype") && doc["torch_dtype"].is_string()) {
+      const std::string t = doc["torch_dtype"].get<std::string>();
+      dtype = t == "float32" ? "fp32" : t == "float16" ? "fp16" : "bf16";
+    }
+    const std::uint64_t es = dtype == "fp32" ? 4 : 2;
+    out.source = "config";
+    out.files = 1;
+    for (const TensorSpec& t : m.tensors) {
+      out.tensors.push_back(TensorInfo{t.name, dtype, t.shape, t.numel, t.numel * es});
+    }
+  }
+  for (const TensorInfo& t : out.tensors) {
+    if (__builtin_add_overflow(out.numel, t.numel, &out.numel) ||
+        __builtin_add_overflow(out.bytes, t.bytes, &out.bytes)) {
+      throw InvalidArgument(p + ": the tensors' sizes add up to more than 64 bits");
+    }
+    out.bytes_by_dtype[t.dtype] += t.bytes;
+  }
+  return out;
+}
+
+}  // namespace zeroflat

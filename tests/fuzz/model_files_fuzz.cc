@@ -1,0 +1,32 @@
+// Fuzz target for the parsers of untrusted model files: the first byte picks the safetensors
+// header parser or the config.json parser, the rest is the file. Any exception other than
+// InvalidArgument, any crash, leak or undefined behaviour is a finding.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "zeroflat/error.h"
+#include "zeroflat/model_source.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  if (size == 0) return 0;
+  const bool config = (data[0] & 1) != 0;
+  const std::span<const unsigned char> file(data + 1, size - 1);
+  try {
+    if (config) {
+      zeroflat::TransformerConfig c = zeroflat::parse_hf_config(
+          std::string_view(reinterpret_cast<const char*>(file.data()), file.size()), "fuzz");
+      // Building the tensor list is part of what a config drives; keep it small.
+      if (c.num_layers <= 4 && c.num_experts <= 8 && c.hidden_size <= 4096) {
+        (void)zeroflat::build_transformer("fuzz", c);
+      }
+    } else {
+      (void)zeroflat::parse_safetensors_header(file, file.size(), "fuzz");
+    }
+  } catch (const zeroflat::InvalidArgument&) {
+    // The expected answer to malformed input.
+  }
+  return 0;
+}

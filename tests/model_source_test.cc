@@ -1,0 +1,305 @@
+// Untrusted model files: safetensors headers, checkpoint directories, config.json. Valid files
+// parse to what they hold; every kind of malformed input is InvalidArgument naming the file.
+#include "zeroflat/model_source.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "zeroflat/error.h"
+
+namespace zeroflat {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string bytes_of(const std::string& header, std::uint64_t n, std::uint64_t data_bytes) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + header + std::string(data_bytes, '\x01');
+}
+
+// A file whose header is `header` (its length written truthfully) followed by data_bytes.
+std::string file_with(const std::string& header, std::uint64_t data_bytes) {
+  return bytes_of(header, header.size(), data_bytes);
+}
+
+SafetensorsHeader parse(const std::string& file) {
+  return parse_safetensors_header(
+      std::span(reinterpret_cast<const unsigned char*>(file.data()), file.size()), file.size(),
+      "test.safetensors");
+}
+
+std::string error_of(const std::string& file) {
+  try {
+    (void)parse(file);
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "accepted";
+}
+
+TEST(Safetensors, ValidHeaderParses) {
+  json h = {{"b", {{"dtype", "F32"}, {"shape", {2, 2}}, {"data_offsets", {6, 22}}}},
+            {"a", {{"dtype", "BF16"}, {"shape", {3}}, {"data_offsets", {0, 6}}}},
+            {"empty", {{"dtype", "F16"}, {"shape", {0, 5}}, {"data_offsets", {22, 22}}}},
+            {"__metadata__", {{"format", "pt"}}}};
+  SafetensorsHeader out = parse(file_with(h.dump() + "   ", 22));
+  ASSERT_EQ(out.tensors.size(), 3u);
+  EXPECT_EQ(out.tensors[0].name, "a");  // sorted by offset
+  EXPECT_EQ(out.tensors[1].shape, (Shape{2, 2}));
+  EXPECT_EQ(out.tensors[1].numel, 4u);
+  EXPECT_EQ(out.metadata.at("format"), "pt");
+  EXPECT_EQ(out.data_bytes, 22u);
+}
+
+TEST(Safetensors, EveryMalformedHeaderIsRejectedWithTheProblemNamed) {
+  const std::string t = R"("t": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]})";
+  struct Case {
+    std::string file;
+    std::string says;
+  };
+  const Case cases[] = {
+      {"", "too short"},
+      {std::string(7, '\0'), "too short"},
+      {bytes_of("{}", 200'000'000, 0), "exceeds the limit"},
+      {bytes_of("{}", 50, 0), "runs past the end"},
+      {bytes_of("{}", 1, 1), "too short for JSON"},
+      {file_with("[]", 0), "does not start with '{'"},
+      {file_with("{\"t\": ", 0), "not valid JSON"},
+      {file_with(std::string("{\"a\":1}\0", 8), 0), "NUL byte"},
+      {file_with("{\"a\":" + std::string(50, '[') + std::string(50, ']') + "}", 0), "nested"},
+      {file_with("{" + t + ", " + t + "}", 4), "appears twice"},
+      {file_with(R"({"t": 5})", 0), "not an object"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4], "x": 1}})", 4),
+       "unknown field 'x'"},
+      {file_with(R"({"t": {"shape": [2], "data_offsets": [0, 4]}})", 4), "dtype missing"},
+      {file_with(R"({"t": {"dtype": 7, "shape": [2], "data_offsets": [0, 4]}})", 4),
+       "dtype missing or not a string"},
+      {file_with(R"({"t": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 4]}})", 4),
+       "unknown dtype 'Q4'"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": 2, "data_offsets": [0, 4]}})", 4),
+       "shape missing or not a list"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [-2], "data_offsets": [0, 4]}})", 4),
+       "non-negative integer"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [2.5], "data_offsets": [0, 4]}})", 4),
+       "non-negative integer"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],
+                   "data_offsets": [0, 2]}})",
+                 2),
+       "more than 16 dimensions"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [4294967296, 4294967296],
+                   "data_offsets": [0, 4]}})",
+                 4),
+       "more elements than fit"},
+      {file_with(R"({"t": {"dtype": "F64", "shape": [4611686018427387904],
+                   "data_offsets": [0, 4]}})",
+                 4),
+       "more bytes than fit"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [2]}})", 4), "data_offsets must be"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [2], "data_offsets": [0]}})", 4),
+       "data_offsets must be"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [2], "data_offsets": [-4, 0]}})", 4),
+       "data_offsets must be"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [2], "data_offsets": [4, 0]}})", 4),
+       "end before they begin"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 6]}})", 6),
+       "needs 4"},
+      {file_with(R"({"t": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})", 2),
+       "truncated"},
+      {file_with(R"({"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]},
+                   "b": {"dtype": "BF16", "shape": [2], "data_offsets": [2, 6]}})",
+                 6),
+       "overlaps"},
+      {file_with(R"({"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]},
+                   "b": {"dtype": "BF16", "shape": [2], "data_offsets": [6, 10]}})",
+                 10),
+       "belong to no tensor"},
+      {file_with(R"({"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})", 9),
+       "the tensors 4"},
+      {file_with(R"({"__metadata__": [1]})", 0), "__metadata__ is not"},
+      {file_with(R"({"__metadata__": {"k": 1}})", 0), "is not a string"},
+      {file_with(R"({"": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})", 4),
+       "empty name"},
+      {file_with("{\"\xff\xfe\": 1}", 0), "not valid JSON"},
+  };
+  for (const Case& c : cases) {
+    std::string msg = error_of(c.file);
+    EXPECT_NE(msg.find("test.safetensors"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(c.says), std::string::npos) << "wanted '" << c.says << "', got: " << msg;
+  }
+}
+
+TEST(Safetensors, HostileNamesArePrintedSafely) {
+  std::string name = "evil\x1b[2J" + std::string(300, 'x');
+  std::string msg = error_of(file_with("{\"" + name + "\": 5}", 0));
+  EXPECT_EQ(msg.find('\x1b'), std::string::npos);
+  EXPECT_LT(msg.size(), 250u);
+}
+
+class TempDir : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           ("zf_model_" + std::to_string(getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  void write(const std::string& name, const std::string& content) {
+    std::ofstream(dir_ / name, std::ios::binary) << content;
+  }
+  std::string shard(std::initializer_list<std::pair<std::string, Shape>> tensors) {
+    json h = json::object();
+    std::uint64_t off = 0;
+    for (const auto& [name, shape] : tensors) {
+      std::uint64_t n = 1;
+      for (auto d : shape) n *= static_cast<std::uint64_t>(d);
+      h[name] = {{"dtype", "BF16"}, {"shape", shape}, {"data_offsets", {off, off + 2 * n}}};
+      off += 2 * n;
+    }
+    return file_with(h.dump(), off);
+  }
+  fs::path dir_;
+};
+
+using Checkpoints = TempDir;
+
+TEST_F(Checkpoints, ShardedDirectoryWithIndex) {
+  write("model-00001-of-00002.safetensors",
+        shard({{"model.layers.10.w", {4, 4}}, {"model.layers.2.w", {4, 4}}}));
+  write("model-00002-of-00002.safetensors", shard({{"lm_head.weight", {8, 4}}}));
+  write("model.safetensors.index.json",
+        json{{"metadata", {{"total_size", 128}}},
+             {"weight_map",
+              {{"model.layers.10.w", "model-00001-of-00002.safetensors"},
+               {"model.layers.2.w", "model-00001-of-00002.safetensors"},
+               {"lm_head.weight", "model-00002-of-00002.safetensors"}}}}
+            .dump());
+  Inspection in = inspect_path(dir_.string());
+  EXPECT_EQ(in.files, 2u);
+  EXPECT_EQ(in.tensors.size(), 3u);
+  EXPECT_EQ(in.numel, 64u);
+  EXPECT_EQ(in.bytes_by_dtype.at("bf16"), 128u);
+  ModelSpec m = load_model(dir_.string());
+  ASSERT_EQ(m.tensors.size(), 3u);
+  EXPECT_EQ(m.tensors[1].name, "model.layers.2.w");  // natural order: 2 before 10
+  EXPECT_EQ(m.tensors[2].name, "model.layers.10.w");
+  EXPECT_THROW((void)load_model(dir_.string(), {.layers = 1}), InvalidArgument);
+}
+
+TEST_F(Checkpoints, BrokenDirectoriesAreRejected) {
+  auto rejects = [&](const std::string& says) {
+    try {
+      (void)inspect_path(dir_.string());
+      ADD_FAILURE() << "accepted; wanted " << says;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  rejects("no config.json and no .safetensors");
+  write("a.safetensors", shard({{"w", {2}}}));
+  write("b.safetensors", shard({{"w", {2}}}));
+  rejects("is also in a.safetensors");
+  fs::remove(dir_ / "b.safetensors");
+  write("model.safetensors.index.json", R"({"weight_map": {"w": "missing.safetensors"}})");
+  rejects("does not exist");
+  write("model.safetensors.index.json", R"({"weight_map": {"w": "../a.safetensors"}})");
+  rejects("not a plain file name");
+  write("model.safetensors.index.json",
+        R"({"weight_map": {"w": "a.safetensors", "v": "a.safetensors"}})");
+  rejects("'v' is not in a.safetensors");
+  write("model.safetensors.index.json", R"({"weights": {}})");
+  rejects("no 'weight_map'");
+  write("model.safetensors.index.json", R"({"weight_map": {"w": 3}})");
+  rejects("not a file name");
+}
+
+using Configs = TempDir;
+
+TEST_F(Configs, ArchitecturesParseToTheCatalogShapes) {
+  // The catalog's qwen3-30b-a3b, written as Hugging Face writes it.
+  const std::string qwen = R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128, "vocab_size": 151936,
+    "intermediate_size": 6144, "tie_word_embeddings": false, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "attention_bias": false, "torch_dtype": "bfloat16"})";
+  write("config.json", qwen);
+  ModelSpec m = load_model((dir_ / "config.json").string(), {.layers = 32});
+  EXPECT_EQ(m.numel(), 20'562'192'384u);
+  EXPECT_EQ(m.tensors.size(), 12'579u);
+  EXPECT_EQ(load_model(dir_.string()).numel(), 30'532'122'624u);  // the directory works too
+  const std::string llama = R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": false})";
+  EXPECT_EQ(build_transformer("l", parse_hf_config(llama, "c")).numel(), 8'030'261'248u);
+  // Qwen2 has q/k/v biases; tied embeddings drop lm_head.
+  const std::string qwen2 = R"({"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 2,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
+    "vocab_size": 151936, "tie_word_embeddings": true})";
+  ModelSpec q2 = build_transformer("q2", parse_hf_config(qwen2, "c"));
+  EXPECT_EQ(q2.tensors[2].name, "model.layers.0.self_attn.q_proj.bias");
+  EXPECT_EQ(q2.tensors[2].shape, (Shape{896}));
+  EXPECT_EQ(q2.tensors.back().name, "model.norm.weight");
+  // Qwen2.5-0.5B's published parameter count.
+  EXPECT_EQ(build_transformer("q2", parse_hf_config(
+                                        R"({"model_type": "qwen2", "hidden_size": 896,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+    "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": true})",
+                                        "c"))
+                .numel(),
+            494'032'768u);
+}
+
+TEST_F(Configs, MalformedConfigsAreRejectedWithTheFieldNamed) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"[1, 2]", "not a JSON object"},
+      {"{", "not valid JSON"},
+      {R"({"hidden_size": 8})", "neither 'architectures' nor 'model_type'"},
+      {R"({"architectures": ["GPT2LMHeadModel"]})", "'GPT2LMHeadModel' is not supported"},
+      {R"({"architectures": []})", "not a non-empty list"},
+      {R"({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2})",
+       "'hidden_size' is missing"},
+      {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": "big"})",
+       "'hidden_size' is \"big\""},
+      {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": -4})", "'hidden_size' is -4"},
+      {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 1e30})", "'hidden_size'"},
+      {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 99999999999})",
+       "implausibly large"},
+      {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "hidden_size": 9})",
+       "appears twice"},
+      {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 1,
+          "num_attention_heads": 0, "vocab_size": 10, "intermediate_size": 4})",
+       "num_attention_heads"},
+      {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "vocab_size": 10, "intermediate_size": 4,
+          "tie_word_embeddings": "yes"})",
+       "'tie_word_embeddings' is not true or false"},
+      {R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 8, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "vocab_size": 10, "moe_intermediate_size": 4})",
+       "'num_experts' is missing"},
+      {R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 8, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "vocab_size": 10, "moe_intermediate_size": 4,
+          "num_experts": 2, "mlp_only_layers": "all"})",
+       "'mlp_only_layers'"},
+  };
+  for (const auto& [text, says] : cases) {
+    write("config.json", text);
+    try {
+      (void)load_model((dir_ / "config.json").string());
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("config.json"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW((void)load_model((dir_ / "nope.json").string()), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace zeroflat
