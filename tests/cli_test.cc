@@ -370,3 +370,29 @@ TEST(CliInspect, ConfigJsonThroughInspectPlanAndLayout) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(CliProbe, CpuAnswersAndCudaSaysWhyNot) {
+  Result cpu = run("probe --json");
+  ASSERT_EQ(cpu.code, 0) << cpu.err;
+  json doc = json::parse(cpu.out);
+  EXPECT_EQ(doc["device"], "cpu");
+  EXPECT_EQ(doc["available"], true);
+  EXPECT_GT(doc["free_bytes"].get<std::uint64_t>(), 0u);
+  EXPECT_EQ(doc["sources"][0]["source"], "MemAvailable");
+  Result shared = run("probe --local-ranks 2 --json");
+  ASSERT_EQ(shared.code, 0);
+  EXPECT_NE(json::parse(shared.out)["notes"].dump().find("shared among 2 ranks"),
+            std::string::npos);
+  // No GPU on the machines the suite runs on: exit 2, with the reason from the sources.
+  Result gpu = run("probe --device cuda:0");
+  if (gpu.code == 0) GTEST_SKIP() << "a GPU answered: " << gpu.out;
+  EXPECT_EQ(gpu.code, 2);
+  EXPECT_NE(gpu.out.find("cuda:0: not available here"), std::string::npos) << gpu.out;
+  EXPECT_NE(gpu.out.find("CUDA runtime"), std::string::npos) << gpu.out;
+  EXPECT_EQ(run("probe --device tpu:0").code, 2);
+  EXPECT_EQ(run("probe --device cuda:x").code, 2);
+}
+
+}  // namespace

@@ -36,5 +36,6 @@ int subcommand_layout(const std::vector<std::string>& argv);
 int subcommand_run(const std::vector<std::string>& argv);
 int subcommand_plan(const std::vector<std::string>& argv);
 int subcommand_inspect(const std::vector<std::string>& argv);
+int subcommand_probe(const std::vector<std::string>& argv);
 
 }  // namespace zeroflat::cli

@@ -19,6 +19,7 @@ commands:
   layout   print the flat layout of one parameter group (offsets, padding, partitions)
   plan     which way of flattening fits a model on a node, its peak memory and time
   run      materialize a model, flatten it, re-point its parameters, verify, report
+  probe    what each free-memory source says about a device (cpu, cuda:N)
   inspect  what a checkpoint, a .safetensors file or a config.json holds
   help     show this text, or `zeroflat help COMMAND` for a command's options
 
@@ -62,6 +63,7 @@ int main(int argc, char** argv) {
     if (command == "run") return subcommand_run(args);
     if (command == "plan") return subcommand_plan(args);
     if (command == "inspect") return subcommand_inspect(args);
+    if (command == "probe") return subcommand_probe(args);
     std::fprintf(stderr, "zeroflat: unknown command '%s'\n\n%s", command.c_str(), kUsage);
     return kExitInvalid;
   } catch (const UsageError& e) {

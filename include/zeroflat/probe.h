@@ -1,0 +1,105 @@
+// The free-memory probe: what each source says about a device's memory, and which answer the
+// planner uses. No probe failure ever raises past the probe: each source's error is kept.
+//
+// Sources are injectable (plain functions), so tests can play machines zeroflat does not run
+// on: a GB10 whose NVML cannot report memory, a MIG slice, a machine without NVML, an
+// integrated device, CUDA_VISIBLE_DEVICES holding GPU-/MIG- UUIDs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace zeroflat {
+
+// A value, or why there is none.
+template <typename T>
+struct Answer {
+  std::optional<T> value;
+  std::string error;  // set when value is empty
+
+  static Answer ok(T v) { return Answer{std::move(v), {}}; }
+  static Answer fail(std::string why) { return Answer{std::nullopt, std::move(why)}; }
+};
+
+struct MemoryPair {
+  std::uint64_t total_bytes = 0;
+  std::uint64_t free_bytes = 0;
+};
+
+// One source's answer, as the probe reports it.
+struct SourceReport {
+  std::string source;  // "nvml", "cudaMemGetInfo", "process view", "MemAvailable", ...
+  bool ok = false;
+  std::uint64_t total_bytes = 0;
+  std::uint64_t free_bytes = 0;
+  std::string detail;  // the error when !ok; otherwise what the number means
+};
+
+struct ProbeResult {
+  std::string device;      // "cpu", "cuda:0"
+  bool available = false;  // false: the device cannot be used here (no GPU, no driver)
+  std::uint64_t total_bytes = 0;
+  std::uint64_t free_bytes = 0;  // what the planner may use on this rank
+  std::string used;              // which source free_bytes came from
+  std::vector<SourceReport> sources;
+  std::vector<std::string> notes;  // adjustments: sharing among ranks, integrated cap, ...
+};
+
+// --- the host ---------------------------------------------------------------------------------
+
+struct CgroupMemory {
+  int version = 2;
+  std::optional<std::uint64_t> limit_bytes;  // none: unlimited
+  std::uint64_t usage_bytes = 0;
+  std::string path;  // the control file read
+};
+
+struct HostProbeSources {
+  std::function<Answer<MemoryPair>()> meminfo;  // MemTotal, MemAvailable
+  std::function<Answer<CgroupMemory>()> cgroup;
+  unsigned local_ranks = 1;  // ranks sharing this host's memory
+};
+
+// This machine: /proc/meminfo and the process's cgroup (v2, else v1). local_ranks 0 takes
+// runtime_env()'s count (1 if unknown).
+HostProbeSources system_host_sources(unsigned local_ranks = 0);
+
+// Free host memory for this rank: the smaller of MemAvailable and the cgroup's limit - usage,
+// divided among the local ranks.
+ProbeResult probe_host(const HostProbeSources& sources);
+
+// --- CUDA devices -----------------------------------------------------------------------------
+
+struct CudaDeviceFacts {
+  std::string pci_bus_id;  // "0000:1B:00.0", as the CUDA runtime names it
+  bool integrated = false;
+  std::optional<MemoryPair> mem_get_info;  // cudaMemGetInfo, when it answered
+  std::string mem_get_info_error;
+};
+
+struct CudaProbeSources {
+  // The CUDA runtime's view of device `index` (identity and cudaMemGetInfo).
+  std::function<Answer<CudaDeviceFacts>(int index)> cuda;
+  // NVML's memory of the device with this PCI bus id (v2 query, then v1).
+  std::function<Answer<MemoryPair>(const std::string& pci_bus_id)> nvml;
+  // The host's available memory (caps an integrated device).
+  std::function<Answer<MemoryPair>()> host;
+  std::string visible_devices;                    // CUDA_VISIBLE_DEVICES as set ("" when unset)
+  std::uint64_t process_allocated_bytes = 0;      // what this process holds on the device
+  std::uint64_t framework_cached_free_bytes = 0;  // cached by the framework, not in use
+};
+
+// This machine: the CUDA runtime and NVML, both loaded with dlopen (zeroflat builds and runs
+// where neither exists).
+CudaProbeSources system_cuda_sources();
+
+// Free device memory: NVML (whole device, other processes included) unless the device is a MIG
+// slice or NVML cannot answer; then cudaMemGetInfo; then total - what this process holds.
+// Integrated devices are capped by the host's available memory; the framework's cached-free
+// bytes are credited.
+ProbeResult probe_cuda(int index, const CudaProbeSources& sources);
+
+}  // namespace zeroflat
