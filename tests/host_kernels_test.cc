@@ -122,6 +122,16 @@ TEST(HostKernels, UpcastEveryHalfAndBFloat16Value) {
     std::memcpy(&bits, &out[i], 4);
     ASSERT_EQ(bits, i << 16);
   }
+  // The portable path (machines without F16C) against the same reference.
+  for (std::uint32_t i = 0; i < 65536; ++i) {
+    const float got = fp16_to_float(static_cast<std::uint16_t>(i));
+    const float want = reference_half(static_cast<std::uint16_t>(i));
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(got)) << i;
+    } else {
+      ASSERT_EQ(std::memcmp(&got, &want, 4), 0) << "portable half 0x" << std::hex << i;
+    }
+  }
   // Odd counts exercise the scalar tail of the vector path.
   std::vector<float> tail(13);
   upcast_range(tail.data(), all.data() + 0x3C00, DType::kFP16, 13);
@@ -144,6 +154,9 @@ TEST(CpuDevice, AllocationAccountingAndAlignment) {
   }
   EXPECT_EQ(dev.memory_info().peak_allocated_bytes, 3ull << 20);
   EXPECT_GT(dev.memory_info().total_bytes, 0u);
+  // Sizes whose rounding would wrap around 64 bits are refused, not shrunk.
+  EXPECT_THROW((void)dev.allocate(UINT64_MAX - (1ull << 20)), OutOfMemory);
+  EXPECT_THROW((void)dev.allocate(UINT64_MAX), OutOfMemory);
 }
 
 }  // namespace

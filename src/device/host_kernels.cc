@@ -97,7 +97,7 @@ __attribute__((target("f16c,avx"))) void upcast_fp16_f16c(float* dst, const std:
 }
 #endif
 
-float fp16_to_float(std::uint16_t h) noexcept {
+float fp16_to_float_portable(std::uint16_t h) noexcept {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
   const std::uint32_t exp = (h >> 10) & 0x1fu;
   std::uint32_t mant = h & 0x3ffu;
@@ -124,6 +124,10 @@ float fp16_to_float(std::uint16_t h) noexcept {
 }
 
 }  // namespace
+
+float fp16_to_float(std::uint16_t h) noexcept {
+  return fp16_to_float_portable(h);
+}
 
 void copy_bytes(void* dst_v, const void* src_v, std::size_t n, bool streaming) noexcept {
   auto* dst = static_cast<unsigned char*>(dst_v);
@@ -172,7 +176,10 @@ void store_fence() noexcept {
 #endif
 }
 
-void gather_range(unsigned char* dst, std::span<const Segment> segments, std::uint64_t begin,
+namespace {
+
+// The plain walk: each segment's part of [begin, end) copied, the gaps zeroed.
+void gather_plain(unsigned char* dst, std::span<const Segment> segments, std::uint64_t begin,
                   std::uint64_t end, bool streaming) noexcept {
   if (begin >= end) return;
   auto it = std::partition_point(segments.begin(), segments.end(), [&](const Segment& s) {
@@ -194,6 +201,85 @@ void gather_range(unsigned char* dst, std::span<const Segment> segments, std::ui
   if (end > cursor) zero_bytes(dst + cursor, end - cursor, streaming);
 }
 
+#if ZEROFLAT_X86
+// Streams whole destination lines [begin, end) (both 64-byte aligned in memory): runs of lines
+// inside one segment are copied straight from it, runs of padding are zeroed, and a line where
+// segments meet (or a segment meets padding) is assembled in registers' worth of stack and
+// streamed as one line. Every destination line is written exactly once, without being read
+// first, however small the tensors.
+void gather_lines(unsigned char* dst, std::span<const Segment> segments, std::uint64_t begin,
+                  std::uint64_t end) noexcept {
+  auto it = std::partition_point(segments.begin(), segments.end(), [&](const Segment& s) {
+    return s.dst_offset + s.num_bytes <= begin;
+  });
+  std::uint64_t line = begin;
+  while (line < end) {
+    while (it != segments.end() && it->dst_offset + it->num_bytes <= line) ++it;
+    if (it != segments.end() && it->dst_offset <= line) {
+      // Whole lines inside this segment.
+      const std::uint64_t seg_end = it->dst_offset + it->num_bytes;
+      const std::uint64_t run_end = std::min(end, line + (seg_end - line) / kLine * kLine);
+      if (run_end > line) {
+        const auto* src = static_cast<const unsigned char*>(it->src) + (line - it->dst_offset);
+        if (kHaveAvx) {
+          stream_copy_body_avx(dst + line, src, run_end - line);
+        } else {
+          stream_copy_body(dst + line, src, run_end - line);
+        }
+        line = run_end;
+        continue;
+      }
+    } else {
+      // Whole lines of padding before the next segment.
+      const std::uint64_t next = it == segments.end() ? end : it->dst_offset;
+      const std::uint64_t run_end = std::min(end, line + (next - line) / kLine * kLine);
+      if (run_end > line) {
+        stream_zero_body(dst + line, run_end - line);
+        line = run_end;
+        continue;
+      }
+    }
+    // A line where pieces meet.
+    alignas(16) unsigned char tmp[kLine] = {};
+    for (auto j = it; j != segments.end() && j->dst_offset < line + kLine; ++j) {
+      const std::uint64_t lo = std::max(j->dst_offset, line);
+      const std::uint64_t hi = std::min(j->dst_offset + j->num_bytes, line + kLine);
+      if (hi > lo) {
+        std::memcpy(tmp + (lo - line),
+                    static_cast<const unsigned char*>(j->src) + (lo - j->dst_offset), hi - lo);
+      }
+    }
+    stream_copy_body(dst + line, tmp, kLine);
+    line += kLine;
+  }
+}
+#endif
+
+}  // namespace
+
+void gather_range(unsigned char* dst, std::span<const Segment> segments, std::uint64_t begin,
+                  std::uint64_t end, bool streaming) noexcept {
+  if (begin >= end) return;
+#if ZEROFLAT_X86
+  if (streaming) {
+    // Ordinary stores up to the first 64-byte line of memory and after the last one; whole
+    // lines streamed in between.
+    const auto base = reinterpret_cast<std::uintptr_t>(dst);
+    const std::uintptr_t lo_abs = (base + begin + kLine - 1) / kLine * kLine;
+    const std::uintptr_t hi_abs = (base + end) / kLine * kLine;
+    if (lo_abs < hi_abs) {
+      const std::uint64_t lo = lo_abs - base;
+      const std::uint64_t hi = hi_abs - base;
+      gather_plain(dst, segments, begin, lo, false);
+      gather_lines(dst, segments, lo, hi);
+      gather_plain(dst, segments, hi, end, false);
+      return;
+    }
+  }
+#endif
+  gather_plain(dst, segments, begin, end, streaming);
+}
+
 void upcast_range(float* dst, const void* src, DType dtype, std::uint64_t numel) noexcept {
   switch (dtype) {
     case DType::kBF16: {
@@ -210,7 +296,7 @@ void upcast_range(float* dst, const void* src, DType dtype, std::uint64_t numel)
         return;
       }
 #endif
-      for (std::uint64_t i = 0; i < numel; ++i) dst[i] = fp16_to_float(s[i]);
+      for (std::uint64_t i = 0; i < numel; ++i) dst[i] = fp16_to_float_portable(s[i]);
       return;
     }
     case DType::kFP32:
@@ -223,7 +309,8 @@ void check_gather_segments(const void* dst, std::uint64_t num_bytes,
                            std::span<const Segment> segments) {
   const auto dst_lo = reinterpret_cast<std::uintptr_t>(dst);
   const std::uintptr_t dst_hi = dst_lo + num_bytes;
-  std::uint64_t prev_end = 0;
+  std::uint64_t prev_end = 0;     // end of the last non-empty segment
+  std::uint64_t prev_offset = 0;  // offset of the last segment, empty or not
   for (std::size_t k = 0; k < segments.size(); ++k) {
     const Segment& s = segments[k];
     auto where = [&] {
@@ -235,7 +322,9 @@ void check_gather_segments(const void* dst, std::uint64_t num_bytes,
       throw InvalidArgument(where() + " ends past the destination's " + std::to_string(num_bytes) +
                             " bytes");
     }
-    if (s.dst_offset < prev_end) {
+    // Every segment, empty ones too, must keep the order: the per-thread walk finds its first
+    // segment by binary search on it.
+    if (s.dst_offset < prev_end || s.dst_offset < prev_offset) {
       throw InvalidArgument(where() + " overlaps or precedes the previous segment, which ends at " +
                             std::to_string(prev_end) + ": segments must be sorted and disjoint");
     }
@@ -247,6 +336,7 @@ void check_gather_segments(const void* dst, std::uint64_t num_bytes,
       }
       prev_end = seg_end;
     }
+    prev_offset = s.dst_offset;
   }
 }
 

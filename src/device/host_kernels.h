@@ -31,6 +31,9 @@ void gather_range(unsigned char* dst, std::span<const Segment> segments, std::ui
 // dst[i] = float(src[i]) for i < numel.
 void upcast_range(float* dst, const void* src, DType dtype, std::uint64_t numel) noexcept;
 
+// IEEE half to float in portable code: the path machines without F16C take.
+float fp16_to_float(std::uint16_t h) noexcept;
+
 // Checks the contract of Device::gather; throws InvalidArgument naming the first bad segment.
 void check_gather_segments(const void* dst, std::uint64_t num_bytes,
                            std::span<const Segment> segments);
