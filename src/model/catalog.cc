@@ -58,6 +58,19 @@ ModelSpec build_transformer(std::string name, const TransformerConfig& c) {
            std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), ul) ==
                c.mlp_only_layers.end();
   };
+  // Count before building, so that a hostile config or a typo in --layers cannot make zeroflat
+  // build a list of billions of names.
+  {
+    const std::uint64_t experts_u = moe ? c.num_experts : 0;
+    const std::uint64_t per_layer = 16 + 1 + 3 * experts_u + 3;
+    const std::uint64_t kMaxTensors = 10'000'000;
+    if (c.num_layers > kMaxTensors / per_layer) {
+      throw InvalidArgument(std::to_string(c.num_layers) + " layers" +
+                            (moe ? " of " + std::to_string(c.num_experts) + " experts" : "") +
+                            " is over zeroflat's limit of " + std::to_string(kMaxTensors) +
+                            " tensors per model");
+    }
+  }
   bool any_dense = !moe;
   for (std::int64_t l = 0; l < layers && !any_dense; ++l) any_dense = !sparse(l);
   const std::int64_t ffn = any_dense ? dim(c.intermediate_size, "intermediate_size") : 0;
