@@ -165,6 +165,24 @@ void check_properties(const std::vector<std::uint64_t>& numels, const LayoutOpti
   std::uint64_t padding_total = 0;
   for (std::uint64_t r = 0; r < o.dp; ++r) {
     RankLayout rl = l.rank(r);
+    RankLayout quick = l.rank(r, false);
+    ASSERT_EQ(quick.params_in_partition, rl.params_in_partition);
+    ASSERT_EQ(quick.first_offset, rl.first_offset);
+    ASSERT_TRUE(quick.params_not_in_partition.empty());
+    // Brute force: in the partition iff it starts inside [start, end), or straddles start.
+    std::uint64_t want_first_offset = 0;
+    std::vector<std::uint64_t> want_in;
+    for (std::uint64_t i : l.order()) {
+      const std::uint64_t o = l.offsets()[i], m = numels[i];
+      if (o >= rl.start && o < rl.end) {
+        want_in.push_back(i);
+      } else if (o < rl.start && o + m > rl.start) {
+        want_in.push_back(i);
+        want_first_offset = rl.start - o;
+      }
+    }
+    ASSERT_EQ(rl.params_in_partition, want_in);
+    ASSERT_EQ(rl.first_offset, want_first_offset);
     ASSERT_EQ(rl.start, r * l.partition_numel());
     ASSERT_EQ(rl.end - rl.start, l.partition_numel());
     std::uint64_t pad = 0;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iosfwd>
 #include <span>
 #include <string>
 #include <vector>
@@ -79,15 +80,19 @@ class Layout {
   std::uint64_t partition_numel() const noexcept { return partition_numel_; }
   std::uint64_t partition_bytes() const noexcept { return partition_numel_ * esize_; }
 
-  // The bookkeeping of one rank, rank < dp. O(num_params).
-  RankLayout rank(std::uint64_t rank) const;
+  // The bookkeeping of one rank, rank < dp. O(num_params) with the not-in list; without it
+  // (list_not_in_partition = false, the list left empty) O(log num_params + its parameters).
+  RankLayout rank(std::uint64_t rank, bool list_not_in_partition = true) const;
 
   // Fragments of every parameter overlapping the element range [lo, hi) of the flat buffer,
   // in flat order, with partition_offset relative to lo. O(log num_params + result).
   std::vector<Fragment> fragments_in(std::uint64_t lo, std::uint64_t hi) const;
 
-  // `zeroflat layout --json`'s document (see docs/cli.md), with every rank.
-  std::string to_json(int indent = -1) const;
+  // `zeroflat layout --json`'s document (see docs/cli.md), with every rank, on one line.
+  std::string to_json() const;
+  // The same document written rank by rank, so that memory stays O(num_params) however large
+  // dp is.
+  void write_json(std::ostream& out) const;
 
  private:
   LayoutOptions options_;

@@ -91,7 +91,7 @@ Layout Layout::compute(std::span<const std::uint64_t> numels, const LayoutOption
   return l;
 }
 
-RankLayout Layout::rank(std::uint64_t r) const {
+RankLayout Layout::rank(std::uint64_t r, bool list_not_in_partition) const {
   if (r >= options_.dp) {
     throw InvalidArgument("rank " + std::to_string(r) + " is outside [0, " +
                           std::to_string(options_.dp) + ")");
@@ -103,16 +103,28 @@ RankLayout Layout::rank(std::uint64_t r) const {
   const std::uint64_t s = out.start;
   const std::uint64_t e = out.end;
   out.padding = e > std::max(s, data_end_) ? e - std::max(s, data_end_) : 0;
-  for (std::uint64_t i : order_) {
+  auto in_partition = [&](std::uint64_t i) {
     const std::uint64_t o = offsets_[i];
     const std::uint64_t m = numels_[i];
-    if (s <= o && o < e) {
-      out.params_in_partition.push_back(i);
-    } else if (o < s && s < o + m) {
-      out.params_in_partition.push_back(i);
+    if (s <= o && o < e) return true;
+    if (o < s && s < o + m) {
       out.first_offset = s - o;
-    } else {
-      out.params_not_in_partition.push_back(i);
+      return true;
+    }
+    return false;
+  };
+  if (list_not_in_partition) {
+    for (std::uint64_t i : order_) {
+      (in_partition(i) ? out.params_in_partition : out.params_not_in_partition).push_back(i);
+    }
+  } else {
+    // Only parameters ending after s can be in: start at the first one (offsets never decrease
+    // along the flat order) and stop at the first one starting at or after e.
+    auto it = std::partition_point(order_.begin(), order_.end(), [&](std::uint64_t i) {
+      return offsets_[i] + numels_[i] <= s && offsets_[i] < s;
+    });
+    for (; it != order_.end() && offsets_[*it] < e; ++it) {
+      if (in_partition(*it)) out.params_in_partition.push_back(*it);
     }
   }
   out.fragments = fragments_in(s, e);

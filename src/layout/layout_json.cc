@@ -1,24 +1,28 @@
 // The JSON document of a layout, as `zeroflat layout --json` prints it.
 #include <nlohmann/json.hpp>
+#include <ostream>
+#include <sstream>
 
 #include "zeroflat/layout.h"
 
 namespace zeroflat {
 
-std::string Layout::to_json(int indent) const {
+void Layout::write_json(std::ostream& out) const {
   using nlohmann::ordered_json;
-  ordered_json doc;
-  doc["dp"] = options_.dp;
-  doc["alignment"] = alignment_;
-  doc["dtype"] = std::string(dtype_name(options_.dtype));
-  doc["numel"] = numel_;
-  doc["padding"] = padding();
-  doc["flat_numel"] = flat_numel_;
-  doc["flat_bytes"] = flat_bytes();
-  doc["partition_numel"] = partition_numel_;
-  doc["order"] = order_;
-  doc["offsets"] = offsets_;
-  ordered_json ranks = ordered_json::array();
+  ordered_json head;
+  head["dp"] = options_.dp;
+  head["alignment"] = alignment_;
+  head["dtype"] = std::string(dtype_name(options_.dtype));
+  head["numel"] = numel_;
+  head["padding"] = padding();
+  head["flat_numel"] = flat_numel_;
+  head["flat_bytes"] = flat_bytes();
+  head["partition_numel"] = partition_numel_;
+  head["order"] = order_;
+  head["offsets"] = offsets_;
+  std::string text = head.dump();
+  text.pop_back();  // the closing brace: the ranks follow
+  out << text << ",\"ranks\":[";
   for (std::uint64_t r = 0; r < options_.dp; ++r) {
     RankLayout rl = rank(r);
     ordered_json j;
@@ -37,10 +41,15 @@ std::string Layout::to_json(int indent) const {
                                    {"numel", f.numel}});
     }
     j["fragments"] = std::move(frags);
-    ranks.push_back(std::move(j));
+    out << (r > 0 ? "," : "") << j.dump();
   }
-  doc["ranks"] = std::move(ranks);
-  return doc.dump(indent);
+  out << "]}";
+}
+
+std::string Layout::to_json() const {
+  std::ostringstream out;
+  write_json(out);
+  return out.str();
 }
 
 }  // namespace zeroflat
