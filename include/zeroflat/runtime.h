@@ -8,6 +8,9 @@
 
 namespace zeroflat {
 
+// The most host threads a rank may be given (ZEROFLAT_NUM_THREADS, --threads).
+inline constexpr unsigned kMaxThreads = 1024;
+
 struct RuntimeEnv {
   // ZEROFLAT_NUM_THREADS: host threads per rank, overriding the default.
   std::optional<unsigned> num_threads;
@@ -20,7 +23,8 @@ struct RuntimeEnv {
 // set to something other than a positive integer (every later call throws the same).
 const RuntimeEnv& runtime_env();
 
-// Cores this process may run on (its CPU affinity mask), at least 1.
+// Cores this process may run on: its CPU affinity mask, capped by its cgroup's CPU quota;
+// at least 1.
 unsigned available_cores() noexcept;
 
 // Threads each rank uses for host work: ZEROFLAT_NUM_THREADS if set, else the available cores

@@ -3,7 +3,9 @@
 
 #include <sched.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <exception>
 #include <string>
 #include <thread>
@@ -23,9 +25,9 @@ std::optional<unsigned> positive_env(const char* name) {
   } catch (const InvalidArgument&) {
     n = 0;
   }
-  if (n == 0 || n > 1u << 20) {
-    throw InvalidArgument(std::string(name) + "='" + value +
-                          "': expected a positive integer (unset it for the default)");
+  if (n == 0 || n > kMaxThreads) {
+    throw InvalidArgument(std::string(name) + "='" + value + "': expected an integer from 1 to " +
+                          std::to_string(kMaxThreads) + " (unset it for the default)");
   }
   return static_cast<unsigned>(n);
 }
@@ -67,15 +69,41 @@ const RuntimeEnv& runtime_env() {
   return env;
 }
 
+// The CPU quota of this process's cgroup (v2 cpu.max "quota period", v1 cfs files), in whole
+// cores rounded up; 0 when there is none.
+unsigned cgroup_cpu_quota() noexcept {
+  auto read = [](const char* path) {
+    std::ifstream in(path);
+    std::string a, b;
+    in >> a >> b;
+    return std::pair<std::string, std::string>(a, b);
+  };
+  try {
+    auto [quota, period] = read("/sys/fs/cgroup/cpu.max");
+    if (!quota.empty() && quota != "max" && !period.empty()) {
+      const double cores = std::stod(quota) / std::stod(period);
+      return cores > 0 ? static_cast<unsigned>(std::ceil(cores)) : 0;
+    }
+    auto [q1, unused1] = read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us");
+    auto [p1, unused2] = read("/sys/fs/cgroup/cpu/cpu.cfs_period_us");
+    if (!q1.empty() && !p1.empty() && std::stod(q1) > 0) {
+      return static_cast<unsigned>(std::ceil(std::stod(q1) / std::stod(p1)));
+    }
+  } catch (...) {
+  }
+  return 0;
+}
+
 unsigned available_cores() noexcept {
+  unsigned n = 0;
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0) {
-    int n = CPU_COUNT(&set);
-    if (n > 0) return static_cast<unsigned>(n);
-  }
-  unsigned n = std::thread::hardware_concurrency();
-  return n > 0 ? n : 1;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) n = static_cast<unsigned>(CPU_COUNT(&set));
+  if (n == 0) n = std::thread::hardware_concurrency();
+  if (n == 0) n = 1;
+  // A container limited to 2 CPUs on a 64-core host must not run 64 threads.
+  const unsigned quota = cgroup_cpu_quota();
+  return quota > 0 && quota < n ? quota : n;
 }
 
 unsigned default_num_threads(unsigned local_ranks) {
