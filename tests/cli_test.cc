@@ -396,3 +396,54 @@ TEST(CliProbe, CpuAnswersAndCudaSaysWhyNot) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(CliRun, VerifyCatchesACorruptedByte) {
+  Result r = run("run --model tiny-moe --verify --repeat 1 --quiet --inject-corruption 1001");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("verified          NO"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("verification failed"), std::string::npos) << r.err;
+  Result j = run("run --model tiny-moe --verify --repeat 1 --quiet --json --inject-corruption 0");
+  EXPECT_EQ(j.code, 1);
+  EXPECT_EQ(json::parse(j.out)["ranks"][0]["verified"], false);
+  EXPECT_EQ(run("run --model tiny-moe --inject-corruption 99999999999").code, 2);
+}
+
+TEST(CliRun, ARunThatCannotFitIsRefusedBeforeAnyAllocation) {
+  // A 2 TB flat buffer (an absurd alignment) on any test machine.
+  Result r = run("run --model tiny-moe --alignment-factor 1000000000000");
+  EXPECT_EQ(r.code, 3);
+  EXPECT_NE(r.err.find("no feasible plan"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("Nothing was allocated"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("materialize"), std::string::npos) << "work started: " << r.err;
+  Result huge = run("run --model tiny-moe --layers 99999999999");
+  EXPECT_EQ(huge.code, 2);
+  EXPECT_NE(huge.err.find("limit"), std::string::npos) << huge.err;
+}
+
+TEST(CliRun, OutputThatCannotBeWrittenIsAFailure) {
+  EXPECT_EQ(run("layout --numels 5,7,3 --dp 4 --json > /dev/full").code, 1);
+  EXPECT_EQ(run("probe > /dev/full").code, 1);
+}
+
+TEST(CliLayout, EmptyItemsAndOddFiles) {
+  for (const char* list : {"5,,7", ",5", "5,"}) {
+    Result r = run(std::string("layout --numels '") + list + "'");
+    EXPECT_EQ(r.code, 2) << list;
+    EXPECT_NE(r.err.find("is empty"), std::string::npos) << r.err;
+  }
+  const std::string bom = write_temp("bom.txt",
+                                     "\xEF\xBB\xBF"
+                                     "5\n7\n");
+  EXPECT_EQ(run("layout --numels @" + bom).code, 0);
+  Result zero = run("layout --numels @/dev/zero");
+  EXPECT_EQ(zero.code, 2);
+  EXPECT_NE(zero.err.find("larger than"), std::string::npos) << zero.err;
+  const std::string big = write_temp("big.json", "[18446744073709551616]");
+  Result b = run("layout --numels @" + big);
+  EXPECT_EQ(b.code, 2);
+  EXPECT_NE(b.err.find("does not fit in 64 bits"), std::string::npos) << b.err;
+}
+
+}  // namespace

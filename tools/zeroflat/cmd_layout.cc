@@ -1,5 +1,6 @@
 // `zeroflat layout`: the flat layout of one parameter group, as a table or as JSON.
 #include <cstdio>
+#include <iostream>
 #include <string>
 
 #include "zeroflat/common.h"
@@ -55,7 +56,7 @@ void print_table(const Layout& l, const std::string& source) {
                   static_cast<unsigned long long>(o.dp - max_rows));
       r = o.dp - max_rows / 2;
     }
-    RankLayout rl = l.rank(r);
+    RankLayout rl = l.rank(r, /*list_not_in_partition=*/false);
     std::printf("%6llu %14llu %14llu %12llu %12llu  %s\n", static_cast<unsigned long long>(r),
                 static_cast<unsigned long long>(rl.start), static_cast<unsigned long long>(rl.end),
                 static_cast<unsigned long long>(rl.padding),
@@ -109,9 +110,8 @@ int subcommand_layout(const std::vector<std::string>& argv) {
   LayoutOptions options = layout_options_from_args(args);
   Layout layout = Layout::compute(numels, options);
   if (args.has("json")) {
-    std::string doc = layout.to_json();
-    std::fwrite(doc.data(), 1, doc.size(), stdout);
-    std::fputc('\n', stdout);
+    layout.write_json(std::cout);
+    std::cout << '\n';
   } else {
     print_table(layout, source);
   }

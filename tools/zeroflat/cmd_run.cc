@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -18,6 +19,8 @@
 #include "zeroflat/error.h"
 #include "zeroflat/flatten.h"
 #include "zeroflat/pattern.h"
+#include "zeroflat/plan.h"
+#include "zeroflat/probe.h"
 #include "zeroflat/progress.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
@@ -195,6 +198,9 @@ int subcommand_run(const std::vector<std::string>& argv) {
   p.flag("verify", "check every byte of the flat buffer, every view and the master partition");
   p.flag("json", "print one JSON document on stdout (docs/cli.md)");
   p.flag("quiet", "no progress on stderr");
+  p.option("inject-corruption", "BYTE",
+           "testing aid: flip one byte of the flat buffer after the flatten, to see --verify "
+           "catch it");
   p.epilog(
       "examples:\n"
       "  zeroflat run --model tiny-moe --verify\n"
@@ -234,7 +240,9 @@ int subcommand_run(const std::vector<std::string>& argv) {
   unsigned threads = 0;
   if (auto v = args.get("threads")) {
     std::uint64_t n = parse_u64(*v, "--threads");
-    if (n == 0 || n > 4096) throw InvalidArgument("--threads " + *v + ": expected 1 to 4096");
+    if (n == 0 || n > kMaxThreads) {
+      throw InvalidArgument("--threads " + *v + ": expected 1 to " + std::to_string(kMaxThreads));
+    }
     threads = static_cast<unsigned>(n);
   } else {
     threads = default_num_threads();
@@ -258,6 +266,37 @@ int subcommand_run(const std::vector<std::string>& argv) {
   const Layout planned = Layout::compute(model.numels(), options);
   const std::uint64_t model_bytes = model.numel() * es;
   const std::uint64_t flat_bytes = planned.flat_bytes();
+  std::optional<std::uint64_t> corrupt;
+  if (auto v = args.get("inject-corruption")) {
+    corrupt = parse_u64(*v, "--inject-corruption");
+    if (*corrupt >= flat_bytes) {
+      throw InvalidArgument("--inject-corruption " + *v + ": the flat buffer has " +
+                            std::to_string(flat_bytes) + " bytes");
+    }
+  }
+
+  // --- does it fit in this host's memory? Nothing is allocated before this answer ----------
+  // Peak: the originals, the flat buffer and the ceiling's buffer of the same size during the
+  // timing rounds; later the flat buffer and the fp32 master partition.
+  const std::uint64_t need =
+      std::max(model_bytes + 2 * flat_bytes, flat_bytes + 4 * planned.partition_numel());
+  {
+    ProbeResult host = probe_host(system_host_sources());
+    const std::uint64_t margin = default_margin(host.total_bytes);
+    const std::uint64_t usable = host.free_bytes > margin ? host.free_bytes - margin : 0;
+    if (host.available && need > usable) {
+      std::fprintf(stderr,
+                   "zeroflat run: no feasible plan: this run needs %s of host memory (the model's "
+                   "%s, the flat buffer and a ceiling buffer of %s each; then the fp32 master "
+                   "partition), and %s is usable here (%s free from %s, less a %s margin). "
+                   "Nothing was allocated. Try --layers or --experts to scale the model down.\n",
+                   format_bytes(need).c_str(), format_bytes(model_bytes).c_str(),
+                   format_bytes(flat_bytes).c_str(), format_bytes(usable).c_str(),
+                   format_bytes(host.free_bytes).c_str(), host.used.c_str(),
+                   format_bytes(margin).c_str());
+      return kExitInfeasible;
+    }
+  }
   progress.note(model.name + ": " + format_count(model.tensors.size()) + " tensors, " +
                 format_count(model.numel()) + " parameters, " + format_bytes(model_bytes) + " " +
                 std::string(dtype_name(dtype)) + "; " + std::to_string(threads) + " threads");
@@ -288,13 +327,20 @@ int subcommand_run(const std::vector<std::string>& argv) {
   time.first_flatten = seconds_since(t0);
   time.end_to_end = time.first_flatten;
   progress.end();
-  const std::uint64_t predicted_peak = resident_bytes + flat_bytes;
+  // The planner's memory model on the tier's own step list, against the device's counters.
+  const std::uint64_t predicted_peak =
+      simulate(tier_steps(Tier::kDevice, planned, 0), resident_bytes, model_bytes, options.dp)
+          .peak_device_bytes;
   // The tier's peak: originals and flat buffer together. Later timing rounds do not count.
   const std::uint64_t measured_peak = device->memory_info().peak_allocated_bytes;
+
+  if (corrupt) static_cast<unsigned char*>(group.flat.data())[*corrupt] ^= 0x01;
 
   // --- timing rounds against the memcpy ceilings, interleaved ------------------------------
   // Each figure is the best of `repeat` rounds, the ceilings too, so that the ratio is not
   // skewed by whichever ran first (first-touch costs of memory new to this process vary).
+  // The rounds write into a scratch buffer: the flat buffer stays exactly as the flatten that
+  // built it left it, which is what --verify then checks.
   {
     progress.begin("time the flatten against memcpy (" + std::to_string(repeat) + " rounds)", 0);
     std::vector<Segment> segments = gather_segments(group.layout, params, 0, flat_bytes);
@@ -302,7 +348,7 @@ int subcommand_run(const std::vector<std::string>& argv) {
     cpu->zero_parallel(scratch, flat_bytes);
     for (std::uint64_t r = 0; r < repeat; ++r) {
       t0 = Clock::now();
-      device->gather(group.flat.data(), flat_bytes, segments);
+      device->gather(scratch, flat_bytes, segments);
       time.copy_only = std::min(time.copy_only, seconds_since(t0));
       t0 = Clock::now();
       cpu->memcpy_parallel(scratch, group.flat.data(), flat_bytes);
@@ -326,6 +372,7 @@ int subcommand_run(const std::vector<std::string>& argv) {
 
   // --- the tier's last step: the originals go; the views own the data now --------------------
   storage.clear();
+  for (TensorRef& t : params) t.data = nullptr;  // shapes stay for the checks; the data is gone
 
   progress.begin("fp32 master partition", 0);
   DeviceBuffer master = make_master_partition(*device, group, 0);
@@ -369,7 +416,8 @@ int subcommand_run(const std::vector<std::string>& argv) {
     rank["measured_peak_device_bytes"] = measured_peak;
     rank["host_bytes"] = 0;
     rank["master_bytes"] = master.num_bytes();
-    rank["verified"] = verify ? nlohmann::ordered_json(failure.empty()) : nlohmann::ordered_json();
+    rank["verified"] = verify && failure.empty();
+    rank["verify"] = verify ? "every byte, view and master element" : "not requested";
     if (!failure.empty()) rank["error"] = failure;
     rank["checksum"] = checksum_hex(checksum);
     doc["ranks"] = nlohmann::ordered_json::array({rank});

@@ -1,11 +1,15 @@
 // The zeroflat command: dispatch to subcommands and map errors to the exit codes of docs/cli.md.
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <iostream>
 #include <exception>
 #include <string>
 #include <vector>
 
 #include "zeroflat/common.h"
 #include "zeroflat/config.h"
+#include "zeroflat/device.h"
 #include "zeroflat/error.h"
 
 namespace {
@@ -54,18 +58,38 @@ int main(int argc, char** argv) {
       return kExitOk;
     }
     if (command == "--version" || command == "version") {
-      std::printf("zeroflat %s (cuda %s, nccl %s, mpi %s)\n", ZEROFLAT_VERSION,
-                  ZEROFLAT_HAVE_CUDA ? "yes" : "no", ZEROFLAT_HAVE_NCCL ? "yes" : "no",
-                  ZEROFLAT_HAVE_MPI ? "yes" : "no");
+      std::string devices;
+      for (const std::string& d : device_prefixes()) devices += (devices.empty() ? "" : ", ") + d;
+      std::printf("zeroflat %s\n  devices: %s\n  toolchains found at build time: cuda %s, nccl %s, "
+                  "mpi %s, python+torch %s\n",
+                  ZEROFLAT_VERSION, devices.c_str(), ZEROFLAT_HAVE_CUDA ? "yes" : "no",
+                  ZEROFLAT_HAVE_NCCL ? "yes" : "no", ZEROFLAT_HAVE_MPI ? "yes" : "no",
+                  ZEROFLAT_HAVE_PYTHON ? "yes" : "no");
       return kExitOk;
     }
-    if (command == "layout") return subcommand_layout(args);
-    if (command == "run") return subcommand_run(args);
-    if (command == "plan") return subcommand_plan(args);
-    if (command == "inspect") return subcommand_inspect(args);
-    if (command == "probe") return subcommand_probe(args);
-    std::fprintf(stderr, "zeroflat: unknown command '%s'\n\n%s", command.c_str(), kUsage);
-    return kExitInvalid;
+    int code = kExitInvalid;
+    if (command == "layout") {
+      code = subcommand_layout(args);
+    } else if (command == "run") {
+      code = subcommand_run(args);
+    } else if (command == "plan") {
+      code = subcommand_plan(args);
+    } else if (command == "inspect") {
+      code = subcommand_inspect(args);
+    } else if (command == "probe") {
+      code = subcommand_probe(args);
+    } else {
+      std::fprintf(stderr, "zeroflat: unknown command '%s'\n\n%s", command.c_str(), kUsage);
+      return kExitInvalid;
+    }
+    // A document that did not reach its reader is a failure, whatever the command concluded.
+    std::cout.flush();
+    if (!std::cout || std::fflush(stdout) != 0 || std::ferror(stdout)) {
+      std::fprintf(stderr, "zeroflat %s: error: could not write the output (%s)\n",
+                   command.c_str(), std::strerror(errno));
+      return kExitOther;
+    }
+    return code;
   } catch (const UsageError& e) {
     std::fprintf(stderr, "zeroflat %s: %s\n(see `zeroflat %s --help`)\n", command.c_str(), e.what(),
                  command.c_str());

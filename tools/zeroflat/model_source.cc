@@ -19,8 +19,8 @@ void add_model_options(Parser& parser, const std::string& default_model) {
                 "a catalog model (" + names +
                     "), a config.json, or a checkpoint directory or .safetensors file",
                 default_model);
-  parser.option("layers", "L", "keep only the first L decoder layers");
-  parser.option("experts", "E", "keep only E experts per MoE layer");
+  parser.option("layers", "L", "decoder layers (fewer than the model's scales it down)");
+  parser.option("experts", "E", "experts per MoE layer (fewer scales it down)");
 }
 
 ModelSpec model_from_args(const Args& args, const std::string& default_model) {
@@ -70,63 +70,126 @@ LayoutOptions layout_options_from_args(const Args& args) {
 
 namespace {
 
-std::vector<std::uint64_t> parse_list(const std::string& text, const std::string& source) {
+constexpr std::uint64_t kMaxNumelsFileBytes = std::uint64_t{256} << 20;
+
+// "5,7,3", "5 7 3", one per line: commas and white space separate items; an empty item between
+// commas is an error. Fast: a million items parse in a few milliseconds.
+std::vector<std::uint64_t> parse_list(std::string_view text, const std::string& source) {
   std::vector<std::uint64_t> out;
-  std::string item;
-  std::size_t line = 1;
-  std::size_t item_line = 1;
-  auto flush = [&] {
-    if (item.empty()) return;
-    std::string what = "element count #" + std::to_string(out.size() + 1) + " of " + source +
-                       (source == "--numels" ? "" : " (line " + std::to_string(item_line) + ")");
-    out.push_back(parse_u64(item, what));
-    item.clear();
+  std::size_t line = 1, token_start = 0, token_line = 1;
+  bool in_token = false, item_since_comma = false, saw_comma = false;
+  auto where = [&](std::size_t index, std::size_t at_line) {
+    return "element count #" + std::to_string(index) + " of " + source +
+           (source == "--numels" ? "" : " (line " + std::to_string(at_line) + ")");
   };
-  for (char c : text) {
-    if (c == ',' || std::isspace(static_cast<unsigned char>(c)) != 0) {
-      flush();
-      if (c == '\n') ++line;
+  auto flush = [&](std::size_t end) {
+    if (!in_token) return;
+    in_token = false;
+    item_since_comma = true;
+    const std::string_view tok = text.substr(token_start, end - token_start);
+    std::uint64_t v = 0;
+    bool ok = !tok.empty();
+    for (char c : tok) {
+      if (c < '0' || c > '9' || __builtin_mul_overflow(v, std::uint64_t{10}, &v) ||
+          __builtin_add_overflow(v, static_cast<std::uint64_t>(c - '0'), &v)) {
+        ok = false;
+        break;
+      }
+    }
+    if (!ok) (void)parse_u64(tok, where(out.size() + 1, token_line));  // throws with the reason
+    out.push_back(v);
+  };
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    const bool sep = c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r';
+    if (!sep) {
+      if (!in_token) {
+        in_token = true;
+        token_start = i;
+        token_line = line;
+      }
       continue;
     }
-    if (item.empty()) item_line = line;
-    item += c;
+    flush(i);
+    if (c == ',') {
+      if (!item_since_comma) {
+        throw InvalidArgument(where(out.size() + 1, line) +
+                              " is empty: two commas, or a comma first, with nothing between");
+      }
+      item_since_comma = false;
+      saw_comma = true;
+    }
+    if (c == '\n') ++line;
   }
-  flush();
+  flush(text.size());
+  if (saw_comma && !item_since_comma) {
+    throw InvalidArgument(where(out.size() + 1, line) + " is empty: the list ends with a comma");
+  }
   return out;
+}
+
+std::string read_numels_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InvalidArgument("--numels @" + path + ": cannot read '" + path + "'");
+  std::string content;
+  char buf[1 << 16];
+  while (in.read(buf, sizeof buf) || in.gcount() > 0) {
+    content.append(buf, static_cast<std::size_t>(in.gcount()));
+    if (content.size() > kMaxNumelsFileBytes) {
+      throw InvalidArgument("'" + path + "' is larger than " + format_bytes(kMaxNumelsFileBytes) +
+                            ": not a list of element counts");
+    }
+  }
+  if (content.rfind("\xEF\xBB\xBF", 0) == 0) content.erase(0, 3);  // a UTF-8 byte order mark
+  return content;
 }
 
 }  // namespace
 
 std::vector<std::uint64_t> parse_numels(const std::string& text) {
-  if (text.empty() || text.find_first_not_of(" \t\n,") == std::string::npos) {
+  if (text.empty() || text.find_first_not_of(" \t\n") == std::string::npos) {
     throw InvalidArgument("--numels is empty: expected element counts such as 5,7,3 or @FILE");
   }
-  if (text[0] != '@') return parse_list(text, "--numels");
+  if (text[0] != '@') {
+    std::vector<std::uint64_t> out = parse_list(text, "--numels");
+    if (out.empty()) {
+      throw InvalidArgument("--numels is empty: expected element counts such as 5,7,3 or @FILE");
+    }
+    return out;
+  }
   const std::string path = text.substr(1);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InvalidArgument("--numels " + text + ": cannot read '" + path + "'");
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  const std::string content = buf.str();
+  const std::string content = read_numels_file(path);
   const std::size_t first = content.find_first_not_of(" \t\r\n");
   if (first == std::string::npos) {
     throw InvalidArgument("'" + path + "' holds no element counts");
   }
-  if (content[first] != '[') return parse_list(content, "'" + path + "'");
+  if (content[first] != '[') {
+    std::vector<std::uint64_t> out = parse_list(content, "'" + path + "'");
+    if (out.empty()) throw InvalidArgument("'" + path + "' holds no element counts");
+    return out;
+  }
   nlohmann::json doc;
   try {
     doc = nlohmann::json::parse(content);
   } catch (const nlohmann::json::parse_error& e) {
     throw InvalidArgument("'" + path + "' is not valid JSON: " + e.what());
   }
+  if (!doc.is_array()) throw InvalidArgument("'" + path + "' is not a JSON list");
   std::vector<std::uint64_t> out;
+  out.reserve(doc.size());
   for (std::size_t i = 0; i < doc.size(); ++i) {
     const nlohmann::json& v = doc[i];
-    if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<std::int64_t>() >= 0)) {
+    if (v.is_number_unsigned()) {
+      out.push_back(v.get<std::uint64_t>());
+    } else if (v.is_number_integer() && v.get<std::int64_t>() >= 0) {
+      out.push_back(static_cast<std::uint64_t>(v.get<std::int64_t>()));
+    } else if (v.is_number_float() && v.get<double>() >= 18446744073709551615.0) {
       throw InvalidArgument("'" + path + "': item " + std::to_string(i) + " (" + v.dump() +
-                            ") is not a non-negative integer");
+                            ") does not fit in 64 bits");
+    } else {
+      throw InvalidArgument("'" + path + "': item " + std::to_string(i) + " (" +
+                            v.dump().substr(0, 40) + ") is not a non-negative integer");
     }
-    out.push_back(v.get<std::uint64_t>());
   }
   if (out.empty()) throw InvalidArgument("'" + path + "' holds an empty list");
   return out;
