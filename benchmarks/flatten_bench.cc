@@ -1,8 +1,12 @@
-// The host flatten against the memcpy ceiling: total size 1 MiB .. 1 GiB, tensor count
-// 1 .. 100,000 at fixed total. Every iteration times the flatten and, right after it, a memcpy of
-// the same bytes with the same threads; the row's `x_memcpy` is the median over iterations of
-// memcpy time / flatten time, so a noisy moment on a shared machine hits both sides of one pair
-// and moves the median little. Target (docs/performance.md): >= 0.85 at >= 256 MiB.
+// The host flatten against the copy ceiling: total size 1 MiB .. 1 GiB, tensor count
+// 1 .. 100,000 at fixed total. Every iteration times the flatten and, right after it, two copies
+// of the same bytes with the same threads from one contiguous buffer: libc memcpy, and
+// zeroflat's own streaming copy (libc only streams above a size threshold of its own, so at some
+// sizes plain memcpy is the weaker ceiling). `x_memcpy` is the median over iterations of memcpy
+// time / flatten time; `x_ceiling` the same against the faster of the two copies. A noisy moment
+// on a shared machine hits all sides of one iteration and moves the median little.
+// Target (docs/performance.md): x_memcpy >= 0.85 at >= 256 MiB; x_ceiling is the stricter
+// figure, reported beside it.
 #include <benchmark/benchmark.h>
 #include <unistd.h>
 
@@ -84,18 +88,25 @@ void BM_FlattenCopy(benchmark::State& state) {
   DeviceBuffer dst(device(), n);
   device().zero_parallel(flat.data(), n);
   device().zero_parallel(dst.data(), n);
-  std::vector<double> ratios;
+  const Segment whole{flat.data(), 0, n};
+  std::vector<double> vs_memcpy, vs_ceiling;
   for (auto _ : state) {
     auto t0 = Clock::now();
     device().gather(flat.data(), n, w->segments);
     const double f = seconds(t0);
     t0 = Clock::now();
     device().memcpy_parallel(dst.data(), flat.data(), n);
-    ratios.push_back(seconds(t0) / f);
+    const double m = seconds(t0);
+    t0 = Clock::now();
+    device().gather(dst.data(), n, {&whole, 1});  // one segment: a plain streaming copy
+    const double c = seconds(t0);
+    vs_memcpy.push_back(m / f);
+    vs_ceiling.push_back(std::min(m, c) / f);
     state.SetIterationTime(f);
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(n * state.iterations()));
-  state.counters["x_memcpy"] = median(ratios);
+  state.counters["x_memcpy"] = median(vs_memcpy);
+  state.counters["x_ceiling"] = median(vs_ceiling);
   state.counters["threads"] = device().num_threads();
 }
 
@@ -145,17 +156,12 @@ void sweep(benchmark::internal::Benchmark* b) {
   }
 }
 
-BENCHMARK(BM_FlattenCopy)
-    ->Apply(sweep)
-    ->UseManualTime()
-    ->MinTime(1.0)
-    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FlattenCopy)->Apply(sweep)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_FlattenFresh)
     ->Args({256, 100})
     ->Args({256, 100000})
     ->Args({1024, 100})
     ->UseManualTime()
-    ->MinTime(1.0)
     ->Unit(benchmark::kMillisecond);
 
 // Collects each row's ratio and prints a summary against the target after the run.
@@ -167,32 +173,47 @@ class RatioReporter : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     ConsoleReporter::ReportRuns(runs);
     for (const Run& r : runs) {
-      auto it = r.counters.find("x_memcpy");
-      if (it != r.counters.end() && r.run_type == Run::RT_Iteration) {
-        rows_.push_back({r.benchmark_name(), it->second.value});
+      auto m = r.counters.find("x_memcpy");
+      auto c = r.counters.find("x_ceiling");
+      if (m != r.counters.end() && r.run_type == Run::RT_Iteration) {
+        rows_.push_back(
+            {r.benchmark_name(), m->second.value, c != r.counters.end() ? c->second.value : -1});
       }
     }
   }
   void Finalize() override {
     ConsoleReporter::Finalize();
-    std::printf("\nflatten / memcpy (same bytes, same threads; median over iteration pairs):\n");
-    double worst_large = 1e9;
-    for (const auto& [name, ratio] : rows_) {
-      std::printf("  %-56s %5.2f\n", name.c_str(), ratio);
+    std::printf("\nflatten vs copies of the same bytes with the same threads (medians):\n");
+    std::printf("  %-44s %9s %9s\n", "row", "x_memcpy", "x_ceiling");
+    double worst_large = 1e9, worst_large_memcpy = 1e9;
+    for (const Row& row : rows_) {
+      if (row.vs_ceiling >= 0) {
+        std::printf("  %-44s %9.2f %9.2f\n", row.name.c_str(), row.vs_memcpy, row.vs_ceiling);
+      } else {
+        std::printf("  %-44s %9.2f %9s\n", row.name.c_str(), row.vs_memcpy, "-");
+      }
       // Rows named BM_FlattenCopy/<MiB>/<count>/manual_time.
       unsigned mib = 0;
-      if (std::sscanf(name.c_str(), "BM_FlattenCopy/%u/", &mib) == 1 && mib >= 256) {
-        worst_large = std::min(worst_large, ratio);
+      if (std::sscanf(row.name.c_str(), "BM_FlattenCopy/%u/", &mib) == 1 && mib >= 256) {
+        worst_large = std::min(worst_large, row.vs_ceiling);
+        worst_large_memcpy = std::min(worst_large_memcpy, row.vs_memcpy);
       }
     }
     if (worst_large < 1e9) {
-      std::printf("worst copy-only ratio at >= 256 MiB: %.2f (target >= 0.85): %s\n", worst_large,
-                  worst_large >= 0.85 ? "met" : "NOT met");
+      std::printf(
+          "worst copy-only ratio at >= 256 MiB: %.2f x memcpy (target >= 0.85: %s); "
+          "%.2f x the faster of memcpy and a streaming copy\n",
+          worst_large_memcpy, worst_large_memcpy >= 0.85 ? "met" : "NOT met", worst_large);
     }
   }
 
  private:
-  std::vector<std::pair<std::string, double>> rows_;
+  struct Row {
+    std::string name;
+    double vs_memcpy;
+    double vs_ceiling;  // -1: not measured (end-to-end rows)
+  };
+  std::vector<Row> rows_;
 };
 
 }  // namespace
