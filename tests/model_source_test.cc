@@ -3,8 +3,11 @@
 #include "zeroflat/model_source.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -170,6 +173,41 @@ class TempDir : public ::testing::Test {
 
 using Checkpoints = TempDir;
 
+TEST_F(Checkpoints, HeadersWinOverAConfigBesideThemAndGiveTheDtype) {
+  write("model.safetensors",
+        file_with(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},)"
+                  R"( "b": {"dtype": "BF16", "shape": [2], "data_offsets": [16, 20]}})",
+                  20));
+  write("config.json", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 8,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 4, "vocab_size": 10})");
+  ModelSpec m = load_model(dir_.string());
+  EXPECT_EQ(m.tensors.size(), 2u);  // the checkpoint's, not the config's
+  ASSERT_TRUE(m.dtype);
+  EXPECT_EQ(*m.dtype, DType::kFP32);  // most bytes are fp32
+  EXPECT_EQ(inspect_path(dir_.string()).tensors.size(), 2u);
+  // Only a config: both use it, with its torch_dtype.
+  fs::remove(dir_ / "model.safetensors");
+  write("config.json", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 8,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 4, "vocab_size": 10,
+    "torch_dtype": "float16"})");
+  ModelSpec c = load_model(dir_.string());
+  EXPECT_GT(c.tensors.size(), 2u);
+  EXPECT_EQ(*c.dtype, DType::kFP16);
+  EXPECT_EQ(inspect_path(dir_.string()).source, "config");
+  EXPECT_EQ(inspect_path(dir_.string()).bytes_by_dtype.count("fp16"), 1u);
+}
+
+TEST_F(Checkpoints, FifosAreNotRead) {
+  const std::string fifo = (dir_ / "x.safetensors").string();
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  try {
+    (void)inspect_path(fifo);
+    ADD_FAILURE() << "read a FIFO";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("not a regular file"), std::string::npos);
+  }
+}
+
 TEST_F(Checkpoints, ShardedDirectoryWithIndex) {
   write("model-00001-of-00002.safetensors",
         shard({{"model.layers.10.w", {4, 4}}, {"model.layers.2.w", {4, 4}}}));
@@ -202,7 +240,7 @@ TEST_F(Checkpoints, BrokenDirectoriesAreRejected) {
       EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
     }
   };
-  rejects("no config.json and no .safetensors");
+  rejects("no .safetensors files");
   write("a.safetensors", shard({{"w", {2}}}));
   write("b.safetensors", shard({{"w", {2}}}));
   rejects("is also in a.safetensors");
@@ -216,6 +254,8 @@ TEST_F(Checkpoints, BrokenDirectoriesAreRejected) {
   rejects("'v' is not in a.safetensors");
   write("model.safetensors.index.json", R"({"weights": {}})");
   rejects("no 'weight_map'");
+  write("model.safetensors.index.json", R"({"weight_map": {}})");
+  rejects("the index lists no tensors");
   write("model.safetensors.index.json", R"({"weight_map": {"w": 3}})");
   rejects("not a file name");
 }
@@ -299,6 +339,50 @@ TEST_F(Configs, MalformedConfigsAreRejectedWithTheFieldNamed) {
     }
   }
   EXPECT_THROW((void)load_model((dir_ / "nope.json").string()), InvalidArgument);
+  // Products that overflow, and kv heads that do not divide the heads, name the file.
+  for (const char* text :
+       {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 1,
+           "num_attention_heads": 4294967296, "head_dim": 4294967296, "intermediate_size": 4,
+           "vocab_size": 10})",
+        R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 3, "intermediate_size": 4,
+           "vocab_size": 10})"}) {
+    write("config.json", text);
+    try {
+      (void)load_model((dir_ / "config.json").string());
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("config.json"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Safetensors, ParseTimeGrowsLinearlyWithTheTensorCount) {
+  // A parse callback once made nlohmann rescan every object: quadratic in the tensor count.
+  // Compared side by side, 4x the tensors must cost well under 16x the time.
+  auto header_of = [](int n) {
+    json h = json::object();
+    std::uint64_t off = 0;
+    for (int i = 0; i < n; ++i) {
+      h["model.layers." + std::to_string(i) + ".w"] = {
+          {"dtype", "BF16"}, {"shape", {2}}, {"data_offsets", {off, off + 4}}};
+      off += 4;
+    }
+    return file_with(h.dump(), off);
+  };
+  auto seconds_to_parse = [&](const std::string& file, std::size_t want) {
+    double best = 1e9;
+    for (int round = 0; round < 2; ++round) {
+      const auto t0 = std::chrono::steady_clock::now();
+      EXPECT_EQ(parse(file).tensors.size(), want);
+      best = std::min(best,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+  };
+  const double small = seconds_to_parse(header_of(20000), 20000);
+  const double large = seconds_to_parse(header_of(80000), 80000);
+  EXPECT_LT(large / small, 8.0) << small << " s for 20k tensors, " << large << " s for 80k";
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "zeroflat/dtype.h"
 #include "zeroflat/tensor.h"
 
 namespace zeroflat {
@@ -22,6 +23,10 @@ struct ModelSpec {
   std::string name;                 // "qwen3-30b-a3b", or where it was read from
   std::string architecture;         // "Qwen3MoeForCausalLM"
   std::vector<TensorSpec> tensors;  // in the order the framework registers parameters
+  // The element type the source declares (a config's torch_dtype, a checkpoint's dominant
+  // floating-point dtype), when it is one zeroflat flattens; commands use it unless --dtype says
+  // otherwise.
+  std::optional<DType> dtype;
 
   std::uint64_t numel() const noexcept;
   std::vector<std::uint64_t> numels() const;

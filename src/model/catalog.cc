@@ -74,8 +74,21 @@ ModelSpec build_transformer(std::string name, const TransformerConfig& c) {
   bool any_dense = !moe;
   for (std::int64_t l = 0; l < layers && !any_dense; ++l) any_dense = !sparse(l);
   const std::int64_t ffn = any_dense ? dim(c.intermediate_size, "intermediate_size") : 0;
-  const std::int64_t q_out = heads * head_dim;
-  const std::int64_t kv_out = kv_heads * head_dim;
+  auto product = [](std::int64_t a, std::int64_t b, const char* what) {
+    std::int64_t out = 0;
+    if (__builtin_mul_overflow(a, b, &out) || out > (std::int64_t{1} << 40)) {
+      throw InvalidArgument(std::string(what) + " = " + std::to_string(a) + " * " +
+                            std::to_string(b) + " is implausibly large");
+    }
+    return out;
+  };
+  const std::int64_t q_out = product(heads, head_dim, "num_attention_heads * head_dim");
+  const std::int64_t kv_out = product(kv_heads, head_dim, "num_key_value_heads * head_dim");
+  if (heads % kv_heads != 0) {
+    throw InvalidArgument("num_attention_heads (" + std::to_string(heads) +
+                          ") is not a multiple of num_key_value_heads (" +
+                          std::to_string(kv_heads) + ")");
+  }
 
   Builder b;
   b.spec.name = std::move(name);

@@ -1,6 +1,7 @@
 // safetensors headers: 8 bytes of little-endian length n, then n bytes of JSON, then the data.
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -170,6 +171,11 @@ SafetensorsHeader parse_safetensors_header(std::span<const unsigned char> head,
 }
 
 SafetensorsHeader read_safetensors_header(const std::string& path) {
+  // A FIFO or a device would block or never end: only regular files are read.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    throw InvalidArgument(path + ": not a regular file");
+  }
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw InvalidArgument(path + ": cannot open");
   const std::streamoff size = in.tellg();

@@ -17,6 +17,7 @@ namespace fs = std::filesystem;
 
 std::string read_text(const fs::path& path) {
   std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) throw InvalidArgument(path.string() + ": not a regular file");
   const auto size = fs::file_size(path, ec);
   if (ec) throw InvalidArgument(path.string() + ": cannot read (" + ec.message() + ")");
   if (size > kMaxHeaderBytes) {
@@ -102,7 +103,8 @@ Checkpoint read_checkpoint_dir(const fs::path& dir) {
     std::sort(files.begin(), files.end());
   }
   if (files.empty()) {
-    throw InvalidArgument(dir.string() + ": no config.json and no .safetensors files");
+    throw InvalidArgument(fs::exists(index) ? index.string() + ": the index lists no tensors"
+                                            : dir.string() + ": no .safetensors files");
   }
   Checkpoint ck;
   std::map<std::string, std::string> seen;  // tensor -> file
@@ -146,8 +148,40 @@ ModelSpec from_tensors(const std::string& name, const std::vector<TensorInfo>& t
   ModelSpec m;
   m.name = name;
   m.architecture = "checkpoint";
-  for (const TensorInfo& t : tensors) m.tensors.push_back(TensorSpec{t.name, t.shape, t.numel});
+  std::map<std::string, std::uint64_t> bytes;
+  for (const TensorInfo& t : tensors) {
+    m.tensors.push_back(TensorSpec{t.name, t.shape, t.numel});
+    bytes[t.dtype] += t.bytes;
+  }
+  // The floating-point dtype holding most bytes is the one training will flatten in.
+  std::uint64_t best = 0;
+  for (const auto& [name_of_dtype, b] : bytes) {
+    if (auto d = try_parse_dtype(name_of_dtype); d && b > best) {
+      best = b;
+      m.dtype = d;
+    }
+  }
   return m;
+}
+
+bool has_checkpoint_files(const fs::path& dir) {
+  if (fs::exists(dir / "model.safetensors.index.json")) return true;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".safetensors") return true;
+  }
+  return false;
+}
+
+std::optional<DType> config_dtype(const std::string& text, const std::string& source) {
+  nlohmann::json doc = detail::parse_strict_json(text, source);
+  if (doc.is_object() && doc.contains("torch_dtype") && doc["torch_dtype"].is_string()) {
+    const std::string t = doc["torch_dtype"].get<std::string>();
+    if (t == "float32") return DType::kFP32;
+    if (t == "float16") return DType::kFP16;
+    if (t == "bfloat16") return DType::kBF16;
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -164,8 +198,16 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
                           "file");
   }
   auto config_model = [&](const fs::path& config) {
-    TransformerConfig c = parse_hf_config(read_text(config), config.string());
-    return build_transformer(config.string(), apply_overrides(c, overrides));
+    const std::string text = read_text(config);
+    TransformerConfig c = parse_hf_config(text, config.string());
+    ModelSpec m;
+    try {
+      m = build_transformer(config.string(), apply_overrides(c, overrides));
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(config.string() + ": " + e.what());
+    }
+    m.dtype = config_dtype(text, config.string());
+    return m;
   };
   auto no_overrides = [&](const std::string& what) {
     if (overrides.layers || overrides.experts) {
@@ -175,7 +217,11 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
     }
   };
   if (fs::is_directory(path)) {
-    if (fs::exists(path / "config.json")) return config_model(path / "config.json");
+    // The checkpoint's own headers are the most faithful source; a config.json beside them is
+    // used only when there are none.
+    if (!has_checkpoint_files(path) && fs::exists(path / "config.json")) {
+      return config_model(path / "config.json");
+    }
     no_overrides(path.string());
     return from_tensors(path.string(), read_checkpoint_dir(path).tensors);
   }
@@ -192,6 +238,10 @@ Inspection inspect_path(const std::string& p) {
   std::error_code ec;
   if (!fs::exists(path, ec)) throw InvalidArgument(p + ": no such file or directory");
   Inspection out;
+  if (fs::is_directory(path) && !has_checkpoint_files(path) && fs::exists(path / "config.json")) {
+    Inspection c = inspect_path((path / "config.json").string());
+    return c;
+  }
   if (fs::is_directory(path)) {
     Checkpoint ck = read_checkpoint_dir(path);
     out.source = "checkpoint";
@@ -210,15 +260,16 @@ Inspection inspect_path(const std::string& p) {
   } else {
     const std::string text = read_text(path);
     TransformerConfig c = parse_hf_config(text, p);
-    ModelSpec m = build_transformer(p, c);
-    // The dtype the config declares, bf16 when it says none.
-    std::string dtype = "bf16";
-    nlohmann::json doc = detail::parse_strict_json(text, p);
-    if (doc.contains("torch_dtype") && doc["torch_dtype"].is_string()) {
-      const std::string t = doc["torch_dtype"].get<std::string>();
-      dtype = t == "float32" ? "fp32" : t == "float16" ? "fp16" : "bf16";
+    ModelSpec m;
+    try {
+      m = build_transformer(p, c);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(p + ": " + e.what());
     }
-    const std::uint64_t es = dtype == "fp32" ? 4 : 2;
+    // The dtype the config declares, bf16 when it says none.
+    const DType declared = config_dtype(text, p).value_or(DType::kBF16);
+    const std::string dtype(dtype_name(declared));
+    const std::uint64_t es = element_size(declared);
     out.source = "config";
     out.files = 1;
     for (const TensorSpec& t : m.tensors) {

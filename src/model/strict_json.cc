@@ -31,31 +31,56 @@ nlohmann::json parse_strict_json(std::string_view text, const std::string& sourc
       --depth;
     }
   }
-  std::vector<std::set<std::string>> keys;
-  std::string duplicate;
-  auto callback = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    using E = nlohmann::json::parse_event_t;
-    if (event == E::object_start) {
+  // Duplicate keys, in a SAX pass of its own: a parse callback would make nlohmann rescan each
+  // object at its end, which is quadratic in the number of tensors.
+  struct KeyCheck : nlohmann::json_sax<nlohmann::json> {
+    std::vector<std::set<std::string>> keys;
+    std::string duplicate;
+    std::string error;
+    bool null() override { return true; }
+    bool boolean(bool) override { return true; }
+    bool number_integer(number_integer_t) override { return true; }
+    bool number_unsigned(number_unsigned_t) override { return true; }
+    bool number_float(number_float_t, const string_t&) override { return true; }
+    bool string(string_t&) override { return true; }
+    bool binary(binary_t&) override { return true; }
+    bool start_object(std::size_t) override {
       keys.emplace_back();
-    } else if (event == E::object_end) {
-      if (!keys.empty()) keys.pop_back();
-    } else if (event == E::key && !keys.empty() && duplicate.empty()) {
-      const std::string& k = parsed.get_ref<const std::string&>();
-      if (!keys.back().insert(k).second) duplicate = k;
+      return true;
     }
-    return true;
-  };
+    bool key(string_t& k) override {
+      if (!keys.back().insert(k).second) {
+        duplicate = k;
+        return false;
+      }
+      return true;
+    }
+    bool end_object() override {
+      keys.pop_back();
+      return true;
+    }
+    bool start_array(std::size_t) override { return true; }
+    bool end_array() override { return true; }
+    bool parse_error(std::size_t, const std::string&,
+                     const nlohmann::detail::exception& e) override {
+      error = e.what();
+      return false;
+    }
+  } check;
+  nlohmann::json::sax_parse(text.begin(), text.end(), &check);
+  if (!check.duplicate.empty()) {
+    std::string shown;
+    for (char c : check.duplicate.substr(0, 80)) shown += (c >= 0x20 && c < 0x7f) ? c : '?';
+    throw InvalidArgument(source + ": key '" + shown + "' appears twice in one object");
+  }
   nlohmann::json doc;
   try {
-    doc = nlohmann::json::parse(text.begin(), text.end(), callback);
+    doc = nlohmann::json::parse(text.begin(), text.end());
   } catch (const nlohmann::json::exception& e) {
     std::string what = e.what();
     // "[json.exception.parse_error.101] parse error at line 1, column 3: ..." -> keep the tail.
     if (auto at = what.find("] "); at != std::string::npos) what = what.substr(at + 2);
     throw InvalidArgument(source + ": not valid JSON: " + what);
-  }
-  if (!duplicate.empty()) {
-    throw InvalidArgument(source + ": key '" + duplicate + "' appears twice in one object");
   }
   return doc;
 }
