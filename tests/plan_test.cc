@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 
 #include "zeroflat/error.h"
@@ -163,7 +164,17 @@ TEST(Invariants, MoreFreeMemoryNeverYieldsASlowerPlanAndPeaksStayUnderTheLimit) 
         if (base.original_bytes >= base.capacity_bytes) continue;
         double prev = INFINITY;
         const std::uint64_t max_free = base.capacity_bytes - base.original_bytes;
-        for (std::uint64_t free = 0; free <= max_free; free += max_free / 97 + 1) {
+        // An even sweep, plus the points where the staged tier starts keeping bytes on the
+        // device (free = margin + Fb - M, and one byte more).
+        std::vector<std::uint64_t> frees;
+        for (std::uint64_t f = 0; f <= max_free; f += max_free / 97 + 1) frees.push_back(f);
+        const std::uint64_t edge =
+            base.margin_bytes + (base.layout.flat_bytes() - base.original_bytes);
+        for (std::uint64_t f : {edge - 1, edge, edge + 1, edge + 4096}) {
+          if (f <= max_free) frees.push_back(f);
+        }
+        std::sort(frees.begin(), frees.end());
+        for (std::uint64_t free : frees) {
           PlanInput in = base;
           in.free_bytes = free;
           Plan p = plan_group(in);

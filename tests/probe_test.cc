@@ -93,7 +93,7 @@ TEST(ProbeCuda, UuidsInVisibleDevicesAreNotParsedAsIndices) {
   EXPECT_EQ(r.free_bytes, 30 * kGB);
 }
 
-TEST(ProbeCuda, NoNvmlAndNoMemGetInfoLeaveTheProcessView) {
+TEST(ProbeCuda, WithoutNvmlCudaAnswersAndTheProcessViewIsReported) {
   CudaProbeSources s = h100(0, 0);
   s.nvml = nullptr;  // not installed
   ProbeResult r = probe_cuda(0, s);
@@ -126,6 +126,21 @@ TEST(ProbeCuda, NoGpuIsReportedNotThrown) {
   EXPECT_FALSE(t.available);
   EXPECT_EQ(t.sources.at(0).detail, "driver exploded");
   EXPECT_FALSE(probe_cuda(0, CudaProbeSources{}).available);
+}
+
+TEST(ProbeCuda, NvmlDescribingMoreThanTheDeviceIsNotUsed) {
+  // A MIG slice the environment does not name: NVML answers for the whole GPU.
+  CudaProbeSources s = h100(70 * kGB, 9 * kGB);
+  s.cuda = [](int) {
+    CudaDeviceFacts f;
+    f.pci_bus_id = "0000:1B:00.0";
+    f.mem_get_info = MemoryPair{10 * kGB, 9 * kGB};
+    return Answer<CudaDeviceFacts>::ok(f);
+  };
+  ProbeResult r = probe_cuda(0, s);
+  EXPECT_EQ(r.used, "cudaMemGetInfo");
+  EXPECT_EQ(r.free_bytes, 9 * kGB);
+  EXPECT_NE(source(r, "nvml")->detail.find("differs"), std::string::npos);
 }
 
 TEST(ProbeCuda, FrameworkCachedBytesAreCredited) {

@@ -110,6 +110,7 @@ struct PlanInput {
   std::uint64_t host_free_bytes = 0;  // host bytes this rank may use
   std::uint64_t rank = 0;             // whose slice the step lists name (they differ only there)
   bool integrated = false;            // device memory is host memory: staging frees nothing
+  std::uint64_t local_ranks = 1;      // ranks of this node staging through its host at once
   Bandwidths bandwidths;
   std::optional<Tier> forced;  // plan only this tier (the others are still reported)
 };
@@ -149,7 +150,7 @@ Plan plan_group(const PlanInput& input);
 struct AfterInit {
   std::uint64_t master_bytes = 0;        // fp32 master partition, 4 * S
   std::uint64_t optimizer_bytes = 0;     // Adam's two fp32 moments, 8 * S
-  std::uint64_t gradient_bytes = 0;      // ZeRO-2 gradient partition, S elements of the dtype
+  std::uint64_t gradient_bytes = 0;      // ZeRO-2: the fp32 gradient partition, 4 * S
   std::uint64_t device_bytes_after = 0;  // resident after init plus the three above
   bool fits = false;
 };

@@ -87,8 +87,9 @@ struct CudaProbeSources {
   std::function<Answer<MemoryPair>(const std::string& pci_bus_id)> nvml;
   // The host's available memory (caps an integrated device).
   std::function<Answer<MemoryPair>()> host;
-  std::string visible_devices;                    // CUDA_VISIBLE_DEVICES as set ("" when unset)
-  std::uint64_t process_allocated_bytes = 0;      // what this process holds on the device
+  std::string visible_devices;                // CUDA_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES
+  std::string visible_devices_var;            // which of the two it came from
+  std::uint64_t process_allocated_bytes = 0;  // what this process holds on the device
   std::uint64_t framework_cached_free_bytes = 0;  // cached by the framework, not in use
 };
 

@@ -32,15 +32,20 @@ std::string seconds_text(double s) {
   return buf;
 }
 
-double predicted_seconds(const Candidate& c, const Bandwidths& bw) {
+double predicted_seconds(const Candidate& c, const Bandwidths& bw, std::uint64_t local_ranks) {
   double t = kStepSeconds * static_cast<double>(c.steps.size());
   auto add = [&](std::uint64_t bytes, double rate) {
     if (bytes > 0) t += rate > 0 ? static_cast<double>(bytes) / rate : INFINITY;
   };
+  // Each accelerator has its own host link, but the host's memory bandwidth and the kernel's
+  // page pinning are shared by the ranks of the node, which all stage at once.
+  const double ranks = static_cast<double>(local_ranks > 0 ? local_ranks : 1);
+  const double link =
+      std::min(bw.host_link, bw.host_copy > 0 ? bw.host_copy / ranks : bw.host_link);
   add(c.profile.device_copy_bytes, bw.device_copy);
-  add(c.profile.pcie_bytes, bw.host_link);
+  add(c.profile.pcie_bytes, link);
   add(c.profile.comm_bytes, bw.allgather_bus);
-  add(c.profile.peak_host_bytes, kPinBytesPerSecond);
+  add(c.profile.peak_host_bytes, kPinBytesPerSecond / ranks);
   return t;
 }
 
@@ -106,12 +111,26 @@ Plan plan_group(const PlanInput& in) {
     Candidate c;
     c.tier = tier;
     std::uint64_t staged_x = 0;
-    if (tier == Tier::kStaged) {
+    if (tier == Tier::kStaged && model_fits) {
       // As much of the slice on the device as fits at both peaks: beside the originals, and
       // beside the flat buffer once the originals are gone.
-      const std::uint64_t after_release = resident - (model_fits ? m : 0) + fb;
+      const std::uint64_t after_release = resident - m + fb;
       const std::uint64_t room2 = limit > after_release ? limit - after_release : 0;
       staged_x = std::min({sb, headroom, room2});
+      // Keeping a few bytes on the device costs four more steps than keeping none: when that
+      // is slower, keep none, so that more free memory never yields a slower plan.
+      if (staged_x > 0) {
+        Candidate none;
+        none.steps = tier_steps(tier, l, in.rank, 0);
+        none.profile = simulate(none.steps, resident, m, l.options().dp);
+        Candidate some;
+        some.steps = tier_steps(tier, l, in.rank, staged_x);
+        some.profile = simulate(some.steps, resident, m, l.options().dp);
+        if (predicted_seconds(none, in.bandwidths, in.local_ranks) <=
+            predicted_seconds(some, in.bandwidths, in.local_ranks)) {
+          staged_x = 0;
+        }
+      }
     }
     c.steps = tier_steps(tier, l, in.rank, staged_x);
     if (!model_fits) {
@@ -119,12 +138,12 @@ Plan plan_group(const PlanInput& in) {
       c.why_not = "the group's " + format_bytes(m) + " do not fit in the device's " +
                   format_bytes(in.capacity_bytes);
       c.profile = simulate(c.steps, m, m, l.options().dp);
-      c.predicted_seconds = predicted_seconds(c, in.bandwidths);
+      c.predicted_seconds = predicted_seconds(c, in.bandwidths, in.local_ranks);
       plan.candidates.push_back(std::move(c));
       continue;
     }
     c.profile = simulate(c.steps, resident, m, l.options().dp);
-    c.predicted_seconds = predicted_seconds(c, in.bandwidths);
+    c.predicted_seconds = predicted_seconds(c, in.bandwidths, in.local_ranks);
     const std::uint64_t peak = c.profile.peak_device_bytes;
     std::string why;
     if (peak > limit) {

@@ -87,15 +87,27 @@ ProbeResult probe_cuda(int index, const CudaProbeSources& s) {
   // 1. NVML sees the whole device, other processes included, but on a MIG slice its device
   //    numbers are the parent GPU's, which would be wrong for this process.
   const bool mig = s.visible_devices.find("MIG-") != std::string::npos;
+  const std::string visible_var =
+      s.visible_devices_var.empty() ? "CUDA_VISIBLE_DEVICES" : s.visible_devices_var;
   bool have = false;
   if (mig) {
     r.sources.push_back({"nvml", false, 0, 0,
-                         "skipped: CUDA_VISIBLE_DEVICES names a MIG slice, and NVML's device "
-                         "numbers would be the whole GPU's"});
+                         "skipped: " + visible_var +
+                             " names a MIG slice, and NVML's device numbers would be the whole "
+                             "GPU's"});
   } else {
     Answer<MemoryPair> nv = s.nvml ? ask<MemoryPair>([&] { return s.nvml(f.pci_bus_id); })
                                    : Answer<MemoryPair>::fail("NVML not available");
-    if (nv.value) {
+    // A total that disagrees with CUDA's means NVML sees something larger than this process's
+    // device (a MIG slice the environment did not name): its numbers would be wrong.
+    const bool scoped = nv.value && f.mem_get_info &&
+                        (nv.value->total_bytes > f.mem_get_info->total_bytes / 100 * 101 ||
+                         f.mem_get_info->total_bytes > nv.value->total_bytes / 100 * 101);
+    if (scoped) {
+      r.sources.push_back({"nvml", false, nv.value->total_bytes, nv.value->free_bytes,
+                           "not used: its total differs from cudaMemGetInfo's, so it describes "
+                           "more than this device (a MIG slice?)"});
+    } else if (nv.value) {
       r.sources.push_back({"nvml", true, nv.value->total_bytes, nv.value->free_bytes,
                            "device " + f.pci_bus_id + ": whole device, all processes"});
       r.total_bytes = nv.value->total_bytes;

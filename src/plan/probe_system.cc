@@ -33,6 +33,17 @@ std::optional<std::uint64_t> read_number(const std::string& path) {
   }
 }
 
+// A "key value" line of a cgroup memory.stat file; 0 when absent.
+std::uint64_t stat_value(const std::string& path, const std::string& key) {
+  std::ifstream in(path);
+  std::string k;
+  std::uint64_t v = 0;
+  while (in >> k >> v) {
+    if (k == key) return v;
+  }
+  return 0;
+}
+
 Answer<MemoryPair> read_meminfo() {
   std::ifstream in("/proc/meminfo");
   if (!in) return Answer<MemoryPair>::fail("cannot read /proc/meminfo");
@@ -75,7 +86,10 @@ Answer<CgroupMemory> read_cgroup() {
       auto limit = read_number(base + "/memory.limit_in_bytes");
       auto usage = read_number(base + "/memory.usage_in_bytes");
       if (limit && usage) {
-        CgroupMemory m{1, std::nullopt, *usage, base + "/memory.limit_in_bytes"};
+        // Page cache the kernel can drop at once is not a claim on the memory.
+        const std::uint64_t inactive = stat_value(base + "/memory.stat", "total_inactive_file");
+        CgroupMemory m{1, std::nullopt, *usage - std::min(*usage, inactive),
+                       base + "/memory.limit_in_bytes"};
         // v1 reports "no limit" as a huge page-rounded number.
         if (*limit < (std::uint64_t{1} << 60)) m.limit_bytes = *limit;
         return Answer<CgroupMemory>::ok(m);
@@ -88,7 +102,9 @@ Answer<CgroupMemory> read_cgroup() {
       auto max = read_first_line(base + "/memory.max");
       auto current = read_number(base + "/memory.current");
       if (max && current) {
-        CgroupMemory m{2, std::nullopt, *current, base + "/memory.max"};
+        const std::uint64_t inactive = stat_value(base + "/memory.stat", "inactive_file");
+        CgroupMemory m{2, std::nullopt, *current - std::min(*current, inactive),
+                       base + "/memory.max"};
         if (*max != "max") {
           try {
             m.limit_bytes = std::stoull(*max);
@@ -109,6 +125,7 @@ struct CudaRuntime {
   void* handle = nullptr;
   std::string error;
   int (*get_device_count)(int*) = nullptr;
+  int (*get_device)(int*) = nullptr;
   int (*set_device)(int) = nullptr;
   int (*mem_get_info)(std::size_t*, std::size_t*) = nullptr;
   int (*get_pci_bus_id)(char*, int, int) = nullptr;
@@ -136,6 +153,7 @@ const CudaRuntime& cuda_runtime() {
     auto sym = [&](const char* n) { return dlsym(r.handle, n); };
     r.get_device_count = reinterpret_cast<int (*)(int*)>(sym("cudaGetDeviceCount"));
     r.set_device = reinterpret_cast<int (*)(int)>(sym("cudaSetDevice"));
+    r.get_device = reinterpret_cast<int (*)(int*)>(sym("cudaGetDevice"));
     r.mem_get_info = reinterpret_cast<int (*)(std::size_t*, std::size_t*)>(sym("cudaMemGetInfo"));
     r.get_pci_bus_id = reinterpret_cast<int (*)(char*, int, int)>(sym("cudaDeviceGetPCIBusId"));
     r.get_attribute = reinterpret_cast<int (*)(int*, int, int)>(sym("cudaDeviceGetAttribute"));
@@ -173,6 +191,9 @@ Answer<CudaDeviceFacts> cuda_facts(int index) {
     f.integrated = integrated != 0;
   }
   std::size_t free = 0, total = 0;
+  // The current device is the caller's (and the framework's) setting: put it back afterwards.
+  int previous = -1;
+  if (rt.get_device == nullptr || rt.get_device(&previous) != 0) previous = -1;
   if (int e = rt.set_device(index); e != 0) {
     f.mem_get_info_error = "cudaSetDevice failed: " + rt.describe(e);
   } else if (int e2 = rt.mem_get_info(&free, &total); e2 != 0) {
@@ -180,6 +201,7 @@ Answer<CudaDeviceFacts> cuda_facts(int index) {
   } else {
     f.mem_get_info = MemoryPair{total, free};
   }
+  if (previous >= 0 && previous != index) rt.set_device(previous);
   return Answer<CudaDeviceFacts>::ok(f);
 }
 
@@ -282,7 +304,14 @@ CudaProbeSources system_cuda_sources() {
   s.cuda = cuda_facts;
   s.nvml = nvml_memory;
   s.host = read_meminfo;
-  if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES")) s.visible_devices = v;
+  // Container runtimes often set only NVIDIA_VISIBLE_DEVICES.
+  for (const char* var : {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"}) {
+    if (const char* v = std::getenv(var); v != nullptr && *v != '\0') {
+      s.visible_devices = v;
+      s.visible_devices_var = var;
+      break;
+    }
+  }
   return s;
 }
 
