@@ -110,6 +110,8 @@ class DeviceBuffer {
 struct DeviceOptions {
   // Worker threads for host-side work; 0 picks default_num_threads() (see runtime.h).
   unsigned num_threads = 0;
+  // sim devices only: keep no data at all (allocations are accounted, copies skipped).
+  bool no_data = false;
 };
 
 using DeviceFactory =

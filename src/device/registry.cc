@@ -4,8 +4,10 @@
 #include <mutex>
 
 #include "device/cpu_device.h"
+#include "device/sim_device.h"
 #include "zeroflat/device.h"
 #include "zeroflat/error.h"
+#include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {
@@ -19,6 +21,18 @@ struct Registry {
         throw InvalidArgument("device '" + std::string(spec) + "': the cpu device takes no index");
       }
       return std::unique_ptr<Device>(new detail::CpuDevice(options));
+    };
+    factories["sim"] = [](std::string_view spec, const DeviceOptions& options) {
+      const auto colon = spec.find(':');
+      if (colon == std::string_view::npos || colon + 1 == spec.size()) {
+        throw InvalidArgument("device '" + std::string(spec) +
+                              "': a sim device needs a capacity, as in sim:80GiB");
+      }
+      const std::uint64_t capacity = parse_size(spec.substr(colon + 1));
+      if (capacity == 0) {
+        throw InvalidArgument("device '" + std::string(spec) + "': the capacity must be positive");
+      }
+      return std::unique_ptr<Device>(new detail::SimDevice(std::string(spec), capacity, options));
     };
   }
 };

@@ -1,0 +1,87 @@
+// The `sim:SIZE` device.
+#include "device/sim_device.h"
+
+#include <sys/mman.h>
+
+#include "device/host_kernels.h"
+#include "zeroflat/error.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::detail {
+
+SimDevice::SimDevice(std::string name, std::uint64_t capacity_bytes, const DeviceOptions& options)
+    : name_(std::move(name)),
+      capacity_(capacity_bytes),
+      no_data_(options.no_data),
+      host_(options) {}
+
+void* SimDevice::allocate(std::uint64_t num_bytes) {
+  std::uint64_t now = allocated_.load();
+  do {
+    if (num_bytes > capacity_ || now > capacity_ - num_bytes) {
+      throw OutOfMemory(name_ + ": cannot allocate " + format_bytes(num_bytes) + " with " +
+                        format_bytes(now) + " of " + format_bytes(capacity_) + " in use");
+    }
+  } while (!allocated_.compare_exchange_weak(now, now + num_bytes));
+  void* p = nullptr;
+  try {
+    if (no_data_) {
+      // Address space only: unique, aligned, and any access faults instead of corrupting.
+      p = mmap(nullptr, num_bytes == 0 ? 1 : num_bytes, PROT_NONE,
+               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) {
+        throw OutOfMemory(name_ + ": cannot reserve " + format_bytes(num_bytes) +
+                          " of address space");
+      }
+    } else {
+      p = host_allocate(num_bytes);
+    }
+  } catch (...) {
+    allocated_.fetch_sub(num_bytes);
+    throw;
+  }
+  std::uint64_t peak = peak_.load();
+  const std::uint64_t after = allocated_.load();
+  while (after > peak && !peak_.compare_exchange_weak(peak, after)) {
+  }
+  return p;
+}
+
+void SimDevice::release(void* ptr, std::uint64_t num_bytes) noexcept {
+  if (ptr == nullptr) return;
+  if (no_data_) {
+    munmap(ptr, num_bytes == 0 ? 1 : num_bytes);
+  } else {
+    host_release(ptr, num_bytes);
+  }
+  allocated_.fetch_sub(num_bytes);
+}
+
+void SimDevice::gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) {
+  if (no_data_) {
+    check_gather_segments(dst, num_bytes, segments);
+    return;
+  }
+  host_.gather(dst, num_bytes, segments);
+}
+
+void SimDevice::upcast_to_fp32(float* dst, const void* src, DType dtype, std::uint64_t numel) {
+  if (no_data_) return;
+  host_.upcast_to_fp32(dst, src, dtype, numel);
+}
+
+std::uint64_t SimDevice::checksum(const void* ptr, std::uint64_t num_bytes) {
+  if (no_data_) throw Unsupported(name_ + " keeps no data (--no-data): there is nothing to hash");
+  return host_.checksum(ptr, num_bytes);
+}
+
+MemoryInfo SimDevice::memory_info() {
+  MemoryInfo info;
+  info.total_bytes = capacity_;
+  info.allocated_bytes = allocated_.load();
+  info.free_bytes = capacity_ - info.allocated_bytes;
+  info.peak_allocated_bytes = peak_.load();
+  return info;
+}
+
+}  // namespace zeroflat::detail

@@ -1,0 +1,42 @@
+// The `sim:SIZE` device: a device of a given capacity with exact accounting of every allocation,
+// backed by host memory, or by no memory at all (no_data) so that a 61 GB model on 8 ranks can
+// be rehearsed on a laptop.
+#pragma once
+
+#include <atomic>
+#include <memory>
+
+#include "device/cpu_device.h"
+#include "zeroflat/device.h"
+
+namespace zeroflat::detail {
+
+class SimDevice final : public Device {
+ public:
+  SimDevice(std::string name, std::uint64_t capacity_bytes, const DeviceOptions& options);
+
+  std::string name() const override { return name_; }
+  // With no_data, pointers are reserved address space that faults on any access.
+  bool host_accessible() const noexcept override { return !no_data_; }
+  bool has_data() const noexcept { return !no_data_; }
+
+  // Throws OutOfMemory when the allocation would take usage past the capacity.
+  void* allocate(std::uint64_t num_bytes) override;
+  void release(void* ptr, std::uint64_t num_bytes) noexcept override;
+  // Without data: checks the segments, copies nothing.
+  void gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) override;
+  void upcast_to_fp32(float* dst, const void* src, DType dtype, std::uint64_t numel) override;
+  // Without data there is nothing to hash: throws Unsupported.
+  std::uint64_t checksum(const void* ptr, std::uint64_t num_bytes) override;
+  MemoryInfo memory_info() override;
+
+ private:
+  std::string name_;
+  std::uint64_t capacity_;
+  bool no_data_;
+  CpuDevice host_;  // the threads and kernels of the backed mode
+  std::atomic<std::uint64_t> allocated_{0};
+  std::atomic<std::uint64_t> peak_{0};
+};
+
+}  // namespace zeroflat::detail
