@@ -5,8 +5,8 @@
 
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <exception>
+#include <fstream>
 #include <string>
 #include <thread>
 

@@ -56,8 +56,8 @@ void* host_allocate(std::uint64_t num_bytes) {
   // Checked before rounding: near 2^64 the rounding would wrap to a tiny size.
   if (num_bytes > (std::uint64_t{1} << 62)) throw oom();
   const std::uint64_t size = round_up(num_bytes, kHugePage);
-  void* raw = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* raw =
+      mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) throw oom();
   // Trim to a 2 MiB-aligned window so that every huge page can be used.
   auto base = reinterpret_cast<std::uintptr_t>(raw);

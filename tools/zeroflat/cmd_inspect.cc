@@ -55,7 +55,8 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
                                 {"numel", t->numel},
                                 {"bytes", t->bytes}});
     }
-    std::printf("%s\n", doc.dump(2).c_str());
+    std::printf("%s\n",
+                doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace).c_str());
     return kExitOk;
   }
   std::printf("%s (%s, %llu file%s): %s tensors, %s parameters, %s\n", path.c_str(),

@@ -99,15 +99,16 @@ int subcommand_layout(const std::vector<std::string>& argv) {
   }
   std::vector<std::uint64_t> numels;
   std::string source;
+  ModelSpec model;
   if (numels_given) {
     numels = parse_numels(*args.get("numels"));
     source = "from --numels";
   } else {
-    ModelSpec model = model_from_args(args, "");
+    model = model_from_args(args, "");
     numels = model.numels();
     source = model.name;
   }
-  LayoutOptions options = layout_options_from_args(args);
+  LayoutOptions options = layout_options_from_args(args, model_given ? &model : nullptr);
   Layout layout = Layout::compute(numels, options);
   if (args.has("json")) {
     layout.write_json(std::cout);

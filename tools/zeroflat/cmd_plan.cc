@@ -51,7 +51,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   p.option("free", "SIZE", "free device memory per rank", "capacity - model bytes");
   p.option("margin", "SIZE", "reserve never planned into", "3% of capacity, at most 1 GiB");
   p.option("host-free", "SIZE", "host memory each rank may use for staging",
-           "the preset node's host memory / ranks on it");
+           "the preset node's host memory / ranks on it; none for a plain SIZE");
   p.option("tier", "TIER", "auto, or force one of device, sharded, staged, host", "auto");
   p.option("svg", "FILE", "draw device memory over the steps of each tier into FILE");
   p.flag("json", "print one JSON document (docs/cli.md)");
@@ -70,7 +70,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   if (!args.has("model")) throw UsageError("--model is required");
   if (!args.has("device")) throw UsageError("--device is required (a preset or a size)");
   ModelSpec model = model_from_args(args, "");
-  LayoutOptions options = layout_options_from_args(args);
+  LayoutOptions options = layout_options_from_args(args, &model);
   const std::string device_text = *args.get("device");
   DevicePreset preset;
   if (auto found = find_preset(device_text)) {
@@ -120,6 +120,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
     in.host_free_bytes = preset.host_bytes_per_node / ranks_per_node;
   }
   in.integrated = preset.integrated;
+  in.local_ranks = ranks_per_node;
   in.bandwidths = preset.bandwidths;
   in.forced = forced;
   Plan plan = plan_group(in);
@@ -177,7 +178,8 @@ int subcommand_plan(const std::vector<std::string>& argv) {
                          {"gradient_bytes", after.gradient_bytes},
                          {"device_bytes", after.device_bytes_after},
                          {"fits", after.fits}};
-    std::printf("%s\n", doc.dump(2).c_str());
+    std::printf("%s\n",
+                doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace).c_str());
   } else {
     std::printf("plan: %s, %s tensors, %s parameters, %s %s; dp %llu on %s (%s)\n",
                 model.name.c_str(), format_count(model.tensors.size()).c_str(),

@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -219,10 +219,15 @@ int subcommand_run(const std::vector<std::string>& argv) {
 
   // --- everything is validated before anything is allocated ---------------------------------
   ModelSpec model = model_from_args(args, "tiny-moe");
-  LayoutOptions options = layout_options_from_args(args);
+  LayoutOptions options = layout_options_from_args(args, &model);
   const std::string device_spec = args.get("device").value_or("cpu");
   const std::string comm = args.get("comm").value_or("local");
   const std::string tier = args.get("tier").value_or("auto");
+  if (device_spec.rfind("sim", 0) == 0 || device_spec.rfind("cuda", 0) == 0) {
+    throw Unsupported("--device " + device_spec +
+                      ": this version runs on the cpu device (the sim device exists in the "
+                      "library; running tiers on it comes with the executor)");
+  }
   if (comm != "local") {
     throw Unsupported("--comm " + comm + ": this version runs one rank in-process (local)");
   }
@@ -426,7 +431,8 @@ int subcommand_run(const std::vector<std::string>& argv) {
         {"fresh_memcpy_gbps", fresh_gbps},
         {"flatten_over_memcpy", memcpy_gbps > 0 ? flatten_gbps / memcpy_gbps : 0.0},
         {"end_to_end_over_fresh_memcpy", fresh_gbps > 0 ? e2e_gbps / fresh_gbps : 0.0}};
-    std::printf("%s\n", doc.dump(2).c_str());
+    std::printf("%s\n",
+                doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace).c_str());
   } else {
     std::printf("zeroflat run: %s, %s tensors, %s parameters, %s %s\n", model.name.c_str(),
                 format_count(model.tensors.size()).c_str(), format_count(model.numel()).c_str(),

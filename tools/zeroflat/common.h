@@ -25,8 +25,9 @@ ModelSpec model_from_args(const Args& args, const std::string& default_model);
 
 // --dp, --round-robin, --alignment-factor, --dtype, --param-align-bytes.
 void add_layout_options(Parser& parser);
-// Validated layout options (InvalidArgument names the bad value).
-LayoutOptions layout_options_from_args(const Args& args);
+// Validated layout options (InvalidArgument names the bad value). With a model, its declared
+// dtype is used unless --dtype is given.
+LayoutOptions layout_options_from_args(const Args& args, const ModelSpec* model = nullptr);
 
 // Element counts from "5,7,3" (commas and/or white space) or "@FILE" (one integer per line, or
 // a JSON list). Throws InvalidArgument naming the bad item or file.

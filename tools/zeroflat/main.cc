@@ -2,8 +2,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <iostream>
 #include <exception>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -60,11 +60,12 @@ int main(int argc, char** argv) {
     if (command == "--version" || command == "version") {
       std::string devices;
       for (const std::string& d : device_prefixes()) devices += (devices.empty() ? "" : ", ") + d;
-      std::printf("zeroflat %s\n  devices: %s\n  toolchains found at build time: cuda %s, nccl %s, "
-                  "mpi %s, python+torch %s\n",
-                  ZEROFLAT_VERSION, devices.c_str(), ZEROFLAT_HAVE_CUDA ? "yes" : "no",
-                  ZEROFLAT_HAVE_NCCL ? "yes" : "no", ZEROFLAT_HAVE_MPI ? "yes" : "no",
-                  ZEROFLAT_HAVE_PYTHON ? "yes" : "no");
+      std::printf(
+          "zeroflat %s\n  devices: %s\n  toolchains found at build time: cuda %s, nccl %s, "
+          "mpi %s, python+torch %s\n",
+          ZEROFLAT_VERSION, devices.c_str(), ZEROFLAT_HAVE_CUDA ? "yes" : "no",
+          ZEROFLAT_HAVE_NCCL ? "yes" : "no", ZEROFLAT_HAVE_MPI ? "yes" : "no",
+          ZEROFLAT_HAVE_PYTHON ? "yes" : "no");
       return kExitOk;
     }
     int code = kExitInvalid;
@@ -85,8 +86,8 @@ int main(int argc, char** argv) {
     // A document that did not reach its reader is a failure, whatever the command concluded.
     std::cout.flush();
     if (!std::cout || std::fflush(stdout) != 0 || std::ferror(stdout)) {
-      std::fprintf(stderr, "zeroflat %s: error: could not write the output (%s)\n",
-                   command.c_str(), std::strerror(errno));
+      std::fprintf(stderr, "zeroflat %s: error: could not write the output (%s)\n", command.c_str(),
+                   std::strerror(errno));
       return kExitOther;
     }
     return code;

@@ -36,12 +36,13 @@ void add_layout_options(Parser& parser) {
   parser.option("alignment-factor", "A",
                 "pad the buffer to a multiple of A * P elements (nccl_start_alignment_factor)",
                 "2");
-  parser.option("dtype", "T", "element type: bf16, fp16 or fp32", "bf16");
+  parser.option("dtype", "T", "element type: bf16, fp16 or fp32",
+                "the model's own (a config's torch_dtype, a checkpoint's), else bf16");
   parser.option("param-align-bytes", "B",
                 "start every parameter after the first at a multiple of B bytes (0: packed)", "0");
 }
 
-LayoutOptions layout_options_from_args(const Args& args) {
+LayoutOptions layout_options_from_args(const Args& args, const ModelSpec* model) {
   LayoutOptions o;
   if (auto v = args.get("dp")) {
     o.dp = parse_u64(*v, "--dp");
@@ -54,7 +55,11 @@ LayoutOptions layout_options_from_args(const Args& args) {
       throw InvalidArgument("--alignment-factor 0: it must be at least 1");
     }
   }
-  if (auto v = args.get("dtype")) o.dtype = parse_dtype(*v);
+  if (auto v = args.get("dtype")) {
+    o.dtype = parse_dtype(*v);
+  } else if (model != nullptr && model->dtype) {
+    o.dtype = *model->dtype;
+  }
   if (auto v = args.get("param-align-bytes")) {
     o.param_align_bytes = parse_u64(*v, "--param-align-bytes");
   }
