@@ -2,6 +2,7 @@
 #include "zeroflat/args.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <sstream>
 
 namespace zeroflat::cli {
@@ -112,6 +113,15 @@ Args Parser::parse(const std::vector<std::string>& argv) const {
       }
       args.values_[name] = argv[++i];
     }
+  }
+  return args;
+}
+
+std::optional<Args> Parser::parse_or_help(const std::vector<std::string>& argv) const {
+  Args args = parse(argv);
+  if (args.has("help")) {
+    std::fputs(help().c_str(), stdout);
+    return std::nullopt;
   }
   return args;
 }

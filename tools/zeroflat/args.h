@@ -45,6 +45,8 @@ class Parser {
   // option given twice. "--help" / "-h" set the flag "help".
   Args parse(const std::vector<std::string>& argv) const;
   std::string help() const;
+  // parse(), and for --help prints help() on stdout and returns nothing: the command is done.
+  std::optional<Args> parse_or_help(const std::vector<std::string>& argv) const;
 
  private:
   struct Opt {

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "zeroflat/common.h"
 #include "zeroflat/model_source.h"
@@ -22,11 +23,9 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
   p.epilog(
       "examples:\n  zeroflat inspect model.safetensors\n  zeroflat inspect ./Qwen3-30B-A3B/\n"
       "  zeroflat inspect config.json --json");
-  Args args = p.parse(argv);
-  if (args.has("help")) {
-    std::fputs(p.help().c_str(), stdout);
-    return kExitOk;
-  }
+  std::optional<Args> parsed = p.parse_or_help(argv);
+  if (!parsed) return kExitOk;
+  const Args& args = *parsed;
   if (args.positionals().empty()) throw UsageError("give the PATH to inspect");
   std::uint64_t largest = 5;
   if (auto v = args.get("largest")) largest = parse_u64(*v, "--largest");

@@ -1,6 +1,7 @@
 // `zeroflat layout`: the flat layout of one parameter group, as a table or as JSON.
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "zeroflat/common.h"
@@ -83,11 +84,9 @@ int subcommand_layout(const std::vector<std::string>& argv) {
       "  zeroflat layout --numels 5,7,3 --dp 4\n"
       "  zeroflat layout --numels 5,7,3,4,6 --dp 2 --round-robin --json\n"
       "  zeroflat layout --model tiny-moe --dp 8 --param-align-bytes 16");
-  Args args = p.parse(argv);
-  if (args.has("help")) {
-    std::fputs(p.help().c_str(), stdout);
-    return kExitOk;
-  }
+  std::optional<Args> parsed = p.parse_or_help(argv);
+  if (!parsed) return kExitOk;
+  const Args& args = *parsed;
   const bool numels_given = args.has("numels");
   const bool model_given = args.has("model");
   if (numels_given == model_given) {

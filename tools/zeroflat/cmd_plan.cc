@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "zeroflat/common.h"
@@ -62,11 +63,9 @@ int subcommand_plan(const std::vector<std::string>& argv) {
       "  zeroflat plan --model qwen3-30b-a3b --layers 32 --dp 8 --device h100-80gb\n"
       "  zeroflat plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --free 4GiB --json\n"
       "  zeroflat plan --model qwen3-30b-a3b --dp 1 --device h100-80gb --free 2GiB --svg plan.svg");
-  Args args = p.parse(argv);
-  if (args.has("help")) {
-    std::fputs(p.help().c_str(), stdout);
-    return kExitOk;
-  }
+  std::optional<Args> parsed = p.parse_or_help(argv);
+  if (!parsed) return kExitOk;
+  const Args& args = *parsed;
   if (!args.has("model")) throw UsageError("--model is required");
   if (!args.has("device")) throw UsageError("--device is required (a preset or a size)");
   ModelSpec model = model_from_args(args, "");

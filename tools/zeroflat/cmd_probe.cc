@@ -1,6 +1,7 @@
 // `zeroflat probe`: what each free-memory source says about a device, and which one counts.
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "zeroflat/common.h"
 #include "zeroflat/error.h"
@@ -22,11 +23,9 @@ int subcommand_probe(const std::vector<std::string>& argv) {
   p.epilog(
       "exit codes: 0 the device answered; 2 it is not available here (the sources say why).\n\n"
       "examples:\n  zeroflat probe\n  zeroflat probe --device cuda:0 --json");
-  Args args = p.parse(argv);
-  if (args.has("help")) {
-    std::fputs(p.help().c_str(), stdout);
-    return kExitOk;
-  }
+  std::optional<Args> parsed = p.parse_or_help(argv);
+  if (!parsed) return kExitOk;
+  const Args& args = *parsed;
   const std::string device = args.get("device").value_or("cpu");
   unsigned ranks = 0;
   if (auto v = args.get("local-ranks")) {

@@ -211,11 +211,9 @@ int subcommand_run(const std::vector<std::string>& argv) {
       "the end-to-end figure includes allocation and first touch and is compared with memcpy\n"
       "into freshly allocated memory. Memory needed: about the model's bytes plus three times\n"
       "the flat buffer (flat, the ceiling's destination, the fp32 master partition).");
-  Args args = p.parse(argv);
-  if (args.has("help")) {
-    std::fputs(p.help().c_str(), stdout);
-    return kExitOk;
-  }
+  std::optional<Args> parsed = p.parse_or_help(argv);
+  if (!parsed) return kExitOk;
+  const Args& args = *parsed;
 
   // --- everything is validated before anything is allocated ---------------------------------
   ModelSpec model = model_from_args(args, "tiny-moe");
