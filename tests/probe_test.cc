@@ -2,7 +2,10 @@
 #include "zeroflat/probe.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
 
 namespace zeroflat {
@@ -185,6 +188,74 @@ TEST(ProbeHost, ThisMachineAnswers) {
   EXPECT_TRUE(r.available);
   EXPECT_GT(r.free_bytes, 0u);
   EXPECT_LE(r.free_bytes, r.total_bytes);
+}
+
+}  // namespace
+}  // namespace zeroflat
+
+namespace zeroflat {
+namespace {
+
+class CgroupTree : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = std::filesystem::path(::testing::TempDir()) /
+            ("zf_cgroup_" + std::to_string(getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(root_);
+  }
+  void TearDown() override { std::filesystem::remove_all(root_); }
+  void put(const std::string& rel, const std::string& content) {
+    const std::filesystem::path p = root_ / rel;
+    std::filesystem::create_directories(p.parent_path());
+    std::ofstream(p) << content;
+  }
+  std::filesystem::path root_;
+};
+
+TEST_F(CgroupTree, V2AnAncestorsLimitDecidesWhenItLeavesLessRoom) {
+  // job.slice has 8 GB with 6 GB in use; the process's own cgroup allows 16 GB with 1 GB in use.
+  put("memory.current", "100\n");  // the mount root: no memory.max
+  put("job.slice/memory.max", "8000000000\n");
+  put("job.slice/memory.current", "6500000000\n");
+  put("job.slice/memory.stat", "anon 1\ninactive_file 500000000\n");
+  put("job.slice/step/memory.max", "16000000000\n");
+  put("job.slice/step/memory.current", "1000000000\n");
+  Answer<CgroupMemory> a = read_cgroup_memory(root_.string(), "0::/job.slice/step\n");
+  ASSERT_TRUE(a.value) << a.error;
+  EXPECT_EQ(a.value->version, 2);
+  EXPECT_EQ(*a.value->limit_bytes, 8'000'000'000u);
+  EXPECT_EQ(a.value->usage_bytes, 6'000'000'000u);  // page cache not counted
+  EXPECT_NE(a.value->path.find("job.slice/memory.max"), std::string::npos);
+  // No limit anywhere: the leaf, unlimited.
+  put("job.slice/memory.max", "max\n");
+  put("job.slice/step/memory.max", "max\n");
+  a = read_cgroup_memory(root_.string(), "0::/job.slice/step\n");
+  ASSERT_TRUE(a.value);
+  EXPECT_FALSE(a.value->limit_bytes);
+}
+
+TEST_F(CgroupTree, V1UsesTheHierarchicalLimitAndIgnoresNoLimit) {
+  put("memory/docker/abc/memory.limit_in_bytes", "9223372036854771712\n");  // "no limit"
+  put("memory/docker/abc/memory.usage_in_bytes", "3000000000\n");
+  put("memory/docker/abc/memory.stat",
+      "hierarchical_memory_limit 4000000000\ntotal_inactive_file 1000000000\n");
+  Answer<CgroupMemory> a =
+      read_cgroup_memory(root_.string(), "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n");
+  ASSERT_TRUE(a.value) << a.error;
+  EXPECT_EQ(a.value->version, 1);
+  EXPECT_EQ(*a.value->limit_bytes, 4'000'000'000u);
+  EXPECT_EQ(a.value->usage_bytes, 2'000'000'000u);
+  // The controller mounted at the container's own root (the path is the host's).
+  std::filesystem::remove_all(root_ / "memory/docker");
+  put("memory/memory.limit_in_bytes", "2000000000\n");
+  put("memory/memory.usage_in_bytes", "500000000\n");
+  a = read_cgroup_memory(root_.string(), "4:memory:/docker/abc\n");
+  ASSERT_TRUE(a.value);
+  EXPECT_EQ(*a.value->limit_bytes, 2'000'000'000u);
+  // Nothing mounted: an error, not an exception.
+  EXPECT_FALSE(read_cgroup_memory((root_ / "nothing").string(), "0::/\n").value);
+  EXPECT_FALSE(read_cgroup_memory(root_.string(), "garbage").value);
 }
 
 }  // namespace

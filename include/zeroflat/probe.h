@@ -10,6 +10,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace zeroflat {
@@ -62,6 +63,12 @@ struct HostProbeSources {
   std::function<Answer<CgroupMemory>()> cgroup;
   unsigned local_ranks = 1;  // ranks sharing this host's memory
 };
+
+// The memory limit that applies to a process, from a cgroup mount root ("/sys/fs/cgroup") and
+// the text of its /proc/self/cgroup. v1: the memory controller's limit, lowered by
+// memory.stat's hierarchical_memory_limit. v2: the leaf's memory.max and every ancestor's up to
+// the root; the level with the least room decides. Usage excludes inactive page cache.
+Answer<CgroupMemory> read_cgroup_memory(const std::string& root, std::string_view self_cgroup);
 
 // This machine: /proc/meminfo and the process's cgroup (v2, else v1). local_ranks 0 takes
 // runtime_env()'s count (1 if unknown).
