@@ -1,0 +1,68 @@
+// Communicators: how the ranks that share a parameter group talk. Each has an in-place
+// all-gather, a small all-reduce (the ranks' agreement on free memory), a barrier, and a
+// timeout: a rank that fails or disappears becomes a CommError on the others, not a hang.
+//
+// Backends: `local` (ranks as threads in one process, for tests and rehearsals) now; `mpi` and
+// `nccl` with the executor.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace zeroflat {
+
+class Device;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual std::string name() const = 0;
+  virtual int rank() const noexcept = 0;
+  virtual int size() const noexcept = 0;
+
+  // In place: buffer holds size() * slice_bytes bytes on device, and this rank's slice
+  // [rank() * slice_bytes, +slice_bytes) is its contribution. On return every slice holds its
+  // owner's contribution. Every rank must call it with the same slice_bytes. A device whose
+  // memory the host cannot touch (a sim device without data) moves no bytes. Throws CommError
+  // on a timeout or a failed peer, naming the ranks.
+  virtual void all_gather_inplace(void* buffer, std::uint64_t slice_bytes, Device& device) = 0;
+
+  // values[i] becomes the minimum (maximum) of values[i] over all ranks. Every rank passes the
+  // same number of values. Throws CommError.
+  virtual void all_reduce_min(std::span<std::uint64_t> values) = 0;
+  virtual void all_reduce_max(std::span<std::uint64_t> values) = 0;
+
+  // Returns when every rank has called it. Throws CommError.
+  virtual void barrier() = 0;
+
+  // This rank has failed: every collective on every rank, waiting or later, throws CommError
+  // with this reason. Never throws.
+  virtual void abort(const std::string& why) noexcept = 0;
+};
+
+// `size` ranks as threads of one process. Each thread takes its own communicator with rank(r);
+// collectives wait at most `timeout` for the others.
+class LocalGroup {
+ public:
+  LocalGroup(int size, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  ~LocalGroup();
+  LocalGroup(const LocalGroup&) = delete;
+  LocalGroup& operator=(const LocalGroup&) = delete;
+
+  int size() const noexcept;
+  // The communicator of rank r (0 <= r < size), valid while the group lives. Throws
+  // InvalidArgument for a rank outside the group.
+  std::unique_ptr<Communicator> rank(int r);
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace zeroflat

@@ -1,0 +1,167 @@
+// The `local` communicator: ranks as threads of one process, meeting at generation barriers.
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+
+#include "zeroflat/comm.h"
+#include "zeroflat/device.h"
+#include "zeroflat/error.h"
+
+namespace zeroflat {
+
+struct LocalGroup::State {
+  int size;
+  std::chrono::milliseconds timeout;
+  std::mutex mutex;
+  std::condition_variable cv;
+  // Barrier: ranks arrived in the current generation.
+  std::uint64_t generation = 0;
+  std::vector<bool> arrived;
+  // Exchange slots, one per rank, valid between the two barriers of a collective.
+  std::vector<void*> buffers;
+  std::vector<std::vector<std::uint64_t>> values;
+  // Failure: set once, seen by everyone.
+  bool failed = false;
+  std::string failure;
+
+  // Waits until every rank has arrived (or a failure, or the timeout). Caller holds `lock`.
+  void meet(std::unique_lock<std::mutex>& lock, int rank, const char* what) {
+    if (failed) throw CommError(failure);
+    const std::uint64_t mine = generation;
+    arrived[static_cast<std::size_t>(rank)] = true;
+    if (std::all_of(arrived.begin(), arrived.end(), [](bool a) { return a; })) {
+      std::fill(arrived.begin(), arrived.end(), false);
+      ++generation;
+      cv.notify_all();
+      return;
+    }
+    const bool done = cv.wait_for(lock, timeout, [&] { return failed || generation != mine; });
+    if (failed) throw CommError(failure);
+    if (!done) {
+      std::string missing;
+      for (int r = 0; r < size; ++r) {
+        if (!arrived[static_cast<std::size_t>(r)]) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        }
+      }
+      failed = true;
+      failure = std::string(what) + ": rank " + std::to_string(rank) + " waited " +
+                std::to_string(timeout.count()) + " ms for rank(s) " + missing +
+                ", which never arrived";
+      cv.notify_all();
+      throw CommError(failure);
+    }
+  }
+};
+
+namespace {
+
+class LocalCommunicator final : public Communicator {
+ public:
+  LocalCommunicator(std::shared_ptr<LocalGroup::State> state, int rank)
+      : state_(std::move(state)), rank_(rank) {}
+
+  std::string name() const override { return "local"; }
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override { return state_->size; }
+
+  void all_gather_inplace(void* buffer, std::uint64_t slice_bytes, Device& device) override {
+    State& s = *state_;
+    std::unique_lock<std::mutex> lock(s.mutex);
+    s.buffers[static_cast<std::size_t>(rank_)] = buffer;
+    s.meet(lock, rank_, "all-gather");
+    // Every buffer is registered; read the peers' slices into this rank's buffer. Nobody writes
+    // a slice it does not own, so the copies need no lock.
+    std::vector<void*> peers = s.buffers;
+    lock.unlock();
+    if (device.host_accessible()) {
+      for (int r = 0; r < s.size; ++r) {
+        if (r == rank_) continue;
+        const std::uint64_t off = static_cast<std::uint64_t>(r) * slice_bytes;
+        std::memcpy(static_cast<unsigned char*>(buffer) + off,
+                    static_cast<const unsigned char*>(peers[static_cast<std::size_t>(r)]) + off,
+                    slice_bytes);
+      }
+    }
+    lock.lock();
+    s.meet(lock, rank_, "all-gather");  // nobody leaves while a peer still reads its buffer
+  }
+
+  void all_reduce_min(std::span<std::uint64_t> values) override { reduce(values, true); }
+  void all_reduce_max(std::span<std::uint64_t> values) override { reduce(values, false); }
+
+  void barrier() override {
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    state_->meet(lock, rank_, "barrier");
+  }
+
+  void abort(const std::string& why) noexcept override {
+    try {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      if (!state_->failed) {
+        state_->failed = true;
+        state_->failure = "rank " + std::to_string(rank_) + " failed: " + why;
+      }
+    } catch (...) {
+    }
+    state_->cv.notify_all();
+  }
+
+ private:
+  using State = LocalGroup::State;
+
+  void reduce(std::span<std::uint64_t> values, bool min) {
+    State& s = *state_;
+    std::unique_lock<std::mutex> lock(s.mutex);
+    s.values[static_cast<std::size_t>(rank_)].assign(values.begin(), values.end());
+    s.meet(lock, rank_, "all-reduce");
+    for (int r = 0; r < s.size; ++r) {
+      const auto& theirs = s.values[static_cast<std::size_t>(r)];
+      if (theirs.size() != values.size()) {
+        s.failed = true;
+        s.failure = "all-reduce: rank " + std::to_string(r) + " passed " +
+                    std::to_string(theirs.size()) + " values, rank " + std::to_string(rank_) + " " +
+                    std::to_string(values.size());
+        s.cv.notify_all();
+        throw CommError(s.failure);
+      }
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        values[i] = min ? std::min(values[i], theirs[i]) : std::max(values[i], theirs[i]);
+      }
+    }
+    s.meet(lock, rank_, "all-reduce");
+  }
+
+  std::shared_ptr<State> state_;
+  int rank_;
+};
+
+}  // namespace
+
+LocalGroup::LocalGroup(int size, std::chrono::milliseconds timeout)
+    : state_(std::make_shared<State>()) {
+  if (size < 1)
+    throw InvalidArgument("a local group needs at least 1 rank, not " + std::to_string(size));
+  state_->size = size;
+  state_->timeout = timeout;
+  state_->arrived.assign(static_cast<std::size_t>(size), false);
+  state_->buffers.assign(static_cast<std::size_t>(size), nullptr);
+  state_->values.resize(static_cast<std::size_t>(size));
+}
+
+LocalGroup::~LocalGroup() = default;
+
+int LocalGroup::size() const noexcept {
+  return state_->size;
+}
+
+std::unique_ptr<Communicator> LocalGroup::rank(int r) {
+  if (r < 0 || r >= state_->size) {
+    throw InvalidArgument("rank " + std::to_string(r) + " is outside the local group of " +
+                          std::to_string(state_->size));
+  }
+  return std::make_unique<LocalCommunicator>(state_, r);
+}
+
+}  // namespace zeroflat
