@@ -359,7 +359,7 @@ TEST_F(Configs, MalformedConfigsAreRejectedWithTheFieldNamed) {
 
 TEST(Safetensors, ParseTimeGrowsLinearlyWithTheTensorCount) {
   // A parse callback once made nlohmann rescan every object: quadratic in the tensor count.
-  // Compared side by side, 4x the tensors must cost well under 16x the time.
+  // Compared side by side (best of three each), 4x the tensors must cost well under 16x.
   auto header_of = [](int n) {
     json h = json::object();
     std::uint64_t off = 0;
@@ -372,7 +372,7 @@ TEST(Safetensors, ParseTimeGrowsLinearlyWithTheTensorCount) {
   };
   auto seconds_to_parse = [&](const std::string& file, std::size_t want) {
     double best = 1e9;
-    for (int round = 0; round < 2; ++round) {
+    for (int round = 0; round < 3; ++round) {
       const auto t0 = std::chrono::steady_clock::now();
       EXPECT_EQ(parse(file).tensors.size(), want);
       best = std::min(best,
@@ -382,7 +382,8 @@ TEST(Safetensors, ParseTimeGrowsLinearlyWithTheTensorCount) {
   };
   const double small = seconds_to_parse(header_of(20000), 20000);
   const double large = seconds_to_parse(header_of(80000), 80000);
-  EXPECT_LT(large / small, 8.0) << small << " s for 20k tensors, " << large << " s for 80k";
+  // Linear (with a log factor) is about 4-5x; quadratic would be 16x.
+  EXPECT_LT(large / small, 10.0) << small << " s for 20k tensors, " << large << " s for 80k";
 }
 
 }  // namespace
