@@ -281,8 +281,15 @@ int subcommand_run(const std::vector<std::string>& argv) {
   // --- does it fit in this host's memory? Nothing is allocated before this answer ----------
   // Peak: the originals, the flat buffer and the ceiling's buffer of the same size during the
   // timing rounds; later the flat buffer and the fp32 master partition.
-  const std::uint64_t need =
-      std::max(model_bytes + 2 * flat_bytes, flat_bytes + 4 * planned.partition_numel());
+  // (Saturating: an absurd layout must read as "too big", not wrap around to a small number.)
+  auto sat_add = [](std::uint64_t a, std::uint64_t b) {
+    return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+  };
+  auto sat_mul = [](std::uint64_t a, std::uint64_t b) {
+    return b != 0 && a > UINT64_MAX / b ? UINT64_MAX : a * b;
+  };
+  const std::uint64_t need = std::max(sat_add(model_bytes, sat_mul(2, flat_bytes)),
+                                      sat_add(flat_bytes, sat_mul(4, planned.partition_numel())));
   {
     ProbeResult host = probe_host(system_host_sources());
     const std::uint64_t margin = default_margin(host.total_bytes);
