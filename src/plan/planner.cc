@@ -106,44 +106,40 @@ Plan plan_group(const PlanInput& in) {
       in.capacity_bytes > in.margin_bytes ? in.capacity_bytes - in.margin_bytes : 0;
   const std::uint64_t headroom = limit > resident ? limit - resident : 0;  // free - margin
 
-  Plan plan;
-  for (Tier tier : kAllTiers) {
+  // A candidate's steps, their run on the memory model, and their predicted time. When the
+  // model does not fit at all, the steps are still shown, run from the model alone.
+  auto build = [&](Tier tier, std::uint64_t staged_x) {
     Candidate c;
     c.tier = tier;
-    std::uint64_t staged_x = 0;
+    c.steps = tier_steps(tier, l, in.rank, staged_x);
+    c.profile = simulate(c.steps, model_fits ? resident : m, m, l.options().dp);
+    c.predicted_seconds = predicted_seconds(c, in.bandwidths, in.local_ranks);
+    return c;
+  };
+
+  Plan plan;
+  for (Tier tier : kAllTiers) {
+    Candidate c = build(tier, 0);
     if (tier == Tier::kStaged && model_fits) {
       // As much of the slice on the device as fits at both peaks: beside the originals, and
       // beside the flat buffer once the originals are gone.
       const std::uint64_t after_release = resident - m + fb;
       const std::uint64_t room2 = limit > after_release ? limit - after_release : 0;
-      staged_x = std::min({sb, headroom, room2});
-      // Keeping a few bytes on the device costs four more steps than keeping none: when that
-      // is slower, keep none, so that more free memory never yields a slower plan.
+      const std::uint64_t staged_x = std::min({sb, headroom, room2});
+      // Keeping a few bytes on the device costs four more steps than keeping none: keep them
+      // only when that is faster, so that more free memory never yields a slower plan.
       if (staged_x > 0) {
-        Candidate none;
-        none.steps = tier_steps(tier, l, in.rank, 0);
-        none.profile = simulate(none.steps, resident, m, l.options().dp);
-        Candidate some;
-        some.steps = tier_steps(tier, l, in.rank, staged_x);
-        some.profile = simulate(some.steps, resident, m, l.options().dp);
-        if (predicted_seconds(none, in.bandwidths, in.local_ranks) <=
-            predicted_seconds(some, in.bandwidths, in.local_ranks)) {
-          staged_x = 0;
-        }
+        Candidate some = build(tier, staged_x);
+        if (some.predicted_seconds < c.predicted_seconds) c = std::move(some);
       }
     }
-    c.steps = tier_steps(tier, l, in.rank, staged_x);
     if (!model_fits) {
       c.feasible = false;
       c.why_not = "the group's " + format_bytes(m) + " do not fit in the device's " +
                   format_bytes(in.capacity_bytes);
-      c.profile = simulate(c.steps, m, m, l.options().dp);
-      c.predicted_seconds = predicted_seconds(c, in.bandwidths, in.local_ranks);
       plan.candidates.push_back(std::move(c));
       continue;
     }
-    c.profile = simulate(c.steps, resident, m, l.options().dp);
-    c.predicted_seconds = predicted_seconds(c, in.bandwidths, in.local_ranks);
     const std::uint64_t peak = c.profile.peak_device_bytes;
     std::string why;
     if (peak > limit) {
