@@ -64,6 +64,9 @@ struct HostProbeSources {
   unsigned local_ranks = 1;  // ranks sharing this host's memory
 };
 
+// /proc/meminfo's MemTotal and MemAvailable.
+Answer<MemoryPair> read_proc_meminfo();
+
 // The memory limit that applies to a process, from a cgroup mount root ("/sys/fs/cgroup") and
 // the text of its /proc/self/cgroup. v1: the memory controller's limit, lowered by
 // memory.stat's hierarchical_memory_limit. v2: the leaf's memory.max and every ancestor's up to

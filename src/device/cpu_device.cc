@@ -7,13 +7,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "device/host_kernels.h"
 #include "zeroflat/checksum.h"
 #include "zeroflat/error.h"
+#include "zeroflat/probe.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 
@@ -26,18 +26,6 @@ constexpr std::uint64_t kGrain = 64;  // thread ranges start on cache lines
 
 std::uint64_t round_up(std::uint64_t x, std::uint64_t m) {
   return (x + m - 1) / m * m;
-}
-
-std::uint64_t meminfo_bytes(const char* key) {
-  std::ifstream in("/proc/meminfo");
-  std::string name;
-  std::uint64_t kb = 0;
-  std::string unit;
-  while (in >> name >> kb) {
-    std::getline(in, unit);
-    if (name == key) return kb * 1024;
-  }
-  return 0;
 }
 
 }  // namespace
@@ -163,8 +151,10 @@ std::uint64_t CpuDevice::checksum(const void* ptr, std::uint64_t num_bytes) {
 
 MemoryInfo CpuDevice::memory_info() {
   MemoryInfo info;
-  info.total_bytes = meminfo_bytes("MemTotal:");
-  info.free_bytes = meminfo_bytes("MemAvailable:");
+  if (Answer<MemoryPair> host = read_proc_meminfo(); host.value) {
+    info.total_bytes = host.value->total_bytes;
+    info.free_bytes = host.value->free_bytes;
+  }
   info.allocated_bytes = allocated_.load();
   info.peak_allocated_bytes = peak_.load();
   return info;

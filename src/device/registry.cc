@@ -3,6 +3,7 @@
 #include <map>
 #include <mutex>
 
+#include "common/text.h"
 #include "device/cpu_device.h"
 #include "device/sim_device.h"
 #include "zeroflat/device.h"
@@ -68,9 +69,8 @@ std::unique_ptr<Device> make_device(std::string_view spec, const DeviceOptions& 
     if (it != r.factories.end()) factory = it->second;
   }
   if (!factory) {
-    std::string known;
-    for (const std::string& name : device_prefixes()) known += (known.empty() ? "" : ", ") + name;
-    throw InvalidArgument("unknown device '" + std::string(spec) + "': this build knows " + known);
+    throw InvalidArgument("unknown device '" + std::string(spec) + "': this build knows " +
+                          detail::join(device_prefixes()));
   }
   return factory(spec, options);
 }

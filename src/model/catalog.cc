@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <string>
 
+#include "common/text.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model.h"
 
@@ -199,9 +200,8 @@ std::optional<TransformerConfig> catalog_config(std::string_view name) {
 ModelSpec catalog_model(std::string_view name, const ModelOverrides& overrides) {
   std::optional<TransformerConfig> config = catalog_config(name);
   if (!config) {
-    std::string known;
-    for (const std::string& n : catalog_names()) known += (known.empty() ? "" : ", ") + n;
-    throw InvalidArgument("unknown model '" + std::string(name) + "': the catalog has " + known);
+    throw InvalidArgument("unknown model '" + std::string(name) + "': the catalog has " +
+                          detail::join(catalog_names()));
   }
   return build_transformer(std::string(name), apply_overrides(*config, overrides));
 }

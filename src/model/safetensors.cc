@@ -5,6 +5,7 @@
 #include <fstream>
 #include <string>
 
+#include "common/text.h"
 #include "model/strict_json.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
@@ -12,15 +13,7 @@
 namespace zeroflat {
 namespace {
 
-// Names from a hostile file, made safe to print: printable ASCII, at most 80 characters.
-std::string shown(std::string_view s) {
-  std::string out;
-  for (char c : s.substr(0, 80)) {
-    out += (c >= 0x20 && c < 0x7f) ? c : '?';
-  }
-  if (s.size() > 80) out += "...";
-  return out;
-}
+using detail::printable;
 
 bool get_u64(const nlohmann::json& v, std::uint64_t* out) {
   if (v.is_number_unsigned()) {
@@ -87,18 +80,20 @@ SafetensorsHeader parse_safetensors_header(std::span<const unsigned char> head,
       if (!v.is_object()) throw fail("__metadata__ is not an object of strings");
       for (auto m = v.begin(); m != v.end(); ++m) {
         if (!m.value().is_string()) {
-          throw fail("__metadata__ entry '" + shown(m.key()) + "' is not a string");
+          throw fail("__metadata__ entry '" + printable(m.key()) + "' is not a string");
         }
         h.metadata[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
-    auto bad = [&](const std::string& why) { return fail("tensor '" + shown(name) + "': " + why); };
+    auto bad = [&](const std::string& why) {
+      return fail("tensor '" + printable(name) + "': " + why);
+    };
     if (name.empty()) throw fail("a tensor has an empty name");
     if (!v.is_object()) throw bad("entry is not an object");
     for (auto f = v.begin(); f != v.end(); ++f) {
       if (f.key() != "dtype" && f.key() != "shape" && f.key() != "data_offsets") {
-        throw bad("unknown field '" + shown(f.key()) + "'");
+        throw bad("unknown field '" + printable(f.key()) + "'");
       }
     }
     SafetensorsTensor t;
@@ -106,7 +101,7 @@ SafetensorsHeader parse_safetensors_header(std::span<const unsigned char> head,
     if (!v.contains("dtype") || !v["dtype"].is_string()) throw bad("dtype missing or not a string");
     t.dtype = v["dtype"].get<std::string>();
     const std::uint64_t esize = safetensors_dtype_size(t.dtype);
-    if (esize == 0) throw bad("unknown dtype '" + shown(t.dtype) + "'");
+    if (esize == 0) throw bad("unknown dtype '" + printable(t.dtype) + "'");
     if (!v.contains("shape") || !v["shape"].is_array()) throw bad("shape missing or not a list");
     if (v["shape"].size() > 16) throw bad("shape has more than 16 dimensions");
     for (const nlohmann::json& d : v["shape"]) {
@@ -153,13 +148,14 @@ SafetensorsHeader parse_safetensors_header(std::span<const unsigned char> head,
   std::uint64_t cursor = 0;
   for (const SafetensorsTensor& t : h.tensors) {
     if (t.begin < cursor) {
-      throw fail("tensor '" + shown(t.name) + "' overlaps the tensor before it (data_offsets [" +
-                 std::to_string(t.begin) + ", " + std::to_string(t.end) + "], previous ends at " +
-                 std::to_string(cursor) + ")");
+      throw fail("tensor '" + printable(t.name) +
+                 "' overlaps the tensor before it (data_offsets [" + std::to_string(t.begin) +
+                 ", " + std::to_string(t.end) + "], previous ends at " + std::to_string(cursor) +
+                 ")");
     }
     if (t.begin > cursor) {
       throw fail("bytes [" + std::to_string(cursor) + ", " + std::to_string(t.begin) +
-                 ") of the data belong to no tensor (before '" + shown(t.name) + "')");
+                 ") of the data belong to no tensor (before '" + printable(t.name) + "')");
     }
     cursor = t.end;
   }

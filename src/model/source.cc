@@ -6,6 +6,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/text.h"
 #include "model/strict_json.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
@@ -191,9 +192,8 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
   const fs::path path(name_or_path);
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    std::string known;
-    for (const std::string& n : catalog_names()) known += (known.empty() ? "" : ", ") + n;
-    throw InvalidArgument("unknown model '" + name_or_path + "': neither a catalog name (" + known +
+    throw InvalidArgument("unknown model '" + name_or_path + "': neither a catalog name (" +
+                          detail::join(catalog_names()) +
                           ") nor an existing config.json, checkpoint directory or .safetensors "
                           "file");
   }

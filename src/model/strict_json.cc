@@ -4,6 +4,7 @@
 #include <set>
 #include <vector>
 
+#include "common/text.h"
 #include "zeroflat/error.h"
 
 namespace zeroflat::detail {
@@ -69,9 +70,8 @@ nlohmann::json parse_strict_json(std::string_view text, const std::string& sourc
   } check;
   nlohmann::json::sax_parse(text.begin(), text.end(), &check);
   if (!check.duplicate.empty()) {
-    std::string shown;
-    for (char c : check.duplicate.substr(0, 80)) shown += (c >= 0x20 && c < 0x7f) ? c : '?';
-    throw InvalidArgument(source + ": key '" + shown + "' appears twice in one object");
+    throw InvalidArgument(source + ": key '" + printable(check.duplicate) +
+                          "' appears twice in one object");
   }
   nlohmann::json doc;
   try {

@@ -44,23 +44,6 @@ std::uint64_t stat_value(const std::string& path, const std::string& key) {
   return 0;
 }
 
-Answer<MemoryPair> read_meminfo() {
-  std::ifstream in("/proc/meminfo");
-  if (!in) return Answer<MemoryPair>::fail("cannot read /proc/meminfo");
-  std::string key, unit;
-  std::uint64_t kb = 0;
-  std::optional<std::uint64_t> total, available;
-  while (in >> key >> kb) {
-    std::getline(in, unit);
-    if (key == "MemTotal:") total = kb * 1024;
-    if (key == "MemAvailable:") available = kb * 1024;
-  }
-  if (!total || !available) {
-    return Answer<MemoryPair>::fail("/proc/meminfo has no MemTotal or MemAvailable");
-  }
-  return Answer<MemoryPair>::ok({*total, *available});
-}
-
 // v2: the leaf's memory.max and each ancestor's up to the mount root; the level with the least
 // room decides (a Slurm job's or a systemd slice's limit sits above the process's own cgroup).
 std::optional<CgroupMemory> read_v2(const std::string& root, const std::string& leaf) {
@@ -292,6 +275,23 @@ Answer<MemoryPair> nvml_memory(const std::string& pci_bus_id) {
 
 }  // namespace
 
+Answer<MemoryPair> read_proc_meminfo() {
+  std::ifstream in("/proc/meminfo");
+  if (!in) return Answer<MemoryPair>::fail("cannot read /proc/meminfo");
+  std::string key, unit;
+  std::uint64_t kb = 0;
+  std::optional<std::uint64_t> total, available;
+  while (in >> key >> kb) {
+    std::getline(in, unit);
+    if (key == "MemTotal:") total = kb * 1024;
+    if (key == "MemAvailable:") available = kb * 1024;
+  }
+  if (!total || !available) {
+    return Answer<MemoryPair>::fail("/proc/meminfo has no MemTotal or MemAvailable");
+  }
+  return Answer<MemoryPair>::ok({*total, *available});
+}
+
 Answer<CgroupMemory> read_cgroup_memory(const std::string& root, std::string_view self_cgroup) {
   std::string v2_path, v1_path;
   std::istringstream lines{std::string(self_cgroup)};
@@ -323,7 +323,7 @@ Answer<CgroupMemory> read_cgroup_memory(const std::string& root, std::string_vie
 
 HostProbeSources system_host_sources(unsigned local_ranks) {
   HostProbeSources s;
-  s.meminfo = read_meminfo;
+  s.meminfo = read_proc_meminfo;
   s.cgroup = read_cgroup;
   if (local_ranks == 0) {
     try {
@@ -340,7 +340,7 @@ CudaProbeSources system_cuda_sources() {
   CudaProbeSources s;
   s.cuda = cuda_facts;
   s.nvml = nvml_memory;
-  s.host = read_meminfo;
+  s.host = read_proc_meminfo;
   // Container runtimes often set only NVIDIA_VISIBLE_DEVICES.
   for (const char* var : {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"}) {
     if (const char* v = std::getenv(var); v != nullptr && *v != '\0') {

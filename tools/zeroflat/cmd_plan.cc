@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 
+#include "common/text.h"
 #include "zeroflat/common.h"
 #include "zeroflat/error.h"
 #include "zeroflat/plan.h"
@@ -38,8 +39,9 @@ nlohmann::ordered_json step_json(const Step& st, const StepAccount& acc) {
 }  // namespace
 
 int subcommand_plan(const std::vector<std::string>& argv) {
-  std::string presets;
-  for (const DevicePreset& p : device_presets()) presets += (presets.empty() ? "" : ", ") + p.name;
+  std::vector<std::string> preset_names;
+  for (const DevicePreset& p : device_presets()) preset_names.push_back(p.name);
+  const std::string presets = detail::join(preset_names);
   Parser p("plan", "--model NAME --dp P --device PRESET|SIZE [options]",
            "Plans the flatten of one parameter group holding every tensor of the model, with the\n"
            "model already resident on each of P devices: builds the four tiers (device, sharded,\n"

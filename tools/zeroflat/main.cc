@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/text.h"
 #include "zeroflat/common.h"
 #include "zeroflat/config.h"
 #include "zeroflat/device.h"
@@ -58,8 +59,7 @@ int main(int argc, char** argv) {
       return kExitOk;
     }
     if (command == "--version" || command == "version") {
-      std::string devices;
-      for (const std::string& d : device_prefixes()) devices += (devices.empty() ? "" : ", ") + d;
+      const std::string devices = zeroflat::detail::join(device_prefixes());
       std::printf(
           "zeroflat %s\n  devices: %s\n  toolchains found at build time: cuda %s, nccl %s, "
           "mpi %s, python+torch %s\n",

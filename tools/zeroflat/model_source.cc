@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/text.h"
 #include "zeroflat/common.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
@@ -13,8 +14,7 @@
 namespace zeroflat::cli {
 
 void add_model_options(Parser& parser, const std::string& default_model) {
-  std::string names;
-  for (const std::string& n : catalog_names()) names += (names.empty() ? "" : ", ") + n;
+  const std::string names = detail::join(catalog_names());
   parser.option("model", "NAME|PATH",
                 "a catalog model (" + names +
                     "), a config.json, or a checkpoint directory or .safetensors file",
