@@ -140,7 +140,9 @@ std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank
     case Tier::kStaged: {
       // The first x bytes of the rank's slice stay on the device, the rest waits on the host
       // while the originals are freed and the flat buffer is allocated.
-      const std::uint64_t x = staged_device_bytes < sb ? staged_device_bytes : sb;
+      // Whole elements only: the split point is a byte offset into the layout.
+      const std::uint64_t es = layout.element_size();
+      const std::uint64_t x = (staged_device_bytes < sb ? staged_device_bytes : sb) / es * es;
       const std::uint64_t h = sb - x;
       if (x > 0) s.push_back(allocate(Buffer::kPartition, x));
       if (h > 0) s.push_back(allocate(Buffer::kHostStage, h));
