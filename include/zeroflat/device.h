@@ -30,6 +30,9 @@ struct MemoryInfo {
   std::uint64_t free_bytes = 0;
   std::uint64_t allocated_bytes = 0;       // currently allocated through this Device
   std::uint64_t peak_allocated_bytes = 0;  // high-water mark of allocated_bytes
+  // Host staging memory taken through allocate_host (pinned on a GPU), and its high-water mark.
+  std::uint64_t host_allocated_bytes = 0;
+  std::uint64_t peak_host_allocated_bytes = 0;
 };
 
 class Device {
@@ -43,6 +46,9 @@ class Device {
   virtual std::string name() const = 0;
   // True when the CPU can read and write this device's pointers directly.
   virtual bool host_accessible() const noexcept = 0;
+  // False for a device that only accounts for memory and keeps no bytes (sim:SIZE with
+  // no_data): copies, gathers and all-gathers on it move nothing.
+  virtual bool keeps_data() const noexcept { return true; }
 
   // Returns at least num_bytes of uninitialized memory, aligned to at least 64 bytes (a
   // zero-byte request returns a valid, unique pointer). Throws OutOfMemory naming the size.
@@ -51,10 +57,19 @@ class Device {
   // Null is ignored.
   virtual void release(void* ptr, std::uint64_t num_bytes) noexcept = 0;
 
+  // Host memory for staging (page-locked on a GPU, so that copies to and from it run at the
+  // link's speed and a kernel can write it directly), accounted apart from device memory. The
+  // same contract as allocate(). Throws OutOfMemory.
+  virtual void* allocate_host(std::uint64_t num_bytes) = 0;
+  virtual void release_host(void* ptr, std::uint64_t num_bytes) noexcept = 0;
+  // Copies num_bytes from src to dst, each one this device's memory or its host staging memory
+  // (any direction). The ranges must not overlap.
+  virtual void copy(void* dst, const void* src, std::uint64_t num_bytes) = 0;
   // Writes the byte range [0, num_bytes) of dst in one call: every segment's bytes go to
   // dst + dst_offset, and every byte no segment covers becomes zero. Segments must be sorted by
   // dst_offset, must not overlap each other, must lie inside [0, num_bytes), and must not
-  // overlap dst's range in their sources. Sources and dst belong to this device. Throws
+  // overlap dst's range in their sources. Sources belong to this device; dst is this device's
+  // memory or its host staging memory (then the bytes cross the host link in the same pass). Throws
   // InvalidArgument when the segments break these rules (checked before any byte is written).
   virtual void gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) = 0;
 
@@ -77,6 +92,14 @@ class DeviceBuffer {
   DeviceBuffer() = default;
   DeviceBuffer(Device& device, std::uint64_t num_bytes)
       : device_(&device), data_(device.allocate(num_bytes)), num_bytes_(num_bytes) {}
+  // Takes ownership of num_bytes at ptr, which device.allocate() returned.
+  static DeviceBuffer adopt(Device& device, void* ptr, std::uint64_t num_bytes) noexcept {
+    DeviceBuffer b;
+    b.device_ = &device;
+    b.data_ = ptr;
+    b.num_bytes_ = num_bytes;
+    return b;
+  }
   DeviceBuffer(DeviceBuffer&& other) noexcept { swap(other); }
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
     DeviceBuffer(std::move(other)).swap(*this);

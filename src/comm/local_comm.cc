@@ -67,6 +67,10 @@ class LocalCommunicator final : public Communicator {
   int size() const noexcept override { return state_->size; }
 
   void all_gather_inplace(void* buffer, std::uint64_t slice_bytes, Device& device) override {
+    if (device.keeps_data() && !device.host_accessible()) {
+      throw InvalidArgument("local: the all-gather copies host memory, and " + device.name() +
+                            " memory is not; use the nccl communicator for it");
+    }
     State& s = *state_;
     std::unique_lock<std::mutex> lock(s.mutex);
     s.buffers[static_cast<std::size_t>(rank_)] = buffer;
@@ -75,7 +79,7 @@ class LocalCommunicator final : public Communicator {
     // a slice it does not own, so the copies need no lock.
     std::vector<void*> peers = s.buffers;
     lock.unlock();
-    if (device.host_accessible()) {
+    if (device.keeps_data()) {
       for (int r = 0; r < s.size; ++r) {
         if (r == rank_) continue;
         const std::uint64_t off = static_cast<std::uint64_t>(r) * slice_bytes;

@@ -74,17 +74,30 @@ CpuDevice::CpuDevice(const DeviceOptions& options)
 
 void* CpuDevice::allocate(std::uint64_t num_bytes) {
   void* p = host_allocate(num_bytes);
-  std::uint64_t now = allocated_.fetch_add(num_bytes) + num_bytes;
-  std::uint64_t peak = peak_.load();
-  while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-  }
+  device_bytes_.add(num_bytes);
   return p;
 }
 
 void CpuDevice::release(void* ptr, std::uint64_t num_bytes) noexcept {
   if (ptr == nullptr) return;
   host_release(ptr, num_bytes);
-  allocated_.fetch_sub(num_bytes);
+  device_bytes_.sub(num_bytes);
+}
+
+void* CpuDevice::allocate_host(std::uint64_t num_bytes) {
+  void* p = host_allocate(num_bytes);
+  host_bytes_.add(num_bytes);
+  return p;
+}
+
+void CpuDevice::release_host(void* ptr, std::uint64_t num_bytes) noexcept {
+  if (ptr == nullptr) return;
+  host_release(ptr, num_bytes);
+  host_bytes_.sub(num_bytes);
+}
+
+void CpuDevice::copy(void* dst, const void* src, std::uint64_t num_bytes) {
+  memcpy_parallel(dst, src, num_bytes);
 }
 
 void CpuDevice::parallel(const std::function<void(unsigned)>& fn) {
@@ -155,8 +168,10 @@ MemoryInfo CpuDevice::memory_info() {
     info.total_bytes = host.value->total_bytes;
     info.free_bytes = host.value->free_bytes;
   }
-  info.allocated_bytes = allocated_.load();
-  info.peak_allocated_bytes = peak_.load();
+  info.allocated_bytes = device_bytes_.current();
+  info.peak_allocated_bytes = device_bytes_.peak();
+  info.host_allocated_bytes = host_bytes_.current();
+  info.peak_host_allocated_bytes = host_bytes_.peak();
   return info;
 }
 

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "common/thread_pool.h"
+#include "device/accounting.h"
 #include "zeroflat/device.h"
 
 namespace zeroflat::detail {
@@ -18,6 +19,10 @@ class CpuDevice final : public Device {
   bool host_accessible() const noexcept override { return true; }
   void* allocate(std::uint64_t num_bytes) override;
   void release(void* ptr, std::uint64_t num_bytes) noexcept override;
+  // Host staging memory is ordinary host memory here, counted apart.
+  void* allocate_host(std::uint64_t num_bytes) override;
+  void release_host(void* ptr, std::uint64_t num_bytes) noexcept override;
+  void copy(void* dst, const void* src, std::uint64_t num_bytes) override;
   void gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) override;
   void upcast_to_fp32(float* dst, const void* src, DType dtype, std::uint64_t numel) override;
   std::uint64_t checksum(const void* ptr, std::uint64_t num_bytes) override;
@@ -36,8 +41,8 @@ class CpuDevice final : public Device {
  private:
   std::mutex run_mutex_;  // one team operation at a time
   ThreadPool pool_;
-  std::atomic<std::uint64_t> allocated_{0};
-  std::atomic<std::uint64_t> peak_{0};
+  ByteCounter device_bytes_;
+  ByteCounter host_bytes_;
 };
 
 // Host allocation used by the cpu device: 2 MiB-aligned anonymous mappings that ask for

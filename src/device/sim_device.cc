@@ -15,46 +15,59 @@ SimDevice::SimDevice(std::string name, std::uint64_t capacity_bytes, const Devic
       no_data_(options.no_data),
       host_(options) {}
 
-void* SimDevice::allocate(std::uint64_t num_bytes) {
-  std::uint64_t now = allocated_.load();
-  do {
-    if (num_bytes > capacity_ || now > capacity_ - num_bytes) {
-      throw OutOfMemory(name_ + ": cannot allocate " + format_bytes(num_bytes) + " with " +
-                        format_bytes(now) + " of " + format_bytes(capacity_) + " in use");
-    }
-  } while (!allocated_.compare_exchange_weak(now, now + num_bytes));
-  void* p = nullptr;
-  try {
-    if (no_data_) {
-      // Address space only: unique, aligned, and any access faults instead of corrupting.
-      p = mmap(nullptr, num_bytes == 0 ? 1 : num_bytes, PROT_NONE,
-               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (p == MAP_FAILED) {
-        throw OutOfMemory(name_ + ": cannot reserve " + format_bytes(num_bytes) +
-                          " of address space");
-      }
-    } else {
-      p = host_allocate(num_bytes);
-    }
-  } catch (...) {
-    allocated_.fetch_sub(num_bytes);
-    throw;
-  }
-  std::uint64_t peak = peak_.load();
-  const std::uint64_t after = allocated_.load();
-  while (after > peak && !peak_.compare_exchange_weak(peak, after)) {
+void* SimDevice::map(std::uint64_t num_bytes) {
+  if (!no_data_) return host_allocate(num_bytes);
+  // Address space only: unique, aligned, and any access faults instead of corrupting.
+  void* p = mmap(nullptr, num_bytes == 0 ? 1 : num_bytes, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    throw OutOfMemory(name_ + ": cannot reserve " + format_bytes(num_bytes) + " of address space");
   }
   return p;
 }
 
-void SimDevice::release(void* ptr, std::uint64_t num_bytes) noexcept {
-  if (ptr == nullptr) return;
+void SimDevice::unmap(void* ptr, std::uint64_t num_bytes) noexcept {
   if (no_data_) {
     munmap(ptr, num_bytes == 0 ? 1 : num_bytes);
   } else {
     host_release(ptr, num_bytes);
   }
-  allocated_.fetch_sub(num_bytes);
+}
+
+void* SimDevice::allocate(std::uint64_t num_bytes) {
+  if (!device_bytes_.try_add(num_bytes, capacity_)) {
+    throw OutOfMemory(name_ + ": cannot allocate " + format_bytes(num_bytes) + " with " +
+                      format_bytes(device_bytes_.current()) + " of " + format_bytes(capacity_) +
+                      " in use");
+  }
+  try {
+    return map(num_bytes);
+  } catch (...) {
+    device_bytes_.sub(num_bytes);
+    throw;
+  }
+}
+
+void SimDevice::release(void* ptr, std::uint64_t num_bytes) noexcept {
+  if (ptr == nullptr) return;
+  unmap(ptr, num_bytes);
+  device_bytes_.sub(num_bytes);
+}
+
+void* SimDevice::allocate_host(std::uint64_t num_bytes) {
+  void* p = map(num_bytes);
+  host_bytes_.add(num_bytes);
+  return p;
+}
+
+void SimDevice::release_host(void* ptr, std::uint64_t num_bytes) noexcept {
+  if (ptr == nullptr) return;
+  unmap(ptr, num_bytes);
+  host_bytes_.sub(num_bytes);
+}
+
+void SimDevice::copy(void* dst, const void* src, std::uint64_t num_bytes) {
+  if (!no_data_) host_.copy(dst, src, num_bytes);
 }
 
 void SimDevice::gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) {
@@ -78,9 +91,11 @@ std::uint64_t SimDevice::checksum(const void* ptr, std::uint64_t num_bytes) {
 MemoryInfo SimDevice::memory_info() {
   MemoryInfo info;
   info.total_bytes = capacity_;
-  info.allocated_bytes = allocated_.load();
+  info.allocated_bytes = device_bytes_.current();
   info.free_bytes = capacity_ - info.allocated_bytes;
-  info.peak_allocated_bytes = peak_.load();
+  info.peak_allocated_bytes = device_bytes_.peak();
+  info.host_allocated_bytes = host_bytes_.current();
+  info.peak_host_allocated_bytes = host_bytes_.peak();
   return info;
 }
 

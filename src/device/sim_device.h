@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 
+#include "device/accounting.h"
 #include "device/cpu_device.h"
 #include "zeroflat/device.h"
 
@@ -18,11 +19,17 @@ class SimDevice final : public Device {
   std::string name() const override { return name_; }
   // With no_data, pointers are reserved address space that faults on any access.
   bool host_accessible() const noexcept override { return !no_data_; }
-  bool has_data() const noexcept { return !no_data_; }
+  bool keeps_data() const noexcept override { return !no_data_; }
 
   // Throws OutOfMemory when the allocation would take usage past the capacity.
   void* allocate(std::uint64_t num_bytes) override;
   void release(void* ptr, std::uint64_t num_bytes) noexcept override;
+  // Host staging memory: host memory, or address space only without data. Not limited by the
+  // capacity (that is the device's), counted apart.
+  void* allocate_host(std::uint64_t num_bytes) override;
+  void release_host(void* ptr, std::uint64_t num_bytes) noexcept override;
+  // Without data: copies nothing.
+  void copy(void* dst, const void* src, std::uint64_t num_bytes) override;
   // Without data: checks the segments, copies nothing.
   void gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) override;
   void upcast_to_fp32(float* dst, const void* src, DType dtype, std::uint64_t numel) override;
@@ -34,9 +41,11 @@ class SimDevice final : public Device {
   std::string name_;
   std::uint64_t capacity_;
   bool no_data_;
-  CpuDevice host_;  // the threads and kernels of the backed mode
-  std::atomic<std::uint64_t> allocated_{0};
-  std::atomic<std::uint64_t> peak_{0};
+  CpuDevice host_;                     // the threads and kernels of the backed mode
+  void* map(std::uint64_t num_bytes);  // address space or host memory
+  void unmap(void* ptr, std::uint64_t num_bytes) noexcept;
+  ByteCounter device_bytes_;
+  ByteCounter host_bytes_;
 };
 
 }  // namespace zeroflat::detail
