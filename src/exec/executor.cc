@@ -1,0 +1,413 @@
+// The executor: runs a step list, agrees with the other ranks at the points of no return, and
+// rolls back or recovers forward on failure (see executor.h).
+#include "zeroflat/executor.h"
+
+#include <array>
+#include <chrono>
+#include <exception>
+
+#include "zeroflat/error.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat {
+
+std::string_view outcome_name(Outcome outcome) noexcept {
+  switch (outcome) {
+    case Outcome::kDone:
+      return "done";
+    case Outcome::kRolledBack:
+      return "rolled back";
+    case Outcome::kRecovered:
+      return "recovered";
+    case Outcome::kLost:
+      return "lost";
+  }
+  return "?";
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// What a rank tells the others at an agreement point, as one number so that the maximum over
+// ranks keeps the worst news: severity, then the step, then the rank.
+constexpr std::uint64_t kFailed = 1;  // a step failed; recovery is still possible
+constexpr std::uint64_t kGone = 2;    // a step failed while recovering: data is lost
+
+std::uint64_t encode(std::uint64_t severity, std::size_t step, std::uint64_t rank) {
+  return severity << 56 | (std::uint64_t{step} + 1) << 24 | (rank + 1);
+}
+std::size_t step_of(std::uint64_t code) {
+  return static_cast<std::size_t>(((code >> 24) & ((std::uint64_t{1} << 32) - 1)) - 1);
+}
+int rank_of(std::uint64_t code) {
+  return static_cast<int>((code & ((std::uint64_t{1} << 24) - 1)) - 1);
+}
+
+bool is_agreement_point(const Step& step) {
+  return step.op == Op::kAllGather || step.op == Op::kReleaseOriginals;
+}
+
+struct Live {
+  void* ptr = nullptr;
+  std::uint64_t bytes = 0;
+  bool allocated = false;
+};
+
+// How one pass over the list ended.
+struct PassEnd {
+  std::uint64_t agreed = 0;                 // 0: every rank reached the end without failure
+  std::size_t stopped_at = 0;               // the agreement point (steps.size() for the end)
+  std::optional<std::size_t> local_failed;  // this rank's failed step, if any
+  std::string local_error;
+  bool comm_broken = false;  // an agreement itself failed: the ranks can no longer talk
+  std::string comm_error;
+};
+
+class Run {
+ public:
+  Run(const std::vector<Step>& steps, const Layout& layout, std::uint64_t rank,
+      std::span<TensorRef> params, Device& device, Communicator* comm,
+      const ReleaseOriginals& release_originals, const ExecuteOptions& options)
+      : steps_(steps),
+        layout_(layout),
+        rank_(rank),
+        params_(params),
+        device_(device),
+        comm_(comm != nullptr && comm->size() > 1 ? comm : nullptr),
+        release_originals_(release_originals),
+        options_(options),
+        step_seconds_(steps.size(), 0.0) {
+    originals_.reserve(params.size());
+    for (const TensorRef& t : params) originals_.push_back(t.data);
+  }
+
+  Execution execute() {
+    const auto t0 = Clock::now();
+    Execution out;
+    PassEnd first = pass(0, /*inject=*/true);
+    if (first.agreed == 0 && !first.comm_broken) {
+      out.outcome = Outcome::kDone;
+    } else if (!released_) {
+      rollback();
+      out.outcome = Outcome::kRolledBack;
+      out.error = failure_text(first) +
+                  "; rolled back: nothing had been released, every parameter holds its original "
+                  "storage, unchanged";
+    } else if (first.comm_broken) {
+      if (!first.local_failed && first.stopped_at == steps_.size()) {
+        // Every step of this rank ran; only the last agreement could not be had.
+        out.outcome = Outcome::kRecovered;
+        out.error = failure_text(first) +
+                    "; this rank finished every step, so its parameters are views into its "
+                    "complete flat buffer, but the other ranks could not confirm theirs";
+      } else {
+        lose();
+        out.outcome = Outcome::kLost;
+        out.error = failure_text(first) + "; " + lost_text();
+      }
+    } else {
+      // Recover forward: re-run the list from where this rank stopped, without the fault.
+      const std::size_t from = first.local_failed.value_or(first.stopped_at);
+      PassEnd second = pass(from, /*inject=*/false);
+      if (second.agreed == 0 && !second.comm_broken) {
+        out.outcome = Outcome::kRecovered;
+        out.error = failure_text(first) +
+                    "; recovered: the originals had been released, so the rest of the steps ran "
+                    "again and every parameter holds its original values as a view into the "
+                    "completed flat buffer";
+      } else {
+        lose();
+        out.outcome = Outcome::kLost;
+        out.error = failure_text(first) + "; recovery failed too (" + failure_text(second) + "); " +
+                    lost_text();
+      }
+    }
+    if (first.agreed != 0) {
+      out.failed_step = step_of(first.agreed);
+      out.failed_rank = rank_of(first.agreed);
+    } else if (first.local_failed) {
+      out.failed_step = first.local_failed;
+      out.failed_rank = static_cast<int>(rank_);
+    }
+    if (out.outcome == Outcome::kDone || out.outcome == Outcome::kRecovered) {
+      out.group.layout = layout_;
+      out.group.flat = adopt_flat();
+      out.group.views.assign(params_.begin(), params_.end());
+    }
+    // Whatever else is still held (a partition or stage left by a failed recovery) goes.
+    free_all();
+    device_.synchronize();
+    const MemoryInfo mem = device_.memory_info();
+    out.measured_peak_device_bytes = mem.peak_allocated_bytes;
+    out.measured_peak_host_bytes = mem.peak_host_allocated_bytes;
+    out.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    out.step_seconds = step_seconds_;
+    return out;
+  }
+
+ private:
+  // Runs steps [from, size) and the agreement points among them, then the final agreement.
+  PassEnd pass(std::size_t from, bool inject) {
+    PassEnd end;
+    const std::uint64_t severity = inject ? kFailed : kGone;
+    for (std::size_t k = from; k <= steps_.size(); ++k) {
+      const bool last = k == steps_.size();
+      if (!last && inject && options_.fault_step == k && !end.local_failed) {
+        end.local_failed = k;
+        end.local_error = "injected fault (--inject-fault " + std::to_string(k) + ")";
+      }
+      if (last || is_agreement_point(steps_[k])) {
+        const std::uint64_t mine =
+            end.local_failed ? encode(severity, *end.local_failed, rank_) : 0;
+        std::uint64_t agreed = mine;
+        if (comm_ != nullptr) {
+          try {
+            std::array<std::uint64_t, 1> v{mine};
+            comm_->all_reduce_max(v);
+            agreed = v[0];
+          } catch (const std::exception& e) {
+            end.comm_broken = true;
+            end.comm_error = e.what();
+            comm_->abort("rank " + std::to_string(rank_) + " lost the others: " + e.what());
+          }
+        }
+        if (end.comm_broken || agreed != 0) {
+          end.agreed = agreed;
+          end.stopped_at = k;
+          return end;
+        }
+      }
+      if (last) break;
+      if (end.local_failed) continue;  // to the next agreement point, where the others hear
+      if (options_.on_step) options_.on_step(k, steps_[k]);
+      const auto t0 = Clock::now();
+      try {
+        run_step(steps_[k]);
+      } catch (const std::exception& e) {
+        end.local_failed = k;
+        end.local_error = e.what();
+        if (comm_ != nullptr && dynamic_cast<const CommError*>(&e) != nullptr) {
+          comm_->abort("rank " + std::to_string(rank_) + ": " + e.what());
+        }
+      }
+      step_seconds_[k] = std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    end.stopped_at = steps_.size();
+    return end;
+  }
+
+  void run_step(const Step& s) {
+    switch (s.op) {
+      case Op::kAllocate: {
+        Live& b = live(s.buffer);
+        if (b.allocated) throw InternalError("buffer already allocated");
+        b.ptr = on_host(s.buffer) ? device_.allocate_host(s.bytes) : device_.allocate(s.bytes);
+        b.bytes = s.bytes;
+        b.allocated = true;
+        break;
+      }
+      case Op::kGather: {
+        if (released_) throw InternalError("the originals were released");
+        std::vector<TensorRef> from(params_.begin(), params_.end());
+        for (std::size_t i = 0; i < from.size(); ++i) from[i].data = originals_[i];
+        std::vector<Segment> segs =
+            gather_segments(layout_, from, s.flat_offset, s.flat_offset + s.bytes);
+        device_.gather(at(s.buffer, s.dst_offset, s.bytes), s.bytes, segs);
+        break;
+      }
+      case Op::kCopy:
+        device_.copy(at(s.buffer, s.dst_offset, s.bytes), at(s.source, s.src_offset, s.bytes),
+                     s.bytes);
+        break;
+      case Op::kReleaseOriginals:
+        if (released_) break;  // a recovery pass running the step again
+        released_ = true;
+        if (release_originals_) release_originals_();
+        for (std::size_t i = 0; i < params_.size(); ++i) {
+          if (params_[i].data == originals_[i]) params_[i].data = nullptr;
+        }
+        break;
+      case Op::kAllGather: {
+        const std::uint64_t sb = layout_.partition_bytes();
+        auto* flat = static_cast<unsigned char*>(at(s.buffer, 0, s.bytes));
+        if (s.source != s.buffer) {
+          // This rank's contribution moves into its own slot first; the all-gather is in place.
+          device_.copy(flat + rank_ * sb, at(s.source, 0, sb), sb);
+        }
+        if (comm_ != nullptr) comm_->all_gather_inplace(flat, sb, device_);
+        break;
+      }
+      case Op::kRepoint: {
+        auto* flat = static_cast<unsigned char*>(at(Buffer::kFlat, 0, layout_.flat_bytes()));
+        const std::uint64_t es = layout_.element_size();
+        for (std::size_t i = 0; i < params_.size(); ++i) {
+          params_[i].data = flat + layout_.offsets()[i] * es;
+        }
+        break;
+      }
+      case Op::kRelease:
+        free_buffer(s.buffer);
+        break;
+    }
+  }
+
+  Live& live(Buffer b) { return buffers_[static_cast<std::size_t>(b)]; }
+
+  void* at(Buffer b, std::uint64_t offset, std::uint64_t bytes) {
+    Live& l = live(b);
+    if (!l.allocated) throw InternalError(std::string(buffer_name(b)) + " is not allocated");
+    if (offset > l.bytes || bytes > l.bytes - offset) {
+      throw InternalError("range outside " + std::string(buffer_name(b)));
+    }
+    return static_cast<unsigned char*>(l.ptr) + offset;
+  }
+
+  void free_buffer(Buffer b) {
+    Live& l = live(b);
+    if (!l.allocated) throw InternalError(std::string(buffer_name(b)) + " is not allocated");
+    if (on_host(b)) {
+      device_.release_host(l.ptr, l.bytes);
+    } else {
+      device_.release(l.ptr, l.bytes);
+    }
+    l = Live{};
+  }
+
+  void free_all() noexcept {
+    for (std::size_t i = 0; i < buffers_.size(); ++i) {
+      const auto b = static_cast<Buffer>(i);
+      if (live(b).allocated) {
+        try {
+          free_buffer(b);
+        } catch (...) {  // cannot happen: it is allocated
+        }
+      }
+    }
+  }
+
+  // The flat buffer becomes the result's; the executor no longer releases it.
+  DeviceBuffer adopt_flat() {
+    Live& l = live(Buffer::kFlat);
+    DeviceBuffer out = DeviceBuffer::adopt(device_, l.ptr, l.bytes);
+    l = Live{};
+    return out;
+  }
+
+  void rollback() noexcept {
+    free_all();
+    for (std::size_t i = 0; i < params_.size(); ++i) params_[i].data = originals_[i];
+  }
+
+  void lose() noexcept {
+    free_all();
+    for (TensorRef& t : params_) t.data = nullptr;
+  }
+
+  std::string failure_text(const PassEnd& end) const {
+    std::string text;
+    if (end.agreed != 0) {
+      const std::size_t k = step_of(end.agreed);
+      const int r = rank_of(end.agreed);
+      text = "step " + std::to_string(k) + " (" + steps_[k].describe() + ") failed on rank " +
+             std::to_string(r);
+      if (end.local_failed == k && static_cast<std::uint64_t>(r) == rank_) {
+        text += ": " + end.local_error;
+      } else if (end.local_failed) {
+        text +=
+            " (and step " + std::to_string(*end.local_failed) + " here: " + end.local_error + ")";
+      }
+    } else if (end.local_failed) {
+      const std::size_t k = *end.local_failed;
+      text = "step " + std::to_string(k) + " (" + steps_[k].describe() + ") failed on rank " +
+             std::to_string(rank_) + ": " + end.local_error;
+    }
+    if (end.comm_broken) {
+      if (!text.empty()) text += "; ";
+      text += "the ranks could not agree at " +
+              (end.stopped_at < steps_.size() ? "step " + std::to_string(end.stopped_at) + " (" +
+                                                    steps_[end.stopped_at].describe() + ")"
+                                              : std::string("the end of the list")) +
+              ": " + end.comm_error;
+    }
+    return text;
+  }
+
+  std::string lost_text() const {
+    const std::uint64_t sb = layout_.partition_bytes();
+    return "parameter data is lost: the originals were released and the flat buffer could not "
+           "be completed; this rank held layout bytes [" +
+           std::to_string(rank_ * sb) + ", " + std::to_string((rank_ + 1) * sb) +
+           "), the rest must be reloaded from the checkpoint";
+  }
+
+  const std::vector<Step>& steps_;
+  const Layout& layout_;
+  std::uint64_t rank_;
+  std::span<TensorRef> params_;
+  Device& device_;
+  Communicator* comm_;
+  const ReleaseOriginals& release_originals_;
+  const ExecuteOptions& options_;
+  std::vector<void*> originals_;
+  std::array<Live, 5> buffers_{};
+  bool released_ = false;
+  std::vector<double> step_seconds_;
+};
+
+}  // namespace
+
+Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t rank,
+                  std::span<TensorRef> params, Device& device, Communicator* comm,
+                  const ReleaseOriginals& release_originals, const ExecuteOptions& options) {
+  const std::uint64_t dp = layout.options().dp;
+  if (rank >= dp) {
+    throw InvalidArgument("rank " + std::to_string(rank) + " is outside the layout's dp " +
+                          std::to_string(dp));
+  }
+  if (comm != nullptr && comm->size() > 1 &&
+      (static_cast<std::uint64_t>(comm->size()) != dp ||
+       static_cast<std::uint64_t>(comm->rank()) != rank)) {
+    throw InvalidArgument("the communicator has " + std::to_string(comm->size()) +
+                          " ranks (this one " + std::to_string(comm->rank()) + ") but the layout " +
+                          "is for dp " + std::to_string(dp) + ", rank " + std::to_string(rank));
+  }
+  if ((comm == nullptr || comm->size() == 1) && dp > 1) {
+    for (const Step& s : steps) {
+      if (s.op == Op::kAllGather) {
+        throw InvalidArgument("an all-gather step for dp " + std::to_string(dp) +
+                              " needs a communicator of that size");
+      }
+    }
+  }
+  if (params.size() != layout.numels().size()) {
+    throw InvalidArgument("the layout has " + std::to_string(layout.numels().size()) +
+                          " parameters, the group " + std::to_string(params.size()));
+  }
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].numel != layout.numels()[i]) {
+      throw InvalidArgument("parameter " + std::to_string(i) + " has " +
+                            std::to_string(params[i].numel) + " elements, the layout " +
+                            std::to_string(layout.numels()[i]));
+    }
+  }
+  validate_group(params, device, layout.options());
+  // The list must make sense on its own (the memory model refuses a malformed one).
+  std::uint64_t original_bytes = 0;
+  for (const TensorRef& t : params) original_bytes += t.num_bytes();
+  try {
+    (void)simulate(steps, original_bytes, original_bytes, dp);
+  } catch (const InternalError& e) {
+    throw InvalidArgument(std::string("the step list is malformed: ") + e.what());
+  }
+  for (const Step& s : steps) {
+    if ((s.op == Op::kGather && s.flat_offset + s.bytes > layout.flat_bytes()) ||
+        (s.op == Op::kAllGather && s.bytes != layout.flat_bytes())) {
+      throw InvalidArgument("step '" + s.describe() + "' does not fit the layout's " +
+                            format_bytes(layout.flat_bytes()) + " flat buffer");
+    }
+  }
+  return Run(steps, layout, rank, params, device, comm, release_originals, options).execute();
+}
+
+}  // namespace zeroflat
