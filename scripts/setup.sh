@@ -20,6 +20,7 @@ packages=(
   build-essential cmake ninja-build pkg-config ccache
   libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev nlohmann-json3-dev
+  libopenmpi-dev openmpi-bin
   clang libclang-rt-14-dev
 )
 missing=()

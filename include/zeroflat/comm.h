@@ -2,8 +2,9 @@
 // all-gather, a small all-reduce (the ranks' agreement on free memory), a barrier, and a
 // timeout: a rank that fails or disappears becomes a CommError on the others, not a hang.
 //
-// Backends: `local` (ranks as threads in one process, for tests and rehearsals) now; `mpi` and
-// `nccl` with the executor.
+// Backends: `local` (ranks as threads in one process, for tests and rehearsals), `mpi` (rank and
+// size from the MPI launcher; host memory), `nccl` (device memory of a cuda device; the unique
+// id travels over another communicator, usually the MPI one).
 #pragma once
 
 #include <chrono>
@@ -64,5 +65,28 @@ class LocalGroup {
  private:
   std::shared_ptr<State> state_;
 };
+
+// True when this build has the backend (see `zeroflat --version` and docs/environment.md).
+bool have_mpi() noexcept;
+bool have_nccl() noexcept;
+
+// The ranks of MPI_COMM_WORLD, as the launcher (mpirun) set them up. Initializes MPI on first
+// use and finalizes it at exit. Collectives are non-blocking underneath and polled, so a peer
+// that stops answering for `timeout` becomes a CommError, not a hang. Throws Unsupported when
+// this build has no MPI, CommError when MPI cannot start.
+std::unique_ptr<Communicator> make_mpi_communicator(
+    std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+// An NCCL communicator over the same ranks as `bootstrap` (rank 0 makes the unique id and
+// hands it to the others through bootstrap), for buffers on `device`, which must be a cuda
+// device and outlive the communicator. all_gather_inplace runs ncclAllGather in place on the
+// device's stream; the small all-reduces and the barrier go over bootstrap. A collective that
+// does not finish within `timeout`, or an asynchronous NCCL error, aborts the NCCL
+// communicator and throws CommError. abort() aborts the NCCL communicator and bootstrap too (the
+// others can only hear of it there). One rank per GPU; a timeout must be positive (else
+// InvalidArgument). Throws Unsupported when this build has no NCCL.
+std::unique_ptr<Communicator> make_nccl_communicator(
+    Communicator& bootstrap, Device& device,
+    std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
 }  // namespace zeroflat

@@ -71,6 +71,8 @@ class Device {
   // overlap dst's range in their sources. Sources belong to this device; dst is this device's
   // memory or its host staging memory (then the bytes cross the host link in the same pass). Throws
   // InvalidArgument when the segments break these rules (checked before any byte is written).
+  // Source pointers cannot all be checked on a GPU without a driver call each: the cuda device
+  // checks the first and the last; a bad one in between faults the kernel.
   virtual void gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) = 0;
 
   // dst[i] = float(src[i]) for i < numel; src holds elements of dtype. dst must not overlap src.

@@ -8,9 +8,15 @@
 #include "device/sim_device.h"
 #include "zeroflat/device.h"
 #include "zeroflat/error.h"
+#include "zeroflat/plan.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat {
+namespace detail {
+// src/device/cuda_device.cu, or cuda_absent.cc in a build without CUDA (throws Unsupported).
+std::unique_ptr<Device> make_cuda_device(std::string_view spec, const DeviceOptions& options);
+}  // namespace detail
+
 namespace {
 
 struct Registry {
@@ -23,13 +29,17 @@ struct Registry {
       }
       return std::unique_ptr<Device>(new detail::CpuDevice(options));
     };
+    factories["cuda"] = detail::make_cuda_device;
     factories["sim"] = [](std::string_view spec, const DeviceOptions& options) {
       const auto colon = spec.find(':');
       if (colon == std::string_view::npos || colon + 1 == spec.size()) {
         throw InvalidArgument("device '" + std::string(spec) +
-                              "': a sim device needs a capacity, as in sim:80GiB");
+                              "': a sim device needs a capacity or an accelerator preset, as "
+                              "in sim:80GiB or sim:h100-80gb");
       }
-      const std::uint64_t capacity = parse_size(spec.substr(colon + 1));
+      const std::string_view what = spec.substr(colon + 1);
+      const std::optional<DevicePreset> preset = find_preset(what);
+      const std::uint64_t capacity = preset ? preset->capacity_bytes : parse_size(what);
       if (capacity == 0) {
         throw InvalidArgument("device '" + std::string(spec) + "': the capacity must be positive");
       }

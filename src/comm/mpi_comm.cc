@@ -1,0 +1,201 @@
+// The `mpi` communicator: the ranks of MPI_COMM_WORLD, host memory.
+//
+// Every collective is the non-blocking form (MPI_Iallgather, MPI_Iallreduce, MPI_Ibarrier),
+// polled with MPI_Test until it completes or the timeout passes, so that a rank that stops
+// answering becomes a CommError here rather than a hang. MPI offers no way to cancel a
+// collective, so after a timeout this communicator is unusable: later collectives throw at once.
+// The C API only: OpenMPI and MPICH otherwise pull in their C++ bindings, which need a library
+// of their own.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+
+#include "zeroflat/comm.h"
+#include "zeroflat/device.h"
+#include "zeroflat/error.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat {
+
+bool have_mpi() noexcept {
+  return true;
+}
+
+namespace {
+
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+// MPI is initialized once per process and finalized at exit (if this code initialized it).
+void ensure_mpi() {
+  static std::once_flag once;
+  static std::string failure;
+  std::call_once(once, [] {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (initialized) return;
+    int provided = 0;
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+    if (rc != MPI_SUCCESS) {
+      failure = "MPI_Init_thread failed: " + mpi_error_text(rc);
+      return;
+    }
+    // Errors come back as codes, which become exceptions, instead of aborting the job.
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    std::atexit([] {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized) MPI_Finalize();
+    });
+  });
+  if (!failure.empty()) throw CommError("mpi: " + failure);
+}
+
+// One rank's slice of an all-gather as a single MPI datatype, however large (MPI counts are
+// int): whole MiB blocks, then the remainder, resized so that consecutive slices tile.
+class SliceType {
+ public:
+  explicit SliceType(std::uint64_t bytes) {
+    constexpr std::uint64_t kBlock = std::uint64_t{1} << 20;
+    const std::uint64_t blocks = bytes / kBlock;
+    const std::uint64_t rest = bytes % kBlock;
+    if (blocks > static_cast<std::uint64_t>(INT32_MAX)) {
+      throw InvalidArgument("mpi: a slice of " + format_bytes(bytes) + " is too large");
+    }
+    MPI_Datatype block = MPI_DATATYPE_NULL;
+    MPI_Type_contiguous(static_cast<int>(kBlock), MPI_BYTE, &block);
+    int lengths[2] = {static_cast<int>(blocks), static_cast<int>(rest)};
+    MPI_Aint displs[2] = {0, static_cast<MPI_Aint>(blocks * kBlock)};
+    MPI_Datatype types[2] = {block, MPI_BYTE};
+    MPI_Datatype joined = MPI_DATATYPE_NULL;
+    MPI_Type_create_struct(2, lengths, displs, types, &joined);
+    MPI_Type_create_resized(joined, 0, static_cast<MPI_Aint>(bytes), &type_);
+    MPI_Type_commit(&type_);
+    MPI_Type_free(&joined);
+    MPI_Type_free(&block);
+  }
+  ~SliceType() { MPI_Type_free(&type_); }
+  SliceType(const SliceType&) = delete;
+  SliceType& operator=(const SliceType&) = delete;
+  MPI_Datatype get() const { return type_; }
+
+ private:
+  MPI_Datatype type_ = MPI_DATATYPE_NULL;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  explicit MpiCommunicator(std::chrono::milliseconds timeout) : timeout_(timeout) {
+    ensure_mpi();
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  }
+
+  std::string name() const override { return "mpi"; }
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override { return size_; }
+
+  void all_gather_inplace(void* buffer, std::uint64_t slice_bytes, Device& device) override {
+    check_usable();
+    // A device without data (sim, no_data) has nothing to move, but the ranks still meet, so
+    // that timing and failures behave as in a real run.
+    if (!device.keeps_data() || slice_bytes == 0) {
+      barrier();
+      return;
+    }
+    if (!device.host_accessible()) {
+      throw InvalidArgument("mpi: the all-gather moves host memory, and " + device.name() +
+                            " memory is not; use the nccl communicator for it");
+    }
+    SliceType slice(slice_bytes);
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer, 1, slice.get(), MPI_COMM_WORLD,
+                         &req),
+          "MPI_Iallgather");
+    wait(req, "all-gather of " + format_bytes(slice_bytes * static_cast<std::uint64_t>(size_)));
+  }
+
+  void all_reduce_min(std::span<std::uint64_t> values) override { reduce(values, MPI_MIN); }
+  void all_reduce_max(std::span<std::uint64_t> values) override { reduce(values, MPI_MAX); }
+
+  void barrier() override {
+    check_usable();
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Ibarrier(MPI_COMM_WORLD, &req), "MPI_Ibarrier");
+    wait(req, "barrier");
+  }
+
+  void abort(const std::string& why) noexcept override {
+    // MPI cannot tell the others without ending the job; they learn it from their timeout.
+    if (failure_.empty()) failure_ = "mpi rank " + std::to_string(rank_) + " aborted: " + why;
+  }
+
+ private:
+  void reduce(std::span<std::uint64_t> values, MPI_Op op) {
+    check_usable();
+    if (values.size() > static_cast<std::size_t>(INT32_MAX)) {
+      throw InvalidArgument("mpi: too many values to reduce");
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_UINT64_T,
+                         op, MPI_COMM_WORLD, &req),
+          "MPI_Iallreduce");
+    wait(req, "all-reduce");
+  }
+
+  void check_usable() const {
+    if (!failure_.empty()) throw CommError(failure_);
+  }
+
+  void check(int rc, const char* what) {
+    if (rc != MPI_SUCCESS) {
+      failure_ =
+          "mpi rank " + std::to_string(rank_) + ": " + what + " failed: " + mpi_error_text(rc);
+      throw CommError(failure_);
+    }
+  }
+
+  // Polls req until it completes; a short sleep after the first millisecond keeps a waiting
+  // rank from taking a core from the ones still working.
+  void wait(MPI_Request& req, const std::string& what) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + timeout_;
+    for (;;) {
+      int done = 0;
+      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) return;
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) {
+        failure_ = "mpi rank " + std::to_string(rank_) + ": the " + what + " did not finish in " +
+                   std::to_string(timeout_.count()) +
+                   " ms: another rank failed or stopped answering";
+        throw CommError(failure_);
+      }
+      if (now - start > std::chrono::milliseconds(1)) {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  std::chrono::milliseconds timeout_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::string failure_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_mpi_communicator(std::chrono::milliseconds timeout) {
+  return std::make_unique<MpiCommunicator>(timeout);
+}
+
+}  // namespace zeroflat
