@@ -11,38 +11,11 @@
 #include <set>
 #include <string>
 
+#include "cli_run.h"
+
 namespace {
 
 using nlohmann::json;
-
-struct Result {
-  int code = -1;
-  std::string out;  // stdout
-  std::string err;  // stderr
-};
-
-Result run(const std::string& args, const std::string& env = "") {
-  // Tests run as parallel processes: each needs its own file.
-  static int calls = 0;
-  const std::string err_path = ::testing::TempDir() + "zeroflat_cli_stderr." +
-                               std::to_string(getpid()) + "." + std::to_string(calls++) + ".txt";
-  const std::string cmd =
-      env + (env.empty() ? "" : " ") + ZEROFLAT_CLI_PATH + " " + args + " 2>" + err_path;
-  Result r;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buf;
-  std::size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
-  int status = pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  {
-    std::ifstream e(err_path);
-    r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
-  }
-  std::remove(err_path.c_str());
-  return r;
-}
 
 std::string write_temp(const std::string& name, const std::string& content) {
   const std::string path = ::testing::TempDir() + std::to_string(getpid()) + "." + name;
@@ -184,10 +157,15 @@ TEST(Cli, RunBadInputExits2BeforeAnyWork) {
       {"run --model nope", "'nope'"},
       {"run --device gpu", "unknown device 'gpu'"},
       {"run --dp 0", "--dp 0"},
-      {"run --dp 3", "single rank"},
-      {"run --tier sharded", "device tier only"},
       {"run --tier warp", "'warp'"},
-      {"run --comm mpi", "--comm mpi"},
+      {"run --comm smoke", "'smoke'"},
+      {"run --comm nccl", "cuda devices"},
+      {"run --no-data", "sim devices"},
+      {"run --device sim:1GiB --no-data --verify", "needs data"},
+      {"run --device sim:", "capacity"},
+      {"run --dp 3 --inject-fault 2@3", "outside dp 3"},
+      {"run --inject-fault x", "--inject-fault"},
+      {"run --timeout 0", "--timeout 0"},
       {"run --threads 0", "--threads 0"},
       {"run --repeat 0", "--repeat 0"},
       {"run --dtype int8", "'int8'"},
@@ -402,7 +380,8 @@ namespace {
 TEST(CliRun, VerifyCatchesACorruptedByte) {
   Result r = run("run --model tiny-moe --verify --repeat 1 --quiet --inject-corruption 1001");
   EXPECT_EQ(r.code, 1);
-  EXPECT_NE(r.out.find("verified          NO"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" NO\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("verification failed: flat buffer"), std::string::npos) << r.out;
   EXPECT_NE(r.err.find("verification failed"), std::string::npos) << r.err;
   Result j = run("run --model tiny-moe --verify --repeat 1 --quiet --json --inject-corruption 0");
   EXPECT_EQ(j.code, 1);
@@ -420,6 +399,102 @@ TEST(CliRun, ARunThatCannotFitIsRefusedBeforeAnyAllocation) {
   Result huge = run("run --model tiny-moe --layers 99999999999");
   EXPECT_EQ(huge.code, 2);
   EXPECT_NE(huge.err.find("limit"), std::string::npos) << huge.err;
+}
+
+// Every tier, 3 ranks as threads: one checksum for all ranks and tiers, every byte verified,
+// and each rank's measured peak equal to the memory model's.
+TEST(CliRun, EveryTierOnThreeLocalRanksGivesOneChecksum) {
+  std::string checksum;
+  for (const char* device : {"cpu", "sim:6MB"}) {
+    for (const char* tier : {"device", "sharded", "staged", "host"}) {
+      if (std::string(device) == "sim:6MB" &&
+          (std::string(tier) == "device" || std::string(tier) == "sharded")) {
+        // 6 MB holds the 5 MB model and a staged slice, not a second copy: exit 3.
+        Result no = run(std::string("run --model tiny-moe --dp 3 --quiet --device ") + device +
+                        " --tier " + tier);
+        EXPECT_EQ(no.code, 3) << no.err;
+        continue;
+      }
+      Result r = run(std::string("run --model tiny-moe --dp 3 --verify --json --repeat 1 "
+                                 "--quiet --device ") +
+                     device + " --tier " + tier);
+      ASSERT_EQ(r.code, 0) << device << " " << tier << "\n" << r.err;
+      json doc = json::parse(r.out);
+      EXPECT_EQ(doc["tier"], tier);
+      ASSERT_EQ(doc["ranks"].size(), 3u);
+      for (const json& rank : doc["ranks"]) {
+        EXPECT_EQ(rank["outcome"], "done");
+        EXPECT_EQ(rank["verified"], true) << rank.dump();
+        EXPECT_EQ(rank["originals_intact"], true);
+        EXPECT_EQ(rank["predicted_peak_device_bytes"], rank["measured_peak_device_bytes"])
+            << device << " " << tier;
+        EXPECT_EQ(rank["predicted_host_bytes"], rank["host_bytes"]) << device << " " << tier;
+        if (checksum.empty()) checksum = rank["checksum"];
+        EXPECT_EQ(rank["checksum"], checksum) << device << " " << tier;
+      }
+    }
+  }
+  // The planner picks staged on the small sim device, with part of each slice on the host.
+  Result a = run("run --model tiny-moe --dp 3 --json --quiet --device sim:6MB");
+  ASSERT_EQ(a.code, 0) << a.err;
+  json doc = json::parse(a.out);
+  EXPECT_EQ(doc["tier"], "staged");
+  EXPECT_GT(doc["ranks"][0]["host_bytes"].get<std::uint64_t>(), 0u);
+  EXPECT_NE(doc["ranks"][0]["master_error"].get<std::string>().find("does not fit"),
+            std::string::npos);
+}
+
+// The seed's scenarios at full size on 8 simulated H100s: 32 layers flatten on the device,
+// 48 layers need the sharded tier; each rank's measured peak is the predicted one.
+TEST(CliRun, SeedScenariosRehearsedOnEightSimulatedH100s) {
+  for (const auto& [layers, tier] : {std::pair{"32", "device"}, std::pair{"48", "sharded"}}) {
+    Result r = run(std::string("run --model qwen3-30b-a3b --layers ") + layers +
+                   " --device sim:h100-80gb --no-data --dp 8 --json --quiet");
+    ASSERT_EQ(r.code, 0) << r.err;
+    json doc = json::parse(r.out);
+    EXPECT_EQ(doc["tier"], tier) << layers << " layers";
+    ASSERT_EQ(doc["ranks"].size(), 8u);
+    for (const json& rank : doc["ranks"]) {
+      EXPECT_EQ(rank["outcome"], "done");
+      EXPECT_EQ(rank["predicted_peak_device_bytes"], rank["measured_peak_device_bytes"]);
+      EXPECT_LE(rank["measured_peak_device_bytes"].get<std::uint64_t>(),
+                doc["plan"]["capacity_bytes"].get<std::uint64_t>() -
+                    doc["plan"]["margin_bytes"].get<std::uint64_t>());
+      EXPECT_TRUE(rank["checksum"].is_null());
+    }
+  }
+}
+
+// A fault at every step of the tiers that talk, on a non-zero rank: exit 4, an error naming
+// the step, and every rank's parameters intact.
+TEST(CliRun, InjectedFaultsExit4WithTheOriginalsIntact) {
+  for (const char* tier : {"sharded", "host"}) {
+    for (int k = 0; k < 8; ++k) {
+      const std::string args = std::string(
+                                   "run --model tiny-moe --dp 3 --json --quiet --repeat 1 "
+                                   "--tier ") +
+                               tier + " --inject-fault " + std::to_string(k) + "@1";
+      Result r = run(args);
+      json doc = json::parse(r.out);
+      const std::size_t steps = doc["plan"]["steps"].size();
+      if (static_cast<std::size_t>(k) >= steps) {
+        EXPECT_EQ(r.code, 0) << args;  // past the last step: nothing changes
+        continue;
+      }
+      EXPECT_EQ(r.code, 4) << args << "\n" << r.err;
+      EXPECT_NE(doc["error"].get<std::string>().find("step " + std::to_string(k)),
+                std::string::npos)
+          << doc["error"];
+      for (const json& rank : doc["ranks"]) {
+        EXPECT_EQ(rank["originals_intact"], true) << args << ": " << rank.dump();
+        EXPECT_EQ(rank["failed_rank"], 1);
+      }
+    }
+  }
+  Result human = run("run --model tiny-moe --dp 2 --tier sharded --inject-fault 1@1 --quiet");
+  EXPECT_EQ(human.code, 4);
+  EXPECT_NE(human.out.find("rolled back"), std::string::npos) << human.out;
+  EXPECT_NE(human.err.find("execution failed: step 1"), std::string::npos) << human.err;
 }
 
 TEST(CliRun, OutputThatCannotBeWrittenIsAFailure) {

@@ -10,6 +10,7 @@
 #include "zeroflat/common.h"
 #include "zeroflat/error.h"
 #include "zeroflat/plan.h"
+#include "zeroflat/plan_json.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 #include "zeroflat/svg.h"
@@ -25,15 +26,6 @@ std::string secs(double s) {
     std::snprintf(buf, sizeof buf, "%.2f s", s);
   }
   return buf;
-}
-
-nlohmann::ordered_json step_json(const Step& st, const StepAccount& acc) {
-  return {{"op", std::string(op_name(st.op))},
-          {"buffer", std::string(buffer_name(st.buffer))},
-          {"bytes", st.bytes},
-          {"description", st.describe()},
-          {"device_bytes_after", acc.device_bytes},
-          {"host_bytes_after", acc.host_bytes}};
 }
 
 }  // namespace
@@ -94,7 +86,8 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   }
   const std::uint64_t es = element_size(options.dtype);
   const std::uint64_t model_bytes = model.numel() * es;
-  PlanInput in{Layout::compute(model.numels(), options)};
+  PlanInput in;
+  in.layout = Layout::compute(model.numels(), options);
   in.original_bytes = model_bytes;
   in.capacity_bytes = preset.capacity_bytes;
   in.free_bytes = model_bytes < preset.capacity_bytes ? preset.capacity_bytes - model_bytes : 0;
@@ -155,24 +148,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
     doc["feasible"] = chosen != nullptr;
     doc["reason"] = plan.reason;
     nlohmann::ordered_json cands = nlohmann::ordered_json::array();
-    for (const Candidate& c : plan.candidates) {
-      nlohmann::ordered_json j;
-      j["tier"] = std::string(tier_name(c.tier));
-      j["feasible"] = c.feasible;
-      j["peak_device_bytes"] = c.profile.peak_device_bytes;
-      j["host_bytes"] = c.profile.peak_host_bytes;
-      j["pcie_bytes"] = c.profile.pcie_bytes;
-      j["comm_bytes"] = c.profile.comm_bytes;
-      j["device_copy_bytes"] = c.profile.device_copy_bytes;
-      j["predicted_seconds"] = c.predicted_seconds;
-      j["why_not"] = c.feasible ? nlohmann::ordered_json() : nlohmann::ordered_json(c.why_not);
-      nlohmann::ordered_json steps = nlohmann::ordered_json::array();
-      for (std::size_t k = 0; k < c.steps.size(); ++k) {
-        steps.push_back(step_json(c.steps[k], c.profile.after_step[k]));
-      }
-      j["steps"] = std::move(steps);
-      cands.push_back(std::move(j));
-    }
+    for (const Candidate& c : plan.candidates) cands.push_back(candidate_json(c, true));
     doc["candidates"] = std::move(cands);
     doc["after_init"] = {{"master_bytes", after.master_bytes},
                          {"optimizer_bytes", after.optimizer_bytes},
