@@ -603,7 +603,6 @@ int subcommand_run(const std::vector<std::string>& argv) {
   }
 
   Progress progress(!args.has("quiet") && me == 0);
-  Progress silent(false);
   if (me == 0) {
     progress.note(cfg.model.name + ": " + format_count(cfg.model.tensors.size()) + " tensors, " +
                   format_bytes(cfg.model.numel() * element_size(cfg.options.dtype)) + "; dp " +
@@ -631,6 +630,7 @@ int subcommand_run(const std::vector<std::string>& argv) {
     auto body = [&](std::uint64_t r) {
       try {
         std::unique_ptr<Communicator> c = group ? group->rank(static_cast<int>(r)) : nullptr;
+        Progress silent(false);  // one per rank: a Progress is not shared between threads
         results[r] = run_rank(cfg, r, c.get(), r == 0 ? progress : silent);
       } catch (...) {
         errors[r] = std::current_exception();
