@@ -7,6 +7,8 @@
 # reused, so running it again only rebuilds what changed. Environment:
 #   ZEROFLAT_BUILD_TYPE   Release (default), Debug, RelWithDebInfo
 #   ZEROFLAT_JOBS         parallel build jobs (default: the number of cores)
+#   ZEROFLAT_VENV         the Python environment to make or use (default: .venv)
+#   ZEROFLAT_NO_PYTHON    1: no Python environment, and the build leaves the binding out
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,6 +23,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin
+  python3-venv python3-dev
   clang libclang-rt-14-dev
 )
 missing=()
@@ -47,6 +50,27 @@ else
   log "system packages: all present"
 fi
 
+# --- the Python environment -------------------------------------------------------------------
+# A project virtual environment with torch from PyPI (the binding is built against it). pip keeps
+# its downloads in its cache, so a second set-up is quick. ZEROFLAT_NO_PYTHON=1 skips it (the
+# build then leaves the binding out).
+venv="${ZEROFLAT_VENV:-$here/.venv}"
+python_args=()
+if [[ "${ZEROFLAT_NO_PYTHON:-0}" != 1 ]]; then
+  if [[ ! -x "$venv/bin/python" ]]; then
+    log "making the Python environment $venv"
+    /usr/bin/python3 -m venv "$venv"
+  fi
+  if ! "$venv/bin/python" -c "import torch, pytest, scikit_build_core" 2>/dev/null; then
+    log "installing torch and the test tools into $venv (pip; the torch wheel is large)"
+    "$venv/bin/python" -m pip install -q --upgrade pip >&2
+    "$venv/bin/python" -m pip install -q -r "$here/python/requirements.txt" >&2
+  else
+    log "Python environment: $venv has torch"
+  fi
+  python_args=(-DPython3_EXECUTABLE="$venv/bin/python")
+fi
+
 # --- configure and build ----------------------------------------------------------------------
 jobs="${ZEROFLAT_JOBS:-$(nproc)}"
 launcher=()
@@ -54,9 +78,10 @@ command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 if [[ ! -f "$build_dir/CMakeCache.txt" ]]; then
   log "configuring $build_dir"
   cmake -S "$here" -B "$build_dir" -G Ninja \
-    -DCMAKE_BUILD_TYPE="${ZEROFLAT_BUILD_TYPE:-Release}" "${launcher[@]}" "$@" >&2
-elif (($# > 0)); then
-  cmake "$build_dir" "$@" >&2
+    -DCMAKE_BUILD_TYPE="${ZEROFLAT_BUILD_TYPE:-Release}" "${launcher[@]}" "${python_args[@]}" \
+    "$@" >&2
+elif (($# > 0)) || ((${#python_args[@]} > 0)); then
+  cmake "$build_dir" "${python_args[@]}" "$@" >&2
 fi
 log "building with $jobs jobs"
 cmake --build "$build_dir" --parallel "$jobs" >&2

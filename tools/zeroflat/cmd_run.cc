@@ -123,28 +123,6 @@ std::vector<Json> exchange_entries(Communicator* control, detail::CpuDevice& hos
   return out;
 }
 
-Json plan_json(const Plan& plan, const PlanInput& in) {
-  Json j;
-  j["tier"] = plan.chosen ? Json(std::string(tier_name(*plan.chosen))) : Json();
-  j["feasible"] = plan.chosen.has_value();
-  j["reason"] = plan.reason;
-  j["capacity_bytes"] = in.capacity_bytes;
-  j["free_bytes"] = in.free_bytes;
-  j["margin_bytes"] = in.margin_bytes;
-  j["host_free_bytes"] = in.host_free_bytes;
-  Json cands = Json::array();
-  for (const Candidate& c : plan.candidates) cands.push_back(candidate_json(c, false));
-  j["candidates"] = std::move(cands);
-  if (const Candidate* c = plan.chosen_candidate()) {
-    Json steps = Json::array();
-    for (std::size_t k = 0; k < c->steps.size(); ++k) {
-      steps.push_back(std::to_string(k) + ": " + c->steps[k].describe());
-    }
-    j["steps"] = std::move(steps);
-  }
-  return j;
-}
-
 // One rank: its device, its originals, the agreement, the plan, the execution, the checks.
 RankResult run_rank(const Config& cfg, std::uint64_t rank, Communicator* control,
                     Progress& progress) {

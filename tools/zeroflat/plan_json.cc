@@ -35,4 +35,27 @@ nlohmann::ordered_json candidate_json(const Candidate& c, bool with_steps) {
   return j;
 }
 
+nlohmann::ordered_json plan_json(const Plan& plan, const PlanInput& in) {
+  using Json = nlohmann::ordered_json;
+  Json j;
+  j["tier"] = plan.chosen ? Json(std::string(tier_name(*plan.chosen))) : Json();
+  j["feasible"] = plan.chosen.has_value();
+  j["reason"] = plan.reason;
+  j["capacity_bytes"] = in.capacity_bytes;
+  j["free_bytes"] = in.free_bytes;
+  j["margin_bytes"] = in.margin_bytes;
+  j["host_free_bytes"] = in.host_free_bytes;
+  Json cands = Json::array();
+  for (const Candidate& c : plan.candidates) cands.push_back(candidate_json(c, false));
+  j["candidates"] = std::move(cands);
+  if (const Candidate* c = plan.chosen_candidate()) {
+    Json steps = Json::array();
+    for (std::size_t k = 0; k < c->steps.size(); ++k) {
+      steps.push_back(std::to_string(k) + ": " + c->steps[k].describe());
+    }
+    j["steps"] = std::move(steps);
+  }
+  return j;
+}
+
 }  // namespace zeroflat::cli

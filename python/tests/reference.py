@@ -1,0 +1,43 @@
+"""Independent references for the tests: DeepSpeed's flat buffer built with torch.cat, and small
+models."""
+
+import torch
+
+
+def deepspeed_flat(tensors, dp, *, round_robin=False, alignment_factor=2):
+    """The flat buffer as DeepSpeed builds it: the tensors (in round-robin bucket order if
+    asked), concatenated, then zero-padded to a multiple of alignment_factor * dp elements."""
+    tensors = list(tensors)
+    if round_robin:
+        order = [i for b in range(dp) for i in range(len(tensors)) if i % dp == b]
+    else:
+        order = list(range(len(tensors)))
+    flat = torch.cat([tensors[i].detach().reshape(-1) for i in order])
+    align = alignment_factor * dp
+    pad = (-flat.numel()) % align
+    if pad:
+        flat = torch.cat([flat, torch.zeros(pad, dtype=flat.dtype, device=flat.device)])
+    return flat, order
+
+
+class Tiny(torch.nn.Module):
+    """A small model with odd sizes (so that padding and partition edges fall inside
+    parameters), a frozen parameter (its own, so parameters() lists it first) and a layer
+    norm."""
+
+    def __init__(self, seed=0, width=13):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(31, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc1 = torch.nn.Linear(width, 17)
+        self.fc2 = torch.nn.Linear(17, 5)
+        self.frozen = torch.nn.Parameter(torch.randn(7), requires_grad=False)
+
+    def forward(self, x):
+        h = self.norm(self.embed(x))
+        return self.fc2(torch.relu(self.fc1(h))).sum(-1) + self.frozen.sum()
+
+
+def tiny_model(dtype=torch.bfloat16, seed=0):
+    return Tiny(seed).to(dtype)

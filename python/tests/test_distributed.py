@@ -1,0 +1,104 @@
+"""zeroflat.flatten_param_group across 2 and 3 processes over gloo: the same DeepSpeed buffer on
+every rank for every tier, with and without round-robin; each rank's partition and master;
+training through the views; ranks that disagree on shapes; a failure on one rank."""
+
+import copy
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import zeroflat  # noqa: E402
+from reference import Tiny, deepspeed_flat, tiny_model  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_layouts(rank, world, group):
+    for round_robin in (False, True):
+        for tier in ("auto", "device", "sharded", "staged", "host"):
+            model = tiny_model()
+            values = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+            want, _ = deepspeed_flat(values, world, round_robin=round_robin)
+            fg = zeroflat.flatten_param_group(model.parameters(), group, tier=tier,
+                                              round_robin=round_robin, verify=True)
+            where = f"rank {rank} {tier} round_robin={round_robin}"
+            assert fg.dp == world and fg.rank == rank, where
+            assert torch.equal(fg.flat, want), where
+            n = fg.layout["partition_numel"]
+            assert n * world == fg.flat.numel()
+            assert torch.equal(fg.partition, want[rank * n: (rank + 1) * n]), where
+            assert torch.equal(fg.master, fg.partition.float()), where
+            trained = [p for p in model.parameters() if p.requires_grad]
+            for p, v in zip(trained, values):
+                assert torch.equal(p, v), where
+            rep = fg.report
+            assert rep["predicted_peak_device_bytes"] == rep["measured_peak_device_bytes"], where
+            if tier == "auto":
+                assert fg.tier == "device", where
+
+
+def check_training(rank, world, group):
+    model = tiny_model(torch.float32, seed=5)
+    twin = copy.deepcopy(model)
+    zeroflat.flatten_param_group(model.parameters(), group, tier="sharded")
+    x = torch.randint(0, 31, (3, 4), generator=torch.Generator().manual_seed(rank))
+    for m in (model, twin):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def check_disagreement(rank, world, group):
+    model = Tiny(seed=0, width=13 if rank != 1 else 14).to(torch.bfloat16)
+    snap = [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"parameter 1 differs between ranks"):
+        zeroflat.flatten_param_group(model.parameters(), group)
+    for p, (ptr, v) in zip(model.parameters(), snap):
+        assert p.data_ptr() == ptr and torch.equal(p, v)
+
+
+def check_failure_on_one_rank(rank, world, group):
+    for step in (1, 4):  # before and after the originals are released
+        model = tiny_model()
+        values = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(zeroflat.ExecutionError, match=f"step {step}.*failed on rank 1") as e:
+            zeroflat.flatten_param_group(model.parameters(), group, tier="sharded",
+                                         _fault_step=step, _fault_rank=1)
+        assert e.value.outcome == ("rolled back" if step == 1 else "recovered")
+        for p, v in zip(model.parameters(), values):
+            assert torch.equal(p, v), f"rank {rank} step {step}"
+
+
+def worker(rank, world, port):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        group = dist.group.WORLD
+        check_layouts(rank, world, group)
+        check_training(rank, world, group)
+        check_disagreement(rank, world, group)
+        check_failure_on_one_rank(rank, world, group)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_ranks(world):
+    mp.spawn(worker, args=(world, free_port()), nprocs=world, join=True)

@@ -1,0 +1,177 @@
+"""zeroflat.flatten_param_group in one process: the DeepSpeed layout, views, training through
+them, every tier, bad input refused before anything changes, failures rolled back."""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import zeroflat  # noqa: E402
+from reference import deepspeed_flat, tiny_model  # noqa: E402
+
+TIERS = ["device", "sharded", "staged", "host"]
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("tier", ["auto"] + TIERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_flat_equals_deepspeed_reference_and_views_alias_it(tier, dtype):
+    model = tiny_model(dtype)
+    frozen_before = model.frozen.data_ptr()
+    want, _ = deepspeed_flat(trainable(model), 1)
+    values = [p.detach().clone() for p in trainable(model)]
+    fg = zeroflat.flatten_param_group(model.parameters(), tier=tier, verify=True)
+    assert fg.tier == (tier if tier != "auto" else "device")
+    assert fg.flat.dtype == dtype and fg.flat.dim() == 1
+    assert torch.equal(fg.flat, want)
+    assert not fg.flat.requires_grad and fg.flat.grad_fn is None
+    es = fg.flat.element_size()
+    for p, v, off in zip(trainable(model), values, fg.layout["offsets"]):
+        assert p.data_ptr() == fg.flat.data_ptr() + off * es
+        assert torch.equal(p, v)
+    # The frozen parameter is left alone, as DeepSpeed leaves it.
+    assert model.frozen.data_ptr() == frozen_before
+    assert fg.partition.data_ptr() == fg.flat.data_ptr()
+    assert fg.master.dtype == torch.float32
+    assert torch.equal(fg.master, fg.partition.float())
+    assert fg.master.data_ptr() != fg.partition.data_ptr()
+    # The views alias the buffer: a write through one shows in the other.
+    p0 = trainable(model)[0]
+    with torch.no_grad():
+        fg.flat[fg.layout["offsets"][0]] = 3
+    assert p0.view(-1)[0].item() == 3
+    assert fg.report["predicted_peak_device_bytes"] == fg.report["measured_peak_device_bytes"]
+
+
+def test_training_through_the_views_matches_an_unflattened_copy():
+    model = tiny_model(torch.float32, seed=3)
+    twin = copy.deepcopy(model)
+    fg = zeroflat.flatten_param_group(model.parameters())
+    assert fg.tier == "device"
+    opt_a = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    opt_b = torch.optim.AdamW(twin.parameters(), lr=1e-2, foreach=False)
+    x = torch.randint(0, 31, (4, 6))
+    for _ in range(3):
+        for m, opt in ((model, opt_a), (twin, opt_b)):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    # The steps wrote through the views into the flat buffer.
+    want, _ = deepspeed_flat(trainable(twin), 1)
+    assert torch.equal(fg.flat, want)
+
+
+def test_master_dtype_none_and_alignment_options():
+    model = tiny_model()
+    fg = zeroflat.flatten_param_group(model.parameters(), master_dtype=None,
+                                      alignment_factor=8, param_align_bytes=16)
+    assert fg.master is None
+    assert fg.flat.numel() % 8 == 0
+    for off in fg.layout["offsets"][1:]:
+        assert (off * 2) % 16 == 0
+
+
+def test_param_groups_of_an_optimizer():
+    model = tiny_model()
+    groups = [{"params": [model.embed.weight, model.norm.weight, model.norm.bias]},
+              {"params": [model.fc1.weight, model.fc1.bias, model.fc2.weight, model.fc2.bias]}]
+    opt = torch.optim.SGD(groups, lr=0.1)
+    refs = [deepspeed_flat(g["params"], 1)[0] for g in opt.param_groups]
+    fgs = zeroflat.flatten_param_groups(opt.param_groups)
+    assert len(fgs) == 2
+    for fg, ref in zip(fgs, refs):
+        assert torch.equal(fg.flat, ref)
+
+
+def snapshot(model):
+    return [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+
+
+def unchanged(model, snap):
+    return all(p.data_ptr() == ptr and torch.equal(p, v)
+               for p, (ptr, v) in zip(model.parameters(), snap))
+
+
+def test_bad_groups_are_refused_before_anything_changes():
+    model = tiny_model()
+    snap = snapshot(model)
+    # Mixed dtypes.
+    model.fc2.weight.data = model.fc2.weight.data.float()
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"mixed dtypes.*parameter 6 \(shape \[5, 17\]"):
+        zeroflat.flatten_param_group(model.parameters())
+    assert unchanged(model, snap)
+
+    model = tiny_model()
+    # A non-contiguous parameter.
+    model.fc1.weight.data = model.fc1.weight.data.t().contiguous().t()
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"parameter 4 \(shape \[17, 13\].*not contiguous"):
+        zeroflat.flatten_param_group(model.parameters())
+    assert unchanged(model, snap)
+
+    # Tied weights: two parameters over the same storage.
+    a = torch.nn.Parameter(torch.randn(4, 6, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(a.data[1:3])
+    with pytest.raises(ValueError, match=r"parameter 0 .* and parameter 1 .* share storage"):
+        zeroflat.flatten_param_group([a, b])
+
+    # Types and options.
+    with pytest.raises(TypeError, match="parameter 1 is a list"):
+        zeroflat.flatten_param_group([a, [1, 2]])
+    with pytest.raises(TypeError, match=r"parameter 0 \(shape \[3\], torch.float64"):
+        zeroflat.flatten_param_group([torch.nn.Parameter(torch.ones(3, dtype=torch.float64))])
+    c = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="tier 'fast'"):
+        zeroflat.flatten_param_group([c], tier="fast")
+    with pytest.raises(ValueError, match="alignment"):
+        zeroflat.flatten_param_group([c], alignment_factor=0)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        zeroflat.flatten_param_group([torch.zeros(3)])
+    with pytest.raises(TypeError, match="master_dtype"):
+        zeroflat.flatten_param_group([c], master_dtype=torch.int32)
+
+
+def test_a_plan_that_cannot_fit_is_refused_before_anything_changes():
+    model = tiny_model()
+    snap = snapshot(model)
+    with pytest.raises(zeroflat.NoFeasiblePlan, match="nothing was touched"):
+        zeroflat.flatten_param_group(model.parameters(), margin_bytes=1 << 62)
+    assert unchanged(model, snap)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_failure_at_any_step_keeps_every_value(tier):
+    probe = zeroflat.flatten_param_group(tiny_model().parameters(), tier=tier)
+    steps = len(probe.report["steps"])
+    for k in range(steps + 1):
+        model = tiny_model()
+        snap = snapshot(model)
+        if k == steps:  # past the last step: nothing happens
+            zeroflat.flatten_param_group(model.parameters(), tier=tier, _fault_step=k)
+            continue
+        with pytest.raises(zeroflat.ExecutionError, match=f"step {k}") as err:
+            zeroflat.flatten_param_group(model.parameters(), tier=tier, _fault_step=k)
+        assert err.value.outcome in ("rolled back", "recovered")
+        for p, (ptr, v) in zip(model.parameters(), snap):
+            assert torch.equal(p, v), f"{tier} step {k}"
+        if err.value.outcome == "rolled back":
+            assert unchanged(model, snap)
+        else:
+            fg = err.value.flat_group
+            trained = [v for _, v in snap[1:]]  # [0] is the frozen parameter
+            assert torch.equal(fg.flat, deepspeed_flat(trained, 1)[0])
+
+
+def test_layout_helper_matches_the_cli_shape():
+    lay = zeroflat.layout([5, 7, 3], 4)
+    assert lay["flat_numel"] == 16 and lay["offsets"] == [0, 5, 12]
+    assert [r["padding"] for r in lay["ranks"]] == [0, 0, 0, 1]
