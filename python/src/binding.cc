@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -324,5 +325,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("default_threads",
         [](unsigned local_ranks) { return zf::default_num_threads(local_ranks); });
+  // Ranks on this host as the launcher says (ZEROFLAT_LOCAL_RANKS, OMPI_COMM_WORLD_LOCAL_SIZE,
+  // MPI_LOCALNRANKS, LOCAL_WORLD_SIZE), or None: the one reading of the environment.
+  m.def("local_ranks", []() -> std::optional<unsigned> { return zf::runtime_env().local_ranks; });
   m.attr("__version__") = ZEROFLAT_VERSION;
 }

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, List, Optional, Sequence
 
@@ -189,14 +188,6 @@ def _comm_device(group, device: torch.device) -> torch.device:
     return device if str(backend) == "nccl" else torch.device("cpu")
 
 
-def _local_ranks(dp: int) -> int:
-    for name in ("ZEROFLAT_LOCAL_RANKS", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return dp
-
-
 def _check_same_everywhere(params: List[torch.Tensor], indices: List[int], comm: _TorchComm,
                            options: tuple) -> None:
     """Ranks must pass the same shapes and options, or the layouts (and buffers) differ."""
@@ -222,10 +213,10 @@ def _check_same_everywhere(params: List[torch.Tensor], indices: List[int], comm:
     raise ValueError("the ranks passed different groups")
 
 
-def _free_memory(device: torch.device, dp: int) -> tuple:
-    """(capacity, free, host_free, integrated) for this rank, before agreement."""
+def _free_memory(device: torch.device, local: int) -> tuple:
+    """(capacity, free, host_free, integrated) for this rank, before agreement; `local` ranks
+    share this host's memory."""
     host_total, host_free, _ = _C.host_memory()
-    local = _local_ranks(dp)
     if device.type == "cpu":
         capacity = host_total // local
         return capacity, min(host_free // local, capacity), host_free // local, True
@@ -276,13 +267,14 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
     dtype_name = _DTYPES[dtype]
     numels = [p.numel() for p in group_params]
     shapes = [p.shape for p in group_params]
-    dp, rank = 1, 0
-    engine = _C.TorchDevice(str(device), int(threads or 0) or _C.default_threads(
-        _local_ranks(dist.get_world_size(process_group)) if process_group is not None else 1))
-    comm = None
+    dp = dist.get_world_size(process_group) if process_group is not None else 1
+    # Ranks sharing this host (its cores and memory): the launcher's count, else the whole group.
+    local = _C.local_ranks() or dp
+    engine = _C.TorchDevice(str(device), int(threads or 0) or _C.default_threads(local))
+    comm, rank = None, 0
     if process_group is not None:
         comm = _TorchComm(process_group, engine, _comm_device(process_group, device))
-        dp, rank = comm.size, comm.rank
+        rank = comm.rank
     options = (bool(round_robin), int(alignment_factor), int(param_align_bytes), tier)
     if comm is not None and dp > 1:
         _check_same_everywhere(group_params, indices, comm, options)
@@ -294,10 +286,9 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
         # The engine's copies run on its own stream: what torch queued on the parameters must
         # be done first.
         torch.cuda.current_stream(device).synchronize()
-    capacity, free, host_free, integrated = _free_memory(device, dp)
+    capacity, free, host_free, integrated = _free_memory(device, local)
     if comm is not None and dp > 1:
-        free, host_free = comm.all_reduce([free, host_free], "min")
-        capacity = comm.all_reduce([capacity], "min")[0]
+        free, host_free, capacity = comm.all_reduce([free, host_free, capacity], "min")
         free = min(free, capacity)
 
     before = []
@@ -313,7 +304,7 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
         [p.data_ptr() for p in group_params], numels, dp, bool(round_robin),
         int(alignment_factor), dtype_name, int(param_align_bytes), int(capacity), int(free),
         None if margin_bytes is None else int(margin_bytes), int(host_free),
-        _local_ranks(dp), bool(integrated), tier,
+        local, bool(integrated), tier,
         _fault_step if rank == _fault_rank else None, release_originals)
     report = json.loads(doc_text)
     report["dp"] = dp
