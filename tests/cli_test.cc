@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cli_run.h"
+#include "zeroflat/hardware.h"
 
 namespace {
 
@@ -519,6 +520,64 @@ TEST(CliLayout, EmptyItemsAndOddFiles) {
   Result b = run("layout --numels @" + big);
   EXPECT_EQ(b.code, 2);
   EXPECT_NE(b.err.find("does not fit in 64 bits"), std::string::npos) << b.err;
+}
+
+}  // namespace
+
+namespace {
+
+// A rehearsal is planned against the simulated node's host memory, never this machine's: the
+// full 48-layer model on eight 61 GiB devices stages a part of each slice through the host
+// (8 x 4.3 GB, more than a small test machine has), and every rank's measured peaks are the
+// predicted ones. --host sets the node's memory: with too little, no tier fits (exit 3), and the
+// JSON document still comes, with the plan.
+TEST(CliRun, RehearsalsStageThroughTheSimulatedNodesHost) {
+  const std::string base =
+      "run --model qwen3-30b-a3b --layers 48 --device sim:61GiB --no-data --dp 8 --quiet --json";
+  Result r = run(base);
+  ASSERT_EQ(r.code, 0) << r.err;
+  json doc = json::parse(r.out);
+  EXPECT_EQ(doc["tier"], "staged");
+  for (const json& rank : doc["ranks"]) {
+    EXPECT_EQ(rank["predicted_peak_device_bytes"], rank["measured_peak_device_bytes"]);
+    EXPECT_EQ(rank["predicted_host_bytes"], rank["host_bytes"]);
+    EXPECT_GT(rank["host_bytes"].get<std::uint64_t>(), 4'000'000'000u);
+  }
+  Result tight = run(base + " --host 8GiB");
+  EXPECT_EQ(tight.code, 3) << tight.err;
+  json no = json::parse(tight.out);
+  EXPECT_TRUE(no["tier"].is_null());
+  EXPECT_EQ(no["plan"]["feasible"], false);
+  EXPECT_EQ(no["plan"]["host_free_bytes"], (std::uint64_t{8} << 30) / 8);
+  EXPECT_NE(no["error"].get<std::string>().find("no feasible plan"), std::string::npos);
+  EXPECT_EQ(run("run --model tiny-moe --host 1GiB").code, 2);  // cpu: this machine's host
+}
+
+// A model that does not fit the device at all is "no feasible plan" (exit 3), found before
+// anything is allocated, not an allocation failure.
+TEST(CliRun, AModelLargerThanTheDeviceExits3) {
+  Result r = run("run --model tiny-moe --device sim:1MB --json --quiet");
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("more than the device's capacity"), std::string::npos) << r.err;
+  EXPECT_EQ(json::parse(r.out)["plan"]["feasible"], false);
+}
+
+TEST(CliPlan, HostSetsTheNodesMemory) {
+  const std::string base = "plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --free 4GiB --json";
+  json preset = json::parse(run(base).out);
+  EXPECT_EQ(preset["host_free_bytes"], zeroflat::find_preset("h100-80gb")->host_bytes_per_node / 8);
+  json small = json::parse(run(base + " --host 16GiB").out);
+  EXPECT_EQ(small["host_free_bytes"], (std::uint64_t{16} << 30) / 8);
+  EXPECT_EQ(run(base + " --host 16GiB --host-free 1GiB").code, 3);  // no tier fits
+}
+
+// The probe of a simulated device is its accounting, in the same document shape.
+TEST(CliProbe, SimDevicesReportTheirAccounting) {
+  Result r = run("probe --device sim:h100-80gb --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  json doc = json::parse(r.out);
+  EXPECT_EQ(doc["used"], "sim accounting");
+  EXPECT_EQ(doc["total_bytes"], std::uint64_t{81559} << 20);
 }
 
 }  // namespace

@@ -1,19 +1,28 @@
 // The Device interface: where parameter memory lives and where flattening copies run.
 //
 // A Device allocates, releases, gathers many (src, dst, bytes) runs into one buffer in a single
-// call, up-casts, hashes, reports memory and synchronizes. Backends register by name ("cpu";
-// later "sim:SIZE" and "cuda:N") so the CLI and the bindings pick them with a string.
+// call, up-casts, hashes, reports memory (its own accounting, and every free-memory source it
+// has, through the probe) and synchronizes. Backends register by name ("cpu", "sim:SIZE",
+// "cuda:N") so the CLI and the bindings pick them with a string.
+//
+// Threads: a Device is used by one rank. Its methods may be called from any thread, but not
+// concurrently with each other unless a method says so: the cpu device runs one team operation
+// at a time and serializes callers; memory_info() and the probes are safe to call concurrently
+// with anything. Different Device objects are independent.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "zeroflat/dtype.h"
+#include "zeroflat/hardware.h"
+#include "zeroflat/probe.h"
 
 namespace zeroflat {
 
@@ -84,6 +93,18 @@ class Device {
 
   virtual MemoryInfo memory_info() = 0;
 
+  // What this device's free-memory sources say (probe.h): every source with its answer or its
+  // error, which one decided, and the bytes this rank may still allocate here. Never throws.
+  // The default reports the device's own accounting (memory_info()).
+  virtual ProbeResult probe_memory(const ProbeContext& context);
+  // The host memory this rank may stage through: MemAvailable and cgroups, shared among the
+  // local ranks (the default), or a simulated node's (sim devices). Never throws.
+  virtual ProbeResult probe_host_memory(const ProbeContext& context);
+  // The accelerator this device is, when it matches a preset (hardware.h): a sim device of a
+  // preset, or of a plain size in a generic node. None: the planner costs it as a generic device
+  // of its capacity.
+  virtual std::optional<DevicePreset> hardware() const { return std::nullopt; }
+
   // Waits until every operation issued on this device has completed.
   virtual void synchronize() {}
 };
@@ -137,6 +158,9 @@ struct DeviceOptions {
   unsigned num_threads = 0;
   // sim devices only: keep no data at all (allocations are accounted, copies skipped).
   bool no_data = false;
+  // sim devices only: the host memory of the simulated node, in bytes (shared by its local
+  // ranks). None: the preset's node (sim:h100-80gb), else a generic node (hardware.h).
+  std::optional<std::uint64_t> node_host_bytes = std::nullopt;
 };
 
 using DeviceFactory =

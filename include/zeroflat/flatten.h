@@ -34,8 +34,10 @@ struct FlatGroup {
   TensorRef partition(std::uint64_t rank) const;
 };
 
-// Builds the flat buffer of params on device (the `device` tier: one allocation of
-// layout.flat_bytes(), one gather with every padding gap zeroed) and returns it with the views.
+// The `device` tier alone, as a building block: no probe, no plan, no agreement. Most callers
+// want flatten_param_group (engine.h), which proves a way of flattening fits first. Builds the
+// flat buffer of params on device (one allocation of layout.flat_bytes(), one gather with every
+// padding gap zeroed) and returns it with the views.
 // The originals are not modified and may be released by the caller afterwards. Throws
 // InvalidArgument (bad group, checked before anything is allocated) or OutOfMemory.
 FlatGroup flatten_group(Device& device, std::span<const TensorRef> params,

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "zeroflat/hardware.h"
 #include "zeroflat/layout.h"
 
 namespace zeroflat {
@@ -21,6 +22,9 @@ inline constexpr Tier kAllTiers[] = {Tier::kDevice, Tier::kSharded, Tier::kStage
 
 std::string_view tier_name(Tier tier) noexcept;  // "device", "sharded", "staged", "host"
 std::optional<Tier> try_parse_tier(std::string_view text) noexcept;
+// "auto" (none: the planner chooses) or a tier's name. Throws InvalidArgument naming `what`
+// (the option, "--tier" or "tier") and the accepted names.
+std::optional<Tier> parse_tier_choice(std::string_view text, std::string_view what);
 
 // The buffers a step list names. kPartition and kFlat live on the device, kHostStage in
 // (pinned) host memory; kOriginals are the parameters as they are before flattening.
@@ -72,34 +76,44 @@ struct Profile {
   std::vector<StepAccount> after_step;  // one per step
 };
 
-// Runs steps against counters, starting from resident_device_bytes on the device (the
-// originals included, original_bytes of them). Throws InternalError for a step list that
-// releases what it did not allocate.
+// The state a step list walks through: which buffers are live and how large, whether the
+// originals are still there, and the bytes held on the device and on the host. The memory model
+// (simulate) and the executor drive this one machine, so the rules a list must follow and the
+// account of its memory are written once.
+class StepMachine {
+ public:
+  // resident_device_bytes are in use on the device before the first step, original_bytes of
+  // them the group's originals.
+  StepMachine(std::uint64_t resident_device_bytes, std::uint64_t original_bytes) noexcept;
+
+  // Throws InternalError naming the problem when `step` cannot run now: a buffer allocated
+  // twice, used or released before it is allocated, the originals read or released after their
+  // release, a byte range outside its buffer, a re-point without a flat buffer.
+  void check(const Step& step) const;
+  // Records the step's effect on the state; check() it first.
+  void apply(const Step& step) noexcept;
+
+  bool live(Buffer buffer) const noexcept;
+  std::uint64_t size(Buffer buffer) const noexcept;  // 0 when not live
+  bool originals_released() const noexcept { return released_; }
+  std::uint64_t device_bytes() const noexcept { return device_; }
+  std::uint64_t host_bytes() const noexcept { return host_; }
+
+ private:
+  static constexpr std::size_t kBuffers = 5;
+  std::uint64_t sizes_[kBuffers] = {};
+  bool live_[kBuffers] = {};
+  bool released_ = false;
+  std::uint64_t device_ = 0;
+  std::uint64_t host_ = 0;
+  std::uint64_t original_bytes_ = 0;
+};
+
+// Runs steps on a StepMachine, starting from resident_device_bytes on the device (the
+// originals included, original_bytes of them), and adds up their traffic. Throws InternalError
+// for a list the machine refuses (see StepMachine::check).
 Profile simulate(const std::vector<Step>& steps, std::uint64_t resident_device_bytes,
                  std::uint64_t original_bytes, std::uint64_t dp);
-
-// Bandwidths of the cost model, in bytes per second. Copy bandwidths count each byte copied
-// once (a copy reads and writes it).
-struct Bandwidths {
-  double device_copy = 0;    // on the device
-  double host_link = 0;      // host <-> device, each direction, pinned
-  double allgather_bus = 0;  // NCCL-style bus bandwidth of the all-gather
-  double host_copy = 0;      // host memory copies of the whole node, shared by its ranks
-};
-
-// An accelerator preset (docs/models.md).
-struct DevicePreset {
-  std::string name;
-  std::uint64_t capacity_bytes = 0;
-  std::uint64_t host_bytes_per_node = 0;  // host memory of a typical node with 8 of them
-  Bandwidths bandwidths;
-  bool integrated = false;  // memory shared with the host
-};
-
-std::vector<DevicePreset> device_presets();
-std::optional<DevicePreset> find_preset(std::string_view name);
-// A device known only by its size, with conservative bandwidths.
-DevicePreset generic_preset(std::uint64_t capacity_bytes);
 
 struct PlanInput {
   Layout layout;                      // the group's layout (dp = ranks sharing it)
@@ -114,6 +128,22 @@ struct PlanInput {
   Bandwidths bandwidths;
   std::optional<Tier> forced;  // plan only this tier (the others are still reported)
 };
+
+// The facts one rank plans with (agreed over the ranks, or a node described by hand) and the
+// policy that turns them into the planner's input, in one place: the default margin, the rule
+// that an integrated device never stages (its host memory is its device memory) unless a tier
+// is forced, and the forced tier.
+struct PlanFacts {
+  std::uint64_t capacity_bytes = 0;
+  std::uint64_t free_bytes = 0;
+  std::uint64_t host_free_bytes = 0;
+  bool integrated = false;
+  std::uint64_t local_ranks = 1;  // ranks of this node staging through its host at once
+  Bandwidths bandwidths;
+};
+PlanInput make_plan_input(const Layout& layout, std::uint64_t original_bytes,
+                          const PlanFacts& facts, std::uint64_t rank, std::optional<Tier> forced,
+                          std::optional<std::uint64_t> margin_bytes);
 
 struct Candidate {
   Tier tier = Tier::kDevice;

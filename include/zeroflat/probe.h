@@ -1,5 +1,7 @@
 // The free-memory probe: what each source says about a device's memory, and which answer the
 // planner uses. No probe failure ever raises past the probe: each source's error is kept.
+// Each Device offers its sources through Device::probe_memory (device.h); the functions here
+// decide from whatever sources they are given.
 //
 // Sources are injectable (plain functions), so tests can play machines zeroflat does not run
 // on: a GB10 whose NVML cannot report memory, a MIG slice, a machine without NVML, an
@@ -40,13 +42,27 @@ struct SourceReport {
 };
 
 struct ProbeResult {
-  std::string device;      // "cpu", "cuda:0"
+  std::string device;      // "cpu", "cuda:0", "sim:80GiB", "host"
   bool available = false;  // false: the device cannot be used here (no GPU, no driver)
+  bool integrated = false;  // the device's memory is the host's (cpu, GB10, Jetson)
   std::uint64_t total_bytes = 0;
   std::uint64_t free_bytes = 0;  // what the planner may use on this rank
   std::string used;              // which source free_bytes came from
   std::vector<SourceReport> sources;
   std::vector<std::string> notes;  // adjustments: sharing among ranks, integrated cap, ...
+};
+
+// What the caller knows that the probe cannot see for itself.
+struct ProbeContext {
+  // Ranks sharing this host's memory (and, for the cpu device, the device itself); 0 takes
+  // runtime_env()'s count, else 1.
+  unsigned local_ranks = 0;
+  // Device bytes the framework's caching allocator holds but does not use: free to this
+  // process, though no source below the framework can see it (torch's reserved - allocated).
+  std::uint64_t framework_cached_free_bytes = 0;
+  // Device bytes the framework's allocator holds in all (torch's reserved): this process's, in
+  // the process view, besides what the device allocated itself.
+  std::uint64_t framework_held_bytes = 0;
 };
 
 // --- the host ---------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace zeroflat {
 
@@ -22,6 +23,15 @@ struct RuntimeEnv {
 // The environment as read at first call. Throws InvalidArgument naming the variable when one is
 // set to something other than a positive integer (every later call throws the same).
 const RuntimeEnv& runtime_env();
+
+// The GPUs this process may see, as the launcher or container runtime wrote them:
+// CUDA_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES (container runtimes often set only that).
+// Indices or GPU-/MIG- UUIDs; the probe never parses them as integers.
+struct VisibleDevices {
+  std::string value;     // empty when neither is set
+  std::string variable;  // which of the two it came from
+};
+VisibleDevices visible_devices();
 
 // Cores this process may run on: its CPU affinity mask, capped by its cgroup's CPU quota;
 // at least 1.

@@ -1,9 +1,11 @@
-// Parsing and printing of sizes and counts, as the command line accepts them.
+// Parsing and printing of sizes, counts and durations as the command line accepts and shows
+// them, and text for messages: lists, and names from untrusted files made safe to print.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace zeroflat {
 
@@ -21,5 +23,16 @@ std::string format_bytes_binary(std::uint64_t num_bytes);
 
 // "20,562,192,384".
 std::string format_count(std::uint64_t count);
+
+// "50 us", "3.1 ms", "70.83 s": whole microseconds below 1 ms, tenths of a millisecond below
+// 1 s, hundredths of a second above.
+std::string format_seconds(double seconds);
+
+// "a, b, c".
+std::string join(const std::vector<std::string>& items, std::string_view separator = ", ");
+
+// Text from an untrusted source, safe to print on a terminal or in a message: printable ASCII
+// only (every other byte becomes '?'), at most max_chars characters, then "...".
+std::string printable(std::string_view text, std::size_t max_chars = 80);
 
 }  // namespace zeroflat

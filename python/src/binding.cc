@@ -1,6 +1,7 @@
 // zeroflat._C: the engine for PyTorch. Memory comes from torch's allocator (CPU, or the CUDA
 // caching allocator), copies run on zeroflat's own device of the same kind, collectives go back
-// to Python (torch.distributed), and the planner and executor are the library's.
+// to Python (torch.distributed), and everything else is the library's front door (engine.h):
+// probe, agreement, plan, execution, master partition. Only the public API is used here.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -14,17 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "device/accounting.h"
-#include "zeroflat/comm.h"
-#include "zeroflat/config.h"
-#include "zeroflat/device.h"
-#include "zeroflat/error.h"
-#include "zeroflat/executor.h"
-#include "zeroflat/layout.h"
-#include "zeroflat/plan.h"
-#include "zeroflat/plan_json.h"
-#include "zeroflat/probe.h"
-#include "zeroflat/runtime.h"
+#include "zeroflat/zeroflat.h"
 
 namespace py = pybind11;
 namespace zf = zeroflat;
@@ -60,13 +51,13 @@ class TorchDevice final : public zf::Device {
     void* p = t.data_ptr();
     std::lock_guard<std::mutex> lock(mutex_);
     tensors_[p] = std::move(t);
-    bytes_.add(num_bytes);
+    add(num_bytes);
     return p;
   }
   void release(void* ptr, std::uint64_t num_bytes) noexcept override {
     if (ptr == nullptr) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    if (tensors_.erase(ptr) > 0) bytes_.sub(num_bytes);
+    if (tensors_.erase(ptr) > 0) bytes_ -= num_bytes;
   }
   void* allocate_host(std::uint64_t num_bytes) override { return inner_->allocate_host(num_bytes); }
   void release_host(void* ptr, std::uint64_t num_bytes) noexcept override {
@@ -86,17 +77,32 @@ class TorchDevice final : public zf::Device {
   }
   zf::MemoryInfo memory_info() override {
     zf::MemoryInfo info = inner_->memory_info();
-    info.allocated_bytes = bytes_.current();
-    info.peak_allocated_bytes = bytes_.peak();
+    std::lock_guard<std::mutex> lock(mutex_);
+    info.allocated_bytes = bytes_;
+    info.peak_allocated_bytes = peak_;
     return info;
   }
+  // The inner device's sources, with what torch knows (its cache) passed as sources too.
+  zf::ProbeResult probe_memory(const zf::ProbeContext& context) override {
+    return inner_->probe_memory(context);
+  }
+  zf::ProbeResult probe_host_memory(const zf::ProbeContext& context) override {
+    return inner_->probe_host_memory(context);
+  }
+  std::optional<zf::DevicePreset> hardware() const override { return inner_->hardware(); }
   void synchronize() override { inner_->synchronize(); }
 
   // The group's original parameters are torch's, not this device's: they are counted while the
   // steps run (from before the first step until the release), so that the device's peak is the
   // memory model's, originals included.
-  void count_originals(std::uint64_t bytes) { bytes_.add(bytes); }
-  void uncount_originals(std::uint64_t bytes) { bytes_.sub(bytes); }
+  void count_originals(std::uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    add(bytes);
+  }
+  void uncount_originals(std::uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    bytes_ -= bytes;
+  }
 
   // The uint8 tensor that owns an allocation (for the flat buffer handed to Python).
   at::Tensor tensor(std::uintptr_t ptr) {
@@ -111,7 +117,12 @@ class TorchDevice final : public zf::Device {
   std::unique_ptr<zf::Device> inner_;
   std::mutex mutex_;
   std::map<void*, at::Tensor> tensors_;
-  zf::detail::ByteCounter bytes_;
+  std::uint64_t bytes_ = 0;  // under mutex_
+  std::uint64_t peak_ = 0;
+  void add(std::uint64_t n) {  // caller holds mutex_
+    bytes_ += n;
+    peak_ = std::max(peak_, bytes_);
+  }
 };
 
 // A communicator whose collectives a Python object runs (torch.distributed). The executor calls
@@ -185,95 +196,106 @@ zf::LayoutOptions layout_options(std::uint64_t dp, bool round_robin, std::uint64
   return o;
 }
 
-// Plans and runs one group on this rank. Returns a JSON document (the plan, the outcome, the
-// flat buffer's address) for the Python layer; raises only for bad input.
-py::tuple flatten(TorchDevice& device, py::object comm_impl, std::uint64_t rank,
-                  const std::vector<std::uintptr_t>& ptrs, const std::vector<std::uint64_t>& numels,
-                  std::uint64_t dp, bool round_robin, std::uint64_t alignment_factor,
-                  const std::string& dtype, std::uint64_t param_align_bytes,
-                  std::uint64_t capacity_bytes, std::uint64_t free_bytes,
-                  std::optional<std::uint64_t> margin_bytes, std::uint64_t host_free_bytes,
-                  std::uint64_t local_ranks, bool integrated, const std::string& tier,
-                  std::optional<std::size_t> fault_step,
+// Merges a library JSON document into doc.
+void merge(Json& doc, const std::string& text) {
+  const Json parsed = Json::parse(text);
+  for (const auto& [k, v] : parsed.items()) doc[k] = v;
+}
+
+// One group through the front door on this rank. Returns a JSON document (the probe, the plan,
+// the outcome) and the flat buffer's and the master's uint8 tensors (None when there is none);
+// raises ValueError on every rank for a bad group, options that differ, or any rank's
+// local_error.
+py::tuple flatten(TorchDevice& device, py::object comm_impl,
+                  const std::vector<std::uintptr_t>& ptrs,
+                  const std::vector<std::vector<std::int64_t>>& shapes, std::uint64_t dp,
+                  bool round_robin, std::uint64_t alignment_factor, const std::string& dtype,
+                  std::uint64_t param_align_bytes, const std::string& tier,
+                  std::optional<std::uint64_t> margin_bytes, bool master, bool check_values,
+                  std::uint64_t framework_cached_free_bytes, std::uint64_t framework_held_bytes,
+                  const std::vector<std::string>& names, const std::string& must_match,
+                  const std::string& local_error, std::optional<std::size_t> fault_step,
                   const std::function<void()>& release_originals) {
-  const zf::LayoutOptions options =
-      layout_options(dp, round_robin, alignment_factor, dtype, param_align_bytes);
-  if (ptrs.size() != numels.size()) throw zf::InvalidArgument("pointers and numels differ");
-  const zf::Layout layout = zf::Layout::compute(numels, options);
+  zf::FlattenOptions o;
+  o.local_error = local_error;
   std::vector<zf::TensorRef> params;
   std::uint64_t model_bytes = 0;
-  for (std::size_t i = 0; i < ptrs.size(); ++i) {
-    params.push_back(zf::TensorRef{reinterpret_cast<void*>(ptrs[i]),
-                                   numels[i],
-                                   {static_cast<std::int64_t>(numels[i])},
-                                   options.dtype,
-                                   &device});
-    model_bytes += numels[i] * zf::element_size(options.dtype);
+  if (local_error.empty()) {
+    try {
+      o.layout = layout_options(dp, round_robin, alignment_factor, dtype, param_align_bytes);
+      o.tier = zf::parse_tier_choice(tier, "tier");
+      if (ptrs.size() != shapes.size()) throw zf::InvalidArgument("pointers and shapes differ");
+      for (std::size_t i = 0; i < ptrs.size(); ++i) {
+        const std::uint64_t numel = zf::shape_numel(shapes[i]);
+        params.push_back(zf::TensorRef{reinterpret_cast<void*>(ptrs[i]), numel, shapes[i],
+                                       o.layout.dtype, &device});
+        model_bytes += numel * zf::element_size(o.layout.dtype);
+      }
+    } catch (const zf::Error& e) {
+      o.local_error = e.what();
+      params.clear();
+    }
   }
+  if (!o.local_error.empty()) o.layout.dp = dp;  // the agreement still needs the group's size
+  o.margin_bytes = margin_bytes;
+  o.master = master;
+  o.check_values = check_values;
+  o.probe.framework_cached_free_bytes = framework_cached_free_bytes;
+  o.probe.framework_held_bytes = framework_held_bytes;
+  o.names = names;
+  o.must_match = must_match;
+  o.execute.fault_step = fault_step;
   std::unique_ptr<PyCommunicator> comm;
   if (!comm_impl.is_none()) comm = std::make_unique<PyCommunicator>(comm_impl);
 
-  zf::PlanInput in;
-  in.layout = layout;
-  in.original_bytes = model_bytes;
-  in.capacity_bytes = capacity_bytes;
-  in.free_bytes = free_bytes;
-  in.margin_bytes = margin_bytes.value_or(zf::default_margin(capacity_bytes));
-  in.host_free_bytes = host_free_bytes;
-  in.rank = rank;
-  in.local_ranks = local_ranks;
-  in.integrated = integrated && tier == "auto";
-  in.bandwidths = zf::generic_preset(capacity_bytes).bandwidths;
-  if (tier != "auto") {
-    in.forced = zf::try_parse_tier(tier);
-    if (!in.forced) {
-      throw zf::InvalidArgument("tier '" + tier +
-                                "': expected auto, device, sharded, staged or host");
-    }
-  }
-  const zf::Plan plan = zf::plan_group(in);
-  Json doc = zeroflat::cli::plan_json(plan, in);
-  const zf::Candidate* chosen = plan.chosen_candidate();
-  if (chosen == nullptr) {
-    doc["outcome"] = "infeasible";
-    return py::make_tuple(doc.dump(), py::none());
-  }
   device.count_originals(model_bytes);
-  const std::uint64_t resident = device.memory_info().allocated_bytes;
   bool released = false;
-  zf::ExecuteOptions opts;
-  opts.fault_step = fault_step;
-  zf::Execution ex;
+  zf::FlattenResult r;
   {
     py::gil_scoped_release nogil;
-    ex = zf::execute(
-        chosen->steps, layout, rank, params, device, comm.get(),
-        [&] {
-          py::gil_scoped_acquire gil;
-          release_originals();
-          device.uncount_originals(model_bytes);
-          released = true;
-        },
-        opts);
+    try {
+      r = zf::flatten_param_group(params, device, comm.get(), o, [&] {
+        py::gil_scoped_acquire gil;
+        release_originals();
+        device.uncount_originals(model_bytes);
+        released = true;
+      });
+    } catch (...) {
+      if (!released) device.uncount_originals(model_bytes);
+      throw;
+    }
   }
   if (!released) device.uncount_originals(model_bytes);
+  Json doc;
+  doc["probe"] = Json::parse(zf::probe_json(r.probe));
+  doc["host_probe"] = Json::parse(zf::probe_json(r.host_probe));
+  merge(doc, zf::plan_json(r.plan, r.input));
+  if (!r.feasible()) {
+    doc["outcome"] = "infeasible";
+    return py::make_tuple(doc.dump(), py::none(), py::none());
+  }
+  const zf::Execution& ex = r.execution;
   doc["outcome"] = std::string(zf::outcome_name(ex.outcome));
   doc["error"] = ex.error;
   doc["failed_step"] = ex.failed_step ? Json(*ex.failed_step) : Json();
   doc["failed_rank"] = ex.failed_rank;
   doc["seconds"] = ex.seconds;
   doc["step_seconds"] = ex.step_seconds;
-  doc["predicted_peak_device_bytes"] =
-      zf::simulate(chosen->steps, resident, model_bytes, dp).peak_device_bytes;
+  doc["predicted_peak_device_bytes"] = r.predicted_peak_device_bytes;
   doc["measured_peak_device_bytes"] = ex.measured_peak_device_bytes;
-  doc["predicted_host_bytes"] = chosen->profile.peak_host_bytes;
+  doc["predicted_host_bytes"] = r.plan.chosen_candidate()->profile.peak_host_bytes;
   doc["host_bytes"] = ex.measured_peak_host_bytes;
-  // The flat buffer's tensor goes to Python; the executor's handle on it is dropped after.
-  py::object flat = py::none();
-  if (ex.group.flat) {
-    flat = py::cast(device.tensor(reinterpret_cast<std::uintptr_t>(ex.group.flat.data())));
+  if (r.value_check.bytes_hashed > 0) {
+    doc["value_check_seconds"] = r.value_check.seconds;
+    doc["value_check_bytes"] = r.value_check.bytes_hashed;
   }
-  return py::make_tuple(doc.dump(), flat);
+  if (!r.master_error.empty()) doc["master_error"] = r.master_error;
+  // The buffers' tensors go to Python; the library's handles on them are dropped after.
+  auto owned = [&](const zf::DeviceBuffer& b) -> py::object {
+    if (!b) return py::none();
+    return py::cast(device.tensor(reinterpret_cast<std::uintptr_t>(b.data())));
+  };
+  return py::make_tuple(doc.dump(), owned(ex.group.flat), owned(r.master));
 }
 
 }  // namespace
@@ -302,12 +324,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("tensor", &TorchDevice::tensor, py::arg("ptr"))
       .def("allocated_bytes", [](TorchDevice& d) { return d.memory_info().allocated_bytes; });
-  m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("rank"), py::arg("ptrs"),
-        py::arg("numels"), py::arg("dp"), py::arg("round_robin"), py::arg("alignment_factor"),
-        py::arg("dtype"), py::arg("param_align_bytes"), py::arg("capacity_bytes"),
-        py::arg("free_bytes"), py::arg("margin_bytes"), py::arg("host_free_bytes"),
-        py::arg("local_ranks"), py::arg("integrated"), py::arg("tier"), py::arg("fault_step"),
-        py::arg("release_originals"));
+  m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"),
+        py::arg("shapes"), py::arg("dp"), py::arg("round_robin"), py::arg("alignment_factor"),
+        py::arg("dtype"), py::arg("param_align_bytes"), py::arg("tier"), py::arg("margin_bytes"),
+        py::arg("master"), py::arg("check_values"), py::arg("framework_cached_free_bytes"),
+        py::arg("framework_held_bytes"), py::arg("names"), py::arg("must_match"),
+        py::arg("local_error"), py::arg("fault_step"), py::arg("release_originals"));
   m.def(
       "layout_json",
       [](const std::vector<std::uint64_t>& numels, std::uint64_t dp, bool round_robin,
@@ -319,14 +341,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("numels"), py::arg("dp"), py::arg("round_robin"), py::arg("alignment_factor"),
       py::arg("dtype"), py::arg("param_align_bytes"));
-  m.def("host_memory", [] {
-    const zf::ProbeResult r = zf::probe_host(zf::system_host_sources());
-    return py::make_tuple(r.total_bytes, r.free_bytes, r.used);
-  });
   m.def("default_threads",
         [](unsigned local_ranks) { return zf::default_num_threads(local_ranks); });
   // Ranks on this host as the launcher says (ZEROFLAT_LOCAL_RANKS, OMPI_COMM_WORLD_LOCAL_SIZE,
   // MPI_LOCALNRANKS, LOCAL_WORLD_SIZE), or None: the one reading of the environment.
   m.def("local_ranks", []() -> std::optional<unsigned> { return zf::runtime_env().local_ranks; });
+  m.attr("max_threads") = zf::kMaxThreads;
   m.attr("__version__") = ZEROFLAT_VERSION;
 }

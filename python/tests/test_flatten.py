@@ -175,3 +175,41 @@ def test_layout_helper_matches_the_cli_shape():
     lay = zeroflat.layout([5, 7, 3], 4)
     assert lay["flat_numel"] == 16 and lay["offsets"] == [0, 5, 12]
     assert [r["padding"] for r in lay["ranks"]] == [0, 0, 0, 1]
+
+
+def test_the_report_holds_the_probe_document_of_zeroflat_probe():
+    """The front door's probe, as `zeroflat probe --json` prints it for the same device."""
+    import json
+    import pathlib
+    import subprocess
+
+    fg = zeroflat.flatten_param_group(tiny_model().parameters())
+    probe = fg.report["probe"]
+    cli = pathlib.Path(zeroflat.__file__).resolve().parents[2] / "zeroflat"
+    assert cli.exists(), f"the build's zeroflat command is not at {cli}"
+    doc = json.loads(subprocess.run([str(cli), "probe", "--json"], check=True,
+                                    capture_output=True, text=True).stdout)
+    assert list(probe) == list(doc)
+    assert probe["device"] == doc["device"] == "cpu"
+    assert probe["used"] == doc["used"]
+    assert [s["source"] for s in probe["sources"]] == [s["source"] for s in doc["sources"]]
+    assert fg.report["free_bytes"] <= probe["free_bytes"]
+    assert "host_probe" in fg.report
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"threads": -1}, ValueError), ({"threads": 10**6}, ValueError), ({"threads": "2"}, TypeError),
+    ({"margin_bytes": -5}, ValueError), ({"margin_bytes": 2**70}, ValueError),
+    ({"alignment_factor": 0}, ValueError), ({"param_align_bytes": -16}, ValueError),
+    ({"master_dtype": "float32"}, TypeError), ({"round_robin": "no"}, TypeError),
+    ({"verify": "yes"}, TypeError), ({"tier": 3}, ValueError),
+])
+def test_bad_arguments_are_refused_where_they_enter(kwargs, error):
+    """Not pybind's "incompatible function arguments", not an AttributeError, not a string
+    taken as True: a clear error naming the argument, and nothing changed."""
+    model = tiny_model()
+    snap = snapshot(model)
+    name = next(iter(kwargs))
+    with pytest.raises(error, match=name):
+        zeroflat.flatten_param_group(model.parameters(), **kwargs)
+    assert unchanged(model, snap)

@@ -13,8 +13,8 @@ See docs/python.md.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Iterable, List, Optional, Sequence
 
@@ -89,9 +89,36 @@ def layout(numels: Sequence[int], dp: int = 1, *, round_robin: bool = False,
            alignment_factor: int = 2, dtype: torch.dtype = torch.bfloat16,
            param_align_bytes: int = 0) -> dict:
     """The layout of a group with these element counts, without moving anything."""
-    return json.loads(_C.layout_json([int(n) for n in numels], int(dp), bool(round_robin),
-                                     int(alignment_factor), _dtype_name(dtype, "dtype"),
-                                     int(param_align_bytes)))
+    counts = [_int_option(f"numels[{i}]", n, 0) for i, n in enumerate(numels)]
+    return json.loads(_C.layout_json(counts, _int_option("dp", dp, 1, _MAX_RANKS),
+                                     _bool_option("round_robin", round_robin),
+                                     _int_option("alignment_factor", alignment_factor, 1),
+                                     _dtype_name(dtype, "dtype"),
+                                     _int_option("param_align_bytes", param_align_bytes, 0)))
+
+
+_U64_MAX = 2**64 - 1
+_MAX_RANKS = 2**31 - 1
+
+
+def _int_option(name: str, value: Any, lo: int, hi: int = _U64_MAX) -> int:
+    """An integer argument, checked where it enters (not as pybind's "incompatible function
+    arguments")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} is {value!r}: expected an integer")
+    v = int(value)
+    if v < lo or v > hi:
+        raise ValueError(f"{name} {v}: expected {lo} to {hi}")
+    return v
+
+
+def _bool_option(name: str, value: Any) -> bool:
+    """True or False only: a string such as "no" is not silently true."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and int(value) in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} is {value!r}: expected True or False")
 
 
 def _dtype_name(dtype: torch.dtype, what: str) -> str:
@@ -170,10 +197,11 @@ class _TorchComm:
 
     def all_reduce(self, values: List[int], op: str) -> List[int]:
         self._check()
-        t = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
+        # Unsigned 64-bit values through int64 tensors: shifting by 2**63 keeps their order.
+        t = torch.tensor([v - 2**63 for v in values], dtype=torch.int64, device=self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX,
                         group=self.group)
-        return [int(v) for v in t.tolist()]
+        return [int(v) + 2**63 for v in t.tolist()]
 
     def barrier(self) -> None:
         self._check()
@@ -188,45 +216,6 @@ def _comm_device(group, device: torch.device) -> torch.device:
     return device if str(backend) == "nccl" else torch.device("cpu")
 
 
-def _check_same_everywhere(params: List[torch.Tensor], indices: List[int], comm: _TorchComm,
-                           options: tuple) -> None:
-    """Ranks must pass the same shapes and options, or the layouts (and buffers) differ."""
-    signature = [(list(p.shape), str(p.dtype)) for p in params]
-    digest = hashlib.sha256(repr((signature, options)).encode()).digest()
-    mine = int.from_bytes(digest[:7], "little")
-    lo, hi = comm.all_reduce([mine], "min")[0], comm.all_reduce([mine], "max")[0]
-    if lo == hi:
-        return
-    everyone: List[Any] = [None] * comm.size
-    dist.all_gather_object(everyone, (signature, options), group=comm.group)
-    for r, (theirs, their_options) in enumerate(everyone):
-        if their_options != options:
-            raise ValueError(f"rank {r} passed options {their_options}, rank {comm.rank} "
-                             f"{options}: every rank must flatten the group the same way")
-        if len(theirs) != len(signature):
-            raise ValueError(f"rank {r} passed {len(theirs)} trainable parameters, rank "
-                             f"{comm.rank} {len(signature)}: every rank must pass the same group")
-        for k, (a, b) in enumerate(zip(signature, theirs)):
-            if a != b:
-                raise ValueError(f"parameter {indices[k]} differs between ranks: shape {a[0]} "
-                                 f"({a[1]}) on rank {comm.rank}, {b[0]} ({b[1]}) on rank {r}")
-    raise ValueError("the ranks passed different groups")
-
-
-def _free_memory(device: torch.device, local: int) -> tuple:
-    """(capacity, free, host_free, integrated) for this rank, before agreement; `local` ranks
-    share this host's memory."""
-    host_total, host_free, _ = _C.host_memory()
-    if device.type == "cpu":
-        capacity = host_total // local
-        return capacity, min(host_free // local, capacity), host_free // local, True
-    free, total = torch.cuda.mem_get_info(device)
-    # What torch's caching allocator holds but does not use is free for this process.
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    integrated = bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))
-    return total, min(free, total), host_free // local, integrated
-
-
 def _trainable(params: Iterable[torch.Tensor], trainable_only: bool) -> tuple:
     all_params = list(params)
     for i, p in enumerate(all_params):
@@ -236,76 +225,124 @@ def _trainable(params: Iterable[torch.Tensor], trainable_only: bool) -> tuple:
     return [all_params[i] for i in indices], indices
 
 
+def _check_options(tier: str, master_dtype: Any, threads: Any, margin_bytes: Any,
+                   alignment_factor: Any, param_align_bytes: Any) -> None:
+    if not isinstance(tier, str) or tier not in _TIERS:
+        raise ValueError(f"tier {tier!r}: expected one of {', '.join(_TIERS)}")
+    if master_dtype is not None:
+        if not isinstance(master_dtype, torch.dtype):
+            raise TypeError(f"master_dtype is {master_dtype!r}: expected a torch floating-point "
+                            "dtype or None")
+        if not master_dtype.is_floating_point:
+            raise TypeError(f"master_dtype {master_dtype} is not a floating-point type")
+    if threads is not None:
+        _int_option("threads", threads, 1, _C.max_threads)
+    if margin_bytes is not None:
+        _int_option("margin_bytes", margin_bytes, 0)
+    _int_option("alignment_factor", alignment_factor, 1)
+    _int_option("param_align_bytes", param_align_bytes, 0)
+
+
 def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
                         round_robin: bool = False, alignment_factor: int = 2,
                         param_align_bytes: int = 0, tier: str = "auto",
                         margin_bytes: Optional[int] = None,
                         master_dtype: Optional[torch.dtype] = torch.float32,
                         verify: bool = False, threads: Optional[int] = None,
-                        trainable_only: bool = True, _fault_step: Optional[int] = None,
-                        _fault_rank: int = 0) -> FlatGroup:
+                        trainable_only: bool = True, check_values: bool = True,
+                        _fault_step: Optional[int] = None, _fault_rank: int = 0) -> FlatGroup:
     """Flattens the trainable parameters of one group into DeepSpeed's ZeRO-1/2 layout.
 
     Parameters with ``requires_grad=False`` are left alone, as DeepSpeed leaves them (unless
-    ``trainable_only`` is False: then every tensor given is flattened). Every
-    rank of ``process_group`` must call with the same shapes (checked). After the call each
-    flattened parameter's ``.data`` is a view into ``FlatGroup.flat`` at its layout offset,
-    with its value unchanged, and its original storage is released.
+    ``trainable_only`` is False: then every tensor given is flattened). Every rank of
+    ``process_group`` must call it, with the same shapes and options: the ranks compare them
+    before anything moves. After the call each flattened parameter's ``.data`` is a view into
+    ``FlatGroup.flat`` at its layout offset, with its value unchanged, and its original storage
+    is released.
 
-    Raises TypeError / ValueError for a group that cannot be flattened (naming the parameter's
-    index and shape) and NoFeasiblePlan when nothing fits, before any parameter is touched;
+    The work is the library's front door: the device's free-memory probe (``report["probe"]``,
+    the same document as ``zeroflat probe --json``), one collective in which the ranks agree,
+    the planner, the chosen tier's steps and the fp32 master partition.
+
+    Raises TypeError / ValueError for a group or options that cannot be flattened (naming the
+    parameter's index and shape), on every rank at once when any rank's group is bad or the
+    ranks differ, and NoFeasiblePlan when nothing fits, before any parameter is touched;
     ExecutionError when a step fails (the parameters keep their values; see its ``outcome``).
+    ``check_values`` (the sharded and staged tiers only) first checks that the ranks hold the
+    same values, since each rank would otherwise end up with the owners' values of every slice.
     """
-    group_params, indices = _trainable(params, trainable_only)
-    _validate(group_params, indices)
-    if tier not in _TIERS:
-        raise ValueError(f"tier {tier!r}: expected one of {', '.join(_TIERS)}")
-    if master_dtype is not None and not master_dtype.is_floating_point:
-        raise TypeError(f"master_dtype {master_dtype} is not a floating-point type")
-    dtype = group_params[0].dtype
-    device = group_params[0].device
-    dtype_name = _DTYPES[dtype]
-    numels = [p.numel() for p in group_params]
-    shapes = [p.shape for p in group_params]
-    dp = dist.get_world_size(process_group) if process_group is not None else 1
-    # Ranks sharing this host (its cores and memory): the launcher's count, else the whole group.
-    local = _C.local_ranks() or dp
-    engine = _C.TorchDevice(str(device), int(threads or 0) or _C.default_threads(local))
+    group_params, indices = _trainable(params, _bool_option("trainable_only", trainable_only))
+    dp = 1
+    if process_group is not None:
+        dp = dist.get_world_size(process_group)
+    local_error: Optional[Exception] = None
+    lay = None
+    try:
+        round_robin = _bool_option("round_robin", round_robin)
+        verify = _bool_option("verify", verify)
+        check_values = _bool_option("check_values", check_values)
+        _check_options(tier, master_dtype, threads, margin_bytes, alignment_factor,
+                       param_align_bytes)
+        _validate(group_params, indices)
+        lay = layout([p.numel() for p in group_params], dp, round_robin=round_robin,
+                     alignment_factor=alignment_factor, dtype=group_params[0].dtype,
+                     param_align_bytes=param_align_bytes)
+    except (TypeError, ValueError) as e:
+        local_error = e
+    if local_error is not None and dp == 1:
+        raise local_error
+
+    if local_error is None:
+        dtype = group_params[0].dtype
+        device = group_params[0].device
+        # Ranks sharing this host split its cores: the launcher's count, else the whole group.
+        local = _C.local_ranks() or dp
+        engine = _C.TorchDevice(str(device), int(threads or 0) or _C.default_threads(local))
+    else:
+        # This rank only has to tell the others, in the same collective, that it refuses.
+        dtype, device = torch.bfloat16, torch.device("cpu")
+        engine = _C.TorchDevice("cpu", 1)
     comm, rank = None, 0
     if process_group is not None:
         comm = _TorchComm(process_group, engine, _comm_device(process_group, device))
         rank = comm.rank
-    options = (bool(round_robin), int(alignment_factor), int(param_align_bytes), tier)
-    if comm is not None and dp > 1:
-        _check_same_everywhere(group_params, indices, comm, options)
-    # Layout errors (a bad alignment, say) surface here, before anything moves.
-    lay = layout(numels, dp, round_robin=round_robin, alignment_factor=alignment_factor,
-                 dtype=dtype, param_align_bytes=param_align_bytes)
 
-    if device.type == "cuda":
+    cached_free = held = 0
+    if local_error is None and device.type == "cuda":
         # The engine's copies run on its own stream: what torch queued on the parameters must
-        # be done first.
+        # be done first. What torch's allocator caches but does not use is free to this process.
         torch.cuda.current_stream(device).synchronize()
-    capacity, free, host_free, integrated = _free_memory(device, local)
-    if comm is not None and dp > 1:
-        free, host_free, capacity = comm.all_reduce([free, host_free, capacity], "min")
-        free = min(free, capacity)
+        held = torch.cuda.memory_reserved(device)
+        cached_free = held - torch.cuda.memory_allocated(device)
 
+    shapes = [p.shape for p in group_params]
     before = []
-    if verify:
+    if verify and local_error is None:
         before = [engine.checksum(p.data_ptr(), p.numel() * p.element_size()) for p in group_params]
 
     def release_originals() -> None:
         for p in group_params:
             p.data = torch.empty(0, dtype=dtype, device=device)
 
-    doc_text, flat_bytes = _C.flatten(
-        engine, comm if (comm is not None and dp > 1) else None, rank,
-        [p.data_ptr() for p in group_params], numels, dp, bool(round_robin),
-        int(alignment_factor), dtype_name, int(param_align_bytes), int(capacity), int(free),
-        None if margin_bytes is None else int(margin_bytes), int(host_free),
-        local, bool(integrated), tier,
-        _fault_step if rank == _fault_rank else None, release_originals)
+    ok = local_error is None
+    build_master = ok and master_dtype == torch.float32
+    try:
+        doc_text, flat_bytes, master_bytes = _C.flatten(
+            engine, comm if (comm is not None and dp > 1) else None,
+            [p.data_ptr() for p in group_params] if ok else [],
+            [list(p.shape) for p in group_params] if ok else [], dp, bool(round_robin),
+            int(alignment_factor) if ok else 2, _DTYPES[dtype],
+            int(param_align_bytes) if ok else 0, tier if ok else "auto",
+            None if (margin_bytes is None or not ok) else int(margin_bytes), build_master,
+            bool(check_values), int(cached_free), int(held),
+            [f"parameter {i}" for i in indices] if ok else [],
+            f"master_dtype {master_dtype}, verify {verify}, trainable_only {trainable_only}",
+            "" if ok else f"{type(local_error).__name__}: {local_error}",
+            _fault_step if rank == _fault_rank else None, release_originals)
+    except ValueError:
+        if local_error is not None:
+            raise local_error from None  # this rank's own error, as it was found
+        raise
     report = json.loads(doc_text)
     report["dp"] = dp
     report["rank"] = rank
@@ -316,12 +353,14 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
     fg = None
     if flat_bytes is not None:
         flat = flat_bytes[: lay["flat_bytes"]].view(dtype)
-        for p, off, n, shape in zip(group_params, lay["offsets"], numels, shapes):
-            p.data = flat[off: off + n].view(shape)
+        for p, off, shape in zip(group_params, lay["offsets"], shapes):
+            p.data = flat[off: off + shape.numel()].view(shape)
         part_n = lay["partition_numel"]
         partition = flat[rank * part_n: (rank + 1) * part_n]
         master = None
-        if master_dtype is not None:
+        if master_bytes is not None:
+            master = master_bytes[: part_n * 4].view(torch.float32)
+        elif master_dtype is not None:
             master = partition.detach().to(master_dtype, copy=True)
         fg = FlatGroup(flat=flat, partition=partition, master=master, tier=report["tier"],
                        layout=lay, report=report, params=group_params, rank=rank, dp=dp)

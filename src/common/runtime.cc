@@ -69,6 +69,13 @@ const RuntimeEnv& runtime_env() {
   return env;
 }
 
+VisibleDevices visible_devices() {
+  for (const char* var : {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"}) {
+    if (const char* v = std::getenv(var); v != nullptr && *v != '\0') return {v, var};
+  }
+  return {};
+}
+
 // The CPU quota of this process's cgroup (v2 cpu.max "quota period", v1 cfs files), in whole
 // cores rounded up; 0 when there is none.
 unsigned cgroup_cpu_quota() noexcept {

@@ -175,4 +175,17 @@ MemoryInfo CpuDevice::memory_info() {
   return info;
 }
 
+ProbeResult CpuDevice::probe_memory(const ProbeContext& context) {
+  const HostProbeSources sources = system_host_sources(context.local_ranks);
+  ProbeResult r = probe_host(sources);
+  r.integrated = true;
+  if (r.available && sources.local_ranks > 1) {
+    r.notes.push_back("the device is the host: this rank's capacity is " +
+                      format_bytes(r.total_bytes) + " / " +
+                      std::to_string(sources.local_ranks));
+    r.total_bytes /= sources.local_ranks;
+  }
+  return r;
+}
+
 }  // namespace zeroflat::detail

@@ -27,6 +27,9 @@ class CpuDevice final : public Device {
   void upcast_to_fp32(float* dst, const void* src, DType dtype, std::uint64_t numel) override;
   std::uint64_t checksum(const void* ptr, std::uint64_t num_bytes) override;
   MemoryInfo memory_info() override;
+  // The host's memory (MemAvailable, cgroups) as this rank's share of it: the local ranks each
+  // flatten in the same memory, so capacity and free are divided among them.
+  ProbeResult probe_memory(const ProbeContext& context) override;
 
   unsigned num_threads() const noexcept { return pool_.size(); }
   // Runs fn(t) on every thread of this device's team (see ThreadPool::run).

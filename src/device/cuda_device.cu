@@ -458,6 +458,13 @@ MemoryInfo CudaDevice::memory_info() {
   return info;
 }
 
+ProbeResult CudaDevice::probe_memory(const ProbeContext& context) {
+  CudaProbeSources sources = system_cuda_sources();
+  sources.process_allocated_bytes = device_bytes_.current() + context.framework_held_bytes;
+  sources.framework_cached_free_bytes = context.framework_cached_free_bytes;
+  return probe_cuda(ordinal_, sources);
+}
+
 void CudaDevice::synchronize() {
   activate();
   ZEROFLAT_CHECK(cudaStreamSynchronize(stream_));

@@ -57,6 +57,9 @@ class CudaDevice final : public Device {
   // stream has drained so that releases are visible. Internal scratch (the gather's table, a
   // few bytes per tensor) is not counted in allocated_bytes: the planner does not plan it.
   MemoryInfo memory_info() override;
+  // NVML (whole device), cudaMemGetInfo, the process view; integrated GPUs capped by the host's
+  // available memory; the framework's cached-free bytes credited (probe_cuda in probe.h).
+  ProbeResult probe_memory(const ProbeContext& context) override;
   void synchronize() override;
 
   int ordinal() const noexcept { return ordinal_; }

@@ -3,12 +3,11 @@
 #include <map>
 #include <mutex>
 
-#include "common/text.h"
 #include "device/cpu_device.h"
 #include "device/sim_device.h"
 #include "zeroflat/device.h"
 #include "zeroflat/error.h"
-#include "zeroflat/plan.h"
+#include "zeroflat/hardware.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat {
@@ -39,11 +38,12 @@ struct Registry {
       }
       const std::string_view what = spec.substr(colon + 1);
       const std::optional<DevicePreset> preset = find_preset(what);
-      const std::uint64_t capacity = preset ? preset->capacity_bytes : parse_size(what);
-      if (capacity == 0) {
+      DevicePreset node = preset ? *preset : generic_preset(parse_size(what));
+      if (node.capacity_bytes == 0) {
         throw InvalidArgument("device '" + std::string(spec) + "': the capacity must be positive");
       }
-      return std::unique_ptr<Device>(new detail::SimDevice(std::string(spec), capacity, options));
+      if (options.node_host_bytes) node.host_bytes_per_node = *options.node_host_bytes;
+      return std::unique_ptr<Device>(new detail::SimDevice(std::string(spec), node, options));
     };
   }
 };
@@ -80,7 +80,7 @@ std::unique_ptr<Device> make_device(std::string_view spec, const DeviceOptions& 
   }
   if (!factory) {
     throw InvalidArgument("unknown device '" + std::string(spec) + "': this build knows " +
-                          detail::join(device_prefixes()));
+                          join(device_prefixes()));
   }
   return factory(spec, options);
 }

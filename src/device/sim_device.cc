@@ -9,9 +9,10 @@
 
 namespace zeroflat::detail {
 
-SimDevice::SimDevice(std::string name, std::uint64_t capacity_bytes, const DeviceOptions& options)
+SimDevice::SimDevice(std::string name, const DevicePreset& node, const DeviceOptions& options)
     : name_(std::move(name)),
-      capacity_(capacity_bytes),
+      node_(node),
+      capacity_(node.capacity_bytes),
       no_data_(options.no_data),
       host_(options) {}
 
@@ -97,6 +98,40 @@ MemoryInfo SimDevice::memory_info() {
   info.host_allocated_bytes = host_bytes_.current();
   info.peak_host_allocated_bytes = host_bytes_.peak();
   return info;
+}
+
+ProbeResult SimDevice::probe_memory(const ProbeContext&) {
+  const MemoryInfo m = memory_info();
+  ProbeResult r;
+  r.device = name_;
+  r.available = true;
+  r.integrated = node_.integrated;
+  r.total_bytes = m.total_bytes;
+  r.free_bytes = m.free_bytes;
+  r.used = "sim accounting";
+  r.sources.push_back({"sim accounting", true, m.total_bytes, m.free_bytes,
+                       "a simulated device of this capacity, " + format_bytes(m.allocated_bytes) +
+                           " allocated through it" + (no_data_ ? " (no data)" : "")});
+  return r;
+}
+
+ProbeResult SimDevice::probe_host_memory(const ProbeContext& context) {
+  const unsigned ranks = context.local_ranks > 0 ? context.local_ranks : 1;
+  const std::uint64_t staged = host_bytes_.current();
+  const std::uint64_t room = node_.host_bytes_per_node > staged ? node_.host_bytes_per_node - staged : 0;
+  ProbeResult r;
+  r.device = "host of " + name_;
+  r.available = true;
+  r.total_bytes = node_.host_bytes_per_node;
+  r.free_bytes = room / ranks;
+  r.used = "simulated host";
+  r.sources.push_back({"simulated host", true, node_.host_bytes_per_node, room,
+                       "the host memory of the simulated node (--host), not this machine's"});
+  if (ranks > 1) {
+    r.notes.push_back("shared among " + std::to_string(ranks) + " ranks on this host: " +
+                      format_bytes(room) + " / " + std::to_string(ranks));
+  }
+  return r;
 }
 
 }  // namespace zeroflat::detail

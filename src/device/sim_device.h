@@ -14,7 +14,10 @@ namespace zeroflat::detail {
 
 class SimDevice final : public Device {
  public:
-  SimDevice(std::string name, std::uint64_t capacity_bytes, const DeviceOptions& options);
+  // `node` is the accelerator simulated (capacity, bandwidths, integrated) and the node it sits
+  // in: its host_bytes_per_node is the simulated host memory, shared by the node's local ranks
+  // (the host stage is planned against it, never against this machine's).
+  SimDevice(std::string name, const DevicePreset& node, const DeviceOptions& options);
 
   std::string name() const override { return name_; }
   // With no_data, pointers are reserved address space that faults on any access.
@@ -36,9 +39,16 @@ class SimDevice final : public Device {
   // Without data there is nothing to hash: throws Unsupported.
   std::uint64_t checksum(const void* ptr, std::uint64_t num_bytes) override;
   MemoryInfo memory_info() override;
+  // "sim accounting": the capacity and what is allocated through this device.
+  ProbeResult probe_memory(const ProbeContext& context) override;
+  // "simulated host": the node's host memory less what this device stages, shared by the local
+  // ranks.
+  ProbeResult probe_host_memory(const ProbeContext& context) override;
+  std::optional<DevicePreset> hardware() const override { return node_; }
 
  private:
   std::string name_;
+  DevicePreset node_;
   std::uint64_t capacity_;
   bool no_data_;
   CpuDevice host_;                     // the threads and kernels of the backed mode

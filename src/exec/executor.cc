@@ -44,15 +44,15 @@ int rank_of(std::uint64_t code) {
   return static_cast<int>((code & ((std::uint64_t{1} << 24) - 1)) - 1);
 }
 
+std::uint64_t group_bytes(std::span<const TensorRef> params) {
+  std::uint64_t n = 0;
+  for (const TensorRef& t : params) n += t.num_bytes();
+  return n;
+}
+
 bool is_agreement_point(const Step& step) {
   return step.op == Op::kAllGather || step.op == Op::kReleaseOriginals;
 }
-
-struct Live {
-  void* ptr = nullptr;
-  std::uint64_t bytes = 0;
-  bool allocated = false;
-};
 
 // How one pass over the list ended.
 struct PassEnd {
@@ -77,6 +77,7 @@ class Run {
         comm_(comm != nullptr && comm->size() > 1 ? comm : nullptr),
         release_originals_(release_originals),
         options_(options),
+        machine_(group_bytes(params), group_bytes(params)),
         step_seconds_(steps.size(), 0.0) {
     originals_.reserve(params.size());
     for (const TensorRef& t : params) originals_.push_back(t.data);
@@ -88,7 +89,7 @@ class Run {
     PassEnd first = pass(0, /*inject=*/true);
     if (first.agreed == 0 && !first.comm_broken) {
       out.outcome = Outcome::kDone;
-    } else if (!released_) {
+    } else if (!machine_.originals_released()) {
       rollback();
       out.outcome = Outcome::kRolledBack;
       out.error = failure_text(first) +
@@ -198,31 +199,26 @@ class Run {
   }
 
   void run_step(const Step& s) {
+    // A recovery pass runs the release again: the originals are already gone.
+    if (s.op == Op::kReleaseOriginals && machine_.originals_released()) return;
+    machine_.check(s);
     switch (s.op) {
-      case Op::kAllocate: {
-        Live& b = live(s.buffer);
-        if (b.allocated) throw InternalError("buffer already allocated");
-        b.ptr = on_host(s.buffer) ? device_.allocate_host(s.bytes) : device_.allocate(s.bytes);
-        b.bytes = s.bytes;
-        b.allocated = true;
+      case Op::kAllocate:
+        ptr(s.buffer) =
+            on_host(s.buffer) ? device_.allocate_host(s.bytes) : device_.allocate(s.bytes);
         break;
-      }
       case Op::kGather: {
-        if (released_) throw InternalError("the originals were released");
         std::vector<TensorRef> from(params_.begin(), params_.end());
         for (std::size_t i = 0; i < from.size(); ++i) from[i].data = originals_[i];
         std::vector<Segment> segs =
             gather_segments(layout_, from, s.flat_offset, s.flat_offset + s.bytes);
-        device_.gather(at(s.buffer, s.dst_offset, s.bytes), s.bytes, segs);
+        device_.gather(at(s.buffer, s.dst_offset), s.bytes, segs);
         break;
       }
       case Op::kCopy:
-        device_.copy(at(s.buffer, s.dst_offset, s.bytes), at(s.source, s.src_offset, s.bytes),
-                     s.bytes);
+        device_.copy(at(s.buffer, s.dst_offset), at(s.source, s.src_offset), s.bytes);
         break;
       case Op::kReleaseOriginals:
-        if (released_) break;  // a recovery pass running the step again
-        released_ = true;
         if (release_originals_) release_originals_();
         for (std::size_t i = 0; i < params_.size(); ++i) {
           if (params_[i].data == originals_[i]) params_[i].data = nullptr;
@@ -230,16 +226,16 @@ class Run {
         break;
       case Op::kAllGather: {
         const std::uint64_t sb = layout_.partition_bytes();
-        auto* flat = static_cast<unsigned char*>(at(s.buffer, 0, s.bytes));
+        auto* flat = static_cast<unsigned char*>(at(s.buffer, 0));
         if (s.source != s.buffer) {
           // This rank's contribution moves into its own slot first; the all-gather is in place.
-          device_.copy(flat + rank_ * sb, at(s.source, 0, sb), sb);
+          device_.copy(flat + rank_ * sb, at(s.source, 0), sb);
         }
         if (comm_ != nullptr) comm_->all_gather_inplace(flat, sb, device_);
         break;
       }
       case Op::kRepoint: {
-        auto* flat = static_cast<unsigned char*>(at(Buffer::kFlat, 0, layout_.flat_bytes()));
+        auto* flat = static_cast<unsigned char*>(at(Buffer::kFlat, 0));
         const std::uint64_t es = layout_.element_size();
         for (std::size_t i = 0; i < params_.size(); ++i) {
           params_[i].data = flat + layout_.offsets()[i] * es;
@@ -250,47 +246,39 @@ class Run {
         free_buffer(s.buffer);
         break;
     }
+    machine_.apply(s);
   }
 
-  Live& live(Buffer b) { return buffers_[static_cast<std::size_t>(b)]; }
+  void*& ptr(Buffer b) { return ptrs_[static_cast<std::size_t>(b)]; }
 
-  void* at(Buffer b, std::uint64_t offset, std::uint64_t bytes) {
-    Live& l = live(b);
-    if (!l.allocated) throw InternalError(std::string(buffer_name(b)) + " is not allocated");
-    if (offset > l.bytes || bytes > l.bytes - offset) {
-      throw InternalError("range outside " + std::string(buffer_name(b)));
-    }
-    return static_cast<unsigned char*>(l.ptr) + offset;
-  }
+  // The machine has checked the range.
+  void* at(Buffer b, std::uint64_t offset) { return static_cast<unsigned char*>(ptr(b)) + offset; }
 
   void free_buffer(Buffer b) {
-    Live& l = live(b);
-    if (!l.allocated) throw InternalError(std::string(buffer_name(b)) + " is not allocated");
     if (on_host(b)) {
-      device_.release_host(l.ptr, l.bytes);
+      device_.release_host(ptr(b), machine_.size(b));
     } else {
-      device_.release(l.ptr, l.bytes);
+      device_.release(ptr(b), machine_.size(b));
     }
-    l = Live{};
+    ptr(b) = nullptr;
   }
 
+  // Releases every buffer the steps still hold (after a failure, or the leftovers of a failed
+  // recovery).
   void free_all() noexcept {
-    for (std::size_t i = 0; i < buffers_.size(); ++i) {
-      const auto b = static_cast<Buffer>(i);
-      if (live(b).allocated) {
-        try {
-          free_buffer(b);
-        } catch (...) {  // cannot happen: it is allocated
-        }
+    for (Buffer b : {Buffer::kFlat, Buffer::kPartition, Buffer::kHostStage}) {
+      if (machine_.live(b)) {
+        free_buffer(b);
+        machine_.apply(Step{Op::kRelease, b});
       }
     }
   }
 
   // The flat buffer becomes the result's; the executor no longer releases it.
   DeviceBuffer adopt_flat() {
-    Live& l = live(Buffer::kFlat);
-    DeviceBuffer out = DeviceBuffer::adopt(device_, l.ptr, l.bytes);
-    l = Live{};
+    DeviceBuffer out = DeviceBuffer::adopt(device_, ptr(Buffer::kFlat), machine_.size(Buffer::kFlat));
+    ptr(Buffer::kFlat) = nullptr;
+    machine_.apply(Step{Op::kRelease, Buffer::kFlat});
     return out;
   }
 
@@ -350,8 +338,8 @@ class Run {
   const ReleaseOriginals& release_originals_;
   const ExecuteOptions& options_;
   std::vector<void*> originals_;
-  std::array<Live, 5> buffers_{};
-  bool released_ = false;
+  StepMachine machine_;
+  std::array<void*, 5> ptrs_{};
   std::vector<double> step_seconds_;
 };
 
@@ -393,8 +381,7 @@ Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uin
   }
   validate_group(params, device, layout.options());
   // The list must make sense on its own (the memory model refuses a malformed one).
-  std::uint64_t original_bytes = 0;
-  for (const TensorRef& t : params) original_bytes += t.num_bytes();
+  const std::uint64_t original_bytes = group_bytes(params);
   try {
     (void)simulate(steps, original_bytes, original_bytes, dp);
   } catch (const InternalError& e) {

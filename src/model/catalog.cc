@@ -1,10 +1,10 @@
-// Transformer parameter lists from a config, and the built-in catalog of docs/models.md.
+// Transformer parameter lists from a config, and the built-in catalog of model shapes.
 #include <algorithm>
 #include <string>
 
-#include "common/text.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model.h"
+#include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {
@@ -201,7 +201,7 @@ ModelSpec catalog_model(std::string_view name, const ModelOverrides& overrides) 
   std::optional<TransformerConfig> config = catalog_config(name);
   if (!config) {
     throw InvalidArgument("unknown model '" + std::string(name) + "': the catalog has " +
-                          detail::join(catalog_names()));
+                          join(catalog_names()));
   }
   return build_transformer(std::string(name), apply_overrides(*config, overrides));
 }

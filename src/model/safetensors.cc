@@ -5,15 +5,14 @@
 #include <fstream>
 #include <string>
 
-#include "common/text.h"
 #include "model/strict_json.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
+#include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {
 
-using detail::printable;
 
 bool get_u64(const nlohmann::json& v, std::uint64_t* out) {
   if (v.is_number_unsigned()) {

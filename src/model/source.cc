@@ -6,10 +6,10 @@
 #include <set>
 #include <sstream>
 
-#include "common/text.h"
 #include "model/strict_json.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
+#include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {
@@ -193,7 +193,7 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
   std::error_code ec;
   if (!fs::exists(path, ec)) {
     throw InvalidArgument("unknown model '" + name_or_path + "': neither a catalog name (" +
-                          detail::join(catalog_names()) +
+                          join(catalog_names()) +
                           ") nor an existing config.json, checkpoint directory or .safetensors "
                           "file");
   }

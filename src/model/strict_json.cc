@@ -4,8 +4,8 @@
 #include <set>
 #include <vector>
 
-#include "common/text.h"
 #include "zeroflat/error.h"
+#include "zeroflat/size.h"
 
 namespace zeroflat::detail {
 

@@ -1,7 +1,6 @@
 // Presets, the cost model, candidate selection, and the estimate of what training needs after.
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <string>
 
 #include "zeroflat/error.h"
@@ -11,26 +10,12 @@
 namespace zeroflat {
 namespace {
 
-constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
 constexpr std::uint64_t kGiB = std::uint64_t{1} << 30;
-constexpr std::uint64_t kTiB = std::uint64_t{1} << 40;
 // Fixed cost per step (allocation, launch, synchronization), so that of two step lists that
 // move the same bytes the shorter one wins.
 constexpr double kStepSeconds = 50e-6;
 // Page-locking host memory for staging runs at a few GB/s.
 constexpr double kPinBytesPerSecond = 8e9;
-
-std::string seconds_text(double s) {
-  char buf[32];
-  if (s < 1e-3) {
-    std::snprintf(buf, sizeof buf, "%.0f us", s * 1e6);
-  } else if (s < 1) {
-    std::snprintf(buf, sizeof buf, "%.1f ms", s * 1e3);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.2f s", s);
-  }
-  return buf;
-}
 
 double predicted_seconds(const Candidate& c, const Bandwidths& bw, std::uint64_t local_ranks) {
   double t = kStepSeconds * static_cast<double>(c.steps.size());
@@ -51,31 +36,28 @@ double predicted_seconds(const Candidate& c, const Bandwidths& bw, std::uint64_t
 
 }  // namespace
 
-std::vector<DevicePreset> device_presets() {
-  // Copy bandwidths count bytes copied (each read once and written once): about half of the
-  // memory's read+write figure. Host memory is that of a typical 8-accelerator node.
-  return {
-      {"h100-80gb", 81559 * kMiB, 2 * kTiB, {1.4e12, 50e9, 360e9, 100e9}, false},
-      {"h200", 143771 * kMiB, 2 * kTiB, {2.15e12, 50e9, 360e9, 100e9}, false},
-      {"a100-80gb", 81920 * kMiB, 2 * kTiB, {0.8e12, 25e9, 230e9, 80e9}, false},
-      {"a100-40gb", 40960 * kMiB, 1 * kTiB, {0.65e12, 25e9, 230e9, 80e9}, false},
-      {"gb10", 128'000'000'000ull, 0, {0.12e12, 100e9, 10e9, 100e9}, true},
-  };
-}
-
-std::optional<DevicePreset> find_preset(std::string_view name) {
-  for (DevicePreset& p : device_presets()) {
-    if (p.name == name) return p;
-  }
-  return std::nullopt;
-}
-
-DevicePreset generic_preset(std::uint64_t capacity_bytes) {
-  return {"custom", capacity_bytes, 0, {0.5e12, 20e9, 100e9, 50e9}, false};
-}
-
 std::uint64_t default_margin(std::uint64_t capacity_bytes) noexcept {
   return std::min(capacity_bytes / 100 * 3, kGiB);
+}
+
+PlanInput make_plan_input(const Layout& layout, std::uint64_t original_bytes,
+                          const PlanFacts& facts, std::uint64_t rank, std::optional<Tier> forced,
+                          std::optional<std::uint64_t> margin_bytes) {
+  PlanInput in;
+  in.layout = layout;
+  in.original_bytes = original_bytes;
+  in.capacity_bytes = facts.capacity_bytes;
+  in.free_bytes = facts.free_bytes;
+  in.margin_bytes = margin_bytes.value_or(default_margin(facts.capacity_bytes));
+  in.host_free_bytes = facts.host_free_bytes;
+  in.rank = rank;
+  // Staging through the host frees nothing where device memory is host memory, so the planner
+  // never picks it there; a forced tier runs its steps as it would on a discrete GPU.
+  in.integrated = facts.integrated && !forced;
+  in.local_ranks = facts.local_ranks > 0 ? facts.local_ranks : 1;
+  in.bandwidths = facts.bandwidths;
+  in.forced = forced;
+  return in;
 }
 
 const Candidate* Plan::chosen_candidate() const {
@@ -181,7 +163,7 @@ Plan plan_group(const PlanInput& in) {
                   (in.forced ? " (forced)"
                              : ": the fastest of " + std::to_string(feasible) + " feasible tier" +
                                    (feasible == 1 ? "" : "s")) +
-                  ", " + seconds_text(best->predicted_seconds) + ", peak " +
+                  ", " + format_seconds(best->predicted_seconds) + ", peak " +
                   format_bytes(best->profile.peak_device_bytes) + " of " + format_bytes(limit) +
                   " usable (capacity - margin)";
   } else if (in.forced) {

@@ -1,5 +1,5 @@
 // Step lists of the four tiers, and the memory model that runs them against counters.
-#include <map>
+#include <algorithm>
 #include <string>
 
 #include "zeroflat/error.h"
@@ -27,6 +27,13 @@ std::optional<Tier> try_parse_tier(std::string_view text) noexcept {
     if (tier_name(t) == text) return t;
   }
   return std::nullopt;
+}
+
+std::optional<Tier> parse_tier_choice(std::string_view text, std::string_view what) {
+  if (text == "auto") return std::nullopt;
+  if (std::optional<Tier> t = try_parse_tier(text)) return t;
+  throw InvalidArgument(std::string(what) + " '" + printable(text) +
+                        "': expected auto, device, sharded, staged or host");
 }
 
 std::string_view buffer_name(Buffer buffer) noexcept {
@@ -175,6 +182,87 @@ std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank
   return s;
 }
 
+StepMachine::StepMachine(std::uint64_t resident_device_bytes,
+                         std::uint64_t original_bytes) noexcept
+    : device_(resident_device_bytes), original_bytes_(original_bytes) {}
+
+bool StepMachine::live(Buffer buffer) const noexcept {
+  return live_[static_cast<std::size_t>(buffer)];
+}
+
+std::uint64_t StepMachine::size(Buffer buffer) const noexcept {
+  return live(buffer) ? sizes_[static_cast<std::size_t>(buffer)] : 0;
+}
+
+void StepMachine::check(const Step& st) const {
+  auto bad = [](const std::string& why) { return InternalError(why); };
+  auto need = [&](Buffer b) {
+    if (!live(b)) throw bad(std::string(buffer_name(b)) + " is not allocated");
+  };
+  auto inside = [&](Buffer b, std::uint64_t offset, std::uint64_t bytes) {
+    need(b);
+    if (offset > size(b) || bytes > size(b) - offset) {
+      throw bad("bytes [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
+                ") lie outside " + std::string(buffer_name(b)) + " (" + std::to_string(size(b)) +
+                " bytes)");
+    }
+  };
+  switch (st.op) {
+    case Op::kAllocate:
+      if (st.buffer == Buffer::kNone || st.buffer == Buffer::kOriginals) {
+        throw bad("not a buffer a step list allocates");
+      }
+      if (live(st.buffer)) throw bad("buffer already allocated");
+      break;
+    case Op::kRelease:
+      need(st.buffer);
+      break;
+    case Op::kReleaseOriginals:
+      if (released_) throw bad("originals already released");
+      break;
+    case Op::kGather:
+      if (released_) throw bad("reads the originals after they were released");
+      inside(st.buffer, st.dst_offset, st.bytes);
+      break;
+    case Op::kCopy:
+      inside(st.buffer, st.dst_offset, st.bytes);
+      inside(st.source, st.src_offset, st.bytes);
+      break;
+    case Op::kAllGather:
+      inside(st.buffer, 0, st.bytes);
+      need(st.source);
+      break;
+    case Op::kRepoint:
+      need(Buffer::kFlat);
+      break;
+  }
+}
+
+void StepMachine::apply(const Step& st) noexcept {
+  const auto b = static_cast<std::size_t>(st.buffer);
+  switch (st.op) {
+    case Op::kAllocate:
+      live_[b] = true;
+      sizes_[b] = st.bytes;
+      (on_host(st.buffer) ? host_ : device_) += st.bytes;
+      break;
+    case Op::kRelease:
+      (on_host(st.buffer) ? host_ : device_) -= sizes_[b];
+      live_[b] = false;
+      sizes_[b] = 0;
+      break;
+    case Op::kReleaseOriginals:
+      released_ = true;
+      device_ -= std::min(device_, original_bytes_);
+      break;
+    case Op::kGather:
+    case Op::kCopy:
+    case Op::kAllGather:
+    case Op::kRepoint:
+      break;
+  }
+}
+
 Profile simulate(const std::vector<Step>& steps, std::uint64_t resident_device_bytes,
                  std::uint64_t original_bytes, std::uint64_t dp) {
   if (original_bytes > resident_device_bytes) {
@@ -183,58 +271,36 @@ Profile simulate(const std::vector<Step>& steps, std::uint64_t resident_device_b
                         std::to_string(resident_device_bytes) + ")");
   }
   Profile p;
-  std::uint64_t device = resident_device_bytes;
-  std::uint64_t host = 0;
-  bool originals = true;
-  std::map<Buffer, std::uint64_t> live;
-  p.peak_device_bytes = device;
+  StepMachine m(resident_device_bytes, original_bytes);
+  p.peak_device_bytes = m.device_bytes();
   for (std::size_t k = 0; k < steps.size(); ++k) {
     const Step& st = steps[k];
-    auto bad = [&](const std::string& why) {
-      return InternalError("step " + std::to_string(k) + " (" + st.describe() + "): " + why);
-    };
+    try {
+      m.check(st);
+    } catch (const InternalError& e) {
+      throw InternalError("step " + std::to_string(k) + " (" + st.describe() + "): " + e.what());
+    }
+    m.apply(st);
     switch (st.op) {
-      case Op::kAllocate:
-        if (live.count(st.buffer)) throw bad("buffer already allocated");
-        live[st.buffer] = st.bytes;
-        (on_host(st.buffer) ? host : device) += st.bytes;
-        break;
-      case Op::kRelease: {
-        auto it = live.find(st.buffer);
-        if (it == live.end()) throw bad("buffer not allocated");
-        (on_host(st.buffer) ? host : device) -= it->second;
-        live.erase(it);
-        break;
-      }
-      case Op::kReleaseOriginals:
-        if (!originals) throw bad("originals already released");
-        originals = false;
-        device -= original_bytes;
-        break;
       case Op::kGather:
-        if (!originals) throw bad("reads the originals after they were released");
-        if (!live.count(st.buffer)) throw bad("writes a buffer that is not allocated");
         (on_host(st.buffer) ? p.pcie_bytes : p.device_copy_bytes) += st.bytes;
         break;
       case Op::kCopy:
-        if (!live.count(st.buffer) || !live.count(st.source)) throw bad("buffer not allocated");
         (on_host(st.buffer) != on_host(st.source) ? p.pcie_bytes : p.device_copy_bytes) += st.bytes;
         break;
       case Op::kAllGather:
-        if (!live.count(st.buffer) || !live.count(st.source)) throw bad("buffer not allocated");
         if (dp > 1) {
           p.comm_bytes += st.bytes / dp * (dp - 1);
         } else if (st.source != st.buffer) {
           p.device_copy_bytes += st.bytes;  // one rank: the all-gather is a copy
         }
         break;
-      case Op::kRepoint:
-        if (!live.count(Buffer::kFlat)) throw bad("no flat buffer to point into");
+      default:
         break;
     }
-    p.peak_device_bytes = std::max(p.peak_device_bytes, device);
-    p.peak_host_bytes = std::max(p.peak_host_bytes, host);
-    p.after_step.push_back(StepAccount{device, host});
+    p.peak_device_bytes = std::max(p.peak_device_bytes, m.device_bytes());
+    p.peak_host_bytes = std::max(p.peak_host_bytes, m.host_bytes());
+    p.after_step.push_back(StepAccount{m.device_bytes(), m.host_bytes()});
   }
   return p;
 }

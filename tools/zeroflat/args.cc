@@ -1,5 +1,5 @@
 // The command-line parser.
-#include "zeroflat/args.h"
+#include "cli/args.h"
 
 #include <algorithm>
 #include <cstdio>

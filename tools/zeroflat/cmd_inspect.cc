@@ -4,7 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "zeroflat/common.h"
+#include "cli/common.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/size.h"
 

@@ -4,7 +4,7 @@
 #include <optional>
 #include <string>
 
-#include "zeroflat/common.h"
+#include "cli/common.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 

@@ -6,34 +6,19 @@
 #include <optional>
 #include <string>
 
-#include "common/text.h"
-#include "zeroflat/common.h"
+#include "cli/common.h"
 #include "zeroflat/error.h"
 #include "zeroflat/plan.h"
-#include "zeroflat/plan_json.h"
+#include "zeroflat/report.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
-#include "zeroflat/svg.h"
+#include "cli/svg.h"
 
 namespace zeroflat::cli {
-namespace {
-
-std::string secs(double s) {
-  char buf[32];
-  if (s < 1) {
-    std::snprintf(buf, sizeof buf, "%.1f ms", s * 1e3);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.2f s", s);
-  }
-  return buf;
-}
-
-}  // namespace
-
 int subcommand_plan(const std::vector<std::string>& argv) {
   std::vector<std::string> preset_names;
   for (const DevicePreset& p : device_presets()) preset_names.push_back(p.name);
-  const std::string presets = detail::join(preset_names);
+  const std::string presets = join(preset_names);
   Parser p("plan", "--model NAME --dp P --device PRESET|SIZE [options]",
            "Plans the flatten of one parameter group holding every tensor of the model, with the\n"
            "model already resident on each of P devices: builds the four tiers (device, sharded,\n"
@@ -45,8 +30,10 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   p.option("device", "PRESET|SIZE", "accelerator preset (" + presets + ") or a capacity (80GiB)");
   p.option("free", "SIZE", "free device memory per rank", "capacity - model bytes");
   p.option("margin", "SIZE", "reserve never planned into", "3% of capacity, at most 1 GiB");
-  p.option("host-free", "SIZE", "host memory each rank may use for staging",
-           "the preset node's host memory / ranks on it; none for a plain SIZE");
+  p.option("host", "SIZE", "host memory of the node, shared by its ranks (at most 8 per node)",
+           "the preset's node; 2 TiB for a plain SIZE");
+  p.option("host-free", "SIZE", "host memory each rank may use for staging (overrides --host)",
+           "--host / ranks on the node");
   p.option("tier", "TIER", "auto, or force one of device, sharded, staged, host", "auto");
   p.option("svg", "FILE", "draw device memory over the steps of each tier into FILE");
   p.flag("json", "print one JSON document (docs/cli.md)");
@@ -78,45 +65,39 @@ int subcommand_plan(const std::vector<std::string>& argv) {
     if (preset.capacity_bytes == 0) throw InvalidArgument("--device 0: a device needs capacity");
   }
   std::optional<Tier> forced;
-  if (auto t = args.get("tier"); t && *t != "auto") {
-    forced = try_parse_tier(*t);
-    if (!forced) {
-      throw InvalidArgument("--tier '" + *t + "': expected auto, device, sharded, staged or host");
-    }
-  }
+  if (auto t = args.get("tier")) forced = parse_tier_choice(*t, "--tier");
   const std::uint64_t es = element_size(options.dtype);
   const std::uint64_t model_bytes = model.numel() * es;
-  PlanInput in;
-  in.layout = Layout::compute(model.numels(), options);
-  in.original_bytes = model_bytes;
-  in.capacity_bytes = preset.capacity_bytes;
-  in.free_bytes = model_bytes < preset.capacity_bytes ? preset.capacity_bytes - model_bytes : 0;
+  // The node described by hand, through the same policy as a real run (make_plan_input).
+  PlanFacts facts;
+  facts.capacity_bytes = preset.capacity_bytes;
+  facts.free_bytes =
+      model_bytes < preset.capacity_bytes ? preset.capacity_bytes - model_bytes : 0;
   if (auto v = args.get("free")) {
-    in.free_bytes = parse_size(*v);
-    if (in.free_bytes > preset.capacity_bytes) {
+    facts.free_bytes = parse_size(*v);
+    if (facts.free_bytes > preset.capacity_bytes) {
       throw InvalidArgument("--free " + *v + " is more than the device's capacity of " +
                             format_bytes(preset.capacity_bytes));
     }
     if (model_bytes <= preset.capacity_bytes &&
-        preset.capacity_bytes - in.free_bytes < model_bytes) {
+        preset.capacity_bytes - facts.free_bytes < model_bytes) {
       throw InvalidArgument("--free " + *v + " leaves " +
-                            format_bytes(preset.capacity_bytes - in.free_bytes) +
+                            format_bytes(preset.capacity_bytes - facts.free_bytes) +
                             " in use, less than the model's own " + format_bytes(model_bytes) +
                             ", which are resident");
     }
   }
-  in.margin_bytes =
-      args.get("margin") ? parse_size(*args.get("margin")) : default_margin(preset.capacity_bytes);
   const std::uint64_t ranks_per_node = std::min<std::uint64_t>(options.dp, 8);
-  if (auto v = args.get("host-free")) {
-    in.host_free_bytes = parse_size(*v);
-  } else {
-    in.host_free_bytes = preset.host_bytes_per_node / ranks_per_node;
-  }
-  in.integrated = preset.integrated;
-  in.local_ranks = ranks_per_node;
-  in.bandwidths = preset.bandwidths;
-  in.forced = forced;
+  if (auto v = args.get("host")) preset.host_bytes_per_node = parse_size(*v);
+  facts.host_free_bytes = preset.host_bytes_per_node / ranks_per_node;
+  if (auto v = args.get("host-free")) facts.host_free_bytes = parse_size(*v);
+  facts.integrated = preset.integrated;
+  facts.local_ranks = ranks_per_node;
+  facts.bandwidths = preset.bandwidths;
+  std::optional<std::uint64_t> margin;
+  if (auto v = args.get("margin")) margin = parse_size(*v);
+  const PlanInput in = make_plan_input(Layout::compute(model.numels(), options), model_bytes,
+                                       facts, 0, forced, margin);
   Plan plan = plan_group(in);
   AfterInit after = estimate_after_init(in);
   const Candidate* chosen = plan.chosen_candidate();
@@ -148,7 +129,9 @@ int subcommand_plan(const std::vector<std::string>& argv) {
     doc["feasible"] = chosen != nullptr;
     doc["reason"] = plan.reason;
     nlohmann::ordered_json cands = nlohmann::ordered_json::array();
-    for (const Candidate& c : plan.candidates) cands.push_back(candidate_json(c, true));
+    for (const Candidate& c : plan.candidates) {
+      cands.push_back(nlohmann::ordered_json::parse(candidate_json(c, true)));
+    }
     doc["candidates"] = std::move(cands);
     doc["after_init"] = {{"master_bytes", after.master_bytes},
                          {"optimizer_bytes", after.optimizer_bytes},
@@ -177,7 +160,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
           c.feasible ? "yes" : "no", format_bytes(c.profile.peak_device_bytes).c_str(),
           format_bytes(c.profile.peak_host_bytes).c_str(),
           format_bytes(c.profile.pcie_bytes).c_str(), format_bytes(c.profile.comm_bytes).c_str(),
-          secs(c.predicted_seconds).c_str(), c.why_not.c_str());
+          format_seconds(c.predicted_seconds).c_str(), c.why_not.c_str());
     }
     std::printf("\n%s: %s\n", chosen ? "chosen" : "NO PLAN", plan.reason.c_str());
     if (chosen) {

@@ -1,23 +1,27 @@
 // `zeroflat probe`: what each free-memory source says about a device, and which one counts.
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <optional>
 
-#include "zeroflat/common.h"
+#include "cli/common.h"
 #include "zeroflat/error.h"
+#include "zeroflat/device.h"
 #include "zeroflat/probe.h"
+#include "zeroflat/report.h"
+#include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat::cli {
 
 int subcommand_probe(const std::vector<std::string>& argv) {
-  Parser p("probe", "[--device cpu|cuda:N] [--local-ranks N] [--json]",
+  Parser p("probe", "[--device cpu|cuda:N|sim:SIZE] [--local-ranks N] [--json]",
            "Asks every source of free-memory figures about a device and shows each answer or\n"
            "error, and the number the planner would use. cpu: /proc/meminfo's MemAvailable and\n"
            "the process's cgroup (v2 or v1), shared among the ranks on this host. cuda:N: NVML\n"
            "(whole device), cudaMemGetInfo, the process's own view; integrated devices are\n"
            "capped by the host's available memory. A source's failure is reported, never fatal.");
-  p.option("device", "DEV", "cpu or cuda:N", "cpu");
+  p.option("device", "DEV", "cpu, cuda:N, or sim:SIZE (a simulated device's accounting)", "cpu");
   p.option("local-ranks", "N", "ranks sharing this host", "the launcher's count, else 1");
   p.flag("json", "print one JSON document");
   p.epilog(
@@ -33,33 +37,32 @@ int subcommand_probe(const std::vector<std::string>& argv) {
     if (n == 0 || n > 4096) throw InvalidArgument("--local-ranks " + *v + ": expected 1 to 4096");
     ranks = static_cast<unsigned>(n);
   }
+  // A malformed ZEROFLAT_LOCAL_RANKS (or ZEROFLAT_NUM_THREADS) is an error here, as everywhere.
+  const unsigned local = ranks > 0 ? ranks : runtime_env().local_ranks.value_or(1);
+  const ProbeContext context{local, 0, 0};
   ProbeResult r;
-  if (device == "cpu") {
-    r = probe_host(system_host_sources(ranks));
-  } else if (device.rfind("cuda:", 0) == 0) {
-    const std::uint64_t index = parse_u64(device.substr(5), "--device cuda:N");
-    if (index > 1024) throw InvalidArgument("--device " + device + ": no such index");
-    r = probe_cuda(static_cast<int>(index), system_cuda_sources());
+  if (device.rfind("cuda", 0) == 0) {
+    // The device's own probe when the GPU opens; the same sources, asked directly, when it does
+    // not (they say why).
+    std::unique_ptr<Device> dev;
+    try {
+      dev = make_device(device, DeviceOptions{1});
+    } catch (const Unsupported&) {
+    }
+    if (dev) {
+      r = dev->probe_memory(context);
+    } else {
+      const std::uint64_t index = device == "cuda" ? 0 : parse_u64(device.substr(5), "--device cuda:N");
+      if (index > 1024) throw InvalidArgument("--device " + printable(device) + ": no such index");
+      r = probe_cuda(static_cast<int>(index), system_cuda_sources());
+    }
+  } else if (device == "cpu" || device.rfind("sim:", 0) == 0) {
+    r = make_device(device, DeviceOptions{1})->probe_memory(context);
   } else {
-    throw InvalidArgument("--device '" + device + "': expected cpu or cuda:N");
+    throw InvalidArgument("--device '" + printable(device) + "': expected cpu, cuda:N or sim:SIZE");
   }
   if (args.has("json")) {
-    nlohmann::ordered_json doc;
-    doc["device"] = r.device;
-    doc["available"] = r.available;
-    doc["total_bytes"] = r.total_bytes;
-    doc["free_bytes"] = r.free_bytes;
-    doc["used"] = r.used;
-    doc["sources"] = nlohmann::ordered_json::array();
-    for (const SourceReport& s : r.sources) {
-      doc["sources"].push_back({{"source", s.source},
-                                {"ok", s.ok},
-                                {"total_bytes", s.total_bytes},
-                                {"free_bytes", s.free_bytes},
-                                {"detail", s.detail}});
-    }
-    doc["notes"] = r.notes;
-    std::printf("%s\n", doc.dump(2).c_str());
+    std::printf("%s\n", nlohmann::ordered_json::parse(probe_json(r)).dump(2).c_str());
   } else {
     if (r.available) {
       std::printf("%s: %s free of %s, from %s\n", r.device.c_str(),

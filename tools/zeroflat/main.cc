@@ -7,11 +7,11 @@
 #include <string>
 #include <vector>
 
-#include "common/text.h"
-#include "zeroflat/common.h"
+#include "cli/common.h"
 #include "zeroflat/config.h"
 #include "zeroflat/device.h"
 #include "zeroflat/error.h"
+#include "zeroflat/size.h"
 
 namespace {
 
@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
       return kExitOk;
     }
     if (command == "--version" || command == "version") {
-      const std::string devices = zeroflat::detail::join(device_prefixes());
+      const std::string devices = join(device_prefixes());
       std::printf(
           "zeroflat %s\n  devices: %s\n  toolchains found at build time: cuda %s, nccl %s, "
           "mpi %s, python+torch %s\n",

@@ -6,15 +6,14 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "common/text.h"
-#include "zeroflat/common.h"
+#include "cli/common.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat::cli {
 
 void add_model_options(Parser& parser, const std::string& default_model) {
-  const std::string names = detail::join(catalog_names());
+  const std::string names = join(catalog_names());
   parser.option("model", "NAME|PATH",
                 "a catalog model (" + names +
                     "), a config.json, or a checkpoint directory or .safetensors file",

@@ -1,5 +1,5 @@
 // Progress lines on stderr.
-#include "zeroflat/progress.h"
+#include "cli/progress.h"
 
 #include <unistd.h>
 

@@ -1,5 +1,5 @@
 // The plan picture, written as plain SVG.
-#include "zeroflat/svg.h"
+#include "cli/svg.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "zeroflat/args.h"
+#include "cli/args.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/model.h"
 

@@ -1,20 +1,22 @@
-// The host-side work of `zeroflat run` around the executor.
-#include "zeroflat/run_checks.h"
+// Rehearsals (rehearsal.h): the pattern in and out, verification, the timing rounds.
+#include "zeroflat/rehearsal.h"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <mutex>
 
 #include "common/thread_pool.h"
+#include "device/cpu_device.h"
 #include "zeroflat/error.h"
 #include "zeroflat/executor.h"
 #include "zeroflat/pattern.h"
 #include "zeroflat/size.h"
 
-namespace zeroflat::cli {
+namespace zeroflat {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -30,7 +32,7 @@ struct Piece {
   std::uint64_t hi;
 };
 
-std::vector<Piece> split_tensors(const std::vector<TensorRef>& tensors) {
+std::vector<Piece> split_tensors(std::span<const TensorRef> tensors) {
   constexpr std::uint64_t kPiece = std::uint64_t{1} << 20;
   std::vector<Piece> out;
   for (std::uint64_t i = 0; i < tensors.size(); ++i) {
@@ -40,6 +42,23 @@ std::vector<Piece> split_tensors(const std::vector<TensorRef>& tensors) {
   }
   return out;
 }
+
+// The host threads that do the work: the cpu device's own team, else one of `threads`.
+class Team {
+ public:
+  Team(Device& device, unsigned threads) {
+    cpu_ = dynamic_cast<detail::CpuDevice*>(&device);
+    if (cpu_ == nullptr) {
+      own_ = std::make_unique<detail::CpuDevice>(DeviceOptions{threads});
+      cpu_ = own_.get();
+    }
+  }
+  detail::CpuDevice& operator*() { return *cpu_; }
+
+ private:
+  std::unique_ptr<detail::CpuDevice> own_;
+  detail::CpuDevice* cpu_ = nullptr;
+};
 
 // Runs fn(piece) over pieces on the team, handing out pieces dynamically.
 template <typename Fn>
@@ -99,15 +118,19 @@ std::uint32_t float_bits(float f) {
 
 }  // namespace
 
-void fill_tensors(Device& device, detail::CpuDevice& team, const std::vector<TensorRef>& params,
-                  Progress& progress) {
+void fill_pattern_tensors(Device& device, std::span<const TensorRef> params, unsigned threads,
+                          const ProgressFn& progress) {
   if (!device.keeps_data()) return;
+  auto advance = [&](std::uint64_t n) {
+    if (progress) progress(n);
+  };
   const std::uint64_t es = params.empty() ? 0 : element_size(params.front().dtype);
   if (device.host_accessible()) {
-    for_pieces(team, split_tensors(params), [&](const Piece& p) {
+    Team team(device, threads);
+    for_pieces(*team, split_tensors(params), [&](const Piece& p) {
       fill_pattern(static_cast<unsigned char*>(params[p.tensor].data) + p.lo * es,
                    params[p.tensor].dtype, p.tensor, p.lo, p.hi - p.lo);
-      progress.advance((p.hi - p.lo) * es);
+      advance((p.hi - p.lo) * es);
     });
     return;
   }
@@ -119,7 +142,7 @@ void fill_tensors(Device& device, detail::CpuDevice& team, const std::vector<Ten
     for (std::uint64_t i = 0; i < params.size(); ++i) {
       fill_pattern(buf, params[i].dtype, i, 0, params[i].numel);
       device.copy(params[i].data, buf, params[i].num_bytes());
-      progress.advance(params[i].num_bytes());
+      advance(params[i].num_bytes());
     }
     device.synchronize();
   } catch (...) {
@@ -129,13 +152,14 @@ void fill_tensors(Device& device, detail::CpuDevice& team, const std::vector<Ten
   detail::host_release(buf, largest);
 }
 
-bool params_intact(Device& device, detail::CpuDevice& team, const std::vector<TensorRef>& params) {
+bool tensors_hold_pattern(Device& device, std::span<const TensorRef> params, unsigned threads) {
   for (const TensorRef& t : params) {
     if (t.data == nullptr && t.numel > 0) return false;
   }
   std::atomic<bool> ok{true};
   if (device.host_accessible()) {
-    for_pieces(team, split_tensors(params), [&](const Piece& p) {
+    Team team(device, threads);
+    for_pieces(*team, split_tensors(params), [&](const Piece& p) {
       const TensorRef& t = params[p.tensor];
       const auto* at = static_cast<const unsigned char*>(t.data) + p.lo * element_size(t.dtype);
       if (match_pattern(at, t.dtype, p.tensor, p.lo, p.hi - p.lo) != p.hi - p.lo) ok = false;
@@ -151,9 +175,14 @@ bool params_intact(Device& device, detail::CpuDevice& team, const std::vector<Te
   return ok;
 }
 
-Timing time_rounds(detail::CpuDevice& device, const FlatGroup& group,
-                   const std::vector<Step>& steps, std::uint64_t rank, Communicator* comm,
-                   std::uint64_t repeat, double first_seconds) {
+Timing time_rounds(Device& any_device, const FlatGroup& group, const std::vector<Step>& steps,
+                   std::uint64_t rank, Communicator* comm, std::uint64_t repeat,
+                   double first_seconds) {
+  auto* cpu = dynamic_cast<detail::CpuDevice*>(&any_device);
+  if (cpu == nullptr) {
+    throw InvalidArgument("the timing rounds run on the cpu device, not " + any_device.name());
+  }
+  detail::CpuDevice& device = *cpu;
   const std::uint64_t flat_bytes = group.layout.flat_bytes();
   Timing t{1e300, first_seconds, 1e300, 1e300};
   // The copy alone and the memcpy ceiling write into one scratch buffer, faulted in first: the
@@ -199,9 +228,11 @@ void corrupt_byte(Device& device, void* flat, std::uint64_t byte) {
   device.synchronize();
 }
 
-std::string verify_group(Device& device, detail::CpuDevice& team, const FlatGroup& group,
-                         const DeviceBuffer& master_buffer, std::uint64_t rank,
-                         Progress& progress) {
+std::string verify_flat_group(Device& device, const FlatGroup& group,
+                              const DeviceBuffer& master_buffer, std::uint64_t rank,
+                              unsigned threads, const ProgressFn& progress) {
+  Team owned(device, threads);
+  detail::CpuDevice& team = *owned;
   const Layout& l = group.layout;
   const std::uint64_t es = l.element_size();
   const DType dtype = l.options().dtype;
@@ -214,7 +245,6 @@ std::string verify_group(Device& device, detail::CpuDevice& team, const FlatGrou
              std::to_string(l.offsets()[i]);
     }
   }
-  progress.begin("verify " + format_bytes(l.flat_bytes()), l.flat_bytes());
   HostMirror flat_mirror(device, base, l.flat_bytes());
   const unsigned char* flat = flat_mirror.data();
   // Every parameter's bytes in the flat buffer, against the fill pattern.
@@ -235,7 +265,7 @@ std::string verify_group(Device& device, detail::CpuDevice& team, const FlatGrou
                     std::to_string(p.lo + ok) + " differs from its original";
       }
     }
-    progress.advance((p.hi - p.lo) * es);
+    if (progress) progress((p.hi - p.lo) * es);
   });
   if (bad) return first_bad;
   // Every padding byte (interior gaps and the tail) is zero.
@@ -252,7 +282,6 @@ std::string verify_group(Device& device, detail::CpuDevice& team, const FlatGrou
     cursor = std::max(cursor, lo + l.numels()[i] * es);
   }
   if (std::string e = check_zero(cursor, l.flat_bytes()); !e.empty()) return e;
-  progress.end();
   // The master partition: the up-cast of this rank's partition, padding included.
   if (!master_buffer) return "";
   const std::uint64_t n = l.partition_numel();
@@ -288,4 +317,4 @@ std::string verify_group(Device& device, detail::CpuDevice& team, const FlatGrou
   return "";
 }
 
-}  // namespace zeroflat::cli
+}  // namespace zeroflat

@@ -83,6 +83,7 @@ ProbeResult probe_cuda(int index, const CudaProbeSources& s) {
   }
   const CudaDeviceFacts& f = *facts.value;
   r.available = true;
+  r.integrated = f.integrated;
 
   // 1. NVML sees the whole device, other processes included, but on a MIG slice its device
   //    numbers are the parent GPU's, which would be wrong for this process.

@@ -1,0 +1,160 @@
+// The front door (engine.h): probe, agree, plan, check, execute, master, for one group.
+#include "zeroflat/engine.h"
+
+#include <algorithm>
+#include <string>
+
+#include "zeroflat/error.h"
+#include "zeroflat/flatten.h"
+#include "zeroflat/runtime.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat {
+namespace {
+
+// Everything besides the group that must be the same on every rank, as text.
+std::string options_text(const FlattenOptions& o, const Device& device) {
+  const LayoutOptions& l = o.layout;
+  const std::string name = device.name();
+  const std::optional<DevicePreset> hw = device.hardware();
+  std::string t = "dp " + std::to_string(l.dp) + ", alignment factor " +
+                  std::to_string(l.alignment_factor) + ", round-robin " +
+                  (l.round_robin ? "on" : "off") + ", dtype " +
+                  std::string(dtype_name(l.dtype)) + ", parameter alignment " +
+                  std::to_string(l.param_align_bytes) + " B, tier " +
+                  (o.tier ? std::string(tier_name(*o.tier)) : std::string("auto")) + ", margin " +
+                  (o.margin_bytes ? std::to_string(*o.margin_bytes) : std::string("default")) +
+                  ", master " + (o.master ? "yes" : "no") + ", value check " +
+                  (o.check_values ? "on" : "off") + ", device " +
+                  name.substr(0, name.find(':')) + (hw ? " (" + hw->name + ")" : "") +
+                  (device.keeps_data() ? "" : " without data");
+  if (o.bandwidths) {
+    const Bandwidths& b = *o.bandwidths;
+    t += ", bandwidths " + std::to_string(b.device_copy) + "/" + std::to_string(b.host_link) +
+         "/" + std::to_string(b.allgather_bus) + "/" + std::to_string(b.host_copy);
+  }
+  if (!o.must_match.empty()) t += "; " + o.must_match;
+  return t;
+}
+
+std::uint64_t group_bytes(std::span<const TensorRef> params) {
+  std::uint64_t n = 0;
+  for (const TensorRef& t : params) {
+    if (__builtin_add_overflow(n, t.num_bytes(), &n)) return UINT64_MAX;
+  }
+  return n;
+}
+
+std::string probe_failure(const Device& device, const ProbeResult& p) {
+  std::vector<std::string> why;
+  for (const SourceReport& s : p.sources) {
+    if (!s.ok) why.push_back(s.source + ": " + s.detail);
+  }
+  return device.name() + ": no free-memory source could answer (" + join(why, "; ") +
+         "), so no plan can be proven to fit";
+}
+
+}  // namespace
+
+FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
+                                  Communicator* comm, const FlattenOptions& options,
+                                  const ReleaseOriginals& release_originals) {
+  FlattenResult res;
+  Communicator* group = comm != nullptr && comm->size() > 1 ? comm : nullptr;
+  const std::uint64_t ranks = group ? static_cast<std::uint64_t>(group->size()) : 1;
+  const std::uint64_t rank = group ? static_cast<std::uint64_t>(group->rank()) : 0;
+
+  // --- this rank's own checks: kept, not thrown, until the ranks have agreed -----------------
+  std::string error = options.local_error;
+  std::optional<Layout> layout;
+  ProbeContext context = options.probe;
+  if (error.empty()) {
+    try {
+      if (options.layout.dp != ranks) {
+        throw InvalidArgument("the layout is for dp " + std::to_string(options.layout.dp) +
+                              ", but " +
+                              (group ? "the communicator has " + std::to_string(ranks) + " ranks"
+                                     : std::string("there is no communicator (one rank)")) +
+                              ": dp must be the number of ranks sharing the group");
+      }
+      validate_group(params, device, options.layout);
+      std::vector<std::uint64_t> numels(params.size());
+      for (std::size_t i = 0; i < params.size(); ++i) numels[i] = params[i].numel;
+      layout = Layout::compute(numels, options.layout);
+      if (context.local_ranks == 0) {
+        context.local_ranks = runtime_env().local_ranks.value_or(static_cast<unsigned>(ranks));
+      }
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  if (context.local_ranks == 0) context.local_ranks = 1;
+
+  // --- probe ------------------------------------------------------------------------------------
+  res.probe = device.probe_memory(context);
+  res.host_probe = device.probe_host_memory(context);
+  const std::uint64_t original_bytes = group_bytes(params);
+  std::uint64_t capacity = res.probe.total_bytes;
+  std::uint64_t free = std::min(res.probe.free_bytes, capacity);
+  // The group's own bytes are on this device: whatever a source says, they are in use.
+  if (capacity >= original_bytes && capacity - free < original_bytes) {
+    free = capacity - original_bytes;
+  }
+  if (error.empty() && !res.probe.available) error = probe_failure(device, res.probe);
+
+  // --- agree: one all-reduce; an error anywhere is thrown everywhere ---------------------------
+  AgreementInput ai;
+  ai.options = options_text(options, device);
+  ai.params = params;
+  ai.names = options.names;
+  ai.capacity_bytes = capacity;
+  ai.free_bytes = free;
+  ai.host_free_bytes = res.host_probe.available ? res.host_probe.free_bytes : 0;
+  ai.integrated = res.probe.integrated;
+  ai.error = error;
+  const Agreement agreed = agree(ai, group);
+
+  // --- plan -------------------------------------------------------------------------------------
+  PlanFacts facts;
+  facts.capacity_bytes = agreed.capacity_bytes;
+  facts.free_bytes = agreed.free_bytes;
+  facts.host_free_bytes = agreed.host_free_bytes;
+  facts.integrated = agreed.integrated;
+  facts.local_ranks = context.local_ranks;
+  if (options.bandwidths) {
+    facts.bandwidths = *options.bandwidths;
+  } else {
+    facts.bandwidths = device.hardware().value_or(generic_preset(agreed.capacity_bytes)).bandwidths;
+  }
+  res.input = make_plan_input(*layout, original_bytes, facts, rank, options.tier,
+                              options.margin_bytes);
+  res.plan = plan_group(res.input);
+  const Candidate* chosen = res.plan.chosen_candidate();
+  if (chosen == nullptr) return res;  // the same verdict on every rank: nothing moves
+
+  // --- the values check: slices are about to change hands --------------------------------------
+  if (options.check_values && group != nullptr && device.keeps_data() &&
+      (chosen->tier == Tier::kSharded || chosen->tier == Tier::kStaged)) {
+    res.value_check = check_same_values(*layout, params, device, group);
+    if (res.value_check.first_mismatch >= 0) throw InvalidArgument(res.value_check.error);
+  }
+
+  // --- execute ----------------------------------------------------------------------------------
+  const std::uint64_t resident = std::max(device.memory_info().allocated_bytes, original_bytes);
+  res.predicted_peak_device_bytes =
+      simulate(chosen->steps, resident, original_bytes, layout->options().dp).peak_device_bytes;
+  res.execution = execute(chosen->steps, *layout, rank, params, device, group, release_originals,
+                          options.execute);
+
+  // --- the fp32 master partition: it may not fit where the flatten just did ---------------------
+  if (options.master && res.complete()) {
+    try {
+      res.master = make_master_partition(device, res.execution.group, rank);
+    } catch (const OutOfMemory& e) {
+      res.master_error = std::string("the fp32 master partition does not fit: ") + e.what();
+    }
+  }
+  return res;
+}
+
+}  // namespace zeroflat

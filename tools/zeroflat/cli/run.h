@@ -1,0 +1,96 @@
+// `zeroflat run`, cut by job: its options (run_options.cc), one rank's pipeline around the
+// library's front door (run_rank.cc), launching the ranks as threads or MPI processes
+// (run_launch.cc), and the report (run_report.cc). cmd_run.cc joins them.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli/args.h"
+#include "cli/progress.h"
+#include "zeroflat/comm.h"
+#include "zeroflat/layout.h"
+#include "zeroflat/model.h"
+#include "zeroflat/plan.h"
+
+namespace zeroflat::cli {
+
+using Json = nlohmann::ordered_json;
+
+enum class DeviceKind { kCpu, kSim, kCuda };
+
+// Everything the ranks share, validated before anything is allocated.
+struct RunConfig {
+  ModelSpec model;
+  LayoutOptions options;
+  std::string device_spec;
+  DeviceKind kind = DeviceKind::kCpu;
+  bool no_data = false;
+  std::optional<std::uint64_t> node_host_bytes;  // --host: the simulated node's host memory
+  std::string comm = "local";
+  std::optional<Tier> forced;
+  std::optional<std::uint64_t> margin;
+  unsigned threads = 1;  // per rank
+  std::uint64_t repeat = 3;
+  bool verify = false;
+  bool check_values = true;
+  std::optional<std::size_t> fault_step;
+  std::uint64_t fault_rank = 0;
+  std::optional<std::uint64_t> corrupt;
+  unsigned local_ranks = 1;  // ranks of this run on this host
+  std::chrono::milliseconds timeout{60000};
+  bool json = false;
+  bool quiet = false;
+};
+
+// --- run_options.cc ---------------------------------------------------------------------------
+void add_run_options(Parser& parser);
+// The options as given, checked (InvalidArgument names the bad one). dp, local_ranks and
+// threads are settled by settle_ranks() once the ranks are known.
+RunConfig run_config_from_args(const Args& args);
+// After MPI has started (world, or null for ranks as threads): dp, local ranks, threads.
+void settle_ranks(RunConfig& cfg, const Args& args, Communicator* world);
+
+// --- run_rank.cc ------------------------------------------------------------------------------
+// What one rank brings back.
+struct RankResult {
+  int exit = 0;         // kExit* (common.h)
+  std::string message;  // why, when no step ran (no feasible plan)
+  Json entry;           // its element of "ranks"
+  Json plan;            // the plan (identical on every rank)
+  double memcpy_gbps = 0;
+  double fresh_memcpy_gbps = 0;
+};
+// One rank: its device, its originals, the front door (probe, agreement, plan, execution,
+// master), the timing rounds, verification. `control` joins the ranks (null for one).
+RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* control,
+                    Progress& progress);
+// Why this process's ranks cannot fit in this host's memory, or "": derived from the plan the
+// ranks will make (the chosen tier's step list on the memory model) plus what the rehearsal
+// itself holds. A run without data holds nothing here. `plan_doc` receives the predicted plan.
+std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc);
+
+// --- run_launch.cc ----------------------------------------------------------------------------
+struct Launched {
+  std::vector<Json> entries;  // every rank's, in rank order (on rank 0)
+  RankResult first;           // rank 0's result in this process (the plan, the ceilings)
+  int me = 0;                 // this process's rank (0 for threads)
+};
+// Runs the ranks: dp threads of this process, or this MPI process's one rank (world).
+Launched launch_ranks(const RunConfig& cfg, Communicator* world, Progress& progress);
+
+// --- run_report.cc ----------------------------------------------------------------------------
+// The exit code of the whole run from every rank's entry.
+int run_exit_code(const std::vector<Json>& entries, std::string& first_error);
+// The JSON document (docs/cli.md) or the human report, on stdout.
+void print_run_report(const RunConfig& cfg, const Launched& run, int exit,
+                      const std::string& first_error);
+// The document or message of a run that no plan fits (exit 3): nothing was allocated.
+void print_infeasible(const RunConfig& cfg, const Json& plan, const std::string& why);
+
+}  // namespace zeroflat::cli

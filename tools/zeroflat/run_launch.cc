@@ -1,0 +1,88 @@
+// `zeroflat run`: the ranks as threads of this process (local) or as the MPI job's processes,
+// and every rank's entry brought to rank 0.
+#include <array>
+#include <cstring>
+#include <exception>
+#include <thread>
+
+#include "cli/common.h"
+#include "cli/run.h"
+#include "zeroflat/device.h"
+#include "zeroflat/error.h"
+
+namespace zeroflat::cli {
+namespace {
+
+// Every rank's entry, in rank order, on every rank: lengths agreed by an all-reduce, then one
+// all-gather of fixed-size slices over host memory.
+std::vector<Json> exchange_entries(Communicator* control, const Json& entry) {
+  const std::string mine = entry.dump();
+  if (control == nullptr || control->size() == 1) return {entry};
+  std::unique_ptr<Device> host = make_device("cpu", DeviceOptions{1});
+  std::array<std::uint64_t, 1> len{mine.size()};
+  control->all_reduce_max(len);
+  const auto n = static_cast<std::uint64_t>(control->size());
+  std::vector<char> buf(len[0] * n, ' ');
+  std::memcpy(buf.data() + static_cast<std::uint64_t>(control->rank()) * len[0], mine.data(),
+              mine.size());
+  control->all_gather_inplace(buf.data(), len[0], *host);
+  std::vector<Json> out;
+  for (std::uint64_t r = 0; r < n; ++r) {
+    out.push_back(Json::parse(buf.begin() + static_cast<std::ptrdiff_t>(r * len[0]),
+                              buf.begin() + static_cast<std::ptrdiff_t>((r + 1) * len[0])));
+  }
+  return out;
+}
+
+}  // namespace
+
+Launched launch_ranks(const RunConfig& cfg, Communicator* world, Progress& progress) {
+  Launched out;
+  if (world != nullptr) {
+    out.me = world->rank();
+    out.first = run_rank(cfg, static_cast<std::uint64_t>(out.me), world, progress);
+    if (out.first.exit == kExitInfeasible) return out;  // every rank planned the same verdict
+    out.entries = exchange_entries(world, out.first.entry);
+    return out;
+  }
+  const std::uint64_t dp = cfg.options.dp;
+  std::vector<RankResult> results(dp);
+  std::vector<std::exception_ptr> errors(dp);
+  std::unique_ptr<LocalGroup> group;
+  if (dp > 1) group = std::make_unique<LocalGroup>(static_cast<int>(dp), cfg.timeout);
+  auto body = [&](std::uint64_t r) {
+    try {
+      std::unique_ptr<Communicator> c = group ? group->rank(static_cast<int>(r)) : nullptr;
+      Progress silent(false);  // one per rank: a Progress is not shared between threads
+      results[r] = run_rank(cfg, r, c.get(), r == 0 ? progress : silent);
+    } catch (...) {
+      errors[r] = std::current_exception();
+      if (group) group->rank(static_cast<int>(r))->abort("rank " + std::to_string(r) + " failed");
+    }
+  };
+  std::vector<std::thread> ranks;
+  for (std::uint64_t r = 1; r < dp; ++r) ranks.emplace_back(body, r);
+  body(0);
+  for (std::thread& t : ranks) t.join();
+  // The first failure that is not another rank's abort is the one worth reporting.
+  std::exception_ptr first;
+  for (const std::exception_ptr& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const CommError&) {
+      if (!first) first = e;
+    } catch (...) {
+      first = e;
+      break;
+    }
+  }
+  if (first) std::rethrow_exception(first);
+  out.first = std::move(results[0]);
+  if (out.first.exit == kExitInfeasible) return out;
+  out.entries.push_back(out.first.entry);
+  for (std::uint64_t r = 1; r < dp; ++r) out.entries.push_back(results[r].entry);
+  return out;
+}
+
+}  // namespace zeroflat::cli

@@ -1,0 +1,180 @@
+// `zeroflat run`: its options, checked before anything is allocated.
+#include <string>
+
+#include "cli/common.h"
+#include "cli/run.h"
+#include "zeroflat/device.h"
+#include "zeroflat/error.h"
+#include "zeroflat/runtime.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::cli {
+namespace {
+
+// Parses "N" or "N@R".
+void parse_fault(const std::string& text, RunConfig& cfg) {
+  const auto at = text.find('@');
+  cfg.fault_step = static_cast<std::size_t>(parse_u64(text.substr(0, at), "--inject-fault"));
+  if (at != std::string::npos) {
+    cfg.fault_rank = parse_u64(text.substr(at + 1), "--inject-fault rank");
+  }
+}
+
+// The most ranks one run takes.
+constexpr std::uint64_t kMaxRanks = 256;
+
+}  // namespace
+
+void add_run_options(Parser& p) {
+  add_model_options(p, "tiny-moe");
+  p.option("device", "DEV",
+           "where the parameters live: cpu, cuda:N, or sim:SIZE / sim:PRESET (a device of that "
+           "capacity with exact accounting, backed by host memory)",
+           "cpu");
+  p.flag("no-data", "sim devices: keep no data at all (memory is accounted, nothing is copied)");
+  p.option("host", "SIZE",
+           "sim devices: the host memory of the simulated node, shared by its ranks (staging is "
+           "planned against it, not against this machine)",
+           "the preset's node; 2 TiB for sim:SIZE");
+  p.option("comm", "NAME",
+           "how the ranks talk: local (ranks as threads of this process), mpi (rank and size "
+           "from mpirun), nccl (cuda devices; bootstrapped over mpi)",
+           "local");
+  add_layout_options(p);
+  p.option("tier", "TIER", "auto, device, sharded, staged or host", "auto");
+  p.option("margin", "SIZE", "device bytes the plan never uses", "min(3% of capacity, 1 GiB)");
+  p.option("threads", "N", "host threads per rank (overrides ZEROFLAT_NUM_THREADS)",
+           "cores / ranks on this host");
+  p.option("repeat", "N", "cpu: timed rounds of the copy, the tier and each ceiling (best kept)",
+           "3");
+  p.option("timeout", "SECONDS", "how long a collective waits for the other ranks", "60");
+  p.flag("verify", "check every byte of the flat buffer, every view and the master partition");
+  p.flag("no-value-check",
+         "skip the check that the ranks hold equal values before the sharded and staged tiers "
+         "hand slices between them");
+  p.option("inject-fault", "N[@R]",
+           "testing aid: step N of the plan fails on rank R (default 0), to prove rollback; "
+           "exit 4, with originals_intact per rank");
+  p.option("inject-corruption", "BYTE",
+           "testing aid: flip one byte of the flat buffer after the flatten, for --verify");
+  p.flag("json", "print one JSON document on stdout (docs/cli.md)");
+  p.flag("quiet", "no progress on stderr");
+}
+
+RunConfig run_config_from_args(const Args& args) {
+  RunConfig cfg;
+  cfg.model = model_from_args(args, "tiny-moe");
+  cfg.options = layout_options_from_args(args, &cfg.model);
+  cfg.device_spec = args.get("device").value_or("cpu");
+  cfg.no_data = args.has("no-data");
+  cfg.comm = args.get("comm").value_or("local");
+  cfg.verify = args.has("verify");
+  cfg.check_values = !args.has("no-value-check");
+  cfg.json = args.has("json");
+  cfg.quiet = args.has("quiet");
+  // The spec is checked by making the device once (an unknown name, a bad size, a GPU that is
+  // not there): before any work.
+  (void)make_device(cfg.device_spec,
+                    DeviceOptions{1, cfg.no_data && cfg.device_spec.rfind("sim:", 0) == 0,
+                                  std::nullopt});
+  if (cfg.device_spec.rfind("sim:", 0) == 0) {
+    cfg.kind = DeviceKind::kSim;
+  } else if (cfg.device_spec == "cpu") {
+    cfg.kind = DeviceKind::kCpu;
+  } else if (cfg.device_spec.rfind("cuda", 0) == 0) {
+    cfg.kind = DeviceKind::kCuda;
+  } else {
+    throw InvalidArgument("--device '" + printable(cfg.device_spec) +
+                          "': expected cpu, sim:SIZE or cuda:N");
+  }
+  if (auto v = args.get("host")) {
+    if (cfg.kind != DeviceKind::kSim) {
+      throw InvalidArgument("--host is the host memory of a simulated node (--device sim:...); " +
+                            cfg.device_spec + " uses this machine's");
+    }
+    cfg.node_host_bytes = parse_size(*v);
+  }
+  if (cfg.no_data && cfg.kind != DeviceKind::kSim) {
+    throw InvalidArgument("--no-data is for sim devices (--device sim:SIZE); " + cfg.device_spec +
+                          " keeps its data");
+  }
+  if (cfg.no_data && cfg.verify) {
+    throw InvalidArgument("--verify needs data; drop --no-data to verify on a sim device");
+  }
+  if (cfg.comm != "local" && cfg.comm != "mpi" && cfg.comm != "nccl") {
+    throw InvalidArgument("--comm '" + printable(cfg.comm) + "': expected local, mpi or nccl");
+  }
+  if (cfg.comm == "nccl" && cfg.kind != DeviceKind::kCuda) {
+    throw InvalidArgument("--comm nccl moves device memory of cuda devices; use --comm local or "
+                          "mpi with " + cfg.device_spec);
+  }
+  if (cfg.comm == "local" && cfg.kind == DeviceKind::kCuda && cfg.options.dp > 1) {
+    throw InvalidArgument("--comm local copies host memory; with cuda devices and --dp > 1 use "
+                          "--comm nccl under mpirun");
+  }
+  if (auto v = args.get("tier")) cfg.forced = parse_tier_choice(*v, "--tier");
+  if (auto v = args.get("margin")) cfg.margin = parse_size(*v);
+  if (auto v = args.get("repeat")) {
+    cfg.repeat = parse_u64(*v, "--repeat");
+    if (cfg.repeat == 0 || cfg.repeat > 1000) {
+      throw InvalidArgument("--repeat " + printable(*v) + ": expected 1 to 1000");
+    }
+  }
+  if (auto v = args.get("timeout")) {
+    const std::uint64_t s = parse_u64(*v, "--timeout");
+    if (s == 0 || s > 86400) {
+      throw InvalidArgument("--timeout " + printable(*v) + ": expected 1 to 86400");
+    }
+    cfg.timeout = std::chrono::milliseconds(s * 1000);
+  }
+  if (auto v = args.get("inject-fault")) parse_fault(*v, cfg);
+  if (auto v = args.get("threads")) {
+    const std::uint64_t n = parse_u64(*v, "--threads");
+    if (n == 0 || n > kMaxThreads) {
+      throw InvalidArgument("--threads " + printable(*v) + ": expected 1 to " +
+                            std::to_string(kMaxThreads));
+    }
+    cfg.threads = static_cast<unsigned>(n);
+  } else {
+    cfg.threads = 0;  // settle_ranks picks the default
+  }
+  if (cfg.options.dp > kMaxRanks) {
+    throw InvalidArgument("--dp " + std::to_string(cfg.options.dp) + ": at most " +
+                          std::to_string(kMaxRanks) + " ranks");
+  }
+  return cfg;
+}
+
+void settle_ranks(RunConfig& cfg, const Args& args, Communicator* world) {
+  if (world != nullptr) {
+    const auto size = static_cast<std::uint64_t>(world->size());
+    if (args.get("dp") && cfg.options.dp != size) {
+      throw InvalidArgument("--dp " + std::to_string(cfg.options.dp) + " but mpirun started " +
+                            std::to_string(size) + " ranks; leave --dp out or make them equal");
+    }
+    cfg.options.dp = size;
+    cfg.local_ranks = runtime_env().local_ranks.value_or(static_cast<unsigned>(size));
+  } else {
+    cfg.local_ranks = static_cast<unsigned>(cfg.options.dp);
+  }
+  const std::uint64_t dp = cfg.options.dp;
+  if (dp > kMaxRanks) {
+    throw InvalidArgument("--dp " + std::to_string(dp) + ": at most " + std::to_string(kMaxRanks) +
+                          " ranks");
+  }
+  if (cfg.fault_step && cfg.fault_rank >= dp) {
+    throw InvalidArgument("--inject-fault " + printable(*args.get("inject-fault")) + ": rank " +
+                          std::to_string(cfg.fault_rank) + " is outside dp " + std::to_string(dp));
+  }
+  if (cfg.threads == 0) cfg.threads = default_num_threads(cfg.local_ranks);
+  const Layout layout = Layout::compute(cfg.model.numels(), cfg.options);
+  if (auto v = args.get("inject-corruption")) {
+    cfg.corrupt = parse_u64(*v, "--inject-corruption");
+    if (*cfg.corrupt >= layout.flat_bytes()) {
+      throw InvalidArgument("--inject-corruption " + printable(*v) + ": the flat buffer has " +
+                            std::to_string(layout.flat_bytes()) + " bytes");
+    }
+  }
+}
+
+}  // namespace zeroflat::cli

@@ -1,0 +1,266 @@
+// `zeroflat run`, one rank: materialize the model from the pattern, hand it to the library's
+// front door (probe, agreement, plan, execution, master partition), then time, verify and hash.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cli/common.h"
+#include "cli/run.h"
+#include "zeroflat/checksum.h"
+#include "zeroflat/device.h"
+#include "zeroflat/engine.h"
+#include "zeroflat/error.h"
+#include "zeroflat/rehearsal.h"
+#include "zeroflat/report.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::cli {
+namespace {
+
+double gbps(std::uint64_t bytes, double seconds) {
+  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+}
+
+std::uint64_t sat_add(std::uint64_t a, std::uint64_t b) {
+  return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+}
+std::uint64_t sat_mul(std::uint64_t a, std::uint64_t b) {
+  return b != 0 && a > UINT64_MAX / b ? UINT64_MAX : a * b;
+}
+
+// The original parameters of one rank: one allocation per tensor, as a framework holds them.
+class Originals {
+ public:
+  explicit Originals(Device& device) : device_(device) {}
+  ~Originals() { release(); }
+  Originals(const Originals&) = delete;
+  Originals& operator=(const Originals&) = delete;
+
+  void add(std::uint64_t bytes) {
+    ptrs_.push_back(device_.allocate(bytes));
+    bytes_.push_back(bytes);
+  }
+  void* data(std::size_t i) const { return ptrs_[i]; }
+  void release() noexcept {
+    for (std::size_t i = 0; i < ptrs_.size(); ++i) {
+      device_.release(ptrs_[i], bytes_[i]);
+      ptrs_[i] = nullptr;
+    }
+  }
+
+ private:
+  Device& device_;
+  std::vector<void*> ptrs_;
+  std::vector<std::uint64_t> bytes_;
+};
+
+DeviceOptions device_options(const RunConfig& cfg) {
+  return DeviceOptions{cfg.threads, cfg.no_data, cfg.node_host_bytes};
+}
+
+}  // namespace
+
+std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
+  const std::uint64_t es = element_size(cfg.options.dtype);
+  const std::uint64_t model_bytes = sat_mul(cfg.model.numel(), es);
+  const Layout layout = Layout::compute(cfg.model.numels(), cfg.options);
+  std::unique_ptr<Device> device = make_device(cfg.device_spec, device_options(cfg));
+  // The plan the ranks will make once the originals are materialized on each device.
+  const ProbeContext context{cfg.local_ranks, 0, 0};
+  const ProbeResult probe = device->probe_memory(context);
+  const ProbeResult host = device->probe_host_memory(context);
+  PlanFacts facts;
+  facts.capacity_bytes = probe.total_bytes;
+  facts.free_bytes = std::min(probe.free_bytes, probe.total_bytes);
+  facts.free_bytes -= std::min(facts.free_bytes, model_bytes);
+  if (model_bytes <= facts.capacity_bytes) {
+    facts.free_bytes = std::min(facts.free_bytes, facts.capacity_bytes - model_bytes);
+  }
+  facts.host_free_bytes = host.available ? host.free_bytes : 0;
+  facts.integrated = probe.integrated;
+  facts.local_ranks = cfg.local_ranks;
+  facts.bandwidths = device->hardware().value_or(generic_preset(facts.capacity_bytes)).bandwidths;
+  const PlanInput in = make_plan_input(layout, model_bytes, facts, 0, cfg.forced, cfg.margin);
+  const Plan plan = plan_group(in);
+  plan_doc = Json::parse(plan_json(plan, in));
+  const Candidate* chosen = plan.chosen_candidate();
+  if (chosen == nullptr) return "no feasible plan: " + plan.reason + ". Nothing was allocated.";
+
+  // What this machine's memory holds per rank: the device's memory where it is the host's (the
+  // memory model of the chosen steps, on this run's own account), the host stage where it is
+  // real, and what the rehearsal keeps besides (the master partition; on cpu the timing rounds'
+  // scratch buffer and the tier run again beside the finished buffer).
+  const bool device_here = device->host_accessible() && device->keeps_data();
+  const bool stage_here = device->keeps_data();
+  const Profile own = simulate(chosen->steps, model_bytes, model_bytes, cfg.options.dp);
+  const std::uint64_t flat = layout.flat_bytes();
+  const std::uint64_t master = sat_mul(4, layout.partition_numel());
+  const std::uint64_t stage = stage_here ? own.peak_host_bytes : 0;
+  std::uint64_t per_rank = 0;
+  if (device_here) {
+    per_rank = std::max(sat_add(own.peak_device_bytes, stage), sat_add(flat, master));
+    if (cfg.kind == DeviceKind::kCpu) {
+      const std::uint64_t rerun = own.peak_device_bytes - std::min(own.peak_device_bytes, model_bytes);
+      per_rank = std::max(per_rank, sat_add(sat_add(sat_mul(2, flat), rerun), stage));
+    }
+  } else if (cfg.verify) {
+    per_rank = sat_add(flat, master);  // copied back to the host to be checked
+  }
+  per_rank = std::max(per_rank, stage);
+  const std::uint64_t ranks_here = cfg.comm == "local" ? cfg.options.dp : cfg.local_ranks;
+  const std::uint64_t need = sat_mul(per_rank, ranks_here);
+  if (need == 0) return "";
+  const ProbeResult machine = probe_host(system_host_sources(1));
+  const std::uint64_t margin = default_margin(machine.total_bytes);
+  const std::uint64_t usable = machine.free_bytes > margin ? machine.free_bytes - margin : 0;
+  if (!machine.available || need <= usable) return "";
+  return "this run needs " + format_bytes(need) + " of this machine's memory (" +
+         std::to_string(ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +
+         " for the " + std::string(tier_name(chosen->tier)) +
+         " tier's peak, its host stage and the rehearsal's own buffers), and " +
+         format_bytes(usable) + " is usable here (" + format_bytes(machine.free_bytes) +
+         " free from " + machine.used + ", less a " + format_bytes(margin) +
+         " margin). Nothing was allocated. Try --layers or --experts to scale the model down, "
+         "or --device sim:SIZE --no-data to rehearse it.";
+}
+
+RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* control,
+                    Progress& progress) {
+  RankResult res;
+  const DType dtype = cfg.options.dtype;
+  const std::uint64_t es = element_size(dtype);
+  const std::uint64_t model_bytes = cfg.model.numel() * es;
+  const std::uint64_t flat_bytes = Layout::compute(cfg.model.numels(), cfg.options).flat_bytes();
+
+  std::unique_ptr<Device> device = make_device(cfg.device_spec, device_options(cfg));
+  std::unique_ptr<Communicator> nccl;
+  Communicator* comm = control;
+  if (cfg.comm == "nccl") {
+    nccl = make_nccl_communicator(*control, *device, cfg.timeout);
+    comm = nccl.get();
+  }
+
+  // --- the originals, filled with the pattern --------------------------------------------------
+  progress.begin("materialize " + format_bytes(model_bytes) + " on " + device->name(), model_bytes);
+  Originals originals(*device);
+  std::vector<TensorRef> params;
+  params.reserve(cfg.model.tensors.size());
+  for (std::size_t i = 0; i < cfg.model.tensors.size(); ++i) {
+    const TensorSpec& t = cfg.model.tensors[i];
+    originals.add(t.numel * es);
+    params.push_back(TensorRef{originals.data(i), t.numel, t.shape, dtype, device.get()});
+  }
+  fill_pattern_tensors(*device, params, cfg.threads,
+                       [&](std::uint64_t n) { progress.advance(n); });
+  progress.end();
+  if (control != nullptr) control->barrier();  // every rank has materialized before the probe
+
+  // --- the front door: probe, agree, plan, check, execute, master -----------------------------
+  FlattenOptions fo;
+  fo.layout = cfg.options;
+  fo.tier = cfg.forced;
+  fo.margin_bytes = cfg.margin;
+  fo.check_values = cfg.check_values;
+  fo.probe.local_ranks = cfg.local_ranks;
+  fo.must_match = "model " + cfg.model.name + " (" + std::to_string(cfg.model.tensors.size()) +
+                  " tensors), device " + cfg.device_spec + ", comm " + cfg.comm + ", repeat " +
+                  std::to_string(cfg.repeat) + (cfg.no_data ? ", no data" : "");
+  if (rank == cfg.fault_rank) fo.execute.fault_step = cfg.fault_step;
+  progress.begin("flatten " + format_bytes(flat_bytes), 0);
+  FlattenResult fr = flatten_param_group(params, *device, comm, fo, [&] { originals.release(); });
+  progress.end();
+  res.plan = Json::parse(plan_json(fr.plan, fr.input));
+  if (!fr.feasible()) {
+    res.exit = kExitInfeasible;
+    res.message = "no feasible plan: " + fr.plan.reason + ". Nothing was moved.";
+    return res;
+  }
+  const Candidate& chosen = *fr.plan.chosen_candidate();
+  Execution& ex = fr.execution;
+  if (ex.outcome != Outcome::kDone) res.exit = kExitExecFailed;
+
+  Json& e = res.entry;
+  e["rank"] = rank;
+  e["tier"] = std::string(tier_name(chosen.tier));
+  e["outcome"] = std::string(outcome_name(ex.outcome));
+  e["threads"] = cfg.threads;
+  e["seconds"] = ex.seconds;
+  e["end_to_end_gbps"] = gbps(flat_bytes, ex.seconds);
+  e["flatten_gbps"] = Json();
+  e["predicted_peak_device_bytes"] = fr.predicted_peak_device_bytes;
+  e["measured_peak_device_bytes"] = ex.measured_peak_device_bytes;
+  e["predicted_host_bytes"] = chosen.profile.peak_host_bytes;
+  e["host_bytes"] = ex.measured_peak_host_bytes;
+  Json step_seconds = Json::array();
+  for (double s : ex.step_seconds) step_seconds.push_back(s);
+  e["step_seconds"] = std::move(step_seconds);
+  if (fr.value_check.bytes_hashed > 0) {
+    e["value_check_seconds"] = fr.value_check.seconds;
+    e["value_check_bytes"] = fr.value_check.bytes_hashed;
+  }
+  if (!ex.error.empty()) {
+    e["error"] = ex.error;
+    e["failed_step"] = ex.failed_step ? Json(*ex.failed_step) : Json();
+    e["failed_rank"] = ex.failed_rank;
+  }
+  // Every parameter, wherever it points now, against the pattern it was filled with (checked
+  // last, after anything that could have touched the data).
+  auto originals_intact = [&] {
+    e["originals_intact"] =
+        device->keeps_data() ? Json(tensors_hold_pattern(*device, params, cfg.threads)) : Json();
+  };
+  if (!fr.complete()) {
+    originals_intact();
+    e["verified"] = false;
+    e["checksum"] = Json();
+    return res;
+  }
+  FlatGroup& group = ex.group;
+
+  // --- timing rounds (cpu): the copy alone and the whole tier again, against memcpy ---------
+  if (cfg.kind == DeviceKind::kCpu && ex.outcome == Outcome::kDone) {
+    if (control != nullptr) control->barrier();  // the ranks contend for the cores together
+    progress.begin("time against memcpy (" + std::to_string(cfg.repeat) + " rounds)", 0);
+    const Timing t = time_rounds(*device, group, chosen.steps, rank, comm, cfg.repeat, ex.seconds);
+    progress.end();
+    e["flatten_gbps"] = gbps(flat_bytes, t.copy_only);
+    e["end_to_end_gbps"] = gbps(flat_bytes, t.end_to_end);
+    e["memcpy_gbps"] = gbps(flat_bytes, t.memcpy);
+    e["fresh_memcpy_gbps"] = gbps(flat_bytes, t.fresh_memcpy);
+    res.memcpy_gbps = gbps(flat_bytes, t.memcpy);
+    res.fresh_memcpy_gbps = gbps(flat_bytes, t.fresh_memcpy);
+  }
+
+  if (cfg.corrupt) corrupt_byte(*device, group.flat.data(), *cfg.corrupt);
+  e["master_bytes"] = fr.master ? Json(fr.master.num_bytes()) : Json();
+  if (!fr.master_error.empty()) e["master_error"] = fr.master_error;
+  originals_intact();
+
+  if (!device->keeps_data()) {
+    e["verified"] = false;
+    e["verify"] = "no data to verify (--no-data)";
+    e["checksum"] = Json();
+    return res;
+  }
+  if (cfg.verify) {
+    progress.begin("verify " + format_bytes(flat_bytes), flat_bytes);
+    const std::string failure =
+        verify_flat_group(*device, group, fr.master, rank, cfg.threads,
+                          [&](std::uint64_t n) { progress.advance(n); });
+    progress.end();
+    e["verified"] = failure.empty();
+    if (!failure.empty()) {
+      e["verify_error"] = failure;
+      if (res.exit == kExitOk) res.exit = kExitOther;
+    }
+  } else {
+    e["verified"] = false;
+    e["verify"] = "not requested";
+  }
+  progress.begin("checksum", 0);
+  e["checksum"] = checksum_hex(device->checksum(group.flat.data(), flat_bytes));
+  progress.end();
+  return res;
+}
+
+}  // namespace zeroflat::cli
