@@ -1,10 +1,13 @@
 // The zeroflat command: exit codes, messages, JSON documents, layout vectors through the CLI,
 // and `run` giving the same verified checksum with any thread count.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -94,7 +97,7 @@ TEST(Cli, LayoutBadInputExits2WithTheValueNamed) {
       {"layout --model nope", "'nope'"},
       {"layout --numels 18446744073709551615,1", "overflows"},
       {"layout --numels 99999999999999999999", "does not fit"},
-      {"layout --numels @/nonexistent/file", "cannot read"},
+      {"layout --numels @/nonexistent/file", "cannot open"},
       {"layout --numels @" + bad_file, "'-3'"},
       {"layout --numels @" + bad_json, "2.5"},
       {"layout --dp 2", "--numels or --model"},
@@ -513,9 +516,14 @@ TEST(CliLayout, EmptyItemsAndOddFiles) {
                                      "\xEF\xBB\xBF"
                                      "5\n7\n");
   EXPECT_EQ(run("layout --numels @" + bom).code, 0);
-  Result zero = run("layout --numels @/dev/zero");
+  Result zero = run("layout --numels @/dev/zero");  // a device, never read
   EXPECT_EQ(zero.code, 2);
-  EXPECT_NE(zero.err.find("larger than"), std::string::npos) << zero.err;
+  EXPECT_NE(zero.err.find("not a regular file"), std::string::npos) << zero.err;
+  const std::string huge = write_temp("huge.txt", "");
+  ASSERT_EQ(truncate(huge.c_str(), (std::int64_t{256} << 20) + 1), 0);  // sparse: 256 MiB + 1
+  Result large = run("layout --numels @" + huge);
+  EXPECT_EQ(large.code, 2);
+  EXPECT_NE(large.err.find("too large"), std::string::npos) << large.err;
   const std::string big = write_temp("big.json", "[18446744073709551616]");
   Result b = run("layout --numels @" + big);
   EXPECT_EQ(b.code, 2);
@@ -579,5 +587,148 @@ TEST(CliProbe, SimDevicesReportTheirAccounting) {
   EXPECT_EQ(doc["used"], "sim accounting");
   EXPECT_EQ(doc["total_bytes"], std::uint64_t{81559} << 20);
 }
+
+}  // namespace
+
+namespace {
+
+// Hostile and careless input, each refused where it enters: the same way on every path.
+TEST(CliHostile, NumelsFilesAreBoundedAndNeverBlock) {
+  const std::string deep = write_temp("deep.json", std::string(100000, '[') + "1");
+  Result r = run("layout --numels @" + deep);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("nested deeper"), std::string::npos) << r.err;
+  const std::string fifo = ::testing::TempDir() + std::to_string(getpid()) + ".fifo";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  Result f = run("layout --numels @" + fifo);  // nobody writes it: must not wait
+  EXPECT_EQ(f.code, 2);
+  EXPECT_NE(f.err.find("not a regular file"), std::string::npos) << f.err;
+  std::remove(fifo.c_str());
+  EXPECT_EQ(run("layout --numels @/dev/zero").code, 2);
+  EXPECT_EQ(run("layout --numels @/nonexistent").code, 2);
+}
+
+TEST(CliHostile, LayoutDocumentsAreBounded) {
+  Result huge = run("layout --numels 5,7,3 --dp 4294967296 --json");
+  EXPECT_EQ(huge.code, 2);
+  EXPECT_LT(huge.out.size(), 100u);
+  EXPECT_NE(huge.err.find("1 to 1048576"), std::string::npos) << huge.err;
+  // 65,536 ranks x 18,867 tensors: too many entries for one document; one rank's is fine.
+  const std::string model = "layout --model qwen3-30b-a3b --dp 65536 --json";
+  Result all = run(model);
+  EXPECT_EQ(all.code, 2);
+  EXPECT_TRUE(all.out.empty());
+  EXPECT_NE(all.err.find("--rank"), std::string::npos) << all.err;
+  Result one = run(model + " --rank 65535");
+  ASSERT_EQ(one.code, 0) << one.err;
+  json doc = json::parse(one.out);
+  ASSERT_EQ(doc["ranks"].size(), 1u);
+  EXPECT_EQ(doc["ranks"][0]["rank"], 65535);
+  EXPECT_EQ(run("layout --numels 5,7,3 --dp 4 --rank 4").code, 2);
+}
+
+TEST(CliHostile, MessagesNeverEchoAHugeArgument) {
+  const std::string big(100000, 'x');
+  for (const std::string& args : {"layout --numels " + big, "run --model " + big,
+                                  "plan --model tiny-moe --dp 1 --device " + big,
+                                  "layout --numels 5 --" + big, "run --dtype " + big}) {
+    Result r = run(args);
+    EXPECT_EQ(r.code, 2) << args.substr(0, 30);
+    EXPECT_LT(r.err.size(), 2000u) << args.substr(0, 30) << ": " << r.err.substr(0, 200);
+  }
+}
+
+TEST(CliHostile, InspectPrintsNamesFromFilesAsPrintableText) {
+  const std::string header = std::string(R"({"evil\u001b[31mred\u0007": {"dtype": "BF16",)") +
+                             R"( "shape": [2], "data_offsets": [0, 4]}})";
+  const std::string path = write_temp("ansi.safetensors", safetensors_file(header, 4));
+  Result r = run("inspect " + path);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('\x07'), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("evil?[31mred?"), std::string::npos) << r.out;
+  // The JSON document keeps the exact name (escaped by JSON itself).
+  EXPECT_EQ(json::parse(run("inspect " + path + " --json").out)["largest"][0]["name"],
+            "evil\x1b[31mred\x07");
+}
+
+TEST(CliHostile, AConfigWhoseSizesOverflowIsRefused) {
+  const std::string cfg = write_temp(
+      "overflow.json",
+      R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 1048576,
+          "num_hidden_layers": 3000, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+          "head_dim": 1024, "intermediate_size": 1048576, "moe_intermediate_size": 1048576,
+          "num_experts": 1000, "vocab_size": 1048576, "torch_dtype": "float32"})");
+  Result r = run("inspect " + cfg);  // 9 million tensors of 2^40 elements: no wrapped sums
+  EXPECT_EQ(r.code, 2);
+  EXPECT_TRUE(r.out.empty()) << r.out.substr(0, 200);
+  EXPECT_NE(r.err.find("64 bits"), std::string::npos) << r.err;
+}
+
+// A long mlp_only_layers list is parsed and applied in time linear in the input: four times the
+// layers and four times the list take about four times as long (layers x list would take 16).
+TEST(CliHostile, LongMlpOnlyLayersListsParseInLinearTime) {
+  auto config = [](int layers, int listed) {
+    std::string list;
+    for (int i = 0; i < listed; ++i) list += (i ? "," : "") + std::to_string(i % layers);
+    return write_temp("mlp_only_" + std::to_string(layers) + ".json",
+                      R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 8,
+                          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+                          "intermediate_size": 8, "moe_intermediate_size": 4, "num_experts": 1,
+                          "vocab_size": 16, "num_hidden_layers": )" +
+                          std::to_string(layers) + R"(, "mlp_only_layers": [)" + list + "]}");
+  };
+  const std::string small = config(5000, 500000);
+  const std::string large = config(20000, 2000000);
+  auto best_of_three = [](const std::string& path) {
+    double best = 1e9;
+    for (int i = 0; i < 3; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      Result r = run("inspect " + path + " --json");
+      EXPECT_EQ(r.code, 0) << r.err;
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                                .count());
+    }
+    return best;
+  };
+  const double ratio = best_of_three(large) / best_of_three(small);
+  EXPECT_LT(ratio, 8.0) << "4x the input took " << ratio << "x as long";
+}
+
+TEST(CliHostile, AMalformedLocalRankCountIsAnErrorEverywhere) {
+  for (const char* cmd : {"probe", "run --model tiny-moe --quiet", "plan --model tiny-moe "
+                                                                   "--dp 1 --device 1GiB"}) {
+    Result r = run(cmd, "ZEROFLAT_LOCAL_RANKS=two");
+    if (std::string(cmd) == "plan --model tiny-moe --dp 1 --device 1GiB") {
+      EXPECT_EQ(r.code, 0);  // plan describes a node by hand: it reads no launcher variable
+      continue;
+    }
+    EXPECT_EQ(r.code, 2) << cmd << ": " << r.err;
+    EXPECT_NE(r.err.find("ZEROFLAT_LOCAL_RANKS"), std::string::npos) << r.err;
+  }
+}
+
+TEST(CliHostile, ACorruptedBufferIsNeverASuccessEvenUnverified) {
+  Result r = run("run --model tiny-moe --repeat 1 --quiet --json --inject-corruption 1001");
+  EXPECT_EQ(r.code, 1) << r.err;
+  json doc = json::parse(r.out);
+  EXPECT_EQ(doc["ranks"][0]["originals_intact"], false);
+  EXPECT_EQ(doc["ranks"][0]["verified"], false);
+}
+
+#if !defined(__SANITIZE_ADDRESS__)
+// A process whose threads the system refuses (an address-space limit here; a process limit in
+// containers): exit 1 with the reason, after the threads already started are joined: never a
+// hang, never an abort. (AddressSanitizer needs more address space than this limit leaves.)
+TEST(CliHostile, ThreadsTheSystemRefusesAreAnErrorNotAHangOrAnAbort) {
+  for (const std::string& args : {"run --model tiny-moe --threads 1024 --quiet",
+                                  "run --model tiny-moe --dp 200 --threads 8 --quiet"}) {
+    Result r = run(args, "", "ulimit -v 2000000; timeout 120");
+    EXPECT_EQ(r.code, 1) << args << ": " << r.err;
+    EXPECT_NE(r.err.find("cannot start"), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("terminate called"), std::string::npos) << r.err;
+  }
+}
+#endif
 
 }  // namespace

@@ -126,5 +126,19 @@ TEST(LocalComm, MismatchedCallsAndBadRanksAreErrors) {
   EXPECT_EQ(g.rank(1)->name(), "local");
 }
 
+// Ranks that pass different byte counts to the all-gather: every rank refuses before anyone
+// copies (a shorter peer's buffer would be read past its end).
+TEST(LocalComm, AllGatherChecksEveryRanksByteCountFirst) {
+  auto cpu = make_device("cpu", DeviceOptions{1});
+  auto errors = on_ranks(3, 10s, [&](Communicator& c) {
+    const std::uint64_t slice = c.rank() == 2 ? 16 : 8;
+    std::vector<unsigned char> buf(slice * 3, static_cast<unsigned char>(c.rank()));
+    c.all_gather_inplace(buf.data(), slice, *cpu);
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("slices of 8 to 16 bytes"), std::string::npos) << e;
+  }
+}
+
 }  // namespace
 }  // namespace zeroflat

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <system_error>
 #include <vector>
 
 #include "common/thread_pool.h"
@@ -152,6 +153,36 @@ TEST(ThreadPool, RunsEveryMemberAndPropagatesErrors) {
     pool.run([&](unsigned t) { hits[t]++; });  // still usable
     EXPECT_EQ(hits[0].load(), 51);
   }
+}
+
+// A system that refuses a thread (a process or memory limit): the team that could not be formed
+// is an error, after the threads already started are stopped and joined (no hang, no abort).
+TEST(ThreadPool, AThreadTheSystemRefusesIsResourceExhausted) {
+  for (unsigned refused : {1u, 3u, 7u}) {
+    detail::set_thread_start_hook([&](unsigned index) {
+      if (index == refused) {
+        throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again));
+      }
+    });
+    try {
+      detail::ThreadPool pool(8);
+      FAIL() << "formed a team of 8 although thread " << refused << " was refused";
+    } catch (const ResourceExhausted& e) {
+      EXPECT_NE(std::string(e.what()).find("thread " + std::to_string(refused + 1) + " of 8"),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("--threads"), std::string::npos);
+    }
+    detail::set_thread_start_hook({});
+  }
+  detail::ThreadPool fine(8);  // the hook is gone: the same team forms
+  EXPECT_EQ(fine.size(), 8u);
+  // A device is a team too: its construction says the same.
+  detail::set_thread_start_hook([](unsigned i) {
+    if (i == 2) throw std::system_error(std::make_error_code(std::errc::not_enough_memory));
+  });
+  EXPECT_THROW((void)make_device("cpu", DeviceOptions{4}), ResourceExhausted);
+  detail::set_thread_start_hook({});
 }
 
 TEST(ThreadPool, SplitRangeTilesWithGrain) {

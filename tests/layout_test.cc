@@ -119,9 +119,12 @@ TEST(LayoutBadInput, RejectedWithTheValueNamed) {
   // Elements fit, bytes do not.
   EXPECT_NE(msg({UINT64_MAX / 2 + 10}, {}).find("bytes overflows"), std::string::npos);
   LayoutOptions huge;
-  huge.dp = UINT64_MAX / 2;
-  huge.alignment_factor = 4;
+  huge.dp = kMaxDp;
+  huge.alignment_factor = UINT64_MAX / 4;
   EXPECT_NE(msg({1}, huge).find("overflows"), std::string::npos);
+  huge.alignment_factor = 2;
+  huge.dp = kMaxDp + 1;  // more ranks than any group has: refused, not laid out
+  EXPECT_NE(msg({1}, huge).find("1 to 1048576"), std::string::npos);
   EXPECT_THROW((void)Layout::compute(std::vector<std::uint64_t>{1}, {}).rank(1), InvalidArgument);
 }
 

@@ -4,6 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
 #include <string>
 
 #include "cli_run.h"
@@ -96,6 +100,71 @@ TEST(MpiRun, DpMustMatchTheLauncher) {
   Result r = run("run --model tiny-moe --comm mpi --dp 4", kRoot, mpirun(2));
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.err.find("mpirun started 2 ranks"), std::string::npos) << r.err;
+}
+
+// Processes launched with different options (MPMD: one command line per rank) agree before
+// anything moves: every rank refuses (exit 2), none reports done.
+TEST(MpiRun, RanksLaunchedWithDifferentOptionsAllRefuse) {
+  const std::string cli = ZEROFLAT_CLI_PATH;
+  const std::string base = " run --model tiny-moe --comm mpi --tier sharded --quiet";
+  for (const std::string& other : {std::string(" --round-robin"), std::string(" --dtype fp32"),
+                                   std::string(" --layers 2")}) {
+    // mpirun -np 1 zeroflat run ... OTHER : -np 1 zeroflat run ...
+    Result r = run(base.substr(1) + other + " : -np 1 " + cli + base, kRoot,
+                   std::string(ZEROFLAT_MPIEXEC) + " --oversubscribe -np 1");
+    EXPECT_EQ(r.code, 2) << other;
+    EXPECT_EQ(r.out.find("done"), std::string::npos) << other << "\n" << r.out;
+    EXPECT_NE(r.err.find("differ"), std::string::npos) << other << "\n" << r.err;
+  }
+}
+
+// A rank killed (SIGKILL) as any step of any tier starts: the others end within --timeout, each
+// with exit 4 and a report of what it holds (rolled back, recovered, or the layout bytes it kept).
+// OpenMPI ends the whole job when a process dies unless told otherwise; a job that wants its
+// survivors to report says so (orte_abort_on_non_zero_status 0, orte_enable_recovery 1).
+TEST(MpiRun, ARankKilledAtAnyStepLeavesTheOthersReportingWithinTheTimeout) {
+  const std::string launcher = std::string(ZEROFLAT_MPIEXEC) +
+                               " -n 3 --oversubscribe --mca orte_abort_on_non_zero_status 0"
+                               " --mca orte_enable_recovery 1 sh -c '";
+  for (const char* tier : {"device", "sharded", "staged", "host"}) {
+    const std::string base = std::string("run --model tiny-moe --comm mpi") +
+                             " --device sim:64MB --timeout 1 --tier " + tier;
+    const std::size_t steps = run_json(base, 0, mpirun(3))["plan"]["steps"].size();
+    for (std::size_t k = 0; k < steps; ++k) {
+      SCOPED_TRACE(std::string(tier) + " step " + std::to_string(k));
+      const auto t0 = std::chrono::steady_clock::now();
+      // Each process writes its own document (stdout of several processes interleaves).
+      const std::string out = ::testing::TempDir() + "crash." + std::to_string(getpid()) + ".";
+      Result r = run(base + " --quiet --json --inject-crash " + std::to_string(k) + "@1 > " +
+                         out + "$OMPI_COMM_WORLD_RANK.json; echo exit=$? >&2'",
+                     kRoot, launcher);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      EXPECT_LT(seconds, 30.0);
+      for (int rank : {0, 2}) {
+        std::ifstream in(out + std::to_string(rank) + ".json");
+        const std::string text((std::istreambuf_iterator<char>(in)),
+                               std::istreambuf_iterator<char>());
+        std::remove((out + std::to_string(rank) + ".json").c_str());
+        ASSERT_FALSE(text.empty()) << "rank " << rank << " said nothing\n" << r.err;
+        const json doc = json::parse(text);
+        ASSERT_EQ(doc["ranks"].size(), 1u);
+        const json& e = doc["ranks"][0];
+        EXPECT_EQ(e["rank"], rank);
+        EXPECT_FALSE(e.value("error", std::string()).empty()) << e.dump();
+        if (e["outcome"] == "rolled back") EXPECT_EQ(e["originals_intact"], true);
+        if (e["outcome"] == "lost") {
+          EXPECT_NE(e["error"].get<std::string>().find("this rank held layout bytes"),
+                    std::string::npos);
+        }
+      }
+      std::size_t exits = 0;
+      for (std::size_t at = 0; (at = r.err.find("exit=4", at)) != std::string::npos; at += 6) {
+        ++exits;
+      }
+      EXPECT_EQ(exits, 2u) << r.err;
+    }
+  }
 }
 
 }  // namespace

@@ -31,6 +31,13 @@ class Unsupported : public Error {
   using Error::Error;
 };
 
+// The system refused a resource zeroflat needs that is not device memory: a host thread (a
+// process or memory limit), a file descriptor. Whatever had been started was stopped first.
+class ResourceExhausted : public Error {
+ public:
+  using Error::Error;
+};
+
 // A collective failed or timed out, or a peer rank disappeared.
 class CommError : public Error {
  public:

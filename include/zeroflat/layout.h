@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -15,8 +16,13 @@
 
 namespace zeroflat {
 
+// The most ranks a group may be laid out for.
+inline constexpr std::uint64_t kMaxDp = std::uint64_t{1} << 20;
+// The most parameter entries (params in and not in each partition) one JSON document lists.
+inline constexpr std::uint64_t kMaxJsonEntries = 100'000'000;
+
 struct LayoutOptions {
-  // Size of the data-parallel group that shares this parameter group. Must be >= 1.
+  // Size of the data-parallel group that shares this parameter group: 1 to kMaxDp.
   std::uint64_t dp = 1;
   // DeepSpeed's nccl_start_alignment_factor: the flat buffer is padded to a multiple of
   // alignment_factor * dp elements. Must be >= 1.
@@ -91,8 +97,10 @@ class Layout {
   // `zeroflat layout --json`'s document (see docs/cli.md), with every rank, on one line.
   std::string to_json() const;
   // The same document written rank by rank, so that memory stays O(num_params) however large
-  // dp is.
-  void write_json(std::ostream& out) const;
+  // dp is; with only_rank, "ranks" holds that rank alone. Every rank's entry lists every
+  // parameter (in or not in its partition), so a document of all ranks holds dp x num_params
+  // entries: more than kMaxJsonEntries is InvalidArgument, before anything is written.
+  void write_json(std::ostream& out, std::optional<std::uint64_t> only_rank = std::nullopt) const;
 
  private:
   LayoutOptions options_;

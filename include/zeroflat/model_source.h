@@ -56,6 +56,19 @@ TransformerConfig parse_hf_config(std::string_view text, const std::string& sour
 // config models; a checkpoint's tensors are taken as they are (overrides are refused).
 ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& overrides = {});
 
+// The most element counts a list may hold, and the largest file of them zeroflat reads.
+inline constexpr std::uint64_t kMaxNumels = 10'000'000;
+inline constexpr std::uint64_t kMaxNumelsFileBytes = std::uint64_t{256} << 20;
+
+// Element counts from "5,7,3" (commas and/or white space) or "@FILE" (a regular file of one
+// integer per line, or a flat JSON list). Parsing is linear in the input; at most kMaxNumels
+// items. Throws InvalidArgument naming the bad item or file.
+std::vector<std::uint64_t> parse_numels(std::string_view text);
+// The contents of such a file (one integer per line, or a flat JSON list); `source` names it in
+// errors.
+std::vector<std::uint64_t> parse_numels_file_text(std::string_view content,
+                                                  const std::string& source);
+
 // What `zeroflat inspect` reports about a path.
 struct TensorInfo {
   std::string name;

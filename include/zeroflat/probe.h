@@ -120,8 +120,13 @@ struct CudaProbeSources {
 };
 
 // This machine: the CUDA runtime and NVML, both loaded with dlopen (zeroflat builds and runs
-// where neither exists).
+// where neither exists), once per process; CUDA_VISIBLE_DEVICES as it is now.
 CudaProbeSources system_cuda_sources();
+// The same sources from the first library of each list that loads (paths or sonames): a test's
+// stub library, or an unusual install. A library that does not load, or lacks an entry point,
+// makes its source answer with that error.
+CudaProbeSources cuda_sources_from(const std::vector<std::string>& cuda_runtime,
+                                   const std::vector<std::string>& nvml);
 
 // Free device memory: NVML (whole device, other processes included) unless the device is a MIG
 // slice or NVML cannot answer; then cudaMemGetInfo; then total - what this process holds.

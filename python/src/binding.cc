@@ -302,6 +302,7 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zeroflat engine for PyTorch (use the zeroflat package, not this module)";
+  py::register_exception<zf::ResourceExhausted>(m, "ResourceExhausted", PyExc_RuntimeError);
   // Library errors become Python exceptions of the matching kind.
   py::register_exception_translator([](std::exception_ptr p) {
     try {

@@ -4,6 +4,7 @@ training through the views; ranks that disagree on shapes; a failure on one rank
 
 import copy
 import os
+import time
 import socket
 import sys
 
@@ -83,6 +84,46 @@ def check_failure_on_one_rank(rank, world, group):
             assert torch.equal(p, v), f"rank {rank} step {step}"
 
 
+def check_errors_reach_every_rank_at_once(rank, world, group):
+    """An error on one rank (its own bad group, an option only it passes) is an error on every
+    rank at the same point, without anyone waiting for the process group's timeout."""
+    t0 = time.monotonic()
+    model = tiny_model()
+    snap = [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+    params = list(model.parameters())
+    if rank == 1:
+        params[1] = params[1].detach().t().requires_grad_()  # not contiguous: this rank refuses
+    with pytest.raises(ValueError, match="not contiguous" if rank == 1 else "rank 1 refused"):
+        zeroflat.flatten_param_group(params, group)
+    with pytest.raises(ValueError, match="different options"):
+        zeroflat.flatten_param_group(model.parameters(), group,
+                                     margin_bytes=1 << 20 if rank == 0 else 2 << 20)
+    with pytest.raises(TypeError if rank == 2 else ValueError,
+                       match="round_robin" if rank == 2 else "rank 2 refused"):
+        zeroflat.flatten_param_group(model.parameters(), group,
+                                     round_robin="no" if rank == 2 else False)
+    for p, (ptr, v) in zip(model.parameters(), snap):
+        assert p.data_ptr() == ptr and torch.equal(p, v)
+    assert time.monotonic() - t0 < 60
+
+
+def check_values_before_slices_change_hands(rank, world, group):
+    """Ranks holding different values would each end with the owners' values under the
+    sharded tier: refused on every rank, unless the caller turns the check off."""
+    model = tiny_model(seed=rank)  # different values on every rank
+    values = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="different values"):
+        zeroflat.flatten_param_group(model.parameters(), group, tier="sharded")
+    for p, v in zip(model.parameters(), values):
+        assert torch.equal(p, v)
+    fg = zeroflat.flatten_param_group(model.parameters(), group, tier="sharded",
+                                      check_values=False)
+    assert "value_check_seconds" not in fg.report
+    same = tiny_model(seed=0)
+    fg = zeroflat.flatten_param_group(same.parameters(), group, tier="sharded")
+    assert fg.report["value_check_seconds"] >= 0 and fg.report["value_check_bytes"] > 0
+
+
 def worker(rank, world, port):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -94,6 +135,9 @@ def worker(rank, world, port):
         check_training(rank, world, group)
         check_disagreement(rank, world, group)
         check_failure_on_one_rank(rank, world, group)
+        if world == 3:
+            check_errors_reach_every_rank_at_once(rank, world, group)
+        check_values_before_slices_change_hands(rank, world, group)
         dist.barrier()
     finally:
         dist.destroy_process_group()

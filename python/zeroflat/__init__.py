@@ -25,8 +25,12 @@ from . import _C
 
 __version__ = _C.__version__
 
+ResourceExhausted = _C.ResourceExhausted
+"""The system refused a host thread (a process or memory limit): ask for fewer ``threads``."""
+
 __all__ = [
     "ExecutionError",
+    "ResourceExhausted",
     "FlatGroup",
     "NoFeasiblePlan",
     "flatten_param_group",
@@ -186,6 +190,11 @@ class _TorchComm:
 
     def all_gather_inplace(self, ptr: int, slice_bytes: int) -> None:
         self._check()
+        # Every rank's byte count before anything is copied: a shorter peer would be overrun.
+        most, least = self.all_reduce([slice_bytes, _U64_MAX - slice_bytes], "max")
+        if most != _U64_MAX - least:
+            raise ValueError(f"the ranks passed all-gather slices of {_U64_MAX - least} to "
+                             f"{most} bytes; nothing was copied")
         buf = self.device.tensor(ptr)[: slice_bytes * self.size]
         mine = buf[self.rank * slice_bytes: (self.rank + 1) * slice_bytes]
         try:

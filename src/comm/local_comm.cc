@@ -20,6 +20,7 @@ struct LocalGroup::State {
   std::vector<bool> arrived;
   // Exchange slots, one per rank, valid between the two barriers of a collective.
   std::vector<void*> buffers;
+  std::vector<std::uint64_t> slice_bytes;  // each rank's all-gather slice, 0 when it keeps no data
   std::vector<std::vector<std::uint64_t>> values;
   // Failure: set once, seen by everyone.
   bool failed = false;
@@ -74,7 +75,18 @@ class LocalCommunicator final : public Communicator {
     State& s = *state_;
     std::unique_lock<std::mutex> lock(s.mutex);
     s.buffers[static_cast<std::size_t>(rank_)] = buffer;
+    s.slice_bytes[static_cast<std::size_t>(rank_)] = device.keeps_data() ? slice_bytes : 0;
     s.meet(lock, rank_, "all-gather");
+    // Every rank's byte count, before anyone copies: a peer with a shorter buffer would be read
+    // past its end. Every rank sees the same counts, so all refuse together.
+    const auto [lo, hi] = std::minmax_element(s.slice_bytes.begin(), s.slice_bytes.end());
+    if (*lo != *hi) {
+      throw InvalidArgument("local all-gather: the ranks passed slices of " + std::to_string(*lo) +
+                            " to " + std::to_string(*hi) + " bytes (this rank " +
+                            std::to_string(rank_) + ": " +
+                            std::to_string(s.slice_bytes[static_cast<std::size_t>(rank_)]) +
+                            "); nothing was copied");
+    }
     // Every buffer is registered; read the peers' slices into this rank's buffer. Nobody writes
     // a slice it does not own, so the copies need no lock.
     std::vector<void*> peers = s.buffers;
@@ -151,6 +163,7 @@ LocalGroup::LocalGroup(int size, std::chrono::milliseconds timeout)
   state_->timeout = timeout;
   state_->arrived.assign(static_cast<std::size_t>(size), false);
   state_->buffers.assign(static_cast<std::size_t>(size), nullptr);
+  state_->slice_bytes.assign(static_cast<std::size_t>(size), 0);
   state_->values.resize(static_cast<std::size_t>(size));
 }
 

@@ -10,6 +10,7 @@
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
@@ -35,7 +36,12 @@ std::string mpi_error_text(int code) {
   return std::string(text, static_cast<std::size_t>(len));
 }
 
-// MPI is initialized once per process and finalized at exit (if this code initialized it).
+// Set once a collective has failed: a peer is gone or stuck, and MPI_Finalize, which waits for
+// every rank, would never return. The process then exits without it.
+std::atomic<bool> g_broken{false};
+
+// MPI is initialized once per process and finalized at exit (if this code initialized it and
+// the job is whole).
 void ensure_mpi() {
   static std::once_flag once;
   static std::string failure;
@@ -54,7 +60,7 @@ void ensure_mpi() {
     std::atexit([] {
       int finalized = 0;
       MPI_Finalized(&finalized);
-      if (!finalized) MPI_Finalize();
+      if (!finalized && !g_broken.load()) MPI_Finalize();
     });
   });
   if (!failure.empty()) throw CommError("mpi: " + failure);
@@ -106,12 +112,19 @@ class MpiCommunicator final : public Communicator {
 
   void all_gather_inplace(void* buffer, std::uint64_t slice_bytes, Device& device) override {
     check_usable();
-    // A device without data (sim, no_data) has nothing to move, but the ranks still meet, so
-    // that timing and failures behave as in a real run.
-    if (!device.keeps_data() || slice_bytes == 0) {
-      barrier();
-      return;
+    // Every rank's byte count, before anyone copies: MPI would read a shorter peer's buffer past
+    // its end. A device without data (sim, no_data) moves nothing but still meets the others,
+    // so that timing and failures behave as in a real run.
+    const std::uint64_t mine = device.keeps_data() ? slice_bytes : 0;
+    std::uint64_t counts[2] = {mine, ~mine};
+    reduce(counts, MPI_MAX);
+    if (counts[0] != ~counts[1]) {
+      throw InvalidArgument("mpi all-gather: the ranks passed slices of " +
+                            std::to_string(~counts[1]) + " to " + std::to_string(counts[0]) +
+                            " bytes (this rank " + std::to_string(rank_) + ": " +
+                            std::to_string(mine) + "); nothing was copied");
     }
+    if (mine == 0) return;
     if (!device.host_accessible()) {
       throw InvalidArgument("mpi: the all-gather moves host memory, and " + device.name() +
                             " memory is not; use the nccl communicator for it");
@@ -137,6 +150,7 @@ class MpiCommunicator final : public Communicator {
   void abort(const std::string& why) noexcept override {
     // MPI cannot tell the others without ending the job; they learn it from their timeout.
     if (failure_.empty()) failure_ = "mpi rank " + std::to_string(rank_) + " aborted: " + why;
+    g_broken = true;
   }
 
  private:
@@ -175,6 +189,7 @@ class MpiCommunicator final : public Communicator {
       if (done) return;
       const auto now = std::chrono::steady_clock::now();
       if (now >= deadline) {
+        g_broken = true;
         failure_ = "mpi rank " + std::to_string(rank_) + ": the " + what + " did not finish in " +
                    std::to_string(timeout_.count()) +
                    " ms: another rank failed or stopped answering";

@@ -122,6 +122,14 @@ class NcclCommunicator final : public Communicator {
                             "': this communicator was made for " + device_.name());
     }
     check_not_aborted();
+    // Every rank's byte count, over the bootstrap, before NCCL reads a peer's buffer.
+    std::uint64_t counts[2] = {slice_bytes, ~slice_bytes};
+    all_reduce_max(counts);
+    if (counts[0] != ~counts[1]) {
+      throw InvalidArgument(where() + "all_gather_inplace: the ranks passed slices of " +
+                            std::to_string(~counts[1]) + " to " + std::to_string(counts[0]) +
+                            " bytes; nothing was copied");
+    }
     if (slice_bytes == 0) return;
     if (buffer == nullptr) {
       throw InvalidArgument(where() + "all_gather_inplace of " + format_bytes(slice_bytes) +

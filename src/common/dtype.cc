@@ -4,6 +4,7 @@
 #include <string>
 
 #include "zeroflat/error.h"
+#include "zeroflat/size.h"
 
 namespace zeroflat {
 
@@ -39,7 +40,7 @@ std::optional<DType> try_parse_dtype(std::string_view text) noexcept {
 
 DType parse_dtype(std::string_view text) {
   if (auto dtype = try_parse_dtype(text)) return *dtype;
-  throw InvalidArgument("unknown dtype '" + std::string(text) + "': expected bf16, fp16 or fp32");
+  throw InvalidArgument("unknown dtype '" + printable(text) + "': expected bf16, fp16 or fp32");
 }
 
 }  // namespace zeroflat

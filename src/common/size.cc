@@ -21,7 +21,7 @@ std::string lower(std::string_view text) {
 
 std::uint64_t parse_u64(std::string_view text, std::string_view what) {
   auto fail = [&](const char* why) {
-    return InvalidArgument(std::string(what) + ": '" + std::string(text) + "' is " + why);
+    return InvalidArgument(std::string(what) + ": '" + printable(text) + "' is " + why);
   };
   if (text.empty()) throw fail("empty; expected a non-negative integer");
   std::uint64_t value = 0;
@@ -37,7 +37,7 @@ std::uint64_t parse_u64(std::string_view text, std::string_view what) {
 
 std::uint64_t parse_size(std::string_view text) {
   auto fail = [&](const std::string& why) {
-    return InvalidArgument("size '" + std::string(text) + "': " + why +
+    return InvalidArgument("size '" + printable(text) + "': " + why +
                            " (expected bytes or a number with a unit such as 512MiB, 80GiB, "
                            "1.5GB)");
   };

@@ -1,20 +1,53 @@
 // The host thread team.
 #include "common/thread_pool.h"
 
+#include <string>
+
+#include "zeroflat/error.h"
+
 namespace zeroflat::detail {
 
 ThreadPool::ThreadPool(unsigned num_threads) : num_threads_(num_threads > 0 ? num_threads : 1) {
   workers_.reserve(num_threads_ - 1);
-  for (unsigned i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i] { worker(i); });
+  for (unsigned i = 1; i < num_threads_; ++i) {
+    try {
+      workers_.emplace_back(start_thread(i, [this, i] { worker(i); }));
+    } catch (const std::exception& e) {
+      // The threads already started are stopped and joined: never a hang, never an abort.
+      stop_all();
+      throw ResourceExhausted("cannot start host thread " + std::to_string(i + 1) + " of " +
+                              std::to_string(num_threads_) + ": " + e.what() +
+                              " (a limit on processes or memory? ask for fewer threads: "
+                              "--threads, ZEROFLAT_NUM_THREADS)");
+    }
+  }
 }
 
 ThreadPool::~ThreadPool() {
+  stop_all();
+}
+
+void ThreadPool::stop_all() noexcept {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   start_cv_.notify_all();
   for (std::thread& t : workers_) t.join();
+  workers_.clear();
+}
+
+namespace {
+std::function<void(unsigned)> g_start_hook;  // testing aid (set_thread_start_hook)
+}  // namespace
+
+void set_thread_start_hook(std::function<void(unsigned)> hook) {
+  g_start_hook = std::move(hook);
+}
+
+std::thread start_thread(unsigned index, std::function<void()> body) {
+  if (g_start_hook) g_start_hook(index);
+  return std::thread(std::move(body));
 }
 
 void ThreadPool::run(const std::function<void(unsigned)>& fn) {

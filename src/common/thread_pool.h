@@ -14,6 +14,8 @@ namespace zeroflat::detail {
 class ThreadPool {
  public:
   // A team of num_threads members: the calling thread of run() plus num_threads - 1 workers.
+  // Throws ResourceExhausted when the system refuses a thread, after stopping and joining the
+  // ones already started.
   explicit ThreadPool(unsigned num_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -28,6 +30,7 @@ class ThreadPool {
 
  private:
   void worker(unsigned index);
+  void stop_all() noexcept;
 
   unsigned num_threads_;
   std::vector<std::thread> workers_;
@@ -40,6 +43,14 @@ class ThreadPool {
   bool stop_ = false;
   std::exception_ptr error_;
 };
+
+// Starts a thread running body (index names it for the testing hook). Throws what
+// std::thread's constructor throws (std::system_error) when the system refuses.
+std::thread start_thread(unsigned index, std::function<void()> body);
+// Testing aid: called with the index before each thread start_thread makes; it may throw to
+// play a system that refuses threads. An empty function removes it. Not thread-safe: set it
+// while no thread is being started.
+void set_thread_start_hook(std::function<void(unsigned)> hook);
 
 // [begin, end) of part `index` when `total` is split into `parts` nearly equal pieces whose
 // boundaries are multiples of `grain` (except the total itself).

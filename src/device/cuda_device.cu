@@ -85,7 +85,7 @@ class Event {
 int parse_cuda_spec(std::string_view spec) {
   if (spec == "cuda") return 0;
   auto bad = [&] {
-    return InvalidArgument("device '" + std::string(spec) +
+    return InvalidArgument("device '" + printable(spec) +
                            "': expected cuda or cuda:N with N a GPU index (0, 1, ...)");
   };
   constexpr std::string_view kPrefix = "cuda:";
@@ -485,7 +485,7 @@ std::unique_ptr<Device> make_cuda_device(std::string_view spec, const DeviceOpti
                       "empty?)");
   }
   if (ordinal >= count) {
-    throw InvalidArgument("device '" + std::string(spec) + "': this process sees " +
+    throw InvalidArgument("device '" + printable(spec) + "': this process sees " +
                           std::to_string(count) + (count == 1 ? " GPU" : " GPUs") +
                           ", cuda:0 to cuda:" + std::to_string(count - 1));
   }

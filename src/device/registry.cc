@@ -24,7 +24,7 @@ struct Registry {
   Registry() {
     factories["cpu"] = [](std::string_view spec, const DeviceOptions& options) {
       if (spec != "cpu") {
-        throw InvalidArgument("device '" + std::string(spec) + "': the cpu device takes no index");
+        throw InvalidArgument("device '" + printable(spec) + "': the cpu device takes no index");
       }
       return std::unique_ptr<Device>(new detail::CpuDevice(options));
     };
@@ -32,7 +32,7 @@ struct Registry {
     factories["sim"] = [](std::string_view spec, const DeviceOptions& options) {
       const auto colon = spec.find(':');
       if (colon == std::string_view::npos || colon + 1 == spec.size()) {
-        throw InvalidArgument("device '" + std::string(spec) +
+        throw InvalidArgument("device '" + printable(spec) +
                               "': a sim device needs a capacity or an accelerator preset, as "
                               "in sim:80GiB or sim:h100-80gb");
       }
@@ -40,7 +40,7 @@ struct Registry {
       const std::optional<DevicePreset> preset = find_preset(what);
       DevicePreset node = preset ? *preset : generic_preset(parse_size(what));
       if (node.capacity_bytes == 0) {
-        throw InvalidArgument("device '" + std::string(spec) + "': the capacity must be positive");
+        throw InvalidArgument("device '" + printable(spec) + "': the capacity must be positive");
       }
       if (options.node_host_bytes) node.host_bytes_per_node = *options.node_host_bytes;
       return std::unique_ptr<Device>(new detail::SimDevice(std::string(spec), node, options));
@@ -79,7 +79,7 @@ std::unique_ptr<Device> make_device(std::string_view spec, const DeviceOptions& 
     if (it != r.factories.end()) factory = it->second;
   }
   if (!factory) {
-    throw InvalidArgument("unknown device '" + std::string(spec) + "': this build knows " +
+    throw InvalidArgument("unknown device '" + printable(spec) + "': this build knows " +
                           join(device_prefixes()));
   }
   return factory(spec, options);

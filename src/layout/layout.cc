@@ -36,8 +36,9 @@ std::uint64_t round_up(std::uint64_t x, std::uint64_t m, const char* what) {
 }  // namespace
 
 void validate(const LayoutOptions& options) {
-  if (options.dp == 0) {
-    throw InvalidArgument("dp = 0: the data-parallel size must be at least 1");
+  if (options.dp == 0 || options.dp > kMaxDp) {
+    throw InvalidArgument("dp = " + std::to_string(options.dp) +
+                          ": the data-parallel size must be 1 to " + std::to_string(kMaxDp));
   }
   if (options.alignment_factor == 0) {
     throw InvalidArgument("alignment factor = 0: it must be at least 1");

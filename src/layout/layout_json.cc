@@ -3,12 +3,24 @@
 #include <ostream>
 #include <sstream>
 
+#include "zeroflat/error.h"
 #include "zeroflat/layout.h"
 
 namespace zeroflat {
 
-void Layout::write_json(std::ostream& out) const {
+void Layout::write_json(std::ostream& out, std::optional<std::uint64_t> only_rank) const {
   using nlohmann::ordered_json;
+  if (only_rank && *only_rank >= options_.dp) {
+    throw InvalidArgument("rank " + std::to_string(*only_rank) + " is outside [0, " +
+                          std::to_string(options_.dp) + ")");
+  }
+  const std::uint64_t per_rank = numels_.size() + 1;
+  if (!only_rank && options_.dp > kMaxJsonEntries / per_rank) {
+    throw InvalidArgument("the document of all " + std::to_string(options_.dp) +
+                          " ranks would list more than " + std::to_string(kMaxJsonEntries) +
+                          " parameter entries (every rank lists every parameter); ask for one "
+                          "rank's");
+  }
   ordered_json head;
   head["dp"] = options_.dp;
   head["alignment"] = alignment_;
@@ -23,7 +35,9 @@ void Layout::write_json(std::ostream& out) const {
   std::string text = head.dump();
   text.pop_back();  // the closing brace: the ranks follow
   out << text << ",\"ranks\":[";
-  for (std::uint64_t r = 0; r < options_.dp; ++r) {
+  const std::uint64_t first = only_rank.value_or(0);
+  const std::uint64_t last = only_rank ? *only_rank + 1 : options_.dp;
+  for (std::uint64_t r = first; r < last; ++r) {
     RankLayout rl = rank(r);
     ordered_json j;
     j["rank"] = rl.rank;
@@ -41,7 +55,7 @@ void Layout::write_json(std::ostream& out) const {
                                    {"numel", f.numel}});
     }
     j["fragments"] = std::move(frags);
-    out << (r > 0 ? "," : "") << j.dump();
+    out << (r > first ? "," : "") << j.dump();
   }
   out << "]}";
 }

@@ -53,12 +53,6 @@ ModelSpec build_transformer(std::string name, const TransformerConfig& c) {
   if (moe && c.decoder_sparse_step == 0) {
     throw InvalidArgument("decoder_sparse_step must be at least 1");
   }
-  auto sparse = [&](std::int64_t l) {
-    const auto ul = static_cast<std::uint64_t>(l);
-    return moe && (ul + 1) % c.decoder_sparse_step == 0 &&
-           std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), ul) ==
-               c.mlp_only_layers.end();
-  };
   // Count before building, so that a hostile config or a typo in --layers cannot make zeroflat
   // build a list of billions of names.
   {
@@ -72,6 +66,16 @@ ModelSpec build_transformer(std::string name, const TransformerConfig& c) {
                             " tensors per model");
     }
   }
+  // The dense layers by index, once: asking the list for every layer would take layers x list
+  // length (a hostile config lists millions).
+  std::vector<bool> mlp_only(c.num_layers, false);
+  for (std::uint64_t l : c.mlp_only_layers) {
+    if (l < c.num_layers) mlp_only[l] = true;
+  }
+  auto sparse = [&](std::int64_t l) {
+    const auto ul = static_cast<std::uint64_t>(l);
+    return moe && (ul + 1) % c.decoder_sparse_step == 0 && !mlp_only[ul];
+  };
   bool any_dense = !moe;
   for (std::int64_t l = 0; l < layers && !any_dense; ++l) any_dense = !sparse(l);
   const std::int64_t ffn = any_dense ? dim(c.intermediate_size, "intermediate_size") : 0;
@@ -200,7 +204,7 @@ std::optional<TransformerConfig> catalog_config(std::string_view name) {
 ModelSpec catalog_model(std::string_view name, const ModelOverrides& overrides) {
   std::optional<TransformerConfig> config = catalog_config(name);
   if (!config) {
-    throw InvalidArgument("unknown model '" + std::string(name) + "': the catalog has " +
+    throw InvalidArgument("unknown model '" + printable(name) + "': the catalog has " +
                           join(catalog_names()));
   }
   return build_transformer(std::string(name), apply_overrides(*config, overrides));

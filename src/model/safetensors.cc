@@ -5,6 +5,7 @@
 #include <fstream>
 #include <string>
 
+#include "model/files.h"
 #include "model/strict_json.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
@@ -166,27 +167,17 @@ SafetensorsHeader parse_safetensors_header(std::span<const unsigned char> head,
 }
 
 SafetensorsHeader read_safetensors_header(const std::string& path) {
-  // A FIFO or a device would block or never end: only regular files are read.
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) {
-    throw InvalidArgument(path + ": not a regular file");
-  }
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) throw InvalidArgument(path + ": cannot open");
-  const std::streamoff size = in.tellg();
-  if (size < 0) throw InvalidArgument(path + ": cannot tell its size");
-  const auto file_size = static_cast<std::uint64_t>(size);
-  in.seekg(0);
+  const detail::File file(path);  // regular files only: a FIFO would block or never end
+  const std::uint64_t file_size = file.size();
   std::vector<unsigned char> head(std::min<std::uint64_t>(file_size, 8));
-  in.read(reinterpret_cast<char*>(head.data()), static_cast<std::streamsize>(head.size()));
+  file.read_at(head.data(), head.size(), 0);
   if (head.size() == 8) {
     std::uint64_t n = 0;
     for (int i = 7; i >= 0; --i) n = n << 8 | head[static_cast<std::size_t>(i)];
     // Read the JSON only when its length is plausible; the parser reports the rest.
     if (n <= kMaxHeaderBytes && n <= file_size - 8) {
       head.resize(8 + n);
-      in.read(reinterpret_cast<char*>(head.data() + 8), static_cast<std::streamsize>(n));
-      if (!in) throw InvalidArgument(path + ": read failed");
+      file.read_at(head.data() + 8, n, 8);
     }
   }
   return parse_safetensors_header(head, file_size, path);

@@ -6,6 +6,7 @@
 #include <set>
 #include <sstream>
 
+#include "model/files.h"
 #include "model/strict_json.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
@@ -17,19 +18,7 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string read_text(const fs::path& path) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) throw InvalidArgument(path.string() + ": not a regular file");
-  const auto size = fs::file_size(path, ec);
-  if (ec) throw InvalidArgument(path.string() + ": cannot read (" + ec.message() + ")");
-  if (size > kMaxHeaderBytes) {
-    throw InvalidArgument(path.string() + ": " + std::to_string(size) +
-                          " bytes is too large for a config or index file");
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InvalidArgument(path.string() + ": cannot open");
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  return buf.str();
+  return detail::read_small_file(path.string(), kMaxHeaderBytes, "a config or index file");
 }
 
 // "layers.10" after "layers.9": digits compare as numbers.
@@ -192,7 +181,7 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
   const fs::path path(name_or_path);
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    throw InvalidArgument("unknown model '" + name_or_path + "': neither a catalog name (" +
+    throw InvalidArgument("unknown model '" + printable(name_or_path, 200) + "': neither a catalog name (" +
                           join(catalog_names()) +
                           ") nor an existing config.json, checkpoint directory or .safetensors "
                           "file");
@@ -236,7 +225,7 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
 Inspection inspect_path(const std::string& p) {
   const fs::path path(p);
   std::error_code ec;
-  if (!fs::exists(path, ec)) throw InvalidArgument(p + ": no such file or directory");
+  if (!fs::exists(path, ec)) throw InvalidArgument(printable(p, 200) + ": no such file or directory");
   Inspection out;
   if (fs::is_directory(path) && !has_checkpoint_files(path) && fs::exists(path / "config.json")) {
     Inspection c = inspect_path((path / "config.json").string());

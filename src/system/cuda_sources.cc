@@ -2,10 +2,13 @@
 // builds and runs where they are absent.
 #include <dlfcn.h>
 
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "zeroflat/probe.h"
 #include "zeroflat/runtime.h"
+#include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {
@@ -29,37 +32,38 @@ struct CudaRuntime {
   }
 };
 
-const CudaRuntime& cuda_runtime() {
-  static CudaRuntime rt = [] {
-    CudaRuntime r;
-    for (const char* name :
-         {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"}) {
-      r.handle = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-      if (r.handle != nullptr) break;
-    }
-    if (r.handle == nullptr) {
-      r.error = "the CUDA runtime (libcudart.so) could not be loaded";
-      return r;
-    }
-    auto sym = [&](const char* n) { return dlsym(r.handle, n); };
-    r.get_device_count = reinterpret_cast<int (*)(int*)>(sym("cudaGetDeviceCount"));
-    r.set_device = reinterpret_cast<int (*)(int)>(sym("cudaSetDevice"));
-    r.get_device = reinterpret_cast<int (*)(int*)>(sym("cudaGetDevice"));
-    r.mem_get_info = reinterpret_cast<int (*)(std::size_t*, std::size_t*)>(sym("cudaMemGetInfo"));
-    r.get_pci_bus_id = reinterpret_cast<int (*)(char*, int, int)>(sym("cudaDeviceGetPCIBusId"));
-    r.get_attribute = reinterpret_cast<int (*)(int*, int, int)>(sym("cudaDeviceGetAttribute"));
-    r.error_string = reinterpret_cast<const char* (*)(int)>(sym("cudaGetErrorString"));
-    if (!r.get_device_count || !r.set_device || !r.mem_get_info || !r.get_pci_bus_id ||
-        !r.get_attribute) {
-      r.error = "the CUDA runtime lacks an entry point zeroflat needs";
-    }
-    return r;
-  }();
-  return rt;
+// The first of `names` that loads, or null. Libraries stay loaded for the life of the process.
+void* open_first(const std::vector<std::string>& names) {
+  for (const std::string& name : names) {
+    if (void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL)) return handle;
+  }
+  return nullptr;
 }
 
-Answer<CudaDeviceFacts> cuda_facts(int index) {
-  const CudaRuntime& rt = cuda_runtime();
+// The CUDA runtime with the entry points zeroflat needs; the error says why not.
+std::shared_ptr<const CudaRuntime> load_cuda_runtime(const std::vector<std::string>& names) {
+  auto r = std::make_shared<CudaRuntime>();
+  r->handle = open_first(names);
+  if (r->handle == nullptr) {
+    r->error = "the CUDA runtime (" + join(names) + ") could not be loaded";
+    return r;
+  }
+  auto sym = [&](const char* n) { return dlsym(r->handle, n); };
+  r->get_device_count = reinterpret_cast<int (*)(int*)>(sym("cudaGetDeviceCount"));
+  r->set_device = reinterpret_cast<int (*)(int)>(sym("cudaSetDevice"));
+  r->get_device = reinterpret_cast<int (*)(int*)>(sym("cudaGetDevice"));
+  r->mem_get_info = reinterpret_cast<int (*)(std::size_t*, std::size_t*)>(sym("cudaMemGetInfo"));
+  r->get_pci_bus_id = reinterpret_cast<int (*)(char*, int, int)>(sym("cudaDeviceGetPCIBusId"));
+  r->get_attribute = reinterpret_cast<int (*)(int*, int, int)>(sym("cudaDeviceGetAttribute"));
+  r->error_string = reinterpret_cast<const char* (*)(int)>(sym("cudaGetErrorString"));
+  if (!r->get_device_count || !r->set_device || !r->mem_get_info || !r->get_pci_bus_id ||
+      !r->get_attribute) {
+    r->error = "the CUDA runtime lacks an entry point zeroflat needs";
+  }
+  return r;
+}
+
+Answer<CudaDeviceFacts> cuda_facts(const CudaRuntime& rt, int index) {
   if (!rt.error.empty()) return Answer<CudaDeviceFacts>::fail(rt.error);
   int count = 0;
   // Any error means "no GPU" (without a driver this is error 35, not "no device").
@@ -121,34 +125,30 @@ struct Nvml {
   }
 };
 
-const Nvml& nvml() {
-  static Nvml n = [] {
-    Nvml r;
-    r.handle = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (r.handle == nullptr) {
-      r.error = "NVML (libnvidia-ml.so.1) could not be loaded";
-      return r;
-    }
-    auto sym = [&](const char* s) { return dlsym(r.handle, s); };
-    r.init = reinterpret_cast<int (*)()>(sym("nvmlInit_v2"));
-    r.by_pci =
-        reinterpret_cast<int (*)(const char*, void**)>(sym("nvmlDeviceGetHandleByPciBusId_v2"));
-    r.memory_v1 = reinterpret_cast<int (*)(void*, NvmlMemoryV1*)>(sym("nvmlDeviceGetMemoryInfo"));
-    r.memory_v2 =
-        reinterpret_cast<int (*)(void*, NvmlMemoryV2*)>(sym("nvmlDeviceGetMemoryInfo_v2"));
-    r.error_string = reinterpret_cast<const char* (*)(int)>(sym("nvmlErrorString"));
-    if (!r.init || !r.by_pci || (!r.memory_v1 && !r.memory_v2)) {
-      r.error = "NVML lacks an entry point zeroflat needs";
-      return r;
-    }
-    if (int e = r.init(); e != 0) r.error = "nvmlInit failed: " + r.describe(e);
+std::shared_ptr<const Nvml> load_nvml(const std::vector<std::string>& names) {
+  auto r = std::make_shared<Nvml>();
+  r->handle = open_first(names);
+  if (r->handle == nullptr) {
+    r->error = "NVML (" + join(names) + ") could not be loaded";
     return r;
-  }();
-  return n;
+  }
+  auto sym = [&](const char* n) { return dlsym(r->handle, n); };
+  r->init = reinterpret_cast<int (*)()>(sym("nvmlInit_v2"));
+  r->by_pci =
+      reinterpret_cast<int (*)(const char*, void**)>(sym("nvmlDeviceGetHandleByPciBusId_v2"));
+  r->memory_v1 = reinterpret_cast<int (*)(void*, NvmlMemoryV1*)>(sym("nvmlDeviceGetMemoryInfo"));
+  r->memory_v2 =
+      reinterpret_cast<int (*)(void*, NvmlMemoryV2*)>(sym("nvmlDeviceGetMemoryInfo_v2"));
+  r->error_string = reinterpret_cast<const char* (*)(int)>(sym("nvmlErrorString"));
+  if (!r->init || !r->by_pci || (!r->memory_v1 && !r->memory_v2)) {
+    r->error = "NVML lacks an entry point zeroflat needs";
+    return r;
+  }
+  if (int e = r->init(); e != 0) r->error = "nvmlInit failed: " + r->describe(e);
+  return r;
 }
 
-Answer<MemoryPair> nvml_memory(const std::string& pci_bus_id) {
-  const Nvml& n = nvml();
+Answer<MemoryPair> nvml_memory(const Nvml& n, const std::string& pci_bus_id) {
   if (!n.error.empty()) return Answer<MemoryPair>::fail(n.error);
   void* device = nullptr;
   if (int e = n.by_pci(pci_bus_id.c_str(), &device); e != 0) {
@@ -175,11 +175,26 @@ Answer<MemoryPair> nvml_memory(const std::string& pci_bus_id) {
 
 }  // namespace
 
-CudaProbeSources system_cuda_sources() {
+CudaProbeSources cuda_sources_from(const std::vector<std::string>& cuda_runtime,
+                                   const std::vector<std::string>& nvml) {
+  std::shared_ptr<const CudaRuntime> rt = load_cuda_runtime(cuda_runtime);
+  std::shared_ptr<const Nvml> nv = load_nvml(nvml);
   CudaProbeSources s;
-  s.cuda = cuda_facts;
-  s.nvml = nvml_memory;
+  s.cuda = [rt](int index) { return cuda_facts(*rt, index); };
+  s.nvml = [nv](const std::string& bus) { return nvml_memory(*nv, bus); };
   s.host = read_proc_meminfo;
+  const VisibleDevices visible = visible_devices();
+  s.visible_devices = visible.value;
+  s.visible_devices_var = visible.variable;
+  return s;
+}
+
+CudaProbeSources system_cuda_sources() {
+  // Loaded once per process: dlopen and nvmlInit are not free.
+  static const CudaProbeSources loaded = cuda_sources_from(
+      {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"},
+      {"libnvidia-ml.so.1"});
+  CudaProbeSources s = loaded;
   const VisibleDevices visible = visible_devices();
   s.visible_devices = visible.value;
   s.visible_devices_var = visible.variable;

@@ -1,5 +1,6 @@
 // Fuzz target for the parsers of untrusted model files: the first byte picks the safetensors
-// header parser or the config.json parser, the rest is the file. Any exception other than
+// header parser, the config.json parser or the parser of `--numels @FILE` lists, the rest is
+// the file. Any exception other than
 // InvalidArgument, any crash, leak or undefined behaviour is a finding.
 #include <cstddef>
 #include <cstdint>
@@ -12,12 +13,14 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
-  const bool config = (data[0] & 1) != 0;
+  const int parser = data[0] % 3;
   const std::span<const unsigned char> file(data + 1, size - 1);
+  const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
   try {
-    if (config) {
-      zeroflat::TransformerConfig c = zeroflat::parse_hf_config(
-          std::string_view(reinterpret_cast<const char*>(file.data()), file.size()), "fuzz");
+    if (parser == 2) {
+      (void)zeroflat::parse_numels_file_text(text, "fuzz");
+    } else if (parser == 1) {
+      zeroflat::TransformerConfig c = zeroflat::parse_hf_config(text, "fuzz");
       // Building the tensor list is part of what a config drives; keep it small.
       if (c.num_layers <= 4 && c.num_experts <= 8 && c.hidden_size <= 4096) {
         (void)zeroflat::build_transformer("fuzz", c);

@@ -1,6 +1,8 @@
 // The command-line parser.
 #include "cli/args.h"
 
+#include "zeroflat/size.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
@@ -71,10 +73,10 @@ Args Parser::parse(const std::vector<std::string>& argv) const {
     }
     if (a.rfind("--", 0) != 0 || a == "--") {
       if (a.size() > 1 && a[0] == '-' && a != "-") {
-        throw UsageError("unknown option '" + a + "' (options are spelled --name)");
+        throw UsageError("unknown option '" + printable(a) + "' (options are spelled --name)");
       }
       if (args.positionals_.size() >= max_positionals_) {
-        throw UsageError("unexpected argument '" + a + "'");
+        throw UsageError("unexpected argument '" + printable(a) + "'");
       }
       args.positionals_.push_back(a);
       continue;
@@ -96,7 +98,7 @@ Args Parser::parse(const std::vector<std::string>& argv) const {
           best = o.name;
         }
       }
-      throw UsageError("unknown option '--" + name + "'" +
+      throw UsageError("unknown option '--" + printable(name) + "'" +
                        (best.empty() ? "" : "; did you mean '--" + best + "'?"));
     }
     if (args.has(name)) throw UsageError("option '--" + name + "' is given twice");

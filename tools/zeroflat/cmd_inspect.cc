@@ -58,16 +58,19 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
                 doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace).c_str());
     return kExitOk;
   }
-  std::printf("%s (%s, %llu file%s): %s tensors, %s parameters, %s\n", path.c_str(),
+  std::printf("%s (%s, %llu file%s): %s tensors, %s parameters, %s\n",
+              printable(path, 200).c_str(),
               in.source.c_str(), static_cast<unsigned long long>(in.files),
               in.files == 1 ? "" : "s", format_count(in.tensors.size()).c_str(),
               format_count(in.numel).c_str(), format_bytes(in.bytes).c_str());
   for (const auto& [d, b] : in.bytes_by_dtype) {
-    std::printf("  %-8s %s\n", d.c_str(), format_bytes(b).c_str());
+    std::printf("  %-8s %s\n", printable(d).c_str(), format_bytes(b).c_str());
   }
   if (!order.empty()) std::printf("largest:\n");
   for (const TensorInfo* t : order) {
-    std::printf("  %-56s %-6s %-20s %s\n", t->name.substr(0, 56).c_str(), t->dtype.c_str(),
+    // Names come from the file: printable characters only, whatever it holds.
+    std::printf("  %-56s %-6s %-20s %s\n", printable(t->name, 53).c_str(),
+                printable(t->dtype).c_str(),
                 shape_to_string(t->shape).c_str(), format_bytes(t->bytes).c_str());
   }
   return kExitOk;

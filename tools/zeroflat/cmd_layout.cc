@@ -6,6 +6,7 @@
 
 #include "cli/common.h"
 #include "zeroflat/error.h"
+#include "zeroflat/model_source.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat::cli {
@@ -26,11 +27,11 @@ std::string list_text(const std::vector<std::uint64_t>& v, std::size_t keep = 8)
   return out + " (" + format_count(v.size()) + " in all)";
 }
 
-void print_table(const Layout& l, const std::string& source) {
+void print_table(const Layout& l, const std::string& source, std::optional<std::uint64_t> only) {
   const LayoutOptions& o = l.options();
   const std::uint64_t es = l.element_size();
   std::printf("layout: %s parameters (%s), %s elements of %s\n",
-              format_count(l.num_params()).c_str(), source.c_str(), format_count(l.numel()).c_str(),
+              format_count(l.num_params()).c_str(), printable(source).c_str(), format_count(l.numel()).c_str(),
               std::string(dtype_name(o.dtype)).c_str());
   std::printf(
       "  dp %llu%s, alignment %llu elements (factor %llu x dp)%s\n",
@@ -51,8 +52,8 @@ void print_table(const Layout& l, const std::string& source) {
   std::printf("%6s %14s %14s %12s %12s  %s\n", "rank", "start", "end", "padding", "first_off",
               "params in partition");
   const std::uint64_t max_rows = 64;
-  for (std::uint64_t r = 0; r < o.dp; ++r) {
-    if (o.dp > max_rows && r == max_rows / 2) {
+  for (std::uint64_t r = only.value_or(0); r < (only ? *only + 1 : o.dp); ++r) {
+    if (!only && o.dp > max_rows && r == max_rows / 2) {
       std::printf("%6s (%llu ranks not shown; --json lists every rank)\n", "...",
                   static_cast<unsigned long long>(o.dp - max_rows));
       r = o.dp - max_rows / 2;
@@ -78,6 +79,8 @@ int subcommand_layout(const std::vector<std::string>& argv) {
            "JSON list)");
   add_model_options(p, "");
   add_layout_options(p);
+  p.option("rank", "R", "only rank R's bookkeeping (the table's row, the document's \"ranks\")",
+           "every rank");
   p.flag("json", "print one JSON document (the shape of docs/cli.md)");
   p.epilog(
       "examples:\n"
@@ -109,11 +112,23 @@ int subcommand_layout(const std::vector<std::string>& argv) {
   }
   LayoutOptions options = layout_options_from_args(args, model_given ? &model : nullptr);
   Layout layout = Layout::compute(numels, options);
+  std::optional<std::uint64_t> rank;
+  if (auto v = args.get("rank")) {
+    rank = parse_u64(*v, "--rank");
+    if (*rank >= options.dp) {
+      throw InvalidArgument("--rank " + std::to_string(*rank) + ": the layout has ranks 0 to " +
+                            std::to_string(options.dp - 1));
+    }
+  }
   if (args.has("json")) {
-    layout.write_json(std::cout);
+    try {
+      layout.write_json(std::cout, rank);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(std::string(e.what()) + " with --rank R");
+    }
     std::cout << '\n';
   } else {
-    print_table(layout, source);
+    print_table(layout, source, rank);
   }
   return kExitOk;
 }

@@ -59,8 +59,8 @@ int subcommand_plan(const std::vector<std::string>& argv) {
     try {
       preset = generic_preset(parse_size(device_text));
     } catch (const InvalidArgument&) {
-      throw InvalidArgument("--device '" + device_text + "': expected a preset (" + presets +
-                            ") or a capacity such as 80GiB");
+      throw InvalidArgument("--device '" + printable(device_text) + "': expected a preset (" +
+                            presets + ") or a capacity such as 80GiB");
     }
     if (preset.capacity_bytes == 0) throw InvalidArgument("--device 0: a device needs capacity");
   }
@@ -142,7 +142,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
                 doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace).c_str());
   } else {
     std::printf("plan: %s, %s tensors, %s parameters, %s %s; dp %llu on %s (%s)\n",
-                model.name.c_str(), format_count(model.tensors.size()).c_str(),
+                printable(model.name, 200).c_str(), format_count(model.tensors.size()).c_str(),
                 format_count(model.numel()).c_str(), format_bytes(model_bytes).c_str(),
                 std::string(dtype_name(options.dtype)).c_str(),
                 static_cast<unsigned long long>(options.dp), preset.name.c_str(),

@@ -93,7 +93,17 @@ int subcommand_run(const std::vector<std::string>& argv) {
     return finish(kExitInfeasible);
   }
   std::string first_error;
-  const int exit = run_exit_code(run.entries, first_error);
+  int exit = run_exit_code(run.entries, first_error);
+  if (run.alone) {
+    // The others could not be reached after the steps: every survivor reports for itself.
+    if (exit == kExitOk) {
+      exit = kExitExecFailed;
+      first_error = "rank " + std::to_string(me) +
+                    " finished its steps, but the other ranks could not be reached to compare";
+    }
+    print_run_report(cfg, run, exit, first_error);
+    return exit;
+  }
   if (me == 0) print_run_report(cfg, run, exit, first_error);
   return finish(exit);
 }

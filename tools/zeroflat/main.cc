@@ -15,6 +15,15 @@
 
 namespace {
 
+// A message fit for a terminal: whatever a library message quotes stays readable.
+std::string shown(const char* what) {
+  constexpr std::size_t kMax = 4096;
+  const std::string_view w(what);
+  if (w.size() <= kMax) return std::string(w);
+  return std::string(w.substr(0, kMax)) + "... (" + std::to_string(w.size() - kMax) +
+         " more characters)";
+}
+
 constexpr const char* kUsage = R"(usage: zeroflat <command> [options]
 
 Builds the flat, partitioned parameter buffers of ZeRO stage 1/2 data-parallel training,
@@ -80,7 +89,8 @@ int main(int argc, char** argv) {
     } else if (command == "probe") {
       code = subcommand_probe(args);
     } else {
-      std::fprintf(stderr, "zeroflat: unknown command '%s'\n\n%s", command.c_str(), kUsage);
+      std::fprintf(stderr, "zeroflat: unknown command '%s'\n\n%s", printable(command).c_str(),
+                   kUsage);
       return kExitInvalid;
     }
     // A document that did not reach its reader is a failure, whatever the command concluded.
@@ -92,17 +102,17 @@ int main(int argc, char** argv) {
     }
     return code;
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "zeroflat %s: %s\n(see `zeroflat %s --help`)\n", command.c_str(), e.what(),
-                 command.c_str());
+    std::fprintf(stderr, "zeroflat %s: %s\n(see `zeroflat %s --help`)\n", command.c_str(),
+                 shown(e.what()).c_str(), command.c_str());
     return kExitInvalid;
   } catch (const InvalidArgument& e) {
-    std::fprintf(stderr, "zeroflat %s: invalid input: %s\n", command.c_str(), e.what());
+    std::fprintf(stderr, "zeroflat %s: invalid input: %s\n", command.c_str(), shown(e.what()).c_str());
     return kExitInvalid;
   } catch (const Unsupported& e) {
-    std::fprintf(stderr, "zeroflat %s: not supported: %s\n", command.c_str(), e.what());
+    std::fprintf(stderr, "zeroflat %s: not supported: %s\n", command.c_str(), shown(e.what()).c_str());
     return kExitInvalid;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "zeroflat %s: error: %s\n", command.c_str(), e.what());
+    std::fprintf(stderr, "zeroflat %s: error: %s\n", command.c_str(), shown(e.what()).c_str());
     return kExitOther;
   }
 }

@@ -3,6 +3,7 @@
 #include <array>
 #include <cstring>
 #include <exception>
+#include <system_error>
 #include <thread>
 
 #include "cli/common.h"
@@ -42,7 +43,13 @@ Launched launch_ranks(const RunConfig& cfg, Communicator* world, Progress& progr
     out.me = world->rank();
     out.first = run_rank(cfg, static_cast<std::uint64_t>(out.me), world, progress);
     if (out.first.exit == kExitInfeasible) return out;  // every rank planned the same verdict
-    out.entries = exchange_entries(world, out.first.entry);
+    try {
+      out.entries = exchange_entries(world, out.first.entry);
+    } catch (const CommError&) {
+      // A peer is gone: this process says what it holds itself.
+      out.entries = {out.first.entry};
+      out.alone = true;
+    }
     return out;
   }
   const std::uint64_t dp = cfg.options.dp;
@@ -61,7 +68,19 @@ Launched launch_ranks(const RunConfig& cfg, Communicator* world, Progress& progr
     }
   };
   std::vector<std::thread> ranks;
-  for (std::uint64_t r = 1; r < dp; ++r) ranks.emplace_back(body, r);
+  ranks.reserve(dp);
+  for (std::uint64_t r = 1; r < dp; ++r) {
+    try {
+      ranks.emplace_back(body, r);
+    } catch (const std::system_error& e) {
+      // The ranks already started wait for this one in a collective: tell them, and join them.
+      group->rank(0)->abort("rank " + std::to_string(r) + " could not be started");
+      for (std::thread& t : ranks) t.join();
+      throw ResourceExhausted("cannot start the thread of rank " + std::to_string(r) + ": " +
+                              e.what() + " (a limit on processes or memory? fewer ranks or "
+                              "--threads)");
+    }
+  }
   body(0);
   for (std::thread& t : ranks) t.join();
   // The first failure that is not another rank's abort is the one worth reporting.

@@ -11,13 +11,12 @@
 namespace zeroflat::cli {
 namespace {
 
-// Parses "N" or "N@R".
-void parse_fault(const std::string& text, RunConfig& cfg) {
+// Parses "N" or "N@R" of `option` into step and rank.
+void parse_step_at_rank(const std::string& text, const std::string& option,
+                        std::optional<std::size_t>& step, std::uint64_t& rank) {
   const auto at = text.find('@');
-  cfg.fault_step = static_cast<std::size_t>(parse_u64(text.substr(0, at), "--inject-fault"));
-  if (at != std::string::npos) {
-    cfg.fault_rank = parse_u64(text.substr(at + 1), "--inject-fault rank");
-  }
+  step = static_cast<std::size_t>(parse_u64(text.substr(0, at), option));
+  if (at != std::string::npos) rank = parse_u64(text.substr(at + 1), option + " rank");
 }
 
 // The most ranks one run takes.
@@ -55,6 +54,9 @@ void add_run_options(Parser& p) {
   p.option("inject-fault", "N[@R]",
            "testing aid: step N of the plan fails on rank R (default 0), to prove rollback; "
            "exit 4, with originals_intact per rank");
+  p.option("inject-crash", "N[@R]",
+           "testing aid, --comm mpi: rank R (default 0) is killed (SIGKILL) as step N starts, to "
+           "prove that the others end within --timeout and say what they hold");
   p.option("inject-corruption", "BYTE",
            "testing aid: flip one byte of the flat buffer after the flatten, for --verify");
   p.flag("json", "print one JSON document on stdout (docs/cli.md)");
@@ -127,7 +129,16 @@ RunConfig run_config_from_args(const Args& args) {
     }
     cfg.timeout = std::chrono::milliseconds(s * 1000);
   }
-  if (auto v = args.get("inject-fault")) parse_fault(*v, cfg);
+  if (auto v = args.get("inject-fault")) {
+    parse_step_at_rank(*v, "--inject-fault", cfg.fault_step, cfg.fault_rank);
+  }
+  if (auto v = args.get("inject-crash")) {
+    parse_step_at_rank(*v, "--inject-crash", cfg.crash_step, cfg.crash_rank);
+    if (cfg.comm != "mpi") {
+      throw InvalidArgument("--inject-crash kills a process: it is for --comm mpi (ranks as "
+                            "threads would all die)");
+    }
+  }
   if (auto v = args.get("threads")) {
     const std::uint64_t n = parse_u64(*v, "--threads");
     if (n == 0 || n > kMaxThreads) {
@@ -165,6 +176,10 @@ void settle_ranks(RunConfig& cfg, const Args& args, Communicator* world) {
   if (cfg.fault_step && cfg.fault_rank >= dp) {
     throw InvalidArgument("--inject-fault " + printable(*args.get("inject-fault")) + ": rank " +
                           std::to_string(cfg.fault_rank) + " is outside dp " + std::to_string(dp));
+  }
+  if (cfg.crash_step && cfg.crash_rank >= dp) {
+    throw InvalidArgument("--inject-crash " + printable(*args.get("inject-crash")) + ": rank " +
+                          std::to_string(cfg.crash_rank) + " is outside dp " + std::to_string(dp));
   }
   if (cfg.threads == 0) cfg.threads = default_num_threads(cfg.local_ranks);
   const Layout layout = Layout::compute(cfg.model.numels(), cfg.options);

@@ -1,6 +1,8 @@
 // `zeroflat run`, one rank: materialize the model from the pattern, hand it to the library's
 // front door (probe, agreement, plan, execution, master partition), then time, verify and hash.
 #include <algorithm>
+#include <csignal>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -166,6 +168,14 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
                   " tensors), device " + cfg.device_spec + ", comm " + cfg.comm + ", repeat " +
                   std::to_string(cfg.repeat) + (cfg.no_data ? ", no data" : "");
   if (rank == cfg.fault_rank) fo.execute.fault_step = cfg.fault_step;
+  if (cfg.crash_step && rank == cfg.crash_rank) {
+    fo.execute.on_step = [&](std::size_t k, const Step&) {
+      if (k == *cfg.crash_step) {
+        std::fflush(nullptr);
+        std::raise(SIGKILL);
+      }
+    };
+  }
   progress.begin("flatten " + format_bytes(flat_bytes), 0);
   FlattenResult fr = flatten_param_group(params, *device, comm, fo, [&] { originals.release(); });
   progress.end();

@@ -29,10 +29,6 @@ void add_layout_options(Parser& parser);
 // dtype is used unless --dtype is given.
 LayoutOptions layout_options_from_args(const Args& args, const ModelSpec* model = nullptr);
 
-// Element counts from "5,7,3" (commas and/or white space) or "@FILE" (one integer per line, or
-// a JSON list). Throws InvalidArgument naming the bad item or file.
-std::vector<std::uint64_t> parse_numels(const std::string& text);
-
 int subcommand_layout(const std::vector<std::string>& argv);
 int subcommand_run(const std::vector<std::string>& argv);
 int subcommand_plan(const std::vector<std::string>& argv);

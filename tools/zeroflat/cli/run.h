@@ -41,6 +41,8 @@ struct RunConfig {
   bool check_values = true;
   std::optional<std::size_t> fault_step;
   std::uint64_t fault_rank = 0;
+  std::optional<std::size_t> crash_step;  // --inject-crash: this rank dies (SIGKILL) there
+  std::uint64_t crash_rank = 0;
   std::optional<std::uint64_t> corrupt;
   unsigned local_ranks = 1;  // ranks of this run on this host
   std::chrono::milliseconds timeout{60000};
@@ -80,6 +82,9 @@ struct Launched {
   std::vector<Json> entries;  // every rank's, in rank order (on rank 0)
   RankResult first;           // rank 0's result in this process (the plan, the ceilings)
   int me = 0;                 // this process's rank (0 for threads)
+  // The MPI ranks could not meet after the steps (a peer died): entries holds this process's
+  // own entry only, and every surviving process reports what it holds.
+  bool alone = false;
 };
 // Runs the ranks: dp threads of this process, or this MPI process's one rank (world).
 Launched launch_ranks(const RunConfig& cfg, Communicator* world, Progress& progress);

@@ -1,0 +1,40 @@
+// Reading untrusted files: regular files only, opened so that nothing can block (a FIFO or a
+// device named where a file is expected is refused, not waited on), bounded in size.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace zeroflat::detail {
+
+// An open file descriptor, closed on destruction.
+class File {
+ public:
+  // Opens `path` for reading if it is a regular file (checked on the open descriptor, so a
+  // path swapped for a FIFO in between is still refused). Throws InvalidArgument naming the
+  // path: missing, unreadable, not a regular file.
+  explicit File(const std::string& path);
+  ~File();
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  int fd() const noexcept { return fd_; }
+  std::uint64_t size() const noexcept { return size_; }
+  const std::string& path() const noexcept { return path_; }
+  // Reads exactly n bytes at offset into out. Throws InvalidArgument naming the file and the
+  // byte range when the file is shorter or the read fails.
+  void read_at(void* out, std::uint64_t n, std::uint64_t offset) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  std::uint64_t size_ = 0;
+};
+
+// The whole file as text, at most max_bytes (else InvalidArgument saying it is too large for
+// `what`).
+std::string read_small_file(const std::string& path, std::uint64_t max_bytes,
+                            std::string_view what);
+
+}  // namespace zeroflat::detail
