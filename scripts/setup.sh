@@ -69,6 +69,18 @@ if [[ "${ZEROFLAT_NO_PYTHON:-0}" != 1 ]]; then
   else
     log "Python environment: $venv has torch"
   fi
+  # Every other DeepSpeed release the drop-in is tested against, each in its own folder on top
+  # of the venv's torch (no dependencies installed; pip caches the wheels it builds).
+  own="$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('deepspeed'))")"
+  for release in $(grep -v '^#' "$here/python/deepspeed-releases.txt"); do
+    target="$venv/deepspeed-releases/$release"
+    if [[ "$release" == "$own" || -f "$target/deepspeed/__init__.py" ]]; then continue; fi
+    log "installing DeepSpeed $release into $target"
+    rm -rf "$target.partial"
+    DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -q --no-deps --target "$target.partial" \
+      "deepspeed==$release" >&2
+    mv "$target.partial" "$target"
+  done
   python_args=(-DPython3_EXECUTABLE="$venv/bin/python")
 fi
 

@@ -1,6 +1,7 @@
 // The layout engine against DeepSpeed's layout: the spec's vectors, worked examples, properties
 // on thousands of random inputs, and bad input.
 #include "zeroflat/layout.h"
+#include "zeroflat/release.h"
 
 #include <gtest/gtest.h>
 
@@ -272,6 +273,77 @@ TEST(LayoutScale, MillionParametersIsLinear) {
     }
   }
   EXPECT_EQ(sum, l.numel());
+}
+
+}  // namespace
+}  // namespace zeroflat
+
+namespace zeroflat {
+namespace {
+
+TEST(Release, RulesByVersion) {
+  const ReleaseRules r198 = deepspeed_rules("0.19.8");
+  EXPECT_TRUE(r198.tested && r198.skips_zero_element && r198.has_parameter_alignment);
+  EXPECT_FALSE(r198.padding_on_last_rank);
+  const ReleaseRules r197 = deepspeed_rules("0.19.7+cu121");
+  EXPECT_FALSE(r197.tested || r197.skips_zero_element);
+  EXPECT_TRUE(r197.has_parameter_alignment);
+  EXPECT_EQ(r197.rules, "0.18.9");
+  EXPECT_TRUE(deepspeed_rules("0.15.4").padding_on_last_rank);
+  EXPECT_FALSE(deepspeed_rules("0.16.0").padding_on_last_rank);
+  EXPECT_EQ(deepspeed_rules("latest").release, tested_deepspeed_releases().back());
+  EXPECT_EQ(deepspeed_rules("0.21.3").rules, "0.19.8");
+  EXPECT_FALSE(deepspeed_rules("0.21.3").tested);
+  for (const char* bad : {"0.13.9", "1", "0.x.1", "", "0.19", "0.19.8junk"}) {
+    EXPECT_THROW((void)deepspeed_rules(bad), InvalidArgument) << bad;
+  }
+}
+
+// The example: one zero-element parameter with round-robin and 16-byte alignment changes
+// every later offset and the flat size between zeroflat's layout and DeepSpeed 0.19.8's.
+TEST(Release, ZeroElementParametersAreLeftOutFrom0198) {
+  const std::vector<std::uint64_t> sizes = {6, 40299, 4, 4, 0, 5, 29911, 3};
+  LayoutOptions o;
+  o.dp = 2;
+  o.round_robin = true;
+  o.param_align_bytes = 16;
+  EXPECT_EQ(Layout::compute(sizes, o).flat_numel(), 70252u);
+  const ReleaseLayout r = layout_for_release(sizes, {}, o, deepspeed_rules("0.19.8"));
+  EXPECT_EQ(r.layout.flat_numel(), 70256u);
+  ASSERT_EQ(r.left_out.size(), 1u);
+  EXPECT_EQ(r.left_out[0].first, 4u);
+  EXPECT_EQ(r.left_out[0].second, LeftOut::kZeroElements);
+  EXPECT_EQ(r.kept, (std::vector<std::uint64_t>{0, 1, 2, 3, 5, 6, 7}));
+  // Older releases keep it: zeroflat's layout, frozen parameters aside.
+  o.param_align_bytes = 0;
+  const std::vector<bool> frozen = {false, false, true, false, false, false, false, false};
+  const ReleaseLayout old = layout_for_release(sizes, frozen, o, deepspeed_rules("0.18.6"));
+  EXPECT_EQ(old.left_out.size(), 1u);
+  EXPECT_EQ(old.left_out[0].second, LeftOut::kFrozen);
+  std::vector<std::uint64_t> without_frozen = sizes;
+  without_frozen.erase(without_frozen.begin() + 2);
+  EXPECT_EQ(old.layout.offsets(), Layout::compute(without_frozen, o).offsets());
+}
+
+TEST(Release, PaddingBookkeepingAndOptionsFollowTheRelease) {
+  LayoutOptions o;
+  o.dp = 4;
+  const std::vector<std::uint64_t> one = {1};  // 7 elements of padding over 4 partitions of 2
+  const ReleaseLayout before = layout_for_release(one, {}, o, deepspeed_rules("0.14.5"));
+  const ReleaseLayout after = layout_for_release(one, {}, o, deepspeed_rules("0.16.9"));
+  EXPECT_EQ(before.rank_padding(0), 0u);
+  EXPECT_EQ(before.rank_padding(3), 7u);  // all of it on the last rank, more than a partition
+  EXPECT_EQ(after.rank_padding(0), 1u);
+  EXPECT_EQ(after.rank_padding(3), 2u);
+  o.alignment_factor = 4;
+  EXPECT_THROW((void)layout_for_release(one, {}, o, deepspeed_rules("0.19.8")), InvalidArgument);
+  o.alignment_factor = 2;
+  o.param_align_bytes = 16;
+  EXPECT_THROW((void)layout_for_release(one, {}, o, deepspeed_rules("0.18.9")), InvalidArgument);
+  o.param_align_bytes = 32;
+  EXPECT_THROW((void)layout_for_release(one, {}, o, deepspeed_rules("0.19.8")), InvalidArgument);
+  EXPECT_THROW((void)layout_for_release(one, {true, false}, {}, deepspeed_rules("0.19.8")),
+               InvalidArgument);
 }
 
 }  // namespace

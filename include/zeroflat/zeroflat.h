@@ -25,6 +25,7 @@
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
 #include "zeroflat/rehearsal.h"
+#include "zeroflat/release.h"
 #include "zeroflat/report.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"

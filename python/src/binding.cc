@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -342,6 +343,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("numels"), py::arg("dp"), py::arg("round_robin"), py::arg("alignment_factor"),
       py::arg("dtype"), py::arg("param_align_bytes"));
+  m.def(
+      "release_layout_json",
+      [](const std::vector<std::uint64_t>& numels, const std::vector<bool>& frozen,
+         std::uint64_t dp, bool round_robin, std::uint64_t alignment_factor,
+         const std::string& dtype, std::uint64_t param_align_bytes, const std::string& release) {
+        const zf::ReleaseLayout rl = zf::layout_for_release(
+            numels, frozen,
+            layout_options(dp, round_robin, alignment_factor, dtype, param_align_bytes),
+            zf::deepspeed_rules(release));
+        std::ostringstream out;
+        rl.write_json(out);
+        return out.str();
+      },
+      py::arg("numels"), py::arg("frozen"), py::arg("dp"), py::arg("round_robin"),
+      py::arg("alignment_factor"), py::arg("dtype"), py::arg("param_align_bytes"),
+      py::arg("release"));
+  m.def("deepspeed_rules", [](const std::string& release) {
+    const zf::ReleaseRules r = zf::deepspeed_rules(release);
+    py::dict d;
+    d["release"] = r.release;
+    d["rules"] = r.rules;
+    d["tested"] = r.tested;
+    d["skips_zero_element"] = r.skips_zero_element;
+    d["has_parameter_alignment"] = r.has_parameter_alignment;
+    d["padding_on_last_rank"] = r.padding_on_last_rank;
+    return d;
+  });
+  m.attr("tested_deepspeed_releases") = zf::tested_deepspeed_releases();
   m.def("default_threads",
         [](unsigned local_ranks) { return zf::default_num_threads(local_ranks); });
   // Ranks on this host as the launcher says (ZEROFLAT_LOCAL_RANKS, OMPI_COMM_WORLD_LOCAL_SIZE,

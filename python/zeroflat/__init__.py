@@ -13,6 +13,7 @@ See docs/python.md.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import numbers
 from dataclasses import dataclass, field
@@ -91,14 +92,51 @@ class FlatGroup:
 
 def layout(numels: Sequence[int], dp: int = 1, *, round_robin: bool = False,
            alignment_factor: int = 2, dtype: torch.dtype = torch.bfloat16,
-           param_align_bytes: int = 0) -> dict:
-    """The layout of a group with these element counts, without moving anything."""
+           param_align_bytes: int = 0, deepspeed: Optional[str] = None,
+           frozen: Optional[Sequence[bool]] = None) -> dict:
+    """The layout of a group with these element counts, without moving anything.
+
+    ``deepspeed`` (a release such as ``"0.18.6"``, ``"latest"``, or ``"installed"``) lays the
+    group out as that release does: the parameters it leaves out (``frozen[i]`` True; zero-element
+    ones from 0.19.8) are listed in ``"left_out"`` and have no offset. ``None``: zeroflat's layout
+    (docs/layout.md), which keeps every parameter given."""
     counts = [_int_option(f"numels[{i}]", n, 0) for i, n in enumerate(numels)]
-    return json.loads(_C.layout_json(counts, _int_option("dp", dp, 1, _MAX_RANKS),
-                                     _bool_option("round_robin", round_robin),
-                                     _int_option("alignment_factor", alignment_factor, 1),
-                                     _dtype_name(dtype, "dtype"),
-                                     _int_option("param_align_bytes", param_align_bytes, 0)))
+    args = (_int_option("dp", dp, 1, _MAX_RANKS), _bool_option("round_robin", round_robin),
+            _int_option("alignment_factor", alignment_factor, 1), _dtype_name(dtype, "dtype"),
+            _int_option("param_align_bytes", param_align_bytes, 0))
+    release = _release(deepspeed)
+    if release is None:
+        if frozen is not None:
+            raise ValueError("frozen goes with deepspeed=: zeroflat's layout lays out every "
+                             "parameter given")
+        return json.loads(_C.layout_json(counts, *args))
+    flags = [False] * len(counts) if frozen is None else [_bool_option(f"frozen[{i}]", f)
+                                                         for i, f in enumerate(frozen)]
+    return json.loads(_C.release_layout_json(counts, flags, *args, release))
+
+
+TESTED_DEEPSPEED_RELEASES = tuple(_C.tested_deepspeed_releases)
+
+
+def installed_deepspeed() -> Optional[str]:
+    """The version of the DeepSpeed this environment imports, without importing it; or None."""
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _release(deepspeed: Optional[str]) -> Optional[str]:
+    """A release whose rules apply, or None for zeroflat's layout."""
+    if deepspeed is None:
+        return None
+    if not isinstance(deepspeed, str):
+        raise TypeError(f"deepspeed is {deepspeed!r}: expected a release such as '0.19.8', "
+                        "'latest', 'installed' or None")
+    if deepspeed == "installed":
+        return installed_deepspeed()
+    _C.deepspeed_rules(deepspeed)  # ValueError for text that is not a release
+    return deepspeed
 
 
 _U64_MAX = 2**64 - 1
@@ -252,6 +290,19 @@ def _check_options(tier: str, master_dtype: Any, threads: Any, margin_bytes: Any
     _int_option("param_align_bytes", param_align_bytes, 0)
 
 
+def _check_release_options(rules: dict, alignment_factor: int, param_align_bytes: int) -> None:
+    where = (f"DeepSpeed {rules['release']} (the deepspeed= rules; deepspeed=None for zeroflat's "
+             "own layout)")
+    if alignment_factor != 2:
+        raise ValueError(f"alignment_factor {alignment_factor}: {where} pads every group to "
+                         "2 x dp elements")
+    if param_align_bytes not in (0, 16) or (param_align_bytes and
+                                            not rules["has_parameter_alignment"]):
+        raise ValueError(f"param_align_bytes {param_align_bytes}: {where} has "
+                         + ("16-byte parameter_alignment only" if rules["has_parameter_alignment"]
+                            else "no parameter_alignment (it came in 0.19.7)"))
+
+
 def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
                         round_robin: bool = False, alignment_factor: int = 2,
                         param_align_bytes: int = 0, tier: str = "auto",
@@ -259,6 +310,7 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
                         master_dtype: Optional[torch.dtype] = torch.float32,
                         verify: bool = False, threads: Optional[int] = None,
                         trainable_only: bool = True, check_values: bool = True,
+                        deepspeed: Optional[str] = "installed",
                         _fault_step: Optional[int] = None, _fault_rank: int = 0) -> FlatGroup:
     """Flattens the trainable parameters of one group into DeepSpeed's ZeRO-1/2 layout.
 
@@ -279,6 +331,12 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
     ExecutionError when a step fails (the parameters keep their values; see its ``outcome``).
     ``check_values`` (the sharded and staged tiers only) first checks that the ranks hold the
     same values, since each rank would otherwise end up with the owners' values of every slice.
+
+    ``deepspeed`` names the release whose layout rules apply (``"installed"``: the DeepSpeed this
+    environment has, if any; a version such as ``"0.18.6"``; ``"latest"``), as ``layout`` does:
+    from 0.19.8 zero-element parameters stay out of the group (left alone), and the layout
+    options must be ones that release has (alignment factor 2; parameter alignment 0, or 16 from
+    0.19.7). ``None``: zeroflat's layout, which takes every parameter and any alignment.
     """
     group_params, indices = _trainable(params, _bool_option("trainable_only", trainable_only))
     dp = 1
@@ -286,12 +344,21 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
         dp = dist.get_world_size(process_group)
     local_error: Optional[Exception] = None
     lay = None
+    rules, release = None, None
     try:
         round_robin = _bool_option("round_robin", round_robin)
         verify = _bool_option("verify", verify)
         check_values = _bool_option("check_values", check_values)
         _check_options(tier, master_dtype, threads, margin_bytes, alignment_factor,
                        param_align_bytes)
+        release = _release(deepspeed)
+        if release is not None:
+            rules = _C.deepspeed_rules(release)
+            _check_release_options(rules, alignment_factor, param_align_bytes)
+            if rules["skips_zero_element"]:
+                kept = [k for k, p in enumerate(group_params) if p.numel() > 0]
+                group_params = [group_params[k] for k in kept]
+                indices = [indices[k] for k in kept]
         _validate(group_params, indices)
         lay = layout([p.numel() for p in group_params], dp, round_robin=round_robin,
                      alignment_factor=alignment_factor, dtype=group_params[0].dtype,
@@ -345,7 +412,8 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
             None if (margin_bytes is None or not ok) else int(margin_bytes), build_master,
             bool(check_values), int(cached_free), int(held),
             [f"parameter {i}" for i in indices] if ok else [],
-            f"master_dtype {master_dtype}, verify {verify}, trainable_only {trainable_only}",
+            f"master_dtype {master_dtype}, verify {verify}, trainable_only {trainable_only}, "
+            f"deepspeed rules {rules['rules'] if rules else None}",
             "" if ok else f"{type(local_error).__name__}: {local_error}",
             _fault_step if rank == _fault_rank else None, release_originals)
     except ValueError:
@@ -355,6 +423,7 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
     report = json.loads(doc_text)
     report["dp"] = dp
     report["rank"] = rank
+    report["deepspeed"] = rules
     if report["outcome"] == "infeasible":
         raise NoFeasiblePlan(f"no way of flattening fits: {report['reason']}; nothing was "
                              "touched", report)

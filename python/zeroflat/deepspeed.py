@@ -4,11 +4,14 @@
     zeroflat.deepspeed.install()          # before deepspeed.initialize
     engine, optimizer, _, _ = deepspeed.initialize(...)
 
-``DeepSpeedZeroOptimizer`` then obtains each parameter group's flat buffer from
-``zeroflat.flatten_param_group`` (zeroflat's probe, planner, tiers and rollback, the ranks of
-the group's own data-parallel group) instead of flattening it itself; everything else is
-DeepSpeed's own code, and the buffers, partitions, padding and fp32 master partitions are the
-ones it would have built. See docs/deepspeed.md.
+Every DeepSpeed release from 0.14 on: ``DeepSpeedZeroOptimizer`` (ZeRO-1 and 2) and, for bf16
+ZeRO-1 with fp32 gradient accumulation, ``BF16_Optimizer`` obtain each parameter group's flat
+buffer from ``zeroflat.flatten_param_group`` (zeroflat's probe, planner, tiers and rollback, over
+the group's own data-parallel group) instead of building it themselves. Releases up to 0.18.6
+copy every rank's whole model to the host and flatten it there; with the drop-in the parameters
+stay where they are and zeroflat plans the flatten. Everything else is DeepSpeed's own code, and
+the buffers, partitions, padding and fp32 master partitions are the ones that release would
+have built. See docs/deepspeed.md.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -26,14 +29,19 @@ __all__ = ["SUPPORTED_VERSIONS", "install", "installed", "is_installed", "uninst
 
 log = logging.getLogger("zeroflat.deepspeed")
 
-# DeepSpeed versions whose ZeRO-1/2 initialization this drop-in was tested against (the test
-# suite compares every buffer with DeepSpeed's own, bit for bit).
-SUPPORTED_VERSIONS = ("0.19.8",)
+# The releases the test suite compares with DeepSpeed's own buffers, bit for bit: the last patch
+# of every line from 0.14 to 0.19, and 0.18.6, the last without the on-accelerator flatten.
+SUPPORTED_VERSIONS = zeroflat.TESTED_DEEPSPEED_RELEASES
 
 _lock = threading.Lock()
 _saved: Optional[dict] = None
 _state = threading.local()
-stats = {"groups": 0, "fallbacks": 0, "tiers": []}
+stats = {"release": None, "groups": 0, "fallbacks": 0, "tiers": [], "optimizers": [],
+         "fallback_reasons": [], "not_flattened": []}
+
+# How DeepSpeed fills a buffer when nothing else says otherwise: torch's concatenation. A group
+# whose optimizer fills it another way (ZenFlow stores 2-D parameters transposed) is DeepSpeed's.
+_STANDARD_FLATTEN = (torch._utils._flatten_dense_tensors, torch._C._nn.flatten_dense_tensors)
 
 
 def _deepspeed_modules():
@@ -45,90 +53,207 @@ def _deepspeed_modules():
     return deepspeed, stage_1_and_2
 
 
-def _check_version(deepspeed, allow_untested: bool) -> None:
+def _release_rules(deepspeed) -> dict:
     version = getattr(deepspeed, "__version__", "unknown")
-    base = version.split("+")[0]
-    if base not in SUPPORTED_VERSIONS and not allow_untested:
-        raise RuntimeError(
-            f"zeroflat.deepspeed: DeepSpeed {version} is not a version this drop-in was tested "
-            f"with ({', '.join(SUPPORTED_VERSIONS)}); nothing was changed. Install a tested "
-            "version, or call install(allow_untested=True) to try it anyway (the equality tests "
-            "in python/tests/test_deepspeed.py say whether it holds).")
+    try:
+        return zeroflat._C.deepspeed_rules(version)
+    except ValueError as e:
+        raise RuntimeError(f"zeroflat.deepspeed: {e}; nothing was changed") from e
 
 
-def _flatten_hook(original):
-    def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False,
-                                      param_padding=None):
-        i = len(getattr(self, "bit16_groups_flat", ()))
-        groups = getattr(self, "round_robin_bit16_groups", ())
-        # Only the call that builds group i's bit16 buffer during __init__ is ours.
-        if (not getattr(_state, "in_init", False) or use_cpu_data or i >= len(groups)
-                or tensor_list is not groups[i]):
-            return original(self, tensor_list, alignment, use_cpu_data, param_padding)
-        return _flatten_group(self, i, tensor_list, alignment, param_padding, original)
+def _independent(sources: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The group's values as tensors zeroflat can gather: a parameter that is a view with gaps
+    (a column slice) or that shares bytes with another one (two Parameters over one storage) is
+    copied first, as DeepSpeed's concatenation copies it; the buffer then unties them."""
+    out = list(sources)
+    spans = []
+    for k, t in enumerate(out):
+        if t.numel() == 0:
+            continue
+        if not t.is_contiguous():
+            out[k] = t.detach().contiguous()
+            continue
+        spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k))
+    spans.sort()
+    end = 0
+    for lo, hi, k in spans:
+        if lo < end:
+            out[k] = out[k].detach().clone()
+        end = max(end, hi)
+    return out
+
+
+def _why_not(opt, sources, alignment: int, world: int, offsets: List[int],
+             padding: List[int], flat_numel: int, palign: int, rules: dict) -> Optional[str]:
+    """Why zeroflat's buffer would not be the one this optimizer builds, or None."""
+    if not any(opt.flatten is f for f in _STANDARD_FLATTEN):
+        return (f"this optimizer fills its buffer with {getattr(opt.flatten, '__module__', '?')}."
+                f"{getattr(opt.flatten, '__name__', '?')} (ZenFlow stores 2-D parameters "
+                "transposed), not a plain concatenation")
+    if alignment % world != 0:
+        return f"alignment {alignment} is not a multiple of the group size {world}"
+    if any(t.dtype != sources[0].dtype for t in sources):
+        return "the group mixes dtypes"
+    try:
+        lay = zeroflat.layout([t.numel() for t in sources], world,
+                              alignment_factor=alignment // world, dtype=sources[0].dtype,
+                              param_align_bytes=palign, deepspeed=rules["release"])
+    except (TypeError, ValueError) as e:
+        return str(e)
+    gaps = [lay["offsets"][k + 1] - lay["offsets"][k] - sources[k].numel()
+            for k in range(len(sources) - 1)] + [0]
+    if lay["offsets"] != offsets or lay["flat_numel"] != flat_numel or gaps != padding:
+        return ("zeroflat's layout differs from DeepSpeed's bookkeeping for this group "
+                f"(offsets {lay['offsets'][:4]}... vs {offsets[:4]}..., flat {lay['flat_numel']} "
+                f"vs {flat_numel})")
+    return None
+
+
+def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offsets, padding,
+           palign: int, original: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Group i's buffer from zeroflat, or from DeepSpeed (original()) with a warning saying why."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group=process_group)
+    rules = _saved["rules"]
+    padded = sum(t.numel() for t in sources) + sum(padding)
+    flat_numel = padded + (-padded) % alignment
+    reason = _why_not(opt, sources, alignment, world, offsets, padding, flat_numel, palign, rules)
+    if reason is None:
+        try:
+            fg = zeroflat.flatten_param_group(
+                _independent(sources), process_group, alignment_factor=alignment // world,
+                param_align_bytes=palign, master_dtype=None, trainable_only=False,
+                deepspeed=rules["release"])
+        except (TypeError, ValueError, zeroflat.NoFeasiblePlan) as e:  # nothing moved
+            reason = str(e)
+        except zeroflat.ExecutionError as e:
+            if e.outcome != "recovered":
+                raise
+            fg = e.flat_group  # the values are safe in the completed buffer
+            log.warning("zeroflat: %s group %d: %s", kind, i, e)
+        if reason is None:
+            stats["groups"] += 1
+            stats["tiers"].append(fg.tier)
+            stats["optimizers"].append(kind)
+            log.info("zeroflat: %s param group %d flattened with the %s tier (%s)", kind, i,
+                     fg.tier, fg.report.get("reason", ""))
+            return fg.flat
+    stats["fallbacks"] += 1
+    stats["fallback_reasons"].append(f"{kind} group {i}: {reason}")
+    log.warning("zeroflat: %s param group %d flattened by DeepSpeed itself: %s", kind, i, reason)
+    return original()
+
+
+def _zero_flatten_hook(original):
+    def flatten_dense_tensors_aligned(self, tensor_list, alignment, *args, **kwargs):
+        # (tensor_list, alignment, use_cpu_data=False[, param_padding=None]) in every release.
+        names = ("use_cpu_data", "param_padding")
+        given = dict(zip(names, args), **kwargs)
+        groups = getattr(self, "round_robin_bit16_groups", None)
+        flats = getattr(self, "bit16_groups_flat", None)
+        # Only the call that builds group i's buffer during __init__ is ours (step() and
+        # checkpoint loading call it too).
+        if (getattr(_state, "zero_init", None) is not self or not groups or flats is None
+                or len(flats) != len(groups) - 1 or tensor_list is not groups[-1]):
+            return original(self, tensor_list, alignment, *args, **kwargs)
+        i = len(flats)
+        # Releases up to 0.18.6 staged the parameters for the host: their values are in
+        # cpu_data (which the install kept on the device), their .data is a placeholder.
+        sources = ([p.cpu_data for p in tensor_list] if given.get("use_cpu_data")
+                   else list(tensor_list))
+        padding = list(given.get("param_padding") or [0] * len(sources))
+        offsets = getattr(self, "round_robin_bit16_offsets", None)
+        if offsets is not None and len(offsets) > i:  # 0.19.8 keeps them
+            offsets = list(offsets[i])
+        else:  # a plain concatenation in the round-robin order, as unflatten reads it back
+            offsets, at = [], 0
+            for t, pad in zip(sources, padding):
+                offsets.append(at)
+                at += t.numel() + pad
+        palign = 16 if getattr(self, "parameter_alignment", False) else 0
+        return _build(self, "DeepSpeedZeroOptimizer", i, sources, alignment,
+                      self.real_dp_process_group[i], offsets, padding, palign,
+                      lambda: original(self, tensor_list, alignment, *args, **kwargs))
 
     flatten_dense_tensors_aligned.__wrapped__ = original
     flatten_dense_tensors_aligned.__zeroflat__ = True
     return flatten_dense_tensors_aligned
 
 
-def _flatten_group(opt, i, tensors, alignment, param_padding, original):
-    import torch.distributed as dist
+def _bf16_flatten_hook(original):
+    def _flatten_dense_tensors_aligned(self, tensor_list, alignment):
+        groups = getattr(self, "bf16_groups", None)
+        flats = getattr(self, "bf16_groups_flat", None)
+        if (getattr(_state, "bf16_init", None) is not self or not groups or flats is None
+                or len(flats) != len(groups) - 1 or tensor_list is not groups[-1]):
+            return original(self, tensor_list, alignment)
+        i = len(flats)
+        sources = list(tensor_list)
+        offsets, at = [], 0
+        for t in sources:
+            offsets.append(at)
+            at += t.numel()
+        return _build(self, "BF16_Optimizer", i, sources, alignment,
+                      self.real_dp_process_group[i], offsets, [0] * len(sources), 0,
+                      lambda: original(self, tensor_list, alignment))
 
-    group = opt.real_dp_process_group[i]
-    world = dist.get_world_size(group=group)
-    tensors = list(tensors)
-    padding = list(param_padding) if param_padding is not None else [0] * len(tensors)
-    # zeroflat's layout must be DeepSpeed's to the element; if it is not, DeepSpeed flattens.
-    align_bytes = 16 if getattr(opt, "parameter_alignment", False) else 0
-    reason = None
-    if alignment % world != 0:
-        reason = f"alignment {alignment} is not a multiple of the group size {world}"
-    else:
-        try:
-            lay = zeroflat.layout([t.numel() for t in tensors], world,
-                                  alignment_factor=alignment // world, dtype=tensors[0].dtype,
-                                  param_align_bytes=align_bytes)
-            ds_offsets = list(opt.round_robin_bit16_offsets[i])
-            ds_numel = sum(t.numel() for t in tensors) + sum(padding)
-            ds_numel += (-ds_numel) % alignment
-            if lay["offsets"] != ds_offsets or lay["flat_numel"] != ds_numel:
-                reason = "zeroflat's layout differs from DeepSpeed's for this group"
-        except (TypeError, ValueError) as e:
-            reason = str(e)
-    if reason is None:
-        try:
-            fg = zeroflat.flatten_param_group(tensors, group, alignment_factor=alignment // world,
-                                              param_align_bytes=align_bytes, master_dtype=None,
-                                              trainable_only=False)
-        except (TypeError, ValueError) as e:  # refused before anything moved
-            reason = str(e)
-        else:
-            stats["groups"] += 1
-            stats["tiers"].append(fg.tier)
-            log.info("zeroflat: param group %d flattened with the %s tier (%s)", i, fg.tier,
-                     fg.report.get("reason", ""))
-            return fg.flat
-    stats["fallbacks"] += 1
-    log.warning("zeroflat: param group %d flattened by DeepSpeed itself: %s", i, reason)
-    return original(opt, tensors, alignment, False, param_padding)
+    _flatten_dense_tensors_aligned.__wrapped__ = original
+    _flatten_dense_tensors_aligned.__zeroflat__ = True
+    return _flatten_dense_tensors_aligned
 
 
-def _init_hook(original):
-    def __init__(self, *args, **kwargs):
-        # DeepSpeed moves a group to the host when its own memory test fails; zeroflat plans
-        # that decision (and the other tiers) itself, so the test must pass while it runs.
+class _KeepOnDevice:
+    """While a ZeRO optimizer is constructed on this thread, ``.cpu()`` of a trainable
+    parameter's data returns the data itself: releases up to 0.18.6 (and later ones when their
+    memory check fails) stage every parameter to the host before flattening, and zeroflat plans
+    that move instead. Any other ``.cpu()`` is torch's."""
+
+    def __init__(self, optimizer):
+        self.ptrs = {p.data_ptr() for g in getattr(optimizer, "param_groups", [])
+                     for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad
+                     and p.numel() > 0 and p.device.type != "cpu"}
+        self.saved = None
+
+    def __enter__(self):
+        if not self.ptrs:
+            return self
+        torch_cpu = torch.Tensor.cpu
+        ptrs = self.ptrs
+
+        def cpu(t, *args, **kwargs):
+            if (getattr(_state, "keep_on_device", False) and not args and not kwargs
+                    and t.device.type != "cpu" and t.data_ptr() in ptrs):
+                return t
+            return torch_cpu(t, *args, **kwargs)
+
+        self.saved = torch_cpu
+        torch.Tensor.cpu = cpu
+        _state.keep_on_device = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            _state.keep_on_device = False
+            torch.Tensor.cpu = self.saved
+
+
+def _zero_init_hook(original):
+    def __init__(self, init_optimizer, *args, **kwargs):
         from deepspeed.accelerator import get_accelerator
 
+        # The releases with a memory check (0.18.9 on) would move a group to the host when it
+        # fails; zeroflat plans that decision (and the other tiers) itself.
         accel = get_accelerator()
         had_own = "available_memory" in vars(accel)
         own = vars(accel).get("available_memory")
         accel.available_memory = lambda *a, **k: 1 << 62
-        _state.in_init = True
+        _state.zero_init = self
         try:
-            original(self, *args, **kwargs)
+            with _KeepOnDevice(init_optimizer):
+                original(self, init_optimizer, *args, **kwargs)
         finally:
-            _state.in_init = False
+            _state.zero_init = None
             if had_own:
                 accel.available_memory = own
             else:
@@ -139,32 +264,91 @@ def _init_hook(original):
     return __init__
 
 
-def install(*, allow_untested: bool = False) -> None:
-    """Makes DeepSpeed's ZeRO-1/2 optimizer build its flat buffers through zeroflat.
+def _bf16_init_hook(original):
+    def __init__(self, *args, **kwargs):
+        _state.bf16_init = self
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            _state.bf16_init = None
 
-    Checks the DeepSpeed version first and refuses an untested one (RuntimeError, nothing
-    changed). Installing twice is harmless. Either every patch is in place or none is."""
+    __init__.__wrapped__ = original
+    __init__.__zeroflat__ = True
+    return __init__
+
+
+def _unfused_init_hook(original):
+    def __init__(self, init_optimizer, *args, **kwargs):
+        bf16 = any(p.dtype == torch.bfloat16 for g in init_optimizer.param_groups
+                   for p in g["params"])
+        if bf16:
+            # 0.17.x and 0.18.0-0.18.5 route bf16 + ZeRO-1 + fp32 gradient accumulation here (a
+            # DeepSpeed bug): no ZeRO partitioning, no flat buffer for zeroflat to build.
+            msg = (f"DeepSpeed {stats['release']} runs this bf16 model with "
+                   "FP16_UnfusedOptimizer (no ZeRO flat buffers): nothing for zeroflat to build")
+            stats["not_flattened"].append(msg)
+            log.warning("zeroflat: %s", msg)
+        original(self, init_optimizer, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    __init__.__zeroflat__ = True
+    return __init__
+
+
+def _targets(stage_1_and_2):
+    """(class, attribute, hook) for every method the drop-in wraps, where the release has it."""
+    out = [(stage_1_and_2.DeepSpeedZeroOptimizer, "__init__", _zero_init_hook),
+           (stage_1_and_2.DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned",
+            _zero_flatten_hook)]
+    try:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    except ImportError:
+        BF16_Optimizer = None
+    if BF16_Optimizer is not None and "_flatten_dense_tensors_aligned" in vars(BF16_Optimizer):
+        out += [(BF16_Optimizer, "__init__", _bf16_init_hook),
+                (BF16_Optimizer, "_flatten_dense_tensors_aligned", _bf16_flatten_hook)]
+    try:
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+        out.append((FP16_UnfusedOptimizer, "__init__", _unfused_init_hook))
+    except ImportError:
+        pass
+    return out
+
+
+def install(*, allow_untested: bool = False) -> None:
+    """Makes DeepSpeed's ZeRO-1/2 optimizers build their flat buffers through zeroflat.
+
+    Any DeepSpeed from 0.14 on: a release outside SUPPORTED_VERSIONS gets a warning (once;
+    ``allow_untested=True`` silences it), and every group is still checked against that
+    release's own bookkeeping before anything moves: a group that would differ is flattened by
+    DeepSpeed itself, with a warning saying why. Older releases are refused (RuntimeError,
+    nothing changed). Installing twice is harmless. Either every patch is in place or none is."""
     global _saved
     deepspeed, s12 = _deepspeed_modules()
-    _check_version(deepspeed, allow_untested)
-    cls = getattr(s12, "DeepSpeedZeroOptimizer", None)
-    for name in ("__init__", "flatten_dense_tensors_aligned"):
-        if cls is None or not callable(getattr(cls, name, None)):
-            raise RuntimeError(f"zeroflat.deepspeed: DeepSpeed {deepspeed.__version__} has no "
-                               f"DeepSpeedZeroOptimizer.{name}; nothing was changed")
+    rules = _release_rules(deepspeed)
+    targets = _targets(s12)
+    for cls, name, _ in targets:
+        if not callable(vars(cls).get(name)):
+            raise RuntimeError(f"zeroflat.deepspeed: DeepSpeed {rules['release']} has no "
+                               f"{cls.__name__}.{name}; nothing was changed")
     with _lock:
         if _saved is not None:
             return
-        saved = {"__init__": cls.__dict__["__init__"],
-                 "flatten_dense_tensors_aligned": cls.__dict__["flatten_dense_tensors_aligned"]}
+        if not rules["tested"] and not allow_untested:
+            log.warning("zeroflat: DeepSpeed %s is not one of the releases the drop-in was "
+                        "tested with (%s); its groups are checked against its own bookkeeping "
+                        "and handed back where they differ", rules["release"],
+                        ", ".join(SUPPORTED_VERSIONS))
+        saved = [(cls, name, vars(cls)[name]) for cls, name, _ in targets]
         try:
-            cls.flatten_dense_tensors_aligned = _flatten_hook(saved["flatten_dense_tensors_aligned"])
-            cls.__init__ = _init_hook(saved["__init__"])
+            for (cls, name, hook), (_, _, fn) in zip(targets, saved):
+                setattr(cls, name, hook(fn))
         except BaseException:
-            for name, fn in saved.items():
+            for cls, name, fn in saved:
                 setattr(cls, name, fn)
             raise
-        _saved = {"cls": cls, **saved}
+        stats["release"] = rules["release"]
+        _saved = {"targets": saved, "rules": rules}
 
 
 def uninstall() -> None:
@@ -173,9 +357,8 @@ def uninstall() -> None:
     with _lock:
         if _saved is None:
             return
-        cls = _saved["cls"]
-        cls.__init__ = _saved["__init__"]
-        cls.flatten_dense_tensors_aligned = _saved["flatten_dense_tensors_aligned"]
+        for cls, name, fn in _saved["targets"]:
+            setattr(cls, name, fn)
         _saved = None
 
 

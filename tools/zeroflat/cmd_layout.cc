@@ -1,4 +1,5 @@
 // `zeroflat layout`: the flat layout of one parameter group, as a table or as JSON.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <optional>
@@ -7,6 +8,7 @@
 #include "cli/common.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
+#include "zeroflat/release.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat::cli {
@@ -27,8 +29,17 @@ std::string list_text(const std::vector<std::uint64_t>& v, std::size_t keep = 8)
   return out + " (" + format_count(v.size()) + " in all)";
 }
 
-void print_table(const Layout& l, const std::string& source, std::optional<std::uint64_t> only) {
+// With a release, parameters are named by their input index and each rank's padding is the
+// release's own record.
+void print_table(const Layout& l, const std::string& source, std::optional<std::uint64_t> only,
+                 const ReleaseLayout* release = nullptr) {
   const LayoutOptions& o = l.options();
+  auto named = [&](const std::vector<std::uint64_t>& v) {
+    if (release == nullptr) return v;
+    std::vector<std::uint64_t> out;
+    for (std::uint64_t i : v) out.push_back(release->kept[i]);
+    return out;
+  };
   const std::uint64_t es = l.element_size();
   std::printf("layout: %s parameters (%s), %s elements of %s\n",
               format_count(l.num_params()).c_str(), printable(source).c_str(), format_count(l.numel()).c_str(),
@@ -47,8 +58,30 @@ void print_table(const Layout& l, const std::string& source, std::optional<std::
   std::printf("  partition    %s elements, %s per rank\n",
               format_count(l.partition_numel()).c_str(),
               format_bytes(l.partition_numel() * es).c_str());
-  std::printf("  order        %s\n", list_text(l.order()).c_str());
-  std::printf("  offsets      %s\n\n", list_text(l.offsets()).c_str());
+  if (release != nullptr) {
+    std::string left;
+    for (const auto& [i, why] : release->left_out) {
+      left += (left.empty() ? "" : ", ") + std::to_string(i) + " (" +
+              std::string(left_out_name(why)) + ")";
+    }
+    std::printf("  deepspeed    %s (rules of %s%s)%s%s\n", printable(release->rules.release).c_str(),
+                release->rules.rules.c_str(), release->rules.tested ? ", tested" : ", untested",
+                left.empty() ? "" : "; left out: ", left.c_str());
+  }
+  std::printf("  order        %s\n", list_text(named(l.order())).c_str());
+  if (release == nullptr) {
+    std::printf("  offsets      %s\n\n", list_text(l.offsets()).c_str());
+  } else {
+    std::vector<std::uint64_t> by_input(release->num_inputs, 0);
+    std::string text;
+    for (std::uint64_t k = 0; k < release->kept.size(); ++k) by_input[release->kept[k]] = l.offsets()[k];
+    for (std::uint64_t i = 0; i < release->num_inputs && i < 16; ++i) {
+      const bool in = std::find(release->kept.begin(), release->kept.end(), i) != release->kept.end();
+      text += (i ? " " : "") + (in ? std::to_string(by_input[i]) : std::string("-"));
+    }
+    if (release->num_inputs > 16) text += " ... (" + format_count(release->num_inputs) + " in all)";
+    std::printf("  offsets      %s\n\n", text.c_str());
+  }
   std::printf("%6s %14s %14s %12s %12s  %s\n", "rank", "start", "end", "padding", "first_off",
               "params in partition");
   const std::uint64_t max_rows = 64;
@@ -61,9 +94,9 @@ void print_table(const Layout& l, const std::string& source, std::optional<std::
     RankLayout rl = l.rank(r, /*list_not_in_partition=*/false);
     std::printf("%6llu %14llu %14llu %12llu %12llu  %s\n", static_cast<unsigned long long>(r),
                 static_cast<unsigned long long>(rl.start), static_cast<unsigned long long>(rl.end),
-                static_cast<unsigned long long>(rl.padding),
+                static_cast<unsigned long long>(release ? release->rank_padding(r) : rl.padding),
                 static_cast<unsigned long long>(rl.first_offset),
-                list_text(rl.params_in_partition, 4).c_str());
+                list_text(named(rl.params_in_partition), 4).c_str());
   }
 }
 
@@ -79,6 +112,9 @@ int subcommand_layout(const std::vector<std::string>& argv) {
            "JSON list)");
   add_model_options(p, "");
   add_layout_options(p);
+  p.option("frozen", "LIST",
+           "with --deepspeed: the indices of frozen parameters (requires_grad False), which "
+           "DeepSpeed leaves out of the group: 1,4 or @FILE");
   p.option("rank", "R", "only rank R's bookkeeping (the table's row, the document's \"ranks\")",
            "every rank");
   p.flag("json", "print one JSON document (the shape of docs/cli.md)");
@@ -111,7 +147,22 @@ int subcommand_layout(const std::vector<std::string>& argv) {
     source = model.name;
   }
   LayoutOptions options = layout_options_from_args(args, model_given ? &model : nullptr);
-  Layout layout = Layout::compute(numels, options);
+  const std::optional<ReleaseRules> rules = release_from_args(args);
+  std::vector<bool> frozen;
+  if (auto v = args.get("frozen")) {
+    if (!rules) throw UsageError("--frozen goes with --deepspeed (zeroflat's layout has no frozen parameters: leave them out of --numels)");
+    frozen.assign(numels.size(), false);
+    for (std::uint64_t i : parse_numels(*v)) {
+      if (i >= numels.size()) {
+        throw InvalidArgument("--frozen " + std::to_string(i) + ": the group has parameters 0 to " +
+                              std::to_string(numels.size() - 1));
+      }
+      frozen[i] = true;
+    }
+  }
+  std::optional<ReleaseLayout> release;
+  if (rules) release = layout_for_release(numels, frozen, options, *rules);
+  const Layout layout = release ? release->layout : Layout::compute(numels, options);
   std::optional<std::uint64_t> rank;
   if (auto v = args.get("rank")) {
     rank = parse_u64(*v, "--rank");
@@ -122,13 +173,17 @@ int subcommand_layout(const std::vector<std::string>& argv) {
   }
   if (args.has("json")) {
     try {
-      layout.write_json(std::cout, rank);
+      if (release) {
+        release->write_json(std::cout, rank);
+      } else {
+        layout.write_json(std::cout, rank);
+      }
     } catch (const InvalidArgument& e) {
       throw InvalidArgument(std::string(e.what()) + " with --rank R");
     }
     std::cout << '\n';
   } else {
-    print_table(layout, source, rank);
+    print_table(layout, source, rank, release ? &*release : nullptr);
   }
   return kExitOk;
 }

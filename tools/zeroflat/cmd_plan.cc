@@ -51,6 +51,9 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   if (!args.has("device")) throw UsageError("--device is required (a preset or a size)");
   ModelSpec model = model_from_args(args, "");
   LayoutOptions options = layout_options_from_args(args, &model);
+  if (const std::string note = apply_release(args, model, options); !note.empty()) {
+    std::fprintf(stderr, "zeroflat plan: %s\n", note.c_str());
+  }
   const std::string device_text = *args.get("device");
   DevicePreset preset;
   if (auto found = find_preset(device_text)) {

@@ -34,6 +34,28 @@ void add_layout_options(Parser& parser) {
                 "the model's own (a config's torch_dtype, a checkpoint's), else bf16");
   parser.option("param-align-bytes", "B",
                 "start every parameter after the first at a multiple of B bytes (0: packed)", "0");
+  parser.option("deepspeed", "V",
+                "lay the group out as DeepSpeed release V does (0.14.0 and later, or latest): "
+                "the parameters it leaves out (frozen; zero-element from 0.19.8) are reported, "
+                "not laid out",
+                "zeroflat's layout (docs/layout.md)");
+}
+
+std::optional<ReleaseRules> release_from_args(const Args& args) {
+  if (auto v = args.get("deepspeed")) return deepspeed_rules(*v);
+  return std::nullopt;
+}
+
+std::string apply_release(const Args& args, ModelSpec& model, const LayoutOptions& options) {
+  const std::optional<ReleaseRules> rules = release_from_args(args);
+  if (!rules) return "";
+  const ReleaseLayout rl = layout_for_release(model.numels(), {}, options, *rules);
+  if (rl.left_out.empty()) return "";
+  std::vector<TensorSpec> kept;
+  for (std::uint64_t i : rl.kept) kept.push_back(model.tensors[i]);
+  model.tensors = std::move(kept);
+  return "DeepSpeed " + rules->release + " leaves " + std::to_string(rl.left_out.size()) +
+         " zero-element tensor(s) out of the group";
 }
 
 LayoutOptions layout_options_from_args(const Args& args, const ModelSpec* model) {

@@ -1,4 +1,5 @@
 // `zeroflat run`: its options, checked before anything is allocated.
+#include <cstdio>
 #include <string>
 
 #include "cli/common.h"
@@ -67,6 +68,9 @@ RunConfig run_config_from_args(const Args& args) {
   RunConfig cfg;
   cfg.model = model_from_args(args, "tiny-moe");
   cfg.options = layout_options_from_args(args, &cfg.model);
+  if (const std::string note = apply_release(args, cfg.model, cfg.options); !note.empty()) {
+    std::fprintf(stderr, "zeroflat run: %s\n", note.c_str());
+  }
   cfg.device_spec = args.get("device").value_or("cpu");
   cfg.no_data = args.has("no-data");
   cfg.comm = args.get("comm").value_or("local");

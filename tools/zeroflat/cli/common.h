@@ -2,12 +2,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "cli/args.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/model.h"
+#include "zeroflat/release.h"
 
 namespace zeroflat::cli {
 
@@ -23,11 +25,17 @@ void add_model_options(Parser& parser, const std::string& default_model);
 // The model the options name; throws InvalidArgument for an unknown model or bad numbers.
 ModelSpec model_from_args(const Args& args, const std::string& default_model);
 
-// --dp, --round-robin, --alignment-factor, --dtype, --param-align-bytes.
+// --dp, --round-robin, --alignment-factor, --dtype, --param-align-bytes, --deepspeed.
 void add_layout_options(Parser& parser);
 // Validated layout options (InvalidArgument names the bad value). With a model, its declared
 // dtype is used unless --dtype is given.
 LayoutOptions layout_options_from_args(const Args& args, const ModelSpec* model = nullptr);
+// --deepspeed V: that release's rules, or none.
+std::optional<ReleaseRules> release_from_args(const Args& args);
+// The model's group as the release lays it out: the tensors it leaves out (zero-element ones
+// from 0.19.8) are dropped, and the options checked against its rules. Without a release, the
+// model as it is. A note for stderr says what was left out, or "".
+std::string apply_release(const Args& args, ModelSpec& model, const LayoutOptions& options);
 
 int subcommand_layout(const std::vector<std::string>& argv);
 int subcommand_run(const std::vector<std::string>& argv);
