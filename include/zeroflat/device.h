@@ -166,6 +166,16 @@ struct DeviceOptions {
 using DeviceFactory =
     std::function<std::unique_ptr<Device>(std::string_view spec, const DeviceOptions& options)>;
 
+// Host memory as the cpu device allocates it: sizes of 2 MiB and more are fresh anonymous
+// mappings, 2 MiB-aligned and advised for transparent huge pages (a first touch then costs one
+// fault per 2 MiB, not per 4 KiB), smaller ones cache-line-aligned heap memory. Nothing is
+// touched: the first writer faults the pages in (the cpu device's gather does, split by bytes
+// over its threads). A framework can hand it out as its own tensor's storage, releasing it with
+// release_host_memory. Throws OutOfMemory.
+void* allocate_host_memory(std::uint64_t num_bytes);
+// Releases memory from allocate_host_memory; num_bytes must be the size that was asked for.
+void release_host_memory(void* ptr, std::uint64_t num_bytes) noexcept;
+
 // Makes the device a spec names: "cpu" always; other backends once registered. Throws
 // InvalidArgument for an unknown or malformed spec, naming it and listing the known ones.
 std::unique_ptr<Device> make_device(std::string_view spec, const DeviceOptions& options = {});

@@ -88,6 +88,7 @@ struct FlattenResult {
   // held before the first step), to set beside execution.measured_peak_device_bytes.
   std::uint64_t predicted_peak_device_bytes = 0;
   DeviceBuffer master;       // this rank's fp32 master partition, when asked and complete
+  double master_seconds = 0;  // building it (allocation and first touch included)
   std::string master_error;  // why there is no master although one was asked
 
   // False: no tier fits (plan.reason says why with the numbers); nothing was moved.

@@ -28,8 +28,21 @@ zf::DType dtype_of(const std::string& name) {
   return zf::parse_dtype(name);
 }
 
-// Device memory from torch's allocator, kept alive here until released; everything else (the
-// gather, copies, up-casts, checksums, host staging) on zeroflat's device of the same kind.
+// A uint8 tensor over zeroflat's own host memory (2 MiB-aligned, advised for huge pages, fresh:
+// its first touch is the gather's, by every thread of the team on its own byte range), freed by
+// torch when the last tensor over it goes. torch's allocator would hand out malloc memory that
+// glibc reuses, half faulted in with 4 KiB pages, where advising huge pages is slower than not.
+at::Tensor host_tensor(std::uint64_t num_bytes) {
+  const std::uint64_t n = num_bytes == 0 ? 1 : num_bytes;
+  void* p = zf::allocate_host_memory(n);
+  return at::from_blob(
+      p, {static_cast<std::int64_t>(n)}, [n](void* q) { zf::release_host_memory(q, n); },
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+}
+
+// Device memory from torch's allocator (on the CPU, tensors over zeroflat's host memory), kept
+// alive here until released; everything else (the gather, copies, up-casts, checksums, host
+// staging) on zeroflat's device of the same kind.
 class TorchDevice final : public zf::Device {
  public:
   TorchDevice(const std::string& device, unsigned threads) : device_(device) {
@@ -43,8 +56,9 @@ class TorchDevice final : public zf::Device {
   void* allocate(std::uint64_t num_bytes) override {
     at::Tensor t;
     try {
-      t = at::empty({static_cast<std::int64_t>(num_bytes == 0 ? 1 : num_bytes)},
-                    at::TensorOptions().dtype(at::kByte).device(device_));
+      t = device_.is_cpu() ? host_tensor(num_bytes)
+                           : at::empty({static_cast<std::int64_t>(num_bytes == 0 ? 1 : num_bytes)},
+                                       at::TensorOptions().dtype(at::kByte).device(device_));
     } catch (const c10::Error& e) {
       throw zf::OutOfMemory(name() + ": torch could not allocate " + std::to_string(num_bytes) +
                             " bytes: " + e.what_without_backtrace());
@@ -216,7 +230,7 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
                   std::uint64_t framework_cached_free_bytes, std::uint64_t framework_held_bytes,
                   const std::vector<std::string>& names, const std::string& must_match,
                   const std::string& local_error, std::optional<std::size_t> fault_step,
-                  const std::function<void()>& release_originals) {
+                  bool defer_release, const std::function<void()>& release_originals) {
   zf::FlattenOptions o;
   o.local_error = local_error;
   std::vector<zf::TensorRef> params;
@@ -246,6 +260,14 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
   o.names = names;
   o.must_match = must_match;
   o.execute.fault_step = fault_step;
+  // defer_release: when the originals' release comes after the buffer is complete (the device
+  // tier's last step), the caller rebinds every parameter itself right after, which frees them
+  // there (as DeepSpeed's own flatten leaves it): this step does not.
+  bool complete = false;
+  o.execute.on_step = [&](std::size_t, const zf::Step& step) {
+    if (step.op == zf::Op::kRepoint) complete = true;
+  };
+  bool deferred = false;
   std::unique_ptr<PyCommunicator> comm;
   if (!comm_impl.is_none()) comm = std::make_unique<PyCommunicator>(comm_impl);
 
@@ -256,10 +278,14 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
     py::gil_scoped_release nogil;
     try {
       r = zf::flatten_param_group(params, device, comm.get(), o, [&] {
-        py::gil_scoped_acquire gil;
-        release_originals();
         device.uncount_originals(model_bytes);
         released = true;
+        if (defer_release && complete) {
+          deferred = true;
+          return;
+        }
+        py::gil_scoped_acquire gil;
+        release_originals();
       });
     } catch (...) {
       if (!released) device.uncount_originals(model_bytes);
@@ -291,6 +317,8 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
     doc["value_check_bytes"] = r.value_check.bytes_hashed;
   }
   if (!r.master_error.empty()) doc["master_error"] = r.master_error;
+  if (r.master) doc["master_seconds"] = r.master_seconds;
+  doc["release_deferred"] = deferred;
   // The buffers' tensors go to Python; the library's handles on them are dropped after.
   auto owned = [&](const zf::DeviceBuffer& b) -> py::object {
     if (!b) return py::none();
@@ -325,13 +353,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return d.checksum(reinterpret_cast<const void*>(ptr), n);
            })
       .def("tensor", &TorchDevice::tensor, py::arg("ptr"))
-      .def("allocated_bytes", [](TorchDevice& d) { return d.memory_info().allocated_bytes; });
+      .def("allocated_bytes", [](TorchDevice& d) { return d.memory_info().allocated_bytes; })
+      // Host conversions at the engine's speed: a fresh buffer of zeroflat's host memory (huge
+      // pages), first touched by the team that writes it. CPU tensors only; the caller checks.
+      .def("upcast",
+           [](TorchDevice& d, const at::Tensor& src) {
+             const std::uint64_t n = static_cast<std::uint64_t>(src.numel());
+             at::Tensor out = host_tensor(n * 4);
+             const zf::DType dtype = src.scalar_type() == at::kBFloat16 ? zf::DType::kBF16
+                                                                          : zf::DType::kFP16;
+             {
+               py::gil_scoped_release nogil;
+               d.upcast_to_fp32(static_cast<float*>(out.data_ptr()), src.data_ptr(), dtype, n);
+             }
+             return out.narrow(0, 0, static_cast<std::int64_t>(n * 4));
+           })
+      .def("clone", [](TorchDevice& d, const at::Tensor& src) {
+        const std::uint64_t n = static_cast<std::uint64_t>(src.numel()) * src.element_size();
+        at::Tensor out = host_tensor(n);
+        {
+          py::gil_scoped_release nogil;
+          d.copy(out.data_ptr(), src.data_ptr(), n);
+        }
+        return out.narrow(0, 0, static_cast<std::int64_t>(n));
+      });
   m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"),
         py::arg("shapes"), py::arg("dp"), py::arg("round_robin"), py::arg("alignment_factor"),
         py::arg("dtype"), py::arg("param_align_bytes"), py::arg("tier"), py::arg("margin_bytes"),
         py::arg("master"), py::arg("check_values"), py::arg("framework_cached_free_bytes"),
         py::arg("framework_held_bytes"), py::arg("names"), py::arg("must_match"),
-        py::arg("local_error"), py::arg("fault_step"), py::arg("release_originals"));
+        py::arg("local_error"), py::arg("fault_step"), py::arg("defer_release"),
+        py::arg("release_originals"));
   m.def(
       "layout_json",
       [](const std::vector<std::uint64_t>& numels, std::uint64_t dp, bool round_robin,

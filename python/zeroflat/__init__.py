@@ -311,7 +311,8 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
                         verify: bool = False, threads: Optional[int] = None,
                         trainable_only: bool = True, check_values: bool = True,
                         deepspeed: Optional[str] = "installed",
-                        _fault_step: Optional[int] = None, _fault_rank: int = 0) -> FlatGroup:
+                        _fault_step: Optional[int] = None, _fault_rank: int = 0,
+                        _rebinds: bool = False) -> FlatGroup:
     """Flattens the trainable parameters of one group into DeepSpeed's ZeRO-1/2 layout.
 
     Parameters with ``requires_grad=False`` are left alone, as DeepSpeed leaves them (unless
@@ -415,7 +416,7 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
             f"master_dtype {master_dtype}, verify {verify}, trainable_only {trainable_only}, "
             f"deepspeed rules {rules['rules'] if rules else None}",
             "" if ok else f"{type(local_error).__name__}: {local_error}",
-            _fault_step if rank == _fault_rank else None, release_originals)
+            _fault_step if rank == _fault_rank else None, bool(_rebinds), release_originals)
     except ValueError:
         if local_error is not None:
             raise local_error from None  # this rank's own error, as it was found
@@ -431,8 +432,11 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
     fg = None
     if flat_bytes is not None:
         flat = flat_bytes[: lay["flat_bytes"]].view(dtype)
-        for p, off, shape in zip(group_params, lay["offsets"], shapes):
-            p.data = flat[off: off + shape.numel()].view(shape)
+        if not report.get("release_deferred"):
+            for p, off, shape in zip(group_params, lay["offsets"], shapes):
+                p.data = flat[off: off + shape.numel()].view(shape)
+        # else (_rebinds: the caller, DeepSpeed, points every parameter into flat itself right
+        # after, which frees the originals there, as its own flatten leaves them)
         part_n = lay["partition_numel"]
         partition = flat[rank * part_n: (rank + 1) * part_n]
         master = None

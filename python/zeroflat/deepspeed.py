@@ -124,7 +124,7 @@ def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offse
             fg = zeroflat.flatten_param_group(
                 _independent(sources), process_group, alignment_factor=alignment // world,
                 param_align_bytes=palign, master_dtype=None, trainable_only=False,
-                deepspeed=rules["release"])
+                deepspeed=rules["release"], _rebinds=True)
         except (TypeError, ValueError, zeroflat.NoFeasiblePlan) as e:  # nothing moved
             reason = str(e)
         except zeroflat.ExecutionError as e:
@@ -238,6 +238,70 @@ class _KeepOnDevice:
             torch.Tensor.cpu = self.saved
 
 
+class _FastHostCopies:
+    """While an optimizer is constructed on this thread, the large host copies it makes of
+    zeroflat's buffer (the bf16 partition's clone, its fp32 up-cast: the master partition) run on
+    zeroflat's engine: a fresh buffer of huge pages, first touched by the threads that write it,
+    split by bytes, where torch would fault in 4 KiB pages on one thread. The values are torch's
+    to the bit (clone copies, and bf16 or fp16 to fp32 is exact); anything else is torch's."""
+
+    kMinBytes = 8 << 20
+
+    def __init__(self):
+        self.saved = None
+        self.engine = None
+
+    def _large(self, t):
+        return (getattr(_state, "fast_host", False) and t.device.type == "cpu" and not t.is_sparse
+                and t.is_contiguous() and not (t.requires_grad and torch.is_grad_enabled())
+                and t.numel() * t.element_size() >= self.kMinBytes)
+
+    def _engine(self):
+        if self.engine is None:
+            local = zeroflat._C.local_ranks() or 1
+            self.engine = zeroflat._C.TorchDevice("cpu", zeroflat._C.default_threads(local))
+        return self.engine
+
+    def _upcast(self, t):
+        return self._engine().upcast(t).view(torch.float32).view(t.shape)
+
+    def __enter__(self):
+        clone, to, to_float = torch.Tensor.clone, torch.Tensor.to, torch.Tensor.float
+        fast = self
+
+        def fast_clone(t, *args, **kwargs):
+            if not args and not kwargs and fast._large(t):
+                return fast._engine().clone(t).view(t.dtype).view(t.shape)
+            return clone(t, *args, **kwargs)
+
+        def fast_float(t, *args, **kwargs):
+            if not args and not kwargs and t.dtype in (torch.bfloat16, torch.float16) \
+                    and fast._large(t):
+                return fast._upcast(t)
+            return to_float(t, *args, **kwargs)
+
+        def fast_to(t, *args, **kwargs):
+            # .to(torch.float32) and .to(device=<cpu>, dtype=torch.float32), as the optimizers
+            # build their fp32 master partitions.
+            dtype = kwargs.get("dtype", args[0] if len(args) == 1 and isinstance(args[0], torch.dtype)
+                               else None)
+            device = kwargs.get("device")
+            extra = set(kwargs) - {"dtype", "device"} or (args and not isinstance(args[0], torch.dtype))
+            if (dtype == torch.float32 and not extra and t.dtype in (torch.bfloat16, torch.float16)
+                    and (device is None or torch.device(device).type == "cpu") and fast._large(t)):
+                return fast._upcast(t)
+            return to(t, *args, **kwargs)
+
+        self.saved = (clone, to, to_float)
+        torch.Tensor.clone, torch.Tensor.to, torch.Tensor.float = fast_clone, fast_to, fast_float
+        _state.fast_host = True
+        return self
+
+    def __exit__(self, *exc):
+        _state.fast_host = False
+        torch.Tensor.clone, torch.Tensor.to, torch.Tensor.float = self.saved
+
+
 def _zero_init_hook(original):
     def __init__(self, init_optimizer, *args, **kwargs):
         from deepspeed.accelerator import get_accelerator
@@ -250,7 +314,7 @@ def _zero_init_hook(original):
         accel.available_memory = lambda *a, **k: 1 << 62
         _state.zero_init = self
         try:
-            with _KeepOnDevice(init_optimizer):
+            with _KeepOnDevice(init_optimizer), _FastHostCopies():
                 original(self, init_optimizer, *args, **kwargs)
         finally:
             _state.zero_init = None
@@ -268,7 +332,8 @@ def _bf16_init_hook(original):
     def __init__(self, *args, **kwargs):
         _state.bf16_init = self
         try:
-            original(self, *args, **kwargs)
+            with _FastHostCopies():
+                original(self, *args, **kwargs)
         finally:
             _state.bf16_init = None
 

@@ -189,3 +189,15 @@ ProbeResult CpuDevice::probe_memory(const ProbeContext& context) {
 }
 
 }  // namespace zeroflat::detail
+
+namespace zeroflat {
+
+void* allocate_host_memory(std::uint64_t num_bytes) {
+  return detail::host_allocate(num_bytes);
+}
+
+void release_host_memory(void* ptr, std::uint64_t num_bytes) noexcept {
+  detail::host_release(ptr, num_bytes);
+}
+
+}  // namespace zeroflat
