@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "device/cpu_device.h"
@@ -136,6 +138,148 @@ TEST(HostKernels, UpcastEveryHalfAndBFloat16Value) {
   std::vector<float> tail(13);
   upcast_range(tail.data(), all.data() + 0x3C00, DType::kFP16, 13);
   EXPECT_EQ(tail[0], 1.0f);
+}
+
+// Rounding to a 16-bit type, by a different route than the library's: every finite
+// non-negative value of the type as a double (exact), sorted, plus the value infinity rounds
+// from (the next power of two, as IEEE rounding treats it); the nearest one wins, a tie goes to
+// the even bit pattern.
+class Nearest {
+ public:
+  explicit Nearest(DType type) {
+    for (std::uint32_t b = 0; b < 0x8000u; ++b) {
+      const auto h = static_cast<std::uint16_t>(b);
+      float f = 0;
+      upcast_range(&f, &h, type, 1);
+      if (std::isnan(f)) continue;
+      values_.emplace_back(std::isinf(f) ? (type == DType::kBF16 ? std::ldexp(1.0, 128) : 65536.0)
+                                         : static_cast<double>(f),
+                           h);
+    }
+    std::sort(values_.begin(), values_.end());
+  }
+  // The bits of x rounded, for a finite or infinite non-NaN x.
+  std::uint16_t operator()(float x) const {
+    const std::uint16_t sign = std::signbit(x) ? 0x8000 : 0;
+    const double a = std::fabs(static_cast<double>(x));
+    if (std::isinf(a)) return sign | values_.back().second;
+    auto hi = std::lower_bound(values_.begin(), values_.end(), std::make_pair(a, std::uint16_t{0}));
+    if (hi == values_.end()) return sign | values_.back().second;
+    if (hi->first == a || hi == values_.begin()) return sign | hi->second;
+    auto lo = hi - 1;
+    const double dl = a - lo->first;
+    const double dh = hi->first - a;
+    if (dl < dh) return sign | lo->second;
+    if (dh < dl) return sign | hi->second;
+    return sign | ((lo->second & 1u) == 0 ? lo->second : hi->second);
+  }
+
+ private:
+  std::vector<std::pair<double, std::uint16_t>> values_;
+};
+
+std::uint16_t convert_one(float x, DType to) {
+  std::uint16_t out = 0;
+  convert_range(&out, to, &x, DType::kFP32, 1);
+  return out;
+}
+
+TEST(HostKernels, NarrowingRoundsToNearestEvenLikeAnIndependentReference) {
+  for (DType to : {DType::kBF16, DType::kFP16}) {
+    SCOPED_TRACE(std::string(dtype_name(to)));
+    const Nearest nearest(to);
+    std::vector<float> xs;
+    // Every value of the type, the midpoints between neighbours (ties), one float either side
+    // of them, and random bit patterns over every exponent.
+    for (std::uint32_t b = 0; b < 0x7fffu; ++b) {
+      const auto h = static_cast<std::uint16_t>(b);
+      const auto h1 = static_cast<std::uint16_t>(b + 1);
+      float f = 0, g = 0;
+      upcast_range(&f, &h, to, 1);
+      upcast_range(&g, &h1, to, 1);
+      if (std::isnan(f)) continue;
+      xs.push_back(f);
+      if (std::isnan(g)) continue;
+      const float mid =
+          std::isinf(g) ? static_cast<float>(static_cast<double>(f) +
+                                             (static_cast<double>(f) - std::nextafter(f, 0.0f)) / 2)
+                        : static_cast<float>((static_cast<double>(f) + g) / 2);
+      xs.push_back(mid);
+      xs.push_back(std::nextafter(mid, 0.0f));
+      xs.push_back(std::nextafter(mid, INFINITY));
+    }
+    std::mt19937 rng(7);
+    for (int i = 0; i < 400000; ++i) {
+      std::uint32_t bits = rng();
+      float f;
+      std::memcpy(&f, &bits, 4);
+      if (!std::isnan(f)) xs.push_back(f);
+    }
+    xs.push_back(INFINITY);
+    xs.push_back(65519.99f);
+    xs.push_back(65520.0f);
+    xs.push_back(3.4028235e38f);
+    std::vector<float> negated(xs.size());
+    std::transform(xs.begin(), xs.end(), negated.begin(), [](float v) { return -v; });
+    xs.insert(xs.end(), negated.begin(), negated.end());
+    // The whole array at once (the vector path where the machine has one), then one by one on
+    // the scalar path.
+    std::vector<std::uint16_t> out(xs.size());
+    convert_range(out.data(), to, xs.data(), DType::kFP32, xs.size());
+    int bad = 0;
+    for (std::size_t i = 0; i < xs.size() && bad < 5; ++i) {
+      const std::uint16_t want = nearest(xs[i]);
+      const std::uint16_t scalar = to == DType::kBF16 ? float_to_bf16(xs[i]) : float_to_fp16(xs[i]);
+      if (out[i] != want || scalar != want) {
+        ++bad;
+        ADD_FAILURE() << "x = " << xs[i] << ": got " << std::hex << out[i] << " (scalar " << scalar
+                      << "), want " << want;
+      }
+    }
+  }
+}
+
+TEST(HostKernels, NaNStaysNaNAndSixteenBitTypesConvertThroughFloat) {
+  const std::uint32_t nans[] = {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xffc12345u, 0x7fa00000u};
+  for (std::uint32_t bits : nans) {
+    float f;
+    std::memcpy(&f, &bits, 4);
+    for (DType to : {DType::kBF16, DType::kFP16}) {
+      float back = 0;
+      const std::uint16_t h = convert_one(f, to);
+      upcast_range(&back, &h, to, 1);
+      EXPECT_TRUE(std::isnan(back)) << std::hex << bits << " -> " << h;
+    }
+  }
+  // bf16 <-> fp16, every input: equal to widening (exact) then narrowing.
+  for (DType from : {DType::kBF16, DType::kFP16}) {
+    const DType to = from == DType::kBF16 ? DType::kFP16 : DType::kBF16;
+    std::vector<std::uint16_t> in(65536), out(65536);
+    for (std::uint32_t b = 0; b < 65536; ++b) in[b] = static_cast<std::uint16_t>(b);
+    convert_range(out.data(), to, in.data(), from, in.size());
+    for (std::uint32_t b = 0; b < 65536; ++b) {
+      float f = 0, g = 0;
+      upcast_range(&f, &in[b], from, 1);
+      upcast_range(&g, &out[b], to, 1);
+      if (std::isnan(f)) {
+        EXPECT_TRUE(std::isnan(g)) << std::hex << b;
+      } else {
+        ASSERT_EQ(out[b], convert_one(f, to)) << std::hex << b;
+      }
+    }
+  }
+  // Widening is exact, and a type to itself is a copy.
+  std::vector<std::uint16_t> in(65536), same(65536);
+  for (std::uint32_t b = 0; b < 65536; ++b) in[b] = static_cast<std::uint16_t>(b);
+  convert_range(same.data(), DType::kBF16, in.data(), DType::kBF16, in.size());
+  EXPECT_EQ(same, in);
+  std::vector<float> wide(65536);
+  convert_range(wide.data(), DType::kFP32, in.data(), DType::kBF16, in.size());
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    std::uint32_t w;
+    std::memcpy(&w, &wide[b], 4);
+    ASSERT_EQ(w, b << 16);
+  }
 }
 
 TEST(CpuDevice, AllocationAccountingAndAlignment) {
