@@ -239,6 +239,36 @@ TEST(AfterInit, WarnsWhenInitFitsButTrainingDoesNot) {
   EXPECT_LT(offload.device_bytes_after, full.device_bytes_after);
 }
 
+TEST(Load, TheFlatBufferAloneOnTheDeviceTheRingOnTheHostTheReadsAPartition) {
+  // The seed's 48 layers, nothing of the model on the device yet.
+  PlanInput in = qwen_on("h100-80gb", 48, 8);
+  in.free_bytes = in.capacity_bytes;
+  in.original_bytes = 0;
+  const Candidate c = plan_load(in, kDefaultRingBytes);
+  EXPECT_TRUE(c.feasible) << c.why_not;
+  EXPECT_EQ(c.tier, Tier::kLoad);
+  EXPECT_EQ(c.profile.peak_device_bytes, in.layout.flat_bytes());
+  EXPECT_EQ(c.profile.peak_host_bytes, kDefaultRingBytes);
+  EXPECT_EQ(c.profile.read_bytes, in.layout.partition_bytes());
+  EXPECT_EQ(c.profile.comm_bytes, in.layout.flat_bytes() - in.layout.partition_bytes());
+  EXPECT_EQ(c.profile.after_step.back().host_bytes, 0u);  // the ring is released
+  // Reading dominates the time, at the read bandwidth.
+  EXPECT_GE(c.predicted_seconds,
+            static_cast<double>(in.layout.partition_bytes()) / in.bandwidths.read);
+  // What is resident counts: with half the device taken, the buffer does not fit.
+  in.free_bytes = in.capacity_bytes / 2;
+  const Candidate tight = plan_load(in, kDefaultRingBytes);
+  EXPECT_FALSE(tight.feasible);
+  EXPECT_NE(tight.why_not.find("exceeds"), std::string::npos) << tight.why_not;
+  // No pinned host memory to stage through.
+  in.free_bytes = in.capacity_bytes;
+  in.host_free_bytes = 1 << 20;
+  EXPECT_NE(plan_load(in, kDefaultRingBytes).why_not.find("ring"), std::string::npos);
+  // A host device reads straight into the buffer: no ring.
+  EXPECT_TRUE(plan_load(in, 0).feasible);
+  EXPECT_THROW(tier_steps(Tier::kLoad, in.layout, 0), InvalidArgument);
+}
+
 TEST(Presets, CapacitiesAsTheDriverReportsThem) {
   EXPECT_EQ(find_preset("h100-80gb")->capacity_bytes, 81559ull << 20);
   EXPECT_EQ(find_preset("h200")->capacity_bytes, 143771ull << 20);

@@ -13,6 +13,7 @@
 
 #include "zeroflat/comm.h"
 #include "zeroflat/layout.h"
+#include "zeroflat/plan.h"
 #include "zeroflat/tensor.h"
 
 namespace zeroflat {
@@ -45,6 +46,10 @@ struct Agreement {
   std::uint64_t host_free_bytes = 0;
   bool integrated = false;
 };
+
+// The planner's facts from what the ranks agreed (capacity, free, host free, integrated) and
+// this node's rank count; bandwidths are left for the caller (the device's hardware or its own).
+PlanFacts plan_facts(const Agreement& agreed, std::uint64_t local_ranks);
 
 // Collective: every rank of comm calls it (null, or a communicator of size 1: this rank alone,
 // no collective). One all-reduce when everything matches; one more, only on a mismatch, to name

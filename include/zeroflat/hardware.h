@@ -18,6 +18,7 @@ struct Bandwidths {
   double host_link = 0;      // host <-> device, each direction, pinned
   double allgather_bus = 0;  // NCCL-style bus bandwidth of the all-gather
   double host_copy = 0;      // host memory copies of the whole node, shared by its ranks
+  double read = 2e9;         // checkpoint reads of one rank (storage or page cache)
 };
 
 // An accelerator preset (the capacities of docs/planner.md).

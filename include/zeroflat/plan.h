@@ -17,7 +17,9 @@
 
 namespace zeroflat {
 
-enum class Tier : std::uint8_t { kDevice, kSharded, kStaged, kHost };
+// The ways of flattening a group that is on the device, and (kLoad, not among kAllTiers) the
+// checkpoint loader's way of building the buffer from files (loader.h).
+enum class Tier : std::uint8_t { kDevice, kSharded, kStaged, kHost, kLoad };
 inline constexpr Tier kAllTiers[] = {Tier::kDevice, Tier::kSharded, Tier::kStaged, Tier::kHost};
 
 std::string_view tier_name(Tier tier) noexcept;  // "device", "sharded", "staged", "host"
@@ -45,6 +47,8 @@ enum class Op : std::uint8_t {
                       // bytes = the whole buffer
   kRepoint,           // parameters become views into kFlat
   kRelease,           // buffer
+  kRead,              // write flat-layout bytes [flat_offset, +bytes) from the checkpoint's
+                      // files into buffer at dst_offset (padding as zeros): the loader's gather
 };
 std::string_view op_name(Op op) noexcept;
 
@@ -73,6 +77,7 @@ struct Profile {
   std::uint64_t device_copy_bytes = 0;  // bytes copied device to device
   std::uint64_t pcie_bytes = 0;         // bytes over the host link, both directions
   std::uint64_t comm_bytes = 0;         // bytes each rank receives from the communicator
+  std::uint64_t read_bytes = 0;         // layout bytes read from checkpoint files
   std::vector<StepAccount> after_step;  // one per step
 };
 
@@ -169,6 +174,19 @@ std::uint64_t default_margin(std::uint64_t capacity_bytes) noexcept;
 // tier keeps on the device (the rest goes through the host).
 std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank,
                              std::uint64_t staged_device_bytes = 0);
+
+// The loader's step list (loader.h): allocate the flat buffer; where the host cannot write the
+// device, a ring of ring_bytes of pinned staging memory; read this rank's slice of the layout
+// from the checkpoint; release the ring; all-gather the slices in place.
+std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint64_t ring_bytes);
+
+// The loader as a candidate beside the tiers: its step list on the memory model from what is
+// resident now (input.original_bytes is 0: nothing of the group is on the device yet), its
+// traffic (read_bytes, comm_bytes), its predicted time (bandwidths.read for the reads), and
+// whether it fits in free - margin (device) and host_free (the ring).
+Candidate plan_load(const PlanInput& input, std::uint64_t ring_bytes);
+// The loader's default ring: 4 chunks of 16 MiB (LoadOptions).
+inline constexpr std::uint64_t kDefaultRingBytes = std::uint64_t{64} << 20;
 
 // Plans one group: every tier is built, simulated, costed, and checked against
 // free - margin (device) and host_free (host). Picks the fastest feasible one, or the forced one

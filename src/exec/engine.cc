@@ -116,12 +116,7 @@ FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
   const Agreement agreed = agree(ai, group);
 
   // --- plan -------------------------------------------------------------------------------------
-  PlanFacts facts;
-  facts.capacity_bytes = agreed.capacity_bytes;
-  facts.free_bytes = agreed.free_bytes;
-  facts.host_free_bytes = agreed.host_free_bytes;
-  facts.integrated = agreed.integrated;
-  facts.local_ranks = context.local_ranks;
+  PlanFacts facts = plan_facts(agreed, context.local_ranks);
   if (options.bandwidths) {
     facts.bandwidths = *options.bandwidths;
   } else {

@@ -245,6 +245,8 @@ class Run {
       case Op::kRelease:
         free_buffer(s.buffer);
         break;
+      case Op::kRead:  // the loader's step (loader.h): this executor has no checkpoint
+        throw InternalError("a read step needs the checkpoint loader");
     }
     machine_.apply(s);
   }

@@ -67,6 +67,16 @@ std::vector<std::uint64_t> min_max_pairs(std::span<const std::uint64_t> xs, Comm
 
 }  // namespace
 
+PlanFacts plan_facts(const Agreement& agreed, std::uint64_t local_ranks) {
+  PlanFacts facts;
+  facts.capacity_bytes = agreed.capacity_bytes;
+  facts.free_bytes = agreed.free_bytes;
+  facts.host_free_bytes = agreed.host_free_bytes;
+  facts.integrated = agreed.integrated;
+  facts.local_ranks = local_ranks;
+  return facts;
+}
+
 Agreement agree(const AgreementInput& in, Communicator* comm) {
   Agreement a{in.capacity_bytes, in.free_bytes, in.host_free_bytes, in.integrated};
   if (comm == nullptr || comm->size() <= 1) {

@@ -30,6 +30,7 @@ double predicted_seconds(const Candidate& c, const Bandwidths& bw, std::uint64_t
   add(c.profile.device_copy_bytes, bw.device_copy);
   add(c.profile.pcie_bytes, link);
   add(c.profile.comm_bytes, bw.allgather_bus);
+  add(c.profile.read_bytes, bw.read);
   add(c.profile.peak_host_bytes, kPinBytesPerSecond / ranks);
   return t;
 }
@@ -197,6 +198,34 @@ Plan plan_group(const PlanInput& in) {
                   format_bytes(closest_excess) + " (" + closest->why_not + ")";
   }
   return plan;
+}
+
+Candidate plan_load(const PlanInput& in, std::uint64_t ring_bytes) {
+  if (in.free_bytes > in.capacity_bytes) {
+    throw InvalidArgument("free memory " + format_bytes(in.free_bytes) + " exceeds the capacity " +
+                          format_bytes(in.capacity_bytes));
+  }
+  Candidate c;
+  c.tier = Tier::kLoad;
+  c.steps = load_steps(in.layout, in.rank, ring_bytes);
+  const std::uint64_t resident = in.capacity_bytes - in.free_bytes;
+  c.profile = simulate(c.steps, resident, 0, in.layout.options().dp);
+  c.predicted_seconds = predicted_seconds(c, in.bandwidths, in.local_ranks);
+  const std::uint64_t limit =
+      in.capacity_bytes > in.margin_bytes ? in.capacity_bytes - in.margin_bytes : 0;
+  if (c.profile.peak_device_bytes > limit) {
+    c.why_not = "peak " + format_bytes(c.profile.peak_device_bytes) + " (the flat buffer of " +
+                format_bytes(in.layout.flat_bytes()) + " beside what is resident) exceeds " +
+                "capacity " + format_bytes(in.capacity_bytes) + " - margin " +
+                format_bytes(in.margin_bytes) + " by " +
+                format_bytes(c.profile.peak_device_bytes - limit);
+  } else if (c.profile.peak_host_bytes > in.host_free_bytes) {
+    c.why_not = "the staging ring needs " + format_bytes(c.profile.peak_host_bytes) +
+                " of pinned host memory; " + format_bytes(in.host_free_bytes) +
+                " available to this rank";
+  }
+  c.feasible = c.why_not.empty();
+  return c;
 }
 
 AfterInit estimate_after_init(const PlanInput& in, bool zero2, bool offload_optimizer) {

@@ -30,6 +30,7 @@ Json candidate_doc(const Candidate& c, bool with_steps) {
   j["host_bytes"] = c.profile.peak_host_bytes;
   j["pcie_bytes"] = c.profile.pcie_bytes;
   j["comm_bytes"] = c.profile.comm_bytes;
+  if (c.profile.read_bytes > 0) j["read_bytes"] = c.profile.read_bytes;
   j["device_copy_bytes"] = c.profile.device_copy_bytes;
   j["predicted_seconds"] = c.predicted_seconds;
   j["why_not"] = c.feasible ? Json() : Json(c.why_not);

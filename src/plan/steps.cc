@@ -18,6 +18,8 @@ std::string_view tier_name(Tier tier) noexcept {
       return "staged";
     case Tier::kHost:
       return "host";
+    case Tier::kLoad:
+      return "load";
   }
   return "?";
 }
@@ -72,6 +74,8 @@ std::string_view op_name(Op op) noexcept {
       return "re-point";
     case Op::kRelease:
       return "release";
+    case Op::kRead:
+      return "read";
   }
   return "?";
 }
@@ -98,6 +102,10 @@ std::string Step::describe() const {
       return "re-point parameters as views into flat";
     case Op::kRelease:
       return "release " + b;
+    case Op::kRead:
+      return "read layout bytes [" + format_bytes(flat_offset) + ", " +
+             format_bytes(flat_offset + bytes) + ") from the checkpoint into " + b +
+             (on_host(buffer) ? " (host)" : "");
   }
   return "?";
 }
@@ -178,6 +186,8 @@ std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank
            release(Buffer::kHostStage),
            Step{Op::kRepoint}};
       break;
+    case Tier::kLoad:
+      throw InvalidArgument("the load tier reads a checkpoint: its steps are load_steps()");
   }
   return s;
 }
@@ -224,6 +234,9 @@ void StepMachine::check(const Step& st) const {
       if (released_) throw bad("reads the originals after they were released");
       inside(st.buffer, st.dst_offset, st.bytes);
       break;
+    case Op::kRead:
+      inside(st.buffer, st.dst_offset, st.bytes);
+      break;
     case Op::kCopy:
       inside(st.buffer, st.dst_offset, st.bytes);
       inside(st.source, st.src_offset, st.bytes);
@@ -259,8 +272,25 @@ void StepMachine::apply(const Step& st) noexcept {
     case Op::kCopy:
     case Op::kAllGather:
     case Op::kRepoint:
+    case Op::kRead:
       break;
   }
+}
+
+std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint64_t ring_bytes) {
+  if (rank >= layout.options().dp) {
+    throw InvalidArgument("rank " + std::to_string(rank) + " is outside [0, " +
+                          std::to_string(layout.options().dp) + ")");
+  }
+  const std::uint64_t sb = layout.partition_bytes();
+  std::vector<Step> s = {allocate(Buffer::kFlat, layout.flat_bytes())};
+  if (ring_bytes > 0) s.push_back(allocate(Buffer::kHostStage, ring_bytes));
+  s.push_back(Step{Op::kRead, Buffer::kFlat, Buffer::kNone, sb, rank * sb, rank * sb, 0});
+  if (ring_bytes > 0) s.push_back(release(Buffer::kHostStage));
+  s.push_back(Step{Op::kAllGather, Buffer::kFlat, Buffer::kFlat, layout.flat_bytes(), 0, 0,
+                   rank * sb});
+  s.push_back(Step{Op::kRepoint});
+  return s;
 }
 
 Profile simulate(const std::vector<Step>& steps, std::uint64_t resident_device_bytes,
@@ -284,6 +314,9 @@ Profile simulate(const std::vector<Step>& steps, std::uint64_t resident_device_b
     switch (st.op) {
       case Op::kGather:
         (on_host(st.buffer) ? p.pcie_bytes : p.device_copy_bytes) += st.bytes;
+        break;
+      case Op::kRead:
+        p.read_bytes += st.bytes;
         break;
       case Op::kCopy:
         (on_host(st.buffer) != on_host(st.source) ? p.pcie_bytes : p.device_copy_bytes) += st.bytes;
