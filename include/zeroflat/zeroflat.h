@@ -8,6 +8,7 @@
 #pragma once
 
 #include "zeroflat/agree.h"
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/checksum.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/config.h"
@@ -19,6 +20,7 @@
 #include "zeroflat/flatten.h"
 #include "zeroflat/hardware.h"
 #include "zeroflat/layout.h"
+#include "zeroflat/loader.h"
 #include "zeroflat/model.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/pattern.h"

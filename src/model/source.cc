@@ -8,6 +8,7 @@
 
 #include "model/files.h"
 #include "model/strict_json.h"
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/size.h"
@@ -19,31 +20,6 @@ namespace fs = std::filesystem;
 
 std::string read_text(const fs::path& path) {
   return detail::read_small_file(path.string(), kMaxHeaderBytes, "a config or index file");
-}
-
-// "layers.10" after "layers.9": digits compare as numbers.
-bool natural_less(const std::string& a, const std::string& b) {
-  std::size_t i = 0, j = 0;
-  while (i < a.size() && j < b.size()) {
-    if (std::isdigit(static_cast<unsigned char>(a[i])) &&
-        std::isdigit(static_cast<unsigned char>(b[j]))) {
-      std::size_t i2 = i, j2 = j;
-      while (i2 < a.size() && std::isdigit(static_cast<unsigned char>(a[i2]))) ++i2;
-      while (j2 < b.size() && std::isdigit(static_cast<unsigned char>(b[j2]))) ++j2;
-      std::string_view x(a.data() + i, i2 - i), y(b.data() + j, j2 - j);
-      while (x.size() > 1 && x.front() == '0') x.remove_prefix(1);
-      while (y.size() > 1 && y.front() == '0') y.remove_prefix(1);
-      if (x.size() != y.size()) return x.size() < y.size();
-      if (x != y) return x < y;
-      i = i2;
-      j = j2;
-    } else {
-      if (a[i] != b[j]) return a[i] < b[j];
-      ++i;
-      ++j;
-    }
-  }
-  return a.size() - i < b.size() - j;
 }
 
 std::string zeroflat_dtype(const std::string& st) {
@@ -61,76 +37,14 @@ struct Checkpoint {
   std::uint64_t files = 0;
 };
 
-// Every *.safetensors of a directory (or the shards its index names), headers only.
-Checkpoint read_checkpoint_dir(const fs::path& dir) {
-  std::vector<fs::path> files;
-  const fs::path index = dir / "model.safetensors.index.json";
-  std::map<std::string, std::string> weight_map;
-  if (fs::exists(index)) {
-    nlohmann::json doc = detail::parse_strict_json(read_text(index), index.string());
-    if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
-      throw InvalidArgument(index.string() + ": no 'weight_map' object");
-    }
-    std::set<std::string> shard_names;
-    for (auto it = doc["weight_map"].begin(); it != doc["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) {
-        throw InvalidArgument(index.string() +
-                              ": weight_map entry for a tensor is not a file name");
-      }
-      const std::string shard = it.value().get<std::string>();
-      if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..") {
-        throw InvalidArgument(index.string() + ": shard name '" + shard.substr(0, 80) +
-                              "' is not a plain file name in this directory");
-      }
-      weight_map[it.key()] = shard;
-      shard_names.insert(shard);
-    }
-    for (const std::string& s : shard_names) files.push_back(dir / s);
-  } else {
-    for (const auto& entry : fs::directory_iterator(dir)) {
-      if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
-    }
-    std::sort(files.begin(), files.end());
-  }
-  if (files.empty()) {
-    throw InvalidArgument(fs::exists(index) ? index.string() + ": the index lists no tensors"
-                                            : dir.string() + ": no .safetensors files");
-  }
+// Every tensor of a checkpoint (a directory, or one .safetensors file), headers only.
+Checkpoint read_checkpoint(const fs::path& path) {
+  const CheckpointIndex index = open_checkpoint(path.string());
   Checkpoint ck;
-  std::map<std::string, std::string> seen;  // tensor -> file
-  for (const fs::path& f : files) {
-    if (!fs::exists(f)) {
-      throw InvalidArgument(index.string() + ": names shard '" + f.filename().string() +
-                            "', which does not exist");
-    }
-    SafetensorsHeader h = read_safetensors_header(f.string());
-    ++ck.files;
-    for (const SafetensorsTensor& t : h.tensors) {
-      auto [it, fresh] = seen.emplace(t.name, f.filename().string());
-      if (!fresh) {
-        throw InvalidArgument(f.string() + ": tensor '" + t.name.substr(0, 80) + "' is also in " +
-                              it->second);
-      }
-      if (!weight_map.empty()) {
-        auto w = weight_map.find(t.name);
-        if (w == weight_map.end() || w->second != f.filename().string()) {
-          throw InvalidArgument(f.string() + ": tensor '" + t.name.substr(0, 80) +
-                                "' is not where the index says it is");
-        }
-      }
-      std::uint64_t size = safetensors_dtype_size(t.dtype);
-      ck.tensors.push_back(
-          TensorInfo{t.name, zeroflat_dtype(t.dtype), t.shape, t.numel, t.numel * size});
-    }
+  ck.files = index.files.size();
+  for (const CheckpointTensor& t : index.tensors) {
+    ck.tensors.push_back(TensorInfo{t.name, zeroflat_dtype(t.dtype), t.shape, t.numel, t.bytes});
   }
-  for (const auto& [name, file] : weight_map) {
-    if (!seen.count(name)) {
-      throw InvalidArgument(index.string() + ": tensor '" + name.substr(0, 80) + "' is not in " +
-                            file);
-    }
-  }
-  std::sort(ck.tensors.begin(), ck.tensors.end(),
-            [](const TensorInfo& a, const TensorInfo& b) { return natural_less(a.name, b.name); });
   return ck;
 }
 
@@ -212,7 +126,7 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
       return config_model(path / "config.json");
     }
     no_overrides(path.string());
-    return from_tensors(path.string(), read_checkpoint_dir(path).tensors);
+    return from_tensors(path.string(), read_checkpoint(path).tensors);
   }
   if (path.extension() == ".safetensors") {
     no_overrides(path.string());
@@ -232,20 +146,15 @@ Inspection inspect_path(const std::string& p) {
     return c;
   }
   if (fs::is_directory(path)) {
-    Checkpoint ck = read_checkpoint_dir(path);
+    Checkpoint ck = read_checkpoint(path);
     out.source = "checkpoint";
     out.files = ck.files;
     out.tensors = std::move(ck.tensors);
   } else if (path.extension() == ".safetensors") {
-    SafetensorsHeader h = read_safetensors_header(p);
+    Checkpoint ck = read_checkpoint(path);
     out.source = "safetensors";
     out.files = 1;
-    for (const SafetensorsTensor& t : h.tensors) {
-      out.tensors.push_back(TensorInfo{t.name, zeroflat_dtype(t.dtype), t.shape, t.numel,
-                                       t.numel * safetensors_dtype_size(t.dtype)});
-    }
-    std::sort(out.tensors.begin(), out.tensors.end(),
-              [](const auto& a, const auto& b) { return natural_less(a.name, b.name); });
+    out.tensors = std::move(ck.tensors);
   } else {
     const std::string text = read_text(path);
     TransformerConfig c = parse_hf_config(text, p);

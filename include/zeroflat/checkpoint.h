@@ -1,0 +1,65 @@
+// Safetensors checkpoints as the loader reads them: every tensor's file, byte range and dtype
+// (headers only are read), and a writer of deterministic test checkpoints.
+//
+// A checkpoint is one `.safetensors` file, or a directory of them, with Hugging Face's
+// `model.safetensors.index.json` naming the shard of each tensor when there is one. These files
+// are untrusted input: every header is validated (model_source.h), the index must agree with
+// the shards, and a file shorter than its header says is refused, before anything is read.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "zeroflat/dtype.h"
+#include "zeroflat/model.h"
+#include "zeroflat/tensor.h"
+
+namespace zeroflat {
+
+struct CheckpointTensor {
+  std::string name;
+  std::string dtype;          // as in the file: "BF16", "F32", ...
+  std::optional<DType> type;  // zeroflat's dtype, when it is one the loader converts from
+  Shape shape;
+  std::uint64_t numel = 0;
+  std::uint32_t file = 0;    // index into CheckpointIndex::files
+  std::uint64_t offset = 0;  // of the tensor's first byte in its file
+  std::uint64_t bytes = 0;
+};
+
+struct CheckpointIndex {
+  std::string path;                // as given
+  std::vector<std::string> files;  // full paths
+  std::vector<std::uint64_t> file_bytes;
+  std::vector<CheckpointTensor> tensors;  // in natural name order (layers.2 before layers.10)
+  // The tensor of that name, or null. O(log n).
+  const CheckpointTensor* find(const std::string& name) const;
+};
+
+// Reads and checks the headers (and the index) of a checkpoint. Throws InvalidArgument naming
+// the file and, where there is one, the tensor.
+CheckpointIndex open_checkpoint(const std::string& path);
+
+// Writes a deterministic checkpoint of `model` in `dtype`: the tensor that comes i-th in natural
+// name order (the order of CheckpointIndex::tensors, in which `--model CHECKPOINT` flattens it)
+// holds the fill pattern i (pattern.h) of `values` (default: dtype; the values zeroflat run
+// materializes in that dtype), converted to dtype. Tensors are stored in the model's order, in
+// shards of at most shard_bytes of data each (model-00001-of-0000N.safetensors, with
+// model.safetensors.index.json, when N > 1; a single model.safetensors otherwise) in `dir`, which
+// is created and must not hold a checkpoint already. progress gets the bytes written. Throws
+// InvalidArgument for a bad directory or model, Error when writing fails (the files written so far
+// are removed).
+void write_pattern_checkpoint(const ModelSpec& model, DType dtype, const std::string& dir,
+                              std::uint64_t shard_bytes, std::optional<DType> values = std::nullopt,
+                              const std::function<void(std::uint64_t)>& progress = {});
+
+// The index of the checkpoint write_pattern_checkpoint would write into dir, computed without
+// writing or reading anything: what rehearsals of a checkpoint too large to hold here load
+// (on sim devices without data, which read nothing).
+CheckpointIndex pattern_checkpoint_index(const ModelSpec& model, DType dtype,
+                                         const std::string& dir, std::uint64_t shard_bytes);
+
+}  // namespace zeroflat

@@ -1,0 +1,131 @@
+// The checkpoint loader: a group's flat buffer built straight from a safetensors checkpoint,
+// each rank reading only the bytes of its own partition, one all-gather completing it.
+//
+// The layout fixes, for every byte of a rank's partition, which parameter and which element of
+// it lands there; the checkpoint's headers fix where that parameter's bytes sit in which file. So
+// each rank turns its partition's fragments into (file, offset, length) reads, sorts them by file
+// and offset, merges neighbours, splits them by bytes over its threads and reads them with pread
+// straight into its slice of the flat buffer (on a device the host cannot write, through a ring
+// of pinned chunks, reading one while the previous is copied to the device), converting the
+// checkpoint's dtype to the buffer's on the way as torch's Tensor.to rounds. Then the ranks
+// all-gather the slices in place. Nothing is read twice, no second copy of the group is ever
+// held, and no rank reads more than its partition: on every rank the device holds the flat
+// buffer and at most the ring.
+//
+// Collective, as flatten_param_group (engine.h): every rank of comm calls it with the same
+// checkpoint, group and options (compared first); an error found on one rank (a missing or
+// mis-shaped tensor, a read that fails) is an error on every rank, after which no buffer is
+// left behind.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/comm.h"
+#include "zeroflat/device.h"
+#include "zeroflat/flatten.h"
+#include "zeroflat/plan.h"
+#include "zeroflat/probe.h"
+
+namespace zeroflat {
+
+// One parameter of the group, in group order.
+struct LoadParam {
+  std::string name;    // names it in errors
+  Shape shape;         // must be the checkpoint tensor's
+  std::string source;  // the checkpoint tensor holding its values; empty: name (a tied weight
+                       // names the tensor it shares)
+};
+
+struct LoadOptions {
+  // The buffer's layout and dtype; dp must be the ranks of comm. Must match on every rank.
+  LayoutOptions layout;
+  std::optional<std::uint64_t> margin_bytes;  // none: default_margin(capacity)
+  // Drop the files this rank reads from from the page cache before reading (posix_fadvise), so
+  // that a cold load is measured without root.
+  bool cold = false;
+  // The staging ring, for devices the host cannot write: depth chunks of chunk_bytes of pinned
+  // host memory. Must match.
+  std::uint64_t ring_chunk_bytes = std::uint64_t{16} << 20;
+  unsigned ring_depth = 4;
+  // Testing aid: go through the ring on a host device too.
+  bool through_ring = false;
+  // Reader threads; 0: the device's team (default_num_threads of the local ranks).
+  unsigned threads = 0;
+  ProbeContext probe;
+  // More that every rank must pass identically (compared).
+  std::string must_match;
+  // Testing aid: this rank's reads fail once this many bytes have been read, as an I/O error.
+  std::optional<std::uint64_t> fail_after_bytes;
+};
+
+struct LoadResult {
+  ProbeResult probe;  // this rank's device
+  PlanInput input;    // what the plan was made with, agreed over the ranks
+  Candidate plan;     // the load's steps, peak, traffic and predicted time
+  bool feasible() const noexcept { return plan.feasible; }
+  FlatGroup group;  // the flat buffer and each parameter's view (empty when not feasible)
+  std::uint64_t bytes_read = 0;  // file bytes this rank read
+  std::uint64_t reads = 0;       // pread ranges after merging neighbours
+  // How much of what this rank read was in the page cache before it read it (0 to 1), and the
+  // word for it: "cold" (under 10%), "warm" (over 90%), "partly".
+  double cached_fraction = 0;
+  std::string page_cache;
+  double read_seconds = 0;  // reading this rank's slice (conversion and staging included)
+  double allgather_seconds = 0;
+  double seconds = 0;  // the whole load on this rank, agreement included
+  std::uint64_t predicted_peak_device_bytes = 0;
+  std::uint64_t measured_peak_device_bytes = 0;
+  std::uint64_t measured_peak_host_bytes = 0;
+};
+
+// Collective (see above). Throws InvalidArgument for a bad group, checkpoint or options on any
+// rank, or ranks that differ (before anything is read); Error naming the file, tensor and byte
+// range when a read fails midway (on every rank, the buffer released). No feasible plan is
+// reported in the result (nothing allocated). params' views point into group.flat.
+LoadResult load_flat_group(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
+                           Device& device, Communicator* comm, const LoadOptions& options);
+
+// The read ceiling of the same files: `bytes` of the checkpoint's data (every file from its
+// first tensor on, in file order, as one sequence) from byte `skip` on (wrapping at the end;
+// ranks pass different skips so that they read different bytes), read sequentially by `threads`
+// threads into scratch memory allocated for it (fresh, as the loader's buffer is: both pay its
+// first touch), after dropping the files from the page cache if cold. With a device the host
+// cannot write (cuda), the scratch is its pinned host memory and the time includes one copy of
+// it all to the device afterwards: a plain read, then a plain copy. Throws Error when a read or
+// the copy fails.
+struct ReadCeiling {
+  std::uint64_t bytes = 0;
+  double seconds = 0;
+  double cached_fraction = 0;  // before the read
+  std::string page_cache;      // "cold", "warm" or "partly", as LoadResult's
+};
+ReadCeiling measure_read_ceiling(const CheckpointIndex& checkpoint, std::uint64_t skip,
+                                 std::uint64_t bytes, unsigned threads, bool cold,
+                                 Device* device = nullptr);
+
+// Every parameter of a loaded group against its tensor read whole, on its own, from the file and
+// converted to the buffer's dtype; every padding byte against zero; every view against its
+// layout offset. "" when all hold, else the first difference (parameter, file, element). Reads
+// the whole checkpoint; copies device memory through host staging where the host cannot read it.
+std::string verify_loaded(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
+                          Device& device, const FlatGroup& group);
+
+// The file bytes rank `rank` reads for its partition of `params` laid out with `layout`: what
+// load_flat_group reports as bytes_read, known before it runs. Throws InvalidArgument for a
+// parameter the checkpoint does not hold.
+std::uint64_t partition_read_bytes(const CheckpointIndex& checkpoint,
+                                   std::span<const LoadParam> params, const LayoutOptions& layout,
+                                   std::uint64_t rank);
+
+// The word for a cached fraction: "cold" (under 10%), "warm" (over 90%), else "partly".
+std::string page_cache_word(double cached_fraction);
+
+// The fraction of [offset, offset + length) of a file that is in the page cache now (mincore).
+double cached_fraction(const std::string& file, std::uint64_t offset, std::uint64_t length);
+
+}  // namespace zeroflat

@@ -1,0 +1,323 @@
+// Safetensors checkpoints: the index of tensors by file and byte range, and the test writer.
+#include "zeroflat/checkpoint.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <vector>
+
+#include "device/host_kernels.h"
+#include "model/files.h"
+#include "model/strict_json.h"
+#include "zeroflat/error.h"
+#include "zeroflat/model_source.h"
+#include "zeroflat/pattern.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat {
+namespace {
+
+namespace fs = std::filesystem;
+
+// "layers.10" after "layers.9": digits compare as numbers.
+bool natural_less(const std::string& a, const std::string& b) {
+  std::size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (std::isdigit(static_cast<unsigned char>(a[i])) &&
+        std::isdigit(static_cast<unsigned char>(b[j]))) {
+      std::size_t i2 = i, j2 = j;
+      while (i2 < a.size() && std::isdigit(static_cast<unsigned char>(a[i2]))) ++i2;
+      while (j2 < b.size() && std::isdigit(static_cast<unsigned char>(b[j2]))) ++j2;
+      std::string_view x(a.data() + i, i2 - i), y(b.data() + j, j2 - j);
+      while (x.size() > 1 && x.front() == '0') x.remove_prefix(1);
+      while (y.size() > 1 && y.front() == '0') y.remove_prefix(1);
+      if (x.size() != y.size()) return x.size() < y.size();
+      if (x != y) return x < y;
+      i = i2;
+      j = j2;
+    } else {
+      if (a[i] != b[j]) return a[i] < b[j];
+      ++i;
+      ++j;
+    }
+  }
+  return a.size() - i < b.size() - j;
+}
+
+std::optional<DType> loadable(const std::string& st) {
+  if (st == "BF16") return DType::kBF16;
+  if (st == "F16") return DType::kFP16;
+  if (st == "F32") return DType::kFP32;
+  return std::nullopt;
+}
+
+const char* st_name(DType d) {
+  switch (d) {
+    case DType::kBF16:
+      return "BF16";
+    case DType::kFP16:
+      return "F16";
+    case DType::kFP32:
+      return "F32";
+  }
+  return "?";
+}
+
+}  // namespace
+
+const CheckpointTensor* CheckpointIndex::find(const std::string& name) const {
+  auto it = std::lower_bound(
+      tensors.begin(), tensors.end(), name,
+      [](const CheckpointTensor& t, const std::string& n) { return natural_less(t.name, n); });
+  return it != tensors.end() && it->name == name ? &*it : nullptr;
+}
+
+CheckpointIndex open_checkpoint(const std::string& path_text) {
+  const fs::path path(path_text);
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    throw InvalidArgument(printable(path_text, 200) + ": no such file or directory");
+  }
+  CheckpointIndex out;
+  out.path = path_text;
+  std::vector<fs::path> files;
+  std::map<std::string, std::string> weight_map;
+  const fs::path index = path / "model.safetensors.index.json";
+  if (!fs::is_directory(path, ec)) {
+    files.push_back(path);
+  } else if (fs::exists(index, ec)) {
+    const nlohmann::json doc = detail::parse_strict_json(
+        detail::read_small_file(index.string(), kMaxHeaderBytes, "an index file"), index.string());
+    if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
+      throw InvalidArgument(index.string() + ": no 'weight_map' object");
+    }
+    std::set<std::string> shard_names;
+    for (auto it = doc["weight_map"].begin(); it != doc["weight_map"].end(); ++it) {
+      if (!it.value().is_string()) {
+        throw InvalidArgument(index.string() + ": weight_map entry for '" + printable(it.key()) +
+                              "' is not a file name");
+      }
+      const std::string shard = it.value().get<std::string>();
+      if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..") {
+        throw InvalidArgument(index.string() + ": shard name '" + printable(shard) +
+                              "' is not a plain file name in this directory");
+      }
+      weight_map[it.key()] = shard;
+      shard_names.insert(shard);
+    }
+    for (const std::string& s : shard_names) files.push_back(path / s);
+  } else {
+    for (const auto& entry : fs::directory_iterator(path, ec)) {
+      if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
+    }
+    std::sort(files.begin(), files.end());
+  }
+  if (files.empty()) {
+    throw InvalidArgument(fs::exists(index, ec) ? index.string() + ": the index lists no tensors"
+                                                : path_text + ": no .safetensors files");
+  }
+  std::map<std::string, std::string> seen;  // tensor -> file
+  for (const fs::path& f : files) {
+    if (!fs::exists(f, ec)) {
+      throw InvalidArgument(index.string() + ": names shard '" + printable(f.filename().string()) +
+                            "', which does not exist");
+    }
+    const SafetensorsHeader h = read_safetensors_header(f.string());
+    const auto file = static_cast<std::uint32_t>(out.files.size());
+    out.files.push_back(f.string());
+    out.file_bytes.push_back(8 + h.header_bytes + h.data_bytes);
+    for (const SafetensorsTensor& t : h.tensors) {
+      auto [it, fresh] = seen.emplace(t.name, f.filename().string());
+      if (!fresh) {
+        throw InvalidArgument(f.string() + ": tensor '" + printable(t.name) + "' is also in " +
+                              it->second);
+      }
+      if (!weight_map.empty()) {
+        auto w = weight_map.find(t.name);
+        if (w == weight_map.end() || w->second != f.filename().string()) {
+          throw InvalidArgument(f.string() + ": tensor '" + printable(t.name) +
+                                "' is not where the index says it is");
+        }
+      }
+      out.tensors.push_back(CheckpointTensor{t.name, t.dtype, loadable(t.dtype), t.shape, t.numel,
+                                             file, 8 + h.header_bytes + t.begin, t.end - t.begin});
+    }
+  }
+  for (const auto& [name, file] : weight_map) {
+    if (!seen.count(name)) {
+      throw InvalidArgument(index.string() + ": tensor '" + printable(name) + "' is not in " +
+                            file);
+    }
+  }
+  std::sort(out.tensors.begin(), out.tensors.end(),
+            [](const CheckpointTensor& a, const CheckpointTensor& b) {
+              return natural_less(a.name, b.name);
+            });
+  return out;
+}
+
+namespace {
+
+// What write_pattern_checkpoint writes: the shards' names, header texts and tensors.
+struct Shard {
+  std::string name;
+  std::string header;               // padded so that the data starts 8-byte aligned
+  std::size_t first = 0, last = 0;  // [first, last) of the model's tensors
+  std::uint64_t data_bytes = 0;
+};
+
+std::vector<Shard> pattern_shards(const ModelSpec& model, DType dtype, std::uint64_t shard_bytes) {
+  if (shard_bytes == 0) throw InvalidArgument("shards of 0 bytes");
+  if (model.tensors.empty()) throw InvalidArgument(model.name + " has no tensors");
+  const std::uint64_t es = element_size(dtype);
+  // Consecutive tensors up to shard_bytes of data each (a larger tensor alone).
+  std::vector<Shard> shards;
+  Shard cur;
+  for (std::size_t i = 0; i < model.tensors.size(); ++i) {
+    const std::uint64_t b = model.tensors[i].numel * es;
+    if (i > cur.first && cur.data_bytes + b > shard_bytes) {
+      cur.last = i;
+      shards.push_back(cur);
+      cur = Shard{};
+      cur.first = i;
+    }
+    cur.data_bytes += b;
+  }
+  cur.last = model.tensors.size();
+  shards.push_back(cur);
+  const std::size_t n = shards.size();
+  for (std::size_t k = 0; k < n; ++k) {
+    Shard& sh = shards[k];
+    if (n == 1) {
+      sh.name = "model.safetensors";
+    } else {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", k + 1, n);
+      sh.name = buf;
+    }
+    nlohmann::ordered_json header = nlohmann::ordered_json::object();
+    header["__metadata__"] = {{"format", "pt"}};
+    std::uint64_t at = 0;
+    for (std::size_t i = sh.first; i < sh.last; ++i) {
+      const TensorSpec& t = model.tensors[i];
+      header[t.name] = {
+          {"dtype", st_name(dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.numel * es}}};
+      at += t.numel * es;
+    }
+    sh.header = header.dump();
+    sh.header.append((8 - (8 + sh.header.size()) % 8) % 8, ' ');
+  }
+  return shards;
+}
+
+}  // namespace
+
+CheckpointIndex pattern_checkpoint_index(const ModelSpec& model, DType dtype,
+                                         const std::string& dir, std::uint64_t shard_bytes) {
+  const std::vector<Shard> shards = pattern_shards(model, dtype, shard_bytes);
+  const std::uint64_t es = element_size(dtype);
+  CheckpointIndex out;
+  out.path = dir;
+  for (const Shard& sh : shards) {
+    const auto file = static_cast<std::uint32_t>(out.files.size());
+    out.files.push_back((fs::path(dir) / sh.name).string());
+    const std::uint64_t data = 8 + sh.header.size();
+    out.file_bytes.push_back(data + sh.data_bytes);
+    std::uint64_t at = data;
+    for (std::size_t i = sh.first; i < sh.last; ++i) {
+      const TensorSpec& t = model.tensors[i];
+      out.tensors.push_back(CheckpointTensor{t.name, st_name(dtype), dtype, t.shape, t.numel, file,
+                                             at, t.numel * es});
+      at += t.numel * es;
+    }
+  }
+  std::sort(out.tensors.begin(), out.tensors.end(),
+            [](const CheckpointTensor& a, const CheckpointTensor& b) {
+              return natural_less(a.name, b.name);
+            });
+  for (std::size_t i = 1; i < out.tensors.size(); ++i) {
+    if (out.tensors[i].name == out.tensors[i - 1].name) {
+      throw InvalidArgument(model.name + ": two tensors are named '" +
+                            printable(out.tensors[i].name) + "'");
+    }
+  }
+  return out;
+}
+
+void write_pattern_checkpoint(const ModelSpec& model, DType dtype, const std::string& dir_text,
+                              std::uint64_t shard_bytes, std::optional<DType> values,
+                              const std::function<void(std::uint64_t)>& progress) {
+  const fs::path dir(dir_text);
+  std::error_code ec;
+  if (fs::exists(dir / "model.safetensors.index.json", ec) ||
+      fs::exists(dir / "model.safetensors", ec)) {
+    throw InvalidArgument(dir_text + " holds a checkpoint already: write into a new directory");
+  }
+  const std::vector<Shard> shards = pattern_shards(model, dtype, shard_bytes);
+  // Tensor i of the natural name order (the order a checkpoint is flattened in when it is the
+  // model) holds pattern i; the index also checks that the names are unique.
+  const CheckpointIndex index = pattern_checkpoint_index(model, dtype, dir_text, shard_bytes);
+  std::map<std::string, std::uint64_t> pattern_of;
+  for (std::size_t i = 0; i < index.tensors.size(); ++i) pattern_of[index.tensors[i].name] = i;
+  fs::create_directories(dir, ec);
+  if (ec) throw InvalidArgument(dir_text + ": cannot create it (" + ec.message() + ")");
+  const DType pattern = values.value_or(dtype);
+  const std::uint64_t es = element_size(dtype);
+  const std::uint64_t ps = element_size(pattern);
+  std::vector<fs::path> written;
+  try {
+    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+    std::uint64_t total = 0;
+    for (const Shard& sh : shards) {
+      const fs::path file = dir / sh.name;
+      written.push_back(file);
+      std::ofstream out(file, std::ios::binary | std::ios::trunc);
+      const std::uint64_t len = sh.header.size();
+      char len_bytes[8];
+      for (int b = 0; b < 8; ++b) len_bytes[b] = static_cast<char>((len >> (8 * b)) & 0xff);
+      out.write(len_bytes, 8);
+      out.write(sh.header.data(), static_cast<std::streamsize>(sh.header.size()));
+      std::vector<unsigned char> raw, buf;
+      for (std::size_t i = sh.first; i < sh.last; ++i) {
+        const TensorSpec& t = model.tensors[i];
+        weight_map[t.name] = sh.name;
+        constexpr std::uint64_t kPiece = std::uint64_t{1} << 22;  // elements at a time
+        for (std::uint64_t lo = 0; lo < t.numel; lo += kPiece) {
+          const std::uint64_t count = std::min(kPiece, t.numel - lo);
+          raw.resize(count * ps);
+          fill_pattern(raw.data(), pattern, pattern_of[t.name], lo, count);
+          buf.resize(count * es);
+          detail::convert_range(buf.data(), dtype, raw.data(), pattern, count);
+          out.write(reinterpret_cast<const char*>(buf.data()),
+                    static_cast<std::streamsize>(buf.size()));
+          if (progress) progress(buf.size());
+        }
+      }
+      out.close();
+      if (!out) throw Error(file.string() + ": writing failed (" + std::strerror(errno) + ")");
+      total += sh.data_bytes;
+    }
+    if (shards.size() > 1) {
+      nlohmann::ordered_json index_doc;
+      index_doc["metadata"] = {{"total_size", total}};
+      index_doc["weight_map"] = std::move(weight_map);
+      const fs::path file = dir / "model.safetensors.index.json";
+      written.push_back(file);
+      std::ofstream out(file, std::ios::trunc);
+      out << index_doc.dump(2) << '\n';
+      out.close();
+      if (!out) throw Error(file.string() + ": writing failed (" + std::strerror(errno) + ")");
+    }
+  } catch (...) {
+    for (const fs::path& f : written) fs::remove(f, ec);
+    throw;
+  }
+}
+
+}  // namespace zeroflat

@@ -1,0 +1,442 @@
+// The checkpoint loader: every rank's buffer equals the layout of the tensors read whole (for
+// every file and buffer dtype, 1 to 3 ranks, round-robin or not, direct or through the ring),
+// each rank reads only its partition's bytes, bad checkpoints are refused before any read, a
+// read that fails midway fails every rank with nothing kept, and the rehearsal's accounting.
+#include "zeroflat/loader.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "device/host_kernels.h"
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/comm.h"
+#include "zeroflat/device.h"
+#include "zeroflat/error.h"
+#include "zeroflat/model.h"
+#include "zeroflat/pattern.h"
+
+namespace zeroflat {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string temp_dir(const std::string& name) {
+  const fs::path p =
+      fs::path(::testing::TempDir()) / ("zeroflat_loader_" + std::to_string(getpid()) + "_" + name);
+  fs::remove_all(p);
+  return p.string();
+}
+
+// The checkpoint's tensors as LoadParams, in the index's (natural) order.
+std::vector<LoadParam> params_of(const CheckpointIndex& ck) {
+  std::vector<LoadParam> out;
+  for (const CheckpointTensor& t : ck.tensors) out.push_back(LoadParam{t.name, t.shape, ""});
+  return out;
+}
+
+// What the buffer must hold: every tensor read whole from its file, converted on its own, at its
+// layout offset; zeros elsewhere.
+std::vector<unsigned char> expected_flat(const CheckpointIndex& ck,
+                                         const std::vector<LoadParam>& params,
+                                         const LayoutOptions& options) {
+  std::vector<std::uint64_t> numels;
+  for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
+  const Layout layout = Layout::compute(numels, options);
+  const std::uint64_t es = element_size(options.dtype);
+  std::vector<unsigned char> flat(layout.flat_bytes(), 0);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const CheckpointTensor& t =
+        *ck.find(params[i].source.empty() ? params[i].name : params[i].source);
+    std::vector<unsigned char> raw(t.bytes);
+    std::ifstream in(ck.files[t.file], std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(t.offset));
+    in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
+    EXPECT_TRUE(in) << t.name;
+    detail::convert_range(flat.data() + layout.offsets()[i] * es, options.dtype, raw.data(),
+                          *t.type, t.numel);
+  }
+  return flat;
+}
+
+// Runs body(rank, comm) on dp threads joined by a local group.
+void on_ranks(int dp, const std::function<void(int, Communicator*)>& body) {
+  if (dp == 1) {
+    body(0, nullptr);
+    return;
+  }
+  LocalGroup group(dp, std::chrono::seconds(30));
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(dp);
+  for (int r = 0; r < dp; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<Communicator> c = group.rank(r);
+      try {
+        body(r, c.get());
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < dp; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+class LoaderTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ModelSpec m = catalog_model("tiny-moe");
+    bf16_dir_ = new std::string(temp_dir("bf16"));
+    fp32_dir_ = new std::string(temp_dir("fp32"));
+    write_pattern_checkpoint(m, DType::kBF16, *bf16_dir_, 1'500'000);
+    write_pattern_checkpoint(m, DType::kFP32, *fp32_dir_, 3'000'000);
+  }
+  static void TearDownTestSuite() {
+    fs::remove_all(*bf16_dir_);
+    fs::remove_all(*fp32_dir_);
+    delete bf16_dir_;
+    delete fp32_dir_;
+  }
+  static std::string* bf16_dir_;
+  static std::string* fp32_dir_;
+};
+std::string* LoaderTest::bf16_dir_ = nullptr;
+std::string* LoaderTest::fp32_dir_ = nullptr;
+
+TEST_F(LoaderTest, EveryRankHoldsTheLayoutOfTheTensorsAndReadsOnlyItsPartition) {
+  for (const std::string* dir : {bf16_dir_, fp32_dir_}) {
+    const CheckpointIndex ck = open_checkpoint(*dir);
+    ASSERT_GT(ck.files.size(), 1u);
+    const std::vector<LoadParam> params = params_of(ck);
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      for (int dp = 1; dp <= 3; ++dp) {
+        for (bool rr : {false, true}) {
+          for (bool ring : {false, true}) {
+            SCOPED_TRACE(*dir + " -> " + std::string(dtype_name(dtype)) + " dp " +
+                         std::to_string(dp) + (rr ? " rr" : "") + (ring ? " ring" : ""));
+            LoadOptions o;
+            o.layout.dp = static_cast<std::uint64_t>(dp);
+            o.layout.round_robin = rr;
+            o.layout.dtype = dtype;
+            o.through_ring = ring;
+            o.ring_chunk_bytes = 8192;  // many windows, cutting tensors and elements' neighbours
+            o.ring_depth = 2;
+            o.threads = 2;
+            const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
+            std::vector<std::uint64_t> read(dp, 0);
+            on_ranks(dp, [&](int r, Communicator* comm) {
+              std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+              const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
+              ASSERT_TRUE(res.feasible());
+              ASSERT_EQ(res.group.layout.flat_bytes(), want.size());
+              EXPECT_EQ(std::memcmp(res.group.flat.data(), want.data(), want.size()), 0);
+              EXPECT_EQ(verify_loaded(ck, params, *dev, res.group), "");
+              read[r] = res.bytes_read;
+              // Exactly the partition's elements, at the file's element size.
+              const Layout& l = res.group.layout;
+              std::uint64_t bytes = 0;
+              for (const Fragment& f :
+                   l.fragments_in(r * l.partition_numel(), (r + 1) * l.partition_numel())) {
+                bytes += f.numel * element_size(*ck.find(params[f.param].name)->type);
+              }
+              EXPECT_EQ(res.bytes_read, bytes);
+              EXPECT_EQ(res.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+              EXPECT_EQ(res.measured_peak_host_bytes, res.plan.profile.peak_host_bytes);
+            });
+            // Together the ranks read every byte of the checkpoint once.
+            std::uint64_t sum = 0, total = 0;
+            for (std::uint64_t b : read) sum += b;
+            for (const CheckpointTensor& t : ck.tensors) total += t.bytes;
+            EXPECT_EQ(sum, total);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(LoaderTest, AnFp32FileOfBf16ValuesLoadsAsTheBf16Pattern) {
+  const ModelSpec m = catalog_model("tiny-moe");
+  const std::string dir = temp_dir("fp32_of_bf16");
+  write_pattern_checkpoint(m, DType::kFP32, dir, 2'000'000, DType::kBF16);
+  const CheckpointIndex ck = open_checkpoint(dir);
+  const std::vector<LoadParam> params = params_of(ck);
+  LoadOptions o;
+  o.layout.dtype = DType::kBF16;
+  std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+  const LoadResult res = load_flat_group(ck, params, *dev, nullptr, o);
+  // Parameter i (natural order) holds the bf16 pattern i: what `zeroflat run --model DIR`
+  // fills it with.
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const TensorRef& v = res.group.views[i];
+    EXPECT_EQ(match_pattern(v.data, DType::kBF16, i, 0, v.numel), v.numel) << params[i].name;
+  }
+  fs::remove_all(dir);
+}
+
+TEST_F(LoaderTest, TiedWeightsShareOneTensor) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  std::vector<LoadParam> params = params_of(ck);
+  // A second parameter reading the first tensor's values, as a tied lm_head reads the
+  // embedding.
+  params.push_back(LoadParam{"tied.copy", params.front().shape, params.front().name});
+  LoadOptions o;
+  o.layout.dp = 2;
+  const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
+  on_ranks(2, [&](int, Communicator* comm) {
+    std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+    const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
+    EXPECT_EQ(std::memcmp(res.group.flat.data(), want.data(), want.size()), 0);
+    EXPECT_EQ(std::memcmp(res.group.views.back().data, res.group.views.front().data,
+                          res.group.views.front().numel * 2),
+              0);
+  });
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return std::string("InvalidArgument: ") + e.what();
+  } catch (const std::exception& e) {
+    return std::string("other: ") + e.what();
+  }
+  return "";
+}
+
+TEST_F(LoaderTest, BadGroupsAreRefusedOnEveryRankBeforeAnyRead) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> good = params_of(ck);
+  auto on_two = [&](const std::vector<LoadParam>& mine, const std::vector<LoadParam>& theirs) {
+    std::vector<std::string> errors(2);
+    LocalGroup group(2, std::chrono::seconds(30));
+    std::vector<std::thread> t;
+    for (int r = 0; r < 2; ++r) {
+      t.emplace_back([&, r] {
+        std::unique_ptr<Communicator> c = group.rank(r);
+        std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+        LoadOptions o;
+        o.layout.dp = 2;
+        errors[r] =
+            error_of([&] { load_flat_group(ck, r == 1 ? mine : theirs, *dev, c.get(), o); });
+        EXPECT_EQ(dev->memory_info().allocated_bytes, 0u);
+      });
+    }
+    for (std::thread& th : t) th.join();
+    return errors;
+  };
+  // A missing tensor, named.
+  std::vector<LoadParam> missing = good;
+  missing.push_back(LoadParam{"no.such.weight", {4}, ""});
+  std::vector<std::string> e = on_two(missing, missing);
+  for (const std::string& m : e) {
+    EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
+    EXPECT_NE(m.find("no.such.weight"), std::string::npos) << m;
+  }
+  // A shape that disagrees, on one rank only: the other learns of it too.
+  std::vector<LoadParam> shaped = good;
+  shaped[3].shape.push_back(1);
+  e = on_two(shaped, good);
+  EXPECT_NE(e[1].find(good[3].name), std::string::npos) << e[1];
+  EXPECT_NE(e[1].find("shape"), std::string::npos) << e[1];
+  EXPECT_NE(e[0].find("rank 1"), std::string::npos) << e[0];
+  EXPECT_NE(e[0].find("InvalidArgument"), std::string::npos) << e[0];
+}
+
+// A copy of the bf16 checkpoint to damage.
+std::string copy_checkpoint(const std::string& from, const std::string& name) {
+  const std::string to = temp_dir(name);
+  fs::copy(from, to, fs::copy_options::recursive);
+  return to;
+}
+
+TEST_F(LoaderTest, BadCheckpointsAreRefusedNamingFileAndTensor) {
+  // An index naming a shard that is not there.
+  {
+    const std::string dir = copy_checkpoint(*bf16_dir_, "missing_shard");
+    const CheckpointIndex ck = open_checkpoint(dir);
+    fs::remove(ck.files.back());
+    const std::string m = error_of([&] { open_checkpoint(dir); });
+    EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
+    EXPECT_NE(m.find(fs::path(ck.files.back()).filename().string()), std::string::npos) << m;
+    fs::remove_all(dir);
+  }
+  // A file shorter than its header says.
+  {
+    const std::string dir = copy_checkpoint(*bf16_dir_, "short");
+    const CheckpointIndex ck = open_checkpoint(dir);
+    fs::resize_file(ck.files.front(), ck.file_bytes.front() - 1);
+    const std::string m = error_of([&] { open_checkpoint(dir); });
+    EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
+    EXPECT_NE(m.find(ck.files.front()), std::string::npos) << m;
+    fs::remove_all(dir);
+  }
+  // Truncated after the headers were read: refused before any read, naming the file.
+  {
+    const std::string dir = copy_checkpoint(*bf16_dir_, "truncated_later");
+    const CheckpointIndex ck = open_checkpoint(dir);
+    fs::resize_file(ck.files.front(), ck.file_bytes.front() / 2);
+    std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+    const std::string m =
+        error_of([&] { load_flat_group(ck, params_of(ck), *dev, nullptr, LoadOptions{}); });
+    EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
+    EXPECT_NE(m.find(ck.files.front()), std::string::npos) << m;
+    EXPECT_NE(m.find("truncated"), std::string::npos) << m;
+    EXPECT_EQ(dev->memory_info().allocated_bytes, 0u);
+    fs::remove_all(dir);
+  }
+  // An index that puts a tensor in the wrong shard.
+  {
+    const std::string dir = copy_checkpoint(*bf16_dir_, "wrong_shard");
+    const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+    nlohmann::json doc = nlohmann::json::parse(std::ifstream(index));
+    const CheckpointIndex ck = open_checkpoint(dir);
+    const CheckpointTensor& t = ck.tensors.front();
+    const std::string other =
+        fs::path(ck.files[(t.file + 1) % ck.files.size()]).filename().string();
+    doc["weight_map"][t.name] = other;
+    std::ofstream(index) << doc.dump();
+    const std::string m = error_of([&] { open_checkpoint(dir); });
+    EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
+    EXPECT_NE(m.find(t.name), std::string::npos) << m;
+    fs::remove_all(dir);
+  }
+  // A tensor of a dtype the loader does not read.
+  {
+    const std::string dir = temp_dir("int_tensor");
+    fs::create_directories(dir);
+    const std::string header = R"({"a":{"dtype":"BF16","shape":[4],"data_offsets":[0,8]},)"
+                               R"("ids":{"dtype":"I64","shape":[2],"data_offsets":[8,24]}})";
+    std::ofstream f(fs::path(dir) / "model.safetensors", std::ios::binary);
+    const std::uint64_t n = header.size();
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << header << std::string(24, '\0');
+    f.close();
+    const CheckpointIndex ck = open_checkpoint(dir);
+    std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+    const std::string m =
+        error_of([&] { load_flat_group(ck, params_of(ck), *dev, nullptr, LoadOptions{}); });
+    EXPECT_NE(m.find("'ids'"), std::string::npos) << m;
+    EXPECT_NE(m.find("I64"), std::string::npos) << m;
+    // Without it, the rest loads.
+    std::vector<LoadParam> floats = {LoadParam{"a", {4}, ""}};
+    const LoadResult res = load_flat_group(ck, floats, *dev, nullptr, LoadOptions{});
+    EXPECT_EQ(res.bytes_read, 8u);
+    fs::remove_all(dir);
+  }
+}
+
+TEST_F(LoaderTest, AReadThatFailsMidwayFailsEveryRankAndKeepsNothing) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  for (bool ring : {false, true}) {
+    SCOPED_TRACE(ring ? "ring" : "direct");
+    std::vector<std::string> errors(3);
+    LocalGroup group(3, std::chrono::seconds(30));
+    std::vector<std::thread> t;
+    for (int r = 0; r < 3; ++r) {
+      t.emplace_back([&, r] {
+        std::unique_ptr<Communicator> c = group.rank(r);
+        std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+        LoadOptions o;
+        o.layout.dp = 3;
+        o.through_ring = ring;
+        o.ring_chunk_bytes = 16384;
+        if (r == 1) o.fail_after_bytes = 100'000;
+        try {
+          load_flat_group(ck, params, *dev, c.get(), o);
+          errors[r] = "no error";
+        } catch (const InvalidArgument& e) {
+          errors[r] = std::string("InvalidArgument: ") + e.what();
+        } catch (const Error& e) {
+          errors[r] = e.what();
+        }
+        const MemoryInfo mem = dev->memory_info();
+        EXPECT_EQ(mem.allocated_bytes, 0u) << "rank " << r;
+        EXPECT_EQ(mem.host_allocated_bytes, 0u) << "rank " << r;
+      });
+    }
+    for (std::thread& th : t) th.join();
+    // The failing rank names the file, the tensor and the byte range; the others name it.
+    EXPECT_NE(errors[1].find(".safetensors"), std::string::npos) << errors[1];
+    EXPECT_NE(errors[1].find("tensor '"), std::string::npos) << errors[1];
+    EXPECT_NE(errors[1].find("bytes ["), std::string::npos) << errors[1];
+    for (int r : {0, 2}) {
+      EXPECT_NE(errors[r].find("rank 1"), std::string::npos) << errors[r];
+      EXPECT_EQ(errors[r].find("InvalidArgument"), std::string::npos) << errors[r];
+    }
+  }
+}
+
+TEST(Loader, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
+  const ModelSpec m = catalog_model("qwen3-30b-a3b", ModelOverrides{48, std::nullopt});
+  const CheckpointIndex ck =
+      pattern_checkpoint_index(m, DType::kBF16, "(rehearsal)", 5'000'000'000);
+  std::vector<LoadParam> params;
+  for (const TensorSpec& t : m.tensors) params.push_back(LoadParam{t.name, t.shape, ""});
+  std::uint64_t total = 0;
+  for (const CheckpointTensor& t : ck.tensors) total += t.bytes;
+  std::vector<std::uint64_t> read(8, 0);
+  on_ranks(8, [&](int r, Communicator* comm) {
+    std::unique_ptr<Device> dev = make_device("sim:h100-80gb", DeviceOptions{1, true});
+    LoadOptions o;
+    o.layout.dp = 8;
+    o.probe.local_ranks = 8;
+    const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
+    ASSERT_TRUE(res.feasible()) << res.plan.why_not;
+    EXPECT_EQ(res.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+    // The flat buffer alone on the device: no second copy, ever.
+    EXPECT_EQ(res.predicted_peak_device_bytes, res.group.layout.flat_bytes());
+    EXPECT_EQ(res.measured_peak_host_bytes, res.plan.profile.peak_host_bytes);
+    EXPECT_GT(res.plan.profile.peak_host_bytes, 0u);  // the staging ring
+    EXPECT_EQ(res.plan.profile.read_bytes, res.group.layout.partition_bytes());
+    read[r] = res.bytes_read;
+  });
+  std::uint64_t sum = 0;
+  for (std::uint64_t b : read) sum += b;
+  EXPECT_EQ(sum, total);
+  EXPECT_GT(total, 60'000'000'000u);
+}
+
+TEST(Loader, ABufferThatDoesNotFitIsReportedWithNothingAllocated) {
+  const ModelSpec m = catalog_model("qwen3-30b-a3b", ModelOverrides{4, std::nullopt});
+  const CheckpointIndex ck =
+      pattern_checkpoint_index(m, DType::kBF16, "(rehearsal)", 5'000'000'000);
+  std::vector<LoadParam> params;
+  for (const TensorSpec& t : m.tensors) params.push_back(LoadParam{t.name, t.shape, ""});
+  std::unique_ptr<Device> dev = make_device("sim:1GiB", DeviceOptions{1, true});
+  const LoadResult res = load_flat_group(ck, params, *dev, nullptr, LoadOptions{});
+  EXPECT_FALSE(res.feasible());
+  EXPECT_NE(res.plan.why_not.find("exceeds"), std::string::npos) << res.plan.why_not;
+  EXPECT_EQ(dev->memory_info().peak_allocated_bytes, 0u);
+}
+
+TEST_F(LoaderTest, TheCeilingReadsTheBytesAskedForAndVerifyCatchesACorruptByte) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  std::uint64_t total = 0;
+  for (const CheckpointTensor& t : ck.tensors) total += t.bytes;
+  const ReadCeiling c = measure_read_ceiling(ck, total - 1000, 5000, 2, false);
+  EXPECT_EQ(c.bytes, 5000u);  // wrapped around the end
+  EXPECT_GT(c.seconds, 0.0);
+  EXPECT_EQ(measure_read_ceiling(ck, 0, total * 2, 1, false).bytes, total);
+  const std::vector<LoadParam> params = params_of(ck);
+  std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+  const LoadResult res = load_flat_group(ck, params, *dev, nullptr, LoadOptions{});
+  ASSERT_EQ(verify_loaded(ck, params, *dev, res.group), "");
+  static_cast<unsigned char*>(res.group.flat.data())[res.group.layout.offsets()[5] * 2 + 3] ^= 1;
+  const std::string m = verify_loaded(ck, params, *dev, res.group);
+  EXPECT_NE(m.find(params[5].name), std::string::npos) << m;
+  // A cached file reads as cached.
+  EXPECT_GT(cached_fraction(ck.files.front(), 0, ck.file_bytes.front()), 0.5);
+}
+
+}  // namespace
+}  // namespace zeroflat
