@@ -132,6 +132,18 @@ if [ "$BUILT" = 1 ]; then
   step run_cuda 240 "$BUILD/zeroflat" run --device cuda:0 --model qwen3-30b-a3b --layers 4 \
     --verify --json
   step run_cpu 240 "$BUILD/zeroflat" run --device cpu --model qwen3-30b-a3b --layers 4 --json
+  # The checkpoint loader into cuda:0 (through its ring of pinned chunks) against a plain read
+  # into pinned memory plus one cudaMemcpy of the same bytes (the load's ceiling on a GPU), warm
+  # and cold, then the same checkpoint loaded on the host: the same checksum.
+  say "zeroflat load into cuda:0"
+  CKPT=$LOGS/checkpoint
+  if step write_checkpoint 120 "$BUILD/zeroflat" write-checkpoint "$CKPT" --model qwen3-30b-a3b \
+    --layers 1 --experts 16 --quiet; then
+    step load_cuda 120 "$BUILD/zeroflat" load "$CKPT" --device cuda:0 --verify --json --quiet
+    step load_cuda_cold 120 "$BUILD/zeroflat" load "$CKPT" --device cuda:0 --cold --json --quiet
+    step load_cpu 120 "$BUILD/zeroflat" load "$CKPT" --device cpu --json --quiet
+    rm -rf "$CKPT"
+  fi
 fi
 
 # --- summary -------------------------------------------------------------------------------------
@@ -320,6 +332,35 @@ if "cuda" in runs and "cpu" in runs:
     a, b = find(runs["cuda"], "checksum"), find(runs["cpu"], "checksum")
     if a is not None and b is not None:
         row("checksum cuda:0 = cpu", a, b, "", "equal", "yes" if a == b else "**no**")
+
+# zeroflat load into cuda:0 against a plain read plus cudaMemcpy of the same bytes
+loads = {}
+for name, label in (("load_cuda", "warm"), ("load_cuda_cold", "cold"), ("load_cpu", "cpu")):
+    code = rc(name)
+    if code is None:
+        continue
+    doc = load(name)
+    if code != 0 or doc is None:
+        row(f"zeroflat load ({label}), 1 layer, 16 experts", f"failed (exit {code}): {tail(name)}",
+            "", "", "", "**no**")
+        continue
+    loads[label] = doc
+    if label == "cpu":
+        continue
+    r0 = doc["ranks"][0]
+    ceiling = (doc.get("ceiling") or {}).get("read_gbps")
+    ratio = doc["read_gbps"] / ceiling if ceiling else None
+    row(f"load into cuda:0 through the pinned ring, {label} ({fmt_bytes(doc['checkpoint_bytes'])}, "
+        f"page cache {doc.get('page_cache')})",
+        f"{doc['read_gbps']:.2f} GB/s, peak {fmt_bytes(r0['measured_peak_device_bytes'])} "
+        f"(predicted {fmt_bytes(r0['predicted_peak_device_bytes'])})"
+        + (", verified" if r0.get("verified") else ""),
+        f"{ceiling:.2f} GB/s read + cudaMemcpy" if ceiling else "-",
+        f"{ratio:.3f}" if ratio else "-", ">= 0.8", met(ratio, ">= 0.8"))
+if "warm" in loads and "cpu" in loads:
+    a = loads["warm"]["ranks"][0]["checksum"]
+    b = loads["cpu"]["ranks"][0]["checksum"]
+    row("load checksum cuda:0 = cpu", a, b, "", "equal", "yes" if a == b else "**no**")
 print("\n".join(lines))
 PY
 else

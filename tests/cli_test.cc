@@ -9,6 +9,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -571,7 +572,8 @@ TEST(CliRun, AModelLargerThanTheDeviceExits3) {
 }
 
 TEST(CliPlan, HostSetsTheNodesMemory) {
-  const std::string base = "plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --free 4GiB --json";
+  const std::string base =
+      "plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --free 4GiB --json";
   json preset = json::parse(run(base).out);
   EXPECT_EQ(preset["host_free_bytes"], zeroflat::find_preset("h100-80gb")->host_bytes_per_node / 8);
   json small = json::parse(run(base + " --host 16GiB").out);
@@ -655,9 +657,9 @@ TEST(CliHostile, InspectPrintsNamesFromFilesAsPrintableText) {
 #if !defined(__SANITIZE_ADDRESS__)
 // (Builds nine million tensor specs: a minute under AddressSanitizer, which adds nothing here.)
 TEST(CliHostile, AConfigWhoseSizesOverflowIsRefused) {
-  const std::string cfg = write_temp(
-      "overflow.json",
-      R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 1048576,
+  const std::string cfg =
+      write_temp("overflow.json",
+                 R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 1048576,
           "num_hidden_layers": 3000, "num_attention_heads": 1024, "num_key_value_heads": 1024,
           "head_dim": 1024, "intermediate_size": 1048576, "moe_intermediate_size": 1048576,
           "num_experts": 1000, "vocab_size": 1048576, "torch_dtype": "float32"})");
@@ -689,8 +691,8 @@ TEST(CliHostile, LongMlpOnlyLayersListsParseInLinearTime) {
       const auto t0 = std::chrono::steady_clock::now();
       Result r = run("inspect " + path + " --json");
       EXPECT_EQ(r.code, 0) << r.err;
-      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                                .count());
+      best = std::min(best,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     return best;
   };
@@ -699,8 +701,9 @@ TEST(CliHostile, LongMlpOnlyLayersListsParseInLinearTime) {
 }
 
 TEST(CliHostile, AMalformedLocalRankCountIsAnErrorEverywhere) {
-  for (const char* cmd : {"probe", "run --model tiny-moe --quiet", "plan --model tiny-moe "
-                                                                   "--dp 1 --device 1GiB"}) {
+  for (const char* cmd : {"probe", "run --model tiny-moe --quiet",
+                          "plan --model tiny-moe "
+                          "--dp 1 --device 1GiB"}) {
     Result r = run(cmd, "ZEROFLAT_LOCAL_RANKS=two");
     if (std::string(cmd) == "plan --model tiny-moe --dp 1 --device 1GiB") {
       EXPECT_EQ(r.code, 0);  // plan describes a node by hand: it reads no launcher variable
@@ -739,8 +742,9 @@ TEST(CliHostile, ThreadsTheSystemRefusesAreAnErrorNotAHangOrAnAbort) {
 namespace {
 
 TEST(CliLayout, DeepSpeedReleaseRules) {
-  Result r = run("layout --numels 6,40299,4,4,0,5,29911,3 --dp 2 --round-robin "
-                 "--param-align-bytes 16 --deepspeed 0.19.8 --frozen 2 --json");
+  Result r =
+      run("layout --numels 6,40299,4,4,0,5,29911,3 --dp 2 --round-robin "
+          "--param-align-bytes 16 --deepspeed 0.19.8 --frozen 2 --json");
   ASSERT_EQ(r.code, 0) << r.err;
   json doc = json::parse(r.out);
   EXPECT_EQ(doc["deepspeed"]["rules"], "0.19.8");
@@ -763,9 +767,139 @@ TEST(CliLayout, DeepSpeedReleaseRules) {
   EXPECT_EQ(run("layout --numels 5,7 --deepspeed 0.13.0").code, 2);
   EXPECT_EQ(run("layout --numels 5,7 --deepspeed 0.18.6 --param-align-bytes 16").code, 2);
   EXPECT_EQ(run("plan --model tiny-moe --dp 2 --device 1GiB --deepspeed 0.19.8 "
-                "--alignment-factor 4").code,
+                "--alignment-factor 4")
+                .code,
             2);
   EXPECT_EQ(run("plan --model tiny-moe --dp 2 --device 1GiB --deepspeed 0.19.8").code, 0);
+}
+
+// --- load and write-checkpoint ----------------------------------------------------------------
+
+// A fresh directory name under the test's temporary directory.
+std::string temp_path(const std::string& name) {
+  const std::string p =
+      ::testing::TempDir() + "zeroflat_cli_" + std::to_string(getpid()) + "_" + name;
+  std::system(("rm -rf '" + p + "'").c_str());
+  return p;
+}
+
+std::string checkpoint(const std::string& name, const std::string& args) {
+  const std::string dir = temp_path(name);
+  Result w = run("write-checkpoint " + dir + " --model tiny-moe --shard-size 2MB --quiet " + args);
+  EXPECT_EQ(w.code, 0) << w.err;
+  return dir;
+}
+
+json checksums_of_run(const std::string& args) {
+  Result r = run("run " + args + " --repeat 1 --json --quiet");
+  EXPECT_EQ(r.code, 0) << args << "\n" << r.err;
+  return json::parse(r.out)["ranks"][0]["checksum"];
+}
+
+TEST(CliLoad, EveryRankHoldsWhatRunFlattensAndReadsOnlyItsPartition) {
+  const std::string bf16 = checkpoint("load_bf16", "--dtype bf16");
+  const std::string fp32_of_bf16 = checkpoint("load_fp32b", "--dtype fp32 --values bf16");
+  const std::string fp32_of_fp16 = checkpoint("load_fp32h", "--dtype fp32 --values fp16");
+  struct Case {
+    std::string dir, dtype;
+  };
+  const Case cases[] = {{bf16, "bf16"}, {fp32_of_bf16, "bf16"}, {fp32_of_fp16, "fp16"}};
+  for (const Case& c : cases) {
+    for (int dp = 1; dp <= 3; ++dp) {
+      for (const char* rr : {"", " --round-robin"}) {
+        const std::string opts = " --dtype " + c.dtype + " --dp " + std::to_string(dp) + rr;
+        SCOPED_TRACE(c.dir + opts);
+        Result r = run("load " + c.dir + opts + " --verify --json --quiet");
+        ASSERT_EQ(r.code, 0) << r.err;
+        const json doc = json::parse(r.out);
+        // The same tensors through `zeroflat run --model CHECKPOINT`: the same bytes.
+        const json want = checksums_of_run("--model " + c.dir + opts);
+        ASSERT_EQ(doc["ranks"].size(), static_cast<std::size_t>(dp));
+        std::uint64_t read = 0;
+        const std::uint64_t file_es = c.dir == bf16 ? 2 : 4;
+        for (const json& e : doc["ranks"]) {
+          EXPECT_EQ(e["checksum"], want);
+          EXPECT_EQ(e["verified"], true) << e.dump();
+          EXPECT_EQ(e["predicted_peak_device_bytes"], e["measured_peak_device_bytes"]);
+          // No more than its partition, at the file's element size.
+          EXPECT_LE(e["bytes_read"].get<std::uint64_t>(),
+                    doc["partition_bytes"].get<std::uint64_t>() / 2 * file_es);
+          EXPECT_GT(e["read_gbps"].get<double>(), 0.0);
+          EXPECT_TRUE(e["page_cache"] == "warm" || e["page_cache"] == "cold" ||
+                      e["page_cache"] == "partly");
+          read += e["bytes_read"].get<std::uint64_t>();
+        }
+        EXPECT_EQ(read, doc["checkpoint_bytes"].get<std::uint64_t>());  // each byte once
+        EXPECT_GT(doc["ceiling"]["read_gbps"].get<double>(), 0.0);
+        EXPECT_TRUE(doc["vs_ceiling"].is_number());
+      }
+    }
+  }
+  // bf16 files into fp16 buffers (rounded), cold: verified against every tensor read whole.
+  Result r = run("load " + bf16 + " --dtype fp16 --dp 2 --cold --verify --json --quiet");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(json::parse(r.out)["ranks"][1]["verified"], true);
+  Result human = run("load " + bf16 + " --dp 2 --verify --quiet");
+  EXPECT_EQ(human.code, 0) << human.err;
+  EXPECT_NE(human.out.find("verified: yes, every rank"), std::string::npos) << human.out;
+  EXPECT_NE(human.out.find("ceiling"), std::string::npos) << human.out;
+  for (const std::string& d : {bf16, fp32_of_bf16, fp32_of_fp16})
+    std::system(("rm -rf " + d).c_str());
+}
+
+TEST(CliLoad, BadCheckpointsExit2AndAFailedReadExits4OnEveryRank) {
+  const std::string dir = checkpoint("load_bad", "");
+  EXPECT_EQ(run("load " + dir + "/nothing-here --quiet").code, 2);
+  EXPECT_EQ(run("load --quiet").code, 2);
+  Result again = run("write-checkpoint " + dir + " --quiet");
+  EXPECT_EQ(again.code, 2);
+  EXPECT_NE(again.err.find("holds a checkpoint already"), std::string::npos) << again.err;
+  Result no_data = run("load --model tiny-moe --quiet");
+  EXPECT_EQ(no_data.code, 2);
+  EXPECT_NE(no_data.err.find("--no-data"), std::string::npos) << no_data.err;
+  // A failed read midway: every rank reports, the failing one names file, tensor and bytes.
+  Result fail = run("load " + dir + " --dp 3 --inject-read-error 10000@1 --json --quiet");
+  EXPECT_EQ(fail.code, 4) << fail.err;
+  const json doc = json::parse(fail.out);
+  ASSERT_EQ(doc["ranks"].size(), 3u);
+  const std::string e1 = doc["ranks"][1]["error"].get<std::string>();
+  EXPECT_NE(e1.find(".safetensors"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("tensor '"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("bytes ["), std::string::npos) << e1;
+  EXPECT_NE(doc["ranks"][0]["error"].get<std::string>().find("rank 1"), std::string::npos);
+  EXPECT_EQ(doc["ranks"][2]["buffer_kept"], false);
+  // A shard the index names is gone: exit 2, naming it, before anything is read.
+  const std::string shard = dir + "/model-00002-of-00003.safetensors";
+  ASSERT_EQ(std::rename(shard.c_str(), (shard + ".away").c_str()), 0);
+  Result missing = run("load " + dir + " --quiet");
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_NE(missing.err.find("model-00002-of-00003.safetensors"), std::string::npos) << missing.err;
+  ASSERT_EQ(std::rename((shard + ".away").c_str(), shard.c_str()), 0);
+  // A file shorter than its header says.
+  ASSERT_EQ(truncate(shard.c_str(), 1000), 0);
+  Result shorter = run("load " + dir + " --quiet");
+  EXPECT_EQ(shorter.code, 2);
+  EXPECT_NE(shorter.err.find("model-00002-of-00003.safetensors"), std::string::npos) << shorter.err;
+  std::system(("rm -rf " + dir).c_str());
+}
+
+TEST(CliLoad, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
+  Result r =
+      run("load --model qwen3-30b-a3b --layers 48 --device sim:h100-80gb --no-data --dp 8 "
+          "--json --quiet");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json doc = json::parse(r.out);
+  ASSERT_EQ(doc["ranks"].size(), 8u);
+  std::uint64_t read = 0;
+  for (const json& e : doc["ranks"]) {
+    EXPECT_EQ(e["predicted_peak_device_bytes"], e["measured_peak_device_bytes"]);
+    EXPECT_EQ(e["measured_peak_device_bytes"], doc["flat_bytes"]);  // never a second copy
+    EXPECT_EQ(e["predicted_host_bytes"], e["host_bytes"]);
+    read += e["bytes_read"].get<std::uint64_t>();
+  }
+  EXPECT_EQ(read, doc["checkpoint_bytes"].get<std::uint64_t>());
+  EXPECT_GT(doc["checkpoint_bytes"].get<std::uint64_t>(), 60'000'000'000u);
+  EXPECT_EQ(doc["plan"]["tier"], "load");
 }
 
 }  // namespace

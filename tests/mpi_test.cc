@@ -2,12 +2,12 @@
 // every tier, device and rank count; faults at every step roll back on every process; the seed's
 // 48-layer rehearsal with 8 processes.
 #include <gtest/gtest.h>
-
-#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli_run.h"
@@ -107,8 +107,8 @@ TEST(MpiRun, DpMustMatchTheLauncher) {
 TEST(MpiRun, RanksLaunchedWithDifferentOptionsAllRefuse) {
   const std::string cli = ZEROFLAT_CLI_PATH;
   const std::string base = " run --model tiny-moe --comm mpi --tier sharded --quiet";
-  for (const std::string& other : {std::string(" --round-robin"), std::string(" --dtype fp32"),
-                                   std::string(" --layers 2")}) {
+  for (const std::string& other :
+       {std::string(" --round-robin"), std::string(" --dtype fp32"), std::string(" --layers 2")}) {
     // mpirun -np 1 zeroflat run ... OTHER : -np 1 zeroflat run ...
     Result r = run(base.substr(1) + other + " : -np 1 " + cli + base, kRoot,
                    std::string(ZEROFLAT_MPIEXEC) + " --oversubscribe -np 1");
@@ -138,8 +138,8 @@ TEST(MpiRun, ARankKilledAtAnyStepLeavesTheOthersReportingWithinTheTimeout) {
       const auto t0 = std::chrono::steady_clock::now();
       // Each process writes its own document (stdout of several processes interleaves).
       const std::string out = ::testing::TempDir() + "crash." + std::to_string(getpid()) + ".";
-      Result r = run(base + " --quiet --json --inject-crash " + std::to_string(k) + "@1 > " +
-                         out + "$OMPI_COMM_WORLD_RANK.json; echo exit=$? >&2'",
+      Result r = run(base + " --quiet --json --inject-crash " + std::to_string(k) + "@1 > " + out +
+                         "$OMPI_COMM_WORLD_RANK.json; echo exit=$? >&2'",
                      kRoot, launcher);
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -170,5 +170,44 @@ TEST(MpiRun, ARankKilledAtAnyStepLeavesTheOthersReportingWithinTheTimeout) {
   }
 }
 #endif
+
+// `zeroflat load --comm mpi`: each process reads its partition; the same bytes as ranks as
+// threads, for bf16 and fp32 files into bf16 and fp16 buffers; a failed read ends every process
+// with exit 4.
+TEST(MpiLoad, ProcessesHoldWhatThreadsHoldAndReadOnlyTheirPartition) {
+  const std::string base = ::testing::TempDir() + "zeroflat_mpi_load_" + std::to_string(getpid());
+  std::system(("rm -rf " + base + "*").c_str());
+  for (const char* stored : {"bf16", "fp32"}) {
+    const std::string dir = base + stored;
+    Result w = run(std::string("write-checkpoint ") + dir + " --model tiny-moe --shard-size 2MB " +
+                   "--quiet --dtype " + stored);
+    ASSERT_EQ(w.code, 0) << w.err;
+    for (const char* dtype : {"bf16", "fp16"}) {
+      for (int dp = 2; dp <= 3; ++dp) {
+        for (const char* rr : {"", " --round-robin"}) {
+          const std::string opts = std::string(" --dtype ") + dtype + rr;
+          SCOPED_TRACE(dir + opts + " dp " + std::to_string(dp));
+          json local = run_json("load " + dir + opts + " --dp " + std::to_string(dp), 0);
+          json mpi = run_json("load " + dir + opts + " --comm mpi --verify", 0, mpirun(dp));
+          ASSERT_EQ(mpi["ranks"].size(), static_cast<std::size_t>(dp)) << mpi.dump();
+          std::uint64_t read = 0;
+          for (int r = 0; r < dp; ++r) {
+            const json& e = mpi["ranks"][r];
+            EXPECT_EQ(e["checksum"], local["ranks"][0]["checksum"]);
+            EXPECT_EQ(e["verified"], true);
+            EXPECT_EQ(e["bytes_read"], local["ranks"][r]["bytes_read"]);
+            read += e["bytes_read"].get<std::uint64_t>();
+          }
+          EXPECT_EQ(read, mpi["checkpoint_bytes"].get<std::uint64_t>());
+        }
+      }
+    }
+    json fail = run_json("load " + dir + " --comm mpi --inject-read-error 5000@2", 4, mpirun(3));
+    ASSERT_EQ(fail["ranks"].size(), 3u);
+    for (const json& e : fail["ranks"]) EXPECT_FALSE(e["error"].get<std::string>().empty());
+    EXPECT_NE(fail["ranks"][2]["error"].get<std::string>().find("bytes ["), std::string::npos);
+    std::system(("rm -rf " + dir).c_str());
+  }
+}
 
 }  // namespace

@@ -7,12 +7,12 @@
 #include <string>
 
 #include "cli/common.h"
+#include "cli/svg.h"
 #include "zeroflat/error.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/report.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
-#include "cli/svg.h"
 
 namespace zeroflat::cli {
 int subcommand_plan(const std::vector<std::string>& argv) {
@@ -74,8 +74,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   // The node described by hand, through the same policy as a real run (make_plan_input).
   PlanFacts facts;
   facts.capacity_bytes = preset.capacity_bytes;
-  facts.free_bytes =
-      model_bytes < preset.capacity_bytes ? preset.capacity_bytes - model_bytes : 0;
+  facts.free_bytes = model_bytes < preset.capacity_bytes ? preset.capacity_bytes - model_bytes : 0;
   if (auto v = args.get("free")) {
     facts.free_bytes = parse_size(*v);
     if (facts.free_bytes > preset.capacity_bytes) {
@@ -99,10 +98,16 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   facts.bandwidths = preset.bandwidths;
   std::optional<std::uint64_t> margin;
   if (auto v = args.get("margin")) margin = parse_size(*v);
-  const PlanInput in = make_plan_input(Layout::compute(model.numels(), options), model_bytes,
-                                       facts, 0, forced, margin);
+  const PlanInput in = make_plan_input(Layout::compute(model.numels(), options), model_bytes, facts,
+                                       0, forced, margin);
   Plan plan = plan_group(in);
   AfterInit after = estimate_after_init(in);
+  // Beside the tiers: the checkpoint loader, for which nothing of the model is on the device yet
+  // (zeroflat load), with its default staging ring.
+  PlanInput load_in = in;
+  load_in.free_bytes = std::min(preset.capacity_bytes, in.free_bytes + model_bytes);
+  load_in.original_bytes = 0;
+  const Candidate load = plan_load(load_in, kDefaultRingBytes);
   const Candidate* chosen = plan.chosen_candidate();
 
   if (auto svg_path = args.get("svg")) {
@@ -136,6 +141,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
       cands.push_back(nlohmann::ordered_json::parse(candidate_json(c, true)));
     }
     doc["candidates"] = std::move(cands);
+    doc["load"] = nlohmann::ordered_json::parse(candidate_json(load, true));
     doc["after_init"] = {{"master_bytes", after.master_bytes},
                          {"optimizer_bytes", after.optimizer_bytes},
                          {"gradient_bytes", after.gradient_bytes},
@@ -165,6 +171,17 @@ int subcommand_plan(const std::vector<std::string>& argv) {
           format_bytes(c.profile.pcie_bytes).c_str(), format_bytes(c.profile.comm_bytes).c_str(),
           format_seconds(c.predicted_seconds).c_str(), c.why_not.c_str());
     }
+    std::printf("  %-8s %-4s %12s %11s %11s %11s %10s  %s\n", "load*", load.feasible ? "yes" : "no",
+                format_bytes(load.profile.peak_device_bytes).c_str(),
+                format_bytes(load.profile.peak_host_bytes).c_str(),
+                format_bytes(load.profile.read_bytes).c_str(),
+                format_bytes(load.profile.comm_bytes).c_str(),
+                format_seconds(load.predicted_seconds).c_str(), load.why_not.c_str());
+    std::printf(
+        "  * zeroflat load: the buffer read from a checkpoint, each rank its partition (the "
+        "pcie column: bytes read at %.1f GB/s), nothing of the model on the device "
+        "before\n",
+        preset.bandwidths.read / 1e9);
     std::printf("\n%s: %s\n", chosen ? "chosen" : "NO PLAN", plan.reason.c_str());
     if (chosen) {
       std::printf("steps:\n");

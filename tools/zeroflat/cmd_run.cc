@@ -52,16 +52,7 @@ int subcommand_run(const std::vector<std::string>& argv) {
 
   // mpirun ends the whole job when one rank exits non-zero: the others wait here until rank 0
   // has printed its report.
-  auto finish = [&](int code) {
-    if (world) {
-      std::fflush(stdout);
-      try {
-        world->barrier();
-      } catch (const CommError&) {  // rank 0's report stands on its own
-      }
-    }
-    return code;
-  };
+  auto finish = [&](int code) { return finish_job(world.get(), code); };
 
   // --- a plan that fits, and room in this host's memory: nothing is allocated before -------------
   Json predicted;

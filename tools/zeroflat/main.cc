@@ -35,6 +35,10 @@ commands:
   run      materialize a model, flatten it, re-point its parameters, verify, report
   probe    what each free-memory source says about a device (cpu, cuda:N)
   inspect  what a checkpoint, a .safetensors file or a config.json holds
+  load     a safetensors checkpoint straight into the flat buffers, each rank reading only
+           its partition, one all-gather completing them
+  write-checkpoint
+           a deterministic test checkpoint of a model (sharded, with an index), no downloads
   help     show this text, or `zeroflat help COMMAND` for a command's options
 
 Every command takes --help. Exit codes: 0 ok, 2 invalid input, 3 no feasible plan,
@@ -44,6 +48,8 @@ examples:
   zeroflat layout --numels 5,7,3 --dp 4
   zeroflat layout --model qwen3-30b-a3b --layers 2 --dp 8 --json
   zeroflat run --model qwen3-30b-a3b --layers 1 --experts 16 --verify
+  zeroflat write-checkpoint /tmp/ck --model tiny-moe --shard-size 4MB
+  zeroflat load /tmp/ck --dp 3 --verify
 )";
 
 }  // namespace
@@ -88,6 +94,10 @@ int main(int argc, char** argv) {
       code = subcommand_inspect(args);
     } else if (command == "probe") {
       code = subcommand_probe(args);
+    } else if (command == "load") {
+      code = subcommand_load(args);
+    } else if (command == "write-checkpoint") {
+      code = subcommand_write_checkpoint(args);
     } else {
       std::fprintf(stderr, "zeroflat: unknown command '%s'\n\n%s", printable(command).c_str(),
                    kUsage);

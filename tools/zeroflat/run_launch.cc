@@ -12,10 +12,7 @@
 #include "zeroflat/error.h"
 
 namespace zeroflat::cli {
-namespace {
 
-// Every rank's entry, in rank order, on every rank: lengths agreed by an all-reduce, then one
-// all-gather of fixed-size slices over host memory.
 std::vector<Json> exchange_entries(Communicator* control, const Json& entry) {
   const std::string mine = entry.dump();
   if (control == nullptr || control->size() == 1) return {entry};
@@ -35,7 +32,56 @@ std::vector<Json> exchange_entries(Communicator* control, const Json& entry) {
   return out;
 }
 
-}  // namespace
+void run_ranks(std::uint64_t dp, Communicator* world, std::chrono::milliseconds timeout,
+               const std::function<void(std::uint64_t, Communicator*)>& body) {
+  if (world != nullptr) {
+    body(static_cast<std::uint64_t>(world->rank()), world);
+    return;
+  }
+  std::vector<std::exception_ptr> errors(dp);
+  std::unique_ptr<LocalGroup> group;
+  if (dp > 1) group = std::make_unique<LocalGroup>(static_cast<int>(dp), timeout);
+  auto one = [&](std::uint64_t r) {
+    try {
+      std::unique_ptr<Communicator> c = group ? group->rank(static_cast<int>(r)) : nullptr;
+      body(r, c.get());
+    } catch (...) {
+      errors[r] = std::current_exception();
+      if (group) group->rank(static_cast<int>(r))->abort("rank " + std::to_string(r) + " failed");
+    }
+  };
+  std::vector<std::thread> ranks;
+  ranks.reserve(dp);
+  for (std::uint64_t r = 1; r < dp; ++r) {
+    try {
+      ranks.emplace_back(one, r);
+    } catch (const std::system_error& e) {
+      // The ranks already started wait for this one in a collective: tell them, and join them.
+      group->rank(0)->abort("rank " + std::to_string(r) + " could not be started");
+      for (std::thread& t : ranks) t.join();
+      throw ResourceExhausted("cannot start the thread of rank " + std::to_string(r) + ": " +
+                              e.what() +
+                              " (a limit on processes or memory? fewer ranks or "
+                              "--threads)");
+    }
+  }
+  one(0);
+  for (std::thread& t : ranks) t.join();
+  // The first failure that is not another rank's abort is the one worth reporting.
+  std::exception_ptr first;
+  for (const std::exception_ptr& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const CommError&) {
+      if (!first) first = e;
+    } catch (...) {
+      first = e;
+      break;
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
 
 Launched launch_ranks(const RunConfig& cfg, Communicator* world, Progress& progress) {
   Launched out;
@@ -54,49 +100,10 @@ Launched launch_ranks(const RunConfig& cfg, Communicator* world, Progress& progr
   }
   const std::uint64_t dp = cfg.options.dp;
   std::vector<RankResult> results(dp);
-  std::vector<std::exception_ptr> errors(dp);
-  std::unique_ptr<LocalGroup> group;
-  if (dp > 1) group = std::make_unique<LocalGroup>(static_cast<int>(dp), cfg.timeout);
-  auto body = [&](std::uint64_t r) {
-    try {
-      std::unique_ptr<Communicator> c = group ? group->rank(static_cast<int>(r)) : nullptr;
-      Progress silent(false);  // one per rank: a Progress is not shared between threads
-      results[r] = run_rank(cfg, r, c.get(), r == 0 ? progress : silent);
-    } catch (...) {
-      errors[r] = std::current_exception();
-      if (group) group->rank(static_cast<int>(r))->abort("rank " + std::to_string(r) + " failed");
-    }
-  };
-  std::vector<std::thread> ranks;
-  ranks.reserve(dp);
-  for (std::uint64_t r = 1; r < dp; ++r) {
-    try {
-      ranks.emplace_back(body, r);
-    } catch (const std::system_error& e) {
-      // The ranks already started wait for this one in a collective: tell them, and join them.
-      group->rank(0)->abort("rank " + std::to_string(r) + " could not be started");
-      for (std::thread& t : ranks) t.join();
-      throw ResourceExhausted("cannot start the thread of rank " + std::to_string(r) + ": " +
-                              e.what() + " (a limit on processes or memory? fewer ranks or "
-                              "--threads)");
-    }
-  }
-  body(0);
-  for (std::thread& t : ranks) t.join();
-  // The first failure that is not another rank's abort is the one worth reporting.
-  std::exception_ptr first;
-  for (const std::exception_ptr& e : errors) {
-    if (!e) continue;
-    try {
-      std::rethrow_exception(e);
-    } catch (const CommError&) {
-      if (!first) first = e;
-    } catch (...) {
-      first = e;
-      break;
-    }
-  }
-  if (first) std::rethrow_exception(first);
+  run_ranks(dp, nullptr, cfg.timeout, [&](std::uint64_t r, Communicator* c) {
+    Progress silent(false);  // one per rank: a Progress is not shared between threads
+    results[r] = run_rank(cfg, r, c, r == 0 ? progress : silent);
+  });
   out.first = std::move(results[0]);
   if (out.first.exit == kExitInfeasible) return out;
   out.entries.push_back(out.first.entry);

@@ -42,5 +42,7 @@ int subcommand_run(const std::vector<std::string>& argv);
 int subcommand_plan(const std::vector<std::string>& argv);
 int subcommand_inspect(const std::vector<std::string>& argv);
 int subcommand_probe(const std::vector<std::string>& argv);
+int subcommand_load(const std::vector<std::string>& argv);
+int subcommand_write_checkpoint(const std::vector<std::string>& argv);
 
 }  // namespace zeroflat::cli
