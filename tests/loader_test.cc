@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -39,7 +40,7 @@ std::string temp_dir(const std::string& name) {
 // The checkpoint's tensors as LoadParams, in the index's (natural) order.
 std::vector<LoadParam> params_of(const CheckpointIndex& ck) {
   std::vector<LoadParam> out;
-  for (const CheckpointTensor& t : ck.tensors) out.push_back(LoadParam{t.name, t.shape, ""});
+  for (const CheckpointTensor& t : ck.tensors) out.push_back(LoadParam{t.name, t.shape, {}});
   return out;
 }
 
@@ -54,15 +55,19 @@ std::vector<unsigned char> expected_flat(const CheckpointIndex& ck,
   const std::uint64_t es = element_size(options.dtype);
   std::vector<unsigned char> flat(layout.flat_bytes(), 0);
   for (std::size_t i = 0; i < params.size(); ++i) {
-    const CheckpointTensor& t =
-        *ck.find(params[i].source.empty() ? params[i].name : params[i].source);
-    std::vector<unsigned char> raw(t.bytes);
-    std::ifstream in(ck.files[t.file], std::ios::binary);
-    in.seekg(static_cast<std::streamoff>(t.offset));
-    in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
-    EXPECT_TRUE(in) << t.name;
-    detail::convert_range(flat.data() + layout.offsets()[i] * es, options.dtype, raw.data(),
-                          *t.type, t.numel);
+    std::vector<std::string> names = params[i].sources;
+    if (names.empty()) names.push_back(params[i].name);
+    std::uint64_t at = layout.offsets()[i] * es;
+    for (const std::string& name : names) {
+      const CheckpointTensor& t = *ck.find(name);
+      std::vector<unsigned char> raw(t.bytes);
+      std::ifstream in(ck.files[t.file], std::ios::binary);
+      in.seekg(static_cast<std::streamoff>(t.offset));
+      in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
+      EXPECT_TRUE(in) << t.name;
+      detail::convert_range(flat.data() + at, options.dtype, raw.data(), *t.type, t.numel);
+      at += t.numel * es;
+    }
   }
   return flat;
 }
@@ -187,7 +192,7 @@ TEST_F(LoaderTest, TiedWeightsShareOneTensor) {
   std::vector<LoadParam> params = params_of(ck);
   // A second parameter reading the first tensor's values, as a tied lm_head reads the
   // embedding.
-  params.push_back(LoadParam{"tied.copy", params.front().shape, params.front().name});
+  params.push_back(LoadParam{"tied.copy", params.front().shape, {params.front().name}});
   LoadOptions o;
   o.layout.dp = 2;
   const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
@@ -235,7 +240,7 @@ TEST_F(LoaderTest, BadGroupsAreRefusedOnEveryRankBeforeAnyRead) {
   };
   // A missing tensor, named.
   std::vector<LoadParam> missing = good;
-  missing.push_back(LoadParam{"no.such.weight", {4}, ""});
+  missing.push_back(LoadParam{"no.such.weight", {4}, {}});
   std::vector<std::string> e = on_two(missing, missing);
   for (const std::string& m : e) {
     EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
@@ -249,6 +254,23 @@ TEST_F(LoaderTest, BadGroupsAreRefusedOnEveryRankBeforeAnyRead) {
   EXPECT_NE(e[1].find("shape"), std::string::npos) << e[1];
   EXPECT_NE(e[0].find("rank 1"), std::string::npos) << e[0];
   EXPECT_NE(e[0].find("InvalidArgument"), std::string::npos) << e[0];
+  // A caller's own error on one rank: every rank raises, nothing read.
+  std::vector<std::string> errors(2);
+  LocalGroup group(2, std::chrono::seconds(30));
+  std::vector<std::thread> t;
+  for (int r = 0; r < 2; ++r) {
+    t.emplace_back([&, r] {
+      std::unique_ptr<Communicator> c = group.rank(r);
+      std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+      LoadOptions o;
+      o.layout.dp = 2;
+      if (r == 0) o.local_error = "the model has a parameter named nowhere";
+      errors[r] = error_of([&] { load_flat_group(ck, good, *dev, c.get(), o); });
+    });
+  }
+  for (std::thread& th : t) th.join();
+  EXPECT_NE(errors[0].find("named nowhere"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("rank 0"), std::string::npos) << errors[1];
 }
 
 // A copy of the bf16 checkpoint to damage.
@@ -256,6 +278,49 @@ std::string copy_checkpoint(const std::string& from, const std::string& name) {
   const std::string to = temp_dir(name);
   fs::copy(from, to, fs::copy_options::recursive);
   return to;
+}
+
+TEST_F(LoaderTest, AFusedParameterConcatenatesItsTensorsInOrder) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  // Tensors of one shape, stacked as a MoE layer's experts are fused: [k, rows, cols].
+  std::map<Shape, std::vector<std::string>> by_shape;
+  for (const CheckpointTensor& t : ck.tensors) {
+    if (t.shape.size() == 2) by_shape[t.shape].push_back(t.name);
+  }
+  std::vector<std::string> stack;
+  Shape shape;
+  for (const auto& [s, names] : by_shape) {
+    if (names.size() >= 4) {
+      stack.assign(names.begin(), names.begin() + 4);
+      shape = s;
+      break;
+    }
+  }
+  ASSERT_FALSE(stack.empty());
+  std::vector<LoadParam> params = params_of(ck);
+  // Tensors in any order (not the checkpoint's), two of them twice.
+  params.push_back(LoadParam{
+      "fused.experts", {4, shape[0], shape[1]}, {stack[2], stack[0], stack[3], stack[1]}});
+  params.push_back(LoadParam{"fused.pair", {2 * shape[0], shape[1]}, {stack[1], stack[2]}});
+  for (int dp : {1, 3}) {
+    LoadOptions o;
+    o.layout.dp = static_cast<std::uint64_t>(dp);
+    o.layout.dtype = DType::kFP16;
+    const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
+    on_ranks(dp, [&](int r, Communicator* comm) {
+      std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+      const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
+      EXPECT_EQ(std::memcmp(res.group.flat.data(), want.data(), want.size()), 0);
+      EXPECT_EQ(verify_loaded(ck, params, *dev, res.group), "");
+      EXPECT_EQ(res.bytes_read, partition_read_bytes(ck, params, o.layout, r));
+    });
+  }
+  // Sources that do not hold the parameter's element count.
+  std::vector<LoadParam> bad = {LoadParam{"fused", {5, shape[0], shape[1]}, stack}};
+  std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+  const std::string m = error_of([&] { load_flat_group(ck, bad, *dev, nullptr, LoadOptions{}); });
+  EXPECT_NE(m.find("'fused'"), std::string::npos) << m;
+  EXPECT_NE(m.find("elements"), std::string::npos) << m;
 }
 
 TEST_F(LoaderTest, BadCheckpointsAreRefusedNamingFileAndTensor) {
@@ -327,7 +392,7 @@ TEST_F(LoaderTest, BadCheckpointsAreRefusedNamingFileAndTensor) {
     EXPECT_NE(m.find("'ids'"), std::string::npos) << m;
     EXPECT_NE(m.find("I64"), std::string::npos) << m;
     // Without it, the rest loads.
-    std::vector<LoadParam> floats = {LoadParam{"a", {4}, ""}};
+    std::vector<LoadParam> floats = {LoadParam{"a", {4}, {}}};
     const LoadResult res = load_flat_group(ck, floats, *dev, nullptr, LoadOptions{});
     EXPECT_EQ(res.bytes_read, 8u);
     fs::remove_all(dir);
@@ -381,7 +446,7 @@ TEST(Loader, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
   const CheckpointIndex ck =
       pattern_checkpoint_index(m, DType::kBF16, "(rehearsal)", 5'000'000'000);
   std::vector<LoadParam> params;
-  for (const TensorSpec& t : m.tensors) params.push_back(LoadParam{t.name, t.shape, ""});
+  for (const TensorSpec& t : m.tensors) params.push_back(LoadParam{t.name, t.shape, {}});
   std::uint64_t total = 0;
   for (const CheckpointTensor& t : ck.tensors) total += t.bytes;
   std::vector<std::uint64_t> read(8, 0);
@@ -411,7 +476,7 @@ TEST(Loader, ABufferThatDoesNotFitIsReportedWithNothingAllocated) {
   const CheckpointIndex ck =
       pattern_checkpoint_index(m, DType::kBF16, "(rehearsal)", 5'000'000'000);
   std::vector<LoadParam> params;
-  for (const TensorSpec& t : m.tensors) params.push_back(LoadParam{t.name, t.shape, ""});
+  for (const TensorSpec& t : m.tensors) params.push_back(LoadParam{t.name, t.shape, {}});
   std::unique_ptr<Device> dev = make_device("sim:1GiB", DeviceOptions{1, true});
   const LoadResult res = load_flat_group(ck, params, *dev, nullptr, LoadOptions{});
   EXPECT_FALSE(res.feasible());

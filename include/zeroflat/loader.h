@@ -37,8 +37,11 @@ namespace zeroflat {
 struct LoadParam {
   std::string name;    // names it in errors
   Shape shape;         // must be the checkpoint tensor's
-  std::string source;  // the checkpoint tensor holding its values; empty: name (a tied weight
-                       // names the tensor it shares)
+  // The checkpoint tensors holding its values, whole and in order, their elements concatenated
+  // (a tied weight names the tensor it shares; a fused parameter, such as the stacked experts of
+  // a MoE layer, the tensors it stacks); empty: {name}. One source must have the parameter's
+  // shape; several must hold its element count between them.
+  std::vector<std::string> sources;
 };
 
 struct LoadOptions {
@@ -59,6 +62,9 @@ struct LoadOptions {
   ProbeContext probe;
   // More that every rank must pass identically (compared).
   std::string must_match;
+  // Non-empty: the caller's own checks failed on this rank, and this is why. The ranks still
+  // meet once, and every rank raises InvalidArgument (this rank with this text).
+  std::string local_error;
   // Testing aid: this rank's reads fail once this many bytes have been read, as an I/O error.
   std::optional<std::uint64_t> fail_after_bytes;
 };
@@ -121,6 +127,14 @@ std::string verify_loaded(const CheckpointIndex& checkpoint, std::span<const Loa
 std::uint64_t partition_read_bytes(const CheckpointIndex& checkpoint,
                                    std::span<const LoadParam> params, const LayoutOptions& layout,
                                    std::uint64_t rank);
+
+// Tensor `name` of the checkpoint read whole into dst (host memory, t->numel elements of `to`):
+// converted to `to` as torch rounds, or, when to is none, its bytes as stored (any dtype, for a
+// model's integer buffers). Throws InvalidArgument for a tensor the checkpoint does not hold or
+// a dtype the loader does not convert from, Error when the read fails (file and byte range
+// named).
+void read_checkpoint_tensor(const CheckpointIndex& checkpoint, const std::string& name,
+                            std::optional<DType> to, void* dst);
 
 // The word for a cached fraction: "cold" (under 10%), "warm" (over 90%), else "partly".
 std::string page_cache_word(double cached_fraction);

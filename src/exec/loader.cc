@@ -224,6 +224,59 @@ std::vector<Read> window(const std::vector<Read>& reads, std::uint64_t lo, std::
   return out;
 }
 
+// The checkpoint tensors of parameter p, in order, checked against its shape. A name the
+// checkpoint lacks goes to `missing` (and none is returned).
+std::vector<const CheckpointTensor*> resolve(const CheckpointIndex& ck, const LoadParam& p,
+                                             std::vector<std::string>& missing) {
+  std::vector<std::string> names = p.sources;
+  if (names.empty()) names.push_back(p.name);
+  std::vector<const CheckpointTensor*> out;
+  std::uint64_t numel = 0;
+  for (const std::string& name : names) {
+    const CheckpointTensor* t = ck.find(name);
+    if (t == nullptr) {
+      missing.push_back(printable(name));
+      continue;
+    }
+    if (!t->type) {
+      throw InvalidArgument(ck.files[t->file] + ": tensor '" + printable(t->name) + "' is " +
+                            printable(t->dtype) + ": the loader reads BF16, F16 and F32");
+    }
+    out.push_back(t);
+    numel += t->numel;
+  }
+  if (out.size() != names.size()) return {};
+  if (out.size() == 1 && out.front()->shape != p.shape) {
+    const CheckpointTensor& t = *out.front();
+    throw InvalidArgument(ck.files[t.file] + ": tensor '" + printable(t.name) + "' has shape " +
+                          shape_to_string(t.shape) + ", but parameter '" + printable(p.name) +
+                          "' is " + shape_to_string(p.shape));
+  }
+  if (numel != shape_numel(p.shape)) {
+    throw InvalidArgument("the " + std::to_string(out.size()) + " tensors of parameter '" +
+                          printable(p.name) + "' (" + printable(names.front()) + ", ...) hold " +
+                          std::to_string(numel) + " elements, but it is " +
+                          shape_to_string(p.shape) + " (" + std::to_string(shape_numel(p.shape)) +
+                          " elements)");
+  }
+  return out;
+}
+
+// Calls fn(tensor, first element of the tensor, elements, first element of the parameter) for
+// each piece of the parameter's elements [lo, lo + n) held by its sources.
+template <typename Fn>
+void for_pieces(const std::vector<const CheckpointTensor*>& src, std::uint64_t lo, std::uint64_t n,
+                Fn fn) {
+  std::uint64_t at = 0;
+  for (const CheckpointTensor* t : src) {
+    const std::uint64_t a = std::max(at, lo);
+    const std::uint64_t b = std::min(at + t->numel, lo + n);
+    if (a < b) fn(*t, a - at, b - a, a);
+    at += t->numel;
+    if (at >= lo + n) break;
+  }
+}
+
 std::string options_text(const LoadOptions& o, const CheckpointIndex& ck, const Device& device,
                          std::uint64_t ring) {
   const LayoutOptions& l = o.layout;
@@ -249,25 +302,48 @@ std::string options_text(const LoadOptions& o, const CheckpointIndex& ck, const 
 std::uint64_t partition_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
                                    const LayoutOptions& options, std::uint64_t rank) {
   std::vector<std::uint64_t> numels;
-  std::vector<std::uint64_t> file_es;
+  std::vector<std::vector<const CheckpointTensor*>> sources;
+  std::vector<std::string> missing;
   for (const LoadParam& p : params) {
-    const std::string& name = p.source.empty() ? p.name : p.source;
-    const CheckpointTensor* t = ck.find(name);
-    if (t == nullptr || !t->type) {
-      throw InvalidArgument(ck.path + " has no loadable tensor named '" + printable(name) + "'");
-    }
+    sources.push_back(resolve(ck, p, missing));
     numels.push_back(shape_numel(p.shape));
-    file_es.push_back(element_size(*t->type));
+  }
+  if (!missing.empty()) {
+    throw InvalidArgument(ck.path + " has no tensor named '" + missing.front() + "'");
   }
   const Layout layout = Layout::compute(numels, options);
-  if (rank >= options.dp)
+  if (rank >= options.dp) {
     throw InvalidArgument("rank " + std::to_string(rank) + " of dp " + std::to_string(options.dp));
+  }
   std::uint64_t bytes = 0;
   for (const Fragment& f : layout.fragments_in(rank * layout.partition_numel(),
                                                (rank + 1) * layout.partition_numel())) {
-    bytes += f.numel * file_es[f.param];
+    for_pieces(sources[f.param], f.param_offset, f.numel,
+               [&](const CheckpointTensor& t, std::uint64_t, std::uint64_t n, std::uint64_t) {
+                 bytes += n * element_size(*t.type);
+               });
   }
   return bytes;
+}
+
+void read_checkpoint_tensor(const CheckpointIndex& ck, const std::string& name,
+                            std::optional<DType> to, void* dst) {
+  const CheckpointTensor* t = ck.find(name);
+  if (t == nullptr) {
+    throw InvalidArgument(ck.path + " has no tensor named '" + printable(name) + "'");
+  }
+  if (to && !t->type) {
+    throw InvalidArgument(ck.files[t->file] + ": tensor '" + printable(name) + "' is " +
+                          printable(t->dtype) + ": the loader converts BF16, F16 and F32");
+  }
+  const detail::File file(ck.files[t->file]);
+  if (!to || *to == *t->type) {
+    file.read_at(dst, t->bytes, t->offset);
+    return;
+  }
+  std::vector<unsigned char> raw(t->bytes);
+  file.read_at(raw.data(), t->bytes, t->offset);
+  detail::convert_range(dst, *to, raw.data(), *t->type, t->numel);
 }
 
 std::string page_cache_word(double fraction) {
@@ -301,11 +377,12 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
   // --- this rank's own checks, kept until the ranks agree -------------------------------------
   std::string error;
   std::optional<Layout> layout;
-  std::vector<const CheckpointTensor*> sources(params.size(), nullptr);
+  std::vector<std::vector<const CheckpointTensor*>> sources(params.size());
   std::vector<TensorRef> refs;
   std::unique_ptr<Files> files;
   ProbeContext context = options.probe;
   try {
+    if (!options.local_error.empty()) throw InvalidArgument(options.local_error);
     if (options.layout.dp != ranks) {
       throw InvalidArgument("the layout is for dp " + std::to_string(options.layout.dp) + ", but " +
                             std::to_string(ranks) + " rank(s) load: dp must be their number");
@@ -314,22 +391,7 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
     std::vector<std::uint64_t> numels;
     for (std::size_t i = 0; i < params.size(); ++i) {
       const LoadParam& p = params[i];
-      const std::string& name = p.source.empty() ? p.name : p.source;
-      const CheckpointTensor* t = ck.find(name);
-      if (t == nullptr) {
-        missing.push_back(printable(name));
-        continue;
-      }
-      if (!t->type) {
-        throw InvalidArgument(ck.files[t->file] + ": tensor '" + printable(t->name) + "' is " +
-                              printable(t->dtype) + ": the loader reads BF16, F16 and F32");
-      }
-      if (t->shape != p.shape) {
-        throw InvalidArgument(ck.files[t->file] + ": tensor '" + printable(t->name) +
-                              "' has shape " + shape_to_string(t->shape) + ", but parameter '" +
-                              printable(p.name) + "' is " + shape_to_string(p.shape));
-      }
-      sources[i] = t;
+      sources[i] = resolve(ck, p, missing);
       numels.push_back(shape_numel(p.shape));
       refs.push_back(TensorRef{nullptr, numels.back(), p.shape, dtype, &device});
     }
@@ -383,10 +445,14 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
   std::vector<Read> reads;
   for (const Fragment& f : layout->fragments_in(rank * layout->partition_numel(),
                                                 (rank + 1) * layout->partition_numel())) {
-    const CheckpointTensor& t = *sources[f.param];
-    const std::uint64_t fes = element_size(*t.type);
-    reads.push_back(Read{t.file, t.offset + f.param_offset * fes, f.numel * fes,
-                         f.partition_offset * es, *t.type});
+    for_pieces(
+        sources[f.param], f.param_offset, f.numel,
+        [&](const CheckpointTensor& t, std::uint64_t first, std::uint64_t n,
+            std::uint64_t param_first) {
+          const std::uint64_t fes = element_size(*t.type);
+          reads.push_back(Read{t.file, t.offset + first * fes, n * fes,
+                               (f.partition_offset + param_first - f.param_offset) * es, *t.type});
+        });
   }
   // In file order, neighbours merged: one pread where the bytes follow each other in the file
   // and in the buffer.
@@ -649,14 +715,20 @@ std::string verify_loaded(const CheckpointIndex& ck, std::span<const LoadParam> 
   std::vector<unsigned char> whole, want;
   for (std::size_t i = 0; i < params.size(); ++i) {
     const LoadParam& p = params[i];
-    const std::string& name = p.source.empty() ? p.name : p.source;
-    const CheckpointTensor* t = ck.find(name);
-    if (t == nullptr || !t->type) return "no loadable tensor '" + printable(name) + "'";
-    // The tensor read whole, on its own, and converted on its own.
-    whole.resize(t->bytes);
-    files[t->file].read_at(whole.data(), t->bytes, t->offset);
-    want.resize(t->numel * es);
-    detail::convert_range(want.data(), dtype, whole.data(), *t->type, t->numel);
+    std::vector<std::string> missing;
+    const std::vector<const CheckpointTensor*> src = resolve(ck, p, missing);
+    if (!missing.empty()) return "no tensor '" + missing.front() + "'";
+    // The tensors read whole, on their own, and converted on their own.
+    want.assign(shape_numel(p.shape) * es, 0);
+    std::uint64_t filled = 0;
+    for (const CheckpointTensor* t : src) {
+      whole.resize(t->bytes);
+      files[t->file].read_at(whole.data(), t->bytes, t->offset);
+      detail::convert_range(want.data() + filled, dtype, whole.data(), *t->type, t->numel);
+      filled += t->numel * es;
+    }
+    const std::string name = src.empty() ? p.name : src.front()->name;
+    const std::string file = src.empty() ? std::string("?") : files[src.front()->file].path();
     const std::uint64_t at = layout.offsets()[i] * es;
     for (std::uint64_t done = 0; done < want.size();) {
       const std::uint64_t n = std::min(kPiece, want.size() - done);
@@ -665,7 +737,8 @@ std::string verify_loaded(const CheckpointIndex& ck, std::span<const LoadParam> 
         std::uint64_t k = 0;
         while (got[k] == want[done + k]) ++k;
         return "parameter '" + printable(p.name) + "' differs from tensor '" + printable(name) +
-               "' of " + files[t->file].path() + " at element " + std::to_string((done + k) / es);
+               "' of " + file + (src.size() > 1 ? " (or a tensor after it)" : "") + " at element " +
+               std::to_string((done + k) / es);
       }
       done += n;
     }

@@ -127,7 +127,7 @@ void group_from_checkpoint(LoadConfig& cfg, const Args& args) {
     std::fprintf(stderr, "zeroflat load: %s\n", note.c_str());
   }
   for (const TensorSpec& t : model.tensors) {
-    cfg.params.push_back(LoadParam{t.name, t.shape, ""});
+    cfg.params.push_back(LoadParam{t.name, t.shape, {}});
     cfg.checkpoint_bytes += cfg.ck.find(t.name)->bytes;
   }
 }
@@ -173,7 +173,7 @@ LoadConfig load_config_from_args(const Args& args) {
     cfg.ck = pattern_checkpoint_index(model, stored, "(" + model.name + ", not written)",
                                       kRehearsalShardBytes);
     for (const TensorSpec& t : model.tensors) {
-      cfg.params.push_back(LoadParam{t.name, t.shape, ""});
+      cfg.params.push_back(LoadParam{t.name, t.shape, {}});
       cfg.checkpoint_bytes += t.numel * element_size(stored);
     }
   } else {
