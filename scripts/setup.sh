@@ -51,8 +51,9 @@ else
 fi
 
 # --- the Python environment -------------------------------------------------------------------
-# A project virtual environment with torch from PyPI (the binding is built against it) and
-# DeepSpeed (the drop-in is tested against it), from python/requirements.txt. pip keeps
+# A project virtual environment with torch from PyPI (the binding is built against it),
+# DeepSpeed (the drop-in is tested against it) and Transformers (the loader's Hugging Face path),
+# from python/requirements.txt. pip keeps
 # its downloads in its cache, so a second set-up is quick. ZEROFLAT_NO_PYTHON=1 skips it (the
 # build then leaves the binding out).
 venv="${ZEROFLAT_VENV:-$here/.venv}"
@@ -62,8 +63,8 @@ if [[ "${ZEROFLAT_NO_PYTHON:-0}" != 1 ]]; then
     log "making the Python environment $venv"
     /usr/bin/python3 -m venv "$venv"
   fi
-  if ! "$venv/bin/python" -c "import importlib.metadata as m; [m.version(p) for p in ('torch', 'pytest', 'scikit-build-core', 'deepspeed')]" 2>/dev/null; then
-    log "installing torch, DeepSpeed and the test tools into $venv (pip; the torch wheel is large)"
+  if ! "$venv/bin/python" -c "import importlib.metadata as m; [m.version(p) for p in ('torch', 'pytest', 'scikit-build-core', 'deepspeed', 'transformers', 'accelerate')]" 2>/dev/null; then
+    log "installing torch, DeepSpeed, Transformers and the test tools into $venv (pip; the torch wheel is large)"
     "$venv/bin/python" -m pip install -q --upgrade pip >&2
     "$venv/bin/python" -m pip install -q -r "$here/python/requirements.txt" >&2
   else

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -327,6 +328,103 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
   return py::make_tuple(doc.dump(), owned(ex.group.flat), owned(r.master));
 }
 
+
+// A checkpoint's group loaded straight into the flat buffer on this rank (loader.h). Returns a
+// JSON document (the probe, the load candidate, bytes read, times, peaks) and the flat buffer's
+// and the master's uint8 tensors (None when nothing fits); raises ValueError on every rank for a
+// bad group or checkpoint, options that differ, or any rank's local_error; RuntimeError on every
+// rank when a read fails.
+py::tuple load(TorchDevice& device, py::object comm_impl, const zf::CheckpointIndex& ck,
+               const std::vector<std::string>& names,
+               const std::vector<std::vector<std::int64_t>>& shapes,
+               const std::vector<std::vector<std::string>>& sources, std::uint64_t dp,
+               bool round_robin, std::uint64_t alignment_factor, const std::string& dtype,
+               std::uint64_t param_align_bytes, std::optional<std::uint64_t> margin_bytes,
+               bool master, bool cold, unsigned threads, const std::string& must_match,
+               const std::string& local_error) {
+  zf::LoadOptions o;
+  o.local_error = local_error;
+  std::vector<zf::LoadParam> params;
+  if (local_error.empty()) {
+    try {
+      o.layout = layout_options(dp, round_robin, alignment_factor, dtype, param_align_bytes);
+      if (names.size() != shapes.size() || names.size() != sources.size()) {
+        throw zf::InvalidArgument("names, shapes and sources differ in length");
+      }
+      for (std::size_t i = 0; i < names.size(); ++i) {
+        params.push_back(zf::LoadParam{names[i], shapes[i], sources[i]});
+      }
+    } catch (const zf::Error& e) {
+      o.local_error = e.what();
+      params.clear();
+    }
+  }
+  if (!o.local_error.empty()) o.layout.dp = dp;
+  o.margin_bytes = margin_bytes;
+  o.cold = cold;
+  o.threads = threads;
+  o.must_match = must_match + (master ? ", master" : "");
+  std::unique_ptr<PyCommunicator> comm;
+  if (!comm_impl.is_none()) comm = std::make_unique<PyCommunicator>(comm_impl);
+  zf::LoadResult r;
+  zf::DeviceBuffer fp32;
+  double master_seconds = 0;
+  std::string master_error;
+  {
+    py::gil_scoped_release nogil;
+    r = zf::load_flat_group(ck, params, device, comm.get(), o);
+    if (master && r.feasible()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        fp32 = zf::make_master_partition(device, r.group, comm ? comm->rank() : 0);
+      } catch (const zf::OutOfMemory& e) {
+        master_error = std::string("the fp32 master partition does not fit: ") + e.what();
+      }
+      master_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  }
+  Json doc;
+  doc["probe"] = Json::parse(zf::probe_json(r.probe));
+  doc["plan"] = Json::parse(zf::candidate_json(r.plan, true));
+  doc["tier"] = "load";
+  if (!r.feasible()) {
+    doc["outcome"] = "infeasible";
+    doc["reason"] = r.plan.why_not;
+    return py::make_tuple(doc.dump(), py::none(), py::none());
+  }
+  doc["outcome"] = "done";
+  doc["bytes_read"] = r.bytes_read;
+  doc["reads"] = r.reads;
+  doc["page_cache"] = r.page_cache;
+  doc["cached_fraction"] = r.cached_fraction;
+  doc["read_seconds"] = r.read_seconds;
+  doc["allgather_seconds"] = r.allgather_seconds;
+  doc["seconds"] = r.seconds;
+  doc["predicted_peak_device_bytes"] = r.predicted_peak_device_bytes;
+  doc["measured_peak_device_bytes"] = r.measured_peak_device_bytes;
+  doc["host_bytes"] = r.measured_peak_host_bytes;
+  if (fp32) doc["master_seconds"] = master_seconds;
+  if (!master_error.empty()) doc["master_error"] = master_error;
+  auto owned = [&](const zf::DeviceBuffer& b) -> py::object {
+    if (!b) return py::none();
+    return py::cast(device.tensor(reinterpret_cast<std::uintptr_t>(b.data())));
+  };
+  return py::make_tuple(doc.dump(), owned(r.group.flat), owned(fp32));
+}
+
+at::ScalarType scalar_type_of(zf::DType d) {
+  switch (d) {
+    case zf::DType::kBF16:
+      return at::kBFloat16;
+    case zf::DType::kFP16:
+      return at::kHalf;
+    case zf::DType::kFP32:
+      return at::kFloat;
+  }
+  return at::kByte;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -377,6 +475,56 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }
         return out.narrow(0, 0, static_cast<std::int64_t>(n));
       });
+  py::class_<zf::CheckpointIndex>(m, "Checkpoint")
+      .def(py::init([](const std::string& path) {
+             py::gil_scoped_release nogil;
+             return zf::open_checkpoint(path);
+           }),
+           py::arg("path"))
+      .def_readonly("path", &zf::CheckpointIndex::path)
+      .def_readonly("files", &zf::CheckpointIndex::files)
+      // (name, dtype as stored, shape, bytes, zeroflat dtype or None), in natural name order.
+      .def("tensors",
+           [](const zf::CheckpointIndex& ck) {
+             py::list out;
+             for (const zf::CheckpointTensor& t : ck.tensors) {
+               py::object type = py::none();
+               if (t.type) type = py::str(std::string(zf::dtype_name(*t.type)));
+               out.append(py::make_tuple(t.name, t.dtype, t.shape, t.bytes, type));
+             }
+             return out;
+           })
+      .def("has", [](const zf::CheckpointIndex& ck,
+                     const std::string& name) { return ck.find(name) != nullptr; })
+      // Tensor `name` read whole into `out` (a contiguous CPU tensor of its element count):
+      // converted to out's dtype as torch rounds when that is bf16, fp16 or fp32, else its
+      // bytes as stored (out must then have exactly as many bytes).
+      .def("read", [](const zf::CheckpointIndex& ck, const std::string& name, at::Tensor out) {
+        const zf::CheckpointTensor* t = ck.find(name);
+        if (t == nullptr) throw zf::InvalidArgument(ck.path + " has no tensor named '" + name + "'");
+        if (!out.is_cpu() || !out.is_contiguous()) {
+          throw zf::InvalidArgument("read: out must be a contiguous CPU tensor");
+        }
+        std::optional<zf::DType> to;
+        for (zf::DType d : {zf::DType::kBF16, zf::DType::kFP16, zf::DType::kFP32}) {
+          if (out.scalar_type() == scalar_type_of(d)) to = d;
+        }
+        const std::uint64_t want = to ? t->numel * zf::element_size(*to) : t->bytes;
+        if (static_cast<std::uint64_t>(out.numel()) * out.element_size() != want ||
+            (to && static_cast<std::uint64_t>(out.numel()) != t->numel)) {
+          throw zf::InvalidArgument("read: tensor '" + name + "' needs " + std::to_string(want) +
+                                    " bytes in out, which has " +
+                                    std::to_string(out.numel() * out.element_size()));
+        }
+        void* dst = out.data_ptr();
+        py::gil_scoped_release nogil;
+        zf::read_checkpoint_tensor(ck, name, to, dst);
+      });
+  m.def("load", &load, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
+        py::arg("names"), py::arg("shapes"), py::arg("sources"), py::arg("dp"),
+        py::arg("round_robin"), py::arg("alignment_factor"), py::arg("dtype"),
+        py::arg("param_align_bytes"), py::arg("margin_bytes"), py::arg("master"), py::arg("cold"),
+        py::arg("threads"), py::arg("must_match"), py::arg("local_error"));
   m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"),
         py::arg("shapes"), py::arg("dp"), py::arg("round_robin"), py::arg("alignment_factor"),
         py::arg("dtype"), py::arg("param_align_bytes"), py::arg("tier"), py::arg("margin_bytes"),

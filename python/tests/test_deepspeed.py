@@ -299,6 +299,42 @@ def check_moe(rank, world):
     assert same(params(plain), params(dropped)), where
 
 
+def check_adoption(rank, world, tmpdir):
+    """A model loaded by zeroflat.load_param_groups (its parameters views into the loader's
+    buffers, laid out by this release's rules): with the drop-in, deepspeed.initialize adopts
+    every group's buffer as it is, and everything equals DeepSpeed's own from the same values."""
+    path = os.path.join(tmpdir, "model.safetensors")
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        m = Model(0).to(torch.bfloat16)
+        save_file({k: v.contiguous() for k, v in m.state_dict().items()}, path)
+    torch.distributed.barrier()
+    group = torch.distributed.group.WORLD if world > 1 else None
+    for stage, rr in ((1, False), (2, True)):
+        where = f"{RELEASE} rank {rank} adoption stage {stage} rr {rr}"
+        plain, po = build(stage, rr, False)
+        with zeroflat.meta_parameters():
+            model = Model(0)
+        model = model.to(torch.bfloat16)
+        fgs = zeroflat.load_param_groups(model, path, group, param_groups=model.groups(),
+                                         round_robin=rr, deepspeed=RELEASE, master_dtype=None,
+                                         device="cpu")
+        optimizer = torch.optim.AdamW(model.groups(), lr=1e-3, foreach=False)
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": stage, "round_robin_gradients": rr},
+                  "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}}
+        before = dict(zd.stats)
+        dropped, do = initialize(model, optimizer, config, True)
+        assert zd.stats["adopted"] == before["adopted"] + len(po.bit16_groups_flat), \
+            (where, zd.stats)
+        assert [f.data_ptr() for f in do.bit16_groups_flat] == [fg.flat.data_ptr() for fg in fgs]
+        assert same(po.bit16_groups_flat, do.bit16_groups_flat), where
+        assert same(po.single_partition_of_fp32_groups, do.single_partition_of_fp32_groups), where
+        assert train(plain, rank) == train(dropped, rank), where
+        assert same(params(plain), params(dropped)), where
+
+
 def worker(rank, world, port, ckpt_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -325,6 +361,8 @@ def worker(rank, world, port, ckpt_dir):
         compare_bf16_zero1(rank)
     if world == 2:
         check_moe(rank, world)
+    if world < 3:
+        check_adoption(rank, world, ckpt_dir)
     check_checkpoint(last, ckpt_dir)
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 

@@ -1,7 +1,12 @@
-"""zeroflat for PyTorch: flatten a parameter group into DeepSpeed's ZeRO-1/2 layout.
+"""zeroflat for PyTorch: flatten a parameter group into DeepSpeed's ZeRO-1/2 layout, or load
+it straight from a checkpoint into that layout.
 
     fg = zeroflat.flatten_param_group(params, process_group)
     fg.flat, fg.partition, fg.master, fg.tier, fg.layout, fg.report
+
+    with zeroflat.meta_parameters():
+        model = build_model()                       # no memory, no initialization
+    groups = zeroflat.load_param_groups(model, "checkpoint/", process_group)
 
 Every trainable parameter of the group becomes a view into one flat buffer (padded so that it
 splits evenly over the ranks of ``process_group``), with its value unchanged; this rank's
@@ -31,6 +36,8 @@ ResourceExhausted = _C.ResourceExhausted
 
 __all__ = [
     "ExecutionError",
+    "load_param_groups",
+    "meta_parameters",
     "ResourceExhausted",
     "FlatGroup",
     "NoFeasiblePlan",
@@ -482,3 +489,6 @@ def flatten_param_groups(param_groups: Iterable[Any], process_group=None,
         params = g["params"] if isinstance(g, dict) else g
         out.append(flatten_param_group(params, process_group, **kwargs))
     return out
+
+
+from ._load import load_param_groups, meta_parameters  # noqa: E402  (needs the names above)

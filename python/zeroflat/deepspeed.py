@@ -37,7 +37,7 @@ _lock = threading.Lock()
 _saved: Optional[dict] = None
 _state = threading.local()
 stats = {"release": None, "groups": 0, "fallbacks": 0, "tiers": [], "optimizers": [],
-         "fallback_reasons": [], "not_flattened": []}
+         "fallback_reasons": [], "not_flattened": [], "adopted": 0}
 
 # How DeepSpeed fills a buffer when nothing else says otherwise: torch's concatenation. A group
 # whose optimizer fills it another way (ZenFlow stores 2-D parameters transposed) is DeepSpeed's.
@@ -109,6 +109,36 @@ def _why_not(opt, sources, alignment: int, world: int, offsets: List[int],
     return None
 
 
+def _adoptable(sources, offsets: List[int], flat_numel: int) -> Optional[torch.Tensor]:
+    """The flat buffer zeroflat's loader built, when the group's parameters are exactly its
+    views at the offsets this optimizer would give them and it has this optimizer's length."""
+    flat = zeroflat._load.loaded_buffer(sources)
+    if flat is None or flat.numel() != flat_numel:
+        return None
+    base = flat.storage_offset()
+    storage = flat.untyped_storage().data_ptr()
+    for t, off in zip(sources, offsets):
+        if (t.dtype != flat.dtype or t.device != flat.device or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != storage
+                or t.storage_offset() != base + off):
+            return None
+    return flat
+
+
+def _all_agree(ok: bool, process_group) -> bool:
+    """Whether every rank of the group says ok (one all-reduce)."""
+    import torch.distributed as dist
+
+    if dist.get_world_size(group=process_group) == 1:
+        return ok
+    device = "cpu"
+    if str(dist.get_backend(process_group)) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=process_group)
+    return bool(t.item())
+
+
 def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offsets, padding,
            palign: int, original: Callable[[], torch.Tensor]) -> torch.Tensor:
     """Group i's buffer from zeroflat, or from DeepSpeed (original()) with a warning saying why."""
@@ -119,6 +149,16 @@ def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offse
     padded = sum(t.numel() for t in sources) + sum(padding)
     flat_numel = padded + (-padded) % alignment
     reason = _why_not(opt, sources, alignment, world, offsets, padding, flat_numel, palign, rules)
+    # A buffer zeroflat's loader already built in exactly this layout is the group's buffer as it
+    # is: no copy, no allocation. Every rank must find one, or none adopts.
+    adopted = _adoptable(sources, offsets, flat_numel) if reason is None else None
+    if _all_agree(adopted is not None, process_group):
+        stats["groups"] += 1
+        stats["adopted"] += 1
+        stats["tiers"].append("adopted")
+        stats["optimizers"].append(kind)
+        log.info("zeroflat: %s param group %d adopted the buffer zeroflat loaded", kind, i)
+        return adopted
     if reason is None:
         try:
             fg = zeroflat.flatten_param_group(

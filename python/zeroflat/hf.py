@@ -1,0 +1,113 @@
+"""Hugging Face Transformers models loaded straight into DeepSpeed's ZeRO-1/2 flat buffers.
+
+    import zeroflat.hf
+    model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, "path/to/checkpoint")
+    # then deepspeed.initialize(model=model, ...) or Trainer(model=model, ...), with
+    # zeroflat.deepspeed.install() so that ZeRO adopts the buffers as they are.
+
+The model is built from its config without memory (parameters on the meta device), then every
+rank reads only its partition of each flat buffer from the safetensors files and one all-gather
+completes it (``zeroflat.load_param_groups``): no rank ever holds the checkpoint in separate
+tensors. See docs/python.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ._load import load_param_groups, meta_parameters
+
+__all__ = ["from_pretrained", "trainer_param_groups"]
+
+log = logging.getLogger("zeroflat")
+
+
+def trainer_param_groups(model: torch.nn.Module) -> List[List[str]]:
+    """The groups the Transformers Trainer gives its optimizer by default, as parameter names:
+    the parameters with weight decay, then those without (biases and normalization weights, as
+    ``Trainer.get_decay_parameter_names`` says), trainable ones only, in the model's order."""
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return [[n for n in names if n in decay], [n for n in names if n not in decay]]
+
+
+def _default_group():
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD if dist.get_world_size() > 1 else None
+    return None
+
+
+def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_group: Any = "default",
+                    dtype: Optional[torch.dtype] = None, *,
+                    param_groups: Union[None, str, Sequence[Any],
+                                        Callable[[torch.nn.Module], Sequence[Any]]] = None,
+                    device: Optional[Any] = None, round_robin: bool = False,
+                    deepspeed: Optional[str] = "installed", cold: bool = False,
+                    threads: Optional[int] = None, install_drop_in: bool = True,
+                    **from_config_kwargs) -> torch.nn.Module:
+    """The model of checkpoint directory ``path`` (its ``config.json`` and safetensors files),
+    every trainable parameter a view into the flat buffer DeepSpeed's ZeRO-1/2 will build for
+    its optimizer group, filled from the files with each rank reading only its partition.
+
+    ``model_class``: ``AutoModelForCausalLM`` or any class with ``from_config`` (or a concrete
+    model class). ``process_group``: the data-parallel group (``"default"``: the default group
+    when torch.distributed is initialized with more than one rank, else one process; ``None``:
+    one process). ``dtype``: the parameters' dtype (default: the config's ``torch_dtype``/
+    ``dtype``, else the checkpoint's). ``param_groups``: the optimizer's groups the buffers are
+    laid out for: None (one group of every trainable parameter, what ``deepspeed.initialize``
+    builds from ``model.parameters()``), ``"trainer"`` (the Trainer's default weight-decay split,
+    ``trainer_param_groups``), a list of groups of names or parameters, or a function of the
+    model returning one. ``round_robin`` and ``deepspeed``: as DeepSpeed's config will have them.
+    ``install_drop_in``: install the DeepSpeed drop-in (``zeroflat.deepspeed.install()``) when
+    DeepSpeed is importable, so that ``deepspeed.initialize`` (directly or through the Trainer)
+    adopts the loaded buffers instead of copying them. Other keyword arguments go to
+    ``from_config`` (``attn_implementation``, ...).
+
+    The model is returned in eval mode, as Transformers returns it; ``model.zeroflat_groups``
+    holds the FlatGroups (buffers, partitions, reports; no fp32 master partition: DeepSpeed
+    builds its own)."""
+    from transformers import AutoConfig
+
+    path = os.fspath(path)
+    if process_group == "default":
+        process_group = _default_group()
+    config = AutoConfig.from_pretrained(path)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+    with meta_parameters():
+        if hasattr(model_class, "from_config"):
+            try:
+                model = model_class.from_config(config, dtype=dtype, **from_config_kwargs)
+            except TypeError:
+                model = model_class.from_config(config, torch_dtype=dtype, **from_config_kwargs)
+        else:
+            model = model_class._from_config(config, torch_dtype=dtype, **from_config_kwargs)
+    if param_groups == "trainer":
+        groups = trainer_param_groups(model)
+    elif callable(param_groups):
+        groups = param_groups(model)
+    else:
+        groups = param_groups
+    # No master partition here: DeepSpeed builds its own from the buffer.
+    fgs = load_param_groups(model, path, process_group, param_groups=groups, dtype=dtype,
+                            device=device, round_robin=round_robin, deepspeed=deepspeed,
+                            master_dtype=None, cold=cold, threads=threads)
+    model.eval()
+    model.zeroflat_groups = fgs
+    if install_drop_in:
+        try:
+            import zeroflat.deepspeed as zd
+
+            zd.install()
+        except RuntimeError as e:  # no DeepSpeed here: nothing to adopt the buffers
+            log.debug("zeroflat: the DeepSpeed drop-in is not installed: %s", e)
+    return model
