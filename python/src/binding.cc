@@ -328,7 +328,6 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
   return py::make_tuple(doc.dump(), owned(ex.group.flat), owned(r.master));
 }
 
-
 // A checkpoint's group loaded straight into the flat buffer on this rank (loader.h). Returns a
 // JSON document (the probe, the load candidate, bytes read, times, peaks) and the flat buffer's
 // and the master's uint8 tensors (None when nothing fits); raises ValueError on every rank for a
@@ -380,8 +379,7 @@ py::tuple load(TorchDevice& device, py::object comm_impl, const zf::CheckpointIn
       } catch (const zf::OutOfMemory& e) {
         master_error = std::string("the fp32 master partition does not fit: ") + e.what();
       }
-      master_seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      master_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
   }
   Json doc;
@@ -425,6 +423,15 @@ at::ScalarType scalar_type_of(zf::DType d) {
   return at::kByte;
 }
 
+// What upcast and clone read: the tensor's bytes from data_ptr(), so it must be a dense host
+// tensor.
+void check_host_source(const at::Tensor& src, const char* what) {
+  if (!src.device().is_cpu() || !src.is_contiguous() || src.is_sparse()) {
+    throw zf::InvalidArgument(std::string(what) + ": a contiguous CPU tensor, not " +
+                              src.toString() + " on " + src.device().str());
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -453,13 +460,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("tensor", &TorchDevice::tensor, py::arg("ptr"))
       .def("allocated_bytes", [](TorchDevice& d) { return d.memory_info().allocated_bytes; })
       // Host conversions at the engine's speed: a fresh buffer of zeroflat's host memory (huge
-      // pages), first touched by the team that writes it. CPU tensors only; the caller checks.
+      // pages), first touched by the team that writes it. Contiguous CPU tensors only.
       .def("upcast",
            [](TorchDevice& d, const at::Tensor& src) {
+             check_host_source(src, "upcast");
+             if (src.scalar_type() != at::kBFloat16 && src.scalar_type() != at::kHalf) {
+               throw zf::InvalidArgument("upcast: a bfloat16 or float16 tensor, not " +
+                                         std::string(c10::toString(src.scalar_type())));
+             }
              const std::uint64_t n = static_cast<std::uint64_t>(src.numel());
              at::Tensor out = host_tensor(n * 4);
-             const zf::DType dtype = src.scalar_type() == at::kBFloat16 ? zf::DType::kBF16
-                                                                          : zf::DType::kFP16;
+             const zf::DType dtype =
+                 src.scalar_type() == at::kBFloat16 ? zf::DType::kBF16 : zf::DType::kFP16;
              {
                py::gil_scoped_release nogil;
                d.upcast_to_fp32(static_cast<float*>(out.data_ptr()), src.data_ptr(), dtype, n);
@@ -467,6 +479,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return out.narrow(0, 0, static_cast<std::int64_t>(n * 4));
            })
       .def("clone", [](TorchDevice& d, const at::Tensor& src) {
+        check_host_source(src, "clone");
         const std::uint64_t n = static_cast<std::uint64_t>(src.numel()) * src.element_size();
         at::Tensor out = host_tensor(n);
         {
@@ -501,7 +514,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // bytes as stored (out must then have exactly as many bytes).
       .def("read", [](const zf::CheckpointIndex& ck, const std::string& name, at::Tensor out) {
         const zf::CheckpointTensor* t = ck.find(name);
-        if (t == nullptr) throw zf::InvalidArgument(ck.path + " has no tensor named '" + name + "'");
+        if (t == nullptr)
+          throw zf::InvalidArgument(ck.path + " has no tensor named '" + name + "'");
         if (!out.is_cpu() || !out.is_contiguous()) {
           throw zf::InvalidArgument("read: out must be a contiguous CPU tensor");
         }
@@ -520,15 +534,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::gil_scoped_release nogil;
         zf::read_checkpoint_tensor(ck, name, to, dst);
       });
-  m.def("load", &load, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
-        py::arg("names"), py::arg("shapes"), py::arg("sources"), py::arg("dp"),
-        py::arg("round_robin"), py::arg("alignment_factor"), py::arg("dtype"),
-        py::arg("param_align_bytes"), py::arg("margin_bytes"), py::arg("master"), py::arg("cold"),
-        py::arg("threads"), py::arg("must_match"), py::arg("local_error"));
-  m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"),
-        py::arg("shapes"), py::arg("dp"), py::arg("round_robin"), py::arg("alignment_factor"),
-        py::arg("dtype"), py::arg("param_align_bytes"), py::arg("tier"), py::arg("margin_bytes"),
-        py::arg("master"), py::arg("check_values"), py::arg("framework_cached_free_bytes"),
+  m.def("load", &load, py::arg("device"), py::arg("comm"), py::arg("checkpoint"), py::arg("names"),
+        py::arg("shapes"), py::arg("sources"), py::arg("dp"), py::arg("round_robin"),
+        py::arg("alignment_factor"), py::arg("dtype"), py::arg("param_align_bytes"),
+        py::arg("margin_bytes"), py::arg("master"), py::arg("cold"), py::arg("threads"),
+        py::arg("must_match"), py::arg("local_error"));
+  m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"), py::arg("shapes"),
+        py::arg("dp"), py::arg("round_robin"), py::arg("alignment_factor"), py::arg("dtype"),
+        py::arg("param_align_bytes"), py::arg("tier"), py::arg("margin_bytes"), py::arg("master"),
+        py::arg("check_values"), py::arg("framework_cached_free_bytes"),
         py::arg("framework_held_bytes"), py::arg("names"), py::arg("must_match"),
         py::arg("local_error"), py::arg("fault_step"), py::arg("defer_release"),
         py::arg("release_originals"));

@@ -124,6 +124,101 @@ def check_values_before_slices_change_hands(rank, world, group):
     assert fg.report["value_check_seconds"] >= 0 and fg.report["value_check_bytes"] > 0
 
 
+def check_shared_memory_all_gather(rank, world, group):
+    """Host all-gathers between ranks of one host go through a /dev/shm window, in rounds of
+    its slots, and fall back to the process group when any rank cannot map it; nothing is left
+    in /dev/shm either way."""
+    from zeroflat import _shm
+
+    def pattern(r, n):
+        return ((torch.arange(n, dtype=torch.int64) * 7 + r * 13) % 251).to(torch.uint8)
+
+    def gathered(win, slice_bytes):
+        buf = torch.zeros(slice_bytes * world, dtype=torch.uint8)
+        buf[rank * slice_bytes: (rank + 1) * slice_bytes] = pattern(rank, slice_bytes)
+        win.all_gather(buf, slice_bytes)
+        for r in range(world):
+            assert torch.equal(buf[r * slice_bytes: (r + 1) * slice_bytes],
+                               pattern(r, slice_bytes)), f"rank {rank}: slice {r}"
+
+    def left_behind():
+        # The group's first rank makes the file and unlinks it before open() returns there.
+        mine = f"zeroflat-{os.getpid()}-"
+        return [n for n in os.listdir("/dev/shm") if n.startswith(mine)] if rank == 0 else []
+
+    win = _shm.SharedWindow.open(group, rank, world, 1 << 20)
+    assert win is not None and win.slot_bytes == 1 << 20
+    gathered(win, 1 << 20)  # one round
+    gathered(win, 3 * win.slot_bytes + 123)  # four rounds, both slot sets, a ragged last one
+    gathered(win, 1)
+    del win
+    assert not left_behind()
+
+    # A rank that cannot map the window: every rank falls back.
+    real_map = _shm._map
+    if rank == world - 1:
+        def refuse(name, total):
+            raise OSError("not here")
+        _shm._map = refuse
+    try:
+        assert _shm.SharedWindow.open(group, rank, world, 4096) is None
+    finally:
+        _shm._map = real_map
+    assert not left_behind()
+
+    # One communicator, a small gather and then a larger one: the window grows with the slices
+    # rather than taking a larger buffer through the small one's slots.
+    buffers = {}
+
+    class Buffers:
+        def tensor(self, ptr):
+            return buffers[ptr]
+
+    comm = zeroflat._TorchComm(group, Buffers(), torch.device("cpu"))
+    for n in (4096, 3 << 20):
+        buf = torch.zeros(n * world, dtype=torch.uint8)
+        buf[rank * n: (rank + 1) * n] = pattern(rank, n)
+        buffers[buf.data_ptr()] = buf
+        comm.all_gather_inplace(buf.data_ptr(), n)
+        assert comm._window and comm._window.slot_bytes == _shm.slot_bytes(world, n)
+        for r in range(world):
+            assert torch.equal(buf[r * n: (r + 1) * n], pattern(r, n))
+    del comm
+    assert not left_behind()
+
+    # Through the engine: the sharded tier's all-gather, with the window and without it, gives
+    # DeepSpeed's buffer; the window was used (or not) as asked.
+    calls = []
+    real_gather = _shm.SharedWindow.all_gather
+    _shm.SharedWindow.all_gather = lambda self, buf, n: (calls.append(n), real_gather(self, buf, n))[1]
+    try:
+        for enabled in ("1", "0"):
+            os.environ["ZEROFLAT_SHM_ALLGATHER"] = enabled
+            del calls[:]
+            model = tiny_model()
+            values = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+            want, _ = deepspeed_flat(values, world)
+            fg = zeroflat.flatten_param_group(model.parameters(), group, tier="sharded")
+            assert torch.equal(fg.flat, want), f"rank {rank}, shared memory {enabled}"
+            assert bool(calls) == (enabled == "1"), calls
+    finally:
+        _shm.SharedWindow.all_gather = real_gather
+        os.environ.pop("ZEROFLAT_SHM_ALLGATHER", None)
+
+    if world == 3:
+        # A group whose rank 0 is global rank 1: the name comes from the group's first rank.
+        sub = dist.new_group([1, 2])
+        if rank in (1, 2):
+            win = _shm.SharedWindow.open(sub, rank - 1, 2, 8192)
+            assert win is not None
+            buf = torch.zeros(2 * 8192, dtype=torch.uint8)
+            buf[(rank - 1) * 8192: rank * 8192] = pattern(rank, 8192)
+            win.all_gather(buf, 8192)
+            assert torch.equal(buf[:8192], pattern(1, 8192))
+            assert torch.equal(buf[8192:], pattern(2, 8192))
+        dist.barrier()
+
+
 def worker(rank, world, port):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -138,6 +233,7 @@ def worker(rank, world, port):
         if world == 3:
             check_errors_reach_every_rank_at_once(rank, world, group)
         check_values_before_slices_change_hands(rank, world, group)
+        check_shared_memory_all_gather(rank, world, group)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -234,3 +234,19 @@ def test_host_buffers_are_fresh_huge_page_mappings_freed_with_the_tensor():
     gc.collect()
     with open("/proc/self/maps") as maps:  # the mapping is gone with the tensors
         assert not any(line.startswith(f"{ptr:x}-") for line in maps)
+
+
+def test_the_engine_host_copies_refuse_what_they_cannot_read():
+    """upcast and clone read a tensor's bytes from its data pointer: a strided tensor, or an
+    up-cast of anything but bf16 or fp16, is a ValueError, never a read past the end."""
+    engine = zeroflat._C.TorchDevice("cpu", 1)
+    half = torch.randn(64, 32).to(torch.float16)
+    assert torch.equal(engine.upcast(half).view(torch.float32).view(64, 32), half.float())
+    assert torch.equal(engine.clone(half).view(torch.float16).view(64, 32), half)
+    for bad in (torch.ones(16, dtype=torch.uint8), torch.ones(4, dtype=torch.float32)):
+        with pytest.raises(ValueError, match="bfloat16 or float16"):
+            engine.upcast(bad)
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        engine.upcast(half.t())
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        engine.clone(half.t())

@@ -27,7 +27,7 @@ from typing import Any, Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _shm
 
 __version__ = _C.__version__
 
@@ -228,6 +228,7 @@ class _TorchComm:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.aborted: Optional[str] = None
+        self._window: Any = None  # the shared-memory window of ranks on one host, once tried
 
     def _check(self) -> None:
         if self.aborted is not None:
@@ -241,6 +242,18 @@ class _TorchComm:
             raise ValueError(f"the ranks passed all-gather slices of {_U64_MAX - least} to "
                              f"{most} bytes; nothing was copied")
         buf = self.device.tensor(ptr)[: slice_bytes * self.size]
+        if buf.device.type == "cpu" and self.comm_device.type == "cpu" and _shm.enabled():
+            # Ranks on one host meet in shared memory rather than in gloo's sockets.
+            # Opened at the first gather, again for a larger one (every rank sees the same
+            # slice_bytes, checked above); never again once some rank could not map it.
+            if self._window is None or (self._window and self._window.slot_bytes
+                                        < _shm.slot_bytes(self.size, slice_bytes)):
+                self._window = None  # the smaller window unmapped before the next is made
+                self._window = _shm.SharedWindow.open(self.group, self.rank, self.size,
+                                                      slice_bytes) or False
+            if self._window:
+                self._window.all_gather(buf, slice_bytes)
+                return
         mine = buf[self.rank * slice_bytes: (self.rank + 1) * slice_bytes]
         try:
             dist.all_gather_into_tensor(buf, mine, group=self.group)

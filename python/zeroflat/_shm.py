@@ -1,0 +1,139 @@
+"""An all-gather of host buffers through shared memory, for ranks on one host.
+
+Gloo moves a host all-gather through TCP sockets, one copy per peer and per direction, at well
+under a gigabyte per second; ranks that share a host can instead meet in a small window of
+shared memory (``/dev/shm``) and copy their slices through it at memory speed. The window is a
+ring of two slot sets, ``2 x ranks`` slots of ``slot_bytes`` each, so a buffer of any size goes
+through in rounds with one barrier each and the extra memory stays a few tens of megabytes.
+
+Whether every rank of the group can map the same window is found by trying: rank 0 creates a
+file of a random name and reserves its pages (``posix_fallocate``, so that a full ``/dev/shm``
+is a clean error here rather than a SIGBUS later), every other rank opens it by name without
+creating it, and the ranks agree; anything short of every rank mapping it means the caller
+keeps to the process group's own all-gather. The file is unlinked as soon as every rank has it
+mapped: nothing is left behind, whatever happens next.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_WINDOW_BYTES = 32 << 20  # the whole ring, all ranks' slots together
+_PAGE = 4096
+_DIR = "/dev/shm"
+
+
+def enabled() -> bool:
+    """``ZEROFLAT_SHM_ALLGATHER=0`` keeps host all-gathers on the process group's backend."""
+    return os.environ.get("ZEROFLAT_SHM_ALLGATHER", "1").strip().lower() not in ("0", "false",
+                                                                                 "no", "off")
+
+
+def slot_bytes(size: int, slice_bytes: int) -> int:
+    """The slot a window for ``size`` ranks and slices of ``slice_bytes`` gets: the ring's share,
+    no more than the slice needs (page-rounded)."""
+    slot = max(_PAGE, (_WINDOW_BYTES // (2 * size)) // _PAGE * _PAGE)
+    return min(slot, -(-slice_bytes // _PAGE) * _PAGE)
+
+
+class SharedWindow:
+    """A window of shared memory that every rank of ``group`` has mapped (see ``open``)."""
+
+    def __init__(self, group, rank: int, size: int, slot_bytes: int, window: torch.Tensor):
+        self.group = group
+        self.rank = rank
+        self.size = size
+        self.slot_bytes = slot_bytes
+        self.window = window
+
+    @classmethod
+    def open(cls, group, rank: int, size: int, slice_bytes: int) -> Optional["SharedWindow"]:
+        """The window, or None when some rank cannot map it (another host, no /dev/shm, no room).
+        Collective over ``group``: every rank calls it with the same ``size`` and
+        ``slice_bytes``."""
+        slot = slot_bytes(size, slice_bytes)
+        total = 2 * size * slot
+        name = _create(total) if rank == 0 else ""
+        try:
+            # The name, from the group's first rank, as bytes in a tensor (gloo moves host
+            # tensors).
+            text = torch.zeros(256, dtype=torch.uint8)
+            raw = name.encode()
+            text[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+            dist.broadcast(text, src=dist.get_global_rank(group, 0), group=group)
+            name = bytes(text.tolist()).rstrip(b"\0").decode()
+            if not name:
+                return None
+            try:
+                window = _map(name, total)
+            except OSError:
+                window = None
+            ok = torch.tensor([1 if window is not None else 0], dtype=torch.int64)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        finally:
+            # Every rank has it mapped, gave up, or failed: the name is no longer needed.
+            if rank == 0 and name:
+                try:
+                    os.unlink(name)
+                except OSError:
+                    pass
+        if not ok.item():
+            return None
+        return cls(group, rank, size, slot, window)
+
+    def all_gather(self, buf: torch.Tensor, slice_bytes: int) -> None:
+        """Rank r's ``buf[r * slice_bytes, (r + 1) * slice_bytes)`` into every rank's ``buf``
+        (uint8, on the host), in place."""
+        n_ranks, slot, me = self.size, self.slot_bytes, self.rank
+        for k, off in enumerate(range(0, slice_bytes, slot)):
+            n = min(slot, slice_bytes - off)
+            # Slot set k % 2: the barrier of round k - 1 saw every rank done reading this set in
+            # round k - 2, so it is free to overwrite.
+            base = (k % 2) * n_ranks * slot
+            mine = base + me * slot
+            self.window[mine: mine + n].copy_(buf[me * slice_bytes + off: me * slice_bytes + off + n])
+            dist.barrier(group=self.group)
+            for j in range(n_ranks):
+                if j != me:
+                    at = base + j * slot
+                    buf[j * slice_bytes + off: j * slice_bytes + off + n].copy_(
+                        self.window[at: at + n])
+        # Nobody reuses the window before every rank has read the last round.
+        dist.barrier(group=self.group)
+
+
+def _create(total: int) -> str:
+    """A new file of ``total`` reserved bytes in /dev/shm, or "" when it cannot be made."""
+    if not os.path.isdir(_DIR):
+        return ""
+    name = os.path.join(_DIR, f"zeroflat-{os.getpid()}-{secrets.token_hex(8)}")
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return ""
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError:
+        os.close(fd)
+        os.unlink(name)
+        return ""
+    os.close(fd)
+    return name
+
+
+def _map(name: str, total: int) -> torch.Tensor:
+    """The file ``name``, which must exist and hold ``total`` bytes, mapped shared, as uint8."""
+    fd = os.open(name, os.O_RDWR)  # never O_CREAT: another host's file must not be made here
+    try:
+        if os.fstat(fd).st_size != total:
+            raise OSError(f"{name} is not the window's size")
+        mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8)
