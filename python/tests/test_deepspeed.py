@@ -380,7 +380,13 @@ def worker(rank, world, port, ckpt_dir):
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+# The environment's own release at 1, 2 and 3 ranks; every other release (run once more per
+# release from its own folder, ZEROFLAT_DEEPSPEED_RELEASE set) at 2, where every case runs,
+# odd sizes and their padding included.
+WORLDS = [1, 2, 3] if "ZEROFLAT_DEEPSPEED_RELEASE" not in os.environ else [2]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_drop_in_matches_deepspeed(world):
     os.environ["DS_ACCELERATOR"] = "cpu"
     with tempfile.TemporaryDirectory() as ckpt:

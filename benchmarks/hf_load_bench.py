@@ -1,0 +1,338 @@
+"""From a Hugging Face checkpoint to a ZeRO-2 DeepSpeed engine ready to train, the seed's
+measurement at this machine's scale: Transformers' from_pretrained + deepspeed.initialize,
+against zeroflat.hf.from_pretrained + deepspeed.initialize with the drop-in (which adopts the
+loaded buffers).
+
+    PYTHONPATH=build/python .venv/bin/python benchmarks/hf_load_bench.py [--layers 2]
+        [--experts 16] [--vocab 32000] [--ranks 1,2] [--repeat 3] [--dir DIR] [--warm-gib 8]
+        [--json]
+
+The checkpoint: Qwen3-30B-A3B's shapes (hidden 2048, 32 heads, 4 KV heads, experts of 768)
+with --layers layers, --experts experts and a --vocab vocabulary (the full 151,936 makes the
+embeddings dwarf the layers at this scale), bf16, deterministic values, written once by
+Transformers' own save_pretrained in 200 MB shards with an index. Each row runs every rank as a
+fresh process (torch.multiprocessing, gloo, the CPU accelerator), the two ways alternately,
+--repeat times, and keeps each way's best; every figure is the slowest rank's:
+  load      from the model's config (its code already imported: a one-time Python cost of
+            seconds, the same both ways, shown apart) to every parameter holding the
+            checkpoint's values. Transformers maps the safetensors files and leaves a parameter
+            stored as the model holds it as a view of the mapping, read from the page cache or
+            the disk when first touched (by DeepSpeed's flatten, inside initialize): the table
+            says what share of the bytes that is
+  rss       the load's growth in resident memory (peak, sampled every 2 ms), against the flat
+            buffers' bytes (the floor: the parameters themselves)
+  init      deepspeed.initialize (ZeRO-2, bf16, AdamW), and where it goes: the ZeRO optimizer's
+            constructor (its flatten, its optimizer state; the fp32 master partition is in the
+            constructor too), the broadcast of the parameters from rank 0, the optimizer check
+            (which imports DeepSpeed's Muon module, and torch.compile with it, once per
+            process), and the rest
+  ready     load + init: time to the first training step
+cold: the checkpoint's files dropped from the page cache before each run (written back, then
+posix_fadvise(DONTNEED)). The targets (2 ranks, warm and cold): load >= 3x faster, rss <= 1.1x
+the flat buffers, ready >= 1.4x faster.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The peak resident memory while the block runs, sampled every 2 ms."""
+
+    def __enter__(self):
+        self.base = rss_bytes()
+        self.peak = self.base
+        self.done = False
+
+        def sample():
+            while not self.done:
+                self.peak = max(self.peak, rss_bytes())
+                time.sleep(0.002)
+
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done = True
+        self.thread.join()
+        self.peak = max(self.peak, rss_bytes())
+        self.growth = self.peak - self.base
+
+
+def warm_memory(gib):
+    """Touches gib GiB once and frees it: on a virtual machine the first touch of a page the guest
+    has not used also costs the hypervisor's fault, which would land on whichever run meets such
+    pages first (see docs/performance.md)."""
+    for _ in range(gib):
+        block = bytearray(1 << 30)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        del block
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_checkpoint(path, layers, experts, vocab):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=2048, intermediate_size=6144,
+                            moe_intermediate_size=768, num_hidden_layers=layers,
+                            num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            num_experts=experts, num_experts_per_tok=min(8, experts),
+                            tie_word_embeddings=False, dtype="bfloat16")
+    import zeroflat
+
+    # Built without memory, then filled with deterministic values tensor by tensor.
+    with zeroflat.meta_parameters():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            t = torch.empty(p.shape, dtype=torch.float32).normal_(0, 0.02, generator=gen)
+            module._parameters[name] = torch.nn.Parameter(t.to(torch.bfloat16))
+    model.save_pretrained(path, max_shard_size="200MB")
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        return len(json.load(f)["weight_map"])
+
+
+def drop_cache(path):
+    for name in os.listdir(path):
+        fd = os.open(os.path.join(path, name), os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed_init_parts():
+    """Wraps the pieces of deepspeed.initialize that take time, to see where it goes: the ZeRO
+    optimizer's constructor and its flatten and optimizer-state steps, the engine's broadcast of
+    the parameters from rank 0, and its optimizer check (which imports DeepSpeed's Muon module,
+    and with it torch.compile's, once per process)."""
+    from deepspeed.runtime import engine
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    parts = {}
+
+    def wrap(owner, name, label):
+        fn = vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if fn is None:
+            return
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[label] = parts.get(label, 0.0) + time.perf_counter() - t0
+        timed.__wrapped__ = fn
+        setattr(owner, name, timed)
+
+    cls = stage_1_and_2.DeepSpeedZeroOptimizer
+    wrap(cls, "__init__", "ZeRO optimizer")
+    wrap(cls, "flatten_dense_tensors_aligned", "  flatten")
+    wrap(cls, "initialize_optimizer_states", "  optimizer state")
+    wrap(engine.DeepSpeedEngine, "_broadcast_model", "broadcast")
+    wrap(engine, "is_zero_supported_optimizer", "optimizer check (imports)")
+    return parts
+
+
+def file_backed_bytes(model):
+    """Bytes of the parameters that are still mappings of the checkpoint's files (read lazily,
+    on first touch) rather than memory of their own."""
+    maps = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                maps.append((lo, hi))
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if any(lo <= p.data_ptr() < hi for lo, hi in maps))
+
+
+def worker(rank, world, port, path, way, cold, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(max(1, os.cpu_count() // world))
+    import importlib
+
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import zeroflat.hf
+
+    importlib.import_module("deepspeed.comm")
+    comm_torch = sys.modules["deepspeed.comm.torch"]
+    if hasattr(comm_torch, "build_shm_op"):
+        comm_torch.build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    # The model's code imported (Transformers imports a model's module on first use, seconds of
+    # Python either way): timed, shown, and kept out of the load phase of both ways.
+    from transformers import AutoConfig
+
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    t_import = time.perf_counter() - t0
+    if cold and rank == 0:
+        drop_cache(path)
+    dist.barrier()
+
+    t0 = time.perf_counter()
+    with PeakRss() as rss:
+        if way == "zeroflat":
+            model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
+                                                device="cpu")
+            flat_bytes = sum(fg.flat.numel() * fg.flat.element_size()
+                             for fg in model.zeroflat_groups)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+            flat_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    t_load = time.perf_counter() - t0
+    mapped = file_backed_bytes(model)
+    parts = timed_init_parts()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+              "bf16": {"enabled": True}}
+    t1 = time.perf_counter()
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    t_init = time.perf_counter() - t1
+    import zeroflat.deepspeed as zd
+
+    adopted = zd.stats["adopted"] if zd.is_installed() else 0
+    # The slowest rank's figures.
+    vals = torch.tensor([t_load, t_init, t_load + t_init, float(rss.growth), t_import],
+                        dtype=torch.float64)
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"load": vals[0].item(), "init": vals[1].item(), "ready": vals[2].item(),
+                       "rss": vals[3].item(), "import": vals[4].item(), "mapped": mapped, "flat_bytes": flat_bytes, "adopted": adopted,
+                       "parts": parts}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(way, world, path, cold, tmp):
+    out = os.path.join(tmp, f"{way}-{world}-{cold}.json")
+    mp.spawn(worker, args=(world, free_port(), path, way, cold, out), nprocs=world, join=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", help="where the checkpoint is (written there if missing)")
+    ap.add_argument("--warm-gib", type=int, default=8,
+                    help="GiB of memory to touch once before measuring (0: none)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.repeat < 1 or args.layers < 1 or args.experts < 1:
+        ap.error("--repeat, --layers and --experts must be at least 1")
+    tmp = tempfile.mkdtemp(prefix="zeroflat-hf-bench-")
+    path = os.path.join(args.dir or tmp, "checkpoint")
+    rows = []
+    try:
+        tensors = None
+        if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+            tensors = write_checkpoint(path, args.layers, args.experts, args.vocab)
+        size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
+                   if n.endswith(".safetensors"))
+        warm_memory(args.warm_gib)
+        for cold in (False, True):
+            for world in [int(r) for r in args.ranks.split(",") if r]:
+                if not cold:
+                    run("transformers", world, path, False, tmp)  # the files into the cache
+                runs = {"transformers": [], "zeroflat": []}
+                for _ in range(args.repeat):
+                    for way in ("transformers", "zeroflat"):
+                        runs[way].append(run(way, world, path, cold, tmp))
+                best = {w: {k: min(r[k] for r in rs)
+                            for k in ("load", "init", "ready", "rss", "import")}
+                        for w, rs in runs.items()}
+                # Where initialize goes: the run with the best time to ready, each way.
+                fastest = {w: min(rs, key=lambda r: r["ready"]) for w, rs in runs.items()}
+                z = runs["zeroflat"][0]
+                rows.append({"ranks": world, "cache": "cold" if cold else "warm",
+                             "transformers": best["transformers"], "zeroflat": best["zeroflat"],
+                             "flat_bytes": z["flat_bytes"], "adopted": z["adopted"],
+                             "hf_mapped_bytes": runs["transformers"][0]["mapped"],
+                             "parts": {w: dict(r["parts"], total=r["init"])
+                                       for w, r in fastest.items()},
+                             "load_x": best["transformers"]["load"] / best["zeroflat"]["load"],
+                             "ready_x": best["transformers"]["ready"] / best["zeroflat"]["ready"],
+                             "rss_x": best["zeroflat"]["rss"] / z["flat_bytes"]})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps({"checkpoint_bytes": size, "rows": rows}, indent=2))
+        return 0
+    print(f"Qwen3-30B-A3B shapes, {args.layers} layers, {args.experts} experts, vocab "
+          f"{args.vocab}: {size / 1e9:.2f} GB bf16" + (f", {tensors} tensors" if tensors else "")
+          + f"; best of {args.repeat}, slowest rank; Transformers, then zeroflat")
+    print(f"{'ranks':>5} {'cache':>5} | {'load s':>11} {'x':>5} | {'rss / flat':>10} | "
+          f"{'init s':>11} | {'ready s':>11} {'x':>5} | targets (2 ranks): load >= 3, "
+          "rss <= 1.1, ready >= 1.4")
+    met = True
+    for r in rows:
+        t, z = r["transformers"], r["zeroflat"]
+        ok = r["load_x"] >= 3 and r["rss_x"] <= 1.1 and r["ready_x"] >= 1.4
+        if r["ranks"] == 2:
+            met = met and ok
+        print(f"{r['ranks']:>5} {r['cache']:>5} | {t['load']:5.2f} {z['load']:5.2f} "
+              f"{r['load_x']:5.2f} | {r['rss_x']:10.2f} | {t['init']:5.2f} {z['init']:5.2f} | "
+              f"{t['ready']:5.2f} {z['ready']:5.2f} {r['ready_x']:5.2f} | "
+              f"{'met' if ok else 'NOT met'} (adopted {r['adopted']}; Transformers: rss "
+              f"{t['rss'] / r['flat_bytes']:.2f} x flat, "
+              f"{r['hf_mapped_bytes'] / r['flat_bytes']:.0%} of the bytes still file mappings)")
+    imports = max(max(r["transformers"]["import"], r["zeroflat"]["import"]) for r in rows)
+    print(f"  not in either load: importing the model's code, up to {imports:.2f} s (the same "
+          "both ways)")
+    for r in rows:
+        for way, parts in r["parts"].items():
+            parts = dict(parts)
+            total = parts.pop("total")
+            rest = total - sum(v for k, v in parts.items() if not k.startswith(" "))
+            text = ", ".join(f"{k.strip()} {v:.2f}" for k, v in parts.items())
+            print(f"  initialize, {way:>12}, {r['ranks']} rank(s) {r['cache']}: {total:.2f} s = "
+                  f"{text}, the rest {rest:.2f}")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
