@@ -9,6 +9,7 @@
 #   ZEROFLAT_JOBS         parallel build jobs (default: the number of cores)
 #   ZEROFLAT_VENV         the Python environment to make or use (default: .venv)
 #   ZEROFLAT_NO_PYTHON    1: no Python environment, and the build leaves the binding out
+#   ZEROFLAT_BUILD_TARGET build only this target (default: everything)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -97,6 +98,7 @@ if [[ ! -f "$build_dir/CMakeCache.txt" ]]; then
 elif (($# > 0)) || ((${#python_args[@]} > 0)); then
   cmake "$build_dir" "${python_args[@]}" "$@" >&2
 fi
-log "building with $jobs jobs"
-cmake --build "$build_dir" --parallel "$jobs" >&2
-log "built: $build_dir/zeroflat"
+target="${ZEROFLAT_BUILD_TARGET:-}"
+log "building ${target:-everything} with $jobs jobs"
+cmake --build "$build_dir" --parallel "$jobs" ${target:+--target "$target"} >&2
+log "built: $build_dir/${target:-zeroflat}"

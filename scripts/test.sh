@@ -26,7 +26,8 @@ if [[ "${ZEROFLAT_SKIP_SANITIZERS:-0}" != 1 ]]; then
 fi
 fuzz_seconds="${ZEROFLAT_FUZZ_SECONDS:-60}"
 if ((fuzz_seconds > 0)); then
-  CXX=clang++ CC=clang ZEROFLAT_BUILD_TYPE=RelWithDebInfo "$here/scripts/setup.sh" "$here/build-fuzz" \
+  CXX=clang++ CC=clang ZEROFLAT_BUILD_TYPE=RelWithDebInfo ZEROFLAT_BUILD_TARGET=model_files_fuzz \
+    "$here/scripts/setup.sh" "$here/build-fuzz" \
     -DZEROFLAT_BUILD_TESTS=OFF -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_BUILD_FUZZERS=ON \
     -DZEROFLAT_WITH_CUDA=OFF -DZEROFLAT_WITH_NCCL=OFF -DZEROFLAT_WITH_MPI=OFF \
     -DZEROFLAT_WITH_PYTHON=OFF \
