@@ -43,6 +43,16 @@ def tiny_dense(tie=True):
                        tie_word_embeddings=tie, attention_bias=True)
 
 
+def tiny_mixtral():
+    """Mixtral's checkpoints keep their old names (block_sparse_moe, experts.N.w1/w2/w3):
+    Transformers renames the module and stacks the experts when it loads them."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=300, hidden_size=48, intermediate_size=40,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=12, num_local_experts=3, num_experts_per_tok=2)
+
+
 def write(config, path, dtype, seed=0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -60,6 +70,8 @@ def checkpoints():
         "moe": write(tiny_moe(), os.path.join(root, "moe"), torch.bfloat16),
         "moe_tied_fp32": write(tiny_moe(tie=True), os.path.join(root, "moe32"), torch.float32),
         "dense_tied": write(tiny_dense(), os.path.join(root, "dense"), torch.bfloat16),
+        "mixtral_legacy_names": write(tiny_mixtral(), os.path.join(root, "mixtral"),
+                                      torch.bfloat16),
     }
     yield out
     shutil.rmtree(root, ignore_errors=True)
@@ -77,9 +89,16 @@ def same_model(a, b):
         assert torch.equal(ba[k], bb[k]), k
 
 
-@pytest.mark.parametrize("name", ["moe", "moe_tied_fp32", "dense_tied"])
+@pytest.mark.parametrize("name", ["moe", "moe_tied_fp32", "dense_tied", "mixtral_legacy_names"])
 def test_from_pretrained_equals_transformers(checkpoints, name):
     path = checkpoints[name]
+    if name == "mixtral_legacy_names":  # the case this checkpoint is here for
+        import json
+
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            stored = json.load(f)["weight_map"]
+        assert "model.layers.0.block_sparse_moe.experts.2.w3.weight" in stored
+        assert not any(".mlp." in n for n in stored)
     for dtype in (torch.bfloat16, torch.float16):
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, None, dtype, device="cpu")

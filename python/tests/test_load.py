@@ -131,3 +131,95 @@ def test_load_param_groups_on_a_meta_module(tmp_path):
     with pytest.raises(ValueError, match="body.bias"):
         zeroflat.load_param_groups(model, bad, device="cpu")
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+class WeightRenaming:
+    """The shape of Transformers' renaming rule: checkpoint patterns -> the model's pattern."""
+
+    def __init__(self, sources, target):
+        self.source_patterns, self.target_patterns, self.operations = sources, [target], []
+
+
+class MergeModulelist:
+    def __init__(self, dim):
+        self.dim = dim
+
+
+class Concatenate(MergeModulelist):
+    pass
+
+
+class WeightConverter:
+    def __init__(self, sources, target, operations):
+        self.source_patterns, self.target_patterns = sources, [target]
+        self.operations = operations
+
+
+def test_renamed_and_fused_tensors_are_found_under_the_checkpoints_names(tmp_path):
+    """A module the checkpoint stores under an older name (undone through the renaming rules,
+    escaped dots and anchors included) and experts stored one by one that the model stacks:
+    each parameter gets the checkpoint's tensors, stacked in order; a regular expression that
+    cannot be undone is left alone, and a missing tensor is still an error naming it."""
+    from zeroflat import _load
+
+    rules = [WeightRenaming([r"^legacy\.model"], "model"),
+             WeightRenaming([".block_sparse_moe."], ".mlp."),
+             WeightRenaming([r"gamma(\d)"], "scale"),
+             WeightConverter([".experts.*.w1.weight", ".experts.*.w3.weight"],
+                             ".experts.gate_up_proj", [MergeModulelist(0), Concatenate(1)])]
+    assert _load._checkpoint_names("model.layers.0.mlp.gate.weight", rules) == [
+        "model.layers.0.mlp.gate.weight", "legacy.model.layers.0.mlp.gate.weight",
+        "model.layers.0.block_sparse_moe.gate.weight",
+        "legacy.model.layers.0.block_sparse_moe.gate.weight"]
+    assert _load._checkpoint_names("x.model.scale", rules) == ["x.model.scale"]  # ^: not here
+
+    g = torch.Generator().manual_seed(3)
+    w1 = [torch.randn(3, 4, generator=g) for _ in range(2)]
+    w3 = [torch.randn(3, 4, generator=g) for _ in range(2)]
+    gate = torch.randn(2, 4, generator=g)
+    stored = {"legacy.model.block_sparse_moe.gate.weight": gate}
+    for e in range(2):
+        stored[f"legacy.model.block_sparse_moe.experts.{e}.w1.weight"] = w1[e]
+        stored[f"legacy.model.block_sparse_moe.experts.{e}.w3.weight"] = w3[e]
+    save(tmp_path / "model.safetensors", stored)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.empty(2, 6, 4))
+
+    class Moe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(4, 2, bias=False)
+            self.experts = Experts()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = Moe()
+
+    class Top(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Model()
+
+    real = _load._converters
+    _load._converters = lambda model: rules
+    try:
+        with zeroflat.meta_parameters():
+            top = Top()
+        zeroflat.load_param_groups(top, str(tmp_path), deepspeed=None, device="cpu",
+                                   master_dtype=None)
+        assert torch.equal(top.model.mlp.gate.weight, gate)
+        want = torch.stack([torch.cat([w1[e], w3[e]]) for e in range(2)])
+        assert torch.equal(top.model.mlp.experts.gate_up_proj, want)
+
+        del stored["legacy.model.block_sparse_moe.experts.1.w3.weight"]
+        save(tmp_path / "model.safetensors", stored)
+        with zeroflat.meta_parameters():
+            top = Top()
+        with pytest.raises(ValueError, match="model.mlp.experts.gate_up_proj"):
+            zeroflat.load_param_groups(top, str(tmp_path), deepspeed=None, device="cpu")
+    finally:
+        _load._converters = real

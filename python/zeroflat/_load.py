@@ -83,15 +83,22 @@ def _checkpoint(checkpoint) -> "_C.Checkpoint":
 # --- names: model parameters to checkpoint tensors ------------------------------------------------
 
 def _converters(model) -> list:
-    """Transformers' own rules for checkpoints whose tensors the model fuses (the experts of a
-    MoE layer stored one by one, held as one stacked parameter), when it has them."""
+    """Transformers' own rules for the model's checkpoints: tensors renamed between the
+    checkpoint and the model (a module that moved), and tensors the model fuses (the experts of a
+    MoE layer stored one by one, held as one stacked parameter), when it has them. The legacy
+    rules are included: they only add names to look for."""
     try:
         from transformers import conversion_mapping as cm
     except ImportError:
         return []
     try:
-        return list(cm.get_model_conversion_mapping(model, add_legacy=False) or [])
-    except Exception:  # noqa: BLE001 - an older or newer API: no fused parameters known
+        return list(cm.get_model_conversion_mapping(model, add_legacy=True) or [])
+    except TypeError:
+        try:
+            return list(cm.get_model_conversion_mapping(model) or [])
+        except Exception:  # noqa: BLE001 - another API: no rules known
+            return []
+    except Exception:  # noqa: BLE001 - an older or newer API: no rules known
         try:
             return list(cm.get_checkpoint_conversion_mapping(model.config.model_type) or [])
         except Exception:  # noqa: BLE001
@@ -102,6 +109,60 @@ def _op(op) -> Tuple[str, Optional[int]]:
     return type(op).__name__, getattr(op, "dim", None)
 
 
+def _is_renaming(rule) -> bool:
+    return not list(getattr(rule, "operations", []) or [])
+
+
+_REGEX = set("[]()*+?{}|$\\")
+
+
+def _literal(pattern: str) -> Optional[Tuple[str, bool]]:
+    """A renaming pattern as (its text, anchored at the start of the name), or None when it is a
+    regular expression beyond escaped dots and a leading ``^`` (such a rule is not undone)."""
+    anchored = pattern.startswith("^")
+    text = (pattern[1:] if anchored else pattern).replace("\\.", ".")
+    if not text or any(c in _REGEX for c in text):
+        return None
+    return text, anchored
+
+
+def _checkpoint_names(name: str, rules: list, limit: int = 64) -> List[str]:
+    """``name``, then the names Transformers' renaming rules would have read it from: each rule
+    (checkpoint patterns -> model pattern) undone on every name found so far, in order, so that
+    a name renamed by several rules is found too."""
+    out = [name]
+    for rule in rules:
+        if not _is_renaming(rule):
+            continue
+        targets = [_literal(t) for t in getattr(rule, "target_patterns", []) or []]
+        sources = [_literal(t) for t in getattr(rule, "source_patterns", []) or []]
+        if len(targets) != 1 or targets[0] is None or not sources or None in sources:
+            continue
+        (target, target_anchored), found = targets[0], []
+        for cand in out:
+            at = cand.find(target)
+            if at < 0 or (target_anchored and at != 0):
+                continue
+            for source, source_anchored in sources:
+                if source_anchored and at != 0:
+                    continue
+                found.append(cand[:at] + source + cand[at + len(target):])
+        for cand in found:
+            if cand not in out and len(out) < limit:
+                out.append(cand)
+    return out
+
+
+def _suffix(name: str, pattern: str) -> Optional[str]:
+    """The part of ``name`` before ``pattern`` when the name ends with it (at a dot), else None."""
+    bare = pattern.lstrip(".")
+    if name == bare:
+        return ""
+    if bare and name.endswith("." + bare):
+        return name[: len(name) - len(bare)]
+    return None
+
+
 def _fused_sources(name: str, shape: torch.Size, converters: list,
                    ck: "_C.Checkpoint") -> Optional[List[str]]:
     """The checkpoint tensors a fused parameter stacks, in the order of its elements, or None
@@ -110,15 +171,17 @@ def _fused_sources(name: str, shape: torch.Size, converters: list,
     along the next (Concatenate(dim=1)), or concatenating along the first (Concatenate(dim=0)).
     A rule that transposes, splits or permutes is NotImplementedError, naming the parameter."""
     for conv in converters:
+        if _is_renaming(conv):
+            continue
         targets = list(getattr(conv, "target_patterns", []) or [])
         sources = list(getattr(conv, "source_patterns", []) or [])
         ops = [_op(o) for o in getattr(conv, "operations", []) or []]
         if len(targets) != 1 or not sources or "*" in targets[0]:
             continue
-        target = targets[0]
-        if not (name == target or name.endswith("." + target)):
+        prefix = _suffix(name, targets[0])
+        if prefix is None:
             continue
-        prefix = name[: len(name) - len(target)]
+        sources = [src.lstrip(".") for src in sources]
         if ops == [("MergeModulelist", 0)] or ops == [("MergeModulelist", 0), ("Concatenate", 1)]:
             count = shape[0] if len(shape) else 0
             out = [prefix + src.replace("*", str(e)) for e in range(count) for src in sources]
@@ -136,11 +199,13 @@ def _fused_sources(name: str, shape: torch.Size, converters: list,
 def _sources_of(names: List[str], shape: torch.Size, converters: list,
                 ck: "_C.Checkpoint") -> Optional[List[str]]:
     """The checkpoint tensors holding a parameter known by these names (tied weights have
-    several; HF saves one of them), or None."""
-    for n in names:
+    several; HF saves one of them), each also under the names Transformers' renaming rules give
+    it, or None."""
+    candidates = [c for n in names for c in _checkpoint_names(n, converters)]
+    for n in candidates:
         if ck.has(n):
             return [n]
-    for n in names:
+    for n in candidates:
         fused = _fused_sources(n, shape, converters, ck)
         if fused is not None:
             return fused
@@ -282,9 +347,10 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
                        f"of the model: {shown}")
     buffers = []
     for name, b in model.named_buffers():
-        if ck.has(name):
-            buffers.append((name, b))
-            used.add(name)
+        stored = next((c for c in _checkpoint_names(name, converters) if ck.has(c)), None)
+        if stored is not None:
+            buffers.append((name, b, stored))
+            used.add(stored)
         elif strict and b.device.type == "meta" and not local_error:
             local_error = (f"ValueError: buffer {name!r} is on the meta device and {ck.path} "
                            "does not hold it")
@@ -375,8 +441,8 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
                             "and float32 parameters")
         host = _read_whole(info, ck, name, sources[id(p)], p.shape, want)
         _replace_everywhere(model, p, host.to(target))
-    for name, b in buffers:
-        host = _read_whole(info, ck, name, [name], b.shape,
+    for name, b, stored in buffers:
+        host = _read_whole(info, ck, name, [stored], b.shape,
                            b.dtype if b.dtype in _DTYPES else None, raw_dtype=b.dtype)
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name) if module_name else model
