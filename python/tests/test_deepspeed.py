@@ -421,3 +421,20 @@ def test_other_releases_warn_and_older_ones_are_refused(monkeypatch, caplog):
     zd.uninstall()
     zd.uninstall()
     assert Opt.__init__ is init and Opt.flatten_dense_tensors_aligned is flatten
+
+
+def test_host_copies_run_on_the_engine_only_with_threads_to_split_them(monkeypatch):
+    """While an optimizer is built, a large bf16 -> fp32 up-cast runs on the engine (a fresh
+    2 MiB-aligned buffer, the same values) when it has two or more threads per rank; with one
+    it is torch's own."""
+    big = torch.randn(4 << 20).to(torch.bfloat16)  # 8 MiB: the smallest the engine takes
+    for threads, engine in ((2, True), (1, False)):
+        monkeypatch.setattr(zeroflat._C, "default_threads", lambda local, t=threads: t)
+        float_before = torch.Tensor.float
+        with zd._FastHostCopies():
+            assert (torch.Tensor.float is not float_before) == engine
+            up = big.float()
+        assert torch.Tensor.float is float_before
+        assert torch.equal(up, big.to(torch.float32))
+        if engine:
+            assert up.data_ptr() % (2 << 20) == 0

@@ -283,13 +283,18 @@ class _FastHostCopies:
     zeroflat's buffer (the bf16 partition's clone, its fp32 up-cast: the master partition) run on
     zeroflat's engine: a fresh buffer of huge pages, first touched by the threads that write it,
     split by bytes, where torch would fault in 4 KiB pages on one thread. The values are torch's
-    to the bit (clone copies, and bf16 or fp16 to fp32 is exact); anything else is torch's."""
+    to the bit (clone copies, and bf16 or fp16 to fp32 is exact); anything else is torch's.
+
+    Only where the engine has more than one thread per rank: with one, the copy cannot be
+    split, and fresh huge pages faulted in by a single thread measured slower than torch's own
+    copies (docs/deepspeed.md)."""
 
     kMinBytes = 8 << 20
 
     def __init__(self):
         self.saved = None
         self.engine = None
+        self.threads = zeroflat._C.default_threads(zeroflat._C.local_ranks() or 1)
 
     def _large(self, t):
         return (getattr(_state, "fast_host", False) and t.device.type == "cpu" and not t.is_sparse
@@ -298,8 +303,7 @@ class _FastHostCopies:
 
     def _engine(self):
         if self.engine is None:
-            local = zeroflat._C.local_ranks() or 1
-            self.engine = zeroflat._C.TorchDevice("cpu", zeroflat._C.default_threads(local))
+            self.engine = zeroflat._C.TorchDevice("cpu", self.threads)
         return self.engine
 
     def _upcast(self, t):
@@ -332,14 +336,19 @@ class _FastHostCopies:
                 return fast._upcast(t)
             return to(t, *args, **kwargs)
 
+        if self.threads < 2:
+            return self
         self.saved = (clone, to, to_float)
         torch.Tensor.clone, torch.Tensor.to, torch.Tensor.float = fast_clone, fast_to, fast_float
         _state.fast_host = True
         return self
 
     def __exit__(self, *exc):
+        if self.saved is None:
+            return
         _state.fast_host = False
         torch.Tensor.clone, torch.Tensor.to, torch.Tensor.float = self.saved
+        self.saved = None
 
 
 def _zero_init_hook(original):
