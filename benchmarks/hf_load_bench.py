@@ -237,7 +237,8 @@ def worker(rank, world, port, path, way, cold, out):
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"load": vals[0].item(), "init": vals[1].item(), "ready": vals[2].item(),
-                       "rss": vals[3].item(), "import": vals[4].item(), "mapped": mapped, "flat_bytes": flat_bytes, "adopted": adopted,
+                       "rss": vals[3].item(), "import": vals[4].item(), "mapped": mapped,
+                       "flat_bytes": flat_bytes, "adopted": adopted,
                        "parts": parts}, f)
     dist.barrier()
     dist.destroy_process_group()

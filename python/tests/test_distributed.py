@@ -190,7 +190,12 @@ def check_shared_memory_all_gather(rank, world, group):
     # DeepSpeed's buffer; the window was used (or not) as asked.
     calls = []
     real_gather = _shm.SharedWindow.all_gather
-    _shm.SharedWindow.all_gather = lambda self, buf, n: (calls.append(n), real_gather(self, buf, n))[1]
+
+    def counted(self, buf, n):
+        calls.append(n)
+        return real_gather(self, buf, n)
+
+    _shm.SharedWindow.all_gather = counted
     try:
         for enabled in ("1", "0"):
             os.environ["ZEROFLAT_SHM_ALLGATHER"] = enabled

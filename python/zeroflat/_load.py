@@ -212,7 +212,7 @@ def _sources_of(names: List[str], shape: torch.Size, converters: list,
     return None
 
 
-# --- the load ---------------------------------------------------------------------------------------
+# --- the load ------------------------------------------------------------------------------
 
 def _default_device() -> torch.device:
     if torch.cuda.is_available():

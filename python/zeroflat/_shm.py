@@ -97,7 +97,8 @@ class SharedWindow:
             # round k - 2, so it is free to overwrite.
             base = (k % 2) * n_ranks * slot
             mine = base + me * slot
-            self.window[mine: mine + n].copy_(buf[me * slice_bytes + off: me * slice_bytes + off + n])
+            own = me * slice_bytes + off
+            self.window[mine: mine + n].copy_(buf[own: own + n])
             dist.barrier(group=self.group)
             for j in range(n_ranks):
                 if j != me:
