@@ -2,9 +2,9 @@
 #include "zeroflat/engine.h"
 
 #include <algorithm>
-#include <chrono>
 #include <string>
 
+#include "common/clock.h"
 #include "zeroflat/error.h"
 #include "zeroflat/flatten.h"
 #include "zeroflat/runtime.h"
@@ -144,11 +144,10 @@ FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
 
   // --- the fp32 master partition: it may not fit where the flatten just did ---------------------
   if (options.master && res.complete()) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = detail::Clock::now();
     try {
       res.master = make_master_partition(device, res.execution.group, rank);
-      res.master_seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      res.master_seconds = detail::seconds_since(t0);
     } catch (const OutOfMemory& e) {
       res.master_error = std::string("the fp32 master partition does not fit: ") + e.what();
     }

@@ -3,9 +3,9 @@
 #include "zeroflat/executor.h"
 
 #include <array>
-#include <chrono>
 #include <exception>
 
+#include "common/clock.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 
@@ -27,7 +27,7 @@ std::string_view outcome_name(Outcome outcome) noexcept {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using detail::Clock;
 
 // What a rank tells the others at an agreement point, as one number so that the maximum over
 // ranks keeps the worst news: severity, then the step, then the rank.
@@ -142,7 +142,7 @@ class Run {
     const MemoryInfo mem = device_.memory_info();
     out.measured_peak_device_bytes = mem.peak_allocated_bytes;
     out.measured_peak_host_bytes = mem.peak_host_allocated_bytes;
-    out.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    out.seconds = detail::seconds_since(t0);
     out.step_seconds = step_seconds_;
     return out;
   }
@@ -192,7 +192,7 @@ class Run {
           comm_->abort("rank " + std::to_string(rank_) + ": " + e.what());
         }
       }
-      step_seconds_[k] = std::chrono::duration<double>(Clock::now() - t0).count();
+      step_seconds_[k] = detail::seconds_since(t0);
     }
     end.stopped_at = steps_.size();
     return end;
@@ -278,7 +278,8 @@ class Run {
 
   // The flat buffer becomes the result's; the executor no longer releases it.
   DeviceBuffer adopt_flat() {
-    DeviceBuffer out = DeviceBuffer::adopt(device_, ptr(Buffer::kFlat), machine_.size(Buffer::kFlat));
+    DeviceBuffer out =
+        DeviceBuffer::adopt(device_, ptr(Buffer::kFlat), machine_.size(Buffer::kFlat));
     ptr(Buffer::kFlat) = nullptr;
     machine_.apply(Step{Op::kRelease, Buffer::kFlat});
     return out;

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -18,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/clock.h"
 #include "common/thread_pool.h"
 #include "device/host_kernels.h"
 #include "model/files.h"
@@ -29,11 +29,8 @@
 namespace zeroflat {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using detail::Clock;
+using detail::seconds_since;
 
 // One contiguous read: src_bytes of file at src, converted from `from`, landing at dst (bytes
 // from the start of this rank's slice).
@@ -574,7 +571,7 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
           if (!copy_error.empty()) throw Error("copying to " + device.name() + ": " + copy_error);
         }
         if (reader.failed()) throw Error(reader.error());
-        res.read_seconds = since(t0);
+        res.read_seconds = seconds_since(t0);
       } else if (s.op == Op::kAllGather) {
         break;  // after the ranks agree that every read succeeded
       }
@@ -597,7 +594,7 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
   // --- all-gather, views ------------------------------------------------------------------------
   const auto t_gather = Clock::now();
   if (group != nullptr) group->all_gather_inplace(flat.data(), sb, device);
-  res.allgather_seconds = since(t_gather);
+  res.allgather_seconds = seconds_since(t_gather);
   res.group.layout = *layout;
   auto* base = static_cast<unsigned char*>(flat.data());
   for (std::size_t i = 0; i < refs.size(); ++i) {
@@ -610,7 +607,7 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
   const MemoryInfo mem = device.memory_info();
   res.measured_peak_device_bytes = mem.peak_allocated_bytes;
   res.measured_peak_host_bytes = mem.peak_host_allocated_bytes;
-  res.seconds = since(t_start);
+  res.seconds = seconds_since(t_start);
   return res;
 }
 
@@ -671,7 +668,7 @@ ReadCeiling measure_read_ceiling(const CheckpointIndex& ck, std::uint64_t skip, 
       device->copy(on_device, scratch, out.bytes);
       device->synchronize();
     }
-    out.seconds = since(t0);
+    out.seconds = seconds_since(t0);
   } catch (const std::exception& e) {
     error = e.what();
   }

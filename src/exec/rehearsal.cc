@@ -3,12 +3,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <mutex>
 
+#include "common/clock.h"
 #include "common/thread_pool.h"
 #include "device/cpu_device.h"
 #include "zeroflat/error.h"
@@ -19,11 +19,8 @@
 namespace zeroflat {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using detail::Clock;
+using detail::seconds_since;
 
 // A piece of one tensor: elements [lo, hi) of tensor `tensor`.
 struct Piece {

@@ -3,9 +3,9 @@
 #include "zeroflat/agree.h"
 
 #include <array>
-#include <chrono>
 #include <cstring>
 
+#include "common/clock.h"
 #include "zeroflat/checksum.h"
 #include "zeroflat/device.h"
 #include "zeroflat/error.h"
@@ -141,7 +141,7 @@ ValueCheck check_same_values(const Layout& layout, std::span<const TensorRef> pa
                              Device& device, Communicator* comm) {
   ValueCheck out;
   if (comm == nullptr || comm->size() <= 1) return out;
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = detail::Clock::now();
   const std::uint64_t dp = layout.options().dp;
   const std::uint64_t s = layout.partition_numel();
   // One digest per slice: the fragments it holds and the digests of their parameters. A rank
@@ -175,7 +175,7 @@ ValueCheck check_same_values(const Layout& layout, std::span<const TensorRef> pa
   }
   v.push_back(failure_code(!error.empty(), comm->rank()));
   comm->all_reduce_max(v);
-  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out.seconds = detail::seconds_since(t0);
   if (const int bad = failed_rank(v.back()); bad >= 0) {
     throw Error(error.empty() ? "rank " + std::to_string(bad) +
                                     " could not hash its parameters to compare values; nothing "
