@@ -220,7 +220,9 @@ std::string error_of(const std::function<void()>& f) {
 TEST_F(LoaderTest, BadGroupsAreRefusedOnEveryRankBeforeAnyRead) {
   const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
   const std::vector<LoadParam> good = params_of(ck);
-  auto on_two = [&](const std::vector<LoadParam>& mine, const std::vector<LoadParam>& theirs) {
+  // Rank 1 loads `mine`, rank 0 `theirs`, with `rank0_error` as rank 0's own error.
+  auto on_two = [&](const std::vector<LoadParam>& mine, const std::vector<LoadParam>& theirs,
+                    const std::string& rank0_error = "") {
     std::vector<std::string> errors(2);
     LocalGroup group(2, std::chrono::seconds(30));
     std::vector<std::thread> t;
@@ -230,6 +232,7 @@ TEST_F(LoaderTest, BadGroupsAreRefusedOnEveryRankBeforeAnyRead) {
         std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
         LoadOptions o;
         o.layout.dp = 2;
+        if (r == 0) o.local_error = rank0_error;
         errors[r] =
             error_of([&] { load_flat_group(ck, r == 1 ? mine : theirs, *dev, c.get(), o); });
         EXPECT_EQ(dev->memory_info().allocated_bytes, 0u);
@@ -255,22 +258,9 @@ TEST_F(LoaderTest, BadGroupsAreRefusedOnEveryRankBeforeAnyRead) {
   EXPECT_NE(e[0].find("rank 1"), std::string::npos) << e[0];
   EXPECT_NE(e[0].find("InvalidArgument"), std::string::npos) << e[0];
   // A caller's own error on one rank: every rank raises, nothing read.
-  std::vector<std::string> errors(2);
-  LocalGroup group(2, std::chrono::seconds(30));
-  std::vector<std::thread> t;
-  for (int r = 0; r < 2; ++r) {
-    t.emplace_back([&, r] {
-      std::unique_ptr<Communicator> c = group.rank(r);
-      std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-      LoadOptions o;
-      o.layout.dp = 2;
-      if (r == 0) o.local_error = "the model has a parameter named nowhere";
-      errors[r] = error_of([&] { load_flat_group(ck, good, *dev, c.get(), o); });
-    });
-  }
-  for (std::thread& th : t) th.join();
-  EXPECT_NE(errors[0].find("named nowhere"), std::string::npos) << errors[0];
-  EXPECT_NE(errors[1].find("rank 0"), std::string::npos) << errors[1];
+  e = on_two(good, good, "the model has a parameter named nowhere");
+  EXPECT_NE(e[0].find("named nowhere"), std::string::npos) << e[0];
+  EXPECT_NE(e[1].find("rank 0"), std::string::npos) << e[1];
 }
 
 // A copy of the bf16 checkpoint to damage.
