@@ -457,13 +457,7 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
                 p.data = flat[off: off + shape.numel()].view(shape)
         # else (_rebinds: the caller, DeepSpeed, points every parameter into flat itself right
         # after, which frees the originals there, as its own flatten leaves them)
-        part_n = lay["partition_numel"]
-        partition = flat[rank * part_n: (rank + 1) * part_n]
-        master = None
-        if master_bytes is not None:
-            master = master_bytes[: part_n * 4].view(torch.float32)
-        elif master_dtype is not None:
-            master = partition.detach().to(master_dtype, copy=True)
+        partition, master = _partition_and_master(flat, lay, rank, master_bytes, master_dtype)
         fg = FlatGroup(flat=flat, partition=partition, master=master, tier=report["tier"],
                        layout=lay, report=report, params=group_params, rank=rank, dp=dp)
     if report["outcome"] != "done":
@@ -473,6 +467,20 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
     if verify:
         _verify(fg, engine, before)
     return fg
+
+
+def _partition_and_master(flat: torch.Tensor, lay: dict, rank: int,
+                          master_bytes: Optional[torch.Tensor],
+                          master_dtype: Optional[torch.dtype]) -> tuple:
+    """This rank's partition of ``flat``, and its master copy: the engine's fp32 master
+    (``master_bytes``) when it built one, else an up-cast to ``master_dtype``, else None."""
+    part_n = lay["partition_numel"]
+    partition = flat[rank * part_n: (rank + 1) * part_n]
+    if master_bytes is not None:
+        return partition, master_bytes[: part_n * 4].view(torch.float32)
+    if master_dtype is not None:
+        return partition, partition.detach().to(master_dtype, copy=True)
+    return partition, None
 
 
 def _verify(fg: FlatGroup, engine: "_C.TorchDevice", before: List[int]) -> None:

@@ -292,7 +292,7 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
     checkpoint the model does not use are logged."""
     from . import FlatGroup, NoFeasiblePlan, _bool_option, _check_options, \
         _check_release_options, _dtype_name, _int_option, _release, _TorchComm, _comm_device, \
-        layout, _DTYPES
+        layout, _DTYPES, _partition_and_master
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}: expected a torch.nn.Module")
@@ -416,13 +416,7 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
         params = []
         for p, off in zip(members, lay["offsets"]):
             params.append(_replace_everywhere(model, p, flat[off: off + p.numel()].view(p.shape)))
-        part_n = lay["partition_numel"]
-        partition = flat[rank * part_n: (rank + 1) * part_n]
-        master = None
-        if master_bytes is not None:
-            master = master_bytes[: part_n * 4].view(torch.float32)
-        elif master_dtype is not None:
-            master = partition.detach().to(master_dtype, copy=True)
+        partition, master = _partition_and_master(flat, lay, rank, master_bytes, master_dtype)
         out.append(FlatGroup(flat=flat, partition=partition, master=master, tier="load",
                              layout=lay, report=report, params=params, rank=rank, dp=dp))
     if local_error:  # no group reached the collective (all empty): still this rank's error
