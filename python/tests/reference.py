@@ -1,7 +1,28 @@
 """Independent references for the tests: DeepSpeed's flat buffer built with torch.cat, and small
-models."""
+models; and the set-up of one rank of a DeepSpeed process group on the CPU."""
+
+import importlib
+import os
+import sys
 
 import torch
+
+
+def init_deepspeed_rank(rank, world, port):
+    """This process as rank ``rank`` of ``world`` for DeepSpeed on the CPU accelerator over gloo,
+    one thread. The CPU accelerator would compile its shared-memory all-reduce on first use (a
+    minute per release, and files it leaves in /dev/shm); gloo does the collectives without it."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+
+    importlib.import_module("deepspeed.comm")
+    comm_torch = sys.modules["deepspeed.comm.torch"]
+    if hasattr(comm_torch, "build_shm_op"):
+        comm_torch.build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
 def deepspeed_flat(tensors, dp, *, round_robin=False, alignment_factor=2):

@@ -9,7 +9,6 @@ zeroflat, and a checkpoint saved with the drop-in loads into plain DeepSpeed. Ra
 (zero-element and frozen parameters among them) check `zeroflat.layout(deepspeed=release)`
 against the release's own bookkeeping."""
 
-import importlib
 import os
 import random
 import socket
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
 import zeroflat.deepspeed as zd  # noqa: E402
+from reference import init_deepspeed_rank  # noqa: E402
 
 RELEASE = deepspeed.__version__.split("+")[0]
 # ctest names the release each run is for: it must be the one imported.
@@ -336,17 +336,7 @@ def check_adoption(rank, world, tmpdir):
 
 
 def worker(rank, world, port, ckpt_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    # The CPU accelerator would compile its shared-memory all-reduce on first use (a minute per
-    # release); gloo does the collectives here without it.
-    importlib.import_module("deepspeed.comm")
-    comm_torch = sys.modules["deepspeed.comm.torch"]
-    if hasattr(comm_torch, "build_shm_op"):
-        comm_torch.build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_rank(rank, world, port)
     # Every case at 2 ranks; at 1 and 3 the ones whose partitions differ most.
     cases = {1: [(2, False, False, False), (1, True, False, True)],
              2: [(1, False, False, False), (1, True, False, False), (2, False, False, False),

@@ -6,7 +6,6 @@ deepspeed.initialize adopts the loaded buffers as they are, and its flat buffers
 fp32 master partitions and three training steps equal plain Hugging Face + DeepSpeed, at 1 and
 2 ranks, ZeRO-1 and 2, round-robin on and off, one group or the Trainer's two."""
 
-import importlib
 import logging
 import os
 import shutil
@@ -22,6 +21,9 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import zeroflat  # noqa: E402
 import zeroflat.hf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import init_deepspeed_rank  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -208,18 +210,10 @@ def equal(a, b):
 
 
 def worker(rank, world, port, path):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
+    init_deepspeed_rank(rank, world, port)
     import deepspeed
     import zeroflat.deepspeed as zd
 
-    importlib.import_module("deepspeed.comm")
-    comm_torch = sys.modules["deepspeed.comm.torch"]
-    if hasattr(comm_torch, "build_shm_op"):
-        comm_torch.build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     cases = [(2, False, False), (1, True, True), (2, True, True)] if world == 2 else \
         [(1, False, False), (2, True, True)]
     for stage, rr, trainer_groups in cases:
