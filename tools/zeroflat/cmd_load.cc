@@ -54,10 +54,6 @@ struct LoadConfig {
   bool quiet = false;
 };
 
-double gbps(std::uint64_t bytes, double seconds) {
-  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
-}
-
 std::string fixed(double v, int digits) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", digits, v);
@@ -245,7 +241,7 @@ void settle_load_ranks(LoadConfig& cfg, const Args& args, Communicator* world) {
 }
 
 // Why the ranks of this process cannot hold their buffers in this machine's memory, or "".
-std::string host_shortfall(const LoadConfig& cfg) {
+std::string load_memory_shortfall(const LoadConfig& cfg) {
   if (cfg.no_data || cfg.kind == DeviceKind::kCuda) return "";
   const Layout layout = Layout::compute(
       [&] {
@@ -261,16 +257,13 @@ std::string host_shortfall(const LoadConfig& cfg) {
   const std::uint64_t per_rank = layout.flat_bytes() +
                                  (cfg.ceiling ? cfg.checkpoint_bytes / cfg.options.dp + 1 : 0) +
                                  (cfg.verify ? largest : 0);
-  const std::uint64_t ranks_here = cfg.comm == "local" ? cfg.options.dp : cfg.local_ranks;
-  const std::uint64_t need = per_rank * ranks_here;
-  const ProbeResult machine = probe_host(system_host_sources(1));
-  const std::uint64_t margin = default_margin(machine.total_bytes);
-  const std::uint64_t usable = machine.free_bytes > margin ? machine.free_bytes - margin : 0;
-  if (!machine.available || need <= usable) return "";
-  return "this load needs " + format_bytes(need) + " of this machine's memory (" +
-         std::to_string(ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +
+  const std::optional<HostShortfall> s =
+      host_shortfall(per_rank, cfg.comm, cfg.options.dp, cfg.local_ranks);
+  if (!s) return "";
+  return "this load needs " + format_bytes(s->need) + " of this machine's memory (" +
+         std::to_string(s->ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +
          " for its flat buffer" + (cfg.ceiling ? ", the ceiling's scratch" : "") +
-         (cfg.verify ? " and verification" : "") + "), and " + format_bytes(usable) +
+         (cfg.verify ? " and verification" : "") + "), and " + format_bytes(s->usable) +
          " is usable. Nothing was allocated. Try --no-ceiling, or rehearse with --model NAME "
          "--device sim:SIZE --no-data";
 }
@@ -551,7 +544,7 @@ int subcommand_load(const std::vector<std::string>& argv) {
   settle_load_ranks(cfg, args, world.get());
   const int me = world ? world->rank() : 0;
   auto finish = [&](int code) { return finish_job(world.get(), code); };
-  const std::string why = host_shortfall(cfg);
+  const std::string why = load_memory_shortfall(cfg);
   const int short_rank = agree_on_failure(world.get(), !why.empty());
   if (short_rank >= 0) {
     if (!why.empty()) std::fprintf(stderr, "zeroflat load: rank %d: %s\n", me, why.c_str());

@@ -19,10 +19,6 @@
 namespace zeroflat::cli {
 namespace {
 
-double gbps(std::uint64_t bytes, double seconds) {
-  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
-}
-
 std::uint64_t sat_add(std::uint64_t a, std::uint64_t b) {
   return a > UINT64_MAX - b ? UINT64_MAX : a + b;
 }
@@ -61,6 +57,25 @@ DeviceOptions device_options(const RunConfig& cfg) {
 }
 
 }  // namespace
+
+double gbps(std::uint64_t bytes, double seconds) {
+  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+}
+
+std::optional<HostShortfall> host_shortfall(std::uint64_t per_rank, const std::string& comm,
+                                            std::uint64_t dp, unsigned local_ranks) {
+  HostShortfall s;
+  s.ranks_here = comm == "local" ? dp : local_ranks;
+  s.need = sat_mul(per_rank, s.ranks_here);
+  if (s.need == 0) return std::nullopt;
+  const ProbeResult machine = probe_host(system_host_sources(1));
+  s.margin = default_margin(machine.total_bytes);
+  s.usable = machine.free_bytes > s.margin ? machine.free_bytes - s.margin : 0;
+  if (!machine.available || s.need <= s.usable) return std::nullopt;
+  s.free_bytes = machine.free_bytes;
+  s.source = machine.used;
+  return s;
+}
 
 std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
   const std::uint64_t es = element_size(cfg.options.dtype);
@@ -102,26 +117,23 @@ std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
   if (device_here) {
     per_rank = std::max(sat_add(own.peak_device_bytes, stage), sat_add(flat, master));
     if (cfg.kind == DeviceKind::kCpu) {
-      const std::uint64_t rerun = own.peak_device_bytes - std::min(own.peak_device_bytes, model_bytes);
+      const std::uint64_t rerun =
+          own.peak_device_bytes - std::min(own.peak_device_bytes, model_bytes);
       per_rank = std::max(per_rank, sat_add(sat_add(sat_mul(2, flat), rerun), stage));
     }
   } else if (cfg.verify) {
     per_rank = sat_add(flat, master);  // copied back to the host to be checked
   }
   per_rank = std::max(per_rank, stage);
-  const std::uint64_t ranks_here = cfg.comm == "local" ? cfg.options.dp : cfg.local_ranks;
-  const std::uint64_t need = sat_mul(per_rank, ranks_here);
-  if (need == 0) return "";
-  const ProbeResult machine = probe_host(system_host_sources(1));
-  const std::uint64_t margin = default_margin(machine.total_bytes);
-  const std::uint64_t usable = machine.free_bytes > margin ? machine.free_bytes - margin : 0;
-  if (!machine.available || need <= usable) return "";
-  return "this run needs " + format_bytes(need) + " of this machine's memory (" +
-         std::to_string(ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +
+  const std::optional<HostShortfall> s =
+      host_shortfall(per_rank, cfg.comm, cfg.options.dp, cfg.local_ranks);
+  if (!s) return "";
+  return "this run needs " + format_bytes(s->need) + " of this machine's memory (" +
+         std::to_string(s->ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +
          " for the " + std::string(tier_name(chosen->tier)) +
          " tier's peak, its host stage and the rehearsal's own buffers), and " +
-         format_bytes(usable) + " is usable here (" + format_bytes(machine.free_bytes) +
-         " free from " + machine.used + ", less a " + format_bytes(margin) +
+         format_bytes(s->usable) + " is usable here (" + format_bytes(s->free_bytes) +
+         " free from " + s->source + ", less a " + format_bytes(s->margin) +
          " margin). Nothing was allocated. Try --layers or --experts to scale the model down, "
          "or --device sim:SIZE --no-data to rehearse it.";
 }
@@ -152,8 +164,7 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
     originals.add(t.numel * es);
     params.push_back(TensorRef{originals.data(i), t.numel, t.shape, dtype, device.get()});
   }
-  fill_pattern_tensors(*device, params, cfg.threads,
-                       [&](std::uint64_t n) { progress.advance(n); });
+  fill_pattern_tensors(*device, params, cfg.threads, [&](std::uint64_t n) { progress.advance(n); });
   progress.end();
   if (control != nullptr) control->barrier();  // every rank has materialized before the probe
 
@@ -254,9 +265,8 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   }
   if (cfg.verify) {
     progress.begin("verify " + format_bytes(flat_bytes), flat_bytes);
-    const std::string failure =
-        verify_flat_group(*device, group, fr.master, rank, cfg.threads,
-                          [&](std::uint64_t n) { progress.advance(n); });
+    const std::string failure = verify_flat_group(*device, group, fr.master, rank, cfg.threads,
+                                                  [&](std::uint64_t n) { progress.advance(n); });
     progress.end();
     e["verified"] = failure.empty();
     if (!failure.empty()) {

@@ -105,6 +105,21 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
 // ranks will make (the chosen tier's step list on the memory model) plus what the rehearsal
 // itself holds. A run without data holds nothing here. `plan_doc` receives the predicted plan.
 std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc);
+// This host's memory against `per_rank` bytes for each of the job's ranks that run here (every
+// rank with --comm local, else the launcher's local count): nothing when they fit, when nothing
+// is needed or when the host cannot be probed; else what the caller's message says.
+struct HostShortfall {
+  std::uint64_t ranks_here = 0;
+  std::uint64_t need = 0;        // per_rank x ranks_here, saturating
+  std::uint64_t usable = 0;      // free less the default margin
+  std::uint64_t free_bytes = 0;  // as the probe read it, from `source`
+  std::uint64_t margin = 0;
+  std::string source;
+};
+std::optional<HostShortfall> host_shortfall(std::uint64_t per_rank, const std::string& comm,
+                                            std::uint64_t dp, unsigned local_ranks);
+// Bytes per second in GB/s (0 for no time).
+double gbps(std::uint64_t bytes, double seconds);
 
 // --- run_launch.cc ----------------------------------------------------------------------------
 // body(rank, comm) for every rank: dp threads of this process joined by a local group (comm null
