@@ -64,6 +64,11 @@ struct ReleaseLayout {
   void write_json(std::ostream& out, std::optional<std::uint64_t> only_rank = std::nullopt) const;
 };
 
+// Throws InvalidArgument naming the option when `options` is not a layout the release builds:
+// alignment_factor must be 2 (DeepSpeed pads to 2 x dp), param_align_bytes 0, or 16 where the
+// release has parameter_alignment.
+void check_release_options(const LayoutOptions& options, const ReleaseRules& rules);
+
 // Lays out a group as `rules` says: numels and frozen (empty: none frozen) per input parameter
 // in the model's order. options.alignment_factor must be 2 (DeepSpeed pads to 2 x dp);
 // options.param_align_bytes must be 0, or 16 where the release has parameter_alignment. Throws

@@ -86,12 +86,7 @@ std::uint64_t ReleaseLayout::rank_padding(std::uint64_t rank) const {
   return rank + 1 == layout.options().dp ? layout.padding() : 0;
 }
 
-ReleaseLayout layout_for_release(std::span<const std::uint64_t> numels, const std::vector<bool>& frozen,
-                                 const LayoutOptions& options, const ReleaseRules& rules) {
-  if (!frozen.empty() && frozen.size() != numels.size()) {
-    throw InvalidArgument("frozen flags for " + std::to_string(frozen.size()) + " of " +
-                          std::to_string(numels.size()) + " parameters");
-  }
+void check_release_options(const LayoutOptions& options, const ReleaseRules& rules) {
   if (options.alignment_factor != 2) {
     throw InvalidArgument("alignment factor " + std::to_string(options.alignment_factor) +
                           ": DeepSpeed pads every group to 2 x dp elements");
@@ -104,6 +99,15 @@ ReleaseLayout layout_for_release(std::span<const std::uint64_t> numels, const st
              ? std::string("DeepSpeed's parameter_alignment is 16 bytes")
              : "DeepSpeed " + rules.release + " has no parameter_alignment (it came in 0.19.7)"));
   }
+}
+
+ReleaseLayout layout_for_release(std::span<const std::uint64_t> numels, const std::vector<bool>& frozen,
+                                 const LayoutOptions& options, const ReleaseRules& rules) {
+  if (!frozen.empty() && frozen.size() != numels.size()) {
+    throw InvalidArgument("frozen flags for " + std::to_string(frozen.size()) + " of " +
+                          std::to_string(numels.size()) + " parameters");
+  }
+  check_release_options(options, rules);
   ReleaseLayout out;
   out.rules = rules;
   out.num_inputs = numels.size();
