@@ -269,6 +269,79 @@ TEST(Load, TheFlatBufferAloneOnTheDeviceTheRingOnTheHostTheReadsAPartition) {
   EXPECT_THROW(tier_steps(Tier::kLoad, in.layout, 0), InvalidArgument);
 }
 
+// Sizes past 64 bits: a flat buffer of 2^64 - 2 bytes (alignment factor 2^63 - 1, bf16) is a
+// valid layout, but beside anything resident it needs more than 64 bits can count. Every
+// account saturates, so no tier fits; a wrapped peak would read as a gigabyte and be chosen.
+Layout huge_layout() {
+  LayoutOptions o;
+  o.alignment_factor = (std::uint64_t{1} << 63) - 1;
+  return Layout::compute(std::vector<std::uint64_t>{1}, o);
+}
+
+PlanInput huge_input(std::uint64_t capacity, std::uint64_t margin) {
+  PlanInput in{huge_layout()};
+  in.original_bytes = 2;
+  in.capacity_bytes = capacity;
+  in.free_bytes = capacity - kGiB;  // a gigabyte resident, the group's 2 bytes among it
+  in.margin_bytes = margin;
+  in.host_free_bytes = UINT64_MAX;
+  in.bandwidths = find_preset("h100-80gb")->bandwidths;
+  return in;
+}
+
+TEST(Saturation, HugeBuffersSaturateTheMemoryModelInsteadOfWrapping) {
+  const Layout l = huge_layout();
+  ASSERT_EQ(l.flat_bytes(), UINT64_MAX - 1);
+  Profile dev = simulate(tier_steps(Tier::kDevice, l, 0), kGiB, 2, 1);
+  EXPECT_EQ(dev.peak_device_bytes, UINT64_MAX);
+  // The account stays saturated after the releases: what it held is unknown.
+  EXPECT_EQ(dev.after_step.back().device_bytes, UINT64_MAX);
+  Profile host = simulate(tier_steps(Tier::kHost, l, 0), kGiB, 2, 1);
+  EXPECT_EQ(host.peak_host_bytes, UINT64_MAX - 1);
+  EXPECT_EQ(host.pcie_bytes, UINT64_MAX);  // two passes over the buffer
+  EXPECT_EQ(host.peak_device_bytes, UINT64_MAX);
+  // Small lists keep exact accounts.
+  Layout small = Layout::compute(std::vector<std::uint64_t>{5}, LayoutOptions{});
+  ASSERT_EQ(small.flat_bytes(), 12u);
+  EXPECT_EQ(simulate(tier_steps(Tier::kDevice, small, 0), 100, 10, 1).peak_device_bytes, 112u);
+}
+
+TEST(Saturation, NoTierFitsABufferPast64Bits) {
+  for (std::uint64_t capacity : {std::uint64_t{81559} << 20, std::uint64_t{UINT64_MAX}}) {
+    for (std::uint64_t margin : {std::uint64_t{0}, kGiB}) {
+      const PlanInput in = huge_input(capacity, margin);
+      const Plan p = plan_group(in);
+      EXPECT_FALSE(p.chosen) << capacity << " " << margin << ": " << p.reason;
+      for (const Candidate& c : p.candidates) {
+        EXPECT_FALSE(c.feasible) << tier_name(c.tier);
+        EXPECT_NE(c.why_not.find("exceeds"), std::string::npos) << c.why_not;
+      }
+      EXPECT_NE(p.reason.find("no tier fits"), std::string::npos) << p.reason;
+      EXPECT_NE(p.reason.find("short by more than 64 bits"), std::string::npos) << p.reason;
+      const Candidate load = plan_load(in, kDefaultRingBytes);
+      EXPECT_FALSE(load.feasible);
+      EXPECT_NE(load.why_not.find("exceeds"), std::string::npos) << load.why_not;
+      const AfterInit after = estimate_after_init(in);
+      EXPECT_FALSE(after.fits);
+      EXPECT_EQ(after.device_bytes_after, UINT64_MAX);
+    }
+  }
+}
+
+TEST(Saturation, AdamStateOfAHugePartitionSaturates) {
+  // 2^61 fp32 elements: 4 * S is 2^63, 8 * S is 2^64.
+  LayoutOptions o;
+  o.dtype = DType::kFP32;
+  PlanInput in{Layout::compute(std::vector<std::uint64_t>{std::uint64_t{1} << 61}, o)};
+  in.capacity_bytes = UINT64_MAX;
+  in.free_bytes = UINT64_MAX;
+  const AfterInit a = estimate_after_init(in);
+  EXPECT_EQ(a.master_bytes, std::uint64_t{1} << 63);
+  EXPECT_EQ(a.optimizer_bytes, UINT64_MAX);
+  EXPECT_EQ(a.device_bytes_after, UINT64_MAX);
+  EXPECT_FALSE(a.fits);
+}
+
 TEST(Presets, CapacitiesAsTheDriverReportsThem) {
   EXPECT_EQ(find_preset("h100-80gb")->capacity_bytes, 81559ull << 20);
   EXPECT_EQ(find_preset("h200")->capacity_bytes, 143771ull << 20);

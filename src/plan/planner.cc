@@ -3,12 +3,17 @@
 #include <cmath>
 #include <string>
 
+#include "common/saturate.h"
 #include "zeroflat/error.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {
+
+using detail::kSaturated;
+using detail::sat_add;
+using detail::sat_mul;
 
 constexpr std::uint64_t kGiB = std::uint64_t{1} << 30;
 // Fixed cost per step (allocation, launch, synchronization), so that of two step lists that
@@ -106,7 +111,7 @@ Plan plan_group(const PlanInput& in) {
     if (tier == Tier::kStaged && model_fits) {
       // As much of the slice on the device as fits at both peaks: beside the originals, and
       // beside the flat buffer once the originals are gone.
-      const std::uint64_t after_release = resident - m + fb;
+      const std::uint64_t after_release = sat_add(resident - m, fb);
       const std::uint64_t room2 = limit > after_release ? limit - after_release : 0;
       const std::uint64_t staged_x = std::min({sb, headroom, room2});
       // Keeping a few bytes on the device costs four more steps than keeping none: keep them
@@ -125,9 +130,12 @@ Plan plan_group(const PlanInput& in) {
     }
     const std::uint64_t peak = c.profile.peak_device_bytes;
     std::string why;
-    if (peak > limit) {
+    // A saturated peak is more than 64 bits can count: it fits nowhere, even under a limit of
+    // UINT64_MAX.
+    if (peak > limit || peak == kSaturated) {
       why = "peak " + format_bytes(peak) + " exceeds capacity " + format_bytes(in.capacity_bytes) +
-            " - margin " + format_bytes(in.margin_bytes) + " by " + format_bytes(peak - limit);
+            " - margin " + format_bytes(in.margin_bytes) + " by " +
+            (peak == kSaturated ? "more than 64 bits can count" : format_bytes(peak - limit));
       if (tier == Tier::kDevice) {
         why += ": a second copy (" + format_bytes(fb) + ") does not fit in " +
                format_bytes(headroom) + " free";
@@ -141,7 +149,8 @@ Plan plan_group(const PlanInput& in) {
       why =
           "on an integrated device host memory is device memory: staging through it frees "
           "nothing";
-    } else if (c.profile.peak_host_bytes > in.host_free_bytes) {
+    } else if (c.profile.peak_host_bytes > in.host_free_bytes ||
+               c.profile.peak_host_bytes == kSaturated) {
       why = "needs " + format_bytes(c.profile.peak_host_bytes) + " of pinned host memory; " +
             format_bytes(in.host_free_bytes) + " available to this rank";
     }
@@ -179,12 +188,13 @@ Plan plan_group(const PlanInput& in) {
     const Candidate* closest = nullptr;
     std::uint64_t closest_excess = UINT64_MAX;
     for (const Candidate& c : plan.candidates) {
-      std::uint64_t excess = c.profile.peak_device_bytes > limit
-                                 ? c.profile.peak_device_bytes - limit
-                                 : (c.profile.peak_host_bytes > in.host_free_bytes
-                                        ? c.profile.peak_host_bytes - in.host_free_bytes
-                                        : 0);
-      if (excess < closest_excess) {
+      const std::uint64_t dev = c.profile.peak_device_bytes, host = c.profile.peak_host_bytes;
+      const std::uint64_t excess =
+          dev == kSaturated || host == kSaturated ? kSaturated
+          : dev > limit                          ? dev - limit
+          : host > in.host_free_bytes            ? host - in.host_free_bytes
+                                                 : 0;
+      if (closest == nullptr || excess < closest_excess) {
         closest_excess = excess;
         closest = &c;
       }
@@ -195,7 +205,9 @@ Plan plan_group(const PlanInput& in) {
                   " are more than the device's capacity of " + format_bytes(in.capacity_bytes)
             : "no tier fits: " + format_bytes(headroom) + " free beyond the margin; closest is " +
                   std::string(tier_name(closest->tier)) + ", short by " +
-                  format_bytes(closest_excess) + " (" + closest->why_not + ")";
+                  (closest_excess == kSaturated ? std::string("more than 64 bits can count")
+                                                : format_bytes(closest_excess)) +
+                  " (" + closest->why_not + ")";
   }
   return plan;
 }
@@ -213,13 +225,16 @@ Candidate plan_load(const PlanInput& in, std::uint64_t ring_bytes) {
   c.predicted_seconds = predicted_seconds(c, in.bandwidths, in.local_ranks);
   const std::uint64_t limit =
       in.capacity_bytes > in.margin_bytes ? in.capacity_bytes - in.margin_bytes : 0;
-  if (c.profile.peak_device_bytes > limit) {
+  if (c.profile.peak_device_bytes > limit || c.profile.peak_device_bytes == kSaturated) {
     c.why_not = "peak " + format_bytes(c.profile.peak_device_bytes) + " (the flat buffer of " +
                 format_bytes(in.layout.flat_bytes()) + " beside what is resident) exceeds " +
                 "capacity " + format_bytes(in.capacity_bytes) + " - margin " +
                 format_bytes(in.margin_bytes) + " by " +
-                format_bytes(c.profile.peak_device_bytes - limit);
-  } else if (c.profile.peak_host_bytes > in.host_free_bytes) {
+                (c.profile.peak_device_bytes == kSaturated
+                     ? std::string("more than 64 bits can count")
+                     : format_bytes(c.profile.peak_device_bytes - limit));
+  } else if (c.profile.peak_host_bytes > in.host_free_bytes ||
+             c.profile.peak_host_bytes == kSaturated) {
     c.why_not = "the staging ring needs " + format_bytes(c.profile.peak_host_bytes) +
                 " of pinned host memory; " + format_bytes(in.host_free_bytes) +
                 " available to this rank";
@@ -231,19 +246,22 @@ Candidate plan_load(const PlanInput& in, std::uint64_t ring_bytes) {
 AfterInit estimate_after_init(const PlanInput& in, bool zero2, bool offload_optimizer) {
   AfterInit a;
   const std::uint64_t s = in.layout.partition_numel();
-  a.master_bytes = 4 * s;
-  a.optimizer_bytes = 8 * s;
+  // Saturating: a partition of 2^62 elements needs more than 64 bits of Adam state, which must
+  // read as "does not fit", not wrap to a few bytes.
+  a.master_bytes = sat_mul(4, s);
+  a.optimizer_bytes = sat_mul(8, s);
   // ZeRO-2 keeps the fp32 gradient of this rank's partition only; ZeRO-1 also holds the full
   // low-precision gradients until they are reduced.
-  a.gradient_bytes = 4 * s + (zero2 ? 0 : in.layout.flat_bytes());
+  a.gradient_bytes = sat_add(sat_mul(4, s), zero2 ? 0 : in.layout.flat_bytes());
   const std::uint64_t resident = in.capacity_bytes - std::min(in.free_bytes, in.capacity_bytes);
   const std::uint64_t base =
-      resident - std::min(in.original_bytes, resident) + in.layout.flat_bytes();
+      sat_add(resident - std::min(in.original_bytes, resident), in.layout.flat_bytes());
   a.device_bytes_after =
-      base + (offload_optimizer ? 0 : a.master_bytes + a.optimizer_bytes) + a.gradient_bytes;
+      sat_add(sat_add(base, offload_optimizer ? 0 : sat_add(a.master_bytes, a.optimizer_bytes)),
+              a.gradient_bytes);
   const std::uint64_t limit =
       in.capacity_bytes > in.margin_bytes ? in.capacity_bytes - in.margin_bytes : 0;
-  a.fits = a.device_bytes_after <= limit;
+  a.fits = a.device_bytes_after <= limit && a.device_bytes_after != kSaturated;
   return a;
 }
 

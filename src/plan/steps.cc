@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <string>
 
+#include "common/saturate.h"
 #include "zeroflat/error.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/size.h"
@@ -253,20 +254,27 @@ void StepMachine::check(const Step& st) const {
 
 void StepMachine::apply(const Step& st) noexcept {
   const auto b = static_cast<std::size_t>(st.buffer);
+  // The counters saturate: a list whose buffers add up past 64 bits must read as needing more
+  // than any device holds, never wrap to a small peak that fits. A saturated counter stays so
+  // (what it held is unknown), which keeps every later account and the peak "too large".
   switch (st.op) {
-    case Op::kAllocate:
+    case Op::kAllocate: {
       live_[b] = true;
       sizes_[b] = st.bytes;
-      (on_host(st.buffer) ? host_ : device_) += st.bytes;
+      std::uint64_t& counter = on_host(st.buffer) ? host_ : device_;
+      counter = detail::sat_add(counter, st.bytes);
       break;
-    case Op::kRelease:
-      (on_host(st.buffer) ? host_ : device_) -= sizes_[b];
+    }
+    case Op::kRelease: {
+      std::uint64_t& counter = on_host(st.buffer) ? host_ : device_;
+      if (counter != detail::kSaturated) counter -= std::min(counter, sizes_[b]);
       live_[b] = false;
       sizes_[b] = 0;
       break;
+    }
     case Op::kReleaseOriginals:
       released_ = true;
-      device_ -= std::min(device_, original_bytes_);
+      if (device_ != detail::kSaturated) device_ -= std::min(device_, original_bytes_);
       break;
     case Op::kGather:
     case Op::kCopy:
@@ -311,21 +319,26 @@ Profile simulate(const std::vector<Step>& steps, std::uint64_t resident_device_b
       throw InternalError("step " + std::to_string(k) + " (" + st.describe() + "): " + e.what());
     }
     m.apply(st);
+    // Traffic saturates too (two passes over a buffer of 2^63 bytes do not add up to 0).
+    auto add = [](std::uint64_t& total, std::uint64_t bytes) {
+      total = detail::sat_add(total, bytes);
+    };
     switch (st.op) {
       case Op::kGather:
-        (on_host(st.buffer) ? p.pcie_bytes : p.device_copy_bytes) += st.bytes;
+        add(on_host(st.buffer) ? p.pcie_bytes : p.device_copy_bytes, st.bytes);
         break;
       case Op::kRead:
-        p.read_bytes += st.bytes;
+        add(p.read_bytes, st.bytes);
         break;
       case Op::kCopy:
-        (on_host(st.buffer) != on_host(st.source) ? p.pcie_bytes : p.device_copy_bytes) += st.bytes;
+        add(on_host(st.buffer) != on_host(st.source) ? p.pcie_bytes : p.device_copy_bytes,
+            st.bytes);
         break;
       case Op::kAllGather:
         if (dp > 1) {
-          p.comm_bytes += st.bytes / dp * (dp - 1);
+          add(p.comm_bytes, st.bytes / dp * (dp - 1));
         } else if (st.source != st.buffer) {
-          p.device_copy_bytes += st.bytes;  // one rank: the all-gather is a copy
+          add(p.device_copy_bytes, st.bytes);  // one rank: the all-gather is a copy
         }
         break;
       default:
