@@ -129,6 +129,53 @@ TEST(LayoutBadInput, RejectedWithTheValueNamed) {
   EXPECT_THROW((void)Layout::compute(std::vector<std::uint64_t>{1}, {}).rank(1), InvalidArgument);
 }
 
+// Sizes at the edge of 64 bits are exact or refused, never wrapped: a buffer of 2^64 - 2 bytes
+// is a layout (the planner then finds it fits nowhere); one byte more in any size is refused
+// with the value named.
+TEST(LayoutBadInput, SizesAtTheEdgeOf64BitsAreExactOrRefused) {
+  auto msg = [](std::vector<std::uint64_t> numels, LayoutOptions o) {
+    try {
+      (void)Layout::compute(numels, o);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  const std::uint64_t top = (std::uint64_t{1} << 63) - 1;  // the largest bf16 element count
+  LayoutOptions o;
+  o.alignment_factor = top;
+  const Layout l = Layout::compute(std::vector<std::uint64_t>{1, 2}, o);
+  EXPECT_EQ(l.flat_numel(), top);
+  EXPECT_EQ(l.flat_bytes(), UINT64_MAX - 1);
+  EXPECT_EQ(l.partition_bytes(), UINT64_MAX - 1);
+  EXPECT_EQ(l.padding(), top - 3);
+  EXPECT_EQ(l.rank(0).padding, top - 3);
+  // One element more is 2^64 bytes.
+  o.alignment_factor = top + 1;
+  EXPECT_NE(
+      msg({1}, o).find("flat buffer size in bytes overflows 64 bits (9223372036854775808 * 2)"),
+      std::string::npos)
+      << msg({1}, o);
+  // The factor times dp.
+  o.alignment_factor = top;
+  o.dp = 3;
+  EXPECT_NE(msg({1}, o).find("alignment factor * dp overflows 64 bits (9223372036854775807 * 3)"),
+            std::string::npos)
+      << msg({1}, o);
+  // The same through the element counts, and through parameter alignment.
+  EXPECT_NE(msg({top, 1}, {}).find("flat buffer size in bytes overflows"), std::string::npos);
+  EXPECT_EQ(Layout::compute(std::vector<std::uint64_t>{top - 1}, {}).flat_bytes(),
+            UINT64_MAX - 3);
+  LayoutOptions aligned;
+  aligned.param_align_bytes = std::uint64_t{1} << 63;  // every parameter at 2^62 elements
+  EXPECT_EQ(Layout::compute(std::vector<std::uint64_t>{1, 1}, aligned).offsets()[1],
+            std::uint64_t{1} << 62);
+  EXPECT_NE(msg({1, 1, 1}, aligned).find("bytes overflows"), std::string::npos)
+      << msg({1, 1, 1}, aligned);
+  EXPECT_NE(msg({1, 1, 1, 1, 1}, aligned).find("parameter offset overflows"), std::string::npos)
+      << msg({1, 1, 1, 1, 1}, aligned);
+}
+
 // A brute-force model of the rules: per element, who owns it.
 void check_properties(const std::vector<std::uint64_t>& numels, const LayoutOptions& o) {
   SCOPED_TRACE(::testing::Message()

@@ -262,6 +262,27 @@ TEST_F(Checkpoints, BrokenDirectoriesAreRejected) {
 
 using Configs = TempDir;
 
+// A config whose embedding has 2^63 elements: its bytes do not fit in 64 bits. Refused, naming
+// the tensor, where inspect summed them wrapped (to a few gigabytes).
+TEST_F(Configs, AConfigPastTheSizeLimitIsRefused) {
+  write("config.json", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 4294967296,
+    "num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 1, "intermediate_size": 1,
+    "vocab_size": 2147483648, "tie_word_embeddings": true})");
+  for (const std::string& path : {(dir_ / "config.json").string(), dir_.string()}) {
+    for (int use = 0; use < 2; ++use) {
+      try {
+        if (use == 0) (void)inspect_path(path);
+        if (use == 1) (void)load_model(path);
+        ADD_FAILURE() << "accepted a model of 2^63 elements";
+      } catch (const InvalidArgument& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find("config.json"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("'model.embed_tokens.weight'"), std::string::npos) << msg;
+      }
+    }
+  }
+}
+
 TEST_F(Configs, ArchitecturesParseToTheCatalogShapes) {
   // The catalog's qwen3-30b-a3b, written as Hugging Face writes it.
   const std::string qwen = R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,

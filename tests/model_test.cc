@@ -134,5 +134,60 @@ TEST(Transformer, MoeWithDenseLayersAndBiases) {
   EXPECT_THROW((void)build_transformer("mixed", c), InvalidArgument);
 }
 
+// A config within every per-field limit whose embedding has 2^63 elements: its bytes do not fit
+// in 64 bits, so it is refused, naming the tensor, rather than built (inspect then printed its
+// size wrapped to a few gigabytes).
+TEST(Transformer, ModelsPastTheSizeLimitAreRefusedNamingTheTensor) {
+  TransformerConfig c;
+  c.architecture = "LlamaForCausalLM";
+  c.hidden_size = std::uint64_t{1} << 32;
+  c.num_layers = 1;
+  c.num_heads = 1;
+  c.num_kv_heads = 1;
+  c.head_dim = 1;
+  c.intermediate_size = 1;
+  c.vocab_size = std::uint64_t{1} << 31;
+  auto error_of = [&] {
+    try {
+      (void)build_transformer("huge", c);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("built");
+  };
+  std::string e = error_of();
+  EXPECT_NE(e.find("'model.embed_tokens.weight'"), std::string::npos) << e;
+  EXPECT_NE(e.find("9,223,372,036,854,775,808 elements"), std::string::npos) << e;
+  EXPECT_NE(e.find("limit"), std::string::npos) << e;
+  // Each tensor alone within the limit, the two together past it: the second one is named.
+  c.vocab_size = std::uint64_t{1} << 29;
+  e = error_of();
+  EXPECT_NE(e.find("'lm_head.weight'"), std::string::npos) << e;
+  // Tied, the same model fits, and its bytes in every dtype are exact.
+  c.tie_word_embeddings = true;
+  const ModelSpec m = build_transformer("huge", c);
+  EXPECT_LE(m.numel(), kMaxModelNumel);
+  EXPECT_EQ(m.num_bytes(DType::kFP32), 4 * m.numel());
+}
+
+TEST(ModelSpecSizes, NumelSaturatesAndBytesThatDoNotFitAreRefused) {
+  ModelSpec m;
+  m.name = "handmade";
+  m.tensors = {{"a", {}, std::uint64_t{1} << 62}};
+  EXPECT_EQ(m.num_bytes(DType::kBF16), std::uint64_t{1} << 63);
+  try {
+    (void)m.num_bytes(DType::kFP32);
+    ADD_FAILURE() << "2^64 bytes fit?";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("handmade"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("4,611,686,018,427,387,904 elements of fp32"),
+              std::string::npos)
+        << e.what();
+  }
+  m.tensors.push_back({"b", {}, UINT64_MAX - 5});
+  EXPECT_EQ(m.numel(), UINT64_MAX);  // saturated, not wrapped to a small count
+  EXPECT_THROW((void)m.num_bytes(DType::kBF16), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace zeroflat

@@ -13,6 +13,11 @@
 
 namespace zeroflat {
 
+// The most elements a model may have: its bytes in any dtype zeroflat handles (at most 4 bytes
+// an element) then fit in 64 bits, so sizes computed from a model never wrap.
+// build_transformer and load_model refuse larger models.
+inline constexpr std::uint64_t kMaxModelNumel = UINT64_MAX / 4;
+
 struct TensorSpec {
   std::string name;
   Shape shape;
@@ -28,8 +33,14 @@ struct ModelSpec {
   // otherwise.
   std::optional<DType> dtype;
 
+  // The number of elements; UINT64_MAX when the sum does not fit in 64 bits (never for a model
+  // from build_transformer or load_model).
   std::uint64_t numel() const noexcept;
   std::vector<std::uint64_t> numels() const;
+  // numel() * element_size(type): the model's bytes in that type. Throws InvalidArgument naming
+  // the model when they do not fit in 64 bits (never for a model from build_transformer or
+  // load_model).
+  std::uint64_t num_bytes(DType type) const;
 };
 
 // The fields of a Hugging Face config.json that decide parameter shapes. experts == 0 means a
@@ -65,7 +76,8 @@ struct ModelOverrides {
 // The tensors of a decoder-only transformer with this config, in registration order:
 // embed_tokens, then per layer self_attn (q, k, v, o, q_norm, k_norm), mlp (router and experts,
 // or gate/up/down), input_layernorm, post_attention_layernorm; then norm and, unless tied,
-// lm_head. Throws InvalidArgument for a zero dimension or overflow.
+// lm_head. Throws InvalidArgument for a zero dimension, a dimension or product over 2^40, or a
+// model of more than kMaxModelNumel elements.
 ModelSpec build_transformer(std::string name, const TransformerConfig& config);
 
 // Applies overrides to a config. Throws InvalidArgument for layers == 0, experts == 0, or

@@ -2,6 +2,8 @@
 #include <algorithm>
 #include <string>
 
+#include "common/saturate.h"
+#include "model/model_size.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model.h"
 #include "zeroflat/size.h"
@@ -29,8 +31,34 @@ struct Builder {
 
 std::uint64_t ModelSpec::numel() const noexcept {
   std::uint64_t n = 0;
-  for (const TensorSpec& t : tensors) n += t.numel;
+  for (const TensorSpec& t : tensors) n = detail::sat_add(n, t.numel);
   return n;
+}
+
+std::uint64_t ModelSpec::num_bytes(DType type) const {
+  const std::uint64_t n = numel();
+  std::uint64_t bytes = 0;
+  if (n == detail::kSaturated || __builtin_mul_overflow(n, element_size(type), &bytes)) {
+    throw InvalidArgument(printable(name, 200) + ": " +
+                          (n == detail::kSaturated ? std::string("more than 2^64")
+                                                   : format_count(n)) +
+                          " elements of " + std::string(dtype_name(type)) +
+                          " are more bytes than fit in 64 bits");
+  }
+  return bytes;
+}
+
+void detail::check_model_numel(const ModelSpec& model) {
+  std::uint64_t n = 0;
+  for (const TensorSpec& t : model.tensors) {
+    if (__builtin_add_overflow(n, t.numel, &n) || n > kMaxModelNumel) {
+      throw InvalidArgument(
+          "tensor '" + printable(t.name) + "' " +
+          shape_to_string(t.shape) + " of " + format_count(t.numel) +
+          " elements brings the model past zeroflat's limit of " + format_count(kMaxModelNumel) +
+          " elements (2^62 - 1: beyond it the bytes in fp32 do not fit in 64 bits)");
+    }
+  }
 }
 
 std::vector<std::uint64_t> ModelSpec::numels() const {
@@ -134,6 +162,7 @@ ModelSpec build_transformer(std::string name, const TransformerConfig& c) {
   }
   b.add("model.norm.weight", {hidden});
   if (!c.tie_word_embeddings) b.add("lm_head.weight", {vocab, hidden});
+  detail::check_model_numel(b.spec);
   return std::move(b.spec);
 }
 

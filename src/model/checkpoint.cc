@@ -175,6 +175,13 @@ struct Shard {
 std::vector<Shard> pattern_shards(const ModelSpec& model, DType dtype, std::uint64_t shard_bytes) {
   if (shard_bytes == 0) throw InvalidArgument("shards of 0 bytes");
   if (model.tensors.empty()) throw InvalidArgument(model.name + " has no tensors");
+  // Every offset and sum below is at most this plus a shard's header, checked once here.
+  const std::uint64_t total = model.num_bytes(dtype);
+  if (total > UINT64_MAX - kMaxHeaderBytes - 8) {
+    throw InvalidArgument(model.name + ": " + std::to_string(total) + " bytes of " +
+                          std::string(dtype_name(dtype)) +
+                          " leave no room for a header in a 64-bit file size");
+  }
   const std::uint64_t es = element_size(dtype);
   // Consecutive tensors up to shard_bytes of data each (a larger tensor alone).
   std::vector<Shard> shards;

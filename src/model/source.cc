@@ -6,7 +6,9 @@
 #include <set>
 #include <sstream>
 
+#include "common/saturate.h"
 #include "model/files.h"
+#include "model/model_size.h"
 #include "model/strict_json.h"
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/error.h"
@@ -55,7 +57,13 @@ ModelSpec from_tensors(const std::string& name, const std::vector<TensorInfo>& t
   std::map<std::string, std::uint64_t> bytes;
   for (const TensorInfo& t : tensors) {
     m.tensors.push_back(TensorSpec{t.name, t.shape, t.numel});
-    bytes[t.dtype] += t.bytes;
+    // Saturating: shards are sparse files as far as sizes go, each may claim up to 2^64 bytes.
+    bytes[t.dtype] = detail::sat_add(bytes[t.dtype], t.bytes);
+  }
+  try {
+    detail::check_model_numel(m);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(printable(name, 200) + ": " + e.what());
   }
   // The floating-point dtype holding most bytes is the one training will flatten in.
   std::uint64_t best = 0;
@@ -171,6 +179,7 @@ Inspection inspect_path(const std::string& p) {
     out.source = "config";
     out.files = 1;
     for (const TensorSpec& t : m.tensors) {
+      // Fits: build_transformer bounds the model so that its bytes in fp32 fit in 64 bits.
       out.tensors.push_back(TensorInfo{t.name, dtype, t.shape, t.numel, t.numel * es});
     }
   }
