@@ -10,8 +10,10 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/error.h"
 
 namespace zeroflat {
@@ -69,10 +71,10 @@ TEST(Safetensors, EveryMalformedHeaderIsRejectedWithTheProblemNamed) {
   const Case cases[] = {
       {"", "too short"},
       {std::string(7, '\0'), "too short"},
-      {bytes_of("{}", 200'000'000, 0), "exceeds the limit"},
+      {bytes_of("{}", 200'000'000, 0), "not a safetensors file: it must start with the length"},
       {bytes_of("{}", 50, 0), "runs past the end"},
       {bytes_of("{}", 1, 1), "too short for JSON"},
-      {file_with("[]", 0), "does not start with '{'"},
+      {file_with("[]", 0), "not a safetensors file: its header must be a JSON object"},
       {file_with("{\"t\": ", 0), "not valid JSON"},
       {file_with(std::string("{\"a\":1}\0", 8), 0), "NUL byte"},
       {file_with("{\"a\":" + std::string(50, '[') + std::string(50, ']') + "}", 0), "nested"},
@@ -258,6 +260,165 @@ TEST_F(Checkpoints, BrokenDirectoriesAreRejected) {
   rejects("the index lists no tensors");
   write("model.safetensors.index.json", R"({"weight_map": {"w": 3}})");
   rejects("not a file name");
+}
+
+// Names that differ only in leading zeros compare equal in the natural order ("layers.0" and
+// "layers.00"): the index still holds both, each found by its exact name.
+TEST_F(Checkpoints, NamesEqualInTheNaturalOrderAreDistinctTensors) {
+  write("model.safetensors", shard({{"layers.00.w", {3}},
+                                    {"layers.0.w", {2}},
+                                    {"layers.1.w", {1}},
+                                    {"layers.000.w", {4}},
+                                    {"layers.10.w", {5}}}));
+  const CheckpointIndex index = open_checkpoint((dir_ / "model.safetensors").string());
+  ASSERT_EQ(index.tensors.size(), 5u);
+  // Natural order; among equals, plain byte order.
+  const std::vector<std::string> want = {"layers.0.w", "layers.00.w", "layers.000.w",
+                                         "layers.1.w", "layers.10.w"};
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(index.tensors[i].name, want[i]);
+  const std::pair<std::string, std::int64_t> by_name[] = {
+      {"layers.0.w", 2}, {"layers.00.w", 3}, {"layers.000.w", 4}, {"layers.1.w", 1},
+      {"layers.10.w", 5}};
+  for (const auto& [name, dim] : by_name) {
+    const CheckpointTensor* t = index.find(name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_EQ(t->name, name);
+    EXPECT_EQ(t->shape, (Shape{dim})) << name;
+  }
+  EXPECT_EQ(index.find("layers.0000.w"), nullptr);
+  EXPECT_EQ(index.find("layers.01.w"), nullptr);
+  // The same through a sharded directory and its index.
+  fs::remove(dir_ / "model.safetensors");
+  write("a.safetensors", shard({{"layers.00.w", {3}}}));
+  write("b.safetensors", shard({{"layers.0.w", {2}}}));
+  write("model.safetensors.index.json",
+        json{{"weight_map", {{"layers.00.w", "a.safetensors"}, {"layers.0.w", "b.safetensors"}}}}
+            .dump());
+  const CheckpointIndex sharded = open_checkpoint(dir_.string());
+  ASSERT_EQ(sharded.tensors.size(), 2u);
+  ASSERT_NE(sharded.find("layers.00.w"), nullptr);
+  EXPECT_EQ(sharded.files[sharded.find("layers.00.w")->file], (dir_ / "a.safetensors").string());
+  ASSERT_NE(sharded.find("layers.0.w"), nullptr);
+  EXPECT_EQ(sharded.files[sharded.find("layers.0.w")->file], (dir_ / "b.safetensors").string());
+}
+
+// The index file given where the checkpoint is expected: the checkpoint is its directory.
+TEST_F(Checkpoints, TheIndexFileStandsForItsDirectory) {
+  write("model-00001-of-00002.safetensors", shard({{"model.layers.2.w", {4, 4}}}));
+  write("model-00002-of-00002.safetensors", shard({{"lm_head.weight", {8, 4}}}));
+  write("model.safetensors.index.json",
+        json{{"weight_map",
+              {{"model.layers.2.w", "model-00001-of-00002.safetensors"},
+               {"lm_head.weight", "model-00002-of-00002.safetensors"}}}}
+            .dump());
+  const std::string index_path = (dir_ / "model.safetensors.index.json").string();
+  const CheckpointIndex by_dir = open_checkpoint(dir_.string());
+  const CheckpointIndex by_index = open_checkpoint(index_path);
+  EXPECT_EQ(by_index.path, index_path);
+  EXPECT_EQ(by_index.files, by_dir.files);
+  ASSERT_EQ(by_index.tensors.size(), 2u);
+  EXPECT_EQ(by_index.tensors[1].name, by_dir.tensors[1].name);
+  EXPECT_EQ(by_index.tensors[1].offset, by_dir.tensors[1].offset);
+  EXPECT_EQ(load_model(index_path).tensors.size(), 2u);
+  const Inspection in = inspect_path(index_path);
+  EXPECT_EQ(in.source, "checkpoint");
+  EXPECT_EQ(in.files, 2u);
+  EXPECT_EQ(in.numel, 48u);
+}
+
+// An index naming a shard that is not there: the message says the index names a missing
+// shard, and names both.
+TEST_F(Checkpoints, AnIndexNamingAMissingShardSaysSo) {
+  write("model-00001-of-00002.safetensors", shard({{"a", {2}}}));
+  write("model.safetensors.index.json",
+        json{{"weight_map",
+              {{"a", "model-00001-of-00002.safetensors"},
+               {"b", "model-00002-of-00002.safetensors"},
+               {"c", "model-00002-of-00002.safetensors"}}}}
+            .dump());
+  for (const fs::path& given : {dir_, dir_ / "model.safetensors.index.json"}) {
+    try {
+      (void)open_checkpoint(given.string());
+      ADD_FAILURE() << "opened a checkpoint with a missing shard";
+    } catch (const InvalidArgument& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.find((dir_ / "model.safetensors.index.json").string() +
+                         ": the index names shard 'model-00002-of-00002.safetensors' (for 2 "
+                         "tensors, 'b' first), but that shard is missing"),
+                0u)
+          << msg;
+      EXPECT_NE(msg.find((dir_ / "model-00002-of-00002.safetensors").string() + " does not exist"),
+                std::string::npos)
+          << msg;
+    }
+  }
+}
+
+// A path with a NUL byte names no file: the system would see only what comes before it.
+TEST_F(Checkpoints, PathsWithANulByteAreRefusedWhereTheyEnter) {
+  write("model.safetensors", shard({{"w", {2}}}));
+  write("config.json", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 8,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 4, "vocab_size": 10})");
+  // Each would otherwise reach an existing file: the part before the NUL.
+  const std::string ck = (dir_ / "model.safetensors").string() + std::string("\0.bak", 5);
+  const std::string cfg = (dir_ / "config.json").string() + std::string("\0x", 2);
+  const std::string dir = dir_.string() + std::string("\0", 1);
+  auto says_nul = [](const std::function<void()>& f, const char* what) {
+    try {
+      f();
+      ADD_FAILURE() << what << ": accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("holds a NUL byte"), std::string::npos)
+          << what << ": " << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\0'), std::string::npos) << what;
+    }
+  };
+  says_nul([&] { (void)open_checkpoint(ck); }, "open_checkpoint");
+  says_nul([&] { (void)open_checkpoint(dir); }, "open_checkpoint of a directory");
+  says_nul([&] { (void)load_model(ck); }, "load_model of a checkpoint");
+  says_nul([&] { (void)load_model(cfg); }, "load_model of a config");
+  says_nul([&] { (void)inspect_path(cfg); }, "inspect_path");
+  says_nul([&] { (void)read_safetensors_header(ck); }, "read_safetensors_header");
+  says_nul([&] { (void)parse_numels("@" + cfg); }, "parse_numels");
+  says_nul([&] { write_pattern_checkpoint(catalog_model("tiny-moe"), DType::kBF16,
+                                          (dir_ / "out").string() + std::string("\0x", 2),
+                                          1 << 20); },
+           "write_pattern_checkpoint");
+}
+
+// Files that are not safetensors files say so, and what they seem to be.
+TEST_F(Checkpoints, OtherFilesAreNamedForWhatTheyAre) {
+  write("index.safetensors", json{{"weight_map", {{"w", "a.safetensors"}}}}.dump(2));
+  try {
+    (void)open_checkpoint((dir_ / "index.safetensors").string());
+    ADD_FAILURE() << "read JSON text as a safetensors file";
+  } catch (const InvalidArgument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("index.safetensors: not a safetensors file: it must start with the length "
+                       "of its JSON header"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("a JSON file, such as an index or a config.json?"), std::string::npos)
+        << msg;
+  }
+  write("notes.safetensors", "these are my notes about the model, and a lot more of them");
+  try {
+    (void)open_checkpoint((dir_ / "notes.safetensors").string());
+    ADD_FAILURE() << "read text as a safetensors file";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("not a safetensors file"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'these ar': a text file?"), std::string::npos)
+        << e.what();
+  }
+  write("bad.safetensors", file_with(R"({"t": {"dtype": "BF16", "shape": [2], "data)", 0));
+  try {
+    (void)open_checkpoint((dir_ / "bad.safetensors").string());
+    ADD_FAILURE() << "read a header that is not JSON";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.safetensors header: not valid JSON"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 using Configs = TempDir;

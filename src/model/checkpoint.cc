@@ -25,29 +25,41 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// "layers.10" after "layers.9": digits compare as numbers.
-bool natural_less(const std::string& a, const std::string& b) {
+// Names as sequences of tokens, a run of digits being one token compared by its value:
+// "layers.10" after "layers.9". Negative, zero or positive as in strcmp. Names that differ only
+// in leading zeros ("layers.0" and "layers.00") compare equal here.
+int natural_compare(std::string_view a, std::string_view b) noexcept {
+  auto digit = [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; };
   std::size_t i = 0, j = 0;
   while (i < a.size() && j < b.size()) {
-    if (std::isdigit(static_cast<unsigned char>(a[i])) &&
-        std::isdigit(static_cast<unsigned char>(b[j]))) {
+    if (digit(a[i]) && digit(b[j])) {
       std::size_t i2 = i, j2 = j;
-      while (i2 < a.size() && std::isdigit(static_cast<unsigned char>(a[i2]))) ++i2;
-      while (j2 < b.size() && std::isdigit(static_cast<unsigned char>(b[j2]))) ++j2;
-      std::string_view x(a.data() + i, i2 - i), y(b.data() + j, j2 - j);
+      while (i2 < a.size() && digit(a[i2])) ++i2;
+      while (j2 < b.size() && digit(b[j2])) ++j2;
+      std::string_view x = a.substr(i, i2 - i), y = b.substr(j, j2 - j);
       while (x.size() > 1 && x.front() == '0') x.remove_prefix(1);
       while (y.size() > 1 && y.front() == '0') y.remove_prefix(1);
-      if (x.size() != y.size()) return x.size() < y.size();
-      if (x != y) return x < y;
+      if (x.size() != y.size()) return x.size() < y.size() ? -1 : 1;
+      if (const int c = x.compare(y); c != 0) return c;
       i = i2;
       j = j2;
     } else {
-      if (a[i] != b[j]) return a[i] < b[j];
+      const auto x = static_cast<unsigned char>(a[i]), y = static_cast<unsigned char>(b[j]);
+      if (x != y) return x < y ? -1 : 1;
       ++i;
       ++j;
     }
   }
-  return a.size() - i < b.size() - j;
+  const std::size_t ra = a.size() - i, rb = b.size() - j;
+  return ra == rb ? 0 : (ra < rb ? -1 : 1);
+}
+
+// The order of CheckpointIndex::tensors: natural, and among names the natural comparison finds
+// equal (leading zeros) plain byte order. A strict total order, so that distinct names never
+// compare equal: sorting places them deterministically and find() lands on the exact name.
+bool natural_less(std::string_view a, std::string_view b) noexcept {
+  const int c = natural_compare(a, b);
+  return c != 0 ? c < 0 : a < b;
 }
 
 std::optional<DType> loadable(const std::string& st) {
@@ -79,6 +91,7 @@ const CheckpointTensor* CheckpointIndex::find(const std::string& name) const {
 }
 
 CheckpointIndex open_checkpoint(const std::string& path_text) {
+  detail::check_path(path_text);
   const fs::path path(path_text);
   std::error_code ec;
   if (!fs::exists(path, ec)) {
@@ -88,8 +101,14 @@ CheckpointIndex open_checkpoint(const std::string& path_text) {
   out.path = path_text;
   std::vector<fs::path> files;
   std::map<std::string, std::string> weight_map;
-  const fs::path index = path / "model.safetensors.index.json";
-  if (!fs::is_directory(path, ec)) {
+  // The index of a sharded checkpoint is its directory's model.safetensors.index.json. Given
+  // the index file itself, the checkpoint is the directory it describes: read as a safetensors
+  // file, its text would give a meaningless header length.
+  const bool index_given =
+      !fs::is_directory(path, ec) && path.filename().string().ends_with(".safetensors.index.json");
+  const fs::path dir = index_given ? path.parent_path() : path;
+  const fs::path index = index_given ? path : path / "model.safetensors.index.json";
+  if (!index_given && !fs::is_directory(path, ec)) {
     files.push_back(path);
   } else if (fs::exists(index, ec)) {
     const nlohmann::json doc = detail::parse_strict_json(
@@ -104,14 +123,15 @@ CheckpointIndex open_checkpoint(const std::string& path_text) {
                               "' is not a file name");
       }
       const std::string shard = it.value().get<std::string>();
-      if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..") {
+      if (shard.empty() || shard.find_first_of(std::string_view("/\0", 2)) != std::string::npos ||
+          shard == "." || shard == "..") {
         throw InvalidArgument(index.string() + ": shard name '" + printable(shard) +
                               "' is not a plain file name in this directory");
       }
       weight_map[it.key()] = shard;
       shard_names.insert(shard);
     }
-    for (const std::string& s : shard_names) files.push_back(path / s);
+    for (const std::string& s : shard_names) files.push_back(dir / s);
   } else {
     for (const auto& entry : fs::directory_iterator(path, ec)) {
       if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
@@ -119,14 +139,27 @@ CheckpointIndex open_checkpoint(const std::string& path_text) {
     std::sort(files.begin(), files.end());
   }
   if (files.empty()) {
-    throw InvalidArgument(fs::exists(index, ec) ? index.string() + ": the index lists no tensors"
-                                                : path_text + ": no .safetensors files");
+    throw InvalidArgument(fs::exists(index, ec)
+                              ? index.string() + ": the index lists no tensors"
+                              : printable(path_text, 200) + ": no .safetensors files");
   }
   std::map<std::string, std::string> seen;  // tensor -> file
   for (const fs::path& f : files) {
-    if (!fs::exists(f, ec)) {
-      throw InvalidArgument(index.string() + ": names shard '" + printable(f.filename().string()) +
-                            "', which does not exist");
+    if (!weight_map.empty() && !fs::exists(f, ec)) {
+      // The index is what is wrong (or the download incomplete): say so, and name both.
+      const std::string shard = f.filename().string();
+      std::size_t count = 0;
+      std::string example;
+      for (const auto& [tensor, file] : weight_map) {
+        if (file != shard) continue;
+        if (count++ == 0) example = tensor;
+      }
+      throw InvalidArgument(printable(index.string(), 200) + ": the index names shard '" +
+                            printable(shard) + "' (for " + std::to_string(count) + " tensor" +
+                            (count == 1 ? "" : "s") + ", '" + printable(example) +
+                            "' first), but that shard is missing: " +
+                            printable(f.string(), 200) +
+                            " does not exist (an incomplete download or copy?)");
     }
     const SafetensorsHeader h = read_safetensors_header(f.string());
     const auto file = static_cast<std::uint32_t>(out.files.size());
@@ -260,6 +293,7 @@ CheckpointIndex pattern_checkpoint_index(const ModelSpec& model, DType dtype,
 void write_pattern_checkpoint(const ModelSpec& model, DType dtype, const std::string& dir_text,
                               std::uint64_t shard_bytes, std::optional<DType> values,
                               const std::function<void(std::uint64_t)>& progress) {
+  detail::check_path(dir_text);
   const fs::path dir(dir_text);
   std::error_code ec;
   if (fs::exists(dir / "model.safetensors.index.json", ec) ||

@@ -13,7 +13,18 @@
 
 namespace zeroflat::detail {
 
+void check_path(std::string_view path) {
+  const std::size_t nul = path.find('\0');
+  if (nul != std::string_view::npos) {
+    throw InvalidArgument("path '" + printable(path, 200) + "' holds a NUL byte (byte " +
+                          std::to_string(nul) +
+                          "): no file name can, so it names no file (expected a path to a file "
+                          "or directory)");
+  }
+}
+
 File::File(const std::string& path) : path_(path) {
+  check_path(path);
   // O_NONBLOCK: opening a FIFO with no writer would otherwise wait forever.
   fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd_ < 0) {

@@ -8,12 +8,17 @@
 
 namespace zeroflat::detail {
 
+// Refuses a path holding a NUL byte, which no file name can: the system would see only the
+// part before it, and act on (or name in its errors) a file other than the one given. Throws
+// InvalidArgument naming the path (made printable) and where the NUL is.
+void check_path(std::string_view path);
+
 // An open file descriptor, closed on destruction.
 class File {
  public:
   // Opens `path` for reading if it is a regular file (checked on the open descriptor, so a
   // path swapped for a FIFO in between is still refused). Throws InvalidArgument naming the
-  // path: missing, unreadable, not a regular file.
+  // path: missing, unreadable, not a regular file, holding a NUL byte (check_path).
   explicit File(const std::string& path);
   ~File();
   File(const File&) = delete;

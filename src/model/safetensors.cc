@@ -14,7 +14,6 @@
 namespace zeroflat {
 namespace {
 
-
 bool get_u64(const nlohmann::json& v, std::uint64_t* out) {
   if (v.is_number_unsigned()) {
     *out = v.get<std::uint64_t>();
@@ -25,6 +24,30 @@ bool get_u64(const nlohmann::json& v, std::uint64_t* out) {
     return true;
   }
   return false;
+}
+
+// What the first bytes of a file that is not a safetensors file look like, for the message: a
+// text file (JSON above all: an index or config.json given where a checkpoint was expected) or
+// binary bytes.
+std::string looks_like(std::span<const unsigned char> head) {
+  const std::size_t n = std::min<std::size_t>(head.size(), 8);
+  bool text = n > 0;
+  std::string shown;
+  for (std::size_t i = 0; i < n; ++i) {
+    const unsigned char c = head[i];
+    if (c == '\n' || c == '\r' || c == '\t') {
+      shown += ' ';
+    } else if (c >= 0x20 && c < 0x7f) {
+      shown += static_cast<char>(c);
+    } else {
+      text = false;
+    }
+  }
+  if (!text) return "";
+  const std::size_t first = shown.find_first_not_of(' ');
+  const bool json = first != std::string::npos && (shown[first] == '{' || shown[first] == '[');
+  return std::string(" (it starts with the text '") + shown + "'" +
+         (json ? ": a JSON file, such as an index or a config.json?)" : ": a text file?)");
 }
 
 }  // namespace
@@ -54,19 +77,27 @@ SafetensorsHeader parse_safetensors_header(std::span<const unsigned char> head,
   }
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = n << 8 | head[static_cast<std::size_t>(i)];
+  // A file of another kind fails here, on a length that is its first 8 bytes read as a number:
+  // say what a safetensors file holds there, and what this one seems to be.
   if (n > kMaxHeaderBytes) {
-    throw fail("header length " + std::to_string(n) + " exceeds the limit of " +
-               std::to_string(kMaxHeaderBytes) + " bytes");
+    throw fail("not a safetensors file: it must start with the length of its JSON header, 8 "
+               "little-endian bytes of at most " + format_count(kMaxHeaderBytes) +
+               " (the format's limit), but its first 8 bytes read as " + format_count(n) +
+               looks_like(head));
   }
   if (n > file_size - 8) {
     throw fail("header length " + std::to_string(n) + " runs past the end of the " +
-               std::to_string(file_size) + "-byte file");
+               std::to_string(file_size) +
+               "-byte file: a truncated safetensors file, or not one" + looks_like(head));
   }
   if (n < 2) throw fail("header length " + std::to_string(n) + " is too short for JSON");
   if (head.size() < 8 + n) throw fail("header is truncated");
   std::string_view text(reinterpret_cast<const char*>(head.data() + 8), n);
   if (text.find('\0') != std::string_view::npos) throw fail("header holds a NUL byte");
-  if (text.front() != '{') throw fail("header does not start with '{'");
+  if (text.front() != '{') {
+    throw fail("not a safetensors file: its header must be a JSON object ('{' first), but "
+               "starts with '" + printable(text.substr(0, 8)) + "'");
+  }
   nlohmann::json doc = detail::parse_strict_json(text, source + " header", 8);
   if (!doc.is_object()) throw fail("header is not a JSON object");
 

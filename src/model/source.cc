@@ -76,6 +76,14 @@ ModelSpec from_tensors(const std::string& name, const std::vector<TensorInfo>& t
   return m;
 }
 
+// A sharded checkpoint's index file (model.safetensors.index.json) given in place of its
+// directory: open_checkpoint reads the directory it describes.
+bool is_index_file(const fs::path& path) {
+  std::error_code ec;
+  return path.filename().string().ends_with(".safetensors.index.json") &&
+         !fs::is_directory(path, ec);
+}
+
 bool has_checkpoint_files(const fs::path& dir) {
   if (fs::exists(dir / "model.safetensors.index.json")) return true;
   std::error_code ec;
@@ -100,6 +108,7 @@ std::optional<DType> config_dtype(const std::string& text, const std::string& so
 
 ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& overrides) {
   if (catalog_config(name_or_path)) return catalog_model(name_or_path, overrides);
+  detail::check_path(name_or_path);
   const fs::path path(name_or_path);
   std::error_code ec;
   if (!fs::exists(path, ec)) {
@@ -141,10 +150,15 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
     Inspection i = inspect_path(path.string());
     return from_tensors(path.string(), i.tensors);
   }
+  if (is_index_file(path)) {
+    no_overrides(path.string());
+    return from_tensors(path.string(), read_checkpoint(path).tensors);
+  }
   return config_model(path);
 }
 
 Inspection inspect_path(const std::string& p) {
+  detail::check_path(p);
   const fs::path path(p);
   std::error_code ec;
   if (!fs::exists(path, ec)) throw InvalidArgument(printable(p, 200) + ": no such file or directory");
@@ -153,7 +167,7 @@ Inspection inspect_path(const std::string& p) {
     Inspection c = inspect_path((path / "config.json").string());
     return c;
   }
-  if (fs::is_directory(path)) {
+  if (fs::is_directory(path) || is_index_file(path)) {
     Checkpoint ck = read_checkpoint(path);
     out.source = "checkpoint";
     out.files = ck.files;
