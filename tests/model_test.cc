@@ -1,4 +1,6 @@
-// The built-in catalog: tensor names, order, shapes and totals of docs/models.md.
+// The built-in catalog (src/model/catalog.cc): tensor names, order, shapes and totals, as the
+// models' published Hugging Face config.json files give them (Qwen/Qwen3-30B-A3B,
+// meta-llama/Llama-3.1-8B); and the bound on a model's size.
 #include "zeroflat/model.h"
 
 #include <gtest/gtest.h>
