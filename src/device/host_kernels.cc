@@ -1,11 +1,10 @@
-// Host memory kernels: streaming copies and fills, the per-thread gather, up-casts.
+// Host memory kernels: streaming copies and fills, the per-thread gather.
 #include "device/host_kernels.h"
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -55,10 +54,9 @@ __attribute__((target("avx"))) void stream_copy_body_avx(unsigned char* dst,
   }
 }
 
-// AVX (and F16C) usable: the CPU has them and the OS saves the YMM state.
+// AVX usable: the CPU has it and the OS saves the YMM state.
 struct CpuFeatures {
   bool avx = false;
-  bool f16c = false;
 };
 CpuFeatures detect_cpu() noexcept {
   CpuFeatures f;
@@ -70,7 +68,6 @@ CpuFeatures detect_cpu() noexcept {
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   const bool ymm_state = (lo & 0x6u) == 0x6u;
   f.avx = ymm_state && (ecx & (1u << 28)) != 0;
-  f.f16c = f.avx && (ecx & (1u << 29)) != 0;
   return f;
 }
 const CpuFeatures kCpu = detect_cpu();
@@ -86,49 +83,9 @@ void stream_zero_body(unsigned char* dst, std::size_t n) noexcept {
     _mm_stream_si128(d + 3, z);
   }
 }
-
-__attribute__((target("f16c,avx"))) void upcast_fp16_f16c(float* dst, const std::uint16_t* src,
-                                                          std::uint64_t n) noexcept {
-  std::uint64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
-  }
-  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
-}
 #endif
 
-float fp16_to_float_portable(std::uint16_t h) noexcept {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t exp = (h >> 10) & 0x1fu;
-  std::uint32_t mant = h & 0x3ffu;
-  std::uint32_t bits = 0;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      int e = -1;
-      do {
-        ++e;
-        mant <<= 1;
-      } while ((mant & 0x400u) == 0);
-      bits = sign | static_cast<std::uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ffu) << 13;
-    }
-  } else if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | mant << 13;
-  } else {
-    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 }  // namespace
-
-float fp16_to_float(std::uint16_t h) noexcept {
-  return fp16_to_float_portable(h);
-}
 
 void copy_bytes(void* dst_v, const void* src_v, std::size_t n, bool streaming) noexcept {
   auto* dst = static_cast<unsigned char*>(dst_v);
@@ -279,146 +236,6 @@ void gather_range(unsigned char* dst, std::span<const Segment> segments, std::ui
   }
 #endif
   gather_plain(dst, segments, begin, end, streaming);
-}
-
-void upcast_range(float* dst, const void* src, DType dtype, std::uint64_t numel) noexcept {
-  switch (dtype) {
-    case DType::kBF16: {
-      const auto* s = static_cast<const std::uint16_t*>(src);
-      auto* d = reinterpret_cast<std::uint32_t*>(dst);
-      for (std::uint64_t i = 0; i < numel; ++i) d[i] = static_cast<std::uint32_t>(s[i]) << 16;
-      return;
-    }
-    case DType::kFP16: {
-      const auto* s = static_cast<const std::uint16_t*>(src);
-#if ZEROFLAT_X86
-      if (kCpu.f16c) {
-        upcast_fp16_f16c(dst, s, numel);
-        return;
-      }
-#endif
-      for (std::uint64_t i = 0; i < numel; ++i) dst[i] = fp16_to_float_portable(s[i]);
-      return;
-    }
-    case DType::kFP32:
-      std::memcpy(dst, src, numel * sizeof(float));
-      return;
-  }
-}
-
-namespace {
-
-std::uint32_t bits_of(float f) noexcept {
-  std::uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-
-// fp32 to bf16, round to nearest even. A NaN becomes 0xFFFF, as torch's vectorized CPU
-// conversion makes it (its scalar conversion makes 0x7FC0; both are NaN).
-std::uint16_t to_bf16(float f) noexcept {
-  const std::uint32_t b = bits_of(f);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return 0xffff;
-  return static_cast<std::uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-// fp32 to IEEE half as the F16C instruction converts (the one torch uses on x86): round to
-// nearest even, subnormals kept, overflow to infinity, a NaN quieted with the top of its
-// payload kept.
-std::uint16_t to_fp16(float f) noexcept {
-  const std::uint32_t b = bits_of(f);
-  const auto sign = static_cast<std::uint16_t>((b >> 16) & 0x8000u);
-  const std::uint32_t mag = b & 0x7fffffffu;
-  if (mag > 0x7f800000u) {
-    return static_cast<std::uint16_t>(sign | 0x7e00u | ((mag >> 13) & 0x3ffu));
-  }
-  if (mag >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520: inf
-  if (mag < 0x38800000u) {
-    // Below the smallest normal half (2^-14): a multiple of 2^-24, rounded to nearest even by
-    // the float unit (the default rounding mode); 1024 lands on the smallest normal.
-    float a;
-    std::memcpy(&a, &mag, 4);
-    return static_cast<std::uint16_t>(sign |
-                                      static_cast<std::uint16_t>(std::nearbyint(a * 16777216.0f)));
-  }
-  const std::uint32_t exponent = (mag >> 23) - 127 + 15;
-  const std::uint32_t mantissa = mag & 0x7fffffu;
-  std::uint32_t h = exponent << 10 | mantissa >> 13;
-  const std::uint32_t rest = mantissa & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry moves the exponent up
-  return static_cast<std::uint16_t>(sign | h);
-}
-
-void narrow_portable(std::uint16_t* d, const float* s, DType to, std::uint64_t n) noexcept {
-  if (to == DType::kBF16) {
-    for (std::uint64_t i = 0; i < n; ++i) d[i] = to_bf16(s[i]);
-  } else {
-    for (std::uint64_t i = 0; i < n; ++i) d[i] = to_fp16(s[i]);
-  }
-}
-
-#if ZEROFLAT_X86
-__attribute__((target("f16c,avx"))) void narrow_fp16_f16c(std::uint16_t* d, const float* s,
-                                                          std::uint64_t n) noexcept {
-  std::uint64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), h);
-  }
-  for (; i < n; ++i) d[i] = to_fp16(s[i]);
-}
-#endif
-
-// fp32 to bf16 or fp16.
-void narrow(std::uint16_t* d, const float* s, DType to, std::uint64_t n) noexcept {
-#if ZEROFLAT_X86
-  if (to == DType::kFP16 && kCpu.f16c) {
-    narrow_fp16_f16c(d, s, n);
-    return;
-  }
-#endif
-  narrow_portable(d, s, to, n);
-}
-
-}  // namespace
-
-void convert_range(void* dst, DType to, const void* src, DType from, std::uint64_t numel) noexcept {
-  if (to == from) {
-    if (dst != src) std::memcpy(dst, src, numel * element_size(to));
-    return;
-  }
-  if (to == DType::kFP32) {
-    upcast_range(static_cast<float*>(dst), src, from, numel);
-    return;
-  }
-  auto* d = static_cast<std::uint16_t*>(dst);
-  if (from == DType::kFP32) {
-    narrow(d, static_cast<const float*>(src), to, numel);
-    return;
-  }
-  // bf16 and fp16 to each other, through fp32 (as torch converts them), a block at a time.
-  constexpr std::uint64_t kBlock = 1024;
-  float wide[kBlock];
-  const auto* s = static_cast<const unsigned char*>(src);
-  for (std::uint64_t i = 0; i < numel; i += kBlock) {
-    const std::uint64_t n = std::min(kBlock, numel - i);
-    upcast_range(wide, s + i * 2, from, n);
-    if (to == DType::kBF16) {
-      // torch's fp16 -> bf16 makes a NaN 0x7FC0 (its scalar conversion).
-      for (std::uint64_t k = 0; k < n; ++k) {
-        d[i + k] = std::isnan(wide[k]) ? std::uint16_t{0x7fc0} : to_bf16(wide[k]);
-      }
-    } else {
-      narrow(d + i, wide, to, n);
-    }
-  }
-}
-
-std::uint16_t float_to_bf16(float f) noexcept {
-  return to_bf16(f);
-}
-std::uint16_t float_to_fp16(float f) noexcept {
-  return to_fp16(f);
 }
 
 void check_gather_segments(const void* dst, std::uint64_t num_bytes,

@@ -12,7 +12,7 @@
 #include <set>
 #include <vector>
 
-#include "device/host_kernels.h"
+#include "common/convert.h"
 #include "model/files.h"
 #include "model/strict_json.h"
 #include "zeroflat/error.h"
