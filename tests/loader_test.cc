@@ -5,6 +5,7 @@
 #include "zeroflat/loader.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "device/host_kernels.h"
@@ -387,6 +389,175 @@ TEST_F(LoaderTest, BadCheckpointsAreRefusedNamingFileAndTensor) {
     EXPECT_EQ(res.bytes_read, 8u);
     fs::remove_all(dir);
   }
+}
+
+// Two ranks, each loading its own copy of the checkpoint (as on two nodes); the errors, or "".
+std::vector<std::string> load_two_copies(const std::string& a, const std::string& b,
+                                         CopyCheck copies) {
+  std::vector<std::string> errors(2);
+  LocalGroup group(2, std::chrono::seconds(30));
+  std::vector<std::thread> t;
+  for (int r = 0; r < 2; ++r) {
+    t.emplace_back([&, r] {
+      std::unique_ptr<Communicator> c = group.rank(r);
+      std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+      try {
+        const CheckpointIndex ck = open_checkpoint(r == 0 ? a : b);
+        LoadOptions o;
+        o.layout.dp = 2;
+        o.copies = copies;
+        load_flat_group(ck, params_of(ck), *dev, c.get(), o);
+      } catch (const std::exception& e) {
+        errors[r] = error_of([&] { throw; });
+      }
+      EXPECT_EQ(dev->memory_info().allocated_bytes, 0u) << "rank " << r;
+    });
+  }
+  for (std::thread& th : t) th.join();
+  return errors;
+}
+
+TEST_F(LoaderTest, CopiesWhoseHeadersDifferAreRefusedOnEveryRankNamingTheTensor) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const CheckpointTensor& t = ck.tensors[3];
+  // One copy's header says F16 where the other says BF16 (the same header length: JSON allows
+  // the space).
+  const std::string b = copy_checkpoint(*bf16_dir_, "relabelled");
+  {
+    const std::string file = b + "/" + fs::path(ck.files[t.file]).filename().string();
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    std::uint64_t n = 0;
+    f.read(reinterpret_cast<char*>(&n), 8);
+    std::string header(n, '\0');
+    f.read(header.data(), static_cast<std::streamsize>(n));
+    const std::size_t at = header.find("\"" + t.name + "\"");
+    ASSERT_NE(at, std::string::npos);
+    const std::size_t d = header.find("\"BF16\"", at);
+    ASSERT_NE(d, std::string::npos);
+    header.replace(d, 6, "\"F16\" ");
+    f.seekp(8);
+    f.write(header.data(), static_cast<std::streamsize>(n));
+  }
+  const std::vector<std::string> e = load_two_copies(*bf16_dir_, b, CopyCheck::kOff);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(e[r].find("InvalidArgument"), std::string::npos) << e[r];
+    EXPECT_NE(e[r].find("'" + t.name + "'"), std::string::npos) << e[r];
+    EXPECT_NE(e[r].find("differs between the ranks' copies"), std::string::npos) << e[r];
+  }
+  fs::remove_all(b);
+}
+
+TEST_F(LoaderTest, CopiesWhoseBytesDifferAreRefusedOnEveryRank) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  // One flipped byte in every 4 KiB of every tensor: the sampled check (the default) must land
+  // on one; a single flipped byte needs the full check.
+  const std::string many = copy_checkpoint(*bf16_dir_, "many_flips");
+  const std::string one = copy_checkpoint(*bf16_dir_, "one_flip");
+  for (const CheckpointTensor& t : ck.tensors) {
+    const std::string name = fs::path(ck.files[t.file]).filename().string();
+    std::fstream f(many + "/" + name, std::ios::in | std::ios::out | std::ios::binary);
+    for (std::uint64_t at = t.offset; at < t.offset + t.bytes; at += 4096) {
+      f.seekg(static_cast<std::streamoff>(at));
+      char c = 0;
+      f.read(&c, 1);
+      c = static_cast<char>(c ^ 0x40);
+      f.seekp(static_cast<std::streamoff>(at));
+      f.write(&c, 1);
+    }
+  }
+  const CheckpointTensor& last = ck.tensors.back();
+  {
+    const std::string name = fs::path(ck.files[last.file]).filename().string();
+    std::fstream f(one + "/" + name, std::ios::in | std::ios::out | std::ios::binary);
+    const auto at = static_cast<std::streamoff>(last.offset + last.bytes / 2);
+    f.seekg(at);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x40);
+    f.seekp(at);
+    f.write(&c, 1);
+  }
+  for (const auto& [dir, check] : {std::pair{many, CopyCheck::kSampled},
+                                   std::pair{one, CopyCheck::kFull}}) {
+    SCOPED_TRACE(std::string(copy_check_name(check)));
+    const std::vector<std::string> e = load_two_copies(*bf16_dir_, dir, check);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_NE(e[r].find("hold different bytes"), std::string::npos) << e[r];
+      EXPECT_EQ(e[r].find("InvalidArgument"), std::string::npos) << e[r];
+    }
+    // At least one rank names the tensor and the file.
+    EXPECT_TRUE(e[0].find("tensor '") != std::string::npos ||
+                e[1].find("tensor '") != std::string::npos)
+        << e[0] << "\n" << e[1];
+  }
+  // Identical copies pass every check.
+  for (CopyCheck check : {CopyCheck::kOff, CopyCheck::kSampled, CopyCheck::kFull}) {
+    const std::string same = copy_checkpoint(*bf16_dir_, "same");
+    const std::vector<std::string> e = load_two_copies(*bf16_dir_, same, check);
+    EXPECT_EQ(e[0], "");
+    EXPECT_EQ(e[1], "");
+    fs::remove_all(same);
+  }
+  fs::remove_all(many);
+  fs::remove_all(one);
+}
+
+TEST_F(LoaderTest, ASourceOfTheRightSizeButAnotherShapeIsRefused) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const CheckpointTensor* two_d = nullptr;
+  for (const CheckpointTensor& t : ck.tensors) {
+    if (t.shape.size() == 2 && t.shape[0] != t.shape[1]) two_d = &t;
+  }
+  ASSERT_NE(two_d, nullptr);
+  const Shape transposed = {two_d->shape[1], two_d->shape[0]};
+  // Stacked as one expert of a fused parameter, expected transposed: refused, naming it.
+  std::vector<LoadParam> p = {LoadParam{"fused",
+                                        {2, transposed[0], transposed[1]},
+                                        {two_d->name, two_d->name},
+                                        {transposed, transposed}}};
+  std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+  const std::string m = error_of([&] { load_flat_group(ck, p, *dev, nullptr, LoadOptions{}); });
+  EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
+  EXPECT_NE(m.find("'" + two_d->name + "'"), std::string::npos) << m;
+  EXPECT_NE(m.find(shape_to_string(transposed)), std::string::npos) << m;
+  // The shape it has loads.
+  p[0] = LoadParam{"fused",
+                   {2, two_d->shape[0], two_d->shape[1]},
+                   {two_d->name, two_d->name},
+                   {two_d->shape, two_d->shape}};
+  EXPECT_EQ(load_flat_group(ck, p, *dev, nullptr, LoadOptions{}).bytes_read, 2 * two_d->bytes);
+}
+
+TEST(Loader, ManyShardsLoadUnderALowOpenFileLimit) {
+  // More shards than the descriptors this process may open: a rank keeps a bounded number open.
+  const std::string dir = temp_dir("many_shards");
+  ModelSpec m = catalog_model("tiny-moe");
+  write_pattern_checkpoint(m, DType::kBF16, dir, 4096);
+  const CheckpointIndex ck = open_checkpoint(dir);
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  std::uint64_t in_use = 0;
+  for (const auto& e : fs::directory_iterator("/proc/self/fd")) in_use += e.path().empty() ? 0 : 1;
+  const rlimit low{in_use + 32, old.rlim_max};
+  ASSERT_GT(ck.files.size(), low.rlim_cur) << "the checkpoint needs more shards than the limit";
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::string error;
+  std::vector<unsigned char> flat;
+  std::vector<unsigned char> want;
+  {
+    std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+    try {
+      const LoadResult res = load_flat_group(ck, params_of(ck), *dev, nullptr, LoadOptions{});
+      const auto* p = static_cast<const unsigned char*>(res.group.flat.data());
+      flat.assign(p, p + res.group.layout.flat_bytes());
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(flat, expected_flat(ck, params_of(ck), LayoutOptions{}));
+  fs::remove_all(dir);
 }
 
 TEST_F(LoaderTest, AReadThatFailsMidwayFailsEveryRankAndKeepsNothing) {

@@ -2,6 +2,10 @@
 // all-gather, a small all-reduce (the ranks' agreement on free memory), a barrier, and a
 // timeout: a rank that fails or disappears becomes a CommError on the others, not a hang.
 //
+// Threads: a Communicator belongs to one rank and is not for concurrent use: its collectives
+// must be called from one thread at a time (they are ordered, and every rank must call them in
+// the same order). abort() is the exception: any thread may call it at any time.
+//
 // Backends: `local` (ranks as threads in one process, for tests and rehearsals), `mpi` (rank and
 // size from the MPI launcher; host memory), `nccl` (device memory of a cuda device; the unique
 // id travels over another communicator, usually the MPI one).

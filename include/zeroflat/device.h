@@ -9,6 +9,10 @@
 // concurrently with each other unless a method says so: the cpu device runs one team operation
 // at a time and serializes callers; memory_info() and the probes are safe to call concurrently
 // with anything. Different Device objects are independent.
+//
+// Lifetime: a Device must outlive everything that holds its memory: every DeviceBuffer, every
+// FlatGroup and flatten or load result (their flat buffers, views and master partitions), and
+// every communicator made for it (nccl).
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,8 @@
-// The front door: one call takes a parameter group from its original storage to its flat
-// buffer on every rank of the group, the way every caller should (C++ programs, the CLI, the
-// Python package and the DeepSpeed drop-in all go through it):
+// The front door for a group whose values are on the device: one call takes it from its
+// original storage to its flat buffer on every rank of the group, the way every caller should
+// (C++ programs, the CLI's run, the Python package and the DeepSpeed drop-in all go through it).
+// A group read from a checkpoint enters through load_flat_group (loader.h); both doors lead to
+// the same pipeline, with only the source of the values differing:
 //
 //   probe    the device's free-memory sources (Device::probe_memory) and the host memory this
 //            rank may stage through (Device::probe_host_memory), with what the caller knows
@@ -24,7 +26,10 @@
 //   owns; release_originals is called at most once, at the step where the plan frees it (it
 //   must not throw). On return params[i].data points at the parameter's data (original storage,
 //   or its view in the flat buffer), null only when the outcome is kLost.
-// - The device is used by this call alone while it runs (see device.h for its threads).
+// - The device is used by this call alone while it runs (see device.h for its threads), and must
+//   outlive the result: the flat buffer, the views and the master partition are its memory.
+// - comm is used by this call alone while it runs (a Communicator is not for concurrent use by
+//   several threads; see comm.h).
 #pragma once
 
 #include <cstdint>
@@ -39,6 +44,7 @@
 #include "zeroflat/executor.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
+#include "zeroflat/release.h"
 #include "zeroflat/tensor.h"
 
 namespace zeroflat {
@@ -59,6 +65,12 @@ struct FlattenOptions {
   // Bandwidths of the cost model; none: the device's preset (Device::hardware()), else a
   // generic device of its capacity. Must match.
   std::optional<Bandwidths> bandwidths;
+  // The DeepSpeed release whose layout the group follows (release.h), when the caller builds
+  // one: the layout options are checked against its rules (InvalidArgument naming the option),
+  // and the release is part of what the ranks compare and of the report. The caller passes the
+  // group as that release forms it (layout_for_release says which parameters it keeps). Must
+  // match.
+  std::optional<ReleaseRules> release;
   // More that every rank must pass identically, as text (the caller's own options): compared,
   // shown in the error when the ranks differ.
   std::string must_match;

@@ -71,8 +71,26 @@ struct Execution {
 // storage. Called at most once, at the step that releases the originals; must not throw.
 using ReleaseOriginals = std::function<void()>;
 
-// Runs `steps` (a tier's list for this rank from tier_steps or the plan) for `params` on
-// `device`. `comm` joins the ranks of the group (null, or one of size 1, for a single rank; its
+// A source that is not the parameters' own storage: what a kRead step reads from (the checkpoint
+// loader's files, loader.h). The executor owns the buffers and the order of the steps; a reader
+// only fills bytes it is pointed at, and may be called again for the same range when a step is
+// re-run.
+class StepReader {
+ public:
+  virtual ~StepReader() = default;
+  // Writes flat-layout bytes [flat_offset, flat_offset + bytes) of the group into dst, device
+  // memory of the executor's device (padding as zeros). stage: the step list's live host staging
+  // buffer (stage_bytes of pinned host memory), or null; a device the host cannot write is
+  // filled through it. Throws Error naming the file, tensor and byte range that failed,
+  // OutOfMemory when it cannot allocate its own scratch.
+  virtual void read(void* dst, std::uint64_t flat_offset, std::uint64_t bytes, void* stage,
+                    std::uint64_t stage_bytes) = 0;
+};
+
+// Runs `steps` (a tier's list for this rank from tier_steps, load_steps or the plan) for
+// `params` on `device`. With a reader, the group's values come from it (kRead steps), params'
+// data pointers are null on entry (nothing of the group is on the device) and a rollback leaves
+// them null; without one, a kRead step is refused. `comm` joins the ranks of the group (null, or one of size 1, for a single rank; its
 // size must equal the layout's dp otherwise). On return, each params[i].data points at the
 // parameter's data (original storage or a view into the flat buffer, per the outcome); after a
 // release its pointer is null only if the outcome is kLost. Throws InvalidArgument for a bad
@@ -80,6 +98,7 @@ using ReleaseOriginals = std::function<void()>;
 // is reported in the result, never thrown.
 Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t rank,
                   std::span<TensorRef> params, Device& device, Communicator* comm,
-                  const ReleaseOriginals& release_originals, const ExecuteOptions& options = {});
+                  const ReleaseOriginals& release_originals, const ExecuteOptions& options = {},
+                  StepReader* reader = nullptr);
 
 }  // namespace zeroflat

@@ -12,16 +12,25 @@
 // held, and no rank reads more than its partition: on every rank the device holds the flat
 // buffer and at most the ring.
 //
-// Collective, as flatten_param_group (engine.h): every rank of comm calls it with the same
-// checkpoint, group and options (compared first); an error found on one rank (a missing or
-// mis-shaped tensor, a read that fails) is an error on every rank, after which no buffer is
-// left behind.
+// It is the same pipeline as flatten_param_group's (engine.h: check, probe, agree, plan,
+// execute, master), with the checkpoint as the group's source: reading is the step list's kRead
+// step, the all-gather and the views are its later steps.
+//
+// Collective, as flatten_param_group: every rank of comm calls it with the same checkpoint, group
+// and options (compared first); an error found on one rank (a missing or mis-shaped tensor, a
+// shard it cannot open, a read that fails) is an error on every rank, after which no buffer is
+// left behind. Each rank opens the checkpoint itself (on many nodes, usually each node's own copy
+// at the same path), so before reading the ranks compare what their copies' headers say (every
+// tensor's name, dtype, shape and byte range, every file's size) and, after reading, a sample of
+// the bytes (LoadOptions::copies): copies that differ are an error naming the file and tensor,
+// never a buffer mixed from several copies.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zeroflat/checkpoint.h"
@@ -30,11 +39,20 @@
 #include "zeroflat/flatten.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
+#include "zeroflat/release.h"
 
 namespace zeroflat {
 
 // One parameter of the group, in group order.
 struct LoadParam {
+  LoadParam() = default;
+  LoadParam(std::string name_, Shape shape_, std::vector<std::string> sources_ = {},
+            std::vector<Shape> source_shapes_ = {})
+      : name(std::move(name_)),
+        shape(std::move(shape_)),
+        sources(std::move(sources_)),
+        source_shapes(std::move(source_shapes_)) {}
+
   std::string name;    // names it in errors
   Shape shape;         // must be the checkpoint tensor's
   // The checkpoint tensors holding its values, whole and in order, their elements concatenated
@@ -42,7 +60,23 @@ struct LoadParam {
   // a MoE layer, the tensors it stacks); empty: {name}. One source must have the parameter's
   // shape; several must hold its element count between them.
   std::vector<std::string> sources;
+  // Empty, or one shape per source: the shape each source tensor must have (a fused parameter's
+  // rule says what each of its tensors is; a tensor of the right size but another shape, such as
+  // a transposed expert, is refused naming it).
+  std::vector<Shape> source_shapes;
 };
+
+// How the ranks check, after reading, that their copies of the checkpoint hold the same bytes
+// (their headers are always compared).
+enum class CopyCheck : std::uint8_t {
+  kOff,      // no check of the bytes
+  kSampled,  // each rank re-reads 16 windows of 64 KiB of every other rank's slice from its own
+             // copy and compares them with what that rank read: at most 1 MiB per other rank
+  kFull,     // each rank re-reads every other rank's slice: (N - 1) / N of the checkpoint more
+};
+std::string_view copy_check_name(CopyCheck check) noexcept;  // "off", "sampled", "full"
+// "off", "sampled" or "full"; throws InvalidArgument naming `what` otherwise.
+CopyCheck parse_copy_check(std::string_view text, std::string_view what);
 
 struct LoadOptions {
   // The buffer's layout and dtype; dp must be the ranks of comm. Must match on every rank.
@@ -59,6 +93,13 @@ struct LoadOptions {
   bool through_ring = false;
   // Reader threads; 0: the device's team (default_num_threads of the local ranks).
   unsigned threads = 0;
+  // The DeepSpeed release whose layout the group follows (see FlattenOptions::release). Must
+  // match.
+  std::optional<ReleaseRules> release;
+  // Build this rank's fp32 master partition once the buffer is complete. Must match.
+  bool master = false;
+  // The check of the ranks' copies after reading (see CopyCheck). Must match.
+  CopyCheck copies = CopyCheck::kSampled;
   ProbeContext probe;
   // More that every rank must pass identically (compared).
   std::string must_match;
@@ -70,7 +111,8 @@ struct LoadOptions {
 };
 
 struct LoadResult {
-  ProbeResult probe;  // this rank's device
+  ProbeResult probe;       // this rank's device
+  ProbeResult host_probe;  // the host memory this rank may stage through
   PlanInput input;    // what the plan was made with, agreed over the ranks
   Candidate plan;     // the load's steps, peak, traffic and predicted time
   bool feasible() const noexcept { return plan.feasible; }
@@ -87,12 +129,20 @@ struct LoadResult {
   std::uint64_t predicted_peak_device_bytes = 0;
   std::uint64_t measured_peak_device_bytes = 0;
   std::uint64_t measured_peak_host_bytes = 0;
+  // The copies check (LoadOptions::copies): bytes this rank read again to compare, and how long.
+  std::uint64_t copy_check_bytes = 0;
+  double copy_check_seconds = 0;
+  DeviceBuffer master;        // this rank's fp32 master partition, when asked
+  double master_seconds = 0;  // building it
+  std::string master_error;   // why there is no master although one was asked
 };
 
 // Collective (see above). Throws InvalidArgument for a bad group, checkpoint or options on any
-// rank, or ranks that differ (before anything is read); Error naming the file, tensor and byte
-// range when a read fails midway (on every rank, the buffer released). No feasible plan is
-// reported in the result (nothing allocated). params' views point into group.flat.
+// rank, or ranks whose options or checkpoint headers differ (before anything is read);
+// ResourceExhausted when the system refuses a file or a thread; OutOfMemory when the buffer
+// cannot be allocated; Error naming the file, tensor and byte range when a read fails midway or
+// the ranks' copies hold different bytes (on every rank, the buffer released). No feasible plan
+// is reported in the result (nothing allocated). The views point into group.flat.
 LoadResult load_flat_group(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
                            Device& device, Communicator* comm, const LoadOptions& options);
 

@@ -1,10 +1,12 @@
-// The front door (engine.h): probe, agree, plan, check, execute, master, for one group.
+// The one pipeline (pipeline.h) and the front door that hands it a group on the device
+// (engine.h): check, probe, agree, plan, check values, execute, master.
 #include "zeroflat/engine.h"
 
 #include <algorithm>
 #include <string>
 
 #include "common/clock.h"
+#include "exec/pipeline.h"
 #include "zeroflat/error.h"
 #include "zeroflat/flatten.h"
 #include "zeroflat/runtime.h"
@@ -13,8 +15,10 @@
 namespace zeroflat {
 namespace {
 
-// Everything besides the group that must be the same on every rank, as text.
-std::string options_text(const FlattenOptions& o, const Device& device) {
+// Everything besides the group that must be the same on every rank, as text: the options, the
+// source's own account of itself, the caller's.
+std::string options_text(const FlattenOptions& o, const Device& device,
+                         const detail::GroupSource* source) {
   const LayoutOptions& l = o.layout;
   const std::string name = device.name();
   const std::optional<DevicePreset> hw = device.hardware();
@@ -22,13 +26,18 @@ std::string options_text(const FlattenOptions& o, const Device& device) {
                   std::to_string(l.alignment_factor) + ", round-robin " +
                   (l.round_robin ? "on" : "off") + ", dtype " +
                   std::string(dtype_name(l.dtype)) + ", parameter alignment " +
-                  std::to_string(l.param_align_bytes) + " B, tier " +
-                  (o.tier ? std::string(tier_name(*o.tier)) : std::string("auto")) + ", margin " +
+                  std::to_string(l.param_align_bytes) + " B, DeepSpeed rules " +
+                  (o.release ? o.release->rules : std::string("none")) + ", margin " +
                   (o.margin_bytes ? std::to_string(*o.margin_bytes) : std::string("default")) +
-                  ", master " + (o.master ? "yes" : "no") + ", value check " +
-                  (o.check_values ? "on" : "off") + ", device " +
+                  ", master " + (o.master ? "yes" : "no") + ", device " +
                   name.substr(0, name.find(':')) + (hw ? " (" + hw->name + ")" : "") +
                   (device.keeps_data() ? "" : " without data");
+  if (source == nullptr) {
+    t += std::string(", tier ") + (o.tier ? std::string(tier_name(*o.tier)) : "auto") +
+         ", value check " + (o.check_values ? "on" : "off");
+  } else {
+    t += "; source: " + source->must_match();
+  }
   if (o.bandwidths) {
     const Bandwidths& b = *o.bandwidths;
     t += ", bandwidths " + std::to_string(b.device_copy) + "/" + std::to_string(b.host_link) +
@@ -57,9 +66,12 @@ std::string probe_failure(const Device& device, const ProbeResult& p) {
 
 }  // namespace
 
-FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
-                                  Communicator* comm, const FlattenOptions& options,
-                                  const ReleaseOriginals& release_originals) {
+namespace detail {
+
+FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communicator* comm,
+                           const FlattenOptions& options, const ReleaseOriginals& release_originals,
+                           GroupSource* source, Placement placement) {
+  (void)placement;  // one placement so far: its step lists are the tiers' and load_steps
   FlattenResult res;
   Communicator* group = comm != nullptr && comm->size() > 1 ? comm : nullptr;
   const std::uint64_t ranks = group ? static_cast<std::uint64_t>(group->size()) : 1;
@@ -78,7 +90,8 @@ FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
                                      : std::string("there is no communicator (one rank)")) +
                               ": dp must be the number of ranks sharing the group");
       }
-      validate_group(params, device, options.layout);
+      if (options.release) check_release_options(options.layout, *options.release);
+      if (source == nullptr) validate_group(params, device, options.layout);
       std::vector<std::uint64_t> numels(params.size());
       for (std::size_t i = 0; i < params.size(); ++i) numels[i] = params[i].numel;
       layout = Layout::compute(numels, options.layout);
@@ -94,7 +107,8 @@ FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
   // --- probe ------------------------------------------------------------------------------------
   res.probe = device.probe_memory(context);
   res.host_probe = device.probe_host_memory(context);
-  const std::uint64_t original_bytes = group_bytes(params);
+  // With a source, nothing of the group is on the device yet.
+  const std::uint64_t original_bytes = source == nullptr ? group_bytes(params) : 0;
   std::uint64_t capacity = res.probe.total_bytes;
   std::uint64_t free = std::min(res.probe.free_bytes, capacity);
   // The group's own bytes are on this device: whatever a source says, they are in use.
@@ -105,7 +119,7 @@ FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
 
   // --- agree: one all-reduce; an error anywhere is thrown everywhere ---------------------------
   AgreementInput ai;
-  ai.options = options_text(options, device);
+  ai.options = options_text(options, device, source);
   ai.params = params;
   ai.names = options.names;
   ai.capacity_bytes = capacity;
@@ -114,6 +128,8 @@ FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
   ai.integrated = res.probe.integrated;
   ai.error = error;
   const Agreement agreed = agree(ai, group);
+  // The ranks' sources must say the same (every rank gets here: the agreement threw nowhere).
+  if (source != nullptr) source->agree(group);
 
   // --- plan -------------------------------------------------------------------------------------
   PlanFacts facts = plan_facts(agreed, context.local_ranks);
@@ -122,14 +138,22 @@ FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
   } else {
     facts.bandwidths = device.hardware().value_or(generic_preset(agreed.capacity_bytes)).bandwidths;
   }
-  res.input = make_plan_input(*layout, original_bytes, facts, rank, options.tier,
-                              options.margin_bytes);
-  res.plan = plan_group(res.input);
+  res.input = make_plan_input(*layout, original_bytes, facts, rank,
+                              source == nullptr ? options.tier : std::nullopt, options.margin_bytes);
+  if (source == nullptr) {
+    res.plan = plan_group(res.input);
+  } else {
+    Candidate load = plan_load(res.input, source->ring_bytes());
+    res.plan.reason = load.feasible ? "the source's reads fit: " + load.steps.front().describe()
+                                    : "the source's reads do not fit: " + load.why_not;
+    if (load.feasible) res.plan.chosen = Tier::kLoad;
+    res.plan.candidates.push_back(std::move(load));
+  }
   const Candidate* chosen = res.plan.chosen_candidate();
   if (chosen == nullptr) return res;  // the same verdict on every rank: nothing moves
 
   // --- the values check: slices are about to change hands --------------------------------------
-  if (options.check_values && group != nullptr && device.keeps_data() &&
+  if (source == nullptr && options.check_values && group != nullptr && device.keeps_data() &&
       (chosen->tier == Tier::kSharded || chosen->tier == Tier::kStaged)) {
     res.value_check = check_same_values(*layout, params, device, group);
     if (res.value_check.first_mismatch >= 0) throw InvalidArgument(res.value_check.error);
@@ -139,8 +163,12 @@ FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
   const std::uint64_t resident = std::max(device.memory_info().allocated_bytes, original_bytes);
   res.predicted_peak_device_bytes =
       simulate(chosen->steps, resident, original_bytes, layout->options().dp).peak_device_bytes;
-  res.execution = execute(chosen->steps, *layout, rank, params, device, group, release_originals,
-                          options.execute);
+  res.execution = execute(chosen->steps, *layout, rank, params, device, group,
+                          source == nullptr ? release_originals : ReleaseOriginals{},
+                          options.execute, source);
+  // A source's after-check runs on every rank whose execution completed; the executor's last
+  // agreement made that every rank or none.
+  if (source != nullptr && res.complete()) source->after(res.execution.group, group);
 
   // --- the fp32 master partition: it may not fit where the flatten just did ---------------------
   if (options.master && res.complete()) {
@@ -153,6 +181,14 @@ FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
     }
   }
   return res;
+}
+
+}  // namespace detail
+
+FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
+                                  Communicator* comm, const FlattenOptions& options,
+                                  const ReleaseOriginals& release_originals) {
+  return detail::run_pipeline(params, device, comm, options, release_originals, nullptr);
 }
 
 }  // namespace zeroflat

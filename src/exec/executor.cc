@@ -68,7 +68,8 @@ class Run {
  public:
   Run(const std::vector<Step>& steps, const Layout& layout, std::uint64_t rank,
       std::span<TensorRef> params, Device& device, Communicator* comm,
-      const ReleaseOriginals& release_originals, const ExecuteOptions& options)
+      const ReleaseOriginals& release_originals, const ExecuteOptions& options,
+      StepReader* reader)
       : steps_(steps),
         layout_(layout),
         rank_(rank),
@@ -77,7 +78,9 @@ class Run {
         comm_(comm != nullptr && comm->size() > 1 ? comm : nullptr),
         release_originals_(release_originals),
         options_(options),
-        machine_(group_bytes(params), group_bytes(params)),
+        reader_(reader),
+        machine_(reader != nullptr ? device.memory_info().allocated_bytes : group_bytes(params),
+                 reader != nullptr ? 0 : group_bytes(params)),
         step_seconds_(steps.size(), 0.0) {
     originals_.reserve(params.size());
     for (const TensorRef& t : params) originals_.push_back(t.data);
@@ -93,8 +96,11 @@ class Run {
       rollback();
       out.outcome = Outcome::kRolledBack;
       out.error = failure_text(first) +
-                  "; rolled back: nothing had been released, every parameter holds its original "
-                  "storage, unchanged";
+                  (reader_ != nullptr
+                       ? std::string("; nothing was kept: every buffer the steps allocated is "
+                                     "released, and the source is untouched")
+                       : std::string("; rolled back: nothing had been released, every parameter "
+                                     "holds its original storage, unchanged"));
     } else if (first.comm_broken) {
       if (!first.local_failed && first.stopped_at == steps_.size()) {
         // Every step of this rank ran; only the last agreement could not be had.
@@ -245,8 +251,12 @@ class Run {
       case Op::kRelease:
         free_buffer(s.buffer);
         break;
-      case Op::kRead:  // the loader's step (loader.h): this executor has no checkpoint
-        throw InternalError("a read step needs the checkpoint loader");
+      case Op::kRead:
+        if (reader_ == nullptr) throw InternalError("a read step needs a reader (loader.h)");
+        reader_->read(at(s.buffer, s.dst_offset), s.flat_offset, s.bytes,
+                      machine_.live(Buffer::kHostStage) ? ptr(Buffer::kHostStage) : nullptr,
+                      machine_.size(Buffer::kHostStage));
+        break;
     }
     machine_.apply(s);
   }
@@ -340,6 +350,7 @@ class Run {
   Communicator* comm_;
   const ReleaseOriginals& release_originals_;
   const ExecuteOptions& options_;
+  StepReader* reader_;
   std::vector<void*> originals_;
   StepMachine machine_;
   std::array<void*, 5> ptrs_{};
@@ -350,7 +361,8 @@ class Run {
 
 Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t rank,
                   std::span<TensorRef> params, Device& device, Communicator* comm,
-                  const ReleaseOriginals& release_originals, const ExecuteOptions& options) {
+                  const ReleaseOriginals& release_originals, const ExecuteOptions& options,
+                  StepReader* reader) {
   const std::uint64_t dp = layout.options().dp;
   if (rank >= dp) {
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside the layout's dp " +
@@ -382,22 +394,35 @@ Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uin
                             std::to_string(layout.numels()[i]));
     }
   }
-  validate_group(params, device, layout.options());
+  if (reader == nullptr) {
+    validate_group(params, device, layout.options());
+  } else {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (params[i].data != nullptr || params[i].device != &device ||
+          params[i].dtype != layout.options().dtype) {
+        throw InvalidArgument("parameter " + std::to_string(i) +
+                              " of a group read from a source must have no data yet, be on " +
+                              device.name() + " and have the group's dtype");
+      }
+    }
+  }
   // The list must make sense on its own (the memory model refuses a malformed one).
-  const std::uint64_t original_bytes = group_bytes(params);
+  const std::uint64_t original_bytes = reader != nullptr ? 0 : group_bytes(params);
   try {
     (void)simulate(steps, original_bytes, original_bytes, dp);
   } catch (const InternalError& e) {
     throw InvalidArgument(std::string("the step list is malformed: ") + e.what());
   }
   for (const Step& s : steps) {
-    if ((s.op == Op::kGather && s.flat_offset + s.bytes > layout.flat_bytes()) ||
+    if (((s.op == Op::kGather || s.op == Op::kRead) &&
+         (s.flat_offset > layout.flat_bytes() || s.bytes > layout.flat_bytes() - s.flat_offset)) ||
         (s.op == Op::kAllGather && s.bytes != layout.flat_bytes())) {
       throw InvalidArgument("step '" + s.describe() + "' does not fit the layout's " +
                             format_bytes(layout.flat_bytes()) + " flat buffer");
     }
   }
-  return Run(steps, layout, rank, params, device, comm, release_originals, options).execute();
+  return Run(steps, layout, rank, params, device, comm, release_originals, options, reader)
+      .execute();
 }
 
 }  // namespace zeroflat

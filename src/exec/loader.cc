@@ -1,27 +1,35 @@
-// The checkpoint loader (loader.h): this rank's partition read straight from the files into the
-// flat buffer (or through a ring of pinned chunks), then one all-gather.
+// The checkpoint loader (loader.h): the checkpoint as a source of the one pipeline (pipeline.h),
+// whose kRead step reads this rank's slice straight from the files into the flat buffer (or
+// through a ring of pinned chunks).
 #include "zeroflat/loader.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <list>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <sstream>
 #include <thread>
 
 #include "common/clock.h"
 #include "common/thread_pool.h"
 #include "device/host_kernels.h"
+#include "exec/pipeline.h"
 #include "model/files.h"
 #include "zeroflat/agree.h"
+#include "zeroflat/checksum.h"
 #include "zeroflat/error.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
@@ -33,7 +41,7 @@ using detail::Clock;
 using detail::seconds_since;
 
 // One contiguous read: src_bytes of file at src, converted from `from`, landing at dst (bytes
-// from the start of this rank's slice).
+// from the start of the range being filled).
 struct Read {
   std::uint32_t file = 0;
   std::uint64_t src = 0;
@@ -46,27 +54,90 @@ std::uint64_t dst_bytes(const Read& r, std::uint64_t es) {
   return r.src_bytes / element_size(r.from) * es;
 }
 
-// The files of the checkpoint, opened once (regular files only, never blocking).
-class Files {
+// The checkpoint's files, opened when first read and kept open a bounded number at a time, so
+// that a checkpoint of hundreds of shards loads under the default descriptor limit: a rank opens
+// only the files it reads, and at most kept() of them at once.
+class OpenFiles {
  public:
-  // Opens every file of the checkpoint; one shorter than its header says (truncated since the
-  // headers were read) is InvalidArgument, before anything is read.
-  explicit Files(const CheckpointIndex& ck) {
-    for (std::size_t i = 0; i < ck.files.size(); ++i) {
-      files_.push_back(std::make_unique<detail::File>(ck.files[i]));
-      if (files_.back()->size() < ck.file_bytes[i]) {
-        throw InvalidArgument(ck.files[i] + " has " + std::to_string(files_.back()->size()) +
-                              " bytes, but its header says " + std::to_string(ck.file_bytes[i]) +
-                              ": truncated since it was opened");
+  explicit OpenFiles(const CheckpointIndex& ck) : ck_(ck), open_(ck.files.size()) {
+    rlimit lim{};
+    std::uint64_t budget = 1024;
+    if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+      budget = lim.rlim_cur;
+    }
+    keep_ = static_cast<std::size_t>(std::clamp<std::uint64_t>(budget / 8, 4, 64));
+  }
+
+  // File i, open; it stays open at least while the returned pointer lives. Throws
+  // ResourceExhausted when the system refuses a descriptor, InvalidArgument when the file is
+  // gone, not a regular file or shorter than its header says.
+  std::shared_ptr<const detail::File> get(std::uint32_t i) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (open_[i]) {
+      lru_.remove(i);
+      lru_.push_back(i);
+      return open_[i];
+    }
+    // Close the least recently used files nobody is reading.
+    for (auto it = lru_.begin(); it != lru_.end() && lru_.size() >= keep_;) {
+      if (open_[*it].use_count() == 1) {
+        open_[*it].reset();
+        it = lru_.erase(it);
+      } else {
+        ++it;
       }
     }
+    std::shared_ptr<const detail::File> f;
+    try {
+      f = std::make_shared<const detail::File>(ck_.files[i]);
+    } catch (const InvalidArgument& e) {
+      const int err = errno;
+      if (err == EMFILE || err == ENFILE) {
+        throw ResourceExhausted(ck_.files[i] + ": the system refuses another open file (" +
+                                std::strerror(err) + "; " + std::to_string(lru_.size()) +
+                                " of the checkpoint's files are open here): raise `ulimit -n`");
+      }
+      throw;
+    }
+    if (f->size() < ck_.file_bytes[i]) {
+      throw InvalidArgument(ck_.files[i] + " has " + std::to_string(f->size()) +
+                            " bytes, but its header says " + std::to_string(ck_.file_bytes[i]) +
+                            ": truncated since it was opened");
+    }
+    open_[i] = f;
+    lru_.push_back(i);
+    return f;
   }
-  const detail::File& operator[](std::uint32_t i) const { return *files_[i]; }
-  std::size_t size() const { return files_.size(); }
+  const std::string& path(std::uint32_t i) const { return ck_.files[i]; }
 
  private:
-  std::vector<std::unique_ptr<detail::File>> files_;
+  const CheckpointIndex& ck_;
+  std::mutex mutex_;
+  std::vector<std::shared_ptr<const detail::File>> open_;
+  std::list<std::uint32_t> lru_;
+  std::size_t keep_ = 64;
 };
+
+// Every file of the checkpoint is there and as long as its header says: checked without opening
+// (so without descriptors), before the ranks agree, so that a missing shard is an error on every
+// rank before anything is read.
+void check_files_present(const CheckpointIndex& ck) {
+  for (std::size_t i = 0; i < ck.files.size(); ++i) {
+    struct stat st {};
+    if (::stat(ck.files[i].c_str(), &st) != 0) {
+      throw InvalidArgument(ck.files[i] + ": " + std::strerror(errno) + " (a file of checkpoint " +
+                            ck.path + ", named by its index)");
+    }
+    if (!S_ISREG(st.st_mode)) {
+      throw InvalidArgument(ck.files[i] + " is not a regular file");
+    }
+    if (static_cast<std::uint64_t>(st.st_size) < ck.file_bytes[i]) {
+      throw InvalidArgument(ck.files[i] + " has " + std::to_string(st.st_size) +
+                            " bytes, but its header says " + std::to_string(ck.file_bytes[i]) +
+                            ": truncated since it was opened");
+    }
+  }
+}
 
 // The tensor whose bytes hold file offset `at` (for messages).
 std::string tensor_at(const CheckpointIndex& ck, std::uint32_t file, std::uint64_t at) {
@@ -97,20 +168,32 @@ double resident_fraction(const std::string& file, std::uint64_t offset, std::uin
   return fraction;
 }
 
-// Drops the files' pages from the page cache. Dirty pages (a checkpoint just written) are not
+// Drops files' pages from the page cache. Dirty pages (a checkpoint just written) are not
 // dropped, so they are written back first.
-void drop_from_cache(const Files& files) {
-  for (std::size_t f = 0; f < files.size(); ++f) {
-    const int fd = files[static_cast<std::uint32_t>(f)].fd();
-    (void)fdatasync(fd);
-    (void)posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+void drop_from_cache(OpenFiles& files, const std::vector<std::uint32_t>& which) {
+  for (std::uint32_t f : which) {
+    const std::shared_ptr<const detail::File> file = files.get(f);
+    (void)fdatasync(file->fd());
+    (void)posix_fadvise(file->fd(), 0, 0, POSIX_FADV_DONTNEED);
   }
+}
+
+// The fraction of the reads' bytes in the page cache now.
+double cached_fraction_of(const CheckpointIndex& ck, const std::vector<Read>& reads) {
+  std::uint64_t cached = 0;
+  std::uint64_t total = 0;
+  for (const Read& r : reads) {
+    cached += static_cast<std::uint64_t>(resident_fraction(ck.files[r.file], r.src, r.src_bytes) *
+                                         static_cast<double>(r.src_bytes));
+    total += r.src_bytes;
+  }
+  return total ? static_cast<double>(cached) / static_cast<double>(total) : 1.0;
 }
 
 // Reads and converts pieces on a team of threads. A failure stops the others and is kept.
 class Reader {
  public:
-  Reader(const CheckpointIndex& ck, const Files& files, DType to, unsigned threads,
+  Reader(const CheckpointIndex& ck, OpenFiles& files, DType to, unsigned threads,
          std::optional<std::uint64_t> fail_after)
       : ck_(ck),
         files_(files),
@@ -154,7 +237,13 @@ class Reader {
         unsigned char* out = dst + r.dst + p.skip / fes * es_;
         unsigned char* into = out;
         if (r.from != to_) {
-          scratch.resize(p.bytes);
+          try {
+            scratch.resize(p.bytes);
+          } catch (const std::bad_alloc&) {
+            fail(OutOfMemory("cannot allocate " + format_bytes(p.bytes) +
+                             " of host scratch to convert " + files_.path(r.file)));
+            return;
+          }
           into = scratch.data();
         }
         if (!read_exactly(r.file, into, p.bytes, r.src + p.skip)) return;
@@ -164,32 +253,41 @@ class Reader {
     });
   }
 
+  // Throws what failed (its type kept: OutOfMemory, ResourceExhausted, Error).
+  void rethrow() const {
+    if (error_) std::rethrow_exception(error_);
+  }
   bool failed() const { return failed_; }
-  const std::string& error() const { return error_; }
   std::uint64_t bytes() const { return bytes_; }
 
  private:
   static constexpr std::uint64_t kPiece = std::uint64_t{8} << 20;
 
+  template <typename E>
+  void fail(const E& e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failed_.exchange(true)) error_ = std::make_exception_ptr(e);
+  }
+
   bool read_exactly(std::uint32_t file, unsigned char* out, std::uint64_t n, std::uint64_t at) {
+    const std::string where = " (tensor '" + printable(tensor_at(ck_, file, at)) + "')";
     try {
       if (fail_after_ && read_so_far_.fetch_add(n) + n > *fail_after_) {
-        throw Error(files_[file].path() + ": reading bytes [" + std::to_string(at) + ", " +
+        throw Error(files_.path(file) + ": reading bytes [" + std::to_string(at) + ", " +
                     std::to_string(at + n) + ") failed: injected I/O error (testing aid)");
       }
-      files_[file].read_at(out, n, at);
+      files_.get(file)->read_at(out, n, at);
       return true;
+    } catch (const ResourceExhausted& e) {
+      fail(ResourceExhausted(e.what() + where));
     } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!failed_.exchange(true)) {
-        error_ = std::string(e.what()) + " (tensor '" + printable(tensor_at(ck_, file, at)) + "')";
-      }
-      return false;
+      fail(Error(e.what() + where));
     }
+    return false;
   }
 
   const CheckpointIndex& ck_;
-  const Files& files_;
+  OpenFiles& files_;
   DType to_;
   std::uint64_t es_;
   detail::ThreadPool pool_;
@@ -198,10 +296,10 @@ class Reader {
   std::atomic<std::uint64_t> bytes_{0};
   std::atomic<bool> failed_{false};
   std::mutex mutex_;
-  std::string error_;
+  std::exception_ptr error_;
 };
 
-// The reads of [lo, hi) (bytes of the slice) cut out of `reads`, dst relative to lo.
+// The reads of [lo, hi) (bytes of the range) cut out of `reads`, dst relative to lo.
 std::vector<Read> window(const std::vector<Read>& reads, std::uint64_t lo, std::uint64_t hi,
                          std::uint64_t es) {
   std::vector<Read> out;
@@ -221,23 +319,36 @@ std::vector<Read> window(const std::vector<Read>& reads, std::uint64_t lo, std::
   return out;
 }
 
-// The checkpoint tensors of parameter p, in order, checked against its shape. A name the
-// checkpoint lacks goes to `missing` (and none is returned).
+// The checkpoint tensors of parameter p, in order, checked against its shape (and each against
+// its expected shape, when the parameter says). A name the checkpoint lacks goes to `missing`
+// (and none is returned).
 std::vector<const CheckpointTensor*> resolve(const CheckpointIndex& ck, const LoadParam& p,
                                              std::vector<std::string>& missing) {
   std::vector<std::string> names = p.sources;
   if (names.empty()) names.push_back(p.name);
+  if (!p.source_shapes.empty() && p.source_shapes.size() != names.size()) {
+    throw InvalidArgument("parameter '" + printable(p.name) + "' names " +
+                          std::to_string(names.size()) + " source tensors but " +
+                          std::to_string(p.source_shapes.size()) + " expected shapes");
+  }
   std::vector<const CheckpointTensor*> out;
   std::uint64_t numel = 0;
-  for (const std::string& name : names) {
-    const CheckpointTensor* t = ck.find(name);
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    const CheckpointTensor* t = ck.find(names[k]);
     if (t == nullptr) {
-      missing.push_back(printable(name));
+      missing.push_back(printable(names[k]));
       continue;
     }
     if (!t->type) {
       throw InvalidArgument(ck.files[t->file] + ": tensor '" + printable(t->name) + "' is " +
                             printable(t->dtype) + ": the loader reads BF16, F16 and F32");
+    }
+    if (!p.source_shapes.empty() && t->shape != p.source_shapes[k]) {
+      throw InvalidArgument(ck.files[t->file] + ": tensor '" + printable(t->name) +
+                            "' has shape " + shape_to_string(t->shape) + ", but parameter '" +
+                            printable(p.name) + "' takes it as " +
+                            shape_to_string(p.source_shapes[k]) +
+                            " (a tensor stored transposed or reshaped would load as garbage)");
     }
     out.push_back(t);
     numel += t->numel;
@@ -274,27 +385,385 @@ void for_pieces(const std::vector<const CheckpointTensor*>& src, std::uint64_t l
   }
 }
 
-std::string options_text(const LoadOptions& o, const CheckpointIndex& ck, const Device& device,
-                         std::uint64_t ring) {
-  const LayoutOptions& l = o.layout;
-  std::ostringstream t;
-  t << "dp " << l.dp << ", alignment factor " << l.alignment_factor << ", round-robin "
-    << (l.round_robin ? "on" : "off") << ", dtype " << dtype_name(l.dtype)
-    << ", parameter alignment " << l.param_align_bytes << " B, margin ";
-  if (o.margin_bytes) {
-    t << *o.margin_bytes;
-  } else {
-    t << "default";
+// The file reads that fill layout bytes [lo, hi) (element-aligned), dst relative to lo, in file
+// order with neighbours merged: one pread where the bytes follow each other in the file and in
+// the buffer.
+std::vector<Read> reads_for(const Layout& layout,
+                            const std::vector<std::vector<const CheckpointTensor*>>& sources,
+                            std::uint64_t lo, std::uint64_t hi) {
+  const std::uint64_t es = layout.element_size();
+  std::vector<Read> reads;
+  for (const Fragment& f : layout.fragments_in(lo / es, hi / es)) {
+    for_pieces(sources[f.param], f.param_offset, f.numel,
+               [&](const CheckpointTensor& t, std::uint64_t first, std::uint64_t n,
+                   std::uint64_t param_first) {
+                 const std::uint64_t fes = element_size(*t.type);
+                 reads.push_back(Read{t.file, t.offset + first * fes, n * fes,
+                                      (f.partition_offset + param_first - f.param_offset) * es,
+                                      *t.type});
+               });
   }
-  t << ", ring " << ring << " B, device " << device.name().substr(0, device.name().find(':'))
-    << (device.keeps_data() ? "" : " without data") << "; checkpoint of " << ck.tensors.size()
-    << " tensors in " << ck.files.size() << " files of";
-  for (std::uint64_t b : ck.file_bytes) t << ' ' << b;
-  if (!o.must_match.empty()) t << "; " << o.must_match;
-  return t.str();
+  std::sort(reads.begin(), reads.end(), [](const Read& a, const Read& b) {
+    return a.file != b.file ? a.file < b.file : a.src < b.src;
+  });
+  std::vector<Read> merged;
+  for (const Read& r : reads) {
+    if (!merged.empty()) {
+      Read& m = merged.back();
+      if (m.file == r.file && m.from == r.from && m.src + m.src_bytes == r.src &&
+          m.dst + dst_bytes(m, es) == r.dst) {
+        m.src_bytes += r.src_bytes;
+        continue;
+      }
+    }
+    merged.push_back(r);
+  }
+  return merged;
 }
 
+// What a rank's copy of the checkpoint says, entry by entry (every file's size, then every
+// tensor's name, dtype, shape and byte range), as digests the ranks can compare.
+std::vector<std::uint64_t> header_digests(const CheckpointIndex& ck) {
+  std::vector<std::uint64_t> d;
+  d.reserve(ck.files.size() + ck.tensors.size());
+  for (std::size_t f = 0; f < ck.files.size(); ++f) {
+    const std::string name = ck.files[f].substr(ck.files[f].find_last_of('/') + 1);
+    std::string text = name + '\0' + std::to_string(ck.file_bytes[f]);
+    d.push_back(checksum_serial(text.data(), text.size()));
+  }
+  for (const CheckpointTensor& t : ck.tensors) {
+    std::string text = t.name + '\0' + t.dtype + '\0' + shape_to_string(t.shape) + '\0' +
+                       std::to_string(t.file) + ':' + std::to_string(t.offset) + '+' +
+                       std::to_string(t.bytes);
+    d.push_back(checksum_serial(text.data(), text.size()));
+  }
+  return d;
+}
+
+std::string describe_entry(const CheckpointIndex& ck, std::size_t k) {
+  if (k < ck.files.size()) {
+    return "file " + ck.files[k] + " (" + std::to_string(ck.file_bytes[k]) + " bytes here)";
+  }
+  const CheckpointTensor& t = ck.tensors[k - ck.files.size()];
+  return "tensor '" + printable(t.name) + "' of " + ck.files[t.file] + " (here " +
+         printable(t.dtype) + " " + shape_to_string(t.shape) + " at bytes [" +
+         std::to_string(t.offset) + ", " + std::to_string(t.offset + t.bytes) + "))";
+}
+
+// The checkpoint as the pipeline's source.
+class CheckpointSource final : public detail::GroupSource {
+ public:
+  CheckpointSource(const CheckpointIndex& ck, Device& device, const LoadOptions& options,
+                   std::uint64_t ring_bytes)
+      : ck_(ck), device_(device), options_(options), ring_bytes_(ring_bytes), files_(ck) {}
+
+  // This rank's own checks, before the ranks agree: every parameter's tensors, the files.
+  // Throws InvalidArgument.
+  void prepare(std::span<const LoadParam> params, unsigned threads) {
+    std::vector<std::string> missing;
+    std::vector<std::uint64_t> numels;
+    sources_.resize(params.size());
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      sources_[i] = resolve(ck_, params[i], missing);
+      numels.push_back(shape_numel(params[i].shape));
+    }
+    if (!missing.empty()) {
+      if (missing.size() > 8) {
+        missing.resize(8);
+        missing.push_back("...");
+      }
+      throw InvalidArgument(ck_.path + " has no tensor named " + join(missing) +
+                            " (the checkpoint holds " + std::to_string(ck_.tensors.size()) +
+                            " tensors)");
+    }
+    layout_ = Layout::compute(numels, options_.layout);
+    if (device_.keeps_data()) check_files_present(ck_);
+    threads_ = threads;
+  }
+
+  std::string must_match() const override {
+    std::ostringstream t;
+    t << "checkpoint of " << ck_.tensors.size() << " tensors in " << ck_.files.size()
+      << " files, ring " << ring_bytes_ << " B, copies check "
+      << copy_check_name(options_.copies);
+    return t.str();
+  }
+  std::uint64_t ring_bytes() const override { return ring_bytes_; }
+
+  // The ranks compare their copies' headers: one all-reduce of the whole digest, and only when
+  // it differs a second one, entry by entry, to name the first entry that differs.
+  void agree(Communicator* comm) override {
+    if (comm == nullptr || comm->size() <= 1) return;
+    const std::vector<std::uint64_t> mine = header_digests(ck_);
+    const std::uint64_t whole = checksum_serial(mine.data(), mine.size() * sizeof(std::uint64_t));
+    const std::uint64_t n = mine.size();
+    std::array<std::uint64_t, 4> v{whole, ~whole, n, ~n};
+    comm->all_reduce_max(v);
+    if (v[0] == ~v[1]) return;  // max == min: every rank's headers say the same
+    const std::uint64_t fewest = std::min<std::uint64_t>(~v[3], 1u << 24);
+    std::vector<std::uint64_t> hi(2 * fewest);
+    for (std::uint64_t k = 0; k < fewest; ++k) {
+      hi[2 * k] = mine[k];
+      hi[2 * k + 1] = ~mine[k];
+    }
+    comm->all_reduce_max(hi);
+    std::uint64_t k = 0;
+    while (k < fewest && hi[2 * k] == ~hi[2 * k + 1]) ++k;
+    std::string what;
+    if (k < fewest) {
+      what = describe_entry(ck_, k) + " differs between the ranks' copies";
+    } else {
+      what = "the copies hold different numbers of files and tensors (" +
+             std::to_string(~v[3]) + " to " + std::to_string(v[2]) + "; " +
+             std::to_string(n) + " here)";
+    }
+    throw InvalidArgument("the ranks read different checkpoints at " + ck_.path + ": " + what +
+                          "; every rank must read an identical copy");
+  }
+
+  void read(void* dst, std::uint64_t flat_offset, std::uint64_t bytes, void* stage,
+            std::uint64_t stage_bytes) override {
+    const std::uint64_t es = layout_->element_size();
+    const std::vector<Read> reads = reads_for(*layout_, sources_, flat_offset, flat_offset + bytes);
+    reads_ = reads.size();
+    bytes_read_ = 0;
+    for (const Read& r : reads) bytes_read_ += r.src_bytes;
+    if (!device_.keeps_data()) return;
+    if (options_.cold) {
+      std::vector<std::uint32_t> which;
+      for (const Read& r : reads) {
+        if (which.empty() || which.back() != r.file) which.push_back(r.file);
+      }
+      drop_from_cache(files_, which);
+    }
+    cached_fraction_ = cached_fraction_of(ck_, reads);
+    const auto t0 = Clock::now();
+    Reader reader(ck_, files_, layout_->options().dtype, threads_, options_.fail_after_bytes);
+    auto* out = static_cast<unsigned char*>(dst);
+    if (stage == nullptr) {
+      reader.fill(out, bytes, reads);
+    } else {
+      through_ring(reader, out, bytes, reads, static_cast<unsigned char*>(stage), stage_bytes,
+                   es);
+    }
+    reader.rethrow();
+    read_seconds_ = seconds_since(t0);
+  }
+
+  // The copies check: compare what this rank's copy holds in other ranks' slices with what they
+  // read from theirs (now in the gathered buffer).
+  void after(const FlatGroup& group, Communicator* comm) override {
+    if (comm == nullptr || comm->size() <= 1 || options_.copies == CopyCheck::kOff ||
+        !device_.keeps_data()) {
+      return;
+    }
+    const auto t0 = Clock::now();
+    const std::uint64_t rank = static_cast<std::uint64_t>(comm->rank());
+    const std::uint64_t dp = layout_->options().dp;
+    const std::uint64_t sb = layout_->partition_bytes();
+    const std::uint64_t es = layout_->element_size();
+    constexpr std::uint64_t kWindow = std::uint64_t{64} << 10;
+    constexpr std::uint64_t kWindows = 16;
+    constexpr std::uint64_t kChunk = std::uint64_t{16} << 20;
+    // The ranges to compare: windows spread over each other rank's slice (shifted by this
+    // rank, so that the ranks look at different places), or every other slice whole.
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;  // [lo, hi) of the layout
+    for (std::uint64_t q = 0; q < dp; ++q) {
+      if (q == rank || sb == 0) continue;
+      const std::uint64_t base = q * sb;
+      if (options_.copies == CopyCheck::kFull || sb <= kWindow * kWindows) {
+        for (std::uint64_t a = 0; a < sb; a += kChunk) {
+          ranges.emplace_back(base + a, base + std::min(sb, a + kChunk));
+        }
+        continue;
+      }
+      const std::uint64_t stride = sb / kWindows / es * es;  // windows start on elements
+      const std::uint64_t shift = (rank * 7919 * es) % (stride - kWindow + 1) / es * es;
+      for (std::uint64_t w = 0; w < kWindows; ++w) {
+        const std::uint64_t lo = base + w * stride + shift;
+        ranges.emplace_back(lo, std::min(base + sb, lo + kWindow));
+      }
+    }
+    std::string mismatch;
+    try {
+      Reader reader(ck_, files_, layout_->options().dtype, threads_, std::nullopt);
+      std::vector<unsigned char> mine;
+      std::vector<unsigned char> held;
+      for (const auto& [lo, hi] : ranges) {
+        const std::uint64_t n = hi - lo;
+        mine.resize(n);
+        reader.fill(mine.data(), n, reads_for(*layout_, sources_, lo, hi));
+        reader.rethrow();
+        for (const Read& r : reads_for(*layout_, sources_, lo, hi)) copy_check_bytes_ += r.src_bytes;
+        const auto* flat = static_cast<const unsigned char*>(group.flat.data()) + lo;
+        if (!device_.host_accessible()) {
+          held.resize(n);
+          device_.copy(held.data(), flat, n);  // NOLINT: host staging of device bytes
+          device_.synchronize();
+          flat = held.data();
+        }
+        if (std::memcmp(mine.data(), flat, n) != 0) {
+          std::uint64_t k = 0;
+          while (mine[k] == flat[k]) ++k;
+          mismatch = where(lo + k, lo / sb);
+          break;
+        }
+      }
+    } catch (const std::exception& e) {
+      mismatch = std::string("the check itself failed: ") + e.what();
+    }
+    copy_check_seconds_ = seconds_since(t0);
+    const int bad = agree_on_failure(comm, !mismatch.empty());
+    if (bad < 0) return;
+    throw Error(!mismatch.empty()
+                    ? "the ranks' copies of " + ck_.path + " hold different bytes: " + mismatch +
+                          "; every rank must read an identical copy (nothing was kept)"
+                    : "the ranks' copies of " + ck_.path + " hold different bytes: rank " +
+                          std::to_string(bad) + " found a difference (its error names the file "
+                          "and tensor); every rank must read an identical copy (nothing was "
+                          "kept)");
+  }
+
+  std::uint64_t bytes_read() const { return bytes_read_; }
+  std::uint64_t reads() const { return reads_; }
+  double cached_fraction() const { return cached_fraction_; }
+  double read_seconds() const { return read_seconds_; }
+  std::uint64_t copy_check_bytes() const { return copy_check_bytes_; }
+  double copy_check_seconds() const { return copy_check_seconds_; }
+
+ private:
+  // A ring of chunks in the stage: the team reads window k + 1 while a copier thread moves
+  // window k to the device.
+  void through_ring(Reader& reader, unsigned char* slice, std::uint64_t sb,
+                    const std::vector<Read>& reads, unsigned char* ring, std::uint64_t ring_bytes,
+                    std::uint64_t es) {
+    const std::uint64_t depth = std::max<unsigned>(1, options_.ring_depth);
+    const std::uint64_t chunk = ring_bytes / depth;
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<std::pair<std::uint64_t, std::uint64_t>> full;  // (chunk slot, window start)
+    std::vector<bool> busy(depth, false);
+    bool done = false;
+    std::string copy_error;
+    std::thread copier([&] {
+      for (;;) {
+        std::pair<std::uint64_t, std::uint64_t> job;
+        {
+          std::unique_lock<std::mutex> lock(m);
+          cv.wait(lock, [&] { return done || !full.empty(); });
+          if (full.empty()) return;
+          job = full.front();
+          full.pop_front();
+        }
+        try {
+          if (copy_error.empty()) {
+            device_.copy(slice + job.second, ring + job.first * chunk,
+                         std::min(chunk, sb - job.second));
+          }
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(m);
+          copy_error = e.what();
+        }
+        {
+          std::lock_guard<std::mutex> lock(m);
+          busy[job.first] = false;
+        }
+        cv.notify_all();
+      }
+    });
+    for (std::uint64_t w = 0, k = 0; w < sb && !reader.failed(); w += chunk, ++k) {
+      const std::uint64_t slot = k % depth;
+      {
+        std::unique_lock<std::mutex> lock(m);
+        cv.wait(lock, [&] { return !busy[slot]; });
+        busy[slot] = true;
+      }
+      const std::uint64_t len = std::min(chunk, sb - w);
+      reader.fill(ring + slot * chunk, len, window(reads, w, w + len, es));
+      {
+        std::lock_guard<std::mutex> lock(m);
+        full.emplace_back(slot, w);
+      }
+      cv.notify_all();
+    }
+    {
+      std::lock_guard<std::mutex> lock(m);
+      done = true;
+    }
+    cv.notify_all();
+    copier.join();
+    device_.synchronize();
+    if (!copy_error.empty()) throw Error("copying to " + device_.name() + ": " + copy_error);
+  }
+
+  // Layout byte b, which the owner `rank` read, for a message: the parameter, tensor, file and
+  // file offset it comes from.
+  std::string where(std::uint64_t b, std::uint64_t owner) const {
+    const std::uint64_t es = layout_->element_size();
+    const std::uint64_t e = b / es;
+    const auto& offs = layout_->offsets();
+    std::size_t i = static_cast<std::size_t>(
+        std::upper_bound(offs.begin(), offs.end(), e) - offs.begin());
+    std::string text = "layout byte " + std::to_string(b) + " (read by rank " +
+                       std::to_string(owner) + ")";
+    // Round-robin layouts do not keep offsets sorted: fall back to a scan.
+    for (std::size_t k = 0; k < offs.size(); ++k) {
+      if (offs[k] <= e && e < offs[k] + layout_->numels()[k]) {
+        i = k + 1;
+        break;
+      }
+    }
+    if (i == 0) return text;
+    const std::size_t p = i - 1;
+    std::uint64_t at = e - offs[p];
+    for (const CheckpointTensor* t : sources_[p]) {
+      if (at < t->numel) {
+        const std::uint64_t fb = t->offset + at * element_size(*t->type);
+        return text + ", tensor '" + printable(t->name) + "' of " + ck_.files[t->file] +
+               " at file byte " + std::to_string(fb);
+      }
+      at -= t->numel;
+    }
+    return text;
+  }
+
+  const CheckpointIndex& ck_;
+  Device& device_;
+  const LoadOptions& options_;
+  std::uint64_t ring_bytes_;
+  OpenFiles files_;
+  std::vector<std::vector<const CheckpointTensor*>> sources_;
+  std::optional<Layout> layout_;
+  unsigned threads_ = 1;
+  std::uint64_t bytes_read_ = 0;
+  std::uint64_t reads_ = 0;
+  double cached_fraction_ = 0;
+  double read_seconds_ = 0;
+  std::uint64_t copy_check_bytes_ = 0;
+  double copy_check_seconds_ = 0;
+};
+
 }  // namespace
+
+std::string_view copy_check_name(CopyCheck check) noexcept {
+  switch (check) {
+    case CopyCheck::kOff:
+      return "off";
+    case CopyCheck::kSampled:
+      return "sampled";
+    case CopyCheck::kFull:
+      return "full";
+  }
+  return "?";
+}
+
+CopyCheck parse_copy_check(std::string_view text, std::string_view what) {
+  for (CopyCheck c : {CopyCheck::kOff, CopyCheck::kSampled, CopyCheck::kFull}) {
+    if (text == copy_check_name(c)) return c;
+  }
+  throw InvalidArgument(std::string(what) + " '" + printable(std::string(text)) +
+                        "': expected off, sampled or full");
+}
 
 std::uint64_t partition_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
                                    const LayoutOptions& options, std::uint64_t rank) {
@@ -355,11 +824,6 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
                            Device& device, Communicator* comm, const LoadOptions& options) {
   const auto t_start = Clock::now();
   LoadResult res;
-  Communicator* group = comm != nullptr && comm->size() > 1 ? comm : nullptr;
-  const std::uint64_t ranks = group ? static_cast<std::uint64_t>(group->size()) : 1;
-  const std::uint64_t rank = group ? static_cast<std::uint64_t>(group->rank()) : 0;
-  const DType dtype = options.layout.dtype;
-  const std::uint64_t es = element_size(dtype);
   const bool ring_path = options.through_ring || !device.host_accessible();
   if (ring_path &&
       (options.ring_depth == 0 || options.ring_depth > 64 || options.ring_chunk_bytes < 4096 ||
@@ -371,242 +835,76 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
   const std::uint64_t ring_bytes =
       ring_path ? options.ring_depth * (options.ring_chunk_bytes / 64 * 64) : 0;
 
-  // --- this rank's own checks, kept until the ranks agree -------------------------------------
-  std::string error;
-  std::optional<Layout> layout;
-  std::vector<std::vector<const CheckpointTensor*>> sources(params.size());
+  // The group as the pipeline sees it: shapes and dtype, no data yet.
+  const DType dtype = options.layout.dtype;
   std::vector<TensorRef> refs;
-  std::unique_ptr<Files> files;
-  ProbeContext context = options.probe;
-  try {
-    if (!options.local_error.empty()) throw InvalidArgument(options.local_error);
-    if (options.layout.dp != ranks) {
-      throw InvalidArgument("the layout is for dp " + std::to_string(options.layout.dp) + ", but " +
-                            std::to_string(ranks) + " rank(s) load: dp must be their number");
-    }
-    std::vector<std::string> missing;
-    std::vector<std::uint64_t> numels;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const LoadParam& p = params[i];
-      sources[i] = resolve(ck, p, missing);
-      numels.push_back(shape_numel(p.shape));
-      refs.push_back(TensorRef{nullptr, numels.back(), p.shape, dtype, &device});
-    }
-    if (!missing.empty()) {
-      if (missing.size() > 8) {
-        missing.resize(8);
-        missing.push_back("...");
+  std::vector<std::string> names;
+  refs.reserve(params.size());
+  for (const LoadParam& p : params) {
+    refs.push_back(TensorRef{nullptr, shape_numel(p.shape), p.shape, dtype, &device});
+    names.push_back("parameter '" + printable(p.name) + "'");
+  }
+
+  // --- this rank's own checks of the checkpoint, carried into the agreement ---------------------
+  CheckpointSource source(ck, device, options, ring_bytes);
+  std::string error = options.local_error;
+  if (error.empty()) {
+    try {
+      unsigned local = options.probe.local_ranks;
+      if (local == 0) {
+        const unsigned ranks = comm != nullptr && comm->size() > 1 ? comm->size() : 1;
+        local = runtime_env().local_ranks.value_or(ranks);
       }
-      throw InvalidArgument(ck.path + " has no tensor named " + join(missing) +
-                            " (the checkpoint holds " + std::to_string(ck.tensors.size()) +
-                            " tensors)");
+      source.prepare(params, options.threads > 0 ? options.threads
+                                                 : default_num_threads(std::max(1u, local)));
+    } catch (const Error& e) {
+      error = e.what();
     }
-    layout = Layout::compute(numels, options.layout);
-    if (device.keeps_data()) {
-      files = std::make_unique<Files>(ck);
-      if (options.cold) drop_from_cache(*files);
-    }
-    if (context.local_ranks == 0) {
-      context.local_ranks = runtime_env().local_ranks.value_or(static_cast<unsigned>(ranks));
-    }
-  } catch (const Error& e) {
-    error = e.what();
-    refs.clear();
   }
-  if (context.local_ranks == 0) context.local_ranks = 1;
 
-  // --- probe and agree ------------------------------------------------------------------------
-  res.probe = device.probe_memory(context);
-  const ProbeResult host = device.probe_host_memory(context);
-  AgreementInput ai;
-  ai.options = options_text(options, ck, device, ring_bytes);
-  ai.params = refs;
-  ai.capacity_bytes = res.probe.total_bytes;
-  ai.free_bytes = std::min(res.probe.free_bytes, res.probe.total_bytes);
-  ai.host_free_bytes = host.available ? host.free_bytes : 0;
-  ai.integrated = res.probe.integrated;
-  ai.error = error.empty() && !res.probe.available
-                 ? device.name() + ": no free-memory source could answer"
-                 : error;
-  const Agreement agreed = agree(ai, group);
+  FlattenOptions fo;
+  fo.layout = options.layout;
+  fo.margin_bytes = options.margin_bytes;
+  fo.master = options.master;
+  fo.check_values = false;
+  fo.release = options.release;
+  fo.must_match = options.must_match;
+  fo.probe = options.probe;
+  fo.names = std::move(names);
+  fo.local_error = std::move(error);
+  FlattenResult run = detail::run_pipeline(refs, device, comm, fo, {}, &source);
 
-  // --- plan -----------------------------------------------------------------------------------
-  PlanFacts facts = plan_facts(agreed, context.local_ranks);
-  facts.bandwidths = device.hardware().value_or(generic_preset(agreed.capacity_bytes)).bandwidths;
-  res.input = make_plan_input(*layout, 0, facts, rank, std::nullopt, options.margin_bytes);
-  res.plan = plan_load(res.input, ring_bytes);
-  if (!res.plan.feasible) return res;  // the same verdict on every rank: nothing allocated
-
-  // --- this rank's reads ------------------------------------------------------------------------
-  const std::uint64_t sb = layout->partition_bytes();
-  std::vector<Read> reads;
-  for (const Fragment& f : layout->fragments_in(rank * layout->partition_numel(),
-                                                (rank + 1) * layout->partition_numel())) {
-    for_pieces(
-        sources[f.param], f.param_offset, f.numel,
-        [&](const CheckpointTensor& t, std::uint64_t first, std::uint64_t n,
-            std::uint64_t param_first) {
-          const std::uint64_t fes = element_size(*t.type);
-          reads.push_back(Read{t.file, t.offset + first * fes, n * fes,
-                               (f.partition_offset + param_first - f.param_offset) * es, *t.type});
-        });
+  res.probe = std::move(run.probe);
+  res.host_probe = std::move(run.host_probe);
+  res.input = run.input;
+  if (!run.plan.candidates.empty()) res.plan = run.plan.candidates.front();
+  if (!run.feasible()) return res;  // the same verdict on every rank: nothing allocated
+  if (!run.complete()) {
+    const Execution& ex = run.execution;
+    const bool memory = ex.failed_step && *ex.failed_step < res.plan.steps.size() &&
+                        res.plan.steps[*ex.failed_step].op == Op::kAllocate;
+    if (memory) throw OutOfMemory(ex.error);
+    throw Error(ex.error);
   }
-  // In file order, neighbours merged: one pread where the bytes follow each other in the file
-  // and in the buffer.
-  std::sort(reads.begin(), reads.end(), [](const Read& a, const Read& b) {
-    return a.file != b.file ? a.file < b.file : a.src < b.src;
-  });
-  std::vector<Read> merged;
-  for (const Read& r : reads) {
-    if (!merged.empty()) {
-      Read& m = merged.back();
-      if (m.file == r.file && m.from == r.from && m.src + m.src_bytes == r.src &&
-          m.dst + dst_bytes(m, es) == r.dst) {
-        m.src_bytes += r.src_bytes;
-        continue;
-      }
+  res.bytes_read = source.bytes_read();
+  res.reads = source.reads();
+  res.cached_fraction = source.cached_fraction();
+  res.page_cache = device.keeps_data() ? page_cache_word(res.cached_fraction) : std::string();
+  res.read_seconds = source.read_seconds();
+  for (std::size_t k = 0; k < res.plan.steps.size(); ++k) {
+    if (res.plan.steps[k].op == Op::kAllGather && k < run.execution.step_seconds.size()) {
+      res.allgather_seconds += run.execution.step_seconds[k];
     }
-    merged.push_back(r);
   }
-  res.reads = merged.size();
-  for (const Read& r : merged) res.bytes_read += r.src_bytes;
-
-  // --- the steps, on the machine the planner simulated ---------------------------------------
-  const std::uint64_t resident = device.memory_info().allocated_bytes;
-  res.predicted_peak_device_bytes =
-      simulate(res.plan.steps, resident, 0, layout->options().dp).peak_device_bytes;
-  StepMachine machine(resident, 0);
-  DeviceBuffer flat;
-  void* ring = nullptr;
-  std::string failure;
-  const unsigned threads = options.threads > 0
-                               ? options.threads
-                               : default_num_threads(static_cast<unsigned>(context.local_ranks));
-  try {
-    for (const Step& s : res.plan.steps) {
-      machine.check(s);
-      if (s.op == Op::kAllocate && s.buffer == Buffer::kFlat) {
-        flat = DeviceBuffer(device, s.bytes);
-      } else if (s.op == Op::kAllocate) {
-        ring = device.allocate_host(s.bytes);
-      } else if (s.op == Op::kRelease) {
-        device.release_host(ring, machine.size(Buffer::kHostStage));
-        ring = nullptr;
-      } else if (s.op == Op::kRead && device.keeps_data()) {
-        std::uint64_t cached = 0;
-        for (const Read& r : merged) {
-          cached +=
-              static_cast<std::uint64_t>(resident_fraction(ck.files[r.file], r.src, r.src_bytes) *
-                                         static_cast<double>(r.src_bytes));
-        }
-        res.cached_fraction =
-            res.bytes_read ? static_cast<double>(cached) / static_cast<double>(res.bytes_read) : 1;
-        res.page_cache = page_cache_word(res.cached_fraction);
-        const auto t0 = Clock::now();
-        Reader reader(ck, *files, dtype, threads, options.fail_after_bytes);
-        auto* slice = static_cast<unsigned char*>(flat.data()) + s.dst_offset;
-        if (!ring_path) {
-          reader.fill(slice, sb, merged);
-        } else {
-          // A ring of chunks: the team reads window k + 1 while a copier thread moves window k
-          // to the device.
-          const std::uint64_t depth = std::max<unsigned>(1, options.ring_depth);
-          const std::uint64_t chunk = machine.size(Buffer::kHostStage) / depth;
-          std::mutex m;
-          std::condition_variable cv;
-          std::deque<std::pair<std::uint64_t, std::uint64_t>> full;  // (chunk slot, window start)
-          std::vector<bool> busy(depth, false);
-          bool done = false;
-          std::string copy_error;
-          std::thread copier([&] {
-            for (;;) {
-              std::pair<std::uint64_t, std::uint64_t> job;
-              {
-                std::unique_lock<std::mutex> lock(m);
-                cv.wait(lock, [&] { return done || !full.empty(); });
-                if (full.empty()) return;
-                job = full.front();
-                full.pop_front();
-              }
-              try {
-                if (copy_error.empty()) {
-                  device.copy(slice + job.second,
-                              static_cast<unsigned char*>(ring) + job.first * chunk,
-                              std::min(chunk, sb - job.second));
-                }
-              } catch (const std::exception& e) {
-                std::lock_guard<std::mutex> lock(m);
-                copy_error = e.what();
-              }
-              {
-                std::lock_guard<std::mutex> lock(m);
-                busy[job.first] = false;
-              }
-              cv.notify_all();
-            }
-          });
-          for (std::uint64_t w = 0, k = 0; w < sb && !reader.failed(); w += chunk, ++k) {
-            const std::uint64_t slot = k % depth;
-            {
-              std::unique_lock<std::mutex> lock(m);
-              cv.wait(lock, [&] { return !busy[slot]; });
-              busy[slot] = true;
-            }
-            const std::uint64_t len = std::min(chunk, sb - w);
-            reader.fill(static_cast<unsigned char*>(ring) + slot * chunk, len,
-                        window(merged, w, w + len, es));
-            {
-              std::lock_guard<std::mutex> lock(m);
-              full.emplace_back(slot, w);
-            }
-            cv.notify_all();
-          }
-          {
-            std::lock_guard<std::mutex> lock(m);
-            done = true;
-          }
-          cv.notify_all();
-          copier.join();
-          device.synchronize();
-          if (!copy_error.empty()) throw Error("copying to " + device.name() + ": " + copy_error);
-        }
-        if (reader.failed()) throw Error(reader.error());
-        res.read_seconds = seconds_since(t0);
-      } else if (s.op == Op::kAllGather) {
-        break;  // after the ranks agree that every read succeeded
-      }
-      machine.apply(s);
-    }
-  } catch (const std::exception& e) {
-    failure = e.what();
-  }
-  // Every rank learns of any rank's failure here, and none keeps a half-built buffer.
-  const int bad = agree_on_failure(group, !failure.empty());
-  if (bad >= 0) {
-    if (ring != nullptr) device.release_host(ring, machine.size(Buffer::kHostStage));
-    flat.reset();
-    throw Error(!failure.empty() ? failure
-                                 : "rank " + std::to_string(bad) +
-                                       " could not read its part of the checkpoint (its own "
-                                       "error says which file, tensor and bytes); nothing was "
-                                       "kept");
-  }
-  // --- all-gather, views ------------------------------------------------------------------------
-  const auto t_gather = Clock::now();
-  if (group != nullptr) group->all_gather_inplace(flat.data(), sb, device);
-  res.allgather_seconds = seconds_since(t_gather);
-  res.group.layout = *layout;
-  auto* base = static_cast<unsigned char*>(flat.data());
-  for (std::size_t i = 0; i < refs.size(); ++i) {
-    TensorRef v = refs[i];
-    v.data = base + layout->offsets()[i] * es;
-    res.group.views.push_back(std::move(v));
-  }
-  res.group.flat = std::move(flat);
-  device.synchronize();
-  const MemoryInfo mem = device.memory_info();
-  res.measured_peak_device_bytes = mem.peak_allocated_bytes;
-  res.measured_peak_host_bytes = mem.peak_host_allocated_bytes;
+  res.copy_check_bytes = source.copy_check_bytes();
+  res.copy_check_seconds = source.copy_check_seconds();
+  res.predicted_peak_device_bytes = run.predicted_peak_device_bytes;
+  res.measured_peak_device_bytes = run.execution.measured_peak_device_bytes;
+  res.measured_peak_host_bytes = run.execution.measured_peak_host_bytes;
+  res.group = std::move(run.execution.group);
+  res.master = std::move(run.master);
+  res.master_seconds = run.master_seconds;
+  res.master_error = std::move(run.master_error);
   res.seconds = seconds_since(t_start);
   return res;
 }
@@ -639,15 +937,13 @@ ReadCeiling measure_read_ceiling(const CheckpointIndex& ck, std::uint64_t skip, 
     at = (at + n) % total;
   }
   out.bytes = bytes;
-  Files files(ck);
-  if (cold) drop_from_cache(files);
-  std::uint64_t cached = 0;
-  for (const Read& r : reads) {
-    cached += static_cast<std::uint64_t>(resident_fraction(ck.files[r.file], r.src, r.src_bytes) *
-                                         static_cast<double>(r.src_bytes));
+  OpenFiles files(ck);
+  if (cold) {
+    std::vector<std::uint32_t> all(ck.files.size());
+    for (std::uint32_t f = 0; f < all.size(); ++f) all[f] = f;
+    drop_from_cache(files, all);
   }
-  out.cached_fraction =
-      out.bytes ? static_cast<double>(cached) / static_cast<double>(out.bytes) : 1.0;
+  out.cached_fraction = cached_fraction_of(ck, reads);
   out.page_cache = page_cache_word(out.cached_fraction);
   const std::uint64_t scratch_bytes = std::max<std::uint64_t>(out.bytes, 1);
   // Fresh memory, as the loader's buffer is: both pay its first touch. For a device the host
@@ -663,7 +959,11 @@ ReadCeiling measure_read_ceiling(const CheckpointIndex& ck, std::uint64_t skip, 
     const auto t0 = Clock::now();
     reader.fill(static_cast<unsigned char*>(scratch), out.bytes, reads);
     if (reader.failed()) {
-      error = reader.error();
+      try {
+        reader.rethrow();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
     } else if (to_device) {
       device->copy(on_device, scratch, out.bytes);
       device->synchronize();
@@ -692,7 +992,7 @@ std::string verify_loaded(const CheckpointIndex& ck, std::span<const LoadParam> 
            std::to_string(params.size()) + " parameters";
   }
   if (!device.keeps_data()) return "";
-  const Files files(ck);
+  OpenFiles files(ck);
   // What the device holds, a piece at a time on the host.
   const bool direct = device.host_accessible();
   constexpr std::uint64_t kPiece = std::uint64_t{64} << 20;
@@ -720,12 +1020,12 @@ std::string verify_loaded(const CheckpointIndex& ck, std::span<const LoadParam> 
     std::uint64_t filled = 0;
     for (const CheckpointTensor* t : src) {
       whole.resize(t->bytes);
-      files[t->file].read_at(whole.data(), t->bytes, t->offset);
+      files.get(t->file)->read_at(whole.data(), t->bytes, t->offset);
       detail::convert_range(want.data() + filled, dtype, whole.data(), *t->type, t->numel);
       filled += t->numel * es;
     }
     const std::string name = src.empty() ? p.name : src.front()->name;
-    const std::string file = src.empty() ? std::string("?") : files[src.front()->file].path();
+    const std::string file = src.empty() ? std::string("?") : files.path(src.front()->file);
     const std::uint64_t at = layout.offsets()[i] * es;
     for (std::uint64_t done = 0; done < want.size();) {
       const std::uint64_t n = std::min(kPiece, want.size() - done);
