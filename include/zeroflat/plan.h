@@ -1,9 +1,10 @@
-// The planner: each way of flattening (a tier) is a list of steps; a memory model runs a step
-// list symbolically to get its peak device bytes, host bytes and traffic; a cost model turns the
+// The planner: each way of building a group's buffer (a tier, from the originals on the device,
+// or the loader's reads, from a checkpoint) is a list of steps; a memory model runs a step list
+// symbolically to get its peak device bytes, host bytes and traffic; a cost model turns the
 // traffic into seconds; the planner keeps the feasible candidates and picks the fastest.
 //
-// The executor runs the very same step lists, so the planner's account of memory and the
-// executor's cannot drift apart.
+// The executor runs the very same step lists (kRead through a StepReader, executor.h), so the
+// planner's account of memory and the executor's cannot drift apart.
 #pragma once
 
 #include <cstdint>

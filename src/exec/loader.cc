@@ -477,7 +477,15 @@ class CheckpointSource final : public detail::GroupSource {
                             " tensors)");
     }
     layout_ = Layout::compute(numels, options_.layout);
-    if (device_.keeps_data()) check_files_present(ck_);
+    if (device_.keeps_data()) {
+      check_files_present(ck_);
+      // Before the ranks agree, so that every rank's drop precedes every rank's reads.
+      if (options_.cold) {
+        std::vector<std::uint32_t> all(ck_.files.size());
+        for (std::uint32_t f = 0; f < all.size(); ++f) all[f] = f;
+        drop_from_cache(files_, all);
+      }
+    }
     threads_ = threads;
   }
 
@@ -529,13 +537,6 @@ class CheckpointSource final : public detail::GroupSource {
     bytes_read_ = 0;
     for (const Read& r : reads) bytes_read_ += r.src_bytes;
     if (!device_.keeps_data()) return;
-    if (options_.cold) {
-      std::vector<std::uint32_t> which;
-      for (const Read& r : reads) {
-        if (which.empty() || which.back() != r.file) which.push_back(r.file);
-      }
-      drop_from_cache(files_, which);
-    }
     cached_fraction_ = cached_fraction_of(ck_, reads);
     const auto t0 = Clock::now();
     Reader reader(ck_, files_, layout_->options().dtype, threads_, options_.fail_after_bytes);
