@@ -9,8 +9,9 @@
 # toolkit's library directory where it is not there).
 if(ZEROFLAT_HAVE_CUDA)
   set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
-  # CUDA sources follow the project's C++20 (CUDA_STANDARD defaults to CXX_STANDARD); CMake 3.25
-  # does not yet know nvcc's flag for it (nvcc 12 and later have it).
+  # CUDA sources are C++20 like the rest (CUDA_STANDARD on each CUDA target: the project sets
+  # no directory-wide standard); CMake 3.25 does not yet know nvcc's flag for it (nvcc 12 and
+  # later have it).
   if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
     set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
     set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
@@ -25,7 +26,8 @@ if(ZEROFLAT_HAVE_CUDA)
     ${PROJECT_SOURCE_DIR}/include ${PROJECT_BINARY_DIR}/include ${PROJECT_SOURCE_DIR}/src)
   target_link_libraries(zeroflat_cuda PRIVATE CUDA::cudart)
   target_compile_options(zeroflat_cuda PRIVATE ${ZEROFLAT_CUDA_FLAGS})
-  set_target_properties(zeroflat_cuda PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  set_target_properties(zeroflat_cuda PROPERTIES POSITION_INDEPENDENT_CODE ON
+                        CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF)
 
   target_sources(zeroflat PRIVATE $<TARGET_OBJECTS:zeroflat_cuda>)
   target_link_libraries(zeroflat PRIVATE
@@ -37,6 +39,8 @@ if(ZEROFLAT_HAVE_CUDA)
   target_include_directories(gpu_bench PRIVATE ${PROJECT_SOURCE_DIR}/src)
   target_link_libraries(gpu_bench PRIVATE zeroflat CUDA::cudart)
   target_compile_options(gpu_bench PRIVATE ${ZEROFLAT_CUDA_FLAGS})
+  set_target_properties(gpu_bench PROPERTIES
+                        CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF)
   if(NOT ZEROFLAT_BUILD_BENCHMARKS)
     set_target_properties(gpu_bench PROPERTIES EXCLUDE_FROM_ALL ON)
   endif()
