@@ -8,6 +8,7 @@
 #include <system_error>
 #include <vector>
 
+#include "common/saturate.h"
 #include "common/thread_pool.h"
 #include "zeroflat/checksum.h"
 #include "zeroflat/device.h"
@@ -83,6 +84,22 @@ TEST(Shapes, NumelAndOverflow) {
   EXPECT_THROW((void)shape_numel(Shape{-1, 2}), InvalidArgument);
   EXPECT_THROW((void)shape_numel(Shape{1ll << 40, 1ll << 40}), InvalidArgument);
   EXPECT_EQ(shape_to_string(Shape{4096, 2048}), "[4096, 2048]");
+}
+
+TEST(Saturate, SumsAndProductsStopAtTheTopInsteadOfWrapping) {
+  using detail::sat_add;
+  using detail::sat_mul;
+  constexpr std::uint64_t top = UINT64_MAX;
+  static_assert(sat_add(2, 3) == 5 && sat_mul(4, 5) == 20);  // usable in constant expressions
+  EXPECT_EQ(sat_add(top - 1, 1), top);
+  EXPECT_EQ(sat_add(top - 1, 2), top);
+  EXPECT_EQ(sat_add(top, top), top);
+  EXPECT_EQ(sat_add(std::uint64_t{1} << 63, std::uint64_t{1} << 63), top);
+  EXPECT_EQ(sat_mul(std::uint64_t{1} << 32, std::uint64_t{1} << 31), std::uint64_t{1} << 63);
+  EXPECT_EQ(sat_mul(std::uint64_t{1} << 32, std::uint64_t{1} << 32), top);
+  EXPECT_EQ(sat_mul(3, top / 2), top);
+  EXPECT_EQ(sat_mul(0, top), 0u);
+  EXPECT_EQ(detail::kSaturated, top);
 }
 
 TEST(Checksum, IndependentOfThreadCountAndSensitiveToEveryByte) {
