@@ -74,7 +74,13 @@ ReleaseRules deepspeed_rules(std::string_view version) {
   r.skips_zero_element = *v >= Version{0, 19, 8};
   r.has_parameter_alignment = *v >= Version{0, 19, 7};
   r.padding_on_last_rank = *v < Version{0, 16, 0};
+  r.checks_accelerator_memory = *v >= Version{0, 18, 7};
   return r;
+}
+
+ReleaseRules default_deepspeed_rules(std::string_view installed_version) {
+  return deepspeed_rules(installed_version.empty() ? std::string_view("latest")
+                                                   : installed_version);
 }
 
 std::string_view left_out_name(LeftOut why) noexcept {
@@ -101,17 +107,13 @@ void check_release_options(const LayoutOptions& options, const ReleaseRules& rul
   }
 }
 
-ReleaseLayout layout_for_release(std::span<const std::uint64_t> numels, const std::vector<bool>& frozen,
-                                 const LayoutOptions& options, const ReleaseRules& rules) {
+ReleaseSelection select_for_release(std::span<const std::uint64_t> numels,
+                                    const std::vector<bool>& frozen, const ReleaseRules& rules) {
   if (!frozen.empty() && frozen.size() != numels.size()) {
     throw InvalidArgument("frozen flags for " + std::to_string(frozen.size()) + " of " +
                           std::to_string(numels.size()) + " parameters");
   }
-  check_release_options(options, rules);
-  ReleaseLayout out;
-  out.rules = rules;
-  out.num_inputs = numels.size();
-  std::vector<std::uint64_t> group;
+  ReleaseSelection out;
   for (std::uint64_t i = 0; i < numels.size(); ++i) {
     if (!frozen.empty() && frozen[i]) {
       out.left_out.emplace_back(i, LeftOut::kFrozen);
@@ -119,9 +121,23 @@ ReleaseLayout layout_for_release(std::span<const std::uint64_t> numels, const st
       out.left_out.emplace_back(i, LeftOut::kZeroElements);
     } else {
       out.kept.push_back(i);
-      group.push_back(numels[i]);
     }
   }
+  return out;
+}
+
+ReleaseLayout layout_for_release(std::span<const std::uint64_t> numels,
+                                 const std::vector<bool>& frozen, const LayoutOptions& options,
+                                 const ReleaseRules& rules) {
+  ReleaseSelection selection = select_for_release(numels, frozen, rules);
+  check_release_options(options, rules);
+  ReleaseLayout out;
+  out.rules = rules;
+  out.num_inputs = numels.size();
+  out.kept = std::move(selection.kept);
+  out.left_out = std::move(selection.left_out);
+  std::vector<std::uint64_t> group;
+  for (std::uint64_t i : out.kept) group.push_back(numels[i]);
   out.layout = Layout::compute(group, options);
   return out;
 }
