@@ -210,8 +210,10 @@ def worker(rank, world, port, path, way, cold, out):
     t0 = time.perf_counter()
     with PeakRss() as rss:
         if way == "zeroflat":
+            # One group (the optimizer below), and the drop-in for the whole process.
             model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
-                                                device="cpu")
+                                                device="cpu", param_groups=None,
+                                                install_drop_in=True)
             flat_bytes = sum(fg.flat.numel() * fg.flat.element_size()
                              for fg in model.zeroflat_groups)
         else:

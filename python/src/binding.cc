@@ -1,13 +1,15 @@
 // zeroflat._C: the engine for PyTorch. Memory comes from torch's allocator (CPU, or the CUDA
 // caching allocator), copies run on zeroflat's own device of the same kind, collectives go back
-// to Python (torch.distributed), and everything else is the library's front door (engine.h):
-// probe, agreement, plan, execution, master partition. Only the public API is used here.
+// to Python (torch.distributed), and everything else is the library's front doors (engine.h,
+// loader.h): probe, agreement, plan, execution, master partition; and DeepSpeed's release rules
+// (release.h). Options cross as the library's own structs (FlattenOptions, LoadOptions, ...,
+// made from keyword arguments), errors as zeroflat's exception classes. Only the public API is
+// used here.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
-#include <chrono>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -141,8 +143,39 @@ class TorchDevice final : public zf::Device {
   }
 };
 
+// --- errors -------------------------------------------------------------------------------------
+
+// The Python classes of zeroflat's errors (error.h), made once at import. Each kind is also the
+// built-in exception a Python caller would expect for it, so `except ValueError` still catches an
+// InvalidArgument; the root is a RuntimeError, as every library error was before it had a class.
+struct PyErrors {
+  PyObject* error = nullptr;
+  PyObject* invalid_argument = nullptr;
+  PyObject* out_of_memory = nullptr;
+  PyObject* unsupported = nullptr;
+  PyObject* resource_exhausted = nullptr;
+  PyObject* comm_error = nullptr;
+  PyObject* internal_error = nullptr;
+};
+PyErrors errors;
+
+PyObject* new_error(py::module_& m, const char* name, std::initializer_list<PyObject*> bases,
+                    const char* doc) {
+  py::tuple b(bases.size());
+  std::size_t i = 0;
+  for (PyObject* base : bases) b[i++] = py::reinterpret_borrow<py::object>(base);
+  const std::string full = std::string("zeroflat.") + name;
+  PyObject* type = PyErr_NewExceptionWithDoc(full.c_str(), doc, b.ptr(), nullptr);
+  if (type == nullptr) throw py::error_already_set();
+  m.attr(name) = py::reinterpret_borrow<py::object>(type);
+  return type;  // the module keeps a reference; this one lives as long as the process
+}
+
 // A communicator whose collectives a Python object runs (torch.distributed). The executor calls
-// it with the GIL released; each call takes it back.
+// it with the GIL released; each call takes it back. A Python exception in a collective becomes
+// a CommError with its message (the Python side words it: which collective, which rank is
+// presumably gone), and the exception itself is kept on the Python object (its `failure`), so
+// that the error Python finally raises can chain it.
 class PyCommunicator final : public zf::Communicator {
  public:
   explicit PyCommunicator(py::object impl) : impl_(std::move(impl)) {
@@ -179,20 +212,33 @@ class PyCommunicator final : public zf::Communicator {
     try {
       return impl_.attr(method)(args...);
     } catch (py::error_already_set& e) {
-      throw zf::CommError(std::string("torch.distributed ") + method + ": " + e.what());
+      throw zf::CommError(message(method, e));
     }
   }
   void reduce(const char* op, std::span<std::uint64_t> values) {
     std::vector<std::uint64_t> in(values.begin(), values.end());
-    py::gil_scoped_acquire gil;
     std::vector<std::uint64_t> out;
-    try {
-      out = impl_.attr("all_reduce")(in, op).cast<std::vector<std::uint64_t>>();
-    } catch (py::error_already_set& e) {
-      throw zf::CommError(std::string("torch.distributed all_reduce: ") + e.what());
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        out = impl_.attr("all_reduce")(in, op).cast<std::vector<std::uint64_t>>();
+      } catch (py::error_already_set& e) {
+        throw zf::CommError(message("all_reduce", e));
+      }
     }
-    if (out.size() != values.size()) throw zf::CommError("all_reduce returned the wrong count");
+    if (out.size() != values.size()) {
+      throw zf::CommError("torch.distributed all_reduce returned " + std::to_string(out.size()) +
+                          " values for " + std::to_string(values.size()));
+    }
     std::copy(out.begin(), out.end(), values.begin());
+  }
+  // The exception's own words when the Python side raised zeroflat's CommError, else its type
+  // and message. Called with the GIL held.
+  static std::string message(const char* method, py::error_already_set& e) {
+    const std::string text = py::str(e.value());
+    if (errors.comm_error != nullptr && e.matches(errors.comm_error)) return text;
+    return std::string("torch.distributed ") + method + ": " +
+           std::string(py::str(e.type().attr("__name__"))) + ": " + text;
   }
 
   py::object impl_;
@@ -200,16 +246,14 @@ class PyCommunicator final : public zf::Communicator {
   int size_ = 1;
 };
 
-zf::LayoutOptions layout_options(std::uint64_t dp, bool round_robin, std::uint64_t alignment_factor,
-                                 const std::string& dtype, std::uint64_t param_align_bytes) {
-  zf::LayoutOptions o;
-  o.dp = dp;
-  o.round_robin = round_robin;
-  o.alignment_factor = alignment_factor;
-  o.dtype = dtype_of(dtype);
-  o.param_align_bytes = param_align_bytes;
-  zf::validate(o);
-  return o;
+// --- options ------------------------------------------------------------------------------------
+
+// An options struct made from keyword arguments (an unknown name is an AttributeError).
+template <typename T>
+T from_kwargs(const py::kwargs& kwargs) {
+  py::object o = py::cast(T{});
+  for (const auto& [key, value] : kwargs) o.attr(key) = value;
+  return o.cast<T>();
 }
 
 // Merges a library JSON document into doc.
@@ -218,29 +262,45 @@ void merge(Json& doc, const std::string& text) {
   for (const auto& [k, v] : parsed.items()) doc[k] = v;
 }
 
-// One group through the front door on this rank. Returns a JSON document (the probe, the plan,
-// the outcome) and the flat buffer's and the master's uint8 tensors (None when there is none);
-// raises ValueError on every rank for a bad group, options that differ, or any rank's
-// local_error.
+py::object parse_json(const std::string& text) {
+  return py::module_::import("json").attr("loads")(text);
+}
+
+py::dict rules_dict(const zf::ReleaseRules& r) {
+  py::dict d;
+  d["release"] = r.release;
+  d["rules"] = r.rules;
+  d["tested"] = r.tested;
+  d["skips_zero_element"] = r.skips_zero_element;
+  d["has_parameter_alignment"] = r.has_parameter_alignment;
+  d["padding_on_last_rank"] = r.padding_on_last_rank;
+  d["checks_accelerator_memory"] = r.checks_accelerator_memory;
+  return d;
+}
+
+// The buffer's uint8 tensor (the library's handle on it is dropped with the result), or None.
+py::object owned(TorchDevice& device, const zf::DeviceBuffer& b) {
+  if (!b) return py::none();
+  return py::cast(device.tensor(reinterpret_cast<std::uintptr_t>(b.data())));
+}
+
+// One group through the front door on this rank (engine.h). Returns the report (a dict: the
+// probe, the plan, the outcome) and the flat buffer's and the master's uint8 tensors (None when
+// there is none). Raises InvalidArgument on every rank for a bad group, options that differ, or
+// any rank's local_error.
 py::tuple flatten(TorchDevice& device, py::object comm_impl,
                   const std::vector<std::uintptr_t>& ptrs,
-                  const std::vector<std::vector<std::int64_t>>& shapes, std::uint64_t dp,
-                  bool round_robin, std::uint64_t alignment_factor, const std::string& dtype,
-                  std::uint64_t param_align_bytes, const std::string& tier,
-                  std::optional<std::uint64_t> margin_bytes, bool master, bool check_values,
-                  std::uint64_t framework_cached_free_bytes, std::uint64_t framework_held_bytes,
-                  const std::vector<std::string>& names, const std::string& must_match,
-                  const std::string& local_error, std::optional<std::size_t> fault_step,
-                  bool defer_release, const std::function<void()>& release_originals) {
-  zf::FlattenOptions o;
-  o.local_error = local_error;
+                  const std::vector<std::vector<std::int64_t>>& shapes, zf::FlattenOptions o,
+                  const std::function<void()>& release_originals, bool defer_release) {
   std::vector<zf::TensorRef> params;
   std::uint64_t model_bytes = 0;
-  if (local_error.empty()) {
+  if (o.local_error.empty()) {
     try {
-      o.layout = layout_options(dp, round_robin, alignment_factor, dtype, param_align_bytes);
-      o.tier = zf::parse_tier_choice(tier, "tier");
-      if (ptrs.size() != shapes.size()) throw zf::InvalidArgument("pointers and shapes differ");
+      zf::validate(o.layout);
+      if (ptrs.size() != shapes.size()) {
+        throw zf::InvalidArgument(std::to_string(ptrs.size()) + " pointers for " +
+                                  std::to_string(shapes.size()) + " shapes");
+      }
       for (std::size_t i = 0; i < ptrs.size(); ++i) {
         const std::uint64_t numel = zf::shape_numel(shapes[i]);
         params.push_back(zf::TensorRef{reinterpret_cast<void*>(ptrs[i]), numel, shapes[i],
@@ -250,23 +310,17 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
     } catch (const zf::Error& e) {
       o.local_error = e.what();
       params.clear();
+      model_bytes = 0;
     }
   }
-  if (!o.local_error.empty()) o.layout.dp = dp;  // the agreement still needs the group's size
-  o.margin_bytes = margin_bytes;
-  o.master = master;
-  o.check_values = check_values;
-  o.probe.framework_cached_free_bytes = framework_cached_free_bytes;
-  o.probe.framework_held_bytes = framework_held_bytes;
-  o.names = names;
-  o.must_match = must_match;
-  o.execute.fault_step = fault_step;
   // defer_release: when the originals' release comes after the buffer is complete (the device
   // tier's last step), the caller rebinds every parameter itself right after, which frees them
   // there (as DeepSpeed's own flatten leaves it): this step does not.
   bool complete = false;
-  o.execute.on_step = [&](std::size_t, const zf::Step& step) {
+  auto on_step = o.execute.on_step;
+  o.execute.on_step = [&](std::size_t k, const zf::Step& step) {
     if (step.op == zf::Op::kRepoint) complete = true;
+    if (on_step) on_step(k, step);
   };
   bool deferred = false;
   std::unique_ptr<PyCommunicator> comm;
@@ -300,7 +354,7 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
   merge(doc, zf::plan_json(r.plan, r.input));
   if (!r.feasible()) {
     doc["outcome"] = "infeasible";
-    return py::make_tuple(doc.dump(), py::none(), py::none());
+    return py::make_tuple(parse_json(doc.dump()), py::none(), py::none());
   }
   const zf::Execution& ex = r.execution;
   doc["outcome"] = std::string(zf::outcome_name(ex.outcome));
@@ -320,76 +374,46 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
   if (!r.master_error.empty()) doc["master_error"] = r.master_error;
   if (r.master) doc["master_seconds"] = r.master_seconds;
   doc["release_deferred"] = deferred;
-  // The buffers' tensors go to Python; the library's handles on them are dropped after.
-  auto owned = [&](const zf::DeviceBuffer& b) -> py::object {
-    if (!b) return py::none();
-    return py::cast(device.tensor(reinterpret_cast<std::uintptr_t>(b.data())));
-  };
-  return py::make_tuple(doc.dump(), owned(ex.group.flat), owned(r.master));
+  return py::make_tuple(parse_json(doc.dump()), owned(device, ex.group.flat),
+                        owned(device, r.master));
 }
 
-// A checkpoint's group loaded straight into the flat buffer on this rank (loader.h). Returns a
-// JSON document (the probe, the load candidate, bytes read, times, peaks) and the flat buffer's
-// and the master's uint8 tensors (None when nothing fits); raises ValueError on every rank for a
-// bad group or checkpoint, options that differ, or any rank's local_error; RuntimeError on every
-// rank when a read fails.
-py::tuple load(TorchDevice& device, py::object comm_impl, const zf::CheckpointIndex& ck,
-               const std::vector<std::string>& names,
-               const std::vector<std::vector<std::int64_t>>& shapes,
-               const std::vector<std::vector<std::string>>& sources, std::uint64_t dp,
-               bool round_robin, std::uint64_t alignment_factor, const std::string& dtype,
-               std::uint64_t param_align_bytes, std::optional<std::uint64_t> margin_bytes,
-               bool master, bool cold, unsigned threads, const std::string& must_match,
-               const std::string& local_error) {
-  zf::LoadOptions o;
-  o.local_error = local_error;
-  std::vector<zf::LoadParam> params;
-  if (local_error.empty()) {
+// A checkpoint's group loaded straight into the flat buffer on this rank (loader.h). Returns the
+// report (a dict: the probe, the load candidate, bytes read, times, peaks) and the flat buffer's
+// and the master's uint8 tensors (None when nothing fits). `checkpoint` None: this rank could
+// not open it (its local_error says why). Raises InvalidArgument on every rank for a bad group
+// or checkpoint, options that differ, or any rank's local_error; Error on every rank when a read
+// fails.
+py::tuple load(TorchDevice& device, py::object comm_impl, py::object checkpoint,
+               std::vector<zf::LoadParam> params, zf::LoadOptions o) {
+  static const zf::CheckpointIndex kNone;
+  const zf::CheckpointIndex& ck =
+      checkpoint.is_none() ? kNone : checkpoint.cast<const zf::CheckpointIndex&>();
+  if (o.local_error.empty()) {
     try {
-      o.layout = layout_options(dp, round_robin, alignment_factor, dtype, param_align_bytes);
-      if (names.size() != shapes.size() || names.size() != sources.size()) {
-        throw zf::InvalidArgument("names, shapes and sources differ in length");
-      }
-      for (std::size_t i = 0; i < names.size(); ++i) {
-        params.push_back(zf::LoadParam{names[i], shapes[i], sources[i]});
-      }
+      zf::validate(o.layout);
+      if (checkpoint.is_none()) throw zf::InvalidArgument("no checkpoint");
     } catch (const zf::Error& e) {
       o.local_error = e.what();
-      params.clear();
     }
   }
-  if (!o.local_error.empty()) o.layout.dp = dp;
-  o.margin_bytes = margin_bytes;
-  o.cold = cold;
-  o.threads = threads;
-  o.must_match = must_match + (master ? ", master" : "");
+  if (!o.local_error.empty()) params.clear();
   std::unique_ptr<PyCommunicator> comm;
   if (!comm_impl.is_none()) comm = std::make_unique<PyCommunicator>(comm_impl);
   zf::LoadResult r;
-  zf::DeviceBuffer fp32;
-  double master_seconds = 0;
-  std::string master_error;
   {
     py::gil_scoped_release nogil;
     r = zf::load_flat_group(ck, params, device, comm.get(), o);
-    if (master && r.feasible()) {
-      const auto t0 = std::chrono::steady_clock::now();
-      try {
-        fp32 = zf::make_master_partition(device, r.group, comm ? comm->rank() : 0);
-      } catch (const zf::OutOfMemory& e) {
-        master_error = std::string("the fp32 master partition does not fit: ") + e.what();
-      }
-      master_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
   }
   Json doc;
   doc["probe"] = Json::parse(zf::probe_json(r.probe));
+  doc["host_probe"] = Json::parse(zf::probe_json(r.host_probe));
   doc["plan"] = Json::parse(zf::candidate_json(r.plan, true));
   doc["tier"] = "load";
   if (!r.feasible()) {
     doc["outcome"] = "infeasible";
     doc["reason"] = r.plan.why_not;
-    return py::make_tuple(doc.dump(), py::none(), py::none());
+    return py::make_tuple(parse_json(doc.dump()), py::none(), py::none());
   }
   doc["outcome"] = "done";
   doc["bytes_read"] = r.bytes_read;
@@ -401,14 +425,16 @@ py::tuple load(TorchDevice& device, py::object comm_impl, const zf::CheckpointIn
   doc["seconds"] = r.seconds;
   doc["predicted_peak_device_bytes"] = r.predicted_peak_device_bytes;
   doc["measured_peak_device_bytes"] = r.measured_peak_device_bytes;
+  doc["predicted_host_bytes"] = r.plan.profile.peak_host_bytes;
   doc["host_bytes"] = r.measured_peak_host_bytes;
-  if (fp32) doc["master_seconds"] = master_seconds;
-  if (!master_error.empty()) doc["master_error"] = master_error;
-  auto owned = [&](const zf::DeviceBuffer& b) -> py::object {
-    if (!b) return py::none();
-    return py::cast(device.tensor(reinterpret_cast<std::uintptr_t>(b.data())));
-  };
-  return py::make_tuple(doc.dump(), owned(r.group.flat), owned(fp32));
+  if (r.copy_check_bytes > 0) {
+    doc["copy_check_bytes"] = r.copy_check_bytes;
+    doc["copy_check_seconds"] = r.copy_check_seconds;
+  }
+  if (r.master) doc["master_seconds"] = r.master_seconds;
+  if (!r.master_error.empty()) doc["master_error"] = r.master_error;
+  return py::make_tuple(parse_json(doc.dump()), owned(device, r.group.flat),
+                        owned(device, r.master));
 }
 
 at::ScalarType scalar_type_of(zf::DType d) {
@@ -432,23 +458,56 @@ void check_host_source(const at::Tensor& src, const char* what) {
   }
 }
 
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zeroflat engine for PyTorch (use the zeroflat package, not this module)";
-  py::register_exception<zf::ResourceExhausted>(m, "ResourceExhausted", PyExc_RuntimeError);
-  // Library errors become Python exceptions of the matching kind.
+
+  // --- errors (error.h) -------------------------------------------------------------------------
+  errors.error = new_error(m, "Error", {PyExc_RuntimeError},
+                           "Root of zeroflat's errors (a RuntimeError): the message says what was "
+                           "expected, what was found, and which parameter, rank or step.");
+  errors.invalid_argument = new_error(
+      m, "InvalidArgument", {errors.error, PyExc_ValueError},
+      "A value outside the documented domain, or ranks that passed different ones; nothing was "
+      "touched. Also a ValueError.");
+  errors.out_of_memory = new_error(m, "OutOfMemory", {errors.error, PyExc_MemoryError},
+                                   "A device or host allocation failed. Also a MemoryError.");
+  errors.unsupported = new_error(
+      m, "Unsupported", {errors.error, PyExc_NotImplementedError},
+      "Valid, but this build or this device cannot serve it. Also a NotImplementedError.");
+  errors.resource_exhausted = new_error(
+      m, "ResourceExhausted", {errors.error},
+      "The system refused a host thread or a file (a process or memory limit): ask for fewer "
+      "threads.");
+  errors.comm_error = new_error(
+      m, "CommError", {errors.error},
+      "A collective failed or timed out, or a peer rank disappeared; the error of the process "
+      "group, when there is one, is its __cause__.");
+  errors.internal_error = new_error(m, "InternalError", {errors.error},
+                                    "A broken invariant inside zeroflat: a bug, please report it.");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const zf::InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      PyErr_SetString(errors.invalid_argument, e.what());
     } catch (const zf::OutOfMemory& e) {
-      PyErr_SetString(PyExc_MemoryError, e.what());
+      PyErr_SetString(errors.out_of_memory, e.what());
     } catch (const zf::Unsupported& e) {
-      PyErr_SetString(PyExc_NotImplementedError, e.what());
+      PyErr_SetString(errors.unsupported, e.what());
+    } catch (const zf::ResourceExhausted& e) {
+      PyErr_SetString(errors.resource_exhausted, e.what());
+    } catch (const zf::CommError& e) {
+      PyErr_SetString(errors.comm_error, e.what());
+    } catch (const zf::InternalError& e) {
+      PyErr_SetString(errors.internal_error, e.what());
+    } catch (const zf::Error& e) {
+      PyErr_SetString(errors.error, e.what());
     }
   });
+
+  // --- the device -------------------------------------------------------------------------------
   py::class_<TorchDevice>(m, "TorchDevice")
       .def(py::init<const std::string&, unsigned>(), py::arg("device"), py::arg("threads"))
       .def_property_readonly("name", &TorchDevice::name)
@@ -488,6 +547,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }
         return out.narrow(0, 0, static_cast<std::int64_t>(n));
       });
+
+  // --- checkpoints (checkpoint.h) ---------------------------------------------------------------
+  py::class_<zf::CheckpointTensor>(m, "CheckpointTensor")
+      .def_readonly("name", &zf::CheckpointTensor::name)
+      .def_readonly("dtype", &zf::CheckpointTensor::dtype)  // as stored: "BF16", "I64", ...
+      // zeroflat's name of the dtype ("bf16") when the loader converts from it, else None.
+      .def_property_readonly("type",
+                             [](const zf::CheckpointTensor& t) -> std::optional<std::string> {
+                               if (!t.type) return std::nullopt;
+                               return std::string(zf::dtype_name(*t.type));
+                             })
+      .def_readonly("shape", &zf::CheckpointTensor::shape)
+      .def_readonly("numel", &zf::CheckpointTensor::numel)
+      .def_readonly("bytes", &zf::CheckpointTensor::bytes)
+      .def("__repr__", [](const zf::CheckpointTensor& t) {
+        return "CheckpointTensor('" + t.name + "', " + t.dtype + ", " +
+               zf::shape_to_string(t.shape) + ")";
+      });
   py::class_<zf::CheckpointIndex>(m, "Checkpoint")
       .def(py::init([](const std::string& path) {
              py::gil_scoped_release nogil;
@@ -496,19 +573,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("path"))
       .def_readonly("path", &zf::CheckpointIndex::path)
       .def_readonly("files", &zf::CheckpointIndex::files)
-      // (name, dtype as stored, shape, bytes, zeroflat dtype or None), in natural name order.
-      .def("tensors",
-           [](const zf::CheckpointIndex& ck) {
-             py::list out;
-             for (const zf::CheckpointTensor& t : ck.tensors) {
-               py::object type = py::none();
-               if (t.type) type = py::str(std::string(zf::dtype_name(*t.type)));
-               out.append(py::make_tuple(t.name, t.dtype, t.shape, t.bytes, type));
-             }
-             return out;
-           })
+      // Every tensor, in natural name order.
+      .def("tensors", [](const zf::CheckpointIndex& ck) { return ck.tensors; })
       .def("has", [](const zf::CheckpointIndex& ck,
                      const std::string& name) { return ck.find(name) != nullptr; })
+      .def(
+          "find",
+          [](const zf::CheckpointIndex& ck, const std::string& name) -> py::object {
+            const zf::CheckpointTensor* t = ck.find(name);
+            return t == nullptr ? py::none() : py::cast(*t);
+          },
+          py::arg("name"))
       // Tensor `name` read whole into `out` (a contiguous CPU tensor of its element count):
       // converted to out's dtype as torch rounds when that is bf16, fp16 or fp32, else its
       // bytes as stored (out must then have exactly as many bytes).
@@ -534,57 +609,136 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::gil_scoped_release nogil;
         zf::read_checkpoint_tensor(ck, name, to, dst);
       });
-  m.def("load", &load, py::arg("device"), py::arg("comm"), py::arg("checkpoint"), py::arg("names"),
-        py::arg("shapes"), py::arg("sources"), py::arg("dp"), py::arg("round_robin"),
-        py::arg("alignment_factor"), py::arg("dtype"), py::arg("param_align_bytes"),
-        py::arg("margin_bytes"), py::arg("master"), py::arg("cold"), py::arg("threads"),
-        py::arg("must_match"), py::arg("local_error"));
-  m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"), py::arg("shapes"),
-        py::arg("dp"), py::arg("round_robin"), py::arg("alignment_factor"), py::arg("dtype"),
-        py::arg("param_align_bytes"), py::arg("tier"), py::arg("margin_bytes"), py::arg("master"),
-        py::arg("check_values"), py::arg("framework_cached_free_bytes"),
-        py::arg("framework_held_bytes"), py::arg("names"), py::arg("must_match"),
-        py::arg("local_error"), py::arg("fault_step"), py::arg("defer_release"),
-        py::arg("release_originals"));
+
+  // --- options ----------------------------------------------------------------------------------
+  py::class_<zf::LayoutOptions>(m, "LayoutOptions")
+      .def(py::init([](const py::kwargs& kw) { return from_kwargs<zf::LayoutOptions>(kw); }))
+      .def_readwrite("dp", &zf::LayoutOptions::dp)
+      .def_readwrite("round_robin", &zf::LayoutOptions::round_robin)
+      .def_readwrite("alignment_factor", &zf::LayoutOptions::alignment_factor)
+      .def_readwrite("param_align_bytes", &zf::LayoutOptions::param_align_bytes)
+      .def_property(
+          "dtype",
+          [](const zf::LayoutOptions& o) { return std::string(zf::dtype_name(o.dtype)); },
+          [](zf::LayoutOptions& o, const std::string& d) { o.dtype = zf::parse_dtype(d); })
+      .def("validate", [](const zf::LayoutOptions& o) { zf::validate(o); });
+  // The probe's context and the fault injection are flattened into the options (the
+  // framework's cache, the step that fails).
+  py::class_<zf::FlattenOptions>(m, "FlattenOptions")
+      .def(py::init([](const py::kwargs& kw) { return from_kwargs<zf::FlattenOptions>(kw); }))
+      .def_readwrite("layout", &zf::FlattenOptions::layout)
+      .def_property(
+          "tier",
+          [](const zf::FlattenOptions& o) -> std::string {
+            return o.tier ? std::string(zf::tier_name(*o.tier)) : "auto";
+          },
+          [](zf::FlattenOptions& o, const std::string& t) {
+            o.tier = zf::parse_tier_choice(t, "tier");
+          })
+      .def_readwrite("margin_bytes", &zf::FlattenOptions::margin_bytes)
+      .def_readwrite("master", &zf::FlattenOptions::master)
+      .def_readwrite("check_values", &zf::FlattenOptions::check_values)
+      .def_readwrite("release", &zf::FlattenOptions::release)
+      .def_readwrite("must_match", &zf::FlattenOptions::must_match)
+      .def_readwrite("names", &zf::FlattenOptions::names)
+      .def_readwrite("local_error", &zf::FlattenOptions::local_error)
+      .def_property(
+          "framework_cached_free_bytes",
+          [](const zf::FlattenOptions& o) { return o.probe.framework_cached_free_bytes; },
+          [](zf::FlattenOptions& o, std::uint64_t v) { o.probe.framework_cached_free_bytes = v; })
+      .def_property(
+          "framework_held_bytes",
+          [](const zf::FlattenOptions& o) { return o.probe.framework_held_bytes; },
+          [](zf::FlattenOptions& o, std::uint64_t v) { o.probe.framework_held_bytes = v; })
+      .def_property(
+          "fault_step", [](const zf::FlattenOptions& o) { return o.execute.fault_step; },
+          [](zf::FlattenOptions& o, std::optional<std::size_t> v) { o.execute.fault_step = v; });
+  py::class_<zf::LoadOptions>(m, "LoadOptions")
+      .def(py::init([](const py::kwargs& kw) { return from_kwargs<zf::LoadOptions>(kw); }))
+      .def_readwrite("layout", &zf::LoadOptions::layout)
+      .def_readwrite("margin_bytes", &zf::LoadOptions::margin_bytes)
+      .def_readwrite("cold", &zf::LoadOptions::cold)
+      .def_readwrite("threads", &zf::LoadOptions::threads)
+      .def_readwrite("through_ring", &zf::LoadOptions::through_ring)
+      .def_readwrite("master", &zf::LoadOptions::master)
+      .def_readwrite("release", &zf::LoadOptions::release)
+      .def_readwrite("must_match", &zf::LoadOptions::must_match)
+      .def_readwrite("local_error", &zf::LoadOptions::local_error)
+      .def_readwrite("fail_after_bytes", &zf::LoadOptions::fail_after_bytes);
+  py::class_<zf::LoadParam>(m, "LoadParam")
+      .def(py::init([](const py::kwargs& kw) { return from_kwargs<zf::LoadParam>(kw); }))
+      .def_readwrite("name", &zf::LoadParam::name)
+      .def_readwrite("shape", &zf::LoadParam::shape)
+      .def_readwrite("sources", &zf::LoadParam::sources)
+      .def_readwrite("source_shapes", &zf::LoadParam::source_shapes);
+
+  // --- the two doors (engine.h, loader.h) -------------------------------------------------------
+  m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"),
+        py::arg("shapes"), py::arg("options"), py::kw_only(), py::arg("release_originals"),
+        py::arg("defer_release") = false);
+  m.def("load", &load, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
+        py::arg("params"), py::arg("options"));
+  // Collective: the lowest rank of comm whose `failed` is true, or -1 (agree.h). For a caller
+  // that must tell the other ranks about its own error where no front door call carries it.
+  m.def(
+      "agree_on_failure",
+      [](py::object comm_impl, bool failed) {
+        PyCommunicator comm(std::move(comm_impl));
+        py::gil_scoped_release nogil;
+        return zf::agree_on_failure(&comm, failed);
+      },
+      py::arg("comm"), py::arg("failed"));
+
+  // --- layouts and DeepSpeed's release rules (layout.h, release.h) -----------------------------
   m.def(
       "layout_json",
-      [](const std::vector<std::uint64_t>& numels, std::uint64_t dp, bool round_robin,
-         std::uint64_t alignment_factor, const std::string& dtype,
-         std::uint64_t param_align_bytes) {
-        return zf::Layout::compute(numels, layout_options(dp, round_robin, alignment_factor, dtype,
-                                                          param_align_bytes))
-            .to_json();
+      [](const std::vector<std::uint64_t>& numels, const zf::LayoutOptions& options) {
+        zf::validate(options);
+        return parse_json(zf::Layout::compute(numels, options).to_json());
       },
-      py::arg("numels"), py::arg("dp"), py::arg("round_robin"), py::arg("alignment_factor"),
-      py::arg("dtype"), py::arg("param_align_bytes"));
+      py::arg("numels"), py::arg("options"));
+  py::class_<zf::ReleaseRules>(m, "ReleaseRules")
+      .def_readonly("release", &zf::ReleaseRules::release)
+      .def_readonly("rules", &zf::ReleaseRules::rules)
+      .def_readonly("tested", &zf::ReleaseRules::tested)
+      .def_readonly("skips_zero_element", &zf::ReleaseRules::skips_zero_element)
+      .def_readonly("has_parameter_alignment", &zf::ReleaseRules::has_parameter_alignment)
+      .def_readonly("padding_on_last_rank", &zf::ReleaseRules::padding_on_last_rank)
+      .def_readonly("checks_accelerator_memory", &zf::ReleaseRules::checks_accelerator_memory)
+      .def("to_dict", &rules_dict)
+      .def("__repr__", [](const zf::ReleaseRules& r) {
+        return "ReleaseRules(release='" + r.release + "', rules='" + r.rules + "')";
+      });
+  m.def("deepspeed_rules", &zf::deepspeed_rules, py::arg("release"));
+  m.def("default_deepspeed_rules", &zf::default_deepspeed_rules,
+        py::arg("installed_version") = std::string_view{});
+  m.def(
+      "select_for_release",
+      [](const std::vector<std::uint64_t>& numels, const std::vector<bool>& frozen,
+         const zf::ReleaseRules& rules) {
+        const zf::ReleaseSelection s = zf::select_for_release(numels, frozen, rules);
+        py::list left_out;
+        for (const auto& [i, why] : s.left_out) {
+          left_out.append(py::make_tuple(i, std::string(zf::left_out_name(why))));
+        }
+        return py::make_tuple(s.kept, left_out);
+      },
+      py::arg("numels"), py::arg("frozen"), py::arg("rules"));
+  m.def("check_release_options", &zf::check_release_options, py::arg("options"),
+        py::arg("rules"));
   m.def(
       "release_layout_json",
       [](const std::vector<std::uint64_t>& numels, const std::vector<bool>& frozen,
-         std::uint64_t dp, bool round_robin, std::uint64_t alignment_factor,
-         const std::string& dtype, std::uint64_t param_align_bytes, const std::string& release) {
-        const zf::ReleaseLayout rl = zf::layout_for_release(
-            numels, frozen,
-            layout_options(dp, round_robin, alignment_factor, dtype, param_align_bytes),
-            zf::deepspeed_rules(release));
+         const zf::LayoutOptions& options, const zf::ReleaseRules& rules) {
+        zf::validate(options);
         std::ostringstream out;
-        rl.write_json(out);
-        return out.str();
+        zf::layout_for_release(numels, frozen, options, rules).write_json(out);
+        return parse_json(out.str());
       },
-      py::arg("numels"), py::arg("frozen"), py::arg("dp"), py::arg("round_robin"),
-      py::arg("alignment_factor"), py::arg("dtype"), py::arg("param_align_bytes"),
-      py::arg("release"));
-  m.def("deepspeed_rules", [](const std::string& release) {
-    const zf::ReleaseRules r = zf::deepspeed_rules(release);
-    py::dict d;
-    d["release"] = r.release;
-    d["rules"] = r.rules;
-    d["tested"] = r.tested;
-    d["skips_zero_element"] = r.skips_zero_element;
-    d["has_parameter_alignment"] = r.has_parameter_alignment;
-    d["padding_on_last_rank"] = r.padding_on_last_rank;
-    return d;
-  });
+      py::arg("numels"), py::arg("frozen"), py::arg("options"), py::arg("rules"));
   m.attr("tested_deepspeed_releases") = zf::tested_deepspeed_releases();
+
+  // --- the environment --------------------------------------------------------------------------
   m.def("default_threads",
         [](unsigned local_ranks) { return zf::default_num_threads(local_ranks); });
   // Ranks on this host as the launcher says (ZEROFLAT_LOCAL_RANKS, OMPI_COMM_WORLD_LOCAL_SIZE,

@@ -74,7 +74,7 @@ class Model(torch.nn.Module):
         # Releases before 0.19.8 keep a zero-element parameter in its group, and their own
         # link_hp_params then asserts on it (a zero-length fragment inside a partition): such a
         # group cannot be trained by DeepSpeed itself. The layout check below covers them.
-        middle = ([self.fc1.weight, self.empty, self.fc1.bias] if RULES["skips_zero_element"]
+        middle = ([self.fc1.weight, self.empty, self.fc1.bias] if RULES.skips_zero_element
                   else [self.fc1.weight, self.fc1.bias])
         g = [{"params": [self.embed.weight, self.frozen, self.norm.weight, self.norm.bias]},
              {"params": middle, "lr": 2e-3},
@@ -215,7 +215,7 @@ def check_layouts_against_bookkeeping(rank, world, monkeypatch_link):
     after all of the bookkeeping and is skipped.)"""
     monkeypatch_link()
     rng = random.Random(1234)
-    aligns = (False, True) if RULES["has_parameter_alignment"] else (False,)
+    aligns = (False, True) if RULES.has_parameter_alignment else (False,)
     for case in range(3):
         sizes = [rng.choice([0, 1, 3, 7, 16, 33, 250, 1001]) for _ in range(rng.randint(4, 12))]
         frozen = [rng.random() < 0.2 for _ in sizes]

@@ -174,7 +174,7 @@ def check_shared_memory_all_gather(rank, world, group):
         def tensor(self, ptr):
             return buffers[ptr]
 
-    comm = zeroflat._TorchComm(group, Buffers(), torch.device("cpu"))
+    comm = zeroflat._comm.TorchComm(group, Buffers(), torch.device("cpu"))
     for n in (4096, 3 << 20):
         buf = torch.zeros(n * world, dtype=torch.uint8)
         buf[rank * n: (rank + 1) * n] = pattern(rank, n)

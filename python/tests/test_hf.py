@@ -108,16 +108,20 @@ def test_from_pretrained_equals_transformers(checkpoints, name):
         assert ours.training is False
         x = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(1))
         assert torch.equal(ref(x).logits, ours(x).logits)
-        (fg,) = ours.zeroflat_groups
         tied = ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
         assert tied == bool(ours.config.tie_word_embeddings)
-        # Every trainable parameter is a view at its layout offset into the one buffer.
-        base = fg.flat.data_ptr()
-        es = fg.flat.element_size()
-        for p, off in zip(fg.params, fg.layout["offsets"]):
-            assert p.data_ptr() == base + off * es
-        assert len(fg.params) == len(list(ours.parameters()))
-        assert fg.report["bytes_read"] > 0 and fg.master is None
+        # The Trainer's two groups by default; every trainable parameter is a view at its
+        # layout offset into its group's buffer.
+        fgs = ours.zeroflat_groups
+        assert [[n for n, p in ours.named_parameters() if any(p is q for q in fg.params)]
+                for fg in fgs] == zeroflat.hf.trainer_param_groups(ours)
+        for fg in fgs:
+            base = fg.flat.data_ptr()
+            es = fg.flat.element_size()
+            for p, off in zip(fg.params, fg.layout["offsets"]):
+                assert p.data_ptr() == base + off * es
+            assert fg.report["bytes_read"] > 0 and fg.master is None
+        assert sum(len(fg.params) for fg in fgs) == len(list(ours.parameters()))
 
 
 def test_groups_frozen_parameters_and_fp32_masters(checkpoints):
@@ -158,6 +162,84 @@ def test_bad_names_and_shapes_are_refused_before_anything_is_read(checkpoints):
         zeroflat.load_param_groups(model, os.path.join(path, "nowhere"), device="cpu")
     with pytest.raises(TypeError):
         zeroflat.load_param_groups("model", path)
+
+
+def _edit_checkpoint(src, dst, edit, config=None):
+    """A copy of checkpoint ``src`` in ``dst`` with ``edit(tensors)`` applied to every shard's
+    tensors (in place) and ``config`` merged into its config.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for name in os.listdir(dst):
+        if name.endswith(".safetensors"):
+            tensors = load_file(os.path.join(dst, name))
+            edit(tensors)
+            save_file(tensors, os.path.join(dst, name), metadata={"format": "pt"})
+    if config:
+        with open(os.path.join(dst, "config.json")) as f:
+            doc = json.load(f)
+        doc.update(config)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(doc, f)
+    return dst
+
+
+def test_an_expert_stored_transposed_is_refused_as_transformers_refuses_it(checkpoints, tmp_path):
+    """One expert of a stacked MoE parameter stored transposed, or flattened to another shape,
+    holds the right number of elements: Transformers refuses the checkpoint, and so does
+    zeroflat, naming the tensor, before anything is read."""
+    bad = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    for how, change in (("transposed", lambda t: t.t()), ("reshaped", lambda t: t.reshape(48, 24))):
+        def edit(tensors):
+            if bad in tensors:
+                tensors[bad] = change(tensors[bad]).contiguous()
+        path = _edit_checkpoint(checkpoints["moe"], tmp_path / how, edit)
+        with pytest.raises(Exception):
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=bad.replace(".", r"\.") + ".*transposed"):
+            zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, None, torch.bfloat16,
+                                        device="cpu")
+
+
+def test_tied_embeddings_the_checkpoint_holds_apart_are_untied_as_transformers_does(tmp_path):
+    """A config that ties the embeddings with a checkpoint holding a different lm_head:
+    Transformers (5.x) keeps them untied, each with its own values, and so does zeroflat (the
+    same parameters and logits); holding the same values, both tie them."""
+    untied = write(tiny_dense(tie=False), str(tmp_path / "untied"), torch.bfloat16, seed=3)
+    path = _edit_checkpoint(untied, tmp_path / "tie_config", lambda t: None,
+                            {"tie_word_embeddings": True})
+    x = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(1))
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert ref.config.tie_word_embeddings
+    assert ref.lm_head.weight is not ref.model.embed_tokens.weight  # what Transformers does
+    ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, None, torch.bfloat16,
+                                       device="cpu")
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight
+    same_model(ref, ours)
+    assert torch.equal(ref(x).logits, ours(x).logits)
+    # lm_head is a parameter of its own in the Trainer's groups, hence in a buffer.
+    assert any(p is ours.lm_head.weight for fg in ours.zeroflat_groups for p in fg.params)
+    assert "lm_head.weight" not in getattr(ours, "all_tied_weights_keys", {})
+
+    from safetensors.torch import load_file
+
+    embed = next(t["model.embed_tokens.weight"] for t in (
+        load_file(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+        if "model.embed_tokens.weight" in t)
+
+    def same_values(tensors):
+        if "lm_head.weight" in tensors:
+            tensors["lm_head.weight"] = embed.clone()
+
+    path = _edit_checkpoint(path, tmp_path / "same", same_values)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, None, torch.bfloat16,
+                                       device="cpu")
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    same_model(ref, ours)
 
 
 # --- with DeepSpeed -----------------------------------------------------------------------------
@@ -257,12 +339,14 @@ def test_deepspeed_adopts_the_loaded_buffers_and_trains_the_same(checkpoints, wo
 
 
 TRAINER_SCRIPT = """
-import os, sys, json, torch
+import contextlib, os, sys, json, torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-import zeroflat.hf
+import zeroflat.deepspeed, zeroflat.hf
 path, mode, out = sys.argv[1], sys.argv[2], sys.argv[3]
-if mode == "zeroflat":  # the one changed line
-    model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, param_groups="trainer")
+if mode == "zeroflat":  # the changed line
+    model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path)
+elif mode == "one_group":  # laid out for one group, which the Trainer's optimizer does not have
+    model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, param_groups=None)
 else:
     model = AutoModelForCausalLM.from_pretrained(path)
 class Data(torch.utils.data.Dataset):
@@ -278,25 +362,30 @@ args = TrainingArguments(output_dir=os.path.join(out, mode), per_device_train_ba
                          max_steps=3, logging_steps=1, deepspeed=ds, bf16=True, report_to=[],
                          use_cpu=True, save_strategy="no", learning_rate=1e-3, weight_decay=0.1)
 trainer = Trainer(model=model, args=args, train_dataset=Data())
-trainer.train()
-import zeroflat.deepspeed as zd
+drop_in = zeroflat.deepspeed.installed() if mode != "transformers" else contextlib.nullcontext()
+with drop_in:  # DeepSpeed initializes inside train()
+    trainer.train()
+zd = zeroflat.deepspeed
 print(json.dumps({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                  "adopted": zd.stats["adopted"], "fallbacks": zd.stats["fallbacks"]}))
+                  "adopted": zd.stats["adopted"], "fallbacks": zd.stats["fallbacks"],
+                  "not_adopted": zd.stats["not_adopted"]}))
 """
 
 
 def test_a_trainer_script_changes_one_line(checkpoints, tmp_path):
     """The Transformers Trainer with DeepSpeed ZeRO-2 (one process, CPU): the model from
     zeroflat.hf.from_pretrained trains exactly as the one from Transformers, and DeepSpeed
-    adopts both of the Trainer's groups' buffers."""
+    adopts both of the Trainer's groups' buffers. Loaded for one group instead, the buffers
+    meet the Trainer's two groups: they are copied, and one warning says how the groups differ,
+    how many bytes were copied and which param_groups would have matched."""
     pytest.importorskip("deepspeed")
     import json
     import subprocess
 
     script = tmp_path / "train.py"
     script.write_text(TRAINER_SCRIPT)
-    results = {}
-    for mode in ("transformers", "zeroflat"):
+    results, logs = {}, {}
+    for mode in ("transformers", "zeroflat", "one_group"):
         env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
         run = subprocess.run([sys.executable, str(script), checkpoints["moe"], mode,
@@ -304,6 +393,21 @@ def test_a_trainer_script_changes_one_line(checkpoints, tmp_path):
                              timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         results[mode] = json.loads(run.stdout.strip().splitlines()[-1])
+        logs[mode] = run.stderr
     assert len(results["zeroflat"]["losses"]) == 3
     assert results["zeroflat"]["losses"] == results["transformers"]["losses"]
     assert results["zeroflat"]["adopted"] == 2 and results["zeroflat"]["fallbacks"] == 0
+    assert results["zeroflat"]["not_adopted"] == []
+    assert "did not adopt" not in logs["zeroflat"]
+
+    one = results["one_group"]
+    assert one["losses"] == results["transformers"]["losses"]
+    assert one["adopted"] == 0 and one["fallbacks"] == 0
+    (warning,) = one["not_adopted"]
+    assert "2 of 2 param groups did not adopt" in warning
+    assert "the optimizer has 2 groups" in warning and "laid out for 1 group" in warning
+    assert 'param_groups="trainer"' in warning
+    copied = int(warning.split("their ")[1].split(" bytes")[0])
+    assert copied >= sum(p.numel() * 2 for p in AutoModelForCausalLM.from_pretrained(
+        checkpoints["moe"]).parameters())
+    assert logs["one_group"].count("did not adopt the buffers zeroflat loaded") == 1

@@ -160,18 +160,18 @@ def test_renamed_and_fused_tensors_are_found_under_the_checkpoints_names(tmp_pat
     escaped dots and anchors included) and experts stored one by one that the model stacks:
     each parameter gets the checkpoint's tensors, stacked in order; a regular expression that
     cannot be undone is left alone, and a missing tensor is still an error naming it."""
-    from zeroflat import _load
+    from zeroflat import _hf_names
 
     rules = [WeightRenaming([r"^legacy\.model"], "model"),
              WeightRenaming([".block_sparse_moe."], ".mlp."),
              WeightRenaming([r"gamma(\d)"], "scale"),
              WeightConverter([".experts.*.w1.weight", ".experts.*.w3.weight"],
                              ".experts.gate_up_proj", [MergeModulelist(0), Concatenate(1)])]
-    assert _load._checkpoint_names("model.layers.0.mlp.gate.weight", rules) == [
+    assert _hf_names.checkpoint_names("model.layers.0.mlp.gate.weight", rules) == [
         "model.layers.0.mlp.gate.weight", "legacy.model.layers.0.mlp.gate.weight",
         "model.layers.0.block_sparse_moe.gate.weight",
         "legacy.model.layers.0.block_sparse_moe.gate.weight"]
-    assert _load._checkpoint_names("x.model.scale", rules) == ["x.model.scale"]  # ^: not here
+    assert _hf_names.checkpoint_names("x.model.scale", rules) == ["x.model.scale"]  # ^: not here
 
     g = torch.Generator().manual_seed(3)
     w1 = [torch.randn(3, 4, generator=g) for _ in range(2)]
@@ -204,8 +204,8 @@ def test_renamed_and_fused_tensors_are_found_under_the_checkpoints_names(tmp_pat
             super().__init__()
             self.model = Model()
 
-    real = _load._converters
-    _load._converters = lambda model: rules
+    real = _hf_names.converters
+    _hf_names.converters = lambda model: rules
     try:
         with zeroflat.meta_parameters():
             top = Top()
@@ -222,4 +222,253 @@ def test_renamed_and_fused_tensors_are_found_under_the_checkpoints_names(tmp_pat
         with pytest.raises(ValueError, match="model.mlp.experts.gate_up_proj"):
             zeroflat.load_param_groups(top, str(tmp_path), deepspeed=None, device="cpu")
     finally:
-        _load._converters = real
+        _hf_names.converters = real
+
+
+def test_a_stacked_expert_stored_transposed_is_refused_naming_it(tmp_path):
+    """Experts stored one by one and stacked into one parameter are checked tensor by tensor
+    against the shape Transformers' rule takes them as: one stored transposed has the right
+    size but would load as other values, so it is refused, naming it."""
+    from zeroflat import _hf_names
+
+    rules = [WeightConverter([".experts.*.w1.weight"], ".experts.w1", [MergeModulelist(0)]),
+             WeightConverter([".experts.*.up.weight", ".experts.*.gate.weight"],
+                             ".experts.gate_up", [MergeModulelist(0), Concatenate(1)])]
+    g = torch.Generator().manual_seed(4)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.empty(2, 3, 4))
+            self.gate_up = torch.nn.Parameter(torch.empty(2, 6, 4))
+
+    class Top(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = Experts()
+
+    good = {f"experts.{e}.{k}.weight": torch.randn(3, 4, generator=g)
+            for e in range(2) for k in ("w1", "up", "gate")}
+    real = _hf_names.converters
+    _hf_names.converters = lambda model: rules
+    try:
+        save(tmp_path / "model.safetensors", good)
+        with zeroflat.meta_parameters():
+            top = Top()
+        zeroflat.load_param_groups(top, str(tmp_path), deepspeed=None, device="cpu")
+        assert torch.equal(top.experts.w1, torch.stack([good[f"experts.{e}.w1.weight"]
+                                                        for e in range(2)]))
+        for bad_name, bad in (("experts.1.w1.weight", good["experts.1.w1.weight"].t()),
+                              ("experts.0.gate.weight", good["experts.0.gate.weight"].t()),
+                              ("experts.1.up.weight", good["experts.1.up.weight"].reshape(12))):
+            stored = dict(good)
+            stored[bad_name] = bad.contiguous()
+            save(tmp_path / "model.safetensors", stored)
+            with zeroflat.meta_parameters():
+                top = Top()
+            with pytest.raises(ValueError, match=bad_name.replace(".", r"\.") + ".*transposed"):
+                zeroflat.load_param_groups(top, str(tmp_path), deepspeed=None, device="cpu")
+            assert all(p.device.type == "meta" for p in top.parameters())
+    finally:
+        _hf_names.converters = real
+
+
+def test_release_rules_come_from_the_library(monkeypatch):
+    """Every rule of a DeepSpeed release is the library's (ReleaseRules), among them the memory
+    check of 0.18.7 on; without DeepSpeed installed, "installed" means the newest tested
+    release's rules, so a zero-element parameter stays out of the group as 0.19.8 leaves it."""
+    from zeroflat import _C, _common
+
+    assert not zeroflat.release_rules("0.18.6").checks_accelerator_memory
+    assert zeroflat.release_rules("0.18.7").checks_accelerator_memory
+    assert zeroflat.release_rules("0.19.8+cu121").checks_accelerator_memory
+    kept, left_out = _C.select_for_release([3, 0, 4, 5], [False, False, True, False],
+                                           zeroflat.release_rules("0.19.8"))
+    assert list(kept) == [0, 3] and list(left_out) == [(1, "zero elements"), (2, "frozen")]
+    kept, _ = _C.select_for_release([3, 0], [], zeroflat.release_rules("0.18.6"))
+    assert list(kept) == [0, 1]
+    with pytest.raises(zeroflat.InvalidArgument, match="alignment factor 4.*deepspeed=None"):
+        zeroflat.layout([4, 4], 2, alignment_factor=4, deepspeed="latest")
+
+    monkeypatch.setattr(_common, "installed_deepspeed", lambda: None)
+    assert zeroflat.release_rules("installed").rules == zeroflat.TESTED_DEEPSPEED_RELEASES[-1]
+    params = [torch.nn.Parameter(torch.randn(n).to(torch.bfloat16)) for n in (3, 0, 5)]
+    fg = zeroflat.flatten_param_group(params)
+    assert [p is q for p, q in zip(fg.params, (params[0], params[2]))] == [True, True]
+    assert fg.report["deepspeed"]["rules"] == zeroflat.TESTED_DEEPSPEED_RELEASES[-1]
+    assert fg.flat.numel() == 8
+
+
+def test_library_errors_arrive_as_zeroflat_exception_classes(tmp_path):
+    """C++ errors are zeroflat's classes, each also the built-in a caller would catch: an
+    invalid argument is a ValueError, every one is a zeroflat.Error and a RuntimeError; the
+    binding's options are the library's structs, made from keyword arguments."""
+    from zeroflat import _C
+
+    with pytest.raises(zeroflat.InvalidArgument, match="nowhere") as e:
+        _C.Checkpoint(str(tmp_path / "nowhere"))
+    assert isinstance(e.value, ValueError) and isinstance(e.value, zeroflat.Error)
+    assert isinstance(e.value, RuntimeError)
+    assert issubclass(zeroflat.OutOfMemory, MemoryError)
+    assert issubclass(zeroflat.Unsupported, NotImplementedError)
+    assert issubclass(zeroflat.NoFeasiblePlan, MemoryError)
+    for kind in (zeroflat.CommError, zeroflat.ResourceExhausted, zeroflat.InternalError,
+                 zeroflat.ExecutionError, zeroflat.NoFeasiblePlan, zeroflat.OutOfMemory):
+        assert issubclass(kind, zeroflat.Error) and issubclass(kind, RuntimeError)
+    options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=2, dtype="fp16"), tier="sharded")
+    assert options.layout.dp == 2 and options.layout.dtype == "fp16" and options.tier == "sharded"
+    with pytest.raises(AttributeError):
+        _C.LoadOptions(colde=True)
+    with pytest.raises(zeroflat.InvalidArgument, match="tier"):
+        _C.FlattenOptions(tier="fast")
+
+
+def test_no_module_of_the_package_imports_back_from_it():
+    """The package's modules import each other's private modules, never the package itself
+    (which imports them): no import cycle, no names reached for inside functions."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(zeroflat.__file__).parent
+    public = set(zeroflat.__all__)
+    for path in root.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1 and node.module is None:
+                    names = {a.name for a in node.names}
+                    assert not names & public, (path.name, names & public)
+                if node.level == 0 and node.module == "zeroflat":
+                    raise AssertionError(f"{path.name} imports from the package: "
+                                         f"{[a.name for a in node.names]}")
+
+
+# --- several ranks ---------------------------------------------------------------------------
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, fn, args):
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        fn(rank, world, dist.group.WORLD, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world=2, *args):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+class Frozen(Net):
+    """Net with a frozen parameter of `size` elements."""
+
+    def __init__(self, size=5):
+        super().__init__()
+        self.extra = torch.nn.Parameter(torch.empty(size), requires_grad=False)
+
+
+def _state(size=5):
+    torch.manual_seed(0)
+    ref = Frozen(size)
+    return ref, {k: v for k, v in ref.state_dict().items() if k != "out.weight"}
+
+
+def check_own_errors_reach_every_rank(rank, world, group, root):
+    """Whatever one rank finds wrong before the ranks meet is raised on every rank at their
+    first collective, promptly (the process group's timeout is 120 s): its path missing, one of
+    its shards missing, an option only it passes, a frozen parameter of another shape."""
+    import time
+
+    def load(model_size=5, path=root / "full", **kwargs):
+        with zeroflat.meta_parameters():
+            model = Frozen(model_size)
+        return zeroflat.load_param_groups(model, path, group, device="cpu", deepspeed=None,
+                                          **kwargs)
+
+    t0 = time.monotonic()
+    other = "rank 1 refused"
+    with pytest.raises(ValueError, match="no such file" if rank == 1 else other):
+        load(path=root / ("full" if rank == 0 else "nowhere"))
+    with pytest.raises(ValueError, match="shard|model-00002" if rank == 1 else other):
+        load(path=root / ("sharded" if rank == 0 else "sharded_less"))
+    with pytest.raises(ValueError, match="threads 0" if rank == 1 else other):
+        load(threads=1 if rank == 0 else 0)
+    with pytest.raises(TypeError if rank == 1 else ValueError,
+                       match="round_robin" if rank == 1 else other):
+        load(round_robin="no" if rank == 1 else False)
+    # A frozen parameter whose shape only this rank's model has: its own error, on both.
+    with pytest.raises(ValueError, match="'extra'.*shape" if rank == 1 else other):
+        load(model_size=5 if rank == 0 else 6)
+    # Both models fit their checkpoints, but the frozen parameters differ: compared.
+    with pytest.raises(ValueError, match="different options"):
+        load(model_size=5 if rank == 0 else 6, path=root / ("full" if rank == 0 else "full6"))
+    # Everything frozen: no group has a buffer, and the ranks still meet once.
+    with pytest.raises(ValueError, match="no such file" if rank == 1 else other):
+        load(path=root / ("full" if rank == 0 else "nowhere"), param_groups=[])
+    assert time.monotonic() - t0 < 60
+    fgs = load()
+    assert len(fgs) == 1 and fgs[0].dp == 2
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
+    ref, state = _state()
+    save(tmp_path / "full", state)
+    (tmp_path / "full").rename(tmp_path / "full.safetensors")
+    os.symlink(tmp_path / "full.safetensors", tmp_path / "full")
+    save(tmp_path / "full6", _state(6)[1])
+    for d in ("sharded", "sharded_less"):
+        (tmp_path / d).mkdir()
+        names = sorted(state)
+        half = len(names) // 2
+        weight_map = {}
+        for k, part in enumerate((names[:half], names[half:])):
+            file = f"model-0000{k + 1}-of-00002.safetensors"
+            if d == "sharded" or k == 0:
+                save(tmp_path / d / file, {n: state[n] for n in part})
+            weight_map.update({n: file for n in part})
+        (tmp_path / d / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}))
+    run_ranks(check_own_errors_reach_every_rank, 2, tmp_path)
+
+
+def check_a_gone_peer_is_named(rank, world, group, path):
+    """A rank that dies in the middle of a load: the others raise zeroflat.CommError saying
+    which collective failed and which rank is presumably gone, the process group's own error
+    chained."""
+    from zeroflat import _comm
+
+    if rank == 1:
+        def die(self, *args):
+            os._exit(0)
+        _comm.TorchComm.all_gather_inplace = die
+    with zeroflat.meta_parameters():
+        model = Net()
+    with pytest.raises(zeroflat.CommError) as e:
+        zeroflat.load_param_groups(model, path, group, device="cpu", deepspeed=None)
+    text = str(e.value)
+    assert "loading group 0" in text and "all-gather" in text, text
+    assert "failed on rank 0" in text and "rank 1 of the group is presumably gone" in text, text
+    assert isinstance(e.value.__cause__, RuntimeError), repr(e.value.__cause__)
+    assert not isinstance(e.value.__cause__, zeroflat.Error)
+
+
+def test_a_rank_that_dies_is_named_by_the_others(tmp_path):
+    _, state = _state()
+    state = {k: v for k, v in state.items() if k != "extra"}
+    run_ranks(check_a_gone_peer_is_named, 2, save(tmp_path / "net.safetensors", state))

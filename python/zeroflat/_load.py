@@ -4,47 +4,78 @@ into flat buffers in DeepSpeed's ZeRO-1/2 layout, each rank reading only its par
 from __future__ import annotations
 
 import contextlib
-import json
+import hashlib
 import logging
 import os
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _hf_names
+from ._comm import TorchComm, comm_device
+from ._common import (DTYPES, FlatGroup, bool_option, check_options, check_release_options,
+                      dtype_name, engine_threads, layout, layout_options, partition_and_master,
+                      release_rules, select)
+from ._errors import CommError, Error, InvalidArgument, NoFeasiblePlan
 
 log = logging.getLogger("zeroflat")
 
-# Flat buffers the loader built, by their storage's address: the DeepSpeed drop-in adopts one
-# when a group's parameters are exactly its views (see deepspeed.py). Weak: a buffer nothing uses
-# any more is forgotten.
-_LOADED: Dict[int, Tuple["weakref.ref[torch.Tensor]", int]] = {}
+Shape = List[int]
+
+# --- the buffers the loader built -------------------------------------------------------------
 
 
-def loaded_buffer(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The flat buffer the loader built that every tensor of ``tensors`` is a view into, or None."""
-    if not tensors:
-        return None
+@dataclass
+class LoadedBuffer:
+    """A flat buffer the loader built, as the DeepSpeed drop-in finds it again: the buffer
+    (weakly: one nothing uses any more is forgotten), the parameters in it, and the groups of
+    the load that made it (what the buffers were laid out for)."""
+
+    flat: "weakref.ref[torch.Tensor]"
+    numel: int
+    names: List[str]          # the parameters in the buffer, in group order
+    index: int                # which of the load's groups
+    groups: List[List[str]]   # every group of that load, as parameter names (trainable, kept)
+    round_robin: bool
+    model: "weakref.ref[torch.nn.Module]"
+
+
+# By the buffer storage's address.
+_LOADED: Dict[int, LoadedBuffer] = {}
+
+
+def loaded_entry(tensor: torch.Tensor) -> Optional[LoadedBuffer]:
+    """The loaded buffer ``tensor`` is a view into (by its storage), or None."""
     try:
-        ptr = tensors[0].untyped_storage().data_ptr()
+        ptr = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
     entry = _LOADED.get(ptr)
     if entry is None:
         return None
-    flat = entry[0]()
+    flat = entry.flat()
     if flat is None or flat.untyped_storage().data_ptr() != ptr:
         _LOADED.pop(ptr, None)
         return None
-    return flat
+    return entry
 
 
-def _register(flat: torch.Tensor) -> None:
-    for ptr in [p for p, (ref, _) in _LOADED.items() if ref() is None]:
+def loaded_buffer(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The flat buffer the loader built that the first of ``tensors`` is a view into, or None
+    (the caller checks the others against it)."""
+    if not tensors:
+        return None
+    entry = loaded_entry(tensors[0])
+    return entry.flat() if entry is not None else None
+
+
+def _register(flat: torch.Tensor, entry: LoadedBuffer) -> None:
+    for ptr in [p for p, e in _LOADED.items() if e.flat() is None]:
         del _LOADED[ptr]
-    _LOADED[flat.untyped_storage().data_ptr()] = (weakref.ref(flat), flat.numel())
+    _LOADED[flat.untyped_storage().data_ptr()] = entry
 
 
 @contextlib.contextmanager
@@ -80,136 +111,118 @@ def _checkpoint(checkpoint) -> "_C.Checkpoint":
     return _C.Checkpoint(os.fspath(checkpoint))
 
 
-# --- names: model parameters to checkpoint tensors ------------------------------------------------
+# --- parameters to checkpoint tensors ---------------------------------------------------------
 
-def _converters(model) -> list:
-    """Transformers' own rules for the model's checkpoints: tensors renamed between the
-    checkpoint and the model (a module that moved), and tensors the model fuses (the experts of a
-    MoE layer stored one by one, held as one stacked parameter), when it has them. The legacy
-    rules are included: they only add names to look for."""
-    try:
-        from transformers import conversion_mapping as cm
-    except ImportError:
-        return []
-    try:
-        return list(cm.get_model_conversion_mapping(model, add_legacy=True) or [])
-    except TypeError:
-        try:
-            return list(cm.get_model_conversion_mapping(model) or [])
-        except Exception:  # noqa: BLE001 - another API: no rules known
-            return []
-    except Exception:  # noqa: BLE001 - an older or newer API: no rules known
-        try:
-            return list(cm.get_checkpoint_conversion_mapping(model.config.model_type) or [])
-        except Exception:  # noqa: BLE001
-            return []
+def _stored(name: str, rules: list, ck: "_C.Checkpoint") -> Optional[str]:
+    """The tensor that holds ``name`` under its own name or one it was renamed from, or None."""
+    return next((c for c in _hf_names.checkpoint_names(name, rules) if ck.has(c)), None)
 
 
-def _op(op) -> Tuple[str, Optional[int]]:
-    return type(op).__name__, getattr(op, "dim", None)
-
-
-def _is_renaming(rule) -> bool:
-    return not list(getattr(rule, "operations", []) or [])
-
-
-_REGEX = set("[]()*+?{}|$\\")
-
-
-def _literal(pattern: str) -> Optional[Tuple[str, bool]]:
-    """A renaming pattern as (its text, anchored at the start of the name), or None when it is a
-    regular expression beyond escaped dots and a leading ``^`` (such a rule is not undone)."""
-    anchored = pattern.startswith("^")
-    text = (pattern[1:] if anchored else pattern).replace("\\.", ".")
-    if not text or any(c in _REGEX for c in text):
-        return None
-    return text, anchored
-
-
-def _checkpoint_names(name: str, rules: list, limit: int = 64) -> List[str]:
-    """``name``, then the names Transformers' renaming rules would have read it from: each rule
-    (checkpoint patterns -> model pattern) undone on every name found so far, in order, so that
-    a name renamed by several rules is found too."""
-    out = [name]
-    for rule in rules:
-        if not _is_renaming(rule):
-            continue
-        targets = [_literal(t) for t in getattr(rule, "target_patterns", []) or []]
-        sources = [_literal(t) for t in getattr(rule, "source_patterns", []) or []]
-        if len(targets) != 1 or targets[0] is None or not sources or None in sources:
-            continue
-        (target, target_anchored), found = targets[0], []
-        for cand in out:
-            at = cand.find(target)
-            if at < 0 or (target_anchored and at != 0):
-                continue
-            for source, source_anchored in sources:
-                if source_anchored and at != 0:
-                    continue
-                found.append(cand[:at] + source + cand[at + len(target):])
-        for cand in found:
-            if cand not in out and len(out) < limit:
-                out.append(cand)
-    return out
-
-
-def _suffix(name: str, pattern: str) -> Optional[str]:
-    """The part of ``name`` before ``pattern`` when the name ends with it (at a dot), else None."""
-    bare = pattern.lstrip(".")
-    if name == bare:
-        return ""
-    if bare and name.endswith("." + bare):
-        return name[: len(name) - len(bare)]
-    return None
-
-
-def _fused_sources(name: str, shape: torch.Size, converters: list,
-                   ck: "_C.Checkpoint") -> Optional[List[str]]:
-    """The checkpoint tensors a fused parameter stacks, in the order of its elements, or None
-    when no rule names this parameter. Only rules that stack whole tensors are read this way:
-    stacking along the first dimension (MergeModulelist(dim=0)), then optionally concatenating
-    along the next (Concatenate(dim=1)), or concatenating along the first (Concatenate(dim=0)).
-    A rule that transposes, splits or permutes is NotImplementedError, naming the parameter."""
-    for conv in converters:
-        if _is_renaming(conv):
-            continue
-        targets = list(getattr(conv, "target_patterns", []) or [])
-        sources = list(getattr(conv, "source_patterns", []) or [])
-        ops = [_op(o) for o in getattr(conv, "operations", []) or []]
-        if len(targets) != 1 or not sources or "*" in targets[0]:
-            continue
-        prefix = _suffix(name, targets[0])
-        if prefix is None:
-            continue
-        sources = [src.lstrip(".") for src in sources]
-        if ops == [("MergeModulelist", 0)] or ops == [("MergeModulelist", 0), ("Concatenate", 1)]:
-            count = shape[0] if len(shape) else 0
-            out = [prefix + src.replace("*", str(e)) for e in range(count) for src in sources]
-        elif ops == [("Concatenate", 0)]:
-            out = [prefix + src for src in sources]
-        else:
-            raise NotImplementedError(
-                f"parameter {name!r} is built from {sources} by {ops}: zeroflat loads "
-                "parameters that stack or concatenate whole checkpoint tensors only")
-        if all(ck.has(s) for s in out):
-            return out
-    return None
-
-
-def _sources_of(names: List[str], shape: torch.Size, converters: list,
-                ck: "_C.Checkpoint") -> Optional[List[str]]:
+def _sources_of(names: List[str], shape: Sequence[int], rules: list,
+                ck: "_C.Checkpoint") -> Optional[Tuple[List[str], List[Shape]]]:
     """The checkpoint tensors holding a parameter known by these names (tied weights have
-    several; HF saves one of them), each also under the names Transformers' renaming rules give
-    it, or None."""
-    candidates = [c for n in names for c in _checkpoint_names(n, converters)]
+    several; a checkpoint usually holds one of them), each also under the names Transformers'
+    renaming rules give it, with the shape each must have; or None. A tensor of another shape
+    is ValueError naming both."""
+    shape = list(shape)
+    for name in names:
+        stored = _stored(name, rules, ck)
+        if stored is not None:
+            have = list(ck.find(stored).shape)
+            if have != shape:
+                raise ValueError(f"parameter {names[0]!r} has shape {shape}, but tensor "
+                                 f"{stored!r} of {ck.path} has shape {have}")
+            return [stored], [shape]
+    candidates = [c for n in names for c in _hf_names.checkpoint_names(n, rules)]
     for n in candidates:
-        if ck.has(n):
-            return [n]
-    for n in candidates:
-        fused = _fused_sources(n, shape, converters, ck)
+        fused = _hf_names.fused_sources(n, shape, rules, ck)
         if fused is not None:
             return fused
     return None
+
+
+def _read_whole(ck: "_C.Checkpoint", what: str, names: List[str], shapes: List[Shape], shape,
+                dtype: Optional[torch.dtype],
+                raw_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The tensors named (each of the shape given), read whole and concatenated, as a CPU
+    tensor of ``shape`` (converted to ``dtype``, or, when it is None, the bytes as stored for a
+    ``raw_dtype`` buffer)."""
+    stored = [ck.find(n) for n in names]
+    for t, want in zip(stored, shapes):
+        if list(t.shape) != list(want):
+            raise ValueError(f"{what!r} takes tensor {t.name!r} of {ck.path} as {list(want)}, "
+                             f"but it is {list(t.shape)}")
+    if dtype is None:
+        out = torch.empty(shape, dtype=raw_dtype)
+        if out.numel() * out.element_size() != stored[0].bytes:
+            raise ValueError(f"buffer {what!r} ({raw_dtype}) has {out.numel() * out.element_size()}"
+                             f" bytes, but tensor {names[0]!r} of {ck.path} is {stored[0].dtype} "
+                             f"with {stored[0].bytes}")
+        ck.read(names[0], out.view(-1).view(torch.uint8))
+        return out
+    for t in stored:
+        if t.type is None:
+            raise ValueError(f"{what!r}: tensor {t.name!r} of {ck.path} is {t.dtype}, which "
+                             "zeroflat does not convert")
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    if sum(t.numel for t in stored) != flat.numel():
+        raise ValueError(f"{what!r}: the tensors {names[:2]}... hold "
+                         f"{sum(t.numel for t in stored)} elements, not its {flat.numel()}")
+    at = 0
+    for t in stored:
+        ck.read(t.name, flat[at: at + t.numel])
+        at += t.numel
+    return out
+
+
+def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
+                     params: Dict[int, torch.nn.Parameter], rules: list, ck: "_C.Checkpoint",
+                     dtype: Optional[torch.dtype], used: set) -> None:
+    """Tied weights (one Parameter under several names) of which the checkpoint holds several
+    names with different values are untied, as Transformers (5.x) leaves them when it loads such
+    a checkpoint: each name gets its own Parameter and its own tensor, and a warning says so.
+    Names whose tensors hold the same values stay tied."""
+    for key, names in list(aliases.items()):
+        if len(names) < 2:
+            continue
+        p = params[key]
+        stored = {n: s for n in names if (s := _stored(n, rules, ck)) is not None}
+        if len(set(stored.values())) < 2:
+            continue
+        want = dtype or p.dtype
+        if want not in DTYPES:
+            continue  # refused later, where every parameter's dtype is checked
+        shape = list(p.shape)
+        values: Dict[str, torch.Tensor] = {}
+        for s in dict.fromkeys(stored.values()):
+            values[s] = _read_whole(ck, s, [s], [shape], shape, want)
+        first = next(n for n in names if n in stored)
+        reference = values[stored[first]]
+        used.update(stored.values())
+        for n in names:
+            if n == first or n not in stored or torch.equal(values[stored[n]], reference):
+                continue
+            log.warning("zeroflat: the model ties %r to %r, but %s holds both with different "
+                        "values: they are left untied, as Transformers leaves them (set "
+                        "tie_word_embeddings=False in the config to say so)", n, first, ck.path)
+            module_name, _, attr = n.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            twin = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
+                                      requires_grad=p.requires_grad)
+            for k, v in vars(p).items():
+                setattr(twin, k, v)
+            module._parameters[attr] = twin
+            tied = getattr(model, "all_tied_weights_keys", None)
+            if isinstance(tied, dict):
+                for target, source in list(tied.items()):
+                    if {target, source} == {n, first}:
+                        tied.pop(target)
+    aliases.clear()
+    params.clear()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+        params[id(p)] = p
 
 
 # --- the load ------------------------------------------------------------------------------
@@ -223,6 +236,8 @@ def _default_device() -> torch.device:
 def _groups_of(model: torch.nn.Module, param_groups) -> List[List[torch.nn.Parameter]]:
     """The optimizer's groups as lists of the model's parameters."""
     by_name = dict(model.named_parameters())
+    if callable(param_groups):
+        param_groups = param_groups(model)
     if param_groups is None:
         return [list(model.parameters())]
     out = []
@@ -263,62 +278,63 @@ def _replace_everywhere(model: torch.nn.Module, old: torch.nn.Parameter,
     return param
 
 
-def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpoint"],
-                      process_group=None, *, param_groups: Optional[Iterable[Any]] = None,
-                      dtype: Optional[torch.dtype] = None, device: Optional[Any] = None,
-                      round_robin: bool = False, alignment_factor: int = 2,
-                      param_align_bytes: int = 0, deepspeed: Optional[str] = "installed",
-                      master_dtype: Optional[torch.dtype] = torch.float32,
-                      margin_bytes: Optional[int] = None, threads: Optional[int] = None,
-                      cold: bool = False, strict: bool = True) -> list:
-    """Materializes every parameter of ``model`` from a safetensors checkpoint: the trainable
-    ones of each optimizer group as views into that group's flat buffer in DeepSpeed's
-    ZeRO-1/2 layout, each rank reading only its partition's bytes and one all-gather
-    completing the buffer; the rest (frozen parameters, zero-element ones a release leaves out,
-    persistent buffers) into their own storage, read whole. Returns one FlatGroup per group.
+@dataclass
+class _Group:
+    index: int
+    members: List[torch.nn.Parameter]
+    names: List[str]
+    params: List["_C.LoadParam"]
+    dtype: torch.dtype
 
-    ``model`` is typically built without memory (parameters on the ``meta`` device:
-    ``zeroflat.meta_parameters()``, or ``zeroflat.hf.from_pretrained``). ``param_groups``: the
-    groups the optimizer will get (``optimizer.param_groups``-like dicts or lists, of the model's
-    parameters or their names); default one group of every parameter. ``dtype``: the parameters'
-    dtype (default: theirs), converted from the checkpoint's as torch rounds. ``device``: where
-    they live (default: the current CUDA device if there is one, else the CPU). The layout rules
-    are ``deepspeed``'s (the installed release by default), as ``flatten_param_group``'s.
 
-    A parameter whose name (or, for tied weights, any of its names; for fused parameters such as
-    stacked MoE experts, Transformers' own rule for the tensors they stack) the checkpoint does
-    not hold is ValueError naming it, on every rank, before anything is read; with ``strict``,
-    so is a buffer the model has on ``meta`` that the checkpoint does not hold. Tensors of the
-    checkpoint the model does not use are logged."""
-    from . import FlatGroup, NoFeasiblePlan, _bool_option, _check_options, \
-        _check_release_options, _dtype_name, _int_option, _release, _TorchComm, _comm_device, \
-        layout, _DTYPES, _partition_and_master
+@dataclass
+class _Prepared:
+    """Everything this rank found before the first collective: the groups to load, and every
+    other tensor of the model already read (on its device, not yet in the model)."""
 
+    ck: "_C.Checkpoint"
+    target: torch.device
+    rules: Any
+    groups: List[_Group]
+    params: List[Tuple[str, torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    buffers: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+    digest: str = ""
+
+
+def _prepare(model, checkpoint, dp: int, param_groups, dtype, device, round_robin,
+             alignment_factor, param_align_bytes, deepspeed, master_dtype, margin_bytes, threads,
+             strict) -> _Prepared:
+    """Every check of this rank and every read outside the flat buffers, before the ranks
+    meet: whatever fails here is this rank's own error, which the first collective carries to
+    the others."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}: expected a torch.nn.Module")
-    ck = _checkpoint(checkpoint)
-    round_robin = _bool_option("round_robin", round_robin)
-    cold = _bool_option("cold", cold)
-    strict = _bool_option("strict", strict)
-    _check_options("auto", master_dtype, threads, margin_bytes, alignment_factor,
-                   param_align_bytes)
+    bool_option("round_robin", round_robin)
+    bool_option("strict", strict)
+    check_options("auto", master_dtype, threads, margin_bytes, alignment_factor,
+                  param_align_bytes)
     if dtype is not None:
-        _dtype_name(dtype, "dtype")
+        dtype_name(dtype, "dtype")
     target = torch.device(device) if device is not None else _default_device()
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     if target.type not in ("cpu", "cuda"):
         raise ValueError(f"device {target}: zeroflat loads onto cpu and cuda devices")
-    release = _release(deepspeed)
-    rules = _C.deepspeed_rules(release) if release is not None else None
+    rules = release_rules(deepspeed)
     if rules is not None:
-        _check_release_options(rules, alignment_factor, param_align_bytes)
-    dp = dist.get_world_size(process_group) if process_group is not None else 1
+        check_release_options(layout_options(dp, round_robin, alignment_factor, torch.bfloat16,
+                                             param_align_bytes), rules)
+    ck = _checkpoint(checkpoint)
 
+    names_rules = _hf_names.converters(model)
     aliases: Dict[int, List[str]] = {}
+    by_id: Dict[int, torch.nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    converters = _converters(model)
+        by_id[id(p)] = p
+    used: set = set()
+    _untie_differing(model, aliases, by_id, names_rules, ck, dtype, used)
+
     groups = _groups_of(model, param_groups)
     grouped = set()
     for g in groups:
@@ -330,155 +346,210 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
             grouped.add(id(p))
 
     # Every parameter's checkpoint tensors, found before anything is read.
-    used = set()
     missing = []
-    sources: Dict[int, List[str]] = {}
+    sources: Dict[int, Tuple[List[str], List[Shape]]] = {}
     for name, p in model.named_parameters():
-        src = _sources_of(aliases[id(p)], p.shape, converters, ck)
+        src = _sources_of(aliases[id(p)], p.shape, names_rules, ck)
         if src is None:
             missing.append(name)
             continue
         sources[id(p)] = src
-        used.update(src)
-    local_error = ""
+        used.update(src[0])
     if missing:
         shown = ", ".join(repr(m) for m in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        local_error = (f"ValueError: {ck.path} holds no tensor for {len(missing)} parameter(s) "
-                       f"of the model: {shown}")
+        raise ValueError(f"{ck.path} holds no tensor for {len(missing)} parameter(s) of the "
+                         f"model: {shown}")
     buffers = []
     for name, b in model.named_buffers():
-        stored = next((c for c in _checkpoint_names(name, converters) if ck.has(c)), None)
+        stored = _stored(name, names_rules, ck)
         if stored is not None:
             buffers.append((name, b, stored))
             used.add(stored)
-        elif strict and b.device.type == "meta" and not local_error:
-            local_error = (f"ValueError: buffer {name!r} is on the meta device and {ck.path} "
-                           "does not hold it")
-    unused = [t[0] for t in ck.tensors() if t[0] not in used]
+        elif strict and b.device.type == "meta":
+            raise ValueError(f"buffer {name!r} is on the meta device and {ck.path} does not "
+                             "hold it")
+
+    # DeepSpeed's groups: trainable parameters; what the release leaves out besides.
+    out = _Prepared(ck=ck, target=target, rules=rules, groups=[])
+    in_buffers = set()
+    for gi, group in enumerate(groups):
+        kept, _ = select(group, rules, trainable_only=True)
+        members = [group[k] for k in kept]
+        kinds = {dtype or p.dtype for p in members}
+        if len(kinds) > 1:
+            raise ValueError(f"group {gi} mixes dtypes {sorted(map(str, kinds))}; pass dtype= "
+                             "or split the group")
+        gdtype = kinds.pop() if kinds else (dtype or torch.bfloat16)
+        if gdtype not in DTYPES:
+            raise TypeError(f"group {gi} is {gdtype}: zeroflat loads bfloat16, float16 and "
+                            "float32 parameters")
+        names = [aliases[id(p)][0] for p in members]
+        params = []
+        for n, p in zip(names, members):
+            srcs, shapes = sources[id(p)]
+            params.append(_C.LoadParam(name=n, shape=list(p.shape), sources=srcs,
+                                       source_shapes=shapes))
+        in_buffers.update(id(p) for p in members)
+        out.groups.append(_Group(gi, members, names, params, gdtype))
+
+    # Everything else, read whole now, so that a failure is this rank's own error.
+    for name, p in model.named_parameters():
+        if id(p) in in_buffers:
+            continue
+        want = dtype or p.dtype
+        if want not in DTYPES:
+            raise TypeError(f"parameter {name!r} is {want}: zeroflat loads bfloat16, float16 "
+                            "and float32 parameters")
+        srcs, shapes = sources[id(p)]
+        out.params.append((name, p, _read_whole(ck, name, srcs, shapes, p.shape, want)
+                           .to(target)))
+    for name, b, stored in buffers:
+        host = _read_whole(ck, name, [stored], [list(b.shape)], b.shape,
+                           b.dtype if b.dtype in DTYPES else None, raw_dtype=b.dtype)
+        out.buffers.append((name, host.to(target)))
+
+    unused = [t.name for t in ck.tensors() if t.name not in used]
     if unused:
         log.warning("zeroflat: %d tensor(s) of %s are not the model's: %s%s", len(unused),
                     ck.path, ", ".join(unused[:5]), ", ..." if len(unused) > 5 else "")
 
-    local = _C.local_ranks() or dp
-    nthreads = int(threads or 0) or _C.default_threads(local)
+    # What the ranks compare besides each group's shapes: every name and source, and every
+    # tensor outside the buffers (name, shape, dtype), as one digest.
+    text = [f"group {g.index} {g.dtype}: " + "; ".join(
+        f"{lp.name} <- {','.join(lp.sources)}" for lp in g.params) for g in out.groups]
+    text += [f"parameter {n} {list(t.shape)} {t.dtype}" for n, _, t in out.params]
+    text += [f"buffer {n} {list(t.shape)} {t.dtype}" for n, t in out.buffers]
+    out.digest = hashlib.sha256("\n".join(text).encode()).hexdigest()[:16]
+    return out
+
+
+def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpoint"],
+                      process_group=None, *,
+                      param_groups: Union[None, Iterable[Any],
+                                          Callable[[torch.nn.Module], Iterable[Any]]] = None,
+                      dtype: Optional[torch.dtype] = None, device: Optional[Any] = None,
+                      round_robin: bool = False, alignment_factor: int = 2,
+                      param_align_bytes: int = 0, deepspeed: Optional[str] = "installed",
+                      master_dtype: Optional[torch.dtype] = torch.float32,
+                      margin_bytes: Optional[int] = None, threads: Optional[int] = None,
+                      cold: bool = False, strict: bool = True) -> list:
+    """Materializes every parameter of ``model`` from a safetensors checkpoint: the trainable
+    ones of each optimizer group as views into that group's flat buffer in DeepSpeed's
+    ZeRO-1/2 layout, each rank reading only its partition's bytes and one all-gather
+    completing the buffer; the rest (frozen parameters, zero-element ones a release leaves out,
+    persistent buffers) into their own storage, read whole. Returns one FlatGroup per group that
+    has parameters in a buffer.
+
+    ``model`` is typically built without memory (parameters on the ``meta`` device:
+    ``zeroflat.meta_parameters()``, or ``zeroflat.hf.from_pretrained``). ``param_groups``: the
+    groups the optimizer will get (``optimizer.param_groups``-like dicts or lists, of the model's
+    parameters or their names, or a function of the model returning them); default one group of
+    every parameter. ``dtype``: the parameters' dtype (default: theirs), converted from the
+    checkpoint's as torch rounds. ``device``: where they live (default: the current CUDA device
+    if there is one, else the CPU). The layout rules are ``deepspeed``'s (the installed release
+    by default, else the newest tested one), as ``flatten_param_group``'s.
+
+    Collective over ``process_group``: every error a rank finds before the ranks meet (a bad
+    argument, a path or shard it cannot open, a tensor it lacks or whose shape differs, a read
+    outside the buffers that fails) is raised on every rank at their first collective, this rank
+    with its own exception, the others with InvalidArgument naming it; the ranks also compare
+    every name, source and shape, frozen parameters and buffers included. A parameter whose
+    name (or, for tied weights, any of its names; for fused parameters such as stacked MoE
+    experts, Transformers' own rule for the tensors they stack, each of the shape the rule
+    expects) the checkpoint does not hold is ValueError naming it; with ``strict``, so is a
+    buffer the model has on ``meta`` that the checkpoint does not hold. Tensors of the
+    checkpoint the model does not use are logged."""
+    dp = dist.get_world_size(process_group) if process_group is not None else 1
+    local_error: Optional[BaseException] = None
+    prep: Optional[_Prepared] = None
+    try:
+        cold = bool_option("cold", cold)
+        round_robin = bool_option("round_robin", round_robin)
+        prep = _prepare(model, checkpoint, dp, param_groups, dtype, device, round_robin,
+                        alignment_factor, param_align_bytes, deepspeed, master_dtype,
+                        margin_bytes, threads, strict)
+    except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it
+        local_error = e
+    if local_error is not None and dp == 1:
+        raise local_error
+
+    ok = prep is not None
+    target = prep.target if ok else torch.device("cpu")
+    nthreads = engine_threads(threads, dp) if ok else 1
     engine = _C.TorchDevice(str(target), nthreads)
     comm, rank = None, 0
     if process_group is not None:
-        comm = _TorchComm(process_group, engine, _comm_device(process_group, target))
+        comm = TorchComm(process_group, engine, comm_device(process_group, target))
         rank = comm.rank
+    rules = prep.rules if ok else None
+    path = prep.ck.path if ok else str(checkpoint)
 
-    out = []
-    for gi, group in enumerate(groups):
-        # DeepSpeed's group: trainable parameters; from 0.19.8 not the zero-element ones.
-        members = [p for p in group if p.requires_grad]
-        if rules is not None and rules["skips_zero_element"]:
-            members = [p for p in members if p.numel() > 0]
-        err = local_error
-        gdtype = dtype
-        if not err and members:
-            kinds = {dtype or p.dtype for p in members}
-            if len(kinds) > 1:
-                err = (f"ValueError: group {gi} mixes dtypes {sorted(map(str, kinds))}; pass "
-                       "dtype= or split the group")
-            else:
-                gdtype = kinds.pop()
-                if gdtype not in _DTYPES:
-                    err = (f"TypeError: group {gi} is {gdtype}: zeroflat loads bfloat16, float16 "
-                           "and float32 parameters")
-        if not members and not err:
-            continue
-        names = [aliases[id(p)][0] for p in members] if not err else []
+    # One load per group on every rank, and at least one: the first carries any rank's own
+    # error, so that every rank raises at the same point.
+    results = []
+    calls = max(1, len(prep.groups)) if ok else 1
+    for k in range(calls):
+        group = prep.groups[k] if ok and k < len(prep.groups) else None
+        options = _C.LoadOptions(layout=_C.LayoutOptions(dp=dp), cold=cold, threads=nthreads)
+        if group is not None:
+            options.layout = layout_options(dp, round_robin, alignment_factor, group.dtype,
+                                            param_align_bytes)
+            options.margin_bytes = None if margin_bytes is None else int(margin_bytes)
+        if group is not None:
+            options.master = bool(group.members) and master_dtype == torch.float32
+            options.release = rules
+        if local_error is not None:
+            options.local_error = f"{type(local_error).__name__}: {local_error}"
+        options.must_match = (f"group {k} of {calls}, device {target.type}, master "
+                              f"{master_dtype}, deepspeed rules {rules.rules if rules else None}, "
+                              f"model {prep.digest if ok else ''}")
         try:
-            doc_text, flat_bytes, master_bytes = _C.load(
-                engine, comm if (comm is not None and dp > 1) else None, ck, names,
-                [list(p.shape) for p in members] if not err else [],
-                [sources[id(p)] for p in members] if not err else [], dp, round_robin,
-                int(alignment_factor), _DTYPES.get(gdtype, "bf16") if not err else "bf16",
-                int(param_align_bytes), None if margin_bytes is None else int(margin_bytes),
-                master_dtype == torch.float32 and not err, cold, nthreads,
-                f"group {gi}, device {target.type}, master {master_dtype}, deepspeed rules "
-                f"{rules['rules'] if rules else None}", err)
-        except ValueError as e:
-            if err:
-                kind, _, text = err.partition(": ")
-                raise (TypeError if kind == "TypeError" else ValueError)(text) from None
+            report, flat_bytes, master_bytes = _C.load(
+                engine, comm if (comm is not None and dp > 1) else None,
+                prep.ck if ok else None, group.params if group else [], options)
+        except InvalidArgument:
+            if local_error is not None:
+                raise local_error from None  # this rank's own error, as it was found
             raise
-        report = json.loads(doc_text)
-        report["dp"], report["rank"], report["deepspeed"] = dp, rank, rules
+        except Error as e:
+            # A collective that failed, whichever step it was in: zeroflat's words, the process
+            # group's own error chained.
+            failure = comm.failure if comm is not None else None
+            if failure is None and not isinstance(e, CommError):
+                raise
+            raise CommError(f"loading group {k} of {path}: {e}") from (failure or e)
+        report["dp"], report["rank"] = dp, rank
+        report["deepspeed"] = rules.to_dict() if rules else None
         if report["outcome"] == "infeasible":
-            raise NoFeasiblePlan(f"group {gi} does not fit on {target}: {report['reason']}; "
+            raise NoFeasiblePlan(f"group {k} does not fit on {target}: {report['reason']}; "
                                  "nothing was read", report)
-        lay = layout([p.numel() for p in members], dp, round_robin=round_robin,
-                     alignment_factor=alignment_factor, dtype=gdtype,
+        if group is not None and group.members:
+            results.append((group, report, flat_bytes, master_bytes))
+    assert local_error is None and prep is not None
+
+    # Every rank has every buffer: the model's parameters become their views.
+    out = []
+    loaded_groups = [g.names for g, _, _, _ in results]
+    for group, report, flat_bytes, master_bytes in results:
+        lay = layout([p.numel() for p in group.members], dp, round_robin=round_robin,
+                     alignment_factor=alignment_factor, dtype=group.dtype,
                      param_align_bytes=param_align_bytes)
-        flat = flat_bytes[: lay["flat_bytes"]].view(gdtype)
-        _register(flat)
+        flat = flat_bytes[: lay["flat_bytes"]].view(group.dtype)
+        _register(flat, LoadedBuffer(flat=weakref.ref(flat), numel=flat.numel(),
+                                     names=list(group.names), index=len(out),
+                                     groups=loaded_groups, round_robin=bool(round_robin),
+                                     model=weakref.ref(model)))
         params = []
-        for p, off in zip(members, lay["offsets"]):
+        for p, off in zip(group.members, lay["offsets"]):
             params.append(_replace_everywhere(model, p, flat[off: off + p.numel()].view(p.shape)))
-        partition, master = _partition_and_master(flat, lay, rank, master_bytes, master_dtype)
+        partition, master = partition_and_master(flat, lay, rank, master_bytes, master_dtype)
         out.append(FlatGroup(flat=flat, partition=partition, master=master, tier="load",
                              layout=lay, report=report, params=params, rank=rank, dp=dp))
-    if local_error:  # no group reached the collective (all empty): still this rank's error
-        kind, _, text = local_error.partition(": ")
-        raise (TypeError if kind == "TypeError" else ValueError)(text)
-
-    # Everything else: read whole into its own storage.
-    info = {t[0]: t for t in ck.tensors()}
-    in_buffers = {id(p) for fg in out for p in fg.params}
-    for name, p in list(model.named_parameters()):
-        if id(p) in in_buffers:
-            continue
-        want = dtype or p.dtype
-        if want not in _DTYPES:
-            raise TypeError(f"parameter {name!r} is {want}: zeroflat loads bfloat16, float16 "
-                            "and float32 parameters")
-        host = _read_whole(info, ck, name, sources[id(p)], p.shape, want)
-        _replace_everywhere(model, p, host.to(target))
-    for name, b, stored in buffers:
-        host = _read_whole(info, ck, name, [stored], b.shape,
-                           b.dtype if b.dtype in _DTYPES else None, raw_dtype=b.dtype)
+    for name, p, value in prep.params:
+        _replace_everywhere(model, p, value)
+    for name, value in prep.buffers:
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name) if module_name else model
-        module._buffers[attr] = host.to(target)
+        module._buffers[attr] = value
     return out
 
-
-def _read_whole(info: dict, ck: "_C.Checkpoint", what: str, names: List[str], shape,
-                dtype: Optional[torch.dtype],
-                raw_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The tensors named, read whole and concatenated, as a CPU tensor of ``shape`` (converted to
-    ``dtype``, or, when it is None, the bytes as stored for a ``raw_dtype`` buffer)."""
-    stored = [info[n] for n in names]
-    count = 1
-    for d in shape:
-        count *= d
-    if len(names) == 1 and list(stored[0][2]) != list(shape):
-        raise ValueError(f"{what!r} is {list(shape)}, but tensor {names[0]!r} of {ck.path} is "
-                         f"{list(stored[0][2])}")
-    if dtype is None:
-        out = torch.empty(shape, dtype=raw_dtype)
-        if out.numel() * out.element_size() != stored[0][3]:
-            raise ValueError(f"buffer {what!r} ({raw_dtype}) has {out.numel() * out.element_size()}"
-                             f" bytes, but tensor {names[0]!r} of {ck.path} is {stored[0][1]} "
-                             f"with {stored[0][3]}")
-        ck.read(names[0], out.view(-1).view(torch.uint8))
-        return out
-    if any(t[4] is None for t in stored):
-        raise ValueError(f"{what!r}: tensor {names[0]!r} of {ck.path} is {stored[0][1]}, which "
-                         "zeroflat does not convert")
-    out = torch.empty(shape, dtype=dtype)
-    flat = out.view(-1)
-    at = 0
-    for t in stored:
-        n = 1
-        for d in t[2]:
-            n *= d
-        if at + n > count:
-            raise ValueError(f"{what!r}: the tensors {names[:2]}... hold more than its {count} "
-                             "elements")
-        ck.read(t[0], flat[at: at + n])
-        at += n
-    if at != count:
-        raise ValueError(f"{what!r}: the tensors {names[:2]}... hold {at} of its {count} elements")
-    return out

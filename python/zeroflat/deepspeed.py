@@ -19,11 +19,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
 
 import zeroflat
+from . import _load
+from ._comm import collective
+from ._common import select
 
 __all__ = ["SUPPORTED_VERSIONS", "install", "installed", "is_installed", "uninstall", "stats"]
 
@@ -37,7 +41,7 @@ _lock = threading.Lock()
 _saved: Optional[dict] = None
 _state = threading.local()
 stats = {"release": None, "groups": 0, "fallbacks": 0, "tiers": [], "optimizers": [],
-         "fallback_reasons": [], "not_flattened": [], "adopted": 0}
+         "fallback_reasons": [], "not_flattened": [], "adopted": 0, "not_adopted": []}
 
 # How DeepSpeed fills a buffer when nothing else says otherwise: torch's concatenation. A group
 # whose optimizer fills it another way (ZenFlow stores 2-D parameters transposed) is DeepSpeed's.
@@ -53,7 +57,7 @@ def _deepspeed_modules():
     return deepspeed, stage_1_and_2
 
 
-def _release_rules(deepspeed) -> dict:
+def _release_rules(deepspeed) -> "zeroflat._C.ReleaseRules":
     version = getattr(deepspeed, "__version__", "unknown")
     try:
         return zeroflat._C.deepspeed_rules(version)
@@ -84,7 +88,7 @@ def _independent(sources: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def _why_not(opt, sources, alignment: int, world: int, offsets: List[int],
-             padding: List[int], flat_numel: int, palign: int, rules: dict) -> Optional[str]:
+             padding: List[int], flat_numel: int, palign: int, rules) -> Optional[str]:
     """Why zeroflat's buffer would not be the one this optimizer builds, or None."""
     if not any(opt.flatten is f for f in _STANDARD_FLATTEN):
         return (f"this optimizer fills its buffer with {getattr(opt.flatten, '__module__', '?')}."
@@ -97,7 +101,7 @@ def _why_not(opt, sources, alignment: int, world: int, offsets: List[int],
     try:
         lay = zeroflat.layout([t.numel() for t in sources], world,
                               alignment_factor=alignment // world, dtype=sources[0].dtype,
-                              param_align_bytes=palign, deepspeed=rules["release"])
+                              param_align_bytes=palign, deepspeed=rules.release)
     except (TypeError, ValueError) as e:
         return str(e)
     gaps = [lay["offsets"][k + 1] - lay["offsets"][k] - sources[k].numel()
@@ -112,7 +116,7 @@ def _why_not(opt, sources, alignment: int, world: int, offsets: List[int],
 def _adoptable(sources, offsets: List[int], flat_numel: int) -> Optional[torch.Tensor]:
     """The flat buffer zeroflat's loader built, when the group's parameters are exactly its
     views at the offsets this optimizer would give them and it has this optimizer's length."""
-    flat = zeroflat._load.loaded_buffer(sources)
+    flat = _load.loaded_buffer(sources)
     if flat is None or flat.numel() != flat_numel:
         return None
     base = flat.storage_offset()
@@ -125,7 +129,7 @@ def _adoptable(sources, offsets: List[int], flat_numel: int) -> Optional[torch.T
     return flat
 
 
-def _all_agree(ok: bool, process_group) -> bool:
+def _all_agree(ok: bool, process_group, tag: str) -> bool:
     """Whether every rank of the group says ok (one all-reduce)."""
     import torch.distributed as dist
 
@@ -135,8 +139,19 @@ def _all_agree(ok: bool, process_group) -> bool:
     if str(dist.get_backend(process_group)) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=process_group)
+    collective("the ranks' agreement on adopting a loaded buffer (an all-reduce)", process_group,
+               tag, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=process_group))
     return bool(t.item())
+
+
+@dataclass
+class _Record:
+    """What became of one group of the optimizer being built."""
+
+    index: int
+    adopted: bool
+    loaded: Optional[_load.LoadedBuffer]  # a buffer the loader built that it has views of
+    bytes: int  # the group's flat buffer
 
 
 def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offsets, padding,
@@ -152,7 +167,14 @@ def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offse
     # A buffer zeroflat's loader already built in exactly this layout is the group's buffer as it
     # is: no copy, no allocation. Every rank must find one, or none adopts.
     adopted = _adoptable(sources, offsets, flat_numel) if reason is None else None
-    if _all_agree(adopted is not None, process_group):
+    record = _Record(index=i, adopted=False,
+                     loaded=next((e for t in sources if (e := _load.loaded_entry(t))), None),
+                     bytes=flat_numel * (sources[0].element_size() if sources else 0))
+    records = getattr(_state, "records", None)
+    if records is not None:
+        records.append(record)
+    if _all_agree(adopted is not None, process_group, f"{kind}-{id(opt)}-{i}"):
+        record.adopted = True
         stats["groups"] += 1
         stats["adopted"] += 1
         stats["tiers"].append("adopted")
@@ -164,7 +186,7 @@ def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offse
             fg = zeroflat.flatten_param_group(
                 _independent(sources), process_group, alignment_factor=alignment // world,
                 param_align_bytes=palign, master_dtype=None, trainable_only=False,
-                deepspeed=rules["release"], _rebinds=True)
+                deepspeed=rules.release, _rebinds=True)
         except (TypeError, ValueError, zeroflat.NoFeasiblePlan) as e:  # nothing moved
             reason = str(e)
         except zeroflat.ExecutionError as e:
@@ -183,6 +205,87 @@ def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offse
     stats["fallback_reasons"].append(f"{kind} group {i}: {reason}")
     log.warning("zeroflat: %s param group %d flattened by DeepSpeed itself: %s", kind, i, reason)
     return original()
+
+
+def _names(groups: List[List[str]]) -> str:
+    sizes = " and ".join(str(len(g)) for g in groups)
+    return f"{len(groups)} group{'s' if len(groups) != 1 else ''} of {sizes} parameters"
+
+
+def _matching_param_groups(model, wanted: List[List[str]], rules) -> str:
+    """The param_groups= of zeroflat.hf.from_pretrained (or load_param_groups) that lays the
+    buffers out for ``wanted``, the optimizer's groups as DeepSpeed formed them."""
+    by_name = dict(model.named_parameters())
+
+    def as_release_forms(groups) -> List[List[str]]:
+        out = []
+        for g in groups:
+            kept, _ = select([by_name[n] for n in g], rules, trainable_only=True)
+            if kept:
+                out.append([g[k] for k in kept])
+        return out
+
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if as_release_forms([trainable]) == wanted:
+        return "param_groups=None"
+    try:
+        from .hf import trainer_param_groups
+
+        if as_release_forms(trainer_param_groups(model)) == wanted:
+            return 'param_groups="trainer"'
+    except (ImportError, AttributeError, KeyError):
+        pass
+    shown = "; ".join("[" + ", ".join(repr(n) for n in g[:2]) + (", ..." if len(g) > 2 else "")
+                      + "]" for g in wanted[:3])
+    return (f"param_groups= the optimizer's {_names(wanted)} as lists of names ({shown}"
+            f"{'; ...' if len(wanted) > 3 else ''})")
+
+
+def _not_adopted(kind: str, groups: List[List[torch.Tensor]], records: List[_Record],
+                 round_robin: bool) -> Optional[str]:
+    """One warning for an optimizer whose groups met buffers zeroflat loaded but did not adopt
+    them all: how its groups differ from those the buffers were laid out for, the bytes copied,
+    and the param_groups= that would have matched."""
+    missed = [r for r in records if r.loaded is not None and not r.adopted]
+    if not missed:
+        return None
+    entry = missed[0].loaded
+    model = entry.model()
+    copied = sum(r.bytes for r in missed)
+    head = (f"zeroflat: {kind}: {len(missed)} of {len(records)} param groups did not adopt the "
+            f"buffers zeroflat loaded; their {copied} bytes were copied into new buffers")
+    if model is None:
+        return head
+    names = {id(p): n for n, p in model.named_parameters()}
+    wanted = [[names.get(id(t), "?") for t in g] for g in groups]
+    wanted = [g for g in wanted if g]
+    loaded = entry.groups
+    if wanted == loaded and round_robin != entry.round_robin:
+        how = (f"the groups are the ones loaded, but round_robin_gradients is "
+               f"{'on' if round_robin else 'off'} and the buffers were loaded with round_robin="
+               f"{entry.round_robin}; load with round_robin={round_robin} to have them adopted")
+    elif wanted == loaded:
+        how = "the groups are the ones loaded, but DeepSpeed lays them out otherwise (see above)"
+    else:
+        if sorted(map(sorted, wanted)) == sorted(map(sorted, loaded)):
+            differ = "the same parameters in another order"
+        else:
+            differ = (f"the optimizer has {_names(wanted)}, the buffers were laid out for "
+                      f"{_names(loaded)}")
+        how = (f"{differ}; load with {_matching_param_groups(model, wanted, _saved['rules'])} "
+               "to have them adopted")
+    return f"{head}: {how}"
+
+
+def _warn_not_adopted(kind: str, groups, round_robin: bool) -> None:
+    records = getattr(_state, "records", None) or []
+    try:
+        message = _not_adopted(kind, [list(g) for g in groups or []], records, round_robin)
+    except Exception as e:  # noqa: BLE001 - a warning must never break DeepSpeed's init
+        message = f"zeroflat: {kind}: loaded buffers were not all adopted ({e})"
+    if message is not None:
+        stats["not_adopted"].append(message)
+        log.warning("%s", message)
 
 
 def _zero_flatten_hook(original):
@@ -245,9 +348,10 @@ def _bf16_flatten_hook(original):
 
 class _KeepOnDevice:
     """While a ZeRO optimizer is constructed on this thread, ``.cpu()`` of a trainable
-    parameter's data returns the data itself: releases up to 0.18.6 (and later ones when their
-    memory check fails) stage every parameter to the host before flattening, and zeroflat plans
-    that move instead. Any other ``.cpu()`` is torch's."""
+    parameter's data returns the data itself: releases without the memory check
+    (ReleaseRules.checks_accelerator_memory), and any release whose accelerator is not
+    available, stage every parameter to the host before flattening, and zeroflat plans that move
+    instead. Any other ``.cpu()`` is torch's."""
 
     def __init__(self, optimizer):
         self.ptrs = {p.data_ptr() for g in getattr(optimizer, "param_groups", [])
@@ -327,10 +431,11 @@ class _FastHostCopies:
         def fast_to(t, *args, **kwargs):
             # .to(torch.float32) and .to(device=<cpu>, dtype=torch.float32), as the optimizers
             # build their fp32 master partitions.
-            dtype = kwargs.get("dtype", args[0] if len(args) == 1 and isinstance(args[0], torch.dtype)
-                               else None)
+            positional = args[0] if len(args) == 1 and isinstance(args[0], torch.dtype) else None
+            dtype = kwargs.get("dtype", positional)
             device = kwargs.get("device")
-            extra = set(kwargs) - {"dtype", "device"} or (args and not isinstance(args[0], torch.dtype))
+            extra = (set(kwargs) - {"dtype", "device"}
+                     or (args and not isinstance(args[0], torch.dtype)))
             if (dtype == torch.float32 and not extra and t.dtype in (torch.bfloat16, torch.float16)
                     and (device is None or torch.device(device).type == "cpu") and fast._large(t)):
                 return fast._upcast(t)
@@ -355,22 +460,30 @@ def _zero_init_hook(original):
     def __init__(self, init_optimizer, *args, **kwargs):
         from deepspeed.accelerator import get_accelerator
 
-        # The releases with a memory check (0.18.9 on) would move a group to the host when it
-        # fails; zeroflat plans that decision (and the other tiers) itself.
+        # A release with the memory check (ReleaseRules.checks_accelerator_memory) would move a
+        # group to the host when its buffer does not fit beside the parameters; zeroflat plans
+        # that decision (and the other tiers) itself, so the check passes.
         accel = get_accelerator()
+        patch_memory = _saved["rules"].checks_accelerator_memory
         had_own = "available_memory" in vars(accel)
         own = vars(accel).get("available_memory")
-        accel.available_memory = lambda *a, **k: 1 << 62
+        if patch_memory:
+            accel.available_memory = lambda *a, **k: 1 << 62
         _state.zero_init = self
+        _state.records = []
         try:
             with _KeepOnDevice(init_optimizer), _FastHostCopies():
                 original(self, init_optimizer, *args, **kwargs)
+            _warn_not_adopted("DeepSpeedZeroOptimizer", getattr(self, "bit16_groups", None),
+                              bool(getattr(self, "round_robin_gradients", False)))
         finally:
             _state.zero_init = None
-            if had_own:
-                accel.available_memory = own
-            else:
-                del accel.available_memory
+            _state.records = None
+            if patch_memory:
+                if had_own:
+                    accel.available_memory = own
+                else:
+                    del accel.available_memory
 
     __init__.__wrapped__ = original
     __init__.__zeroflat__ = True
@@ -380,11 +493,14 @@ def _zero_init_hook(original):
 def _bf16_init_hook(original):
     def __init__(self, *args, **kwargs):
         _state.bf16_init = self
+        _state.records = []
         try:
             with _FastHostCopies():
                 original(self, *args, **kwargs)
+            _warn_not_adopted("BF16_Optimizer", getattr(self, "bf16_groups", None), False)
         finally:
             _state.bf16_init = None
+            _state.records = None
 
     __init__.__wrapped__ = original
     __init__.__zeroflat__ = True
@@ -443,15 +559,15 @@ def install(*, allow_untested: bool = False) -> None:
     targets = _targets(s12)
     for cls, name, _ in targets:
         if not callable(vars(cls).get(name)):
-            raise RuntimeError(f"zeroflat.deepspeed: DeepSpeed {rules['release']} has no "
+            raise RuntimeError(f"zeroflat.deepspeed: DeepSpeed {rules.release} has no "
                                f"{cls.__name__}.{name}; nothing was changed")
     with _lock:
         if _saved is not None:
             return
-        if not rules["tested"] and not allow_untested:
+        if not rules.tested and not allow_untested:
             log.warning("zeroflat: DeepSpeed %s is not one of the releases the drop-in was "
                         "tested with (%s); its groups are checked against its own bookkeeping "
-                        "and handed back where they differ", rules["release"],
+                        "and handed back where they differ", rules.release,
                         ", ".join(SUPPORTED_VERSIONS))
         saved = [(cls, name, vars(cls)[name]) for cls, name, _ in targets]
         try:
@@ -461,7 +577,7 @@ def install(*, allow_untested: bool = False) -> None:
             for cls, name, fn in saved:
                 setattr(cls, name, fn)
             raise
-        stats["release"] = rules["release"]
+        stats["release"] = rules.release
         _saved = {"targets": saved, "rules": rules}
 
 
