@@ -1,0 +1,1049 @@
+#!/usr/bin/env python3
+"""Rehearses K nodes x R ranks per node on one machine, for real, with the kernel as the witness
+(docs/performance.md, "Many nodes on one machine"). Python 3 standard library only; run as root.
+
+    scripts/nodes.py --nodes 4 [--ranks-per-node 1] [--bandwidth 100MB/s] [--cold | --warm]
+        --checkpoint DIR [--copies-in DIR] [--mount PATH] [--cpus-per-node X]
+        [--launcher direct|mpirun] [--timeout 600] [--json] -- COMMAND [ARGS...]
+
+Each node gets its own copy of the checkpoint, bind-mounted at one common path (--mount;
+"{checkpoint}" in COMMAND is replaced by it) in a mount namespace of its own: separate copies are
+separate inodes, so a node never reads another node's cached pages, while the ranks of one node
+share its page cache. Each node also gets a private /dev/shm (--shared-shm keeps the machine's),
+so ranks of different nodes cannot meet through shared memory, as on separate machines. The nodes
+share one storage bandwidth: each node's processes run in a block-I/O cgroup that may read the
+disk under the copies at --bandwidth / K (and, with --cpus-per-node, a CPU cgroup with that many
+cores). --cold writes back and drops every copy from the page cache before the run; --warm reads
+every copy once. The kernel counts each node's bytes read from that disk
+(blkio.throttle.io_service_bytes; io.stat on cgroup v2) and each rank's (its rusage, the
+read_bytes of /proc/<pid>/io). Those counts include anything else a rank reads from that disk
+that is not cached (its Python packages, say): import them once before, as the tests and
+benchmarks/nodes_bench.py do. cgroup v1 is what this was measured on; on cgroup v2 it uses
+io.max, io.stat and cpu.max under a cgroup of its own, where the io controller can be enabled.
+
+Every rank gets MASTER_ADDR=127.0.0.1, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, NODE_RANK (and GROUP_RANK), NNODES, ZEROFLAT_LOCAL_RANKS=R, NODES_CHECKPOINT
+(the common path), NODES_CGROUP (its node's block-I/O cgroup directory) and NODES_DEVICE
+(MAJOR:MINOR of the disk); with --cpus-per-node also OMP_NUM_THREADS and ZEROFLAT_NUM_THREADS
+(that many cores over R ranks). --launcher mpirun starts the K*R ranks with one mpirun (TCP on
+the loopback between ranks: the nodes have private /dev/shm), each entering its node first.
+
+Cgroups, namespaces (and their mounts) and copies are removed on every exit path: the command
+finishing or failing, the timeout (its processes get SIGTERM, then SIGKILL), Ctrl-C, SIGTERM,
+SIGHUP. Processes a rank leaves behind in its node's cgroup are killed. --clean-stale removes what
+a harness killed with SIGKILL left behind.
+
+Exit codes: 0 every rank exited 0; 1 a rank failed; 2 bad arguments; 3 the harness could not set
+up (the copies do not fit, a copy failed); 77 this machine lacks a kernel feature it needs (not
+root, no block-I/O cgroup controller, unshare or mount refused, the copies on a filesystem without
+a block device), with a one-line reason; 124 the timeout; 130, 143, 129 interrupted by SIGINT,
+SIGTERM, SIGHUP.
+"""
+
+import argparse
+import ctypes
+import ctypes.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_SETUP = 3
+EXIT_UNSUPPORTED = 77
+EXIT_TIMEOUT = 124
+
+PREFIX = "zeroflat-nodes-"
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+HERE = os.path.abspath(__file__)
+
+
+class Unsupported(Exception):
+    """This machine lacks a kernel feature the rehearsal needs (exit 77)."""
+
+
+class SetupError(Exception):
+    """The rehearsal could not be set up (exit 3)."""
+
+
+class Interrupted(BaseException):
+    """A signal asked the harness to stop (SIGTERM, SIGHUP)."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# --- small helpers ------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_bandwidth(text):
+    """'100MB/s', '400M', '1.5GiB/s', '52428800' -> bytes per second; 'none' or '0' -> None
+    (unthrottled). SI prefixes are powers of 1000, IEC ones (Ki, Mi, Gi) of 1024."""
+    t = str(text).strip().replace(" ", "")
+    if t.lower() in ("none", "unlimited", "0", "off"):
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)(ki|mi|gi|ti|k|m|g|t)?(B|bytes?)?(/s)?", t, re.IGNORECASE)
+    if not m or m.group(3) == "b":
+        raise ValueError(f"bad bandwidth {text!r}: bytes per second, e.g. 100MB/s, 400M, "
+                         "1GiB/s, none (a lowercase b would be bits)")
+    t = t.lower()
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)(ki|mi|gi|ti|k|m|g|t)?(b|bytes?)?(/s)?", t)
+    value = float(m.group(1)) * _UNITS[m.group(2) or ""]
+    if value < 1:
+        raise ValueError(f"bandwidth {text!r} is under 1 byte/s")
+    return int(value)
+
+
+def human(n):
+    if n is None:
+        return "-"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def files_under(root):
+    for dirpath, _, names in os.walk(root):
+        for name in sorted(names):
+            yield os.path.join(dirpath, name)
+
+
+def tree_bytes(root):
+    return sum(os.path.getsize(p) for p in files_under(root))
+
+
+def drop_from_cache(root):
+    """Cold: every file's dirty pages written back, then dropped from the page cache."""
+    for path in files_under(root):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_through(root):
+    """Warm: every file read once, so that its pages are in the cache."""
+    buf = bytearray(8 << 20)
+    for path in files_under(root):
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+_libc = None
+
+
+def libc():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return _libc
+
+
+def _checked(rc, what):
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def sys_mount(source, target, fstype, flags, data=None):
+    enc = (lambda s: s.encode() if s is not None else None)
+    _checked(libc().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags),
+                          enc(data)), f"mount {target}")
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class blocked_signals:
+    """Cleanup must not be cut short by a second Ctrl-C: the signals wait until it is done.
+    A process started meanwhile must unblock them (unblocked_in_child): masks are inherited."""
+    SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+    def __enter__(self):
+        self.old = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+
+    def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.old)
+
+
+def unblocked_in_child():
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked_signals.SIGNALS)
+
+
+# --- the disk ----------------------------------------------------------------------------------
+
+def block_device(path):
+    """MAJOR:MINOR of the whole disk under path (a partition's throttle goes on its disk), and
+    that disk's read-ahead in KiB."""
+    st = os.stat(path)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    sysfs = f"/sys/dev/block/{dev}"
+    if not os.path.exists(sysfs):
+        raise Unsupported(f"{path} is on a filesystem without a block device ({dev}: tmpfs, "
+                          "overlay, btrfs?); give --copies-in a directory on a disk")
+    real = os.path.realpath(sysfs)
+    if os.path.exists(os.path.join(real, "partition")):
+        real = os.path.dirname(real)
+        with open(os.path.join(real, "dev")) as f:
+            dev = f.read().strip()
+    read_ahead = None
+    try:
+        with open(os.path.join(real, "queue", "read_ahead_kb")) as f:
+            read_ahead = int(f.read())
+    except OSError:
+        pass
+    return dev, read_ahead
+
+
+# --- cgroups -----------------------------------------------------------------------------------
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _procs(directory):
+    try:
+        with open(os.path.join(directory, "cgroup.procs")) as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+class CgroupV1:
+    """cgroup v1: blkio (throttle per cgroup, not hierarchical: each node gets its share) and,
+    when asked, cpu (CFS quota)."""
+    version = 1
+    BLKIO = "/sys/fs/cgroup/blkio"
+    CPU = "/sys/fs/cgroup/cpu"
+
+    @classmethod
+    def available(cls):
+        return os.path.exists(os.path.join(cls.BLKIO, "blkio.throttle.read_bps_device"))
+
+    def __init__(self, want_cpu):
+        if want_cpu and not os.path.exists(os.path.join(self.CPU, "cpu.cfs_quota_us")):
+            raise Unsupported("--cpus-per-node needs the cpu cgroup controller "
+                              f"({self.CPU}/cpu.cfs_quota_us is missing)")
+        self.want_cpu = want_cpu
+
+    def make(self, name, device, read_bps, cpus):
+        dirs = [os.path.join(self.BLKIO, name)]
+        if self.want_cpu:
+            dirs.append(os.path.join(self.CPU, name))
+        made = []
+        try:
+            for d in dirs:
+                os.mkdir(d)
+                made.append(d)
+            if read_bps:
+                _write(os.path.join(dirs[0], "blkio.throttle.read_bps_device"),
+                       f"{device} {read_bps}")
+            if cpus:
+                _write(os.path.join(dirs[1], "cpu.cfs_period_us"), "100000")
+                _write(os.path.join(dirs[1], "cpu.cfs_quota_us"),
+                       str(max(1000, int(cpus * 100000))))
+        except OSError:
+            for d in reversed(made):
+                os.rmdir(d)
+            raise
+        return dirs
+
+    @staticmethod
+    def read_bytes(dirs, device):
+        with open(os.path.join(dirs[0], "blkio.throttle.io_service_bytes")) as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) == 3 and fields[0] == device and fields[1] == "Read":
+                    return int(fields[2])
+        return 0
+
+    @staticmethod
+    def remove(dirs):
+        for d in reversed(dirs):
+            if os.path.isdir(d):
+                os.rmdir(d)
+
+    @classmethod
+    def stale(cls):
+        return [os.path.join(root, n) for root in (cls.BLKIO, cls.CPU) if os.path.isdir(root)
+                for n in os.listdir(root) if n.startswith(PREFIX)]
+
+
+class CgroupV2:
+    """cgroup v2: one parent under the root with io (and cpu) enabled for its children; io.max
+    per node, io.stat for the bytes."""
+    version = 2
+    ROOT = "/sys/fs/cgroup"
+
+    @classmethod
+    def is_v2(cls):
+        try:
+            with open("/proc/self/mounts") as f:
+                return any(line.split()[1:3] == [cls.ROOT, "cgroup2"] for line in f)
+        except OSError:
+            return False
+
+    def __init__(self, want_cpu, name):
+        with open(os.path.join(self.ROOT, "cgroup.controllers")) as f:
+            controllers = f.read().split()
+        need = ["io"] + (["cpu"] if want_cpu else [])
+        missing = [c for c in need if c not in controllers]
+        if missing:
+            raise Unsupported(f"cgroup v2 at {self.ROOT} lacks the {' and '.join(missing)} "
+                              "controller(s)")
+        self.parent = os.path.join(self.ROOT, name)
+        self.want_cpu = want_cpu
+        enable = " ".join("+" + c for c in need)
+        try:
+            _write(os.path.join(self.ROOT, "cgroup.subtree_control"), enable)
+            os.mkdir(self.parent)
+        except OSError as e:
+            raise Unsupported(f"cgroup v2: cannot enable {enable} under {self.ROOT}: "
+                              f"{e.strerror}") from None
+        try:
+            _write(os.path.join(self.parent, "cgroup.subtree_control"), enable)
+        except OSError as e:
+            os.rmdir(self.parent)
+            raise Unsupported(f"cgroup v2: cannot enable {enable} for child cgroups: "
+                              f"{e.strerror}") from None
+
+    def make(self, name, device, read_bps, cpus):
+        d = os.path.join(self.parent, name)
+        os.mkdir(d)
+        try:
+            if read_bps:
+                _write(os.path.join(d, "io.max"), f"{device} rbps={read_bps}")
+            if cpus:
+                _write(os.path.join(d, "cpu.max"), f"{max(1000, int(cpus * 100000))} 100000")
+        except OSError:
+            os.rmdir(d)
+            raise
+        return [d]
+
+    @staticmethod
+    def read_bytes(dirs, device):
+        with open(os.path.join(dirs[0], "io.stat")) as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0] == device:
+                    for kv in fields[1:]:
+                        k, _, v = kv.partition("=")
+                        if k == "rbytes":
+                            return int(v)
+        return 0
+
+    @staticmethod
+    def remove(dirs):
+        for d in dirs:
+            if os.path.isdir(d):
+                os.rmdir(d)
+
+    def close(self):
+        if os.path.isdir(self.parent):
+            os.rmdir(self.parent)
+
+    @classmethod
+    def stale(cls):
+        return [os.path.join(cls.ROOT, n) for n in os.listdir(cls.ROOT) if n.startswith(PREFIX)]
+
+
+def node_read_bytes(cgroup_dir=None, device=None):
+    """From inside a rank: the bytes its node has read from the disk so far, as the kernel
+    counts them (NODES_CGROUP and NODES_DEVICE by default); None outside a rehearsal."""
+    cgroup_dir = cgroup_dir or os.environ.get("NODES_CGROUP")
+    device = device or os.environ.get("NODES_DEVICE")
+    if not cgroup_dir or not device:
+        return None
+    v1 = os.path.exists(os.path.join(cgroup_dir, "blkio.throttle.io_service_bytes"))
+    return (CgroupV1 if v1 else CgroupV2).read_bytes([cgroup_dir], device)
+
+
+def cgroup_backend(want_cpu, name):
+    if CgroupV1.available():
+        return CgroupV1(want_cpu)
+    if CgroupV2.is_v2():
+        return CgroupV2(want_cpu, name)
+    raise Unsupported("no block-I/O cgroup controller: neither cgroup v1 blkio at "
+                      f"{CgroupV1.BLKIO} nor cgroup v2 at {CgroupV2.ROOT}")
+
+
+def kill_cgroup(dirs, sig, grace=0.0):
+    """Sends sig to every process in the cgroup (each by its pid), then waits up to grace seconds
+    for it to empty. Returns the pids that were there."""
+    seen = set()
+    deadline = time.monotonic() + grace
+    while True:
+        pids = [p for d in dirs for p in _procs(d)]
+        if not pids:
+            return seen
+        for pid in pids:
+            if pid not in seen or sig == signal.SIGKILL:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            seen.add(pid)
+        if time.monotonic() >= deadline:
+            return seen
+        time.sleep(0.05)
+
+
+def remove_cgroup(backend, dirs):
+    """Kills what is left in the cgroup and removes it, waiting for its processes to be gone
+    (rmdir fails while a process, even a dying one, is in it)."""
+    leftovers = kill_cgroup(dirs, signal.SIGKILL, grace=10.0)
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            backend.remove(dirs)
+            return leftovers
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            kill_cgroup(dirs, signal.SIGKILL)
+            time.sleep(0.05)
+
+
+# --- the node's mount namespace: held by an agent, entered by its ranks --------------------------
+
+def node_agent(mount, copy, private_shm):
+    """Runs in a child of the harness: a new mount namespace with the node's copy bind-mounted at
+    the common path (and a private /dev/shm), held until the harness closes our stdin."""
+    try:
+        _checked(libc().unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+        sys_mount(None, "/", None, MS_REC | MS_PRIVATE)
+        sys_mount(copy, mount, None, MS_BIND)
+        if private_shm:
+            sys_mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    except OSError as e:
+        print(f"error: {e.strerror if e.strerror else e}", flush=True)
+        return EXIT_UNSUPPORTED
+    print("ready", flush=True)
+    sys.stdin.read()  # until the harness closes it (or dies)
+    return 0
+
+
+def enter_rank(spec_path, command):
+    """The wrapper every rank runs first (also under mpirun): joins its node's cgroups and mount
+    namespace, then runs the command as a child, forwards signals to it, and writes its exit
+    status and the kernel's count of its reads (rusage) next to the spec."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    rank = None
+    for var in ("NODES_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        if os.environ.get(var, "").isdigit():
+            rank = int(os.environ[var])
+            break
+    if rank is None or rank >= spec["world_size"]:
+        print(f"nodes.py: cannot tell this rank's number (rank {rank})", file=sys.stderr)
+        return EXIT_USAGE
+    per_node = spec["ranks_per_node"]
+    node, local = divmod(rank, per_node)
+    for d in spec["cgroups"][node]:
+        _write(os.path.join(d, "cgroup.procs"), str(os.getpid()))
+    fd = os.open(f"/proc/{spec['agents'][node]}/ns/mnt", os.O_RDONLY)
+    try:
+        _checked(libc().setns(fd, CLONE_NEWNS), "setns(mount namespace)")
+    finally:
+        os.close(fd)
+    os.chdir(spec["cwd"])  # setns moved us to the namespace's root
+    env = dict(os.environ)
+    env.pop("NODES_RANK", None)
+    env.update(spec["env"])
+    env.update(RANK=str(rank), LOCAL_RANK=str(local), NODE_RANK=str(node),
+               GROUP_RANK=str(node), NODES_CGROUP=spec["cgroups"][node][0])
+    base = os.path.join(spec["dir"], f"rank{rank}")
+    with open(base + ".out", "wb") as out, open(base + ".err", "wb") as err:
+        t0 = time.monotonic()
+        try:
+            child = subprocess.Popen(command, env=env, stdout=out, stderr=err)
+        except OSError as e:
+            err.write(f"nodes.py: cannot run {command[0]}: {e.strerror}\n".encode())
+            status, usage = 127 << 8, None
+        else:
+            def forward(signum, _frame):
+                try:
+                    os.kill(child.pid, signum)
+                except ProcessLookupError:
+                    pass
+            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(s, forward)
+            _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.monotonic() - t0
+    code = os.waitstatus_to_exitcode(status)
+    result = {"rank": rank, "node": node, "local_rank": local, "exit": code,
+              "seconds": seconds,
+              "read_bytes": usage.ru_inblock * 512 if usage else 0,
+              "max_rss_bytes": usage.ru_maxrss * 1024 if usage else 0,
+              "cpu_seconds": usage.ru_utime + usage.ru_stime if usage else 0.0}
+    with open(base + ".json.tmp", "w") as f:
+        json.dump(result, f)
+    os.rename(base + ".json.tmp", base + ".json")
+    return code if code >= 0 else 128 - code
+
+
+# --- the rehearsal -----------------------------------------------------------------------------
+
+class Rehearsal:
+    """K copies of a checkpoint and the means to run commands as K nodes over them.
+
+        with Rehearsal(checkpoint, nodes=4) as r:
+            result = r.run(["python3", "rank.py"], ranks_per_node=1, bandwidth=100e6, cold=True)
+
+    A run may use fewer nodes than there are copies. Everything is removed by close() (and by
+    __exit__), whatever happened."""
+
+    def __init__(self, checkpoint, nodes, *, copies_in=None, mount=None, cpus=False,
+                 private_shm=True, log=None):
+        if os.geteuid() != 0:
+            raise Unsupported("not root (mount namespaces, bind mounts and cgroups need root)")
+        if nodes < 1:
+            raise ValueError("nodes must be at least 1")
+        if not os.path.isdir(checkpoint):
+            raise ValueError(f"the checkpoint {checkpoint!r} is not a directory")
+        self.checkpoint = os.path.abspath(checkpoint)
+        self.nodes = nodes
+        self.copies_in = os.path.abspath(copies_in or tempfile.gettempdir())
+        self.mount_arg = mount
+        self.want_cpu = cpus
+        self.private_shm = private_shm
+        self.log = log or (lambda msg: None)
+        self.name = f"{PREFIX}{os.getpid()}-"
+        self.workdir = None
+        self.mount = None
+        self.made_mount = False
+        self.copies = []
+        self.cg = None
+        self.runs = 0
+        self.checkpoint_bytes = 0
+
+    # set-up and clean-up
+
+    def __enter__(self):
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def open(self):
+        if not os.path.isdir(self.copies_in):
+            raise ValueError(f"--copies-in {self.copies_in!r} is not a directory")
+        self.device, self.read_ahead_kb = block_device(self.copies_in)
+        self.cg = cgroup_backend(self.want_cpu, self.name + "parent")
+        self.workdir = tempfile.mkdtemp(prefix=self.name, dir=self.copies_in)
+        if self.mount_arg:
+            self.mount = os.path.abspath(self.mount_arg)
+            if not os.path.isdir(self.mount):
+                os.mkdir(self.mount)  # only the last component: a typo is not a tree
+                self.made_mount = True
+        else:
+            self.mount = os.path.join(self.workdir, "checkpoint")
+            os.mkdir(self.mount)
+        self._probe()
+        self.checkpoint_bytes = tree_bytes(self.checkpoint)
+        need = self.checkpoint_bytes * self.nodes
+        free = shutil.disk_usage(self.copies_in).free
+        if need + (1 << 30) > free:
+            raise SetupError(f"{self.nodes} copies need {human(need)} (+ 1 GiB spare) in "
+                             f"{self.copies_in}, which has {human(free)} free")
+        for i in range(self.nodes):
+            dest = os.path.join(self.workdir, f"node{i}")
+            self.log(f"copying the checkpoint for node {i} ({human(self.checkpoint_bytes)})")
+            try:
+                shutil.copytree(self.checkpoint, dest)
+            except OSError as e:
+                raise SetupError(f"copying the checkpoint to {dest}: {e}") from None
+            self.copies.append(dest)
+
+    def _probe(self):
+        """unshare and mount work here, and a cgroup can be made and written, before any copy."""
+        try:
+            dirs = self.cg.make(self.name + "probe", self.device, 1 << 40,
+                                1.0 if self.want_cpu else None)
+        except OSError as e:
+            raise Unsupported(f"cannot make a cgroup: {e}") from None
+        try:
+            self.cg.remove(dirs)
+        except OSError:
+            pass
+        agent = self._start_agent(self.workdir)
+        self._stop_agents([agent])
+
+    def close(self):
+        with blocked_signals():
+            if self.workdir and os.path.isdir(self.workdir):
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            if self.made_mount and self.mount and os.path.isdir(self.mount):
+                try:
+                    os.rmdir(self.mount)
+                except OSError:
+                    pass
+            if isinstance(self.cg, CgroupV2):
+                try:
+                    self.cg.close()
+                except OSError:
+                    pass
+            self.copies = []
+            self.workdir = None
+
+    # agents: one per node, holding its mount namespace
+
+    def _start_agent(self, copy):
+        agent = subprocess.Popen(
+            [sys.executable, HERE, "--_node", self.mount, copy,
+             "1" if self.private_shm else "0"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        line = agent.stdout.readline().decode().strip()
+        if line != "ready":
+            self._stop_agents([agent])
+            reason = line[len("error: "):] if line.startswith("error: ") else (
+                line or f"the node agent exited with {agent.returncode}")
+            raise Unsupported(f"cannot give a node its own mount namespace: {reason}")
+        return agent
+
+    @staticmethod
+    def _stop_agents(agents):
+        for a in agents:
+            try:
+                a.stdin.close()
+            except OSError:
+                pass
+        for a in agents:
+            try:
+                a.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                a.kill()
+                a.wait()
+            a.stdout.close()
+
+    # one run
+
+    def run(self, command, *, nodes=None, ranks_per_node=1, bandwidth=None, cold=True,
+            cpus_per_node=None, timeout=None, launcher="direct", mpirun_args=(), env=None):
+        """Runs command as nodes x ranks_per_node ranks and returns the result (a dict; see
+        the module's --json). bandwidth: total bytes/s of the disk shared by the nodes (None:
+        unthrottled)."""
+        nodes = self.nodes if nodes is None else nodes
+        if not 1 <= nodes <= self.nodes:
+            raise ValueError(f"nodes must be 1 to {self.nodes} (the copies made)")
+        if ranks_per_node < 1:
+            raise ValueError("ranks_per_node must be at least 1")
+        if cpus_per_node is not None and not self.want_cpu:
+            raise ValueError("cpus_per_node needs Rehearsal(..., cpus=True)")
+        if launcher not in ("direct", "mpirun"):
+            raise ValueError(f"unknown launcher {launcher!r}")
+        world = nodes * ranks_per_node
+        per_node_bps = bandwidth // nodes if bandwidth else None
+        command = [str(a).replace("{checkpoint}", self.mount) for a in command]
+        self.runs += 1
+        rundir = os.path.join(self.workdir, f"run{self.runs}")
+        os.mkdir(rundir)
+        cgroups, agents, procs = [], [], []
+        result = {
+            "nodes": nodes, "ranks_per_node": ranks_per_node, "world_size": world,
+            "bandwidth_bytes_per_s": bandwidth, "per_node_bytes_per_s": per_node_bps,
+            "cpus_per_node": cpus_per_node, "cache": "cold" if cold else "warm",
+            "launcher": launcher, "command": command, "checkpoint": self.checkpoint,
+            "checkpoint_bytes": self.checkpoint_bytes, "mount": self.mount,
+            "copies": self.workdir, "device": self.device, "read_ahead_kb": self.read_ahead_kb,
+            "cgroup_version": self.cg.version, "private_shm": self.private_shm,
+            "cgroups": [], "timed_out": False}
+        timed_out = False
+        try:
+            for i in range(nodes):
+                name = f"{self.name}r{self.runs}-node{i}"
+                cgroups.append(self.cg.make(name, self.device, per_node_bps, cpus_per_node))
+                result["cgroups"].extend(cgroups[-1])
+            for i in range(nodes):
+                agents.append(self._start_agent(self.copies[i]))
+            for copy in self.copies[:nodes]:
+                (drop_from_cache if cold else read_through)(copy)
+            port = free_port()
+            common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                      "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(ranks_per_node),
+                      "NNODES": str(nodes), "ZEROFLAT_LOCAL_RANKS": str(ranks_per_node),
+                      "NODES_CHECKPOINT": self.mount, "NODES_DEVICE": self.device}
+            if cpus_per_node:
+                threads = str(max(1, int(cpus_per_node / ranks_per_node + 0.5)))
+                common.update(OMP_NUM_THREADS=threads, ZEROFLAT_NUM_THREADS=threads)
+            common.update(env or {})
+            spec = {"world_size": world, "ranks_per_node": ranks_per_node, "cwd": os.getcwd(),
+                    "cgroups": cgroups, "agents": [a.pid for a in agents], "dir": rundir,
+                    "env": common}
+            spec_path = os.path.join(rundir, "spec.json")
+            with open(spec_path, "w") as f:
+                json.dump(spec, f)
+            enter = [sys.executable, HERE, "--_enter", spec_path, "--"]
+            t0 = time.monotonic()
+            with blocked_signals():  # a signal waits until every process started is tracked
+                if launcher == "direct":
+                    for r in range(world):
+                        procs.append(subprocess.Popen(
+                            enter + command, env=dict(os.environ, NODES_RANK=str(r)),
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=unblocked_in_child))
+                else:
+                    procs.append(self._mpirun(world, mpirun_args, enter + command, rundir))
+            deadline = t0 + timeout if timeout else None
+            while any(p.poll() is None for p in procs):
+                if deadline and time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+            result["seconds"] = time.monotonic() - t0
+        finally:
+            with blocked_signals():
+                self._end_run(procs, agents, cgroups, result, timed_out)
+        result["timed_out"] = timed_out
+        self._collect(result, rundir, procs, launcher)
+        shutil.rmtree(rundir, ignore_errors=True)
+        return result
+
+    @staticmethod
+    def _mpirun(world, mpirun_args, command, rundir):
+        """One mpirun for every rank; TCP on the loopback between ranks (a node's /dev/shm is its
+        own, so Open MPI's shared-memory transport cannot join ranks of different nodes)."""
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        with open(os.path.join(rundir, "mpirun.out"), "wb") as out:
+            return subprocess.Popen(
+                ["mpirun", "-np", str(world), "--oversubscribe", "--bind-to", "none",
+                 "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo",
+                 "--mca", "oob_tcp_if_include", "lo", *mpirun_args] + command,
+                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=unblocked_in_child)
+
+    def _end_run(self, procs, agents, cgroups, result, timed_out):
+        """Every process of the run stopped (SIGTERM first when they were still running, then
+        SIGKILL), the kernel's counts read, the cgroups and namespaces removed."""
+        running = [p for p in procs if p.poll() is None]
+        if running:
+            for p in running:  # the launcher (mpirun) first: it stops its ranks
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            for dirs in cgroups:
+                kill_cgroup(dirs, signal.SIGTERM)
+            deadline = time.monotonic() + 5.0
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        leftovers = []
+        for dirs in cgroups:
+            leftovers.append(len(kill_cgroup(dirs, signal.SIGKILL, grace=10.0)))
+        for p in procs:
+            p.wait()
+        read = []
+        for dirs in cgroups:
+            try:
+                read.append(self.cg.read_bytes(dirs, self.device))
+            except OSError:
+                read.append(None)
+        errors = []
+        for dirs in cgroups:
+            try:
+                remove_cgroup(self.cg, dirs)
+            except OSError as e:
+                errors.append(f"{dirs[0]}: {e}")
+        self._stop_agents(agents)
+        result["disk_read_bytes"] = read
+        result["leftover_processes"] = leftovers
+        result["cleanup_errors"] = errors
+
+    def _collect(self, result, rundir, procs, launcher):
+        ranks = []
+        for r in range(result["world_size"]):
+            base = os.path.join(rundir, f"rank{r}")
+            try:
+                with open(base + ".json") as f:
+                    entry = json.load(f)
+            except (OSError, ValueError):
+                node, local = divmod(r, result["ranks_per_node"])
+                code = procs[r].returncode if launcher == "direct" else None
+                entry = {"rank": r, "node": node, "local_rank": local,
+                         "exit": code, "seconds": None, "read_bytes": None}
+            for stream in ("out", "err"):
+                try:
+                    with open(f"{base}.{stream}", "rb") as f:
+                        entry["std" + stream] = f.read().decode(errors="replace")
+                except OSError:
+                    entry["std" + stream] = ""
+            ranks.append(entry)
+        if launcher == "mpirun":
+            try:
+                with open(os.path.join(rundir, "mpirun.out"), "rb") as f:
+                    result["launcher_output"] = f.read().decode(errors="replace")
+            except OSError:
+                result["launcher_output"] = ""
+            result["launcher_exit"] = procs[0].returncode if procs else None
+        size = self.checkpoint_bytes
+        k = result["nodes"]
+        result["per_node"] = [
+            {"node": i, "disk_read_bytes": result["disk_read_bytes"][i],
+             "x_share": (result["disk_read_bytes"][i] / (size / k)
+                         if size and result["disk_read_bytes"][i] is not None else None),
+             "ranks": [e for e in ranks if e["node"] == i]}
+            for i in range(k)]
+        counted = [b for b in result["disk_read_bytes"] if b is not None]
+        result["disk_read_bytes_total"] = sum(counted)
+        result["x_checkpoint"] = sum(counted) / size if size else None
+        failed = [e["rank"] for e in ranks if e["exit"] != 0]
+        result["failed_ranks"] = failed
+        if result["timed_out"]:
+            result["exit"] = EXIT_TIMEOUT
+        elif failed or (launcher == "mpirun" and result.get("launcher_exit")):
+            result["exit"] = EXIT_FAILED
+        else:
+            result["exit"] = 0
+
+
+def clean_stale(copies_in=None, log=print):
+    """Removes what a harness that died without cleaning up (SIGKILL) left: cgroups, and copy
+    directories in copies_in (default the temp dir), named after a process that no longer runs.
+    Mounts died with their namespaces."""
+    removed = []
+    backend = CgroupV1 if CgroupV1.available() else (CgroupV2 if CgroupV2.is_v2() else None)
+    dirs = backend.stale() if backend else []
+    for d in sorted(dirs, key=len, reverse=True):
+        m = re.match(re.escape(PREFIX) + r"(\d+)-", os.path.basename(d))
+        if m and not pid_alive(int(m.group(1))):
+            kill_cgroup([d], signal.SIGKILL, grace=5.0)
+            try:
+                os.rmdir(d)
+                removed.append(d)
+            except OSError as e:
+                log(f"cannot remove {d}: {e}")
+    tmp = copies_in or tempfile.gettempdir()
+    for n in os.listdir(tmp):
+        m = re.match(re.escape(PREFIX) + r"(\d+)-", n)
+        if m and not pid_alive(int(m.group(1))) and os.path.isdir(os.path.join(tmp, n)):
+            shutil.rmtree(os.path.join(tmp, n), ignore_errors=True)
+            removed.append(os.path.join(tmp, n))
+    return removed
+
+
+def check_throttle(copies_in, size=200 << 20, bps=50 << 20):
+    """Reads size bytes cold through a bps cap and returns (seconds, bytes the kernel counted):
+    200 MiB at 50 MiB/s should take about 4 s where the throttle works."""
+    device, _ = block_device(copies_in)
+    cg = cgroup_backend(False, f"{PREFIX}{os.getpid()}-parent")
+    work = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=copies_in)
+    dirs = None
+    try:
+        path = os.path.join(work, "data")
+        block = os.urandom(1 << 20)
+        with open(path, "wb") as f:
+            for _ in range(size >> 20):
+                f.write(block)
+        drop_from_cache(work)
+        dirs = cg.make(f"{PREFIX}{os.getpid()}-throttle", device, bps, None)
+        reader = ("import sys\nf = open(sys.argv[1], 'rb', buffering=0)\n"
+                  "while f.read(1 << 20):\n    pass\n")
+        t0 = time.monotonic()
+        p = subprocess.Popen([sys.executable, "-c", reader, path], preexec_fn=lambda: _write(
+            os.path.join(dirs[0], "cgroup.procs"), str(os.getpid())))
+        p.wait()
+        seconds = time.monotonic() - t0
+        counted = cg.read_bytes(dirs, device)
+        return seconds, counted, device
+    finally:
+        with blocked_signals():
+            if dirs:
+                remove_cgroup(cg, dirs)
+            if isinstance(cg, CgroupV2):
+                cg.close()
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# --- the command line --------------------------------------------------------------------------
+
+def print_summary(res, quiet=False, out=sys.stdout):
+    k, r = res["nodes"], res["ranks_per_node"]
+    bw = res["bandwidth_bytes_per_s"]
+    size = res["checkpoint_bytes"]
+    print(f"{k} node(s) x {r} rank(s), storage "
+          + (f"{human(bw)}/s shared ({human(res['per_node_bytes_per_s'])}/s per node)"
+             if bw else "unthrottled")
+          + (f", {res['cpus_per_node']} cores per node" if res["cpus_per_node"] else "")
+          + f", {res['cache']}; checkpoint {human(size)}; disk {res['device']} (read-ahead "
+          f"{res['read_ahead_kb']} KiB), cgroup v{res['cgroup_version']}; "
+          f"{res.get('seconds', 0):.2f} s", file=out)
+    print(f"{'node':>4} {'disk read':>11} {'x 1/K':>6}  ranks: exit, seconds, read_bytes",
+          file=out)
+    for n in res["per_node"]:
+        ranks = "; ".join(
+            f"{e['rank']}: {e['exit']}, "
+            + (f"{e['seconds']:.2f} s" if e.get("seconds") is not None else "-")
+            + f", {human(e.get('read_bytes'))}" for e in n["ranks"])
+        xs = f"{n['x_share']:.2f}" if n["x_share"] is not None else "-"
+        print(f"{n['node']:>4} {human(n['disk_read_bytes']):>11} {xs:>6}  {ranks}", file=out)
+    print(f"all nodes: {human(res['disk_read_bytes_total'])} read from the disk, "
+          + (f"{res['x_checkpoint']:.2f} x the checkpoint" if res["x_checkpoint"] is not None
+             else "") + (f"; leftover processes killed: {sum(res['leftover_processes'])}"
+                         if any(res["leftover_processes"]) else ""), file=out)
+    if res["timed_out"]:
+        print("TIMED OUT: every process of the run was stopped", file=out)
+    for e in [e for n in res["per_node"] for e in n["ranks"]]:
+        if quiet and e["exit"] == 0:
+            continue
+        for stream in ("stdout", "stderr"):
+            text = e.get(stream, "").rstrip()
+            if text:
+                lines = text.splitlines()
+                tail = lines[-20:] if e["exit"] != 0 or quiet else lines[-5:]
+                print(f"--- rank {e['rank']} {stream} (last {len(tail)} of {len(lines)} lines)",
+                      file=out)
+                print("\n".join(tail), file=out)
+    if res.get("launcher_exit"):
+        print(f"--- mpirun exited {res['launcher_exit']}:\n"
+              + res.get("launcher_output", "")[-2000:], file=out)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_node"]:
+        return node_agent(argv[1], argv[2], argv[3] == "1")
+    if argv[:1] == ["--_enter"]:
+        return enter_rank(argv[1], argv[3:])
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1:]
+    else:
+        command = []
+    ap = argparse.ArgumentParser(
+        prog="nodes.py", description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 ok, 1 a rank failed, 2 bad arguments, 3 set-up failed, "
+               "77 kernel features missing, 124 timeout, 128+N a signal.")
+    ap.add_argument("--nodes", type=int, help="K: simulated nodes")
+    ap.add_argument("--ranks-per-node", type=int, default=1, help="R (default 1)")
+    ap.add_argument("--bandwidth", default="none",
+                    help="storage read bandwidth shared by all nodes, e.g. 100MB/s, 1GiB/s "
+                         "(default none: unthrottled); each node gets 1/K of it")
+    cache = ap.add_mutually_exclusive_group()
+    cache.add_argument("--cold", dest="cold", action="store_true", default=True,
+                       help="every copy written back and dropped from the page cache (default)")
+    cache.add_argument("--warm", dest="cold", action="store_false",
+                       help="every copy read once before the run")
+    ap.add_argument("--checkpoint", help="the directory each node gets a copy of")
+    ap.add_argument("--copies-in", help="where the copies go (a disk; default the temp dir)")
+    ap.add_argument("--mount", help="the common path the ranks see their node's copy at "
+                                    "(default: a fresh empty directory next to the copies)")
+    ap.add_argument("--cpus-per-node", type=float,
+                    help="a CPU quota per node, in cores (cpu cgroup)")
+    ap.add_argument("--shared-shm", action="store_true",
+                    help="keep the machine's /dev/shm in every node (default: one per node)")
+    ap.add_argument("--launcher", choices=("direct", "mpirun"), default="direct")
+    ap.add_argument("--mpirun-arg", action="append", default=[],
+                    help="one more argument for mpirun (repeatable)")
+    ap.add_argument("--timeout", type=float, default=600,
+                    help="seconds before the run is stopped (0: none; default 600)")
+    ap.add_argument("--json", action="store_true", help="the result as JSON on stdout")
+    ap.add_argument("--quiet", action="store_true", help="no output of ranks that succeeded")
+    ap.add_argument("--check-throttle", action="store_true",
+                    help="only measure: 200 MiB read cold through a 50 MiB/s cap (about 4 s)")
+    ap.add_argument("--clean-stale", action="store_true",
+                    help="only remove what a harness killed with SIGKILL left behind")
+    args = ap.parse_args(argv)
+
+    def refuse(reason):
+        print(f"nodes.py: cannot rehearse here: {reason}", file=sys.stderr)
+        return EXIT_UNSUPPORTED
+
+    def interrupted(signum, _frame):
+        raise Interrupted(signum)
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, interrupted)
+    try:
+        if args.clean_stale:
+            if os.geteuid() != 0:
+                return refuse("not root")
+            for path in clean_stale(args.copies_in):
+                print(f"removed {path}")
+            return 0
+        if args.check_throttle:
+            if os.geteuid() != 0:
+                return refuse("not root")
+            seconds, counted, device = check_throttle(args.copies_in or tempfile.gettempdir())
+            print(f"disk {device}: 200 MiB read cold through a 50 MiB/s cap in {seconds:.2f} s "
+                  f"(expected about 4 s); the kernel counted {counted / (1 << 20):.1f} MiB")
+            return 0 if 3.0 <= seconds <= 6.0 else EXIT_FAILED
+        if not args.nodes or args.nodes < 1 or args.ranks_per_node < 1:
+            ap.error("--nodes and --ranks-per-node must be at least 1")
+        if not args.checkpoint:
+            ap.error("--checkpoint DIR is required")
+        if not command:
+            ap.error("the command to run goes after --")
+        if args.cpus_per_node is not None and args.cpus_per_node <= 0:
+            ap.error("--cpus-per-node must be positive")
+        try:
+            bandwidth = parse_bandwidth(args.bandwidth)
+        except ValueError as e:
+            ap.error(str(e))
+        log = (lambda msg: None) if args.json else (
+            lambda msg: print(f"[nodes] {msg}", file=sys.stderr))
+        with Rehearsal(args.checkpoint, args.nodes, copies_in=args.copies_in,
+                       mount=args.mount, cpus=args.cpus_per_node is not None,
+                       private_shm=not args.shared_shm, log=log) as rehearsal:
+            res = rehearsal.run(command, ranks_per_node=args.ranks_per_node,
+                                bandwidth=bandwidth, cold=args.cold,
+                                cpus_per_node=args.cpus_per_node,
+                                timeout=args.timeout or None, launcher=args.launcher,
+                                mpirun_args=args.mpirun_arg)
+        if args.json:
+            print(json.dumps(res, indent=2))
+        else:
+            print_summary(res, quiet=args.quiet)
+        return res["exit"]
+    except Unsupported as e:
+        return refuse(e)
+    except (SetupError, ValueError) as e:
+        print(f"nodes.py: {e}", file=sys.stderr)
+        return EXIT_SETUP if isinstance(e, SetupError) else EXIT_USAGE
+    except KeyboardInterrupt:
+        print("nodes.py: interrupted; cleaned up", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Interrupted as e:
+        print(f"nodes.py: {e}; cleaned up", file=sys.stderr)
+        return 128 + e.signum
+
+
+if __name__ == "__main__":
+    sys.exit(main())
