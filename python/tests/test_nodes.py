@@ -1,0 +1,263 @@
+"""Two simulated nodes on this machine (scripts/nodes.py: a mount namespace, a copy of the
+checkpoint and a block-I/O cgroup per node), cold, with the kernel's count of the bytes each node
+read from the disk: with zeroflat.hf.from_pretrained each node reads its half of the checkpoint
+(and no more than the disk's read-ahead past the ends of its reads); with Transformers'
+from_pretrained (every parameter touched, as DeepSpeed's flatten touches them) each node reads
+all of it. And the harness leaves nothing behind: no cgroup, no mount, no copy, no process, after
+a run that succeeds, fails, times out or is stopped by SIGTERM.
+
+It needs root and a block-I/O cgroup controller. Where they are missing the harness refuses
+(exit 77, one line saying why) and these tests skip with that line; run as a script (as ctest
+does) the suite then exits 77.
+
+    python test_nodes.py                      # the suite (exit 77: skipped, reason printed)
+    python test_nodes.py --rank WAY           # one rank, under the harness"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+HARNESS = os.path.join(ROOT, "scripts", "nodes.py")
+RESULT = "NODES_TEST "
+MiB = 1 << 20
+
+
+def harness(*args, timeout=120, **kw):
+    return subprocess.run([sys.executable, HARNESS, *args], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def unsupported_reason():
+    """None where the harness can rehearse nodes here, else its one-line refusal."""
+    with tempfile.TemporaryDirectory() as d:
+        os.mkdir(os.path.join(d, "ck"))
+        with open(os.path.join(d, "ck", "f"), "wb") as f:
+            f.write(b"x" * 4096)
+        r = harness("--nodes", "1", "--checkpoint", os.path.join(d, "ck"), "--copies-in", d,
+                    "--quiet", "--", "true")
+    if r.returncode == 77:
+        return r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 0, r.stdout + r.stderr
+    return None
+
+
+# --- the rank program --------------------------------------------------------------------------
+
+def rank_main(way):
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import zeroflat.hf
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    path = os.environ["NODES_CHECKPOINT"]
+    if way == "zeroflat":
+        model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
+                                            device="cpu", param_groups=None)
+        loader_bytes = sum(fg.report["bytes_read"] for fg in model.zeroflat_groups)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        loader_bytes = None
+    # Every parameter touched, as DeepSpeed's flatten would: Transformers leaves parameters as
+    # mappings of the files, read when first touched.
+    total = sum(float(p.detach().float().sum()) for p in model.parameters())
+    dist.barrier()
+    print(RESULT + json.dumps({"rank": dist.get_rank(), "loader_bytes": loader_bytes,
+                               "checksum": total}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+# --- the tests ---------------------------------------------------------------------------------
+
+if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def rehearsable():
+        reason = unsupported_reason()
+        if reason:
+            pytest.skip(reason)
+
+    @pytest.fixture(scope="module")
+    def checkpoint(rehearsable, tmp_path_factory):
+        """A Llama-shaped model of 53 M parameters, 106 MB bf16 in four shards, written by
+        Transformers' save_pretrained."""
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        import zeroflat.hf  # noqa: F401  (what the ranks import is in the page cache: the
+        # nodes' counts are the checkpoint's)
+
+        path = str(tmp_path_factory.mktemp("nodes") / "checkpoint")
+        config = LlamaConfig(vocab_size=16000, hidden_size=1024, intermediate_size=2048,
+                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                             tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(path, max_shard_size="30MB")
+        return path
+
+    def run_nodes(checkpoint, way, tmp_path):
+        r = harness("--nodes", "2", "--cold", "--checkpoint", checkpoint, "--copies-in",
+                    str(tmp_path), "--timeout", "100", "--json", "--",
+                    sys.executable, os.path.abspath(__file__), "--rank", way, timeout=150)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+        res = json.loads(r.stdout)
+        ranks = [json.loads(ln[len(RESULT):]) for n in res["per_node"] for e in n["ranks"]
+                 for ln in e["stdout"].splitlines() if ln.startswith(RESULT)]
+        assert len(ranks) == 2, res
+        return res, ranks
+
+    def test_each_node_reads_its_share_with_zeroflat_and_all_of_it_with_transformers(
+            checkpoint, tmp_path):
+        size = sum(os.path.getsize(os.path.join(checkpoint, n)) for n in os.listdir(checkpoint))
+        res, ranks = run_nodes(checkpoint, "zeroflat", tmp_path)
+        assert res["checkpoint_bytes"] == size
+        # Slack: 1 MiB (headers, page alignment) and two windows of the disk's read-ahead, which
+        # the kernel may read past the point where a node's reads stop in the middle of a file.
+        ahead = (res["read_ahead_kb"] or 128) * 1024
+        slack = MiB + 2 * ahead
+        for node, rank in zip(res["per_node"], ranks):
+            disk = node["disk_read_bytes"]
+            assert disk <= size / 2 + slack, (node["node"], disk, size / 2, slack)
+            # Cold and counted: the node read at least what its loader says it read.
+            assert disk >= rank["loader_bytes"] >= 0.45 * size, (disk, rank, size)
+        assert ranks[0]["checksum"] == ranks[1]["checksum"]
+
+        res_t, ranks_t = run_nodes(checkpoint, "transformers", tmp_path)
+        for node in res_t["per_node"]:
+            assert node["disk_read_bytes"] >= 0.9 * size, (node["node"], node, size)
+        assert ranks_t[0]["checksum"] == ranks[0]["checksum"]  # the same model both ways
+        assert res_t["x_checkpoint"] >= 1.8 and res["x_checkpoint"] <= 1.0 + 2 * slack / size
+
+    def sleepers():
+        """The processes running the tests' `sleep 97.125`."""
+        found = []
+        for proc in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{proc}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[:2] == [b"sleep", b"97.125"]:
+                        found.append(proc)
+            except (OSError, NotADirectoryError):
+                pass
+        return found
+
+    def leftovers(pid, copies_in, mount):
+        """What a harness of process pid left: cgroups named after it, copies in copies_in,
+        mounts of its copies seen by any process, processes still running the marker."""
+        found = []
+        for root in ("/sys/fs/cgroup/blkio", "/sys/fs/cgroup/cpu", "/sys/fs/cgroup"):
+            if os.path.isdir(root):
+                found += [os.path.join(root, n) for n in os.listdir(root)
+                          if n.startswith(f"zeroflat-nodes-{pid}-")]
+        found += [os.path.join(copies_in, n) for n in os.listdir(copies_in)]
+        for proc in os.listdir("/proc"):
+            if not proc.isdigit():
+                continue
+            try:
+                with open(f"/proc/{proc}/mountinfo") as f:
+                    text = f.read()
+                    if str(copies_in) in text or str(mount) in text:
+                        found.append(f"a mount seen by process {proc}")
+            except OSError:
+                pass
+        return found + [f"process {p} still sleeping" for p in sleepers()]
+
+    def test_nothing_is_left_behind(rehearsable, tmp_path):
+        ck = tmp_path / "ck"
+        ck.mkdir()
+        (ck / "data").write_bytes(os.urandom(2 * MiB))
+        copies = tmp_path / "copies"
+        copies.mkdir()
+        mount = tmp_path / "mnt"  # made by the harness, and removed
+        base = ["--nodes", "2", "--ranks-per-node", "2", "--bandwidth", "50MB/s", "--checkpoint",
+                str(ck), "--copies-in", str(copies), "--mount", str(mount), "--json"]
+
+        def run(command, *extra, expect):
+            p = subprocess.Popen([sys.executable, HARNESS, *base, *extra, "--", *command],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == expect, out + err
+            assert leftovers(p.pid, copies, mount) == []
+            assert not mount.exists()
+            return json.loads(out)
+
+        # Succeeds: every rank saw its node's copy at the common path; the bytes are counted.
+        res = run(["sh", "-c", 'cat "$NODES_CHECKPOINT/data" > /dev/null; echo "$NODE_RANK"'],
+                  expect=0)
+        assert [e["stdout"].strip() for n in res["per_node"] for e in n["ranks"]] == \
+            ["0", "0", "1", "1"]
+        assert all(2 * MiB <= n["disk_read_bytes"] <= 3 * MiB for n in res["per_node"]), res
+        assert all(n["ranks"][0]["read_bytes"] + n["ranks"][1]["read_bytes"]
+                   == n["disk_read_bytes"] for n in res["per_node"]), res
+        # Fails, leaving a process behind in its node: killed.
+        res = run(["sh", "-c", "sleep 97.125 & exit 3"], expect=1)
+        assert [e["exit"] for n in res["per_node"] for e in n["ranks"]] == [3] * 4
+        assert sum(res["leftover_processes"]) == 4
+        # Times out: every process stopped.
+        res = run(["sleep", "97.125"], "--timeout", "1", expect=124)
+        assert res["timed_out"] and all(
+            e["exit"] == -signal.SIGTERM for n in res["per_node"] for e in n["ranks"])
+        # Stopped by SIGTERM while its ranks run.
+        p = subprocess.Popen([sys.executable, HARNESS, *base, "--", "sleep", "97.125"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while not sleepers():
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 128 + signal.SIGTERM, out + err
+        assert leftovers(p.pid, copies, mount) == [] and not mount.exists()
+
+    def test_refusals_exit_77_with_one_line(rehearsable, tmp_path):
+        ck = tmp_path / "ck"
+        ck.mkdir()
+        (ck / "data").write_bytes(b"x")
+
+        def as_nobody():
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+        r = subprocess.run([sys.executable, HARNESS, "--nodes", "1", "--checkpoint", str(ck),
+                            "--", "true"], capture_output=True, text=True, timeout=60,
+                           preexec_fn=as_nobody)
+        assert r.returncode == 77 and re.fullmatch(r"nodes\.py: cannot rehearse here: not root.*\n",
+                                                   r.stderr), r.stderr
+        if os.path.isdir("/dev/shm") and os.stat("/dev/shm").st_dev != os.stat(tmp_path).st_dev:
+            r = harness("--nodes", "1", "--checkpoint", str(ck), "--copies-in", "/dev/shm", "--",
+                        "true")
+            assert r.returncode == 77 and "without a block device" in r.stderr, r.stderr
+
+    def test_bandwidths_parse_with_units():
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("nodes_harness", HARNESS)
+        nodes = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(nodes)
+        assert nodes.parse_bandwidth("100MB/s") == 100_000_000
+        assert nodes.parse_bandwidth("50MiB/s") == 50 * MiB
+        assert nodes.parse_bandwidth("1.5G") == 1_500_000_000
+        assert nodes.parse_bandwidth("none") is None
+        with pytest.raises(ValueError):
+            nodes.parse_bandwidth("fast")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--rank"]:
+        sys.exit(rank_main(sys.argv[2]))
+    reason = unsupported_reason()
+    if reason:
+        print(f"skipped: {reason}")
+        sys.exit(77)
+    sys.exit(pytest.main([os.path.abspath(__file__), "-q", "-rs", "-p", "no:cacheprovider"]))
