@@ -1,7 +1,11 @@
 // The JSON documents zeroflat reports (docs/cli.md): what the probe saw, a plan and its
-// candidates. The CLI prints them and the Python package returns them parsed, so both say the
-// same thing in the same shape. Each function returns one compact JSON document (UTF-8; bytes
-// that are not valid UTF-8 are replaced).
+// candidates, and what one rank's flatten or load did. Each is written here, once: a caller that
+// reports one of these builds it with the function below and only adds fields of its own (the
+// CLI's `probe`, `plan`, and the entries of `run` and `load` with their repeats' timings,
+// ceilings, checksums and verification; the Python package's reports, with what it knows of
+// torch), so that the command line and Python say the same thing in the same shape. Each
+// function returns one compact JSON document (UTF-8; bytes that are not valid UTF-8 are
+// replaced).
 #pragma once
 
 #include <string>
@@ -10,6 +14,9 @@
 #include "zeroflat/probe.h"
 
 namespace zeroflat {
+
+struct FlattenResult;  // engine.h
+struct LoadResult;     // loader.h
 
 // `zeroflat probe --json`: the device, whether it is available, total and free bytes, which
 // source decided, every source with its answer or error, and the notes.
@@ -23,5 +30,59 @@ std::string candidate_json(const Candidate& candidate, bool with_steps);
 // memory it was planned in, every candidate (without steps), and the chosen tier's steps as
 // numbered lines.
 std::string plan_json(const Plan& plan, const PlanInput& input);
+
+// One rank's flatten_param_group (engine.h), the same whether the group fits or not:
+//   rank                         this rank (the plan input's)
+//   tier                         the chosen tier, or null when none fits
+//   outcome                      "done", "rolled back", "recovered", "lost" (executor.h), or
+//                                "infeasible" when no tier fits (nothing moved)
+//   feasible, reason             whether a tier fits, and why this one or why none (the plan's)
+//   flat_bytes, partition_bytes  of the group's layout
+//   seconds                      the chosen step list on this rank, agreements included
+//   step_seconds                 each step's time
+//   predicted_peak_device_bytes  the memory model on the chosen steps, from what this rank's
+//                                device held before them
+//   measured_peak_device_bytes   the device's own high-water mark over the steps
+//   predicted_host_bytes         the memory model's host stage for the chosen steps
+//   host_bytes                   the host stage the steps held at most
+//   error, failed_step,          only when a step failed: what failed and what the executor did,
+//   failed_rank                  the step (null if none ran) and the rank the ranks agreed on
+//   value_check_seconds,         only when the values check ran (sharded, staged): its time and
+//   value_check_bytes            the bytes this rank hashed
+//   master_bytes                 this rank's fp32 master partition, or null without one
+//   master_seconds               only with a master: building it
+//   master_error                 only when a master was asked and does not fit: why
+//   probe, host_probe            probe_json of the device and of the host memory it stages through
+//   plan                         plan_json of the plan and its input
+// All sizes are bytes and all times seconds.
+std::string flatten_result_json(const FlattenResult& result);
+
+// One rank's load_flat_group (loader.h), the same whether the buffer fits or not:
+//   rank                         this rank (the plan input's)
+//   tier                         the read plan's tier ("load")
+//   outcome                      "done", or "infeasible" when the buffer does not fit (nothing
+//                                read)
+//   feasible, reason             whether it fits, and why not ("" when it does)
+//   flat_bytes, partition_bytes  of the group's layout
+//   bytes_read, reads            file bytes this rank read, and its reads after merging
+//   read_seconds                 reading this rank's slice (conversion and staging included)
+//   read_gbps                    bytes_read / read_seconds in GB/s (10^9 bytes); null when
+//                                nothing was read (a device without data, or infeasible)
+//   page_cache, cached_fraction  where the bytes were before they were read ("cold", "warm",
+//                                "partly"; 0 to 1); null when nothing was read
+//   allgather_seconds, seconds   the all-gather, and the whole load on this rank
+//   predicted_peak_device_bytes, as for a flatten, over the load's steps
+//   measured_peak_device_bytes,
+//   predicted_host_bytes,
+//   host_bytes
+//   copy_check_bytes,            the check of the ranks' copies of the checkpoint: bytes this
+//   copy_check_seconds           rank read again to compare, and how long (0 without one)
+//   master_bytes                 this rank's fp32 master partition, or null without one
+//   master_seconds               only with a master: building it
+//   master_error                 only when a master was asked and does not fit: why
+//   probe, host_probe            probe_json of the device and of the host memory it stages through
+//   plan                         candidate_json of the read plan chosen, with its steps
+// All sizes are bytes and all times seconds.
+std::string load_result_json(const LoadResult& result);
 
 }  // namespace zeroflat
