@@ -902,4 +902,107 @@ TEST(CliLoad, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
   EXPECT_EQ(doc["plan"]["tier"], "load");
 }
 
+// --- write-checkpoint: files of its own, and in time linear in the tensors -------------------
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+TEST(CliWriteCheckpoint, AShardNameThatIsALinkIsNeverWrittenThrough) {
+  const std::string dir = temp_path("wc_link");
+  const std::string outside = temp_path("wc_link_outside.txt");
+  std::ofstream(outside) << "not a checkpoint";
+  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  const std::string shard = dir + "/model-00001-of-00003.safetensors";
+  ASSERT_EQ(symlink(outside.c_str(), shard.c_str()), 0);
+  Result r = run("write-checkpoint " + dir + " --model tiny-moe --shard-size 2MB --quiet");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("model-00001-of-00003.safetensors exists already"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(read_all(outside), "not a checkpoint");
+  // Nothing else was written either: the names were checked before the first byte.
+  struct stat st;
+  EXPECT_NE(lstat((dir + "/model-00002-of-00003.safetensors").c_str(), &st), 0);
+  EXPECT_EQ(lstat(shard.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode));
+  std::system(("rm -rf " + dir + " " + outside).c_str());
+}
+
+TEST(CliWriteCheckpoint, ADanglingLinkCreatesNoFileOutsideTheDirectory) {
+  for (const char* name :
+       {"model.safetensors", "model.safetensors.index.json", "model-00003-of-00003.safetensors"}) {
+    SCOPED_TRACE(name);
+    const std::string dir = temp_path("wc_dangling");
+    const std::string target = temp_path("wc_dangling_target");
+    ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+    ASSERT_EQ(symlink(target.c_str(), (dir + "/" + name).c_str()), 0);
+    const std::string shards = std::string(name) == "model.safetensors" ? "" : " --shard-size 2MB";
+    Result r = run("write-checkpoint " + dir + " --model tiny-moe --quiet" + shards);
+    EXPECT_EQ(r.code, 2) << r.err;
+    struct stat st;
+    EXPECT_NE(lstat(target.c_str(), &st), 0) << target << " was created";
+    std::system(("rm -rf " + dir + " " + target).c_str());
+  }
+}
+
+TEST(CliWriteCheckpoint, AFailedWriteRemovesOnlyWhatItCreated) {
+  // A file-size limit of 1 MiB: the first 2 MB shard fails midway (EFBIG).
+  const std::string dir = temp_path("wc_fail");
+  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  std::ofstream(dir + "/notes.txt") << "mine";
+  Result r = run("write-checkpoint " + dir + " --model tiny-moe --shard-size 2MB --quiet", "",
+                 "ulimit -f 1024;");
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_NE(r.err.find("writing failed"), std::string::npos) << r.err;
+  EXPECT_EQ(read_all(dir + "/notes.txt"), "mine");
+  struct stat st;
+  EXPECT_NE(lstat((dir + "/model-00001-of-00003.safetensors").c_str(), &st), 0);
+  // A shard name taken by a file of someone else's: refused before anything is written, and the
+  // file survives (a failed run used to remove it).
+  std::ofstream(dir + "/model-00002-of-00003.safetensors") << "theirs";
+  Result taken = run("write-checkpoint " + dir + " --model tiny-moe --shard-size 2MB --quiet");
+  EXPECT_EQ(taken.code, 2) << taken.err;
+  EXPECT_EQ(read_all(dir + "/model-00002-of-00003.safetensors"), "theirs");
+  EXPECT_NE(lstat((dir + "/model-00001-of-00003.safetensors").c_str(), &st), 0);
+  // A directory the run made itself goes too, when nothing else is in it.
+  const std::string fresh = temp_path("wc_fail_fresh");
+  Result gone =
+      run("write-checkpoint " + fresh + " --model tiny-moe --quiet", "", "ulimit -f 1024;");
+  EXPECT_EQ(gone.code, 1) << gone.err;
+  EXPECT_NE(lstat(fresh.c_str(), &st), 0);
+  std::system(("rm -rf " + dir).c_str());
+}
+
+// A config of L layers of 400 tiny experts: about 1,200 L tensors.
+std::string many_tensors_config(int layers) {
+  return write_temp("many" + std::to_string(layers) + ".json",
+                    R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 8,
+    "num_hidden_layers": )" +
+                        std::to_string(layers) +
+                        R"(, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+    "moe_intermediate_size": 4, "num_experts": 400, "vocab_size": 16})");
+}
+
+double seconds_to_write(const std::string& config, const std::string& dir) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Result r = run("write-checkpoint " + dir + " --model " + config + " --quiet");
+  EXPECT_EQ(r.code, 0) << r.err;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// 300,000 tensors took more than two minutes (a header built in time quadratic in its tensors).
+TEST(CliWriteCheckpoint, ThreeHundredThousandTensorsInLinearTime) {
+  const std::string small = temp_path("wc_small"), large = temp_path("wc_large");
+  const double t_small = seconds_to_write(many_tensors_config(25), small);   // ~30,000 tensors
+  const double t_large = seconds_to_write(many_tensors_config(250), large);  // ~300,000
+  Result inspect = run("inspect " + large + " --json");
+  ASSERT_EQ(inspect.code, 0) << inspect.err;
+  EXPECT_GT(json::parse(inspect.out)["tensors"].get<std::uint64_t>(), 300'000u);
+  // Ten times the tensors: about ten times the time when linear, a hundred when quadratic.
+  EXPECT_LT(t_large, 40 * std::max(t_small, 0.05)) << t_small << " s, then " << t_large << " s";
+  EXPECT_LT(t_large, 60.0);
+  std::system(("rm -rf " + small + " " + large).c_str());
+}
+
 }  // namespace

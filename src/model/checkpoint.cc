@@ -1,6 +1,9 @@
 // Safetensors checkpoints: the index of tensors by file and byte range, and the test writer.
 #include "zeroflat/checkpoint.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -197,6 +200,79 @@ CheckpointIndex open_checkpoint(const std::string& path_text) {
 
 namespace {
 
+// A JSON string literal of s.
+std::string json_string(const std::string& s) {
+  return nlohmann::json(s).dump();
+}
+
+// A file write_pattern_checkpoint creates: always a new one. O_EXCL refuses any name that
+// exists, a link included (even one whose target does not exist: creating through it would make
+// a file outside the directory), and O_NOFOLLOW refuses a link even where O_EXCL would not be
+// checked; so the writer never writes over or through anything it did not create, and may
+// remove on failure exactly what it created. Writes are buffered: small tensors are many.
+class NewFile {
+ public:
+  explicit NewFile(fs::path path) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd_ < 0) {
+      const int err = errno;
+      if (err == EEXIST || err == ELOOP) {
+        throw InvalidArgument(printable(path_.string(), 200) +
+                              " exists already (a file or a link): a checkpoint is written into "
+                              "files created new, never over or through another; write into a "
+                              "new directory");
+      }
+      throw Error(printable(path_.string(), 200) + ": cannot create it (" + std::strerror(err) +
+                  ")");
+    }
+    buf_.reserve(kBuffer);
+  }
+  NewFile(const NewFile&) = delete;
+  NewFile& operator=(const NewFile&) = delete;
+  ~NewFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  void write(const void* data, std::size_t n) {
+    const auto* p = static_cast<const char*>(data);
+    if (buf_.size() + n > kBuffer) flush();
+    if (n >= kBuffer) {
+      put(p, n);
+    } else {
+      buf_.insert(buf_.end(), p, p + n);
+    }
+  }
+  void close() {
+    flush();
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) fail(errno);
+  }
+
+ private:
+  static constexpr std::size_t kBuffer = std::size_t{4} << 20;
+  void flush() {
+    put(buf_.data(), buf_.size());
+    buf_.clear();
+  }
+  void put(const char* p, std::size_t n) {
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) fail(w < 0 ? errno : ENOSPC);
+      p += w;
+      n -= static_cast<std::size_t>(w);
+    }
+  }
+  [[noreturn]] void fail(int err) const {
+    throw Error(printable(path_.string(), 200) + ": writing failed (" + std::strerror(err) + ")");
+  }
+
+  fs::path path_;
+  int fd_ = -1;
+  std::vector<char> buf_;
+};
+
 // What write_pattern_checkpoint writes: the shards' names, header texts and tensors.
 struct Shard {
   std::string name;
@@ -241,17 +317,28 @@ std::vector<Shard> pattern_shards(const ModelSpec& model, DType dtype, std::uint
       std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", k + 1, n);
       sh.name = buf;
     }
-    nlohmann::ordered_json header = nlohmann::ordered_json::object();
-    header["__metadata__"] = {{"format", "pt"}};
+    // Written out entry by entry: a JSON object built key by key keeps its keys in order by a
+    // linear search for each new one, quadratic in the tensors of a shard.
+    std::string& h = sh.header;
+    h = R"({"__metadata__":{"format":"pt"})";
     std::uint64_t at = 0;
     for (std::size_t i = sh.first; i < sh.last; ++i) {
       const TensorSpec& t = model.tensors[i];
-      header[t.name] = {
-          {"dtype", st_name(dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.numel * es}}};
+      h += ',';
+      h += json_string(t.name);
+      h += R"(:{"dtype":")";
+      h += st_name(dtype);
+      h += R"(","shape":[)";
+      for (std::size_t d = 0; d < t.shape.size(); ++d) {
+        if (d > 0) h += ',';
+        h += std::to_string(t.shape[d]);
+      }
+      h += R"(],"data_offsets":[)" + std::to_string(at) + ',' +
+           std::to_string(at + t.numel * es) + "]}";
       at += t.numel * es;
     }
-    sh.header = header.dump();
-    sh.header.append((8 - (8 + sh.header.size()) % 8) % 8, ' ');
+    h += '}';
+    h.append((8 - (8 + h.size()) % 8) % 8, ' ');
   }
   return shards;
 }
@@ -296,38 +383,49 @@ void write_pattern_checkpoint(const ModelSpec& model, DType dtype, const std::st
   detail::check_path(dir_text);
   const fs::path dir(dir_text);
   std::error_code ec;
-  if (fs::exists(dir / "model.safetensors.index.json", ec) ||
-      fs::exists(dir / "model.safetensors", ec)) {
+  // symlink_status: a link counts as there, whether or not its target exists.
+  auto there = [&](const fs::path& p) { return fs::exists(fs::symlink_status(p, ec)); };
+  if (there(dir / "model.safetensors.index.json") || there(dir / "model.safetensors")) {
     throw InvalidArgument(dir_text + " holds a checkpoint already: write into a new directory");
   }
   const std::vector<Shard> shards = pattern_shards(model, dtype, shard_bytes);
+  // Every name this run will create must be free before the first byte is written.
+  for (const Shard& sh : shards) {
+    if (there(dir / sh.name)) {
+      throw InvalidArgument(printable((dir / sh.name).string(), 200) +
+                            " exists already (a file or a link): a checkpoint is written into "
+                            "files created new, never over or through another; write into a new "
+                            "directory");
+    }
+  }
   // Tensor i of the natural name order (the order a checkpoint is flattened in when it is the
   // model) holds pattern i; the index also checks that the names are unique.
   const CheckpointIndex index = pattern_checkpoint_index(model, dtype, dir_text, shard_bytes);
   std::map<std::string, std::uint64_t> pattern_of;
   for (std::size_t i = 0; i < index.tensors.size(); ++i) pattern_of[index.tensors[i].name] = i;
-  fs::create_directories(dir, ec);
+  const bool made_dir = fs::create_directories(dir, ec);
   if (ec) throw InvalidArgument(dir_text + ": cannot create it (" + ec.message() + ")");
   const DType pattern = values.value_or(dtype);
   const std::uint64_t es = element_size(dtype);
   const std::uint64_t ps = element_size(pattern);
-  std::vector<fs::path> written;
+  std::vector<fs::path> created;  // by this run: the only files a failure removes
   try {
-    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+    std::string weight_map;  // the index's entries, written out as the shards are
     std::uint64_t total = 0;
     for (const Shard& sh : shards) {
       const fs::path file = dir / sh.name;
-      written.push_back(file);
-      std::ofstream out(file, std::ios::binary | std::ios::trunc);
+      NewFile out(file);
+      created.push_back(file);
       const std::uint64_t len = sh.header.size();
       char len_bytes[8];
       for (int b = 0; b < 8; ++b) len_bytes[b] = static_cast<char>((len >> (8 * b)) & 0xff);
       out.write(len_bytes, 8);
-      out.write(sh.header.data(), static_cast<std::streamsize>(sh.header.size()));
+      out.write(sh.header.data(), sh.header.size());
       std::vector<unsigned char> raw, buf;
       for (std::size_t i = sh.first; i < sh.last; ++i) {
         const TensorSpec& t = model.tensors[i];
-        weight_map[t.name] = sh.name;
+        weight_map += (weight_map.empty() ? "\n    " : ",\n    ") + json_string(t.name) + ": " +
+                      json_string(sh.name);
         constexpr std::uint64_t kPiece = std::uint64_t{1} << 22;  // elements at a time
         for (std::uint64_t lo = 0; lo < t.numel; lo += kPiece) {
           const std::uint64_t count = std::min(kPiece, t.numel - lo);
@@ -335,28 +433,26 @@ void write_pattern_checkpoint(const ModelSpec& model, DType dtype, const std::st
           fill_pattern(raw.data(), pattern, pattern_of[t.name], lo, count);
           buf.resize(count * es);
           detail::convert_range(buf.data(), dtype, raw.data(), pattern, count);
-          out.write(reinterpret_cast<const char*>(buf.data()),
-                    static_cast<std::streamsize>(buf.size()));
+          out.write(buf.data(), buf.size());
           if (progress) progress(buf.size());
         }
       }
       out.close();
-      if (!out) throw Error(file.string() + ": writing failed (" + std::strerror(errno) + ")");
       total += sh.data_bytes;
     }
     if (shards.size() > 1) {
-      nlohmann::ordered_json index_doc;
-      index_doc["metadata"] = {{"total_size", total}};
-      index_doc["weight_map"] = std::move(weight_map);
+      // As a JSON library indents it (two spaces), written out for the same reason as headers.
+      const std::string doc = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) +
+                              "\n  },\n  \"weight_map\": {" + weight_map + "\n  }\n}\n";
       const fs::path file = dir / "model.safetensors.index.json";
-      written.push_back(file);
-      std::ofstream out(file, std::ios::trunc);
-      out << index_doc.dump(2) << '\n';
+      NewFile out(file);
+      created.push_back(file);
+      out.write(doc.data(), doc.size());
       out.close();
-      if (!out) throw Error(file.string() + ": writing failed (" + std::strerror(errno) + ")");
     }
   } catch (...) {
-    for (const fs::path& f : written) fs::remove(f, ec);
+    for (const fs::path& f : created) fs::remove(f, ec);
+    if (made_dir) fs::remove(dir, ec);  // only if empty: nothing of anyone else's
     throw;
   }
 }

@@ -2,6 +2,7 @@
 // library's loader (loader.h), each rank reading only its partition, one all-gather completing
 // the buffer; reported against a sequential read of the same files measured in the same run.
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -612,7 +613,9 @@ int subcommand_write_checkpoint(const std::vector<std::string>& argv) {
            "model.safetensors.index.json; one model.safetensors when it fits one shard). Tensor\n"
            "i holds the same pattern `zeroflat run` fills it with, so a load of it can be\n"
            "compared with a run, byte for byte. No downloads: tests, benchmarks and rehearsals\n"
-           "get real files.");
+           "get real files. Every file is created new: a name in DIR that exists already (a\n"
+           "file, or a link, even a dangling one) is refused, never written through, and a\n"
+           "failed write removes only the files this run created.");
   add_model_options(p, "tiny-moe");
   p.option("dtype", "T", "the dtype stored: bf16, fp16 or fp32", "the model's own, else bf16");
   p.option("values", "T",
@@ -660,6 +663,10 @@ int subcommand_write_checkpoint(const std::vector<std::string>& argv) {
                           " is free there (try --layers or "
                           "--experts)");
   }
+  // A file-size limit (ulimit -f) would kill the process midway with SIGXFSZ, leaving half a
+  // checkpoint behind; ignored, the write fails with EFBIG instead, and the writer removes the
+  // files it created.
+  std::signal(SIGXFSZ, SIG_IGN);
   Progress progress(!args.has("quiet"));
   progress.begin(
       "write " + format_bytes(total) + " into " + std::to_string(planned.files.size()) + " file(s)",
