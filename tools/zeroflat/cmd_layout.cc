@@ -17,7 +17,10 @@ namespace {
 // "0 1 2 ... 17 18 (19 in all)" for long lists.
 std::string list_text(const std::vector<std::uint64_t>& v, std::size_t keep = 8) {
   std::string out;
-  auto add = [&](std::uint64_t x) { out += (out.empty() ? "" : " ") + std::to_string(x); };
+  auto add = [&](std::uint64_t x) {
+    if (!out.empty()) out += ' ';
+    out += std::to_string(x);
+  };
   if (v.empty()) return "-";
   if (v.size() <= 2 * keep) {
     for (std::uint64_t x : v) add(x);

@@ -46,7 +46,7 @@ int subcommand_run(const std::vector<std::string>& argv) {
 
   // The ranks: threads of this process, or the MPI job's processes.
   std::unique_ptr<Communicator> world;
-  if (cfg.comm != "local") world = make_mpi_communicator(cfg.timeout);
+  if (cfg.placement.comm != "local") world = make_mpi_communicator(cfg.timeout);
   settle_ranks(cfg, args, world.get());
   const int me = world ? world->rank() : 0;
 
@@ -75,8 +75,9 @@ int subcommand_run(const std::vector<std::string>& argv) {
   if (me == 0) {
     progress.note(printable(cfg.model.name) + ": " + format_count(cfg.model.tensors.size()) +
                   " tensors, " + format_bytes(cfg.model.numel() * element_size(cfg.options.dtype)) +
-                  "; dp " + std::to_string(cfg.options.dp) + " over " + cfg.comm + " on " +
-                  cfg.device_spec + ", threads per rank " + std::to_string(cfg.threads));
+                  "; dp " + std::to_string(cfg.options.dp) + " over " + cfg.placement.comm +
+                  " on " + cfg.placement.device_spec + ", threads per rank " +
+                  std::to_string(cfg.threads));
   }
   const Launched run = launch_ranks(cfg, world.get(), progress);
   if (run.first.exit == kExitInfeasible) {

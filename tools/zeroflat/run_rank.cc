@@ -19,13 +19,6 @@
 namespace zeroflat::cli {
 namespace {
 
-std::uint64_t sat_add(std::uint64_t a, std::uint64_t b) {
-  return a > UINT64_MAX - b ? UINT64_MAX : a + b;
-}
-std::uint64_t sat_mul(std::uint64_t a, std::uint64_t b) {
-  return b != 0 && a > UINT64_MAX / b ? UINT64_MAX : a * b;
-}
-
 // The original parameters of one rank: one allocation per tensor, as a framework holds them.
 class Originals {
  public:
@@ -53,35 +46,16 @@ class Originals {
 };
 
 DeviceOptions device_options(const RunConfig& cfg) {
-  return DeviceOptions{cfg.threads, cfg.no_data, cfg.node_host_bytes};
+  return DeviceOptions{cfg.threads, cfg.placement.no_data, cfg.placement.node_host_bytes};
 }
 
 }  // namespace
-
-double gbps(std::uint64_t bytes, double seconds) {
-  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
-}
-
-std::optional<HostShortfall> host_shortfall(std::uint64_t per_rank, const std::string& comm,
-                                            std::uint64_t dp, unsigned local_ranks) {
-  HostShortfall s;
-  s.ranks_here = comm == "local" ? dp : local_ranks;
-  s.need = sat_mul(per_rank, s.ranks_here);
-  if (s.need == 0) return std::nullopt;
-  const ProbeResult machine = probe_host(system_host_sources(1));
-  s.margin = default_margin(machine.total_bytes);
-  s.usable = machine.free_bytes > s.margin ? machine.free_bytes - s.margin : 0;
-  if (!machine.available || s.need <= s.usable) return std::nullopt;
-  s.free_bytes = machine.free_bytes;
-  s.source = machine.used;
-  return s;
-}
 
 std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
   const std::uint64_t es = element_size(cfg.options.dtype);
   const std::uint64_t model_bytes = sat_mul(cfg.model.numel(), es);
   const Layout layout = Layout::compute(cfg.model.numels(), cfg.options);
-  std::unique_ptr<Device> device = make_device(cfg.device_spec, device_options(cfg));
+  std::unique_ptr<Device> device = make_device(cfg.placement.device_spec, device_options(cfg));
   // The plan the ranks will make once the originals are materialized on each device.
   const ProbeContext context{cfg.local_ranks, 0, 0};
   const ProbeResult probe = device->probe_memory(context);
@@ -116,7 +90,7 @@ std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
   std::uint64_t per_rank = 0;
   if (device_here) {
     per_rank = std::max(sat_add(own.peak_device_bytes, stage), sat_add(flat, master));
-    if (cfg.kind == DeviceKind::kCpu) {
+    if (cfg.placement.kind == DeviceKind::kCpu) {
       const std::uint64_t rerun =
           own.peak_device_bytes - std::min(own.peak_device_bytes, model_bytes);
       per_rank = std::max(per_rank, sat_add(sat_add(sat_mul(2, flat), rerun), stage));
@@ -126,7 +100,7 @@ std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
   }
   per_rank = std::max(per_rank, stage);
   const std::optional<HostShortfall> s =
-      host_shortfall(per_rank, cfg.comm, cfg.options.dp, cfg.local_ranks);
+      host_shortfall(per_rank, cfg.placement.comm, cfg.options.dp, cfg.local_ranks);
   if (!s) return "";
   return "this run needs " + format_bytes(s->need) + " of this machine's memory (" +
          std::to_string(s->ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +
@@ -146,10 +120,10 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   const std::uint64_t model_bytes = cfg.model.numel() * es;
   const std::uint64_t flat_bytes = Layout::compute(cfg.model.numels(), cfg.options).flat_bytes();
 
-  std::unique_ptr<Device> device = make_device(cfg.device_spec, device_options(cfg));
+  std::unique_ptr<Device> device = make_device(cfg.placement.device_spec, device_options(cfg));
   std::unique_ptr<Communicator> nccl;
   Communicator* comm = control;
-  if (cfg.comm == "nccl") {
+  if (cfg.placement.comm == "nccl") {
     nccl = make_nccl_communicator(*control, *device, cfg.timeout);
     comm = nccl.get();
   }
@@ -176,8 +150,9 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   fo.check_values = cfg.check_values;
   fo.probe.local_ranks = cfg.local_ranks;
   fo.must_match = "model " + cfg.model.name + " (" + std::to_string(cfg.model.tensors.size()) +
-                  " tensors), device " + cfg.device_spec + ", comm " + cfg.comm + ", repeat " +
-                  std::to_string(cfg.repeat) + (cfg.no_data ? ", no data" : "");
+                  " tensors), device " + cfg.placement.device_spec + ", comm " +
+                  cfg.placement.comm + ", repeat " + std::to_string(cfg.repeat) +
+                  (cfg.placement.no_data ? ", no data" : "");
   if (rank == cfg.fault_rank) fo.execute.fault_step = cfg.fault_step;
   if (cfg.crash_step && rank == cfg.crash_rank) {
     fo.execute.on_step = [&](std::size_t k, const Step&) {
@@ -239,7 +214,7 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   FlatGroup& group = ex.group;
 
   // --- timing rounds (cpu): the copy alone and the whole tier again, against memcpy ---------
-  if (cfg.kind == DeviceKind::kCpu && ex.outcome == Outcome::kDone) {
+  if (cfg.placement.kind == DeviceKind::kCpu && ex.outcome == Outcome::kDone) {
     if (control != nullptr) control->barrier();  // the ranks contend for the cores together
     progress.begin("time against memcpy (" + std::to_string(cfg.repeat) + " rounds)", 0);
     const Timing t = time_rounds(*device, group, chosen.steps, rank, comm, cfg.repeat, ex.seconds);

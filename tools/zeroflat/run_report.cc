@@ -28,9 +28,9 @@ Json run_doc(const RunConfig& cfg) {
   Json doc;
   doc["model"] = model_doc(cfg);
   doc["dp"] = cfg.options.dp;
-  doc["device"] = cfg.device_spec;
-  doc["no_data"] = cfg.no_data;
-  doc["comm"] = cfg.comm;
+  doc["device"] = cfg.placement.device_spec;
+  doc["no_data"] = cfg.placement.no_data;
+  doc["comm"] = cfg.placement.comm;
   doc["dtype"] = std::string(dtype_name(cfg.options.dtype));
   doc["flat_bytes"] = layout.flat_bytes();
   doc["partition_bytes"] = layout.partition_bytes();
@@ -45,17 +45,17 @@ unsigned long long rank_of(const Json& e) {
   return e["rank"].get<unsigned long long>();
 }
 
-void print_human(const RunConfig& cfg, const std::vector<Json>& entries,
-                 const RankResult& first) {
+void print_human(const RunConfig& cfg, const std::vector<Json>& entries, const RankResult& first) {
   const Json& plan = first.plan;
   const std::uint64_t es = element_size(cfg.options.dtype);
   std::printf("zeroflat run: %s, %s tensors, %s parameters, %s %s\n",
               printable(cfg.model.name).c_str(), format_count(cfg.model.tensors.size()).c_str(),
               format_count(cfg.model.numel()).c_str(), format_bytes(cfg.model.numel() * es).c_str(),
               std::string(dtype_name(cfg.options.dtype)).c_str());
-  std::printf("  device %s%s, dp %llu over %s, threads per rank %u\n", cfg.device_spec.c_str(),
-              cfg.no_data ? " (no data: memory accounted, nothing copied)" : "",
-              static_cast<unsigned long long>(cfg.options.dp), cfg.comm.c_str(), cfg.threads);
+  std::printf(
+      "  device %s%s, dp %llu over %s, threads per rank %u\n", cfg.placement.device_spec.c_str(),
+      cfg.placement.no_data ? " (no data: memory accounted, nothing copied)" : "",
+      static_cast<unsigned long long>(cfg.options.dp), cfg.placement.comm.c_str(), cfg.threads);
   std::printf("  plan: %s (free %s per rank, margin %s)\n",
               plan["reason"].get<std::string>().c_str(),
               format_bytes(plan["free_bytes"].get<std::uint64_t>()).c_str(),
@@ -91,8 +91,7 @@ void print_human(const RunConfig& cfg, const std::vector<Json>& entries,
                       ? (e["originals_intact"].get<bool>() ? "yes" : "NO")
                       : "unknown (no data)");
     } else if (e["originals_intact"].is_boolean() && !e["originals_intact"].get<bool>()) {
-      std::printf("  rank %llu: the parameters no longer hold their original values\n",
-                  rank_of(e));
+      std::printf("  rank %llu: the parameters no longer hold their original values\n", rank_of(e));
     }
     if (e.contains("master_error")) {
       std::printf("  rank %llu: %s\n", rank_of(e), e["master_error"].get<std::string>().c_str());

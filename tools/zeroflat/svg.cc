@@ -109,7 +109,8 @@ std::string plan_svg(const Plan& plan, const PlanInput& in, const std::string& t
         c.profile.after_step.empty()
             ? 0
             : in.capacity_bytes - std::min(in.free_bytes, in.capacity_bytes);
-    std::string path = "M" + num(x_of(0)) + "," + num(y_of(start));
+    std::string path = "M";
+    path += num(x_of(0)) + "," + num(y_of(start));
     std::uint64_t prev = start;
     for (std::size_t i = 0; i < c.steps.size(); ++i) {
       const std::uint64_t now = c.profile.after_step[i].device_bytes;

@@ -1,8 +1,8 @@
-// Options shared by subcommands: model selection, layout options, element-count lists.
-#include "zeroflat/model_source.h"
-
+// The command line's model and layout options: which model (a catalog name or a file), which
+// layout options, and which DeepSpeed release's rules (cli/common.h).
 #include "cli/common.h"
 #include "zeroflat/error.h"
+#include "zeroflat/model_source.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat::cli {

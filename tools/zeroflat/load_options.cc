@@ -1,0 +1,215 @@
+// `zeroflat load`: its options, and the group read from the checkpoint's headers (or the model
+// rehearsed), checked before anything is read.
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include "cli/common.h"
+#include "cli/load.h"
+#include "zeroflat/error.h"
+#include "zeroflat/runtime.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::cli {
+namespace {
+
+constexpr std::uint64_t kRehearsalShardBytes = 5'000'000'000;  // Hugging Face's default shards
+
+// The group: every floating-point tensor of the checkpoint, in its natural name order (the
+// order `--model CHECKPOINT` flattens them in), with the release's rules applied.
+void group_from_checkpoint(LoadConfig& cfg, const Args& args) {
+  ModelSpec model;
+  model.name = cfg.source;
+  std::map<DType, std::uint64_t> bytes_by_type;
+  for (const CheckpointTensor& t : cfg.ck.tensors) {
+    if (!t.type) {
+      cfg.left_out.push_back(t.name + " (" + t.dtype + ")");
+      continue;
+    }
+    model.tensors.push_back(TensorSpec{t.name, t.shape, t.numel});
+    bytes_by_type[*t.type] += t.bytes;
+  }
+  if (model.tensors.empty()) {
+    throw InvalidArgument(cfg.source + " holds no bf16, fp16 or fp32 tensor to load");
+  }
+  // The buffer's dtype defaults to the one holding most of the checkpoint's bytes.
+  std::uint64_t best = 0;
+  for (const auto& [type, b] : bytes_by_type) {
+    if (b > best) {
+      best = b;
+      model.dtype = type;
+    }
+  }
+  cfg.options = layout_options_from_args(args, &model);
+  if (const std::string note = apply_release(args, model, cfg.options); !note.empty()) {
+    std::fprintf(stderr, "zeroflat load: %s\n", note.c_str());
+  }
+  for (const TensorSpec& t : model.tensors) {
+    cfg.params.push_back(LoadParam{t.name, t.shape, {}});
+    cfg.checkpoint_bytes += cfg.ck.find(t.name)->bytes;
+  }
+}
+
+}  // namespace
+
+void add_load_options(Parser& p) {
+  p.option("model", "NAME",
+           "rehearse instead of reading: the checkpoint `zeroflat write-checkpoint` would write "
+           "for this catalog model or config.json, accounted on a sim device with --no-data "
+           "(nothing is read)");
+  p.option("layers", "N", "with --model: keep the first N transformer layers");
+  p.option("experts", "N", "with --model: keep N experts per MoE layer");
+  p.option("checkpoint-dtype", "T", "with --model: the dtype the checkpoint stores",
+           "the buffer's");
+  add_placement_options(p, "the buffer lives", "nothing is read");
+  add_layout_options(p);
+  p.option("margin", "SIZE", "device bytes the plan never uses", "min(3% of capacity, 1 GiB)");
+  p.option("threads", "N", "reader threads per rank", "cores / ranks on this host");
+  p.option("ring", "SIZE", "devices the host cannot write: the size of each pinned staging chunk",
+           "16MiB");
+  p.option("ring-depth", "N", "devices the host cannot write: staging chunks in the ring", "4");
+  p.flag("cold",
+         "drop the checkpoint's files from the page cache first (posix_fadvise), for "
+         "the load and for the ceiling: a cold read without root");
+  p.flag("no-ceiling",
+         "skip the sequential reads of the same files (before and after the load) that the "
+         "load is compared to");
+  p.flag("verify",
+         "compare every parameter in the buffer with its tensor read whole, on its own, from "
+         "the file (and every padding byte with zero)");
+  p.option("timeout", "SECONDS", "how long a collective waits for the other ranks", "60");
+  p.option("inject-read-error", "BYTES[@R]",
+           "testing aid: rank R's reads (default 0) fail as an I/O error once BYTES have been "
+           "read; exit 4, with every rank saying so and no buffer kept");
+  p.flag("json", "print one JSON document on stdout (docs/cli.md)");
+  p.flag("quiet", "no progress on stderr");
+}
+
+LoadConfig load_config_from_args(const Args& args) {
+  LoadConfig cfg;
+  cfg.placement =
+      placement_from_args(args, args.get("dp") ? parse_u64(*args.get("dp"), "--dp") : 1);
+  cfg.cold = args.has("cold");
+  cfg.verify = args.has("verify");
+  cfg.ceiling = !args.has("no-ceiling");
+  cfg.json = args.has("json");
+  cfg.quiet = args.has("quiet");
+
+  const auto& pos = args.positionals();
+  if (auto m = args.get("model")) {
+    if (!pos.empty()) {
+      throw InvalidArgument(
+          "give a checkpoint or --model, not both: --model rehearses the "
+          "checkpoint write-checkpoint would write, without reading files");
+    }
+    if (!cfg.placement.no_data) {
+      throw InvalidArgument(
+          "--model rehearses a load without reading anything: it needs "
+          "--device sim:... --no-data. To load real files, write them with "
+          "`zeroflat write-checkpoint DIR --model " +
+          printable(*m) + "` and name DIR");
+    }
+    ModelSpec model = model_from_args(args, "tiny-moe");
+    cfg.options = layout_options_from_args(args, &model);
+    if (const std::string note = apply_release(args, model, cfg.options); !note.empty()) {
+      std::fprintf(stderr, "zeroflat load: %s\n", note.c_str());
+    }
+    const DType stored = args.get("checkpoint-dtype") ? parse_dtype(*args.get("checkpoint-dtype"))
+                                                      : cfg.options.dtype;
+    cfg.rehearsal = true;
+    cfg.source = model.name;
+    cfg.ck = pattern_checkpoint_index(model, stored, "(" + model.name + ", not written)",
+                                      kRehearsalShardBytes);
+    for (const TensorSpec& t : model.tensors) {
+      cfg.params.push_back(LoadParam{t.name, t.shape, {}});
+      cfg.checkpoint_bytes += t.numel * element_size(stored);
+    }
+  } else {
+    if (pos.empty()) {
+      throw UsageError(
+          "name a checkpoint: a .safetensors file or a directory of them (or "
+          "--model NAME with --device sim:... --no-data to rehearse)");
+    }
+    for (const char* o : {"layers", "experts", "checkpoint-dtype"}) {
+      if (args.has(o)) {
+        throw InvalidArgument(std::string("--") + o +
+                              " applies to --model rehearsals; a "
+                              "checkpoint's tensors are what they are");
+      }
+    }
+    if (cfg.placement.no_data) {
+      throw InvalidArgument(
+          "--no-data reads nothing: rehearse with --model NAME instead of a "
+          "checkpoint");
+    }
+    cfg.source = pos.front();
+    cfg.ck = open_checkpoint(cfg.source);
+    group_from_checkpoint(cfg, args);
+  }
+
+  if (cfg.placement.no_data && cfg.verify) {
+    throw InvalidArgument("--verify needs data; drop --no-data");
+  }
+  if (auto v = args.get("margin")) cfg.margin = parse_size(*v);
+  cfg.threads = threads_from_args(args);
+  if (auto v = args.get("ring")) {
+    cfg.ring_chunk = parse_size(*v);
+    if (cfg.ring_chunk < 4096 || cfg.ring_chunk > (std::uint64_t{1} << 32)) {
+      throw InvalidArgument("--ring " + printable(*v) + ": expected 4KiB to 4GiB");
+    }
+  }
+  if (auto v = args.get("ring-depth")) {
+    const std::uint64_t n = parse_u64(*v, "--ring-depth");
+    if (n == 0 || n > 64)
+      throw InvalidArgument("--ring-depth " + printable(*v) + ": expected 1 to 64");
+    cfg.ring_depth = static_cast<unsigned>(n);
+  }
+  cfg.timeout = timeout_from_args(args);
+  if (auto v = args.get("inject-read-error")) {
+    const auto at = v->find('@');
+    cfg.fail_after = parse_u64(v->substr(0, at), "--inject-read-error");
+    if (at != std::string::npos)
+      cfg.fail_rank = parse_u64(v->substr(at + 1), "--inject-read-error rank");
+  }
+  if (cfg.options.dp > kMaxRanks) {
+    throw InvalidArgument("--dp " + std::to_string(cfg.options.dp) + ": at most " +
+                          std::to_string(kMaxRanks) + " ranks");
+  }
+  return cfg;
+}
+
+void settle_load_ranks(LoadConfig& cfg, const Args& args, Communicator* world) {
+  settle_world(cfg.options, cfg.local_ranks, args, world);
+  if (cfg.fail_after && cfg.fail_rank >= cfg.options.dp) {
+    throw InvalidArgument("--inject-read-error: rank " + std::to_string(cfg.fail_rank) +
+                          " is outside dp " + std::to_string(cfg.options.dp));
+  }
+  if (cfg.threads == 0) cfg.threads = default_num_threads(cfg.local_ranks);
+}
+
+std::string load_memory_shortfall(const LoadConfig& cfg) {
+  if (cfg.placement.no_data || cfg.placement.kind == DeviceKind::kCuda) return "";
+  std::vector<std::uint64_t> numels;
+  numels.reserve(cfg.params.size());
+  for (const LoadParam& p : cfg.params) numels.push_back(shape_numel(p.shape));
+  const Layout layout = Layout::compute(numels, cfg.options);
+  // The buffer, the ceiling's scratch (about this rank's share of the files), a verify's
+  // largest tensor.
+  std::uint64_t largest = 0;
+  for (const CheckpointTensor& t : cfg.ck.tensors) largest = std::max(largest, t.bytes * 2);
+  const std::uint64_t per_rank = layout.flat_bytes() +
+                                 (cfg.ceiling ? cfg.checkpoint_bytes / cfg.options.dp + 1 : 0) +
+                                 (cfg.verify ? largest : 0);
+  const std::optional<HostShortfall> s =
+      host_shortfall(per_rank, cfg.placement.comm, cfg.options.dp, cfg.local_ranks);
+  if (!s) return "";
+  return "this load needs " + format_bytes(s->need) + " of this machine's memory (" +
+         std::to_string(s->ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +
+         " for its flat buffer" + (cfg.ceiling ? ", the ceiling's scratch" : "") +
+         (cfg.verify ? " and verification" : "") + "), and " + format_bytes(s->usable) +
+         " is usable. Nothing was allocated. Try --no-ceiling, or rehearse with --model NAME "
+         "--device sim:SIZE --no-data";
+}
+
+}  // namespace zeroflat::cli

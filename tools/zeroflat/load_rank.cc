@@ -1,0 +1,126 @@
+// `zeroflat load`, one rank: its device, the library's loader between two sequential reads of
+// the same files (the ceiling), then verification against every tensor read whole, and the
+// checksum.
+#include <memory>
+#include <string>
+
+#include "cli/common.h"
+#include "cli/load.h"
+#include "zeroflat/checksum.h"
+#include "zeroflat/device.h"
+#include "zeroflat/error.h"
+#include "zeroflat/report.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::cli {
+
+LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* control,
+                      Progress& progress) {
+  LoadOutcome out;
+  const Placement& pl = cfg.placement;
+  std::unique_ptr<Device> device =
+      make_device(pl.device_spec, DeviceOptions{cfg.threads, pl.no_data, pl.node_host_bytes});
+  std::unique_ptr<Communicator> nccl;
+  Communicator* comm = control;
+  if (pl.comm == "nccl") {
+    nccl = make_nccl_communicator(*control, *device, cfg.timeout);
+    comm = nccl.get();
+  }
+  LoadOptions lo;
+  lo.layout = cfg.options;
+  lo.margin_bytes = cfg.margin;
+  lo.cold = cfg.cold;
+  lo.ring_chunk_bytes = cfg.ring_chunk;
+  lo.ring_depth = cfg.ring_depth;
+  lo.threads = cfg.threads;
+  lo.probe.local_ranks = cfg.local_ranks;
+  lo.must_match = "source " + cfg.source + ", device " + pl.device_spec + ", comm " + pl.comm +
+                  ", threads " + std::to_string(cfg.threads) + (cfg.verify ? ", verify" : "") +
+                  (cfg.ceiling ? ", ceiling" : "");
+  if (cfg.fail_after && rank == cfg.fail_rank) lo.fail_after_bytes = cfg.fail_after;
+
+  // The ceiling: as many bytes of the same files read sequentially, before the load and again
+  // after it (memory and cache conditions shift between the two); the faster is kept.
+  std::optional<ReadCeiling> ceiling;
+  std::uint64_t ceiling_bytes = 0;
+  auto measure_ceiling = [&] {
+    if (control != nullptr) control->barrier();  // the ranks read together, as they load
+    progress.begin("ceiling: read " + format_bytes(ceiling_bytes) + " sequentially", 0);
+    const ReadCeiling c = measure_read_ceiling(cfg.ck, rank * ceiling_bytes, ceiling_bytes,
+                                               cfg.threads, cfg.cold, device.get());
+    progress.end();
+    if (!ceiling || c.seconds < ceiling->seconds) ceiling = c;
+  };
+  const bool with_ceiling = cfg.ceiling && !pl.no_data;
+  if (with_ceiling) {
+    ceiling_bytes = partition_read_bytes(cfg.ck, cfg.params, cfg.options, rank);
+    measure_ceiling();
+  }
+  LoadResult res;
+  progress.begin(std::string(pl.no_data ? "account for" : "load") + " this rank's partition of " +
+                     format_bytes(cfg.checkpoint_bytes),
+                 0);
+  try {
+    res = load_flat_group(cfg.ck, cfg.params, *device, comm, lo);
+  } catch (const InvalidArgument&) {
+    throw;  // bad input, the same verdict on every rank: exit 2
+  } catch (const Error& err) {
+    progress.end();
+    out.exit = kExitExecFailed;
+    out.entry["rank"] = rank;
+    out.entry["error"] = err.what();
+    out.entry["buffer_kept"] = false;
+    return out;
+  }
+  progress.end();
+  Json& e = out.entry;
+  e["rank"] = rank;
+  out.plan = Json::parse(candidate_json(res.plan, true));
+  if (!res.feasible()) {
+    out.exit = kExitInfeasible;
+    out.message = "the loader's plan does not fit: " + res.plan.why_not + ". Nothing was read.";
+    return out;
+  }
+  out.flat_bytes = res.group.layout.flat_bytes();
+  out.partition_bytes = res.group.layout.partition_bytes();
+  e["bytes_read"] = res.bytes_read;
+  e["reads"] = res.reads;
+  e["read_seconds"] = res.read_seconds;
+  e["read_gbps"] = pl.no_data ? Json() : Json(gbps(res.bytes_read, res.read_seconds));
+  e["page_cache"] = pl.no_data ? Json() : Json(res.page_cache);
+  e["cached_fraction"] = pl.no_data ? Json() : Json(res.cached_fraction);
+  e["allgather_seconds"] = res.allgather_seconds;
+  e["seconds"] = res.seconds;
+  e["predicted_peak_device_bytes"] = res.predicted_peak_device_bytes;
+  e["measured_peak_device_bytes"] = res.measured_peak_device_bytes;
+  e["predicted_host_bytes"] = res.plan.profile.peak_host_bytes;
+  e["host_bytes"] = res.measured_peak_host_bytes;
+
+  if (with_ceiling) {
+    measure_ceiling();
+    e["ceiling"] = {{"bytes", ceiling->bytes},
+                    {"seconds", ceiling->seconds},
+                    {"read_gbps", gbps(ceiling->bytes, ceiling->seconds)},
+                    {"page_cache", ceiling->page_cache},
+                    {"cached_fraction", ceiling->cached_fraction}};
+  }
+  if (cfg.verify) {
+    progress.begin("verify against every tensor read whole", 0);
+    const std::string failure = verify_loaded(cfg.ck, cfg.params, *device, res.group);
+    progress.end();
+    e["verified"] = failure.empty();
+    if (!failure.empty()) {
+      e["verify_error"] = failure;
+      out.exit = kExitOther;
+    }
+  } else {
+    e["verified"] = false;
+    e["verify"] = pl.no_data ? "no data to verify (--no-data)" : "not requested";
+  }
+  e["checksum"] = device->keeps_data()
+                      ? Json(checksum_hex(device->checksum(res.group.flat.data(), out.flat_bytes)))
+                      : Json();
+  return out;
+}
+
+}  // namespace zeroflat::cli

@@ -1,0 +1,168 @@
+// `zeroflat load`: the exit code from every rank's entry, and the report (JSON or a table), with
+// the node's figures: all ranks' bytes over the slowest rank's time, against the ceiling's.
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cli/common.h"
+#include "cli/load.h"
+#include "zeroflat/loader.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::cli {
+namespace {
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+}  // namespace
+
+int load_exit_code(const std::vector<Json>& entries, std::string& first_error) {
+  int exit = kExitOk;
+  for (std::size_t r = 0; r < entries.size(); ++r) {
+    const Json& e = entries[r];
+    int code = kExitOk;
+    if (e.contains("error")) {
+      code = kExitExecFailed;
+      if (first_error.empty())
+        first_error = "rank " + std::to_string(r) + ": " + e["error"].get<std::string>();
+    } else if (e.contains("verify_error")) {
+      code = kExitOther;
+      if (first_error.empty()) {
+        first_error = "rank " + std::to_string(r) + ": " + e["verify_error"].get<std::string>();
+      }
+    }
+    // A failed read outranks a failed verification.
+    if (code == kExitExecFailed || exit == kExitOk) exit = std::max(exit, code);
+  }
+  return exit;
+}
+
+void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
+                       const LoadOutcome& first, int exit, const std::string& first_error) {
+  const Json& plan = first.plan;
+  const std::uint64_t flat_bytes = first.flat_bytes;
+  const std::uint64_t partition_bytes = first.partition_bytes;
+  const bool no_data = cfg.placement.no_data;
+  // The node's figures: all bytes over the slowest rank's time.
+  std::uint64_t bytes = 0, ceiling_bytes = 0;
+  double seconds = 0, ceiling_seconds = 0, cached = 0;
+  std::string ceiling_cache;
+  bool have_ceiling = false;
+  for (const Json& e : entries) {
+    if (!e.contains("bytes_read")) continue;
+    bytes += e["bytes_read"].get<std::uint64_t>();
+    seconds = std::max(seconds, e["read_seconds"].get<double>());
+    if (e["cached_fraction"].is_number()) {
+      cached += e["cached_fraction"].get<double>() * e["bytes_read"].get<double>();
+    }
+    if (e.contains("ceiling")) {
+      have_ceiling = true;
+      ceiling_bytes += e["ceiling"]["bytes"].get<std::uint64_t>();
+      ceiling_seconds = std::max(ceiling_seconds, e["ceiling"]["seconds"].get<double>());
+    }
+  }
+  const double load_gbps = gbps(bytes, seconds);
+  const double ceil_gbps = gbps(ceiling_bytes, ceiling_seconds);
+  const std::string cache =
+      no_data || bytes == 0 ? std::string() : page_cache_word(cached / static_cast<double>(bytes));
+  if (have_ceiling) {
+    double cc = 0;
+    for (const Json& e : entries) {
+      if (e.contains("ceiling")) {
+        cc += e["ceiling"]["cached_fraction"].get<double>() * e["ceiling"]["bytes"].get<double>();
+      }
+    }
+    ceiling_cache = ceiling_bytes ? page_cache_word(cc / static_cast<double>(ceiling_bytes)) : "";
+  }
+  if (cfg.json) {
+    Json doc;
+    doc["checkpoint"] = cfg.rehearsal ? Json() : Json(cfg.source);
+    doc["model"] = cfg.rehearsal ? Json(cfg.source) : Json();
+    doc["files"] = cfg.ck.files.size();
+    doc["tensors"] = cfg.params.size();
+    Json left = Json::array();
+    for (const std::string& l : cfg.left_out) left.push_back(l);
+    doc["left_out"] = std::move(left);
+    doc["checkpoint_bytes"] = cfg.checkpoint_bytes;
+    doc["dtype"] = std::string(dtype_name(cfg.options.dtype));
+    doc["dp"] = cfg.options.dp;
+    doc["round_robin"] = cfg.options.round_robin;
+    doc["device"] = cfg.placement.device_spec;
+    doc["no_data"] = no_data;
+    doc["comm"] = cfg.placement.comm;
+    doc["threads"] = cfg.threads;
+    doc["cold"] = cfg.cold;
+    doc["flat_bytes"] = flat_bytes;
+    doc["partition_bytes"] = partition_bytes;
+    doc["plan"] = plan;
+    doc["read_gbps"] = no_data ? Json() : Json(load_gbps);
+    doc["page_cache"] = cache.empty() ? Json() : Json(cache);
+    doc["ceiling"] = have_ceiling ? Json{{"bytes", ceiling_bytes},
+                                         {"read_gbps", ceil_gbps},
+                                         {"page_cache", ceiling_cache}}
+                                  : Json();
+    doc["vs_ceiling"] = have_ceiling && ceil_gbps > 0 ? Json(load_gbps / ceil_gbps) : Json();
+    doc["ranks"] = entries;
+    doc["exit"] = exit;
+    doc["error"] = first_error.empty() ? Json() : Json(first_error);
+    std::printf("%s\n", doc.dump(2).c_str());
+    return;
+  }
+  std::printf(
+      "%s %s: %zu tensors in %zu file(s), %s as stored; %s buffers of %s, dp %llu%s, on %s\n",
+      cfg.rehearsal ? "rehearsed" : "loaded", printable(cfg.source).c_str(), cfg.params.size(),
+      cfg.ck.files.size(), format_bytes(cfg.checkpoint_bytes).c_str(),
+      std::string(dtype_name(cfg.options.dtype)).c_str(), format_bytes(flat_bytes).c_str(),
+      static_cast<unsigned long long>(cfg.options.dp),
+      cfg.options.round_robin ? " (round-robin)" : "", cfg.placement.device_spec.c_str());
+  if (!cfg.left_out.empty()) {
+    std::printf("left out (not floating point): %s\n", join(cfg.left_out).c_str());
+  }
+  std::printf("%-5s %12s %7s %9s %12s %7s %8s %24s\n", "rank", "read", "reads", "GB/s",
+              "ceiling GB/s", "ratio", "cache", "device peak pred / meas");
+  for (const Json& e : entries) {
+    if (!e.contains("bytes_read")) {
+      std::printf("%-5llu error: %s\n",
+                  static_cast<unsigned long long>(e["rank"].get<std::uint64_t>()),
+                  e.value("error", std::string("?")).c_str());
+      continue;
+    }
+    const double g = e["read_gbps"].is_number() ? e["read_gbps"].get<double>() : 0;
+    const double c = e.contains("ceiling") ? e["ceiling"]["read_gbps"].get<double>() : 0;
+    const std::string gs = no_data ? "-" : fixed(g, 2);
+    const std::string cs = c > 0 ? fixed(c, 2) : "-";
+    const std::string rs = c > 0 && g > 0 ? fixed(g / c, 2) : "-";
+    const std::string peaks = format_bytes(e["predicted_peak_device_bytes"].get<std::uint64_t>()) +
+                              " / " +
+                              format_bytes(e["measured_peak_device_bytes"].get<std::uint64_t>());
+    std::printf("%-5llu %12s %7llu %9s %12s %7s %8s %24s\n",
+                static_cast<unsigned long long>(e["rank"].get<std::uint64_t>()),
+                format_bytes(e["bytes_read"].get<std::uint64_t>()).c_str(),
+                static_cast<unsigned long long>(e["reads"].get<std::uint64_t>()), gs.c_str(),
+                cs.c_str(), rs.c_str(),
+                e["page_cache"].is_string() ? e["page_cache"].get<std::string>().c_str() : "-",
+                peaks.c_str());
+  }
+  if (!no_data && seconds > 0) {
+    std::printf("node: %.2f GB/s read", load_gbps);
+    if (have_ceiling) {
+      std::printf(" against a ceiling of %.2f GB/s (%s): %.2fx", ceil_gbps, ceiling_cache.c_str(),
+                  ceil_gbps > 0 ? load_gbps / ceil_gbps : 0.0);
+    }
+    std::printf("; page cache %s\n", cache.c_str());
+  }
+  bool all_verified = !entries.empty();
+  for (const Json& e : entries) all_verified = all_verified && e.value("verified", false);
+  if (cfg.verify) std::printf("verified: %s\n", all_verified ? "yes, every rank" : "NO");
+  if (!entries.empty() && entries.front()["checksum"].is_string()) {
+    std::printf("checksum: %s\n", entries.front()["checksum"].get<std::string>().c_str());
+  }
+  if (!first_error.empty()) std::printf("error: %s\n", first_error.c_str());
+}
+
+}  // namespace zeroflat::cli

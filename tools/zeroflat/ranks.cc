@@ -1,0 +1,235 @@
+// The ranks of a `run` or a `load` (cli/ranks.h): placement options, ranks as threads, every
+// rank's entry brought together, and this host's room.
+#include "cli/ranks.h"
+
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <system_error>
+#include <thread>
+
+#include "cli/common.h"
+#include "zeroflat/device.h"
+#include "zeroflat/error.h"
+#include "zeroflat/plan.h"
+#include "zeroflat/probe.h"
+#include "zeroflat/runtime.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::cli {
+
+void add_placement_options(Parser& p, const std::string& what, const std::string& no_data_effect) {
+  p.option("device", "DEV",
+           "where " + what +
+               ": cpu, cuda:N, or sim:SIZE / sim:PRESET (a device of that "
+               "capacity with exact accounting, backed by host memory)",
+           "cpu");
+  p.flag("no-data",
+         "sim devices: keep no data at all (memory is accounted, " + no_data_effect + ")");
+  p.option("host", "SIZE",
+           "sim devices: the host memory of the simulated node, shared by its ranks (staging is "
+           "planned against it, not against this machine)",
+           "the preset's node; 2 TiB for sim:SIZE");
+  p.option("comm", "NAME",
+           "how the ranks talk: local (ranks as threads of this process), mpi (rank and size "
+           "from mpirun), nccl (cuda devices; bootstrapped over mpi)",
+           "local");
+}
+
+Placement placement_from_args(const Args& args, std::uint64_t dp) {
+  Placement pl;
+  pl.device_spec = args.get("device").value_or("cpu");
+  pl.no_data = args.has("no-data");
+  pl.comm = args.get("comm").value_or("local");
+  const bool sim = pl.device_spec.rfind("sim:", 0) == 0;
+  // The spec is checked by making the device once (an unknown name, a bad size, a GPU that is
+  // not there): before any work.
+  (void)make_device(pl.device_spec, DeviceOptions{1, pl.no_data && sim, std::nullopt});
+  if (sim) {
+    pl.kind = DeviceKind::kSim;
+  } else if (pl.device_spec == "cpu") {
+    pl.kind = DeviceKind::kCpu;
+  } else if (pl.device_spec.rfind("cuda", 0) == 0) {
+    pl.kind = DeviceKind::kCuda;
+  } else {
+    throw InvalidArgument("--device '" + printable(pl.device_spec) +
+                          "': expected cpu, sim:SIZE or cuda:N");
+  }
+  if (auto v = args.get("host")) {
+    if (pl.kind != DeviceKind::kSim) {
+      throw InvalidArgument("--host is the host memory of a simulated node (--device sim:...); " +
+                            pl.device_spec + " uses this machine's");
+    }
+    pl.node_host_bytes = parse_size(*v);
+  }
+  if (pl.no_data && pl.kind != DeviceKind::kSim) {
+    throw InvalidArgument("--no-data is for sim devices (--device sim:SIZE); " + pl.device_spec +
+                          " keeps its data");
+  }
+  if (pl.comm != "local" && pl.comm != "mpi" && pl.comm != "nccl") {
+    throw InvalidArgument("--comm '" + printable(pl.comm) + "': expected local, mpi or nccl");
+  }
+  if (pl.comm == "nccl" && pl.kind != DeviceKind::kCuda) {
+    throw InvalidArgument(
+        "--comm nccl moves device memory of cuda devices; use --comm local or "
+        "mpi with " +
+        pl.device_spec);
+  }
+  if (pl.comm == "local" && pl.kind == DeviceKind::kCuda && dp > 1) {
+    throw InvalidArgument(
+        "--comm local copies host memory; with cuda devices and --dp > 1 use "
+        "--comm nccl under mpirun");
+  }
+  return pl;
+}
+
+unsigned threads_from_args(const Args& args) {
+  auto v = args.get("threads");
+  if (!v) return 0;
+  const std::uint64_t n = parse_u64(*v, "--threads");
+  if (n == 0 || n > kMaxThreads) {
+    throw InvalidArgument("--threads " + printable(*v) + ": expected 1 to " +
+                          std::to_string(kMaxThreads));
+  }
+  return static_cast<unsigned>(n);
+}
+
+std::chrono::milliseconds timeout_from_args(const Args& args) {
+  auto v = args.get("timeout");
+  if (!v) return std::chrono::milliseconds(60000);
+  const std::uint64_t s = parse_u64(*v, "--timeout");
+  if (s == 0 || s > 86400) {
+    throw InvalidArgument("--timeout " + printable(*v) + ": expected 1 to 86400");
+  }
+  return std::chrono::milliseconds(s * 1000);
+}
+
+void settle_world(LayoutOptions& options, unsigned& local_ranks, const Args& args,
+                  Communicator* world) {
+  if (world != nullptr) {
+    const auto size = static_cast<std::uint64_t>(world->size());
+    if (args.get("dp") && options.dp != size) {
+      throw InvalidArgument("--dp " + std::to_string(options.dp) + " but mpirun started " +
+                            std::to_string(size) + " ranks; leave --dp out or make them equal");
+    }
+    options.dp = size;
+    local_ranks = runtime_env().local_ranks.value_or(static_cast<unsigned>(size));
+  } else {
+    local_ranks = static_cast<unsigned>(options.dp);
+  }
+  if (options.dp > kMaxRanks) {
+    throw InvalidArgument("--dp " + std::to_string(options.dp) + ": at most " +
+                          std::to_string(kMaxRanks) + " ranks");
+  }
+}
+
+int finish_job(Communicator* world, int code) {
+  if (world != nullptr) {
+    std::fflush(stdout);
+    try {
+      world->barrier();
+    } catch (const CommError&) {  // rank 0's report stands on its own
+    }
+  }
+  return code;
+}
+
+void run_ranks(std::uint64_t dp, Communicator* world, std::chrono::milliseconds timeout,
+               const std::function<void(std::uint64_t, Communicator*)>& body) {
+  if (world != nullptr) {
+    body(static_cast<std::uint64_t>(world->rank()), world);
+    return;
+  }
+  std::vector<std::exception_ptr> errors(dp);
+  std::unique_ptr<LocalGroup> group;
+  if (dp > 1) group = std::make_unique<LocalGroup>(static_cast<int>(dp), timeout);
+  auto one = [&](std::uint64_t r) {
+    try {
+      std::unique_ptr<Communicator> c = group ? group->rank(static_cast<int>(r)) : nullptr;
+      body(r, c.get());
+    } catch (...) {
+      errors[r] = std::current_exception();
+      if (group) group->rank(static_cast<int>(r))->abort("rank " + std::to_string(r) + " failed");
+    }
+  };
+  std::vector<std::thread> ranks;
+  ranks.reserve(dp);
+  for (std::uint64_t r = 1; r < dp; ++r) {
+    try {
+      ranks.emplace_back(one, r);
+    } catch (const std::system_error& e) {
+      // The ranks already started wait for this one in a collective: tell them, and join them.
+      group->rank(0)->abort("rank " + std::to_string(r) + " could not be started");
+      for (std::thread& t : ranks) t.join();
+      throw ResourceExhausted("cannot start the thread of rank " + std::to_string(r) + ": " +
+                              e.what() +
+                              " (a limit on processes or memory? fewer ranks or "
+                              "--threads)");
+    }
+  }
+  one(0);
+  for (std::thread& t : ranks) t.join();
+  // The first failure that is not another rank's abort is the one worth reporting.
+  std::exception_ptr first;
+  for (const std::exception_ptr& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const CommError&) {
+      if (!first) first = e;
+    } catch (...) {
+      first = e;
+      break;
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+std::vector<Json> exchange_entries(Communicator* control, const Json& entry) {
+  const std::string mine = entry.dump();
+  if (control == nullptr || control->size() == 1) return {entry};
+  std::unique_ptr<Device> host = make_device("cpu", DeviceOptions{1});
+  std::array<std::uint64_t, 1> len{mine.size()};
+  control->all_reduce_max(len);
+  const auto n = static_cast<std::uint64_t>(control->size());
+  std::vector<char> buf(len[0] * n, ' ');
+  std::memcpy(buf.data() + static_cast<std::uint64_t>(control->rank()) * len[0], mine.data(),
+              mine.size());
+  control->all_gather_inplace(buf.data(), len[0], *host);
+  std::vector<Json> out;
+  for (std::uint64_t r = 0; r < n; ++r) {
+    out.push_back(Json::parse(buf.begin() + static_cast<std::ptrdiff_t>(r * len[0]),
+                              buf.begin() + static_cast<std::ptrdiff_t>((r + 1) * len[0])));
+  }
+  return out;
+}
+
+std::uint64_t sat_add(std::uint64_t a, std::uint64_t b) {
+  return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+}
+
+std::uint64_t sat_mul(std::uint64_t a, std::uint64_t b) {
+  return b != 0 && a > UINT64_MAX / b ? UINT64_MAX : a * b;
+}
+
+double gbps(std::uint64_t bytes, double seconds) {
+  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+}
+
+std::optional<HostShortfall> host_shortfall(std::uint64_t per_rank, const std::string& comm,
+                                            std::uint64_t dp, unsigned local_ranks) {
+  HostShortfall s;
+  s.ranks_here = comm == "local" ? dp : local_ranks;
+  s.need = sat_mul(per_rank, s.ranks_here);
+  if (s.need == 0) return std::nullopt;
+  const ProbeResult machine = probe_host(system_host_sources(1));
+  s.margin = default_margin(machine.total_bytes);
+  s.usable = machine.free_bytes > s.margin ? machine.free_bytes - s.margin : 0;
+  if (!machine.available || s.need <= s.usable) return std::nullopt;
+  s.free_bytes = machine.free_bytes;
+  s.source = machine.used;
+  return s;
+}
+
+}  // namespace zeroflat::cli
