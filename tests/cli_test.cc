@@ -902,6 +902,50 @@ TEST(CliLoad, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
   EXPECT_EQ(doc["plan"]["tier"], "load");
 }
 
+// The per-rank entries of run and load are the library's result documents (report.h), with the
+// command's own fields added.
+TEST(CliReport, RunAndLoadEntriesAreTheLibrarysResultDocuments) {
+  Result r = run("run --model tiny-moe --dp 2 --repeat 1 --json --quiet");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json doc = json::parse(r.out);
+  EXPECT_EQ(doc["plan"]["feasible"], true);
+  for (const json& e : doc["ranks"]) {
+    for (const char* key :
+         {"rank", "tier", "outcome", "feasible", "reason", "flat_bytes", "seconds", "step_seconds",
+          "predicted_peak_device_bytes", "measured_peak_device_bytes", "predicted_host_bytes",
+          "host_bytes", "master_bytes", "probe", "host_probe", "checksum", "threads"}) {
+      EXPECT_TRUE(e.contains(key)) << key << " in " << e.dump();
+    }
+    EXPECT_FALSE(e.contains("plan")) << "the plan is the document's, once";
+    EXPECT_EQ(e["outcome"], "done");
+    EXPECT_EQ(e["probe"]["device"], doc["ranks"][0]["probe"]["device"]);
+    EXPECT_EQ(e["flat_bytes"], doc["flat_bytes"]);
+  }
+  const std::string dir = temp_path("report_ck");
+  ASSERT_EQ(run("write-checkpoint " + dir + " --model tiny-moe --quiet").code, 0);
+  Result l = run("load " + dir + " --dp 2 --json --quiet");
+  ASSERT_EQ(l.code, 0) << l.err;
+  const json ld = json::parse(l.out);
+  EXPECT_EQ(ld["plan"]["tier"], "load");
+  for (const json& e : ld["ranks"]) {
+    for (const char* key : {"rank", "tier", "outcome", "bytes_read", "reads", "read_gbps",
+                            "page_cache", "cached_fraction", "predicted_host_bytes", "host_bytes",
+                            "probe", "ceiling", "checksum"}) {
+      EXPECT_TRUE(e.contains(key)) << key << " in " << e.dump();
+    }
+    EXPECT_EQ(e["outcome"], "done");
+    EXPECT_EQ(e["tier"], "load");
+  }
+  // Without data nothing is read: no rate, no page cache.
+  Result sim = run("load --model tiny-moe --device sim:1GiB --no-data --dp 2 --json --quiet");
+  ASSERT_EQ(sim.code, 0) << sim.err;
+  for (const json& e : json::parse(sim.out)["ranks"]) {
+    EXPECT_TRUE(e["read_gbps"].is_null()) << e.dump();
+    EXPECT_TRUE(e["page_cache"].is_null()) << e.dump();
+  }
+  std::system(("rm -rf " + dir).c_str());
+}
+
 // --- write-checkpoint: files of its own, and in time linear in the tensors -------------------
 
 std::string read_all(const std::string& path) {

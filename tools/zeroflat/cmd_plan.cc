@@ -8,6 +8,7 @@
 
 #include "cli/common.h"
 #include "cli/svg.h"
+#include "zeroflat/agree.h"
 #include "zeroflat/error.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/report.h"
@@ -71,30 +72,31 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   if (auto t = args.get("tier")) forced = parse_tier_choice(*t, "--tier");
   const std::uint64_t es = element_size(options.dtype);
   const std::uint64_t model_bytes = model.numel() * es;
-  // The node described by hand, through the same policy as a real run (make_plan_input).
-  PlanFacts facts;
-  facts.capacity_bytes = preset.capacity_bytes;
-  facts.free_bytes = model_bytes < preset.capacity_bytes ? preset.capacity_bytes - model_bytes : 0;
+  // The node described by hand: its facts go through the same conversion and policy as a real
+  // run's agreed facts (plan_facts, make_plan_input).
+  Agreement node;
+  node.capacity_bytes = preset.capacity_bytes;
+  node.free_bytes = model_bytes < preset.capacity_bytes ? preset.capacity_bytes - model_bytes : 0;
   if (auto v = args.get("free")) {
-    facts.free_bytes = parse_size(*v);
-    if (facts.free_bytes > preset.capacity_bytes) {
+    node.free_bytes = parse_size(*v);
+    if (node.free_bytes > preset.capacity_bytes) {
       throw InvalidArgument("--free " + *v + " is more than the device's capacity of " +
                             format_bytes(preset.capacity_bytes));
     }
     if (model_bytes <= preset.capacity_bytes &&
-        preset.capacity_bytes - facts.free_bytes < model_bytes) {
+        preset.capacity_bytes - node.free_bytes < model_bytes) {
       throw InvalidArgument("--free " + *v + " leaves " +
-                            format_bytes(preset.capacity_bytes - facts.free_bytes) +
+                            format_bytes(preset.capacity_bytes - node.free_bytes) +
                             " in use, less than the model's own " + format_bytes(model_bytes) +
                             ", which are resident");
     }
   }
   const std::uint64_t ranks_per_node = std::min<std::uint64_t>(options.dp, 8);
   if (auto v = args.get("host")) preset.host_bytes_per_node = parse_size(*v);
-  facts.host_free_bytes = preset.host_bytes_per_node / ranks_per_node;
-  if (auto v = args.get("host-free")) facts.host_free_bytes = parse_size(*v);
-  facts.integrated = preset.integrated;
-  facts.local_ranks = ranks_per_node;
+  node.host_free_bytes = preset.host_bytes_per_node / ranks_per_node;
+  if (auto v = args.get("host-free")) node.host_free_bytes = parse_size(*v);
+  node.integrated = preset.integrated;
+  PlanFacts facts = plan_facts(node, ranks_per_node);
   facts.bandwidths = preset.bandwidths;
   std::optional<std::uint64_t> margin;
   if (auto v = args.get("margin")) margin = parse_size(*v);

@@ -73,9 +73,12 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
     return out;
   }
   progress.end();
+  // The library's account of this rank (report.h); the plan is the same on every rank and goes
+  // to the top of the document once. The command's own fields follow.
   Json& e = out.entry;
-  e["rank"] = rank;
-  out.plan = Json::parse(candidate_json(res.plan, true));
+  e = Json::parse(load_result_json(res));
+  out.plan = std::move(e["plan"]);
+  e.erase("plan");
   if (!res.feasible()) {
     out.exit = kExitInfeasible;
     out.message = "the loader's plan does not fit: " + res.plan.why_not + ". Nothing was read.";
@@ -83,18 +86,6 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   }
   out.flat_bytes = res.group.layout.flat_bytes();
   out.partition_bytes = res.group.layout.partition_bytes();
-  e["bytes_read"] = res.bytes_read;
-  e["reads"] = res.reads;
-  e["read_seconds"] = res.read_seconds;
-  e["read_gbps"] = pl.no_data ? Json() : Json(gbps(res.bytes_read, res.read_seconds));
-  e["page_cache"] = pl.no_data ? Json() : Json(res.page_cache);
-  e["cached_fraction"] = pl.no_data ? Json() : Json(res.cached_fraction);
-  e["allgather_seconds"] = res.allgather_seconds;
-  e["seconds"] = res.seconds;
-  e["predicted_peak_device_bytes"] = res.predicted_peak_device_bytes;
-  e["measured_peak_device_bytes"] = res.measured_peak_device_bytes;
-  e["predicted_host_bytes"] = res.plan.profile.peak_host_bytes;
-  e["host_bytes"] = res.measured_peak_host_bytes;
 
   if (with_ceiling) {
     measure_ceiling();

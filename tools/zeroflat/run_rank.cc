@@ -8,6 +8,7 @@
 
 #include "cli/common.h"
 #include "cli/run.h"
+#include "zeroflat/agree.h"
 #include "zeroflat/checksum.h"
 #include "zeroflat/device.h"
 #include "zeroflat/engine.h"
@@ -56,20 +57,20 @@ std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
   const std::uint64_t model_bytes = sat_mul(cfg.model.numel(), es);
   const Layout layout = Layout::compute(cfg.model.numels(), cfg.options);
   std::unique_ptr<Device> device = make_device(cfg.placement.device_spec, device_options(cfg));
-  // The plan the ranks will make once the originals are materialized on each device.
+  // The plan the ranks will make once the originals are materialized on each device: this
+  // device's probe, less the model's bytes, as this rank's facts, through the same agreement
+  // and conversion the front door uses (agree, plan_facts, make_plan_input). The ranks' own
+  // agreement will take the minimum over them; here one stands for all.
   const ProbeContext context{cfg.local_ranks, 0, 0};
   const ProbeResult probe = device->probe_memory(context);
   const ProbeResult host = device->probe_host_memory(context);
-  PlanFacts facts;
-  facts.capacity_bytes = probe.total_bytes;
-  facts.free_bytes = std::min(probe.free_bytes, probe.total_bytes);
-  facts.free_bytes -= std::min(facts.free_bytes, model_bytes);
-  if (model_bytes <= facts.capacity_bytes) {
-    facts.free_bytes = std::min(facts.free_bytes, facts.capacity_bytes - model_bytes);
-  }
-  facts.host_free_bytes = host.available ? host.free_bytes : 0;
-  facts.integrated = probe.integrated;
-  facts.local_ranks = cfg.local_ranks;
+  AgreementInput facts_here;
+  facts_here.capacity_bytes = probe.total_bytes;
+  facts_here.free_bytes = std::min(probe.free_bytes, probe.total_bytes);
+  facts_here.free_bytes -= std::min(facts_here.free_bytes, model_bytes);
+  facts_here.host_free_bytes = host.available ? host.free_bytes : 0;
+  facts_here.integrated = probe.integrated;
+  PlanFacts facts = plan_facts(agree(facts_here, nullptr), cfg.local_ranks);
   facts.bandwidths = device->hardware().value_or(generic_preset(facts.capacity_bytes)).bandwidths;
   const PlanInput in = make_plan_input(layout, model_bytes, facts, 0, cfg.forced, cfg.margin);
   const Plan plan = plan_group(in);
@@ -165,7 +166,12 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   progress.begin("flatten " + format_bytes(flat_bytes), 0);
   FlattenResult fr = flatten_param_group(params, *device, comm, fo, [&] { originals.release(); });
   progress.end();
-  res.plan = Json::parse(plan_json(fr.plan, fr.input));
+  // The library's account of this rank (report.h); the plan is the same on every rank and goes
+  // to the top of the document once. The rehearsal's own fields follow.
+  Json& e = res.entry;
+  e = Json::parse(flatten_result_json(fr));
+  res.plan = std::move(e["plan"]);
+  e.erase("plan");
   if (!fr.feasible()) {
     res.exit = kExitInfeasible;
     res.message = "no feasible plan: " + fr.plan.reason + ". Nothing was moved.";
@@ -174,31 +180,9 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   const Candidate& chosen = *fr.plan.chosen_candidate();
   Execution& ex = fr.execution;
   if (ex.outcome != Outcome::kDone) res.exit = kExitExecFailed;
-
-  Json& e = res.entry;
-  e["rank"] = rank;
-  e["tier"] = std::string(tier_name(chosen.tier));
-  e["outcome"] = std::string(outcome_name(ex.outcome));
   e["threads"] = cfg.threads;
-  e["seconds"] = ex.seconds;
   e["end_to_end_gbps"] = gbps(flat_bytes, ex.seconds);
   e["flatten_gbps"] = Json();
-  e["predicted_peak_device_bytes"] = fr.predicted_peak_device_bytes;
-  e["measured_peak_device_bytes"] = ex.measured_peak_device_bytes;
-  e["predicted_host_bytes"] = chosen.profile.peak_host_bytes;
-  e["host_bytes"] = ex.measured_peak_host_bytes;
-  Json step_seconds = Json::array();
-  for (double s : ex.step_seconds) step_seconds.push_back(s);
-  e["step_seconds"] = std::move(step_seconds);
-  if (fr.value_check.bytes_hashed > 0) {
-    e["value_check_seconds"] = fr.value_check.seconds;
-    e["value_check_bytes"] = fr.value_check.bytes_hashed;
-  }
-  if (!ex.error.empty()) {
-    e["error"] = ex.error;
-    e["failed_step"] = ex.failed_step ? Json(*ex.failed_step) : Json();
-    e["failed_rank"] = ex.failed_rank;
-  }
   // Every parameter, wherever it points now, against the pattern it was filled with (checked
   // last, after anything that could have touched the data).
   auto originals_intact = [&] {
@@ -228,8 +212,6 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   }
 
   if (cfg.corrupt) corrupt_byte(*device, group.flat.data(), *cfg.corrupt);
-  e["master_bytes"] = fr.master ? Json(fr.master.num_bytes()) : Json();
-  if (!fr.master_error.empty()) e["master_error"] = fr.master_error;
   originals_intact();
 
   if (!device->keeps_data()) {
