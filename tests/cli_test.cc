@@ -43,6 +43,8 @@ TEST(Cli, HelpAndVersion) {
   EXPECT_EQ(run("--version").code, 0);
 }
 
+// The spec's vectors are zeroflat's own layout (every parameter in place, zero-element ones
+// included): --deepspeed none prints it, saying so with "deepspeed": null.
 TEST(Cli, LayoutMatchesEveryVector) {
   std::ifstream in(std::string(ZEROFLAT_TEST_DATA_DIR) + "/layout-vectors.json");
   json vectors = json::parse(in);
@@ -54,11 +56,80 @@ TEST(Cli, LayoutMatchesEveryVector) {
                        " --alignment-factor " + c["alignment_factor"].dump() + " --dtype " +
                        c["dtype"].get<std::string>() + " --param-align-bytes " +
                        c["param_align_bytes"].dump() + (c["round_robin"] ? " --round-robin" : "") +
-                       " --json";
+                       " --deepspeed none --json";
     Result r = run(args);
     ASSERT_EQ(r.code, 0) << args << "\n" << r.err;
-    EXPECT_EQ(json::parse(r.out), vectors[k]["expect"]) << args;
+    json doc = json::parse(r.out);
+    ASSERT_TRUE(doc.contains("deepspeed")) << args;
+    EXPECT_TRUE(doc["deepspeed"].is_null()) << args;
+    doc.erase("deepspeed");
+    EXPECT_TRUE(doc == vectors[k]["expect"]) << args;
   }
+}
+
+// Without --deepspeed, a layout is the newest supported release's (0.19.8: zero-element
+// parameters are left out of the group), and says so; options no release builds keep
+// zeroflat's own layout, and say that.
+TEST(Cli, LayoutDefaultsToTheNewestReleasesRulesAndNamesThem) {
+  std::ifstream in(std::string(ZEROFLAT_TEST_DATA_DIR) + "/layout-vectors.json");
+  json vectors = json::parse(in);
+  std::size_t with_zeros = 0;
+  for (std::size_t k = 0; k < vectors.size(); ++k) {
+    const json& c = vectors[k]["case"];
+    const std::string file = write_temp("numels.json", c["numels"].dump());
+    const std::string args = "layout --numels @" + file + " --dp " + c["dp"].dump() +
+                             " --alignment-factor " + c["alignment_factor"].dump() + " --dtype " +
+                             c["dtype"].get<std::string>() + " --param-align-bytes " +
+                             c["param_align_bytes"].dump() +
+                             (c["round_robin"] ? " --round-robin" : "") + " --json";
+    Result r = run(args);
+    ASSERT_EQ(r.code, 0) << args << "\n" << r.err;
+    const json doc = json::parse(r.out);
+    const bool release_builds_it =
+        c["alignment_factor"] == 2 && (c["param_align_bytes"] == 0 || c["param_align_bytes"] == 16);
+    if (!release_builds_it) {
+      EXPECT_TRUE(doc["deepspeed"].is_null()) << args;
+      continue;
+    }
+    ASSERT_TRUE(doc["deepspeed"].is_object()) << args;
+    EXPECT_EQ(doc["deepspeed"]["rules"], "0.19.8") << args;
+    Result named = run(args + " --deepspeed 0.19.8");
+    ASSERT_EQ(named.code, 0) << named.err;
+    EXPECT_TRUE(json::parse(named.out) == doc) << args;
+    bool zeros = false;
+    for (const json& n : c["numels"]) zeros = zeros || n == 0;
+    if (zeros) {
+      ++with_zeros;
+      EXPECT_FALSE(doc["left_out"].empty()) << args;
+      EXPECT_TRUE(doc != vectors[k]["expect"]) << args;
+    }
+  }
+  EXPECT_GT(with_zeros, 2u);  // the vectors do hold groups with zero-element parameters
+  // DeepSpeed 0.19.8's own bookkeeping for 8,0,24 on two ranks, by hand: parameter 1 is not in
+  // the group, so the buffer is 8 + 24 = 32 elements and parameter 2 starts at 8.
+  Result r = run("layout --numels 8,0,24 --dp 2 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json doc = json::parse(r.out);
+  EXPECT_EQ(doc["deepspeed"]["release"], "0.19.8");
+  EXPECT_EQ(doc["flat_numel"], 32);
+  EXPECT_EQ(doc["offsets"], json::parse("[0, null, 8]"));
+  EXPECT_EQ(doc["left_out"], json::parse(R"([{"param": 1, "why": "zero elements"}])"));
+  EXPECT_EQ(doc["ranks"][0]["params_in_partition"], json::parse("[0, 2]"));
+  EXPECT_EQ(doc["ranks"][1]["params_in_partition"], json::parse("[2]"));
+  EXPECT_EQ(doc["ranks"][1]["first_offset"], 8);
+  // Text printouts say which rules too.
+  Result text = run("layout --numels 8,0,24 --dp 2");
+  EXPECT_NE(text.out.find("rules        DeepSpeed 0.19.8's rules"), std::string::npos) << text.out;
+  Result own = run("layout --numels 8,0,24 --dp 2 --deepspeed none");
+  EXPECT_NE(own.out.find("rules        zeroflat's own layout"), std::string::npos) << own.out;
+  Result padded = run("layout --numels 8,0,24 --dp 2 --alignment-factor 4");
+  EXPECT_NE(padded.out.find("no DeepSpeed release builds this one"), std::string::npos)
+      << padded.out;
+  EXPECT_NE(padded.out.find("alignment factor 4"), std::string::npos) << padded.out;
+  // A release named outright must build the layout asked for.
+  Result refused = run("layout --numels 8,0,24 --dp 2 --alignment-factor 4 --deepspeed latest");
+  EXPECT_EQ(refused.code, 2);
+  EXPECT_NE(refused.err.find("--deepspeed none"), std::string::npos) << refused.err;
 }
 
 TEST(Cli, LayoutInputForms) {
@@ -762,7 +833,9 @@ TEST(CliLayout, DeepSpeedReleaseRules) {
   Result table = run("layout --numels 5,0,3 --dp 2 --deepspeed 0.19.8");
   EXPECT_NE(table.out.find("left out: 1 (zero elements)"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("offsets      0 - 5"), std::string::npos) << table.out;
-  EXPECT_EQ(run("layout --numels 5,7 --frozen 1").code, 2);  // frozen needs a release
+  EXPECT_EQ(run("layout --numels 5,7 --frozen 1 --deepspeed none").code, 2);  // needs a release
+  EXPECT_EQ(run("layout --numels 5,7 --frozen 1 --alignment-factor 4").code, 2);
+  EXPECT_EQ(run("layout --numels 5,7 --frozen 1 --json").code, 0);  // the newest release's
   EXPECT_EQ(run("layout --numels 5,7 --deepspeed 0.19.8 --frozen 2").code, 2);
   EXPECT_EQ(run("layout --numels 5,7 --deepspeed 0.13.0").code, 2);
   EXPECT_EQ(run("layout --numels 5,7 --deepspeed 0.18.6 --param-align-bytes 16").code, 2);
@@ -903,11 +976,12 @@ TEST(CliLoad, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
 }
 
 // The per-rank entries of run and load are the library's result documents (report.h), with the
-// command's own fields added.
+// command's own fields added; every document names its layout rules.
 TEST(CliReport, RunAndLoadEntriesAreTheLibrarysResultDocuments) {
   Result r = run("run --model tiny-moe --dp 2 --repeat 1 --json --quiet");
   ASSERT_EQ(r.code, 0) << r.err;
   const json doc = json::parse(r.out);
+  EXPECT_EQ(doc["deepspeed"]["rules"], "0.19.8");
   EXPECT_EQ(doc["plan"]["feasible"], true);
   for (const json& e : doc["ranks"]) {
     for (const char* key :
@@ -926,6 +1000,7 @@ TEST(CliReport, RunAndLoadEntriesAreTheLibrarysResultDocuments) {
   Result l = run("load " + dir + " --dp 2 --json --quiet");
   ASSERT_EQ(l.code, 0) << l.err;
   const json ld = json::parse(l.out);
+  EXPECT_EQ(ld["deepspeed"]["rules"], "0.19.8");
   EXPECT_EQ(ld["plan"]["tier"], "load");
   for (const json& e : ld["ranks"]) {
     for (const char* key : {"rank", "tier", "outcome", "bytes_read", "reads", "read_gbps",
@@ -943,6 +1018,12 @@ TEST(CliReport, RunAndLoadEntriesAreTheLibrarysResultDocuments) {
     EXPECT_TRUE(e["read_gbps"].is_null()) << e.dump();
     EXPECT_TRUE(e["page_cache"].is_null()) << e.dump();
   }
+  Result plan = run("plan --model tiny-moe --dp 2 --device 1GiB --json");
+  ASSERT_EQ(plan.code, 0) << plan.err;
+  EXPECT_EQ(json::parse(plan.out)["deepspeed"]["rules"], "0.19.8");
+  Result own = run("plan --model tiny-moe --dp 2 --device 1GiB --json --deepspeed none");
+  ASSERT_EQ(own.code, 0) << own.err;
+  EXPECT_TRUE(json::parse(own.out)["deepspeed"].is_null());
   std::system(("rm -rf " + dir).c_str());
 }
 

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <iostream>
 #include <optional>
+#include <streambuf>
 #include <string>
 
 #include "cli/common.h"
@@ -32,10 +33,56 @@ std::string list_text(const std::vector<std::uint64_t>& v, std::size_t keep = 8)
   return out + " (" + format_count(v.size()) + " in all)";
 }
 
+// Passes every character on to `sink` but the last, which it holds: a field can then be added
+// before a document's closing brace without keeping the document (it may be gigabytes).
+class HoldLastChar : public std::streambuf {
+ public:
+  explicit HoldLastChar(std::streambuf* sink) : sink_(sink) {}
+  std::optional<char> held() const { return held_; }
+
+ protected:
+  int_type overflow(int_type c) override {
+    if (traits_type::eq_int_type(c, traits_type::eof())) return traits_type::not_eof(c);
+    if (!flush_held()) return traits_type::eof();
+    held_ = traits_type::to_char_type(c);
+    return c;
+  }
+  std::streamsize xsputn(const char* s, std::streamsize n) override {
+    if (n <= 0) return 0;
+    if (!flush_held()) return 0;
+    if (n > 1 && sink_->sputn(s, n - 1) != n - 1) return 0;
+    held_ = s[n - 1];
+    return n;
+  }
+
+ private:
+  bool flush_held() {
+    if (!held_) return true;
+    const bool ok = !traits_type::eq_int_type(sink_->sputc(*held_), traits_type::eof());
+    held_.reset();
+    return ok;
+  }
+  std::streambuf* sink_;
+  std::optional<char> held_;
+};
+
+// zeroflat's own layout document (layout.md's shape) with "deepspeed": null added at its end,
+// so that every document says whose rules it follows.
+void write_own_layout_json(const Layout& layout, std::optional<std::uint64_t> rank) {
+  HoldLastChar hold(std::cout.rdbuf());
+  std::ostream out(&hold);
+  layout.write_json(out, rank);
+  if (hold.held() == '}') {
+    std::cout << ",\"deepspeed\":null}";
+  } else if (hold.held()) {
+    std::cout << *hold.held();
+  }
+}
+
 // With a release, parameters are named by their input index and each rank's padding is the
-// release's own record.
+// release's own record. rules: which rules the layout follows.
 void print_table(const Layout& l, const std::string& source, std::optional<std::uint64_t> only,
-                 const ReleaseLayout* release = nullptr) {
+                 const std::string& rules, const ReleaseLayout* release = nullptr) {
   const LayoutOptions& o = l.options();
   auto named = [&](const std::vector<std::uint64_t>& v) {
     if (release == nullptr) return v;
@@ -45,8 +92,8 @@ void print_table(const Layout& l, const std::string& source, std::optional<std::
   };
   const std::uint64_t es = l.element_size();
   std::printf("layout: %s parameters (%s), %s elements of %s\n",
-              format_count(l.num_params()).c_str(), printable(source).c_str(), format_count(l.numel()).c_str(),
-              std::string(dtype_name(o.dtype)).c_str());
+              format_count(l.num_params()).c_str(), printable(source).c_str(),
+              format_count(l.numel()).c_str(), std::string(dtype_name(o.dtype)).c_str());
   std::printf(
       "  dp %llu%s, alignment %llu elements (factor %llu x dp)%s\n",
       static_cast<unsigned long long>(o.dp), o.round_robin ? ", round-robin order" : "",
@@ -61,25 +108,25 @@ void print_table(const Layout& l, const std::string& source, std::optional<std::
   std::printf("  partition    %s elements, %s per rank\n",
               format_count(l.partition_numel()).c_str(),
               format_bytes(l.partition_numel() * es).c_str());
+  std::string left;
   if (release != nullptr) {
-    std::string left;
     for (const auto& [i, why] : release->left_out) {
-      left += (left.empty() ? "" : ", ") + std::to_string(i) + " (" +
-              std::string(left_out_name(why)) + ")";
+      left += left.empty() ? "; left out: " : ", ";
+      left += std::to_string(i) + " (" + std::string(left_out_name(why)) + ")";
     }
-    std::printf("  deepspeed    %s (rules of %s%s)%s%s\n", printable(release->rules.release).c_str(),
-                release->rules.rules.c_str(), release->rules.tested ? ", tested" : ", untested",
-                left.empty() ? "" : "; left out: ", left.c_str());
   }
+  std::printf("  rules        %s%s\n", rules.c_str(), left.c_str());
   std::printf("  order        %s\n", list_text(named(l.order())).c_str());
   if (release == nullptr) {
     std::printf("  offsets      %s\n\n", list_text(l.offsets()).c_str());
   } else {
     std::vector<std::uint64_t> by_input(release->num_inputs, 0);
     std::string text;
-    for (std::uint64_t k = 0; k < release->kept.size(); ++k) by_input[release->kept[k]] = l.offsets()[k];
+    for (std::uint64_t k = 0; k < release->kept.size(); ++k)
+      by_input[release->kept[k]] = l.offsets()[k];
     for (std::uint64_t i = 0; i < release->num_inputs && i < 16; ++i) {
-      const bool in = std::find(release->kept.begin(), release->kept.end(), i) != release->kept.end();
+      const bool in =
+          std::find(release->kept.begin(), release->kept.end(), i) != release->kept.end();
       text += (i ? " " : "") + (in ? std::to_string(by_input[i]) : std::string("-"));
     }
     if (release->num_inputs > 16) text += " ... (" + format_count(release->num_inputs) + " in all)";
@@ -109,7 +156,11 @@ int subcommand_layout(const std::vector<std::string>& argv) {
   Parser p("layout", "(--numels LIST | --model NAME) [options]",
            "Prints the ZeRO-1/2 flat layout of one parameter group: the order, each parameter's\n"
            "offset, the padding, and each rank's partition and bookkeeping, exactly as\n"
-           "DeepSpeed's DeepSpeedZeroOptimizer builds it.");
+           "DeepSpeed's DeepSpeedZeroOptimizer builds it: by default as the newest supported\n"
+           "release does (--deepspeed latest; from 0.19.8 zero-element parameters are left out\n"
+           "of the group), or as --deepspeed V does. --deepspeed none prints zeroflat's own\n"
+           "layout (docs/layout.md: every parameter in place, zero-element ones included).\n"
+           "Every printout says which rules it follows.");
   p.option("numels", "LIST",
            "element counts in group order: 5,7,3 or @FILE (one per line, or a "
            "JSON list)");
@@ -125,6 +176,7 @@ int subcommand_layout(const std::vector<std::string>& argv) {
       "examples:\n"
       "  zeroflat layout --numels 5,7,3 --dp 4\n"
       "  zeroflat layout --numels 5,7,3,4,6 --dp 2 --round-robin --json\n"
+      "  zeroflat layout --numels 8,0,24 --dp 2 --deepspeed none --json\n"
       "  zeroflat layout --model tiny-moe --dp 8 --param-align-bytes 16");
   std::optional<Args> parsed = p.parse_or_help(argv);
   if (!parsed) return kExitOk;
@@ -150,10 +202,25 @@ int subcommand_layout(const std::vector<std::string>& argv) {
     source = model.name;
   }
   LayoutOptions options = layout_options_from_args(args, model_given ? &model : nullptr);
-  const std::optional<ReleaseRules> rules = release_from_args(args);
+  const std::optional<ReleaseRules> rules = release_from_args(args, options);
+  std::string rules_line = rules_text(rules);
+  if (!rules && !args.has("deepspeed")) {
+    // The options asked for a layout of zeroflat's own: say which one no release builds.
+    try {
+      check_release_options(options, default_deepspeed_rules());
+    } catch (const InvalidArgument& e) {
+      rules_line = "zeroflat's own layout: no DeepSpeed release builds this one (" +
+                   std::string(e.what()) + ")";
+    }
+  }
   std::vector<bool> frozen;
   if (auto v = args.get("frozen")) {
-    if (!rules) throw UsageError("--frozen goes with --deepspeed (zeroflat's layout has no frozen parameters: leave them out of --numels)");
+    if (!rules) {
+      throw UsageError(
+          "--frozen names parameters a DeepSpeed release leaves out; zeroflat's own layout "
+          "(--deepspeed none, or options no release builds) has none: leave them out of "
+          "--numels");
+    }
     frozen.assign(numels.size(), false);
     for (std::uint64_t i : parse_numels(*v)) {
       if (i >= numels.size()) {
@@ -179,14 +246,14 @@ int subcommand_layout(const std::vector<std::string>& argv) {
       if (release) {
         release->write_json(std::cout, rank);
       } else {
-        layout.write_json(std::cout, rank);
+        write_own_layout_json(layout, rank);
       }
     } catch (const InvalidArgument& e) {
       throw InvalidArgument(std::string(e.what()) + " with --rank R");
     }
     std::cout << '\n';
   } else {
-    print_table(layout, source, rank, release ? &*release : nullptr);
+    print_table(layout, source, rank, rules_line, release ? &*release : nullptr);
   }
   return kExitOk;
 }

@@ -52,7 +52,8 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   if (!args.has("device")) throw UsageError("--device is required (a preset or a size)");
   ModelSpec model = model_from_args(args, "");
   LayoutOptions options = layout_options_from_args(args, &model);
-  if (const std::string note = apply_release(args, model, options); !note.empty()) {
+  const std::optional<ReleaseRules> rules = release_from_args(args, options);
+  if (const std::string note = apply_release(rules, model, options); !note.empty()) {
     std::fprintf(stderr, "zeroflat plan: %s\n", note.c_str());
   }
   const std::string device_text = *args.get("device");
@@ -128,6 +129,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
                     {"numel", model.numel()},
                     {"bytes", model_bytes}};
     doc["dp"] = options.dp;
+    doc["deepspeed"] = rules_doc(rules);
     doc["device"] = {{"preset", preset.name}, {"capacity_bytes", preset.capacity_bytes}};
     doc["free_bytes"] = in.free_bytes;
     doc["margin_bytes"] = in.margin_bytes;
@@ -158,6 +160,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
                 std::string(dtype_name(options.dtype)).c_str(),
                 static_cast<unsigned long long>(options.dp), preset.name.c_str(),
                 format_bytes(preset.capacity_bytes).c_str());
+    std::printf("  layout: %s\n", rules_text(rules).c_str());
     std::printf("  free %s per rank, margin %s, host %s per rank; flat buffer %s, partition %s\n\n",
                 format_bytes(in.free_bytes).c_str(), format_bytes(in.margin_bytes).c_str(),
                 format_bytes(in.host_free_bytes).c_str(),

@@ -16,6 +16,21 @@ namespace {
 
 constexpr std::uint64_t kRehearsalShardBytes = 5'000'000'000;  // Hugging Face's default shards
 
+// The release's group of `model`: the tensors it leaves out (zero-element ones from 0.19.8) are
+// dropped from the model and listed in cfg.left_out.
+void apply_release_to_group(LoadConfig& cfg, ModelSpec& model) {
+  if (!cfg.release) return;
+  const ReleaseLayout rl = layout_for_release(model.numels(), {}, cfg.options, *cfg.release);
+  if (rl.left_out.empty()) return;
+  for (const auto& [i, why] : rl.left_out) {
+    cfg.left_out.push_back(model.tensors[i].name + " (" + std::string(left_out_name(why)) +
+                           ", DeepSpeed " + cfg.release->release + ")");
+  }
+  std::vector<TensorSpec> kept;
+  for (std::uint64_t i : rl.kept) kept.push_back(model.tensors[i]);
+  model.tensors = std::move(kept);
+}
+
 // The group: every floating-point tensor of the checkpoint, in its natural name order (the
 // order `--model CHECKPOINT` flattens them in), with the release's rules applied.
 void group_from_checkpoint(LoadConfig& cfg, const Args& args) {
@@ -42,9 +57,8 @@ void group_from_checkpoint(LoadConfig& cfg, const Args& args) {
     }
   }
   cfg.options = layout_options_from_args(args, &model);
-  if (const std::string note = apply_release(args, model, cfg.options); !note.empty()) {
-    std::fprintf(stderr, "zeroflat load: %s\n", note.c_str());
-  }
+  cfg.release = release_from_args(args, cfg.options);
+  apply_release_to_group(cfg, model);
   for (const TensorSpec& t : model.tensors) {
     cfg.params.push_back(LoadParam{t.name, t.shape, {}});
     cfg.checkpoint_bytes += cfg.ck.find(t.name)->bytes;
@@ -112,9 +126,8 @@ LoadConfig load_config_from_args(const Args& args) {
     }
     ModelSpec model = model_from_args(args, "tiny-moe");
     cfg.options = layout_options_from_args(args, &model);
-    if (const std::string note = apply_release(args, model, cfg.options); !note.empty()) {
-      std::fprintf(stderr, "zeroflat load: %s\n", note.c_str());
-    }
+    cfg.release = release_from_args(args, cfg.options);
+    apply_release_to_group(cfg, model);
     const DType stored = args.get("checkpoint-dtype") ? parse_dtype(*args.get("checkpoint-dtype"))
                                                       : cfg.options.dtype;
     cfg.rehearsal = true;

@@ -34,6 +34,7 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   lo.ring_depth = cfg.ring_depth;
   lo.threads = cfg.threads;
   lo.probe.local_ranks = cfg.local_ranks;
+  lo.release = cfg.release;
   lo.must_match = "source " + cfg.source + ", device " + pl.device_spec + ", comm " + pl.comm +
                   ", threads " + std::to_string(cfg.threads) + (cfg.verify ? ", verify" : "") +
                   (cfg.ceiling ? ", ceiling" : "");

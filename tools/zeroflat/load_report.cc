@@ -92,6 +92,7 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
     doc["dtype"] = std::string(dtype_name(cfg.options.dtype));
     doc["dp"] = cfg.options.dp;
     doc["round_robin"] = cfg.options.round_robin;
+    doc["deepspeed"] = rules_doc(cfg.release);
     doc["device"] = cfg.placement.device_spec;
     doc["no_data"] = no_data;
     doc["comm"] = cfg.placement.comm;
@@ -120,8 +121,9 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
       std::string(dtype_name(cfg.options.dtype)).c_str(), format_bytes(flat_bytes).c_str(),
       static_cast<unsigned long long>(cfg.options.dp),
       cfg.options.round_robin ? " (round-robin)" : "", cfg.placement.device_spec.c_str());
+  std::printf("layout: %s\n", rules_text(cfg.release).c_str());
   if (!cfg.left_out.empty()) {
-    std::printf("left out (not floating point): %s\n", join(cfg.left_out).c_str());
+    std::printf("left out: %s\n", join(cfg.left_out).c_str());
   }
   std::printf("%-5s %12s %7s %9s %12s %7s %8s %24s\n", "rank", "read", "reads", "GB/s",
               "ceiling GB/s", "ratio", "cache", "device peak pred / meas");

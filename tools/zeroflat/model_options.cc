@@ -37,17 +37,49 @@ void add_layout_options(Parser& parser) {
   parser.option("deepspeed", "V",
                 "lay the group out as DeepSpeed release V does (0.14.0 and later, or latest): "
                 "the parameters it leaves out (frozen; zero-element from 0.19.8) are reported, "
-                "not laid out",
-                "zeroflat's layout (docs/layout.md)");
+                "not laid out; none: zeroflat's own layout (docs/layout.md), every parameter in "
+                "place",
+                "latest, or none where --alignment-factor or --param-align-bytes ask for a "
+                "layout no release builds");
 }
 
-std::optional<ReleaseRules> release_from_args(const Args& args) {
-  if (auto v = args.get("deepspeed")) return deepspeed_rules(*v);
-  return std::nullopt;
+std::optional<ReleaseRules> release_from_args(const Args& args, const LayoutOptions& options) {
+  if (auto v = args.get("deepspeed")) {
+    if (*v == "none") return std::nullopt;
+    ReleaseRules rules = deepspeed_rules(*v);
+    try {
+      check_release_options(options, rules);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument("--deepspeed " + printable(*v) + ": " + e.what() +
+                            " (--deepspeed none lays it out as zeroflat's own layout)");
+    }
+    return rules;
+  }
+  // The default (no DeepSpeed here to ask: the newest release's), unless the options ask for
+  // what no release builds.
+  ReleaseRules rules = default_deepspeed_rules();
+  try {
+    check_release_options(options, rules);
+  } catch (const InvalidArgument&) {
+    return std::nullopt;
+  }
+  return rules;
 }
 
-std::string apply_release(const Args& args, ModelSpec& model, const LayoutOptions& options) {
-  const std::optional<ReleaseRules> rules = release_from_args(args);
+std::string rules_text(const std::optional<ReleaseRules>& rules) {
+  if (!rules) return "zeroflat's own layout (--deepspeed none)";
+  std::string text = "DeepSpeed " + printable(rules->release) + "'s rules";
+  if (rules->rules != rules->release) text += " (those of " + rules->rules + ")";
+  return text + (rules->tested ? "" : ", untested");
+}
+
+nlohmann::ordered_json rules_doc(const std::optional<ReleaseRules>& rules) {
+  if (!rules) return nullptr;
+  return {{"release", rules->release}, {"rules", rules->rules}, {"tested", rules->tested}};
+}
+
+std::string apply_release(const std::optional<ReleaseRules>& rules, ModelSpec& model,
+                          const LayoutOptions& options) {
   if (!rules) return "";
   const ReleaseLayout rl = layout_for_release(model.numels(), {}, options, *rules);
   if (rl.left_out.empty()) return "";
@@ -55,7 +87,7 @@ std::string apply_release(const Args& args, ModelSpec& model, const LayoutOption
   for (std::uint64_t i : rl.kept) kept.push_back(model.tensors[i]);
   model.tensors = std::move(kept);
   return "DeepSpeed " + rules->release + " leaves " + std::to_string(rl.left_out.size()) +
-         " zero-element tensor(s) out of the group";
+         " zero-element tensor(s) out of the group (--deepspeed none keeps them)";
 }
 
 LayoutOptions layout_options_from_args(const Args& args, const ModelSpec* model) {

@@ -53,7 +53,8 @@ RunConfig run_config_from_args(const Args& args) {
   RunConfig cfg;
   cfg.model = model_from_args(args, "tiny-moe");
   cfg.options = layout_options_from_args(args, &cfg.model);
-  if (const std::string note = apply_release(args, cfg.model, cfg.options); !note.empty()) {
+  cfg.release = release_from_args(args, cfg.options);
+  if (const std::string note = apply_release(cfg.release, cfg.model, cfg.options); !note.empty()) {
     std::fprintf(stderr, "zeroflat run: %s\n", note.c_str());
   }
   cfg.placement = placement_from_args(args, cfg.options.dp);

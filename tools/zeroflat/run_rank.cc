@@ -146,6 +146,7 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   // --- the front door: probe, agree, plan, check, execute, master -----------------------------
   FlattenOptions fo;
   fo.layout = cfg.options;
+  fo.release = cfg.release;
   fo.tier = cfg.forced;
   fo.margin_bytes = cfg.margin;
   fo.check_values = cfg.check_values;

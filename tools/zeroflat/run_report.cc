@@ -32,6 +32,7 @@ Json run_doc(const RunConfig& cfg) {
   doc["no_data"] = cfg.placement.no_data;
   doc["comm"] = cfg.placement.comm;
   doc["dtype"] = std::string(dtype_name(cfg.options.dtype));
+  doc["deepspeed"] = rules_doc(cfg.release);
   doc["flat_bytes"] = layout.flat_bytes();
   doc["partition_bytes"] = layout.partition_bytes();
   return doc;
@@ -56,6 +57,7 @@ void print_human(const RunConfig& cfg, const std::vector<Json>& entries, const R
       "  device %s%s, dp %llu over %s, threads per rank %u\n", cfg.placement.device_spec.c_str(),
       cfg.placement.no_data ? " (no data: memory accounted, nothing copied)" : "",
       static_cast<unsigned long long>(cfg.options.dp), cfg.placement.comm.c_str(), cfg.threads);
+  std::printf("  layout: %s\n", rules_text(cfg.release).c_str());
   std::printf("  plan: %s (free %s per rank, margin %s)\n",
               plan["reason"].get<std::string>().c_str(),
               format_bytes(plan["free_bytes"].get<std::uint64_t>()).c_str(),

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,12 +31,21 @@ void add_layout_options(Parser& parser);
 // Validated layout options (InvalidArgument names the bad value). With a model, its declared
 // dtype is used unless --dtype is given.
 LayoutOptions layout_options_from_args(const Args& args, const ModelSpec* model = nullptr);
-// --deepspeed V: that release's rules, or none.
-std::optional<ReleaseRules> release_from_args(const Args& args);
-// The model's group as the release lays it out: the tensors it leaves out (zero-element ones
-// from 0.19.8) are dropped, and the options checked against its rules. Without a release, the
-// model as it is. A note for stderr says what was left out, or "".
-std::string apply_release(const Args& args, ModelSpec& model, const LayoutOptions& options);
+// The DeepSpeed release whose layout rules apply (--deepspeed V): V, or by default the newest
+// supported release ("latest"). None (zeroflat's own layout, docs/layout.md) for
+// `--deepspeed none`, or by default when the options ask for a layout no release builds
+// (--alignment-factor other than 2, --param-align-bytes other than 0 or 16): those are
+// zeroflat's own. InvalidArgument for a release given explicitly whose rules refuse the options.
+std::optional<ReleaseRules> release_from_args(const Args& args, const LayoutOptions& options);
+// "DeepSpeed 0.19.8's rules" or "zeroflat's own layout (--deepspeed none)", for printouts.
+std::string rules_text(const std::optional<ReleaseRules>& rules);
+// The "deepspeed" field of a document: {release, rules, tested}, or null for zeroflat's own.
+nlohmann::ordered_json rules_doc(const std::optional<ReleaseRules>& rules);
+// The model's group as the release forms it: the tensors it leaves out (zero-element ones from
+// 0.19.8) are dropped. Without a release, the model as it is. A note for stderr says what was
+// left out, or "".
+std::string apply_release(const std::optional<ReleaseRules>& rules, ModelSpec& model,
+                          const LayoutOptions& options);
 
 int subcommand_layout(const std::vector<std::string>& argv);
 int subcommand_run(const std::vector<std::string>& argv);

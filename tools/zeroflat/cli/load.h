@@ -17,6 +17,7 @@
 #include "zeroflat/comm.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
+#include "zeroflat/release.h"
 
 namespace zeroflat::cli {
 
@@ -26,9 +27,10 @@ struct LoadConfig {
   bool rehearsal = false;
   CheckpointIndex ck;
   std::vector<LoadParam> params;
-  std::vector<std::string> left_out;   // tensors the loader does not read (not floating point)
+  std::vector<std::string> left_out;   // tensors the loader does not read, and why
   std::uint64_t checkpoint_bytes = 0;  // of the tensors loaded, as stored
   LayoutOptions options;
+  std::optional<ReleaseRules> release;  // the DeepSpeed release the group follows, if any
   Placement placement;
   std::optional<std::uint64_t> margin;
   unsigned threads = 0;

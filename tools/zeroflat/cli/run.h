@@ -17,6 +17,7 @@
 #include "zeroflat/layout.h"
 #include "zeroflat/model.h"
 #include "zeroflat/plan.h"
+#include "zeroflat/release.h"
 
 namespace zeroflat::cli {
 
@@ -24,6 +25,7 @@ namespace zeroflat::cli {
 struct RunConfig {
   ModelSpec model;
   LayoutOptions options;
+  std::optional<ReleaseRules> release;  // the DeepSpeed release the group follows, if any
   Placement placement;
   std::optional<Tier> forced;
   std::optional<std::uint64_t> margin;
