@@ -210,4 +210,33 @@ TEST(MpiLoad, ProcessesHoldWhatThreadsHoldAndReadOnlyTheirPartition) {
   }
 }
 
+// A rank that exits before joining the MPI job (an argument only it refuses) leaves the others
+// in MPI's start-up, which has no timeout of its own; --timeout covers it: they end, exit 1,
+// saying why. (OpenMPI would otherwise end the job itself, unless told not to, as here.)
+TEST(MpiRun, ARankThatNeverJoinsEndsTheOthersWithinTheTimeout) {
+  const std::string cli = ZEROFLAT_CLI_PATH;
+  for (const char* command :
+       {"run --model tiny-moe", "load --model tiny-moe --device sim:1GiB --no-data"}) {
+    SCOPED_TRACE(command);
+    // Without the watchdog the job would wait for ever: `timeout` ends it, and the test fails.
+    const std::string launcher =
+        "timeout 60 " + std::string(ZEROFLAT_MPIEXEC) +
+        " -n 3 --oversubscribe --mca orte_abort_on_non_zero_status 0 sh -c 'if [ "
+        "\"$OMPI_COMM_WORLD_RANK\" = 1 ]; then " +
+        cli + " run --frobnicate; echo exit1=$? >&2; else";
+    const auto t0 = std::chrono::steady_clock::now();
+    Result r =
+        run(std::string(command) +
+                " --comm mpi --timeout 2 --quiet; echo exit$OMPI_COMM_WORLD_RANK=$? >&2; fi'",
+            kRoot, launcher);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT(seconds, 30.0);
+    EXPECT_NE(r.err.find("exit1=2"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("exit0=1"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("exit2=1"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("did not start within --timeout 2 s"), std::string::npos) << r.err;
+  }
+}
+
 }  // namespace

@@ -92,7 +92,9 @@ void add_load_options(Parser& p) {
   p.flag("verify",
          "compare every parameter in the buffer with its tensor read whole, on its own, from "
          "the file (and every padding byte with zero)");
-  p.option("timeout", "SECONDS", "how long a collective waits for the other ranks", "60");
+  p.option("timeout", "SECONDS",
+           "how long a rank waits for the others (in a collective, and while the MPI job starts)",
+           "60");
   p.option("inject-read-error", "BYTES[@R]",
            "testing aid: rank R's reads (default 0) fail as an I/O error once BYTES have been "
            "read; exit 4, with every rank saying so and no buffer kept");

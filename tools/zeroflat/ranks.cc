@@ -1,11 +1,14 @@
-// The ranks of a `run` or a `load` (cli/ranks.h): placement options, ranks as threads, every
-// rank's entry brought together, and this host's room.
+// The ranks of a `run` or a `load` (cli/ranks.h): placement options, the MPI job's start-up
+// under a deadline, ranks as threads, every rank's entry brought together, and this host's room.
 #include "cli/ranks.h"
 
 #include <array>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <system_error>
 #include <thread>
 
@@ -103,6 +106,44 @@ std::chrono::milliseconds timeout_from_args(const Args& args) {
     throw InvalidArgument("--timeout " + printable(*v) + ": expected 1 to 86400");
   }
   return std::chrono::milliseconds(s * 1000);
+}
+
+std::unique_ptr<Communicator> start_world(const std::string& command, const std::string& comm,
+                                          std::chrono::milliseconds timeout) {
+  if (comm == "local") return nullptr;
+  // The library never exits the process, and MPI offers no way to interrupt its start-up: the
+  // watchdog is the command's. It only waits, so it does not count as a thread calling MPI.
+  std::mutex m;
+  std::condition_variable cv;
+  bool started = false;
+  std::thread watchdog([&] {
+    std::unique_lock<std::mutex> lock(m);
+    if (cv.wait_for(lock, timeout, [&] { return started; })) return;
+    std::fprintf(stderr,
+                 "zeroflat %s: error: the MPI job did not start within --timeout %lld s: a rank "
+                 "has not joined it (a rank that exited early says why in its own message), or "
+                 "the ranks cannot reach each other\n",
+                 command.c_str(), static_cast<long long>(timeout.count() / 1000));
+    std::fflush(nullptr);
+    std::_Exit(kExitOther);
+  });
+  auto stop = [&] {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      started = true;
+    }
+    cv.notify_all();
+    watchdog.join();
+  };
+  std::unique_ptr<Communicator> world;
+  try {
+    world = make_mpi_communicator(timeout);
+  } catch (...) {
+    stop();
+    throw;
+  }
+  stop();
+  return world;
 }
 
 void settle_world(LayoutOptions& options, unsigned& local_ranks, const Args& args,

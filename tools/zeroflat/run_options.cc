@@ -32,7 +32,9 @@ void add_run_options(Parser& p) {
            "cores / ranks on this host");
   p.option("repeat", "N", "cpu: timed rounds of the copy, the tier and each ceiling (best kept)",
            "3");
-  p.option("timeout", "SECONDS", "how long a collective waits for the other ranks", "60");
+  p.option("timeout", "SECONDS",
+           "how long a rank waits for the others (in a collective, and while the MPI job starts)",
+           "60");
   p.flag("verify", "check every byte of the flat buffer, every view and the master partition");
   p.flag("no-value-check",
          "skip the check that the ranks hold equal values before the sharded and staged tiers "
