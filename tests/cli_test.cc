@@ -1130,4 +1130,29 @@ TEST(CliWriteCheckpoint, ThreeHundredThousandTensorsInLinearTime) {
   std::system(("rm -rf " + small + " " + large).c_str());
 }
 
+// --- load: names ----------------------------------------------------------------------------
+
+// "layers.0.w" and "layers.00.w" compare equal in natural name order: the load used to crash
+// on them. Either it loads both, correctly, or it says which names it cannot tell apart.
+TEST(CliLoad, NamesEqualInNaturalOrderAreNeverACrash) {
+  const std::string file =
+      write_temp("equal_names.safetensors",
+                 safetensors_file(
+                     R"({"layers.0.w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]},)"
+                     R"( "layers.00.w": {"dtype": "BF16", "shape": [2], "data_offsets": [8, 12]}})",
+                     12));
+  for (const char* dp : {"1", "2"}) {
+    Result r = run("load " + file + " --dp " + dp + " --verify --json --quiet");
+    ASSERT_TRUE(r.code == 0 || r.code == 2) << "exit " << r.code << "\n" << r.err;
+    if (r.code == 0) {
+      const json doc = json::parse(r.out);
+      EXPECT_EQ(doc["tensors"], 2);
+      for (const json& e : doc["ranks"]) EXPECT_EQ(e["verified"], true) << e.dump();
+    } else {
+      EXPECT_NE(r.err.find("layers.00.w"), std::string::npos) << r.err;
+      EXPECT_NE(r.err.find("layers.0.w"), std::string::npos) << r.err;
+    }
+  }
+}
+
 }  // namespace

@@ -37,12 +37,14 @@ void group_from_checkpoint(LoadConfig& cfg, const Args& args) {
   ModelSpec model;
   model.name = cfg.source;
   std::map<DType, std::uint64_t> bytes_by_type;
+  std::map<std::string, std::uint64_t> stored_bytes;  // by exact name, as stored
   for (const CheckpointTensor& t : cfg.ck.tensors) {
     if (!t.type) {
       cfg.left_out.push_back(t.name + " (" + t.dtype + ")");
       continue;
     }
     model.tensors.push_back(TensorSpec{t.name, t.shape, t.numel});
+    stored_bytes[t.name] = t.bytes;
     bytes_by_type[*t.type] += t.bytes;
   }
   if (model.tensors.empty()) {
@@ -61,7 +63,7 @@ void group_from_checkpoint(LoadConfig& cfg, const Args& args) {
   apply_release_to_group(cfg, model);
   for (const TensorSpec& t : model.tensors) {
     cfg.params.push_back(LoadParam{t.name, t.shape, {}});
-    cfg.checkpoint_bytes += cfg.ck.find(t.name)->bytes;
+    cfg.checkpoint_bytes += stored_bytes.at(t.name);
   }
 }
 
