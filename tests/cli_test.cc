@@ -1130,7 +1130,7 @@ TEST(CliWriteCheckpoint, ThreeHundredThousandTensorsInLinearTime) {
   std::system(("rm -rf " + small + " " + large).c_str());
 }
 
-// --- load: names ----------------------------------------------------------------------------
+// --- load: names, hub ids ---------------------------------------------------------------------
 
 // "layers.0.w" and "layers.00.w" compare equal in natural name order: the load used to crash
 // on them. Either it loads both, correctly, or it says which names it cannot tell apart.
@@ -1153,6 +1153,50 @@ TEST(CliLoad, NamesEqualInNaturalOrderAreNeverACrash) {
       EXPECT_NE(r.err.find("layers.0.w"), std::string::npos) << r.err;
     }
   }
+}
+
+// A Hugging Face hub id resolves in the local hub cache (models--ORG--NAME/refs/main and
+// snapshots/REVISION/) for the weights as for a config, and nothing is downloaded.
+TEST(CliLoad, AHubIdResolvesInTheLocalHubCache) {
+  const std::string cache = temp_path("hub");
+  const std::string repo = cache + "/models--acme--tiny";
+  const std::string snapshot = repo + "/snapshots/0123abcd";
+  ASSERT_EQ(std::system(("mkdir -p " + repo + "/refs " + repo + "/blobs " + snapshot).c_str()), 0);
+  std::ofstream(repo + "/refs/main") << "0123abcd";
+  // As huggingface_hub lays it out: the snapshot's files are links into blobs/.
+  const std::string staging = temp_path("hub_staging");
+  ASSERT_EQ(run("write-checkpoint " + staging + " --model tiny-moe --shard-size 2MB --quiet").code,
+            0);
+  ASSERT_EQ(std::system(("for f in " + staging + "/*; do b=$(basename $f); mv $f " + repo +
+                         "/blobs/$b.blob; ln -s ../../blobs/$b.blob " + snapshot + "/$b; done")
+                            .c_str()),
+            0);
+  const std::string env = "HF_HUB_CACHE=" + cache;
+  Result by_id = run("load acme/tiny --dp 2 --verify --json --quiet", env);
+  ASSERT_EQ(by_id.code, 0) << by_id.err;
+  const json doc = json::parse(by_id.out);
+  EXPECT_EQ(doc["checkpoint"], "acme/tiny");
+  EXPECT_EQ(doc["ranks"][1]["verified"], true);
+  Result by_path = run("load " + snapshot + " --dp 2 --json --quiet");
+  ASSERT_EQ(by_path.code, 0) << by_path.err;
+  EXPECT_EQ(json::parse(by_path.out)["ranks"][0]["checksum"], doc["ranks"][0]["checksum"]);
+  // The model options find it the same way; HF_HOME/hub is the cache too.
+  Result layout = run("layout --model acme/tiny --dp 2 --rank 0", env);
+  EXPECT_EQ(layout.code, 0) << layout.err;
+  ASSERT_EQ(
+      std::system(
+          ("mkdir -p " + cache + "_home && ln -s " + cache + " " + cache + "_home/hub").c_str()),
+      0);
+  EXPECT_EQ(
+      run("load acme/tiny --quiet --no-ceiling", "env -u HF_HUB_CACHE HF_HOME=" + cache + "_home")
+          .code,
+      0);
+  // An id that is not in the cache: exit 2, saying where it looked and that nothing is fetched.
+  Result missing = run("load acme/absent --quiet", env);
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_NE(missing.err.find("models--acme--absent"), std::string::npos) << missing.err;
+  EXPECT_NE(missing.err.find("downloads nothing"), std::string::npos) << missing.err;
+  std::system(("rm -rf " + cache + " " + cache + "_home " + staging).c_str());
 }
 
 }  // namespace

@@ -33,6 +33,11 @@ struct VisibleDevices {
 };
 VisibleDevices visible_devices();
 
+// The Hugging Face hub cache directory, found as huggingface_hub finds it: HF_HUB_CACHE, else
+// HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, else XDG_CACHE_HOME/huggingface/hub, else
+// HOME/.cache/huggingface/hub. Empty when none of them is set. Only read: nothing is downloaded.
+std::string hf_hub_cache();
+
 // Cores this process may run on: its CPU affinity mask, capped by its cgroup's CPU quota;
 // at least 1.
 unsigned available_cores() noexcept;

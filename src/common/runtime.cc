@@ -76,6 +76,20 @@ VisibleDevices visible_devices() {
   return {};
 }
 
+std::string hf_hub_cache() {
+  auto var = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    return v != nullptr ? v : "";
+  };
+  for (const char* name : {"HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"}) {
+    if (std::string v = var(name); !v.empty()) return v;
+  }
+  if (std::string v = var("HF_HOME"); !v.empty()) return v + "/hub";
+  if (std::string v = var("XDG_CACHE_HOME"); !v.empty()) return v + "/huggingface/hub";
+  if (std::string v = var("HOME"); !v.empty()) return v + "/.cache/huggingface/hub";
+  return "";
+}
+
 // The CPU quota of this process's cgroup (v2 cpu.max "quota period", v1 cfs files), in whole
 // cores rounded up; 0 when there is none.
 unsigned cgroup_cpu_quota() noexcept {

@@ -18,8 +18,9 @@ namespace zeroflat::cli {
 
 int subcommand_load(const std::vector<std::string>& argv) {
   Parser p("load", "CHECKPOINT [--dp P] [--device DEV] [--comm local|mpi|nccl] [options]",
-           "Loads a safetensors checkpoint (a .safetensors file, or a directory of them with\n"
-           "model.safetensors.index.json) straight into every rank's flat buffer: each rank\n"
+           "Loads a safetensors checkpoint (a .safetensors file, a directory of them with or\n"
+           "without model.safetensors.index.json, or a Hugging Face hub id org/name already in\n"
+           "the local hub cache) straight into every rank's flat buffer: each rank\n"
            "reads only the bytes of its own partition, sorted by file offset, merged and split\n"
            "over its threads, straight into its slice of the buffer (through a ring of pinned\n"
            "chunks on a GPU), converting dtypes as torch does; one all-gather completes the\n"

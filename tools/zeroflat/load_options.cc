@@ -161,7 +161,8 @@ LoadConfig load_config_from_args(const Args& args) {
           "checkpoint");
     }
     cfg.source = pos.front();
-    cfg.ck = open_checkpoint(cfg.source);
+    // A hub id is found where the model options find one (the local hub cache).
+    cfg.ck = open_checkpoint(resolve_model_path(cfg.source));
     group_from_checkpoint(cfg, args);
   }
 

@@ -1,17 +1,105 @@
-// The command line's model and layout options: which model (a catalog name or a file), which
-// layout options, and which DeepSpeed release's rules (cli/common.h).
+// The command line's model and layout options: which model (a catalog name, a file, or a
+// Hugging Face hub id in the local cache), which layout options, and which DeepSpeed release's
+// rules (cli/common.h).
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
 #include "cli/common.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
+#include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+// "org/name": one slash between two non-empty parts of the characters hub ids are made of.
+bool looks_like_hub_id(const std::string& s) {
+  const auto slash = s.find('/');
+  if (slash == std::string::npos || slash == 0 || slash + 1 == s.size() ||
+      s.find('/', slash + 1) != std::string::npos || s.size() > 200) {
+    return false;
+  }
+  const std::string org = s.substr(0, slash), name = s.substr(slash + 1);
+  if (org == "." || org == ".." || name == "." || name == "..") return false;
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '/' || c == '-' || c == '_' ||
+           c == '.';
+  });
+}
+
+}  // namespace
+
+std::string resolve_model_path(const std::string& name_or_path) {
+  std::error_code ec;
+  if (catalog_config(name_or_path) || fs::exists(fs::symlink_status(name_or_path, ec)) ||
+      !looks_like_hub_id(name_or_path)) {
+    return name_or_path;
+  }
+  const std::string cache = hf_hub_cache();
+  const std::string id = name_or_path;
+  if (cache.empty()) {
+    throw InvalidArgument(
+        "'" + printable(id) +
+        "' is not a path here, and no Hugging Face hub cache is set (HF_HUB_CACHE, "
+        "HF_HOME or HOME) to look for it as a hub id; zeroflat downloads nothing");
+  }
+  // huggingface_hub's layout: models--ORG--NAME/refs/main holds the revision of
+  // snapshots/REVISION/, whose files are links into blobs/.
+  const fs::path repo = fs::path(cache) / ("models--" + id.substr(0, id.find('/')) + "--" +
+                                           id.substr(id.find('/') + 1));
+  if (!fs::is_directory(repo, ec)) {
+    throw InvalidArgument("'" + printable(id) +
+                          "' is not a path here, nor in the Hugging Face hub cache (" +
+                          printable(repo.string(), 200) +
+                          " does not exist); zeroflat downloads nothing: fetch it first (for "
+                          "example `huggingface-cli download " +
+                          printable(id) + "`)");
+  }
+  std::string revision;
+  if (std::ifstream ref(repo / "refs" / "main"); ref) {
+    std::getline(ref, revision);
+    while (!revision.empty() && std::isspace(static_cast<unsigned char>(revision.back()))) {
+      revision.pop_back();
+    }
+    if (revision.empty() || revision.find('/') != std::string::npos || revision == "." ||
+        revision == "..") {
+      throw InvalidArgument(printable((repo / "refs" / "main").string(), 200) +
+                            ": expected a revision, found '" + printable(revision) + "'");
+    }
+  } else {
+    // No main ref (a revision fetched by hash): the only snapshot, if there is one.
+    std::vector<std::string> snapshots;
+    for (const auto& e : fs::directory_iterator(repo / "snapshots", ec)) {
+      if (e.is_directory(ec)) snapshots.push_back(e.path().filename().string());
+    }
+    if (snapshots.size() != 1) {
+      throw InvalidArgument(printable(repo.string(), 200) + " has no refs/main and " +
+                            std::to_string(snapshots.size()) +
+                            " snapshots: name the one to use by its path (" +
+                            printable((repo / "snapshots").string(), 200) + "/REVISION)");
+    }
+    revision = snapshots.front();
+  }
+  const fs::path snapshot = repo / "snapshots" / revision;
+  if (!fs::is_directory(snapshot, ec)) {
+    throw InvalidArgument("'" + printable(id) + "': the hub cache's refs/main names revision " +
+                          printable(revision) + ", which has no snapshot (" +
+                          printable(snapshot.string(), 200) + ")");
+  }
+  return snapshot.string();
+}
 
 void add_model_options(Parser& parser, const std::string& default_model) {
   const std::string names = join(catalog_names());
   parser.option("model", "NAME|PATH",
                 "a catalog model (" + names +
-                    "), a config.json, or a checkpoint directory or .safetensors file",
+                    "), a config.json, a checkpoint directory or .safetensors file, or a Hugging "
+                    "Face hub id (org/name) already in the local hub cache",
                 default_model);
   parser.option("layers", "L", "decoder layers (fewer than the model's scales it down)");
   parser.option("experts", "E", "experts per MoE layer (fewer scales it down)");
@@ -21,7 +109,11 @@ ModelSpec model_from_args(const Args& args, const std::string& default_model) {
   ModelOverrides overrides;
   if (auto v = args.get("layers")) overrides.layers = parse_u64(*v, "--layers");
   if (auto v = args.get("experts")) overrides.experts = parse_u64(*v, "--experts");
-  return load_model(args.get("model").value_or(default_model), overrides);
+  const std::string given = args.get("model").value_or(default_model);
+  const std::string path = resolve_model_path(given);
+  ModelSpec m = load_model(path, overrides);
+  if (path != given) m.name = given;  // a hub id: named as the user named it
+  return m;
 }
 
 void add_layout_options(Parser& parser) {

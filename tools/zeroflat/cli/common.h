@@ -25,6 +25,11 @@ inline constexpr int kExitExecFailed = 4;
 void add_model_options(Parser& parser, const std::string& default_model);
 // The model the options name; throws InvalidArgument for an unknown model or bad numbers.
 ModelSpec model_from_args(const Args& args, const std::string& default_model);
+// A path as given, or, for a Hugging Face hub id ("org/name") that is not a path here, the
+// snapshot directory the local hub cache holds for it (refs/main, else its only snapshot);
+// nothing is downloaded. Catalog names and existing paths come back as they are. Throws
+// InvalidArgument when an id is not in the cache, naming where it looked.
+std::string resolve_model_path(const std::string& name_or_path);
 
 // --dp, --round-robin, --alignment-factor, --dtype, --param-align-bytes, --deepspeed.
 void add_layout_options(Parser& parser);

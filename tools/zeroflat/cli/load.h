@@ -23,7 +23,7 @@ namespace zeroflat::cli {
 
 // Everything the ranks share, validated before anything is read.
 struct LoadConfig {
-  std::string source;  // the checkpoint path, or the model rehearsed
+  std::string source;  // the checkpoint as named (a path or hub id), or the model rehearsed
   bool rehearsal = false;
   CheckpointIndex ck;
   std::vector<LoadParam> params;
