@@ -95,7 +95,7 @@ def main():
             if way == "python":
                 rep = fg.report
                 seconds -= rep["master_seconds"]
-                release = sum(s for s, line in zip(rep["step_seconds"], rep["steps"])
+                release = sum(s for s, line in zip(rep["step_seconds"], rep["plan"]["steps"])
                               if "release the original" in line)
                 best["python steps"] = max(best["python steps"],
                                            flat_bytes / (rep["seconds"] - release) / 1e9)

@@ -12,7 +12,6 @@
 
 #include <map>
 #include <mutex>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -23,7 +22,6 @@
 
 namespace py = pybind11;
 namespace zf = zeroflat;
-using Json = nlohmann::ordered_json;
 
 namespace {
 
@@ -256,12 +254,6 @@ T from_kwargs(const py::kwargs& kwargs) {
   return o.cast<T>();
 }
 
-// Merges a library JSON document into doc.
-void merge(Json& doc, const std::string& text) {
-  const Json parsed = Json::parse(text);
-  for (const auto& [k, v] : parsed.items()) doc[k] = v;
-}
-
 py::object parse_json(const std::string& text) {
   return py::module_::import("json").attr("loads")(text);
 }
@@ -348,34 +340,11 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
     }
   }
   if (!released) device.uncount_originals(model_bytes);
-  Json doc;
-  doc["probe"] = Json::parse(zf::probe_json(r.probe));
-  doc["host_probe"] = Json::parse(zf::probe_json(r.host_probe));
-  merge(doc, zf::plan_json(r.plan, r.input));
-  if (!r.feasible()) {
-    doc["outcome"] = "infeasible";
-    return py::make_tuple(parse_json(doc.dump()), py::none(), py::none());
-  }
-  const zf::Execution& ex = r.execution;
-  doc["outcome"] = std::string(zf::outcome_name(ex.outcome));
-  doc["error"] = ex.error;
-  doc["failed_step"] = ex.failed_step ? Json(*ex.failed_step) : Json();
-  doc["failed_rank"] = ex.failed_rank;
-  doc["seconds"] = ex.seconds;
-  doc["step_seconds"] = ex.step_seconds;
-  doc["predicted_peak_device_bytes"] = r.predicted_peak_device_bytes;
-  doc["measured_peak_device_bytes"] = ex.measured_peak_device_bytes;
-  doc["predicted_host_bytes"] = r.plan.chosen_candidate()->profile.peak_host_bytes;
-  doc["host_bytes"] = ex.measured_peak_host_bytes;
-  if (r.value_check.bytes_hashed > 0) {
-    doc["value_check_seconds"] = r.value_check.seconds;
-    doc["value_check_bytes"] = r.value_check.bytes_hashed;
-  }
-  if (!r.master_error.empty()) doc["master_error"] = r.master_error;
-  if (r.master) doc["master_seconds"] = r.master_seconds;
-  doc["release_deferred"] = deferred;
-  return py::make_tuple(parse_json(doc.dump()), owned(device, ex.group.flat),
-                        owned(device, r.master));
+  // The library's document of this rank's flatten (report.h), and what only the binding knows.
+  py::object report = parse_json(zf::flatten_result_json(r));
+  report["release_deferred"] = deferred;
+  if (!r.feasible()) return py::make_tuple(report, py::none(), py::none());
+  return py::make_tuple(report, owned(device, r.execution.group.flat), owned(device, r.master));
 }
 
 // A checkpoint's group loaded straight into the flat buffer on this rank (loader.h). Returns the
@@ -405,36 +374,10 @@ py::tuple load(TorchDevice& device, py::object comm_impl, py::object checkpoint,
     py::gil_scoped_release nogil;
     r = zf::load_flat_group(ck, params, device, comm.get(), o);
   }
-  Json doc;
-  doc["probe"] = Json::parse(zf::probe_json(r.probe));
-  doc["host_probe"] = Json::parse(zf::probe_json(r.host_probe));
-  doc["plan"] = Json::parse(zf::candidate_json(r.plan, true));
-  doc["tier"] = "load";
-  if (!r.feasible()) {
-    doc["outcome"] = "infeasible";
-    doc["reason"] = r.plan.why_not;
-    return py::make_tuple(parse_json(doc.dump()), py::none(), py::none());
-  }
-  doc["outcome"] = "done";
-  doc["bytes_read"] = r.bytes_read;
-  doc["reads"] = r.reads;
-  doc["page_cache"] = r.page_cache;
-  doc["cached_fraction"] = r.cached_fraction;
-  doc["read_seconds"] = r.read_seconds;
-  doc["allgather_seconds"] = r.allgather_seconds;
-  doc["seconds"] = r.seconds;
-  doc["predicted_peak_device_bytes"] = r.predicted_peak_device_bytes;
-  doc["measured_peak_device_bytes"] = r.measured_peak_device_bytes;
-  doc["predicted_host_bytes"] = r.plan.profile.peak_host_bytes;
-  doc["host_bytes"] = r.measured_peak_host_bytes;
-  if (r.copy_check_bytes > 0) {
-    doc["copy_check_bytes"] = r.copy_check_bytes;
-    doc["copy_check_seconds"] = r.copy_check_seconds;
-  }
-  if (r.master) doc["master_seconds"] = r.master_seconds;
-  if (!r.master_error.empty()) doc["master_error"] = r.master_error;
-  return py::make_tuple(parse_json(doc.dump()), owned(device, r.group.flat),
-                        owned(device, r.master));
+  // The library's document of this rank's load (report.h).
+  py::object report = parse_json(zf::load_result_json(r));
+  if (!r.feasible()) return py::make_tuple(report, py::none(), py::none());
+  return py::make_tuple(report, owned(device, r.group.flat), owned(device, r.master));
 }
 
 at::ScalarType scalar_type_of(zf::DType d) {

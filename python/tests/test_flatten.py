@@ -152,7 +152,7 @@ def test_a_plan_that_cannot_fit_is_refused_before_anything_changes():
 @pytest.mark.parametrize("tier", TIERS)
 def test_a_failure_at_any_step_keeps_every_value(tier):
     probe = zeroflat.flatten_param_group(tiny_model().parameters(), tier=tier)
-    steps = len(probe.report["steps"])
+    steps = len(probe.report["plan"]["steps"])
     for k in range(steps + 1):
         model = tiny_model()
         snap = snapshot(model)
@@ -194,7 +194,7 @@ def test_the_report_holds_the_probe_document_of_zeroflat_probe():
     assert probe["device"] == doc["device"] == "cpu"
     assert probe["used"] == doc["used"]
     assert [s["source"] for s in probe["sources"]] == [s["source"] for s in doc["sources"]]
-    assert fg.report["free_bytes"] <= probe["free_bytes"]
+    assert fg.report["plan"]["free_bytes"] <= probe["free_bytes"]
     assert "host_probe" in fg.report
 
 

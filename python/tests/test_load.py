@@ -472,3 +472,58 @@ def test_a_rank_that_dies_is_named_by_the_others(tmp_path):
     _, state = _state()
     state = {k: v for k, v in state.items() if k != "extra"}
     run_ranks(check_a_gone_peer_is_named, 2, save(tmp_path / "net.safetensors", state))
+
+
+def _documented_fields(function):
+    """The fields include/zeroflat/report.h lists for one of its result documents, and those of
+    them it says are there "only when"."""
+    import pathlib
+    import re
+
+    header = pathlib.Path(__file__).resolve().parents[2] / "include" / "zeroflat" / "report.h"
+    lines = header.read_text().splitlines()
+    end = next(i for i, line in enumerate(lines) if f" {function}(" in line)
+    start = end
+    while lines[start - 1].startswith("//"):
+        start -= 1
+    fields, optional, only, continued = set(), set(), False, False
+    for line in lines[start:end]:
+        body = line[len("//   "):] if line.startswith("//   ") else ""
+        names, _, text = body.partition("  ")
+        found = [n.strip() for n in names.split(",") if re.fullmatch(r"[a-z_]+", n.strip())]
+        if not found:
+            continue
+        if not continued:  # a new entry, not the second line of names of the one above
+            only = text.strip().startswith("only")
+        fields.update(found)
+        if only:
+            optional.update(found)
+        continued = names.rstrip().endswith(",")
+    return fields, optional
+
+
+def test_reports_are_the_librarys_documents(tmp_path):
+    """The reports of a flatten and a load are the library's documents of one rank's result
+    (report.h: flatten_result_json, load_result_json), with only what the binding knows added;
+    the load's has predicted_host_bytes."""
+    _, state = _state()
+    state = {k: v for k, v in state.items() if k != "extra"}
+    path = save(tmp_path / "net.safetensors", state)
+    with zeroflat.meta_parameters():
+        model = Net()
+    (fg,) = zeroflat.load_param_groups(model, path, device="cpu", deepspeed=None)
+    fields, optional = _documented_fields("load_result_json")
+    assert {"predicted_host_bytes", "read_gbps", "master_bytes"} <= fields - optional
+    assert fields - optional <= set(fg.report)
+    assert set(fg.report) - fields == {"dp", "deepspeed"}
+    assert fg.report["predicted_host_bytes"] == fg.report["plan"]["host_bytes"]
+    assert fg.report["tier"] == "load" and fg.report["plan"]["steps"]
+    assert fg.report["bytes_read"] == sum(t.numel() * 4 for t in state.values()
+                                          if t.dtype == torch.float32)
+    fg = zeroflat.flatten_param_group(Net().parameters(), deepspeed=None)
+    fields, optional = _documented_fields("flatten_result_json")
+    assert {"feasible", "partition_bytes", "master_bytes"} <= fields - optional
+    assert {"error", "master_error"} <= optional
+    assert fields - optional <= set(fg.report)
+    assert set(fg.report) - fields == {"dp", "deepspeed", "release_deferred"}
+    assert fg.report["plan"]["steps"] and fg.report["tier"] == "device"

@@ -37,7 +37,8 @@ class FlatGroup:
     layout: dict
     """The layout, in the JSON shape of ``zeroflat layout --json``."""
     report: dict
-    """The plan (every tier with its peak memory, traffic and why not), timings, peaks."""
+    """The library's document of this rank's flatten or load (report.h: outcome, timings, peaks,
+    the plan with every tier and its steps, the probes), with ``dp`` and ``deepspeed``."""
     params: List[torch.Tensor] = field(default_factory=list)
     """The parameters in the buffer, in group order (``layout["offsets"][i]`` is params[i]'s)."""
     rank: int = 0

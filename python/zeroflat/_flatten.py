@@ -193,7 +193,6 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
             raise e from comm.failure
         raise
     report["dp"] = dp
-    report["rank"] = rank
     report["deepspeed"] = rules.to_dict() if rules else None
     if report["outcome"] == "infeasible":
         raise NoFeasiblePlan(f"no way of flattening fits: {report['reason']}; nothing was "

@@ -518,7 +518,7 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
             if failure is None and not isinstance(e, CommError):
                 raise
             raise CommError(f"loading group {k} of {path}: {e}") from (failure or e)
-        report["dp"], report["rank"] = dp, rank
+        report["dp"] = dp
         report["deepspeed"] = rules.to_dict() if rules else None
         if report["outcome"] == "infeasible":
             raise NoFeasiblePlan(f"group {k} does not fit on {target}: {report['reason']}; "
