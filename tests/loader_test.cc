@@ -137,6 +137,7 @@ TEST_F(LoaderTest, EveryRankHoldsTheLayoutOfTheTensorsAndReadsOnlyItsPartition) 
             o.ring_chunk_bytes = 8192;  // many windows, cutting tensors and elements' neighbours
             o.ring_depth = 2;
             o.threads = 2;
+            o.read_plan = Tier::kLoad;  // each rank its slice (load-whole: ReadPlans below)
             const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
             std::vector<std::uint64_t> read(dp, 0);
             on_ranks(dp, [&](int r, Communicator* comm) {
@@ -298,6 +299,7 @@ TEST_F(LoaderTest, AFusedParameterConcatenatesItsTensorsInOrder) {
     LoadOptions o;
     o.layout.dp = static_cast<std::uint64_t>(dp);
     o.layout.dtype = DType::kFP16;
+    o.read_plan = Tier::kLoad;
     const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
     on_ranks(dp, [&](int r, Communicator* comm) {
       std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
@@ -389,6 +391,87 @@ TEST_F(LoaderTest, BadCheckpointsAreRefusedNamingFileAndTensor) {
     EXPECT_EQ(res.bytes_read, 8u);
     fs::remove_all(dir);
   }
+}
+
+TEST_F(LoaderTest, ReadPlansFillTheSameBufferAndAreChosenByTopology) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  std::uint64_t all = 0;
+  for (const CheckpointTensor& t : ck.tensors) all += t.bytes;
+  // load-whole: every rank reads the whole buffer, no all-gather, the same bytes as load.
+  for (int dp : {2, 3}) {
+    for (bool ring : {false, true}) {
+      SCOPED_TRACE("dp " + std::to_string(dp) + (ring ? " ring" : ""));
+      LoadOptions o;
+      o.layout.dp = static_cast<std::uint64_t>(dp);
+      o.through_ring = ring;
+      o.ring_chunk_bytes = 8192;
+      o.read_plan = Tier::kLoadWhole;
+      const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
+      on_ranks(dp, [&](int, Communicator* comm) {
+        std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+        const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
+        EXPECT_EQ(res.plan.tier, Tier::kLoadWhole);
+        EXPECT_EQ(std::memcmp(res.group.flat.data(), want.data(), want.size()), 0);
+        EXPECT_EQ(res.bytes_read, all);
+        EXPECT_EQ(res.allgather_seconds, 0.0);
+        EXPECT_EQ(res.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+        for (const Step& s : res.plan.steps) EXPECT_NE(s.op, Op::kAllGather);
+      });
+    }
+  }
+  // Chosen by the cost model: one node of ranks sharing its page cache reads whole; separate
+  // nodes sharing one storage read 1/N each and gather.
+  struct Case {
+    unsigned local_ranks;
+    double storage;
+    Tier want;
+  };
+  for (const Case& c : {Case{2, 0, Tier::kLoadWhole}, Case{2, 100e6, Tier::kLoadWhole},
+                        Case{1, 100e6, Tier::kLoad}}) {
+    SCOPED_TRACE(std::to_string(c.local_ranks) + " local, storage " + std::to_string(c.storage));
+    LoadOptions o;
+    o.layout.dp = 2;
+    o.probe.local_ranks = c.local_ranks;
+    o.storage_bytes_per_second = c.storage;
+    on_ranks(2, [&](int, Communicator* comm) {
+      std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+      const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
+      EXPECT_EQ(res.plan.tier, c.want) << res.read_plans.reason;
+      EXPECT_EQ(res.read_plans.candidates.size(), 2u);
+      EXPECT_NE(res.read_plans.reason.find(tier_name(c.want)), std::string::npos);
+    });
+  }
+  // Copies that differ are caught under load-whole too (the ranks compare digests).
+  const std::string other = copy_checkpoint(*bf16_dir_, "whole_other");
+  {
+    const CheckpointTensor& t = ck.tensors.front();
+    std::fstream f(other + "/" + fs::path(ck.files[t.file]).filename().string(),
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(t.offset + 2));
+    f.write("\x7f\x7f", 2);
+  }
+  std::vector<std::string> errors(2);
+  LocalGroup group(2, std::chrono::seconds(30));
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r) {
+    th.emplace_back([&, r] {
+      std::unique_ptr<Communicator> c = group.rank(r);
+      std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+      const CheckpointIndex mine = open_checkpoint(r == 0 ? *bf16_dir_ : other);
+      LoadOptions o;
+      o.layout.dp = 2;
+      o.read_plan = Tier::kLoadWhole;
+      o.copies = CopyCheck::kFull;
+      errors[r] = error_of([&] { load_flat_group(mine, params_of(mine), *dev, c.get(), o); });
+    });
+  }
+  for (std::thread& t : th) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("hold different bytes"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("'" + ck.tensors.front().name + "'"), std::string::npos) << errors[r];
+  }
+  fs::remove_all(other);
 }
 
 // Two ranks, each loading its own copy of the checkpoint (as on two nodes); the errors, or "".

@@ -52,8 +52,12 @@ namespace zeroflat {
 struct FlattenOptions {
   // The layout (dp = the ranks of comm). Must match on every rank.
   LayoutOptions layout;
-  // Force a tier; none: the planner's choice. Must match.
+  // Force a tier (for a group read from a source, a read plan); none: the planner's choice.
+  // Must match.
   std::optional<Tier> tier;
+  // A group read from a source: the bandwidth of the storage all nodes share (bytes/s); 0: each
+  // node's own, not a shared bottleneck (Bandwidths::storage). Must match.
+  double storage_bytes_per_second = 0;
   // Device bytes never planned into; none: default_margin(capacity). Must match.
   std::optional<std::uint64_t> margin_bytes;
   // Build this rank's fp32 master partition once the flat buffer is complete. Must match.

@@ -19,6 +19,9 @@ struct Bandwidths {
   double allgather_bus = 0;  // NCCL-style bus bandwidth of the all-gather
   double host_copy = 0;      // host memory copies of the whole node, shared by its ranks
   double read = 2e9;         // checkpoint reads of one rank (storage or page cache)
+  // The storage every node reads the checkpoint from, shared by all of them (a network file
+  // system); 0: each node reads from storage of its own at `read` (not a shared bottleneck).
+  double storage = 0;
 };
 
 // An accelerator preset (the capacities of docs/planner.md).

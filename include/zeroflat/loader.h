@@ -100,6 +100,14 @@ struct LoadOptions {
   bool master = false;
   // The check of the ranks' copies after reading (see CopyCheck). Must match.
   CopyCheck copies = CopyCheck::kSampled;
+  // The read plan (plan.h: Tier::kLoad, each rank its slice and an all-gather; kLoadWhole, each
+  // rank the whole buffer from its node's page cache); none: the faster by the cost model, from
+  // the nodes (the ranks over the local ranks of ProbeContext/runtime_env) and the bandwidths.
+  // Must match.
+  std::optional<Tier> read_plan;
+  // The bandwidth of the storage every node reads from, when it is shared (a network file
+  // system), in bytes/s; 0: each node's own. Must match.
+  double storage_bytes_per_second = 0;
   ProbeContext probe;
   // More that every rank must pass identically (compared).
   std::string must_match;
@@ -114,10 +122,11 @@ struct LoadResult {
   ProbeResult probe;       // this rank's device
   ProbeResult host_probe;  // the host memory this rank may stage through
   PlanInput input;    // what the plan was made with, agreed over the ranks
-  Candidate plan;     // the load's steps, peak, traffic and predicted time
+  Candidate plan;     // the chosen read plan: its steps, peak, traffic and predicted time
+  Plan read_plans;    // every read plan, which was chosen and why
   bool feasible() const noexcept { return plan.feasible; }
   FlatGroup group;  // the flat buffer and each parameter's view (empty when not feasible)
-  std::uint64_t bytes_read = 0;  // file bytes this rank read
+  std::uint64_t bytes_read = 0;  // file bytes this rank read (its slice's, or the whole buffer's)
   std::uint64_t reads = 0;       // pread ranges after merging neighbours
   // How much of what this rank read was in the page cache before it read it (0 to 1), and the
   // word for it: "cold" (under 10%), "warm" (over 90%), "partly".

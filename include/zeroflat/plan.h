@@ -18,12 +18,18 @@
 
 namespace zeroflat {
 
-// The ways of flattening a group that is on the device, and (kLoad, not among kAllTiers) the
-// checkpoint loader's way of building the buffer from files (loader.h).
-enum class Tier : std::uint8_t { kDevice, kSharded, kStaged, kHost, kLoad };
+// The ways of flattening a group that is on the device, and (not among kAllTiers) the checkpoint
+// loader's read plans, its ways of building the buffer from files (loader.h): kLoad, each rank
+// reads its own slice and an all-gather completes the buffers (each node reads 1/nodes of the
+// checkpoint from storage); kLoadWhole, each rank reads the whole buffer, which its node's page
+// cache serves after the first reader (each node reads the whole checkpoint from storage once,
+// no all-gather).
+enum class Tier : std::uint8_t { kDevice, kSharded, kStaged, kHost, kLoad, kLoadWhole };
 inline constexpr Tier kAllTiers[] = {Tier::kDevice, Tier::kSharded, Tier::kStaged, Tier::kHost};
+inline constexpr Tier kReadPlans[] = {Tier::kLoad, Tier::kLoadWhole};
 
-std::string_view tier_name(Tier tier) noexcept;  // "device", "sharded", "staged", "host"
+// "device", "sharded", "staged", "host"; the read plans "load" and "load-whole".
+std::string_view tier_name(Tier tier) noexcept;
 std::optional<Tier> try_parse_tier(std::string_view text) noexcept;
 // "auto" (none: the planner chooses) or a tier's name. Throws InvalidArgument naming `what`
 // (the option, "--tier" or "tier") and the accepted names.
@@ -176,16 +182,27 @@ std::uint64_t default_margin(std::uint64_t capacity_bytes) noexcept;
 std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank,
                              std::uint64_t staged_device_bytes = 0);
 
-// The loader's step list (loader.h): allocate the flat buffer; where the host cannot write the
-// device, a ring of ring_bytes of pinned staging memory; read this rank's slice of the layout
-// from the checkpoint; release the ring; all-gather the slices in place.
-std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint64_t ring_bytes);
+// The loader's step list for a read plan (loader.h): allocate the flat buffer; where the host
+// cannot write the device, a ring of ring_bytes of pinned staging memory; read this rank's slice
+// of the layout (kLoad) or all of it (kLoadWhole) from the checkpoint; release the ring; for
+// kLoad, all-gather the slices in place; re-point.
+std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint64_t ring_bytes,
+                             Tier plan = Tier::kLoad);
 
-// The loader as a candidate beside the tiers: its step list on the memory model from what is
-// resident now (input.original_bytes is 0: nothing of the group is on the device yet), its
-// traffic (read_bytes, comm_bytes), its predicted time (bandwidths.read for the reads), and
-// whether it fits in free - margin (device) and host_free (the ring).
-Candidate plan_load(const PlanInput& input, std::uint64_t ring_bytes);
+// A read plan as a candidate: its step list on the memory model from what is resident now
+// (input.original_bytes is 0: nothing of the group is on the device yet), its traffic
+// (read_bytes, comm_bytes), its predicted time, and whether it fits in free - margin (device)
+// and host_free (the ring). The time model: the nodes are dp / local_ranks; each node's share
+// of the storage (bandwidths.storage, when shared) carries 1/nodes of the group under kLoad and
+// all of it under kLoadWhole; a rank reads at bandwidths.read, or from its node's page cache at
+// its share of host_copy; the all-gather runs at allgather_bus between nodes and as a memory
+// copy within one.
+Candidate plan_load(const PlanInput& input, std::uint64_t ring_bytes, Tier plan = Tier::kLoad);
+
+// Both read plans, the fastest that fits chosen (or the forced one, if it fits). Throws
+// InvalidArgument for a forced tier that is not a read plan.
+Plan plan_reads(const PlanInput& input, std::uint64_t ring_bytes,
+                std::optional<Tier> forced = std::nullopt);
 // The loader's default ring: 4 chunks of 16 MiB (LoadOptions).
 inline constexpr std::uint64_t kDefaultRingBytes = std::uint64_t{64} << 20;
 

@@ -32,11 +32,12 @@ std::string options_text(const FlattenOptions& o, const Device& device,
                   ", master " + (o.master ? "yes" : "no") + ", device " +
                   name.substr(0, name.find(':')) + (hw ? " (" + hw->name + ")" : "") +
                   (device.keeps_data() ? "" : " without data");
+  t += std::string(", tier ") + (o.tier ? std::string(tier_name(*o.tier)) : "auto");
   if (source == nullptr) {
-    t += std::string(", tier ") + (o.tier ? std::string(tier_name(*o.tier)) : "auto") +
-         ", value check " + (o.check_values ? "on" : "off");
+    t += std::string(", value check ") + (o.check_values ? "on" : "off");
   } else {
-    t += "; source: " + source->must_match();
+    t += ", storage " + std::to_string(o.storage_bytes_per_second) + " B/s; source: " +
+         source->must_match();
   }
   if (o.bandwidths) {
     const Bandwidths& b = *o.bandwidths;
@@ -140,15 +141,11 @@ FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communic
   }
   res.input = make_plan_input(*layout, original_bytes, facts, rank,
                               source == nullptr ? options.tier : std::nullopt, options.margin_bytes);
-  if (source == nullptr) {
-    res.plan = plan_group(res.input);
-  } else {
-    Candidate load = plan_load(res.input, source->ring_bytes());
-    res.plan.reason = load.feasible ? "the source's reads fit: " + load.steps.front().describe()
-                                    : "the source's reads do not fit: " + load.why_not;
-    if (load.feasible) res.plan.chosen = Tier::kLoad;
-    res.plan.candidates.push_back(std::move(load));
+  if (source != nullptr && options.storage_bytes_per_second > 0) {
+    res.input.bandwidths.storage = options.storage_bytes_per_second;
   }
+  res.plan = source == nullptr ? plan_group(res.input)
+                                : plan_reads(res.input, source->ring_bytes(), options.tier);
   const Candidate* chosen = res.plan.chosen_candidate();
   if (chosen == nullptr) return res;  // the same verdict on every rank: nothing moves
 

@@ -533,6 +533,7 @@ class CheckpointSource final : public detail::GroupSource {
             std::uint64_t stage_bytes) override {
     const std::uint64_t es = layout_->element_size();
     const std::vector<Read> reads = reads_for(*layout_, sources_, flat_offset, flat_offset + bytes);
+    whole_ = flat_offset == 0 && bytes == layout_->flat_bytes();
     reads_ = reads.size();
     bytes_read_ = 0;
     for (const Read& r : reads) bytes_read_ += r.src_bytes;
@@ -552,10 +553,15 @@ class CheckpointSource final : public detail::GroupSource {
   }
 
   // The copies check: compare what this rank's copy holds in other ranks' slices with what they
-  // read from theirs (now in the gathered buffer).
+  // read from theirs (now in the gathered buffer); where every rank read the whole buffer from
+  // its own copy, compare digests of the same ranges.
   void after(const FlatGroup& group, Communicator* comm) override {
     if (comm == nullptr || comm->size() <= 1 || options_.copies == CopyCheck::kOff ||
         !device_.keeps_data()) {
+      return;
+    }
+    if (whole_) {
+      compare_digests(group, comm);
       return;
     }
     const auto t0 = Clock::now();
@@ -626,6 +632,7 @@ class CheckpointSource final : public detail::GroupSource {
   }
 
   std::uint64_t bytes_read() const { return bytes_read_; }
+  bool read_whole() const { return whole_; }
   std::uint64_t reads() const { return reads_; }
   double cached_fraction() const { return cached_fraction_; }
   double read_seconds() const { return read_seconds_; }
@@ -697,6 +704,62 @@ class CheckpointSource final : public detail::GroupSource {
     if (!copy_error.empty()) throw Error("copying to " + device_.name() + ": " + copy_error);
   }
 
+  // Every rank read the whole buffer from its own copy: the ranks compare digests of the same
+  // ranges of their buffers (16 windows of 64 KiB in each rank's slice, or every 16 MiB of the
+  // buffer), in one all-reduce, and a second, only on a difference, is not needed: each rank
+  // names the first range where its digest is not everyone's.
+  void compare_digests(const FlatGroup& group, Communicator* comm) {
+    const auto t0 = Clock::now();
+    const std::uint64_t dp = layout_->options().dp;
+    const std::uint64_t sb = layout_->partition_bytes();
+    const std::uint64_t es = layout_->element_size();
+    constexpr std::uint64_t kWindow = std::uint64_t{64} << 10;
+    constexpr std::uint64_t kWindows = 16;
+    constexpr std::uint64_t kChunk = std::uint64_t{16} << 20;
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+    const std::uint64_t flat = layout_->flat_bytes();
+    if (options_.copies == CopyCheck::kFull || sb <= kWindow * kWindows) {
+      for (std::uint64_t a = 0; a < flat; a += kChunk) {
+        ranges.emplace_back(a, std::min(flat, a + kChunk));
+      }
+    } else {
+      const std::uint64_t stride = sb / kWindows / es * es;
+      for (std::uint64_t q = 0; q < dp; ++q) {
+        for (std::uint64_t w = 0; w < kWindows; ++w) {
+          const std::uint64_t lo = q * sb + w * stride;
+          ranges.emplace_back(lo, std::min(flat, lo + kWindow));
+        }
+      }
+    }
+    std::vector<std::uint64_t> v(2 * ranges.size());
+    std::vector<unsigned char> held;
+    for (std::size_t k = 0; k < ranges.size(); ++k) {
+      const auto [lo, hi] = ranges[k];
+      const auto* p = static_cast<const unsigned char*>(group.flat.data()) + lo;
+      if (!device_.host_accessible()) {
+        held.resize(hi - lo);
+        device_.copy(held.data(), p, hi - lo);
+        device_.synchronize();
+        p = held.data();
+      }
+      const std::uint64_t d = checksum_serial(p, hi - lo);
+      copy_check_bytes_ += hi - lo;
+      v[2 * k] = d;
+      v[2 * k + 1] = ~d;
+    }
+    comm->all_reduce_max(v);
+    copy_check_seconds_ = seconds_since(t0);
+    for (std::size_t k = 0; k < ranges.size(); ++k) {
+      if (v[2 * k] != ~v[2 * k + 1]) {
+        throw Error("the ranks' copies of " + ck_.path + " hold different bytes: the ranks' " +
+                    "buffers differ in layout bytes [" + std::to_string(ranges[k].first) + ", " +
+                    std::to_string(ranges[k].second) + "), " +
+                    where(ranges[k].first, ranges[k].first / std::max<std::uint64_t>(sb, 1)) +
+                    "; every rank must read an identical copy (nothing was kept)");
+      }
+    }
+  }
+
   // Layout byte b, which the owner `rank` read, for a message: the parameter, tensor, file and
   // file offset it comes from.
   std::string where(std::uint64_t b, std::uint64_t owner) const {
@@ -742,6 +805,7 @@ class CheckpointSource final : public detail::GroupSource {
   double read_seconds_ = 0;
   std::uint64_t copy_check_bytes_ = 0;
   double copy_check_seconds_ = 0;
+  bool whole_ = false;
 };
 
 }  // namespace
@@ -865,6 +929,8 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
 
   FlattenOptions fo;
   fo.layout = options.layout;
+  fo.tier = options.read_plan;
+  fo.storage_bytes_per_second = options.storage_bytes_per_second;
   fo.margin_bytes = options.margin_bytes;
   fo.master = options.master;
   fo.check_values = false;
@@ -878,7 +944,12 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
   res.probe = std::move(run.probe);
   res.host_probe = std::move(run.host_probe);
   res.input = run.input;
-  if (!run.plan.candidates.empty()) res.plan = run.plan.candidates.front();
+  if (const Candidate* c = run.plan.chosen_candidate()) {
+    res.plan = *c;
+  } else if (!run.plan.candidates.empty()) {
+    res.plan = run.plan.candidates.front();
+  }
+  res.read_plans = run.plan;
   if (!run.feasible()) return res;  // the same verdict on every rank: nothing allocated
   if (!run.complete()) {
     const Execution& ex = run.execution;

@@ -40,6 +40,47 @@ double predicted_seconds(const Candidate& c, const Bandwidths& bw, std::uint64_t
   return t;
 }
 
+// A read plan's time (plan_load). Three resources: the storage (each node reads its share of
+// the checkpoint from it once: 1/nodes of the group under kLoad, all of it under kLoadWhole; at
+// `read` from a node's own storage, or its share of `storage` when the nodes share one), each
+// rank's memory copies (a read served by the node's page cache is a copy, and so is an
+// all-gather among the ranks of one node, through the host: a rank writes its slice and copies
+// the others'), at its share of the node's host_copy, and the network (the all-gather between
+// nodes, or between accelerators, at allgather_bus). Added up: a rank's copies out of the page
+// cache wait for the storage to fill it, and a cold read is both.
+double load_seconds(const Candidate& c, const PlanInput& in, Tier plan) {
+  const Bandwidths& bw = in.bandwidths;
+  const std::uint64_t dp = std::max<std::uint64_t>(in.layout.options().dp, 1);
+  const std::uint64_t local = std::min(std::max<std::uint64_t>(in.local_ranks, 1), dp);
+  const double nodes = static_cast<double>((dp + local - 1) / local);
+  const double flat = static_cast<double>(in.layout.flat_bytes());
+  const double ranks = static_cast<double>(local);
+  const double read = static_cast<double>(c.profile.read_bytes);
+  const double comm = static_cast<double>(c.profile.comm_bytes);
+  const double cache = bw.host_copy > 0 ? bw.host_copy / ranks : bw.read;
+  auto over = [](double bytes, double rate) {
+    return bytes <= 0 ? 0.0 : rate > 0 ? bytes / rate : INFINITY;
+  };
+  // Through a staging ring (a device the host cannot write) the reads also cross the host link,
+  // each accelerator its own, and the all-gather runs between accelerators.
+  const bool ring = c.profile.peak_host_bytes > 0;
+  const double node_share = plan == Tier::kLoad ? flat / nodes : flat;
+  const double storage = bw.storage > 0 ? over(node_share * nodes, bw.storage)
+                                        : over(node_share, bw.read);
+  double copies = over(read, cache);
+  double network = 0;
+  if (ring) {
+    copies = std::max(copies, over(read, bw.host_link));
+    network = over(comm, bw.allgather_bus);
+  } else if (nodes > 1) {
+    network = over(comm, bw.allgather_bus);
+  } else if (comm > 0) {
+    copies += over(read + comm, cache);  // the slice into the window, the others out of it
+  }
+  return kStepSeconds * static_cast<double>(c.steps.size()) + storage + copies + network +
+         over(static_cast<double>(c.profile.peak_host_bytes), kPinBytesPerSecond / ranks);
+}
+
 }  // namespace
 
 std::uint64_t default_margin(std::uint64_t capacity_bytes) noexcept {
@@ -212,17 +253,18 @@ Plan plan_group(const PlanInput& in) {
   return plan;
 }
 
-Candidate plan_load(const PlanInput& in, std::uint64_t ring_bytes) {
+Candidate plan_load(const PlanInput& in, std::uint64_t ring_bytes, Tier plan) {
   if (in.free_bytes > in.capacity_bytes) {
     throw InvalidArgument("free memory " + format_bytes(in.free_bytes) + " exceeds the capacity " +
                           format_bytes(in.capacity_bytes));
   }
   Candidate c;
-  c.tier = Tier::kLoad;
-  c.steps = load_steps(in.layout, in.rank, ring_bytes);
+  c.tier = plan;
+  c.steps = load_steps(in.layout, in.rank, ring_bytes, plan);
   const std::uint64_t resident = in.capacity_bytes - in.free_bytes;
-  c.profile = simulate(c.steps, resident, 0, in.layout.options().dp);
-  c.predicted_seconds = predicted_seconds(c, in.bandwidths, in.local_ranks);
+  const std::uint64_t dp = in.layout.options().dp;
+  c.profile = simulate(c.steps, resident, 0, dp);
+  c.predicted_seconds = load_seconds(c, in, plan);
   const std::uint64_t limit =
       in.capacity_bytes > in.margin_bytes ? in.capacity_bytes - in.margin_bytes : 0;
   if (c.profile.peak_device_bytes > limit || c.profile.peak_device_bytes == kSaturated) {
@@ -241,6 +283,45 @@ Candidate plan_load(const PlanInput& in, std::uint64_t ring_bytes) {
   }
   c.feasible = c.why_not.empty();
   return c;
+}
+
+Plan plan_reads(const PlanInput& in, std::uint64_t ring_bytes, std::optional<Tier> forced) {
+  if (forced && *forced != Tier::kLoad && *forced != Tier::kLoadWhole) {
+    throw InvalidArgument("'" + std::string(tier_name(*forced)) +
+                          "' is not a read plan: expected load or load-whole");
+  }
+  Plan plan;
+  for (Tier t : kReadPlans) plan.candidates.push_back(plan_load(in, ring_bytes, t));
+  const Candidate* best = nullptr;
+  for (const Candidate& c : plan.candidates) {
+    if (!c.feasible || (forced && c.tier != *forced)) continue;
+    if (best == nullptr || c.predicted_seconds < best->predicted_seconds) best = &c;
+  }
+  const std::uint64_t local = std::max<std::uint64_t>(in.local_ranks, 1);
+  const std::uint64_t nodes = (in.layout.options().dp + local - 1) / local;
+  const std::string topology = std::to_string(nodes) + (nodes == 1 ? " node" : " nodes") +
+                               " x " + std::to_string(std::min(local, in.layout.options().dp)) +
+                               " ranks";
+  // One rank: its slice is the whole buffer, and there is nothing to gather.
+  if (best != nullptr && !forced && in.layout.options().dp == 1 && plan.candidates[0].feasible) {
+    best = &plan.candidates[0];
+  }
+  if (best != nullptr) {
+    plan.chosen = best->tier;
+    plan.reason = std::string(tier_name(best->tier)) + (forced ? " (forced)" : "") + " on " +
+                  topology + ": " +
+                  (best->tier == Tier::kLoad
+                       ? "each rank reads its slice, one all-gather completes the buffers"
+                       : "each rank reads the whole buffer from its node's page cache, no "
+                         "all-gather") +
+                  ", predicted " + std::to_string(best->predicted_seconds) + " s";
+  } else {
+    const Candidate& c = plan.candidates.front();
+    plan.reason = "no read plan fits: " + (forced ? plan.candidates[*forced == Tier::kLoad ? 0 : 1]
+                                                        .why_not
+                                                  : c.why_not);
+  }
+  return plan;
 }
 
 AfterInit estimate_after_init(const PlanInput& in, bool zero2, bool offload_optimizer) {

@@ -21,6 +21,8 @@ std::string_view tier_name(Tier tier) noexcept {
       return "host";
     case Tier::kLoad:
       return "load";
+    case Tier::kLoadWhole:
+      return "load-whole";
   }
   return "?";
 }
@@ -188,7 +190,9 @@ std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank
            Step{Op::kRepoint}};
       break;
     case Tier::kLoad:
-      throw InvalidArgument("the load tier reads a checkpoint: its steps are load_steps()");
+    case Tier::kLoadWhole:
+      throw InvalidArgument("the read plan '" + std::string(tier_name(tier)) +
+                            "' reads a checkpoint: its steps are load_steps()");
   }
   return s;
 }
@@ -285,18 +289,28 @@ void StepMachine::apply(const Step& st) noexcept {
   }
 }
 
-std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint64_t ring_bytes) {
+std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint64_t ring_bytes,
+                             Tier plan) {
   if (rank >= layout.options().dp) {
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside [0, " +
                           std::to_string(layout.options().dp) + ")");
   }
+  if (plan != Tier::kLoad && plan != Tier::kLoadWhole) {
+    throw InvalidArgument("'" + std::string(tier_name(plan)) + "' is not a read plan");
+  }
   const std::uint64_t sb = layout.partition_bytes();
   std::vector<Step> s = {allocate(Buffer::kFlat, layout.flat_bytes())};
   if (ring_bytes > 0) s.push_back(allocate(Buffer::kHostStage, ring_bytes));
-  s.push_back(Step{Op::kRead, Buffer::kFlat, Buffer::kNone, sb, rank * sb, rank * sb, 0});
+  if (plan == Tier::kLoadWhole) {
+    s.push_back(Step{Op::kRead, Buffer::kFlat, Buffer::kNone, layout.flat_bytes(), 0, 0, 0});
+  } else {
+    s.push_back(Step{Op::kRead, Buffer::kFlat, Buffer::kNone, sb, rank * sb, rank * sb, 0});
+  }
   if (ring_bytes > 0) s.push_back(release(Buffer::kHostStage));
-  s.push_back(Step{Op::kAllGather, Buffer::kFlat, Buffer::kFlat, layout.flat_bytes(), 0, 0,
-                   rank * sb});
+  if (plan == Tier::kLoad) {
+    s.push_back(Step{Op::kAllGather, Buffer::kFlat, Buffer::kFlat, layout.flat_bytes(), 0, 0,
+                     rank * sb});
+  }
   s.push_back(Step{Op::kRepoint});
   return s;
 }
