@@ -884,7 +884,7 @@ TEST(CliLoad, EveryRankHoldsWhatRunFlattensAndReadsOnlyItsPartition) {
       for (const char* rr : {"", " --round-robin"}) {
         const std::string opts = " --dtype " + c.dtype + " --dp " + std::to_string(dp) + rr;
         SCOPED_TRACE(c.dir + opts);
-        Result r = run("load " + c.dir + opts + " --verify --json --quiet");
+        Result r = run("load " + c.dir + opts + " --read-plan load --verify --json --quiet");
         ASSERT_EQ(r.code, 0) << r.err;
         const json doc = json::parse(r.out);
         // The same tensors through `zeroflat run --model CHECKPOINT`: the same bytes.
@@ -909,6 +909,28 @@ TEST(CliLoad, EveryRankHoldsWhatRunFlattensAndReadsOnlyItsPartition) {
         EXPECT_TRUE(doc["vs_ceiling"].is_number());
       }
     }
+  }
+  // On one host the cost model has every rank read the whole buffer from the page cache: the
+  // same bytes, no all-gather (separate hosts sharing storage read slices: the loader test's).
+  {
+    Result whole = run("load " + bf16 + " --dp 2 --verify --json --quiet");
+    ASSERT_EQ(whole.code, 0) << whole.err;
+    const json doc = json::parse(whole.out);
+    Result slices = run("load " + bf16 + " --dp 2 --read-plan load --json --quiet");
+    ASSERT_EQ(slices.code, 0) << slices.err;
+    for (int r = 0; r < 2; ++r) {
+      const json& e = doc["ranks"][r];
+      EXPECT_EQ(e["tier"], "load-whole") << e["read_plans"].dump();
+      EXPECT_EQ(e["verified"], true);
+      EXPECT_EQ(e["bytes_read"], doc["checkpoint_bytes"]);
+      EXPECT_EQ(e["checksum"], json::parse(slices.out)["ranks"][r]["checksum"]);
+      EXPECT_EQ(e["read_plans"]["candidates"].size(), 2u);
+    }
+    // Threads are ranks of one host: shared storage does not change that one host reads it once.
+    const json shared = json::parse(run("load " + bf16 + " --dp 2 --storage 100MB --json --quiet").out);
+    EXPECT_EQ(shared["ranks"][0]["tier"], "load-whole") << shared.dump();
+    EXPECT_EQ(run("load " + bf16 + " --read-plan sideways --quiet").code, 2);
+    EXPECT_EQ(run("load " + bf16 + " --copies maybe --quiet").code, 2);
   }
   // bf16 files into fp16 buffers (rounded), cold: verified against every tensor read whole.
   Result r = run("load " + bf16 + " --dtype fp16 --dp 2 --cold --verify --json --quiet");
@@ -1003,15 +1025,17 @@ TEST(CliReport, RunAndLoadEntriesAreTheLibrarysResultDocuments) {
   ASSERT_EQ(l.code, 0) << l.err;
   const json ld = json::parse(l.out);
   EXPECT_EQ(ld["deepspeed"]["rules"], "0.19.8");
-  EXPECT_EQ(ld["plan"]["tier"], "load");
+  // Two ranks of one host: each reads the whole buffer from the page cache (the read plan).
+  EXPECT_EQ(ld["plan"]["tier"], "load-whole");
   for (const json& e : ld["ranks"]) {
     for (const char* key : {"rank", "tier", "outcome", "bytes_read", "reads", "read_gbps",
                             "page_cache", "cached_fraction", "predicted_host_bytes", "host_bytes",
-                            "probe", "ceiling", "checksum"}) {
+                            "probe", "ceiling", "checksum", "read_plans", "copy_check_bytes"}) {
       EXPECT_TRUE(e.contains(key)) << key << " in " << e.dump();
     }
     EXPECT_EQ(e["outcome"], "done");
-    EXPECT_EQ(e["tier"], "load");
+    EXPECT_EQ(e["tier"], "load-whole");
+    EXPECT_EQ(e["read_plans"]["candidates"].size(), 2u);
   }
   // Without data nothing is read: no rate, no page cache.
   Result sim = run("load --model tiny-moe --device sim:1GiB --no-data --dp 2 --json --quiet");

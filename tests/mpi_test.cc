@@ -185,7 +185,8 @@ TEST(MpiLoad, ProcessesHoldWhatThreadsHoldAndReadOnlyTheirPartition) {
     for (const char* dtype : {"bf16", "fp16"}) {
       for (int dp = 2; dp <= 3; ++dp) {
         for (const char* rr : {"", " --round-robin"}) {
-          const std::string opts = std::string(" --dtype ") + dtype + rr;
+          // Each rank its slice (load-whole, every rank everything, is the loader test's).
+          const std::string opts = std::string(" --dtype ") + dtype + rr + " --read-plan load";
           SCOPED_TRACE(dir + opts + " dp " + std::to_string(dp));
           json local = run_json("load " + dir + opts + " --dp " + std::to_string(dp), 0);
           json mpi = run_json("load " + dir + opts + " --comm mpi --verify", 0, mpirun(dp));

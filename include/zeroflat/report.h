@@ -59,13 +59,14 @@ std::string flatten_result_json(const FlattenResult& result);
 
 // One rank's load_flat_group (loader.h), the same whether the buffer fits or not:
 //   rank                         this rank (the plan input's)
-//   tier                         the read plan's tier ("load")
+//   tier                         the read plan chosen: "load" (this rank's slice, then an
+//                                all-gather) or "load-whole" (the whole buffer, no all-gather)
 //   outcome                      "done", or "infeasible" when the buffer does not fit (nothing
 //                                read)
 //   feasible, reason             whether it fits, and why not ("" when it does)
 //   flat_bytes, partition_bytes  of the group's layout
 //   bytes_read, reads            file bytes this rank read, and its reads after merging
-//   read_seconds                 reading this rank's slice (conversion and staging included)
+//   read_seconds                 reading (conversion and staging included)
 //   read_gbps                    bytes_read / read_seconds in GB/s (10^9 bytes); null when
 //                                nothing was read (a device without data, or infeasible)
 //   page_cache, cached_fraction  where the bytes were before they were read ("cold", "warm",
@@ -82,6 +83,8 @@ std::string flatten_result_json(const FlattenResult& result);
 //   master_error                 only when a master was asked and does not fit: why
 //   probe, host_probe            probe_json of the device and of the host memory it stages through
 //   plan                         candidate_json of the read plan chosen, with its steps
+//   read_plans                   {reason: why this plan, candidates: candidate_json of each read
+//                                plan, without steps}
 // All sizes are bytes and all times seconds.
 std::string load_result_json(const LoadResult& result);
 

@@ -92,6 +92,9 @@ std::string load_result_json(const LoadResult& r) {
   j["probe"] = parsed(probe_json(r.probe));
   j["host_probe"] = parsed(probe_json(r.host_probe));
   j["plan"] = parsed(candidate_json(r.plan, true));
+  Json plans = Json::array();
+  for (const Candidate& c : r.read_plans.candidates) plans.push_back(parsed(candidate_json(c, false)));
+  j["read_plans"] = {{"reason", r.read_plans.reason}, {"candidates", std::move(plans)}};
   return dump(j);
 }
 

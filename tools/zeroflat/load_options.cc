@@ -88,6 +88,22 @@ void add_load_options(Parser& p) {
   p.flag("cold",
          "drop the checkpoint's files from the page cache first (posix_fadvise), for "
          "the load and for the ceiling: a cold read without root");
+  p.option("read-plan", "PLAN",
+           "who reads what: load (each rank reads its slice, one all-gather completes the "
+           "buffers; each node reads 1/nodes of the checkpoint), load-whole (each rank reads "
+           "the whole buffer from its node's page cache, no all-gather), or auto (the faster by "
+           "the cost model, from the nodes = ranks / ranks per host, and --storage)",
+           "auto");
+  p.option("storage", "SIZE",
+           "the read bandwidth, per second, of storage all nodes share (a network file system), "
+           "for the read plan's cost model, e.g. 400MB",
+           "each node reads its own storage");
+  p.option("copies", "CHECK",
+           "after reading, compare the ranks' copies of the checkpoint: sampled (16 windows of "
+           "64 KiB of every other rank's slice, at most 1 MiB per rank), full (every other "
+           "rank's slice read again: (N-1)/N of the checkpoint more), or off; their headers are "
+           "always compared",
+           "sampled");
   p.flag("no-ceiling",
          "skip the sequential reads of the same files (before and after the load) that the "
          "load is compared to");
@@ -109,6 +125,22 @@ LoadConfig load_config_from_args(const Args& args) {
   cfg.placement =
       placement_from_args(args, args.get("dp") ? parse_u64(*args.get("dp"), "--dp") : 1);
   cfg.cold = args.has("cold");
+  if (auto v = args.get("read-plan"); v && *v != "auto") {
+    std::optional<Tier> t;
+    for (Tier plan : kReadPlans) {
+      if (*v == tier_name(plan)) t = plan;
+    }
+    if (!t) {
+      throw InvalidArgument("--read-plan '" + printable(*v) +
+                            "': expected auto, load or load-whole");
+    }
+    cfg.read_plan = t;
+  }
+  if (auto v = args.get("storage")) {
+    cfg.storage = static_cast<double>(parse_size(*v));
+    if (cfg.storage <= 0) throw InvalidArgument("--storage " + printable(*v) + ": expected > 0");
+  }
+  if (auto v = args.get("copies")) cfg.copies = parse_copy_check(*v, "--copies");
   cfg.verify = args.has("verify");
   cfg.ceiling = !args.has("no-ceiling");
   cfg.json = args.has("json");

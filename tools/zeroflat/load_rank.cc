@@ -30,6 +30,9 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   lo.layout = cfg.options;
   lo.margin_bytes = cfg.margin;
   lo.cold = cfg.cold;
+  lo.read_plan = cfg.read_plan;
+  lo.storage_bytes_per_second = cfg.storage;
+  lo.copies = cfg.copies;
   lo.ring_chunk_bytes = cfg.ring_chunk;
   lo.ring_depth = cfg.ring_depth;
   lo.threads = cfg.threads;

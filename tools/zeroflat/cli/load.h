@@ -38,6 +38,9 @@ struct LoadConfig {
   std::uint64_t ring_chunk = std::uint64_t{16} << 20;
   unsigned ring_depth = 4;
   bool cold = false;
+  std::optional<Tier> read_plan;  // --read-plan; none: the cost model's choice
+  double storage = 0;             // --storage: bytes/s of the storage the nodes share; 0: own
+  CopyCheck copies = CopyCheck::kSampled;
   bool verify = false;
   bool ceiling = true;
   std::chrono::milliseconds timeout{60000};
