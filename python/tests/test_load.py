@@ -448,21 +448,21 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
 
 
 def check_a_gone_peer_is_named(rank, world, group, path):
-    """A rank that dies in the middle of a load: the others raise zeroflat.CommError saying
-    which collective failed and which rank is presumably gone, the process group's own error
-    chained."""
+    """A rank that dies in the middle of a load (at its first collective, the ranks'
+    agreement): the others raise zeroflat.CommError saying which collective failed, for what,
+    and which rank is presumably gone, the process group's own error chained."""
     from zeroflat import _comm
 
     if rank == 1:
         def die(self, *args):
             os._exit(0)
-        _comm.TorchComm.all_gather_inplace = die
+        _comm.TorchComm.all_reduce = die
     with zeroflat.meta_parameters():
         model = Net()
     with pytest.raises(zeroflat.CommError) as e:
         zeroflat.load_param_groups(model, path, group, device="cpu", deepspeed=None)
     text = str(e.value)
-    assert "loading group 0" in text and "all-gather" in text, text
+    assert "loading group 0" in text and "agreement" in text, text
     assert "failed on rank 0" in text and "rank 1 of the group is presumably gone" in text, text
     assert isinstance(e.value.__cause__, RuntimeError), repr(e.value.__cause__)
     assert not isinstance(e.value.__cause__, zeroflat.Error)

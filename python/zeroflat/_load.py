@@ -1,5 +1,7 @@
 """zeroflat.load_param_groups: a model's parameters built straight from a safetensors checkpoint
-into flat buffers in DeepSpeed's ZeRO-1/2 layout, each rank reading only its partition."""
+into flat buffers in DeepSpeed's ZeRO-1/2 layout, by the library's loader (loader.h): each rank
+reads its partition and one all-gather completes the buffer, or, for ranks of one host, each
+reads the whole buffer from the host's page cache."""
 
 from __future__ import annotations
 
@@ -435,9 +437,10 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
                       cold: bool = False, strict: bool = True) -> list:
     """Materializes every parameter of ``model`` from a safetensors checkpoint: the trainable
     ones of each optimizer group as views into that group's flat buffer in DeepSpeed's
-    ZeRO-1/2 layout, each rank reading only its partition's bytes and one all-gather
-    completing the buffer; the rest (frozen parameters, zero-element ones a release leaves out,
-    persistent buffers) into their own storage, read whole. Returns one FlatGroup per group that
+    ZeRO-1/2 layout, each rank reading its partition's bytes and one all-gather completing the
+    buffer (or, for ranks of one host, each reading the whole buffer from the page cache); the
+    rest (frozen parameters, zero-element ones a release leaves out, persistent buffers) into
+    their own storage, read whole. Returns one FlatGroup per group that
     has parameters in a buffer.
 
     ``model`` is typically built without memory (parameters on the ``meta`` device:
@@ -543,7 +546,7 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
         for p, off in zip(group.members, lay["offsets"]):
             params.append(_replace_everywhere(model, p, flat[off: off + p.numel()].view(p.shape)))
         partition, master = partition_and_master(flat, lay, rank, master_bytes, master_dtype)
-        out.append(FlatGroup(flat=flat, partition=partition, master=master, tier="load",
+        out.append(FlatGroup(flat=flat, partition=partition, master=master, tier=report["tier"],
                              layout=lay, report=report, params=params, rank=rank, dp=dp))
     for name, p, value in prep.params:
         _replace_everywhere(model, p, value)

@@ -6,11 +6,12 @@
         trainer.train()                        # or deepspeed.initialize(model=model, ...)
 
 The model is built from its config without memory (parameters on the meta device), then every
-rank reads only its partition of each flat buffer from the safetensors files and one all-gather
-completes it (``zeroflat.load_param_groups``): no rank ever holds the checkpoint in separate
-tensors. The buffers are laid out for the groups the Transformers Trainer gives its optimizer
-(``param_groups="trainer"``, the default here). Which checkpoint tensors hold which parameter is
-Transformers' own mapping (``_hf_names``). See docs/python.md.
+rank reads its partition of each flat buffer from the safetensors files and one all-gather
+completes it, or (ranks of one host) each reads the whole buffer from the page cache
+(``zeroflat.load_param_groups``): no rank ever holds the checkpoint in separate tensors. The
+buffers are laid out for the groups the Transformers Trainer gives its optimizer
+(``param_groups="trainer"``, the default here). Which checkpoint tensors hold which parameter
+is Transformers' own mapping (``_hf_names``). See docs/python.md.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                     **from_config_kwargs) -> torch.nn.Module:
     """The model of checkpoint directory ``path`` (its ``config.json`` and safetensors files),
     every trainable parameter a view into the flat buffer DeepSpeed's ZeRO-1/2 will build for
-    its optimizer group, filled from the files with each rank reading only its partition.
+    its optimizer group, filled from the files by the library's loader.
 
     ``model_class``: ``AutoModelForCausalLM`` or any class with ``from_config`` (or a concrete
     model class). ``process_group``: the data-parallel group (``"default"``: the default group
