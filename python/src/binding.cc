@@ -607,7 +607,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("release", &zf::LoadOptions::release)
       .def_readwrite("must_match", &zf::LoadOptions::must_match)
       .def_readwrite("local_error", &zf::LoadOptions::local_error)
-      .def_readwrite("fail_after_bytes", &zf::LoadOptions::fail_after_bytes);
+      .def_readwrite("fail_after_bytes", &zf::LoadOptions::fail_after_bytes)
+      .def_readwrite("storage_bytes_per_second", &zf::LoadOptions::storage_bytes_per_second)
+      // The read plan by name ("load", "load-whole"; None: the cost model's choice).
+      .def_property(
+          "read_plan",
+          [](const zf::LoadOptions& o) -> std::optional<std::string> {
+            if (!o.read_plan) return std::nullopt;
+            return std::string(zf::tier_name(*o.read_plan));
+          },
+          [](zf::LoadOptions& o, const std::optional<std::string>& name) {
+            o.read_plan.reset();
+            if (!name || *name == "auto") return;
+            for (zf::Tier t : zf::kReadPlans) {
+              if (*name == zf::tier_name(t)) o.read_plan = t;
+            }
+            if (!o.read_plan) {
+              throw zf::InvalidArgument("read_plan '" + *name +
+                                        "': expected None, 'auto', 'load' or 'load-whole'");
+            }
+          })
+      // The copies check by name ("sampled", "full", "off").
+      .def_property(
+          "copies",
+          [](const zf::LoadOptions& o) { return std::string(zf::copy_check_name(o.copies)); },
+          [](zf::LoadOptions& o, const std::string& name) {
+            o.copies = zf::parse_copy_check(name, "copies");
+          });
   py::class_<zf::LoadParam>(m, "LoadParam")
       .def(py::init([](const py::kwargs& kw) { return from_kwargs<zf::LoadParam>(kw); }))
       .def_readwrite("name", &zf::LoadParam::name)

@@ -447,6 +447,35 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
     run_ranks(check_own_errors_reach_every_rank, 2, tmp_path)
 
 
+def check_read_plans(rank, world, group, path):
+    """Both read plans give every rank the same buffer; on one host the cost model picks
+    load-whole (every rank reads everything, no all-gather), and a bad plan is every rank's
+    error."""
+    buffers = {}
+    for plan in (None, "load", "load-whole"):
+        with zeroflat.meta_parameters():
+            model = Net()
+        fgs = zeroflat.load_param_groups(model, path, group, device="cpu", deepspeed=None,
+                                         read_plan=plan, copies="full")
+        want = "load-whole" if plan is None else plan
+        assert [fg.tier for fg in fgs] == [want], (plan, [fg.tier for fg in fgs])
+        buffers[plan] = [fg.flat.clone() for fg in fgs]
+    assert all(torch.equal(a, b) for a, b in zip(buffers["load"], buffers["load-whole"]))
+    assert all(torch.equal(a, b) for a, b in zip(buffers[None], buffers["load"]))
+    with zeroflat.meta_parameters():
+        model = Net()
+    bad = "sideways" if rank == 1 else None
+    with pytest.raises(ValueError, match="sideways" if rank == 1 else "rank 1"):
+        zeroflat.load_param_groups(model, path, group, device="cpu", deepspeed=None,
+                                   read_plan=bad)
+
+
+def test_read_plans_fill_the_same_buffers(tmp_path):
+    _, state = _state()
+    state = {k: v for k, v in state.items() if k != "extra"}
+    run_ranks(check_read_plans, 2, save(tmp_path / "net.safetensors", state))
+
+
 def check_a_gone_peer_is_named(rank, world, group, path):
     """A rank that dies in the middle of a load (at its first collective, the ranks'
     agreement): the others raise zeroflat.CommError saying which collective failed, for what,

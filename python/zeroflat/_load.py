@@ -434,7 +434,9 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
                       param_align_bytes: int = 0, deepspeed: Optional[str] = "installed",
                       master_dtype: Optional[torch.dtype] = torch.float32,
                       margin_bytes: Optional[int] = None, threads: Optional[int] = None,
-                      cold: bool = False, strict: bool = True) -> list:
+                      cold: bool = False, strict: bool = True,
+                      read_plan: Optional[str] = None, copies: str = "sampled",
+                      storage_bytes_per_second: float = 0) -> list:
     """Materializes every parameter of ``model`` from a safetensors checkpoint: the trainable
     ones of each optimizer group as views into that group's flat buffer in DeepSpeed's
     ZeRO-1/2 layout, each rank reading its partition's bytes and one all-gather completing the
@@ -461,7 +463,14 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
     experts, Transformers' own rule for the tensors they stack, each of the shape the rule
     expects) the checkpoint does not hold is ValueError naming it; with ``strict``, so is a
     buffer the model has on ``meta`` that the checkpoint does not hold. Tensors of the
-    checkpoint the model does not use are logged."""
+    checkpoint the model does not use are logged.
+
+    ``read_plan``: who reads what (``"load"``: each rank its slice, then one all-gather;
+    ``"load-whole"``: each rank the whole buffer from its host's page cache, no all-gather;
+    None: the faster by the cost model, from the hosts (world size over ``LOCAL_WORLD_SIZE``)
+    and ``storage_bytes_per_second``, the bandwidth of storage the hosts share, 0 for storage of
+    their own). ``copies``: after reading, how the ranks compare their copies of the checkpoint
+    (``"sampled"``, ``"full"``, ``"off"``; their headers are always compared)."""
     dp = dist.get_world_size(process_group) if process_group is not None else 1
     local_error: Optional[BaseException] = None
     prep: Optional[_Prepared] = None
@@ -494,6 +503,12 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
     for k in range(calls):
         group = prep.groups[k] if ok and k < len(prep.groups) else None
         options = _C.LoadOptions(layout=_C.LayoutOptions(dp=dp), cold=cold, threads=nthreads)
+        try:
+            options.read_plan = read_plan
+            options.copies = copies
+            options.storage_bytes_per_second = float(storage_bytes_per_second)
+        except Exception as e:  # noqa: BLE001 - a bad value is this rank's own error, agreed
+            local_error = local_error or e
         if group is not None:
             options.layout = layout_options(dp, round_robin, alignment_factor, group.dtype,
                                             param_align_bytes)

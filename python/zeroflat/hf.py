@@ -70,6 +70,8 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                     device: Optional[Any] = None, round_robin: bool = False,
                     deepspeed: Optional[str] = "installed", cold: bool = False,
                     threads: Optional[int] = None, install_drop_in: bool = False,
+                    read_plan: Optional[str] = None, copies: str = "sampled",
+                    storage_bytes_per_second: float = 0,
                     **from_config_kwargs) -> torch.nn.Module:
     """The model of checkpoint directory ``path`` (its ``config.json`` and safetensors files),
     every trainable parameter a view into the flat buffer DeepSpeed's ZeRO-1/2 will build for
@@ -85,7 +87,9 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     ``deepspeed.initialize(model_parameters=model.parameters())`` or a DeepSpeed config with its
     own optimizer builds), a list of groups of names or parameters, or a function of the model
     returning one. ``round_robin`` and ``deepspeed``: as DeepSpeed's config will have them.
-    Other keyword arguments go to ``from_config`` (``attn_implementation``, ...).
+    ``read_plan``, ``copies`` and ``storage_bytes_per_second``: who reads what and how the ranks
+    compare their copies, as ``zeroflat.load_param_groups`` takes them. Other keyword arguments
+    go to ``from_config`` (``attn_implementation``, ...).
 
     DeepSpeed adopts the loaded buffers as they are only with the drop-in in place while it
     initializes: ``with zeroflat.deepspeed.installed(): ...`` around ``deepspeed.initialize`` or
@@ -123,7 +127,8 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     # own from the buffer.
     fgs = load_param_groups(model, path, process_group, param_groups=param_groups, dtype=dtype,
                             device=device, round_robin=round_robin, deepspeed=deepspeed,
-                            master_dtype=None, cold=cold, threads=threads)
+                            master_dtype=None, cold=cold, threads=threads, read_plan=read_plan,
+                            copies=copies, storage_bytes_per_second=storage_bytes_per_second)
     model.eval()
     model.zeroflat_groups = fgs
     if install_drop_in:
