@@ -42,6 +42,7 @@ A full run takes about half an hour on 2 cores.
 
 import argparse
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -121,13 +122,20 @@ def rank_main(way, step):
     with PeakRss() as rss_ready:
         with PeakRss():
             if way == "zeroflat":
+                # What a user on shared storage says: its bandwidth, for the read plan.
+                extra = {}
+                storage = float(env.get("NODES_STORAGE_BYTES_PER_S") or 0)
+                if "storage_bytes_per_second" in inspect.signature(
+                        zeroflat.hf.from_pretrained).parameters:
+                    extra["storage_bytes_per_second"] = storage
                 model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path,
                                                     dtype=torch.bfloat16, device="cpu",
-                                                    param_groups=None)
+                                                    param_groups=None, **extra)
                 flat_bytes = sum(fg.flat.numel() * fg.flat.element_size()
                                  for fg in model.zeroflat_groups)
                 loader = {k: sum(fg.report.get(k) or 0 for fg in model.zeroflat_groups)
                           for k in ("bytes_read", "reads", "read_seconds", "allgather_seconds")}
+                loader["plan"] = ",".join(sorted({str(fg.tier) for fg in model.zeroflat_groups}))
             else:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
                 flat_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -219,7 +227,7 @@ def summarize(res, ranks):
             "mapped_bytes": ranks[0]["mapped_bytes"], "adopted": ranks[0]["adopted"],
             "parts": max(ranks, key=lambda r: r["ready"])["parts"], "wall": res["seconds"],
             "loader": ({k: max(r["loader"][k] for r in ranks) for k in ranks[0]["loader"]}
-                       if ranks[0].get("loader") else None)}
+                       if ranks[0].get("loader") else None)}  # ("plan": the same on every rank)
 
 
 def run_way(rehearsal, way, k, r, bandwidth, cold, cpus, step, timeout):
@@ -463,7 +471,8 @@ def main():
                 warm.append({"ranks": r, **med,
                              "ready_x": med["transformers"]["ready"] / med["zeroflat"]["ready"],
                              "ready_x_runs": [t["ready"] / z["ready"] for t, z in
-                                              zip(runs["transformers"], runs["zeroflat"])]})
+                                              zip(runs["transformers"], runs["zeroflat"])],
+                             "plan": (runs["zeroflat"][0]["loader"] or {}).get("plan")})
     except nodes.Unsupported as e:
         print(f"nodes_bench.py: cannot rehearse nodes here: {e}", file=sys.stderr)
         return nodes.EXIT_UNSUPPORTED
@@ -540,7 +549,8 @@ def report(args, describe, size, cpus, rows, cli_rows, warm, verdicts):
               f"checkpoint by the end of load ({t['mapped_bytes'] / t['flat_bytes']:.0%} of the "
               "bytes still file mappings, read inside initialize); zeroflat adopted "
               f"{row['zeroflat']['adopted']} buffer(s)"
-              + (f", its load read for {z_loader['read_seconds']:.2f} s and all-gathered for "
+              + (f", its load ({z_loader.get('plan', 'load')}) read for "
+                 f"{z_loader['read_seconds']:.2f} s and all-gathered for "
                  f"{z_loader['allgather_seconds']:.2f} s (slowest rank)"
                  if (z_loader := row["zeroflat"].get("loader")) else ""))
     if cli_rows:
@@ -561,7 +571,8 @@ def report(args, describe, size, cpus, rows, cli_rows, warm, verdicts):
             runs = ", ".join(f"{x:.2f}" for x in w["ready_x_runs"])
             print(f"  {w['ranks']} rank(s): load {t['load']:.2f} / {z['load']:.2f} s, init "
                   f"{t['init']:.2f} / {z['init']:.2f} s, ready {t['ready']:.2f} / "
-                  f"{z['ready']:.2f} s: {w['ready_x']:.2f} x (runs: {runs})")
+                  f"{z['ready']:.2f} s: {w['ready_x']:.2f} x (runs: {runs}; zeroflat's "
+                  f"plan: {w.get('plan')})")
     print("targets:")
     for v in verdicts:
         print(f"  {'met    ' if v['met'] else 'NOT met'} {v['target']}: {v['value']:.3f}")

@@ -23,8 +23,8 @@ io.max, io.stat and cpu.max under a cgroup of its own, where the io controller c
 
 Every rank gets MASTER_ADDR=127.0.0.1, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, NODE_RANK (and GROUP_RANK), NNODES, ZEROFLAT_LOCAL_RANKS=R, NODES_CHECKPOINT
-(the common path), NODES_CGROUP (its node's block-I/O cgroup directory) and NODES_DEVICE
-(MAJOR:MINOR of the disk); with --cpus-per-node also OMP_NUM_THREADS and ZEROFLAT_NUM_THREADS
+(the common path), NODES_CGROUP (its node's block-I/O cgroup directory), NODES_DEVICE
+(MAJOR:MINOR of the disk) and NODES_STORAGE_BYTES_PER_S (--bandwidth, 0 unthrottled); with --cpus-per-node also OMP_NUM_THREADS and ZEROFLAT_NUM_THREADS
 (that many cores over R ranks). --launcher mpirun starts the K*R ranks with one mpirun (TCP on
 the loopback between ranks: the nodes have private /dev/shm), each entering its node first.
 
@@ -697,7 +697,8 @@ class Rehearsal:
             common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                       "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(ranks_per_node),
                       "NNODES": str(nodes), "ZEROFLAT_LOCAL_RANKS": str(ranks_per_node),
-                      "NODES_CHECKPOINT": self.mount, "NODES_DEVICE": self.device}
+                      "NODES_CHECKPOINT": self.mount, "NODES_DEVICE": self.device,
+                      "NODES_STORAGE_BYTES_PER_S": str(bandwidth or 0)}
             if cpus_per_node:
                 threads = str(max(1, int(cpus_per_node / ranks_per_node + 0.5)))
                 common.update(OMP_NUM_THREADS=threads, ZEROFLAT_NUM_THREADS=threads)
