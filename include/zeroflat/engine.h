@@ -116,6 +116,22 @@ struct FlattenResult {
   }
 };
 
+// What flatten_param_group would plan for a group laid out as `layout` whose originals are about
+// to be placed on `device` (its elements at the layout's element size, not there yet), on this
+// rank alone:
+// the same probe, facts and policy (options' tier, margin, bandwidths, probe context), without
+// agreement (the ranks' minimum may be lower) and without moving anything. For dry runs: the
+// CLI's check that a rehearsal fits this machine, `zeroflat plan`. Throws InvalidArgument for
+// a bad layout or options.
+struct PlannedGroup {
+  ProbeResult probe;       // this rank's device
+  ProbeResult host_probe;  // the host memory it may stage through
+  PlanInput input;
+  Plan plan;
+};
+PlannedGroup plan_param_group(const Layout& layout, Device& device, const FlattenOptions& options,
+                              std::uint64_t rank = 0);
+
 // Collective (see above). Throws InvalidArgument (a bad group or options on any rank, or ranks
 // that differ), CommError (the ranks cannot talk while agreeing) or Error (the ranks hold
 // different values; see check_values), each before anything moves. Every other failure is in

@@ -65,7 +65,77 @@ std::string probe_failure(const Device& device, const ProbeResult& p) {
          "), so no plan can be proven to fit";
 }
 
+// This rank's probe as the planner's facts: capacity, free (the group's own bytes counted in use
+// when they are on the device, or about to be), host memory it may stage through.
+struct LocalFacts {
+  ProbeResult probe;
+  ProbeResult host_probe;
+  AgreementInput facts;  // capacity, free, host free and integrated filled in
+};
+LocalFacts probe_facts(Device& device, const ProbeContext& context, std::uint64_t original_bytes,
+                       bool originals_resident) {
+  LocalFacts out;
+  out.probe = device.probe_memory(context);
+  out.host_probe = device.probe_host_memory(context);
+  const std::uint64_t capacity = out.probe.total_bytes;
+  std::uint64_t free = std::min(out.probe.free_bytes, capacity);
+  if (!originals_resident) {
+    free -= std::min(free, original_bytes);
+  } else if (capacity >= original_bytes && capacity - free < original_bytes) {
+    // The group's own bytes are on this device: whatever a source says, they are in use.
+    free = capacity - original_bytes;
+  }
+  out.facts.capacity_bytes = capacity;
+  out.facts.free_bytes = free;
+  out.facts.host_free_bytes = out.host_probe.available ? out.host_probe.free_bytes : 0;
+  out.facts.integrated = out.probe.integrated;
+  return out;
+}
+
+// The planner's input from what the ranks agreed, and the plan: the tiers from the originals,
+// the read plans from a source.
+PlanInput plan_input(const Agreement& agreed, const ProbeContext& context, const Device& device,
+                     const FlattenOptions& options, const Layout& layout,
+                     std::uint64_t original_bytes, std::uint64_t rank, bool from_source) {
+  PlanFacts facts = plan_facts(agreed, context.local_ranks);
+  facts.bandwidths =
+      options.bandwidths
+          ? *options.bandwidths
+          : device.hardware().value_or(generic_preset(agreed.capacity_bytes)).bandwidths;
+  PlanInput in = make_plan_input(layout, original_bytes, facts, rank,
+                                 from_source ? std::nullopt : options.tier, options.margin_bytes);
+  if (from_source && options.storage_bytes_per_second > 0) {
+    in.bandwidths.storage = options.storage_bytes_per_second;
+  }
+  return in;
+}
+
 }  // namespace
+
+PlannedGroup plan_param_group(const Layout& layout, Device& device,
+                              const FlattenOptions& options, std::uint64_t rank) {
+  PlannedGroup out;
+  ProbeContext context = options.probe;
+  if (context.local_ranks == 0) {
+    context.local_ranks =
+        runtime_env().local_ranks.value_or(static_cast<unsigned>(layout.options().dp));
+  }
+  std::uint64_t numel = 0;
+  for (std::uint64_t n : layout.numels()) {
+    if (__builtin_add_overflow(numel, n, &numel)) numel = UINT64_MAX;
+  }
+  std::uint64_t original_bytes = 0;
+  if (__builtin_mul_overflow(numel, layout.element_size(), &original_bytes)) {
+    original_bytes = UINT64_MAX;
+  }
+  LocalFacts here = probe_facts(device, context, original_bytes, /*originals_resident=*/false);
+  out.probe = std::move(here.probe);
+  out.host_probe = std::move(here.host_probe);
+  const Agreement alone = agree(here.facts, nullptr);
+  out.input = plan_input(alone, context, device, options, layout, original_bytes, rank, false);
+  out.plan = plan_group(out.input);
+  return out;
+}
 
 namespace detail {
 
@@ -105,45 +175,26 @@ FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communic
   }
   if (context.local_ranks == 0) context.local_ranks = 1;
 
-  // --- probe ------------------------------------------------------------------------------------
-  res.probe = device.probe_memory(context);
-  res.host_probe = device.probe_host_memory(context);
-  // With a source, nothing of the group is on the device yet.
+  // --- probe (with a source, nothing of the group is on the device yet) ------------------------
   const std::uint64_t original_bytes = source == nullptr ? group_bytes(params) : 0;
-  std::uint64_t capacity = res.probe.total_bytes;
-  std::uint64_t free = std::min(res.probe.free_bytes, capacity);
-  // The group's own bytes are on this device: whatever a source says, they are in use.
-  if (capacity >= original_bytes && capacity - free < original_bytes) {
-    free = capacity - original_bytes;
-  }
+  LocalFacts here = probe_facts(device, context, original_bytes, /*originals_resident=*/true);
+  res.probe = std::move(here.probe);
+  res.host_probe = std::move(here.host_probe);
   if (error.empty() && !res.probe.available) error = probe_failure(device, res.probe);
 
   // --- agree: one all-reduce; an error anywhere is thrown everywhere ---------------------------
-  AgreementInput ai;
+  AgreementInput& ai = here.facts;
   ai.options = options_text(options, device, source);
   ai.params = params;
   ai.names = options.names;
-  ai.capacity_bytes = capacity;
-  ai.free_bytes = free;
-  ai.host_free_bytes = res.host_probe.available ? res.host_probe.free_bytes : 0;
-  ai.integrated = res.probe.integrated;
   ai.error = error;
   const Agreement agreed = agree(ai, group);
   // The ranks' sources must say the same (every rank gets here: the agreement threw nowhere).
   if (source != nullptr) source->agree(group);
 
   // --- plan -------------------------------------------------------------------------------------
-  PlanFacts facts = plan_facts(agreed, context.local_ranks);
-  if (options.bandwidths) {
-    facts.bandwidths = *options.bandwidths;
-  } else {
-    facts.bandwidths = device.hardware().value_or(generic_preset(agreed.capacity_bytes)).bandwidths;
-  }
-  res.input = make_plan_input(*layout, original_bytes, facts, rank,
-                              source == nullptr ? options.tier : std::nullopt, options.margin_bytes);
-  if (source != nullptr && options.storage_bytes_per_second > 0) {
-    res.input.bandwidths.storage = options.storage_bytes_per_second;
-  }
+  res.input = plan_input(agreed, context, device, options, *layout, original_bytes, rank,
+                         source != nullptr);
   res.plan = source == nullptr ? plan_group(res.input)
                                 : plan_reads(res.input, source->ring_bytes(), options.tier);
   const Candidate* chosen = res.plan.chosen_candidate();

@@ -57,24 +57,16 @@ std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
   const std::uint64_t model_bytes = sat_mul(cfg.model.numel(), es);
   const Layout layout = Layout::compute(cfg.model.numels(), cfg.options);
   std::unique_ptr<Device> device = make_device(cfg.placement.device_spec, device_options(cfg));
-  // The plan the ranks will make once the originals are materialized on each device: this
-  // device's probe, less the model's bytes, as this rank's facts, through the same agreement
-  // and conversion the front door uses (agree, plan_facts, make_plan_input). The ranks' own
-  // agreement will take the minimum over them; here one stands for all.
-  const ProbeContext context{cfg.local_ranks, 0, 0};
-  const ProbeResult probe = device->probe_memory(context);
-  const ProbeResult host = device->probe_host_memory(context);
-  AgreementInput facts_here;
-  facts_here.capacity_bytes = probe.total_bytes;
-  facts_here.free_bytes = std::min(probe.free_bytes, probe.total_bytes);
-  facts_here.free_bytes -= std::min(facts_here.free_bytes, model_bytes);
-  facts_here.host_free_bytes = host.available ? host.free_bytes : 0;
-  facts_here.integrated = probe.integrated;
-  PlanFacts facts = plan_facts(agree(facts_here, nullptr), cfg.local_ranks);
-  facts.bandwidths = device->hardware().value_or(generic_preset(facts.capacity_bytes)).bandwidths;
-  const PlanInput in = make_plan_input(layout, model_bytes, facts, 0, cfg.forced, cfg.margin);
-  const Plan plan = plan_group(in);
-  plan_doc = Json::parse(plan_json(plan, in));
+  // The plan the ranks will make once the originals are materialized on each device, as the
+  // library's dry run makes it (the ranks' own agreement will take the minimum over them; here
+  // one stands for all).
+  FlattenOptions fo;
+  fo.tier = cfg.forced;
+  fo.margin_bytes = cfg.margin;
+  fo.probe.local_ranks = cfg.local_ranks;
+  const PlannedGroup planned = plan_param_group(layout, *device, fo);
+  const Plan& plan = planned.plan;
+  plan_doc = Json::parse(plan_json(plan, planned.input));
   const Candidate* chosen = plan.chosen_candidate();
   if (chosen == nullptr) return "no feasible plan: " + plan.reason + ". Nothing was allocated.";
 
