@@ -18,6 +18,13 @@ struct RuntimeEnv {
   // ZEROFLAT_LOCAL_RANKS, else the launcher's count of ranks on this host
   // (OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, LOCAL_WORLD_SIZE).
   std::optional<unsigned> local_ranks;
+  // ZEROFLAT_HOST_MEMORY: where large host buffers come from. "huge": fresh 2 MiB-aligned
+  // mappings advised for transparent huge pages; "plain": the same without the advice (a kernel
+  // whose THP defrag is "madvise" compacts memory on every fault of an advised buffer); "torch":
+  // in the Python binding, torch's own allocator, as DeepSpeed's buffers (the library itself
+  // then allocates as "plain"). None: the default of each caller (HostMemory below).
+  enum class HostMemory : std::uint8_t { kHuge, kPlain, kTorch };
+  std::optional<HostMemory> host_memory;
 };
 
 // The environment as read at first call. Throws InvalidArgument naming the variable when one is

@@ -29,13 +29,20 @@ zf::DType dtype_of(const std::string& name) {
   return zf::parse_dtype(name);
 }
 
-// A uint8 tensor over zeroflat's own host memory (2 MiB-aligned, advised for huge pages, fresh:
-// its first touch is the gather's, by every thread of the team on its own byte range), freed by
-// torch when the last tensor over it goes. torch's allocator would hand out malloc memory that
-// glibc reuses, half faulted in with 4 KiB pages, where advising huge pages is slower than not.
+// A uint8 tensor over zeroflat's own host memory (fresh 2 MiB-aligned mappings: its first touch
+// is the gather's, by every thread of the team on its own byte range), freed by torch when the
+// last tensor over it goes. Not advised for huge pages unless ZEROFLAT_HOST_MEMORY=huge: in
+// fresh processes under DeepSpeed (benchmarks/deepspeed_init_bench.py, docs/performance.md)
+// the advice made initialize slower than DeepSpeed's own at one rank, where the kernel compacts
+// memory on the advised buffer's faults; ZEROFLAT_HOST_MEMORY=torch takes torch's allocator.
 at::Tensor host_tensor(std::uint64_t num_bytes) {
   const std::uint64_t n = num_bytes == 0 ? 1 : num_bytes;
-  void* p = zf::allocate_host_memory(n);
+  const std::optional<zf::RuntimeEnv::HostMemory> m = zf::runtime_env().host_memory;
+  if (m == zf::RuntimeEnv::HostMemory::kTorch) {
+    return at::empty({static_cast<std::int64_t>(n)},
+                     at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  }
+  void* p = zf::allocate_host_memory(n, m == zf::RuntimeEnv::HostMemory::kHuge);
   return at::from_blob(
       p, {static_cast<std::int64_t>(n)}, [n](void* q) { zf::release_host_memory(q, n); },
       at::TensorOptions().dtype(at::kByte).device(at::kCPU));

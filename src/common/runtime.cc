@@ -41,8 +41,20 @@ std::optional<unsigned> launcher_env(const char* name) {
   }
 }
 
+std::optional<RuntimeEnv::HostMemory> host_memory_env() {
+  const char* v = std::getenv("ZEROFLAT_HOST_MEMORY");
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  const std::string s = v;
+  if (s == "huge") return RuntimeEnv::HostMemory::kHuge;
+  if (s == "plain") return RuntimeEnv::HostMemory::kPlain;
+  if (s == "torch") return RuntimeEnv::HostMemory::kTorch;
+  throw InvalidArgument("ZEROFLAT_HOST_MEMORY='" + s +
+                        "': expected huge, plain or torch (unset it for the default)");
+}
+
 RuntimeEnv read_env() {
   RuntimeEnv env;
+  env.host_memory = host_memory_env();
   env.num_threads = positive_env("ZEROFLAT_NUM_THREADS");
   env.local_ranks = positive_env("ZEROFLAT_LOCAL_RANKS");
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"}) {

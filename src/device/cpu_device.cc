@@ -28,9 +28,17 @@ std::uint64_t round_up(std::uint64_t x, std::uint64_t m) {
   return (x + m - 1) / m * m;
 }
 
+// Whether fresh mappings are advised for huge pages: as asked, else as ZEROFLAT_HOST_MEMORY
+// says (runtime.h), by default yes (a first touch then costs one fault per 2 MiB).
+bool huge_pages_advised(std::optional<bool> asked) {
+  if (asked) return *asked;
+  const std::optional<RuntimeEnv::HostMemory> m = runtime_env().host_memory;
+  return !m || *m == RuntimeEnv::HostMemory::kHuge;
+}
+
 }  // namespace
 
-void* host_allocate(std::uint64_t num_bytes) {
+void* host_allocate(std::uint64_t num_bytes, std::optional<bool> huge_pages) {
   auto oom = [&] {
     return OutOfMemory("cpu: cannot allocate " + format_bytes(num_bytes) + " (" +
                        std::to_string(num_bytes) + " bytes) of host memory");
@@ -55,7 +63,7 @@ void* host_allocate(std::uint64_t num_bytes) {
   if (tail > 0) munmap(reinterpret_cast<void*>(aligned + size), tail);
   auto* p = reinterpret_cast<void*>(aligned);
 #ifdef MADV_HUGEPAGE
-  madvise(p, size, MADV_HUGEPAGE);
+  if (huge_pages_advised(huge_pages)) madvise(p, size, MADV_HUGEPAGE);
 #endif
   return p;
 }
@@ -192,8 +200,8 @@ ProbeResult CpuDevice::probe_memory(const ProbeContext& context) {
 
 namespace zeroflat {
 
-void* allocate_host_memory(std::uint64_t num_bytes) {
-  return detail::host_allocate(num_bytes);
+void* allocate_host_memory(std::uint64_t num_bytes, std::optional<bool> huge_pages) {
+  return detail::host_allocate(num_bytes, huge_pages);
 }
 
 void release_host_memory(void* ptr, std::uint64_t num_bytes) noexcept {

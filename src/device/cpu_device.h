@@ -51,7 +51,9 @@ class CpuDevice final : public Device {
 // Host allocation used by the cpu device: 2 MiB-aligned anonymous mappings that ask for
 // transparent huge pages for large sizes (first touch then costs one fault per 2 MiB, not per
 // 4 KiB), cache-line-aligned heap memory for small ones. Throws OutOfMemory.
-void* host_allocate(std::uint64_t num_bytes);
+// huge_pages: advise fresh mappings for transparent huge pages; none: as ZEROFLAT_HOST_MEMORY
+// says (runtime.h), by default yes.
+void* host_allocate(std::uint64_t num_bytes, std::optional<bool> huge_pages = std::nullopt);
 void host_release(void* ptr, std::uint64_t num_bytes) noexcept;
 
 }  // namespace zeroflat::detail
