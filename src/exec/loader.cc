@@ -565,32 +565,11 @@ class CheckpointSource final : public detail::GroupSource {
       return;
     }
     const auto t0 = Clock::now();
-    const std::uint64_t rank = static_cast<std::uint64_t>(comm->rank());
-    const std::uint64_t dp = layout_->options().dp;
+    const auto rank = static_cast<std::uint64_t>(comm->rank());
     const std::uint64_t sb = layout_->partition_bytes();
-    const std::uint64_t es = layout_->element_size();
-    constexpr std::uint64_t kWindow = std::uint64_t{64} << 10;
-    constexpr std::uint64_t kWindows = 16;
-    constexpr std::uint64_t kChunk = std::uint64_t{16} << 20;
-    // The ranges to compare: windows spread over each other rank's slice (shifted by this
-    // rank, so that the ranks look at different places), or every other slice whole.
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;  // [lo, hi) of the layout
-    for (std::uint64_t q = 0; q < dp; ++q) {
-      if (q == rank || sb == 0) continue;
-      const std::uint64_t base = q * sb;
-      if (options_.copies == CopyCheck::kFull || sb <= kWindow * kWindows) {
-        for (std::uint64_t a = 0; a < sb; a += kChunk) {
-          ranges.emplace_back(base + a, base + std::min(sb, a + kChunk));
-        }
-        continue;
-      }
-      const std::uint64_t stride = sb / kWindows / es * es;  // windows start on elements
-      const std::uint64_t shift = (rank * 7919 * es) % (stride - kWindow + 1) / es * es;
-      for (std::uint64_t w = 0; w < kWindows; ++w) {
-        const std::uint64_t lo = base + w * stride + shift;
-        ranges.emplace_back(lo, std::min(base + sb, lo + kWindow));
-      }
-    }
+    // Windows of each other rank's slice, shifted by this rank so that the ranks look at
+    // different places.
+    const std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges = check_ranges(rank, rank);
     std::string mismatch;
     try {
       Reader reader(ck_, files_, layout_->options().dtype, threads_, std::nullopt);
@@ -704,33 +683,46 @@ class CheckpointSource final : public detail::GroupSource {
     if (!copy_error.empty()) throw Error("copying to " + device_.name() + ": " + copy_error);
   }
 
+  // The layout ranges [lo, hi) the copies check compares: in every rank's slice but `skip`'s,
+  // 16 windows of 64 KiB spread over it (shifted by `shift_rank`), or, when the check is full
+  // or the slice small, all of it in pieces of 16 MiB.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> check_ranges(
+      std::optional<std::uint64_t> skip, std::uint64_t shift_rank) const {
+    constexpr std::uint64_t kWindow = std::uint64_t{64} << 10;
+    constexpr std::uint64_t kWindows = 16;
+    constexpr std::uint64_t kChunk = std::uint64_t{16} << 20;
+    const std::uint64_t sb = layout_->partition_bytes();
+    const std::uint64_t es = layout_->element_size();
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+    for (std::uint64_t q = 0; q < layout_->options().dp && sb > 0; ++q) {
+      if (q == skip) continue;
+      const std::uint64_t base = q * sb;
+      if (options_.copies == CopyCheck::kFull || sb <= kWindow * kWindows) {
+        for (std::uint64_t a = 0; a < sb; a += kChunk) {
+          ranges.emplace_back(base + a, base + std::min(sb, a + kChunk));
+        }
+        continue;
+      }
+      const std::uint64_t stride = sb / kWindows / es * es;  // windows start on elements
+      const std::uint64_t shift = (shift_rank * 7919 * es) % (stride - kWindow + 1) / es * es;
+      for (std::uint64_t w = 0; w < kWindows; ++w) {
+        const std::uint64_t lo = base + w * stride + shift;
+        ranges.emplace_back(lo, std::min(base + sb, lo + kWindow));
+      }
+    }
+    return ranges;
+  }
+
   // Every rank read the whole buffer from its own copy: the ranks compare digests of the same
   // ranges of their buffers (16 windows of 64 KiB in each rank's slice, or every 16 MiB of the
   // buffer), in one all-reduce, and a second, only on a difference, is not needed: each rank
   // names the first range where its digest is not everyone's.
   void compare_digests(const FlatGroup& group, Communicator* comm) {
     const auto t0 = Clock::now();
-    const std::uint64_t dp = layout_->options().dp;
     const std::uint64_t sb = layout_->partition_bytes();
-    const std::uint64_t es = layout_->element_size();
-    constexpr std::uint64_t kWindow = std::uint64_t{64} << 10;
-    constexpr std::uint64_t kWindows = 16;
-    constexpr std::uint64_t kChunk = std::uint64_t{16} << 20;
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
-    const std::uint64_t flat = layout_->flat_bytes();
-    if (options_.copies == CopyCheck::kFull || sb <= kWindow * kWindows) {
-      for (std::uint64_t a = 0; a < flat; a += kChunk) {
-        ranges.emplace_back(a, std::min(flat, a + kChunk));
-      }
-    } else {
-      const std::uint64_t stride = sb / kWindows / es * es;
-      for (std::uint64_t q = 0; q < dp; ++q) {
-        for (std::uint64_t w = 0; w < kWindows; ++w) {
-          const std::uint64_t lo = q * sb + w * stride;
-          ranges.emplace_back(lo, std::min(flat, lo + kWindow));
-        }
-      }
-    }
+    // The same windows of every slice on every rank.
+    const std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges =
+        check_ranges(std::nullopt, 0);
     std::vector<std::uint64_t> v(2 * ranges.size());
     std::vector<unsigned char> held;
     for (std::size_t k = 0; k < ranges.size(); ++k) {
