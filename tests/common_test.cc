@@ -1,13 +1,17 @@
 // Sizes, dtypes, shapes, the checksum, the fill pattern, the thread team, the runtime defaults.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <system_error>
 #include <vector>
 
+#include "common/cgroup_cpu.h"
 #include "common/saturate.h"
 #include "common/thread_pool.h"
 #include "zeroflat/checksum.h"
@@ -20,6 +24,37 @@
 
 namespace zeroflat {
 namespace {
+
+// A cgroup file system of our own: the quota that holds is the tightest from the process's own
+// cgroup up to the root, not the root's alone.
+TEST(CgroupCpu, TheTightestQuotaFromTheProcesssCgroupUpToTheRoot) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::path(::testing::TempDir()) / ("zeroflat_cgroup_" +
+                                                         std::to_string(::getpid()));
+  fs::remove_all(root);
+  auto put = [&](const fs::path& dir, const std::string& file, const std::string& text) {
+    fs::create_directories(dir);
+    std::ofstream(dir / file) << text << "\n";
+  };
+  // v1: no quota at the root, 1.5 cores for node0, none below it.
+  put(root / "cpu", "cpu.cfs_quota_us", "-1");
+  put(root / "cpu", "cpu.cfs_period_us", "100000");
+  put(root / "cpu/harness/node0", "cpu.cfs_quota_us", "150000");
+  put(root / "cpu/harness/node0", "cpu.cfs_period_us", "100000");
+  put(root / "cpu/harness/node0/rank1", "cpu.cfs_quota_us", "-1");
+  put(root / "cpu/harness/node0/rank1", "cpu.cfs_period_us", "100000");
+  const std::string v1 = "12:pids:/\n4:cpu,cpuacct:/harness/node0/rank1\n0::/\n";
+  EXPECT_EQ(detail::cgroup_cpu_quota(v1, root.string()), 2u);
+  EXPECT_EQ(detail::cgroup_cpu_quota("4:cpu:/\n", root.string()), 0u);  // the root: none
+  // v2: a child tighter than its parent.
+  put(root / "v2", "cpu.max", "max 100000");
+  put(root / "v2/job", "cpu.max", "400000 100000");
+  put(root / "v2/job/step", "cpu.max", "50000 100000");
+  EXPECT_EQ(detail::cgroup_cpu_quota("0::/job/step\n", (root / "v2").string()), 1u);
+  EXPECT_EQ(detail::cgroup_cpu_quota("0::/job\n", (root / "v2").string()), 4u);
+  EXPECT_EQ(detail::cgroup_cpu_quota("garbage", (root / "v2").string()), 0u);
+  fs::remove_all(root);
+}
 
 TEST(Size, ParsesBytesAndUnits) {
   EXPECT_EQ(parse_size("0"), 0u);

@@ -8,8 +8,12 @@
 #include <exception>
 #include <fstream>
 #include <string>
+#include <iterator>
+#include <string_view>
 #include <thread>
+#include <utility>
 
+#include "common/cgroup_cpu.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 
@@ -102,30 +106,98 @@ std::string hf_hub_cache() {
   return "";
 }
 
-// The CPU quota of this process's cgroup (v2 cpu.max "quota period", v1 cfs files), in whole
-// cores rounded up; 0 when there is none.
-unsigned cgroup_cpu_quota() noexcept {
-  auto read = [](const char* path) {
+namespace detail {
+
+unsigned cgroup_cpu_quota(std::string_view proc_self_cgroup, const std::string& root) noexcept {
+  auto read = [](const std::string& path) {
     std::ifstream in(path);
     std::string a, b;
     in >> a >> b;
     return std::pair<std::string, std::string>(a, b);
   };
-  try {
-    auto [quota, period] = read("/sys/fs/cgroup/cpu.max");
-    if (!quota.empty() && quota != "max" && !period.empty()) {
-      const double cores = std::stod(quota) / std::stod(period);
-      return cores > 0 ? static_cast<unsigned>(std::ceil(cores)) : 0;
+  // This process's cgroup, per hierarchy: v1 lines name their controllers ("4:cpu,cpuacct:/x"),
+  // the v2 line has none ("0::/x").
+  std::string v1_path, v2_path;
+  bool v1 = false, v2 = false;
+  std::size_t at = 0;
+  while (at < proc_self_cgroup.size()) {
+    std::size_t end = proc_self_cgroup.find('\n', at);
+    if (end == std::string_view::npos) end = proc_self_cgroup.size();
+    const std::string_view line = proc_self_cgroup.substr(at, end - at);
+    at = end + 1;
+    const std::size_t c1 = line.find(':');
+    const std::size_t c2 = c1 == std::string_view::npos ? c1 : line.find(':', c1 + 1);
+    if (c2 == std::string_view::npos) continue;
+    const std::string_view controllers = line.substr(c1 + 1, c2 - c1 - 1);
+    const std::string path(line.substr(c2 + 1));
+    if (controllers.empty()) {
+      v2 = true;
+      v2_path = path;
+      continue;
     }
-    auto [q1, unused1] = read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us");
-    auto [p1, unused2] = read("/sys/fs/cgroup/cpu/cpu.cfs_period_us");
-    if (!q1.empty() && !p1.empty() && std::stod(q1) > 0) {
-      return static_cast<unsigned>(std::ceil(std::stod(q1) / std::stod(p1)));
+    for (std::size_t p = 0; p <= controllers.size();) {
+      std::size_t q = controllers.find(',', p);
+      if (q == std::string_view::npos) q = controllers.size();
+      if (controllers.substr(p, q - p) == "cpu") {
+        v1 = true;
+        v1_path = path;
+      }
+      p = q + 1;
+    }
+  }
+  // The tightest quota on the way from this process's cgroup up to the root: a parent's limit
+  // holds for its children.
+  double best = 0;
+  auto consider = [&](double cores) {
+    if (cores > 0 && (best == 0 || cores < best)) best = cores;
+  };
+  auto each_level = [](std::string path, const auto& fn) {
+    for (;;) {
+      fn(path);
+      if (path.empty() || path == "/") return;
+      const std::size_t slash = path.find_last_of('/');
+      path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+    }
+  };
+  try {
+    if (v1) {
+      for (const char* dir : {"/cpu", "/cpu,cpuacct", "/cpuacct,cpu"}) {
+        each_level(v1_path, [&](const std::string& level) {
+          const std::string base = root + dir + (level == "/" ? "" : level);
+          auto [q, unused1] = read(base + "/cpu.cfs_quota_us");
+          auto [p, unused2] = read(base + "/cpu.cfs_period_us");
+          if (!q.empty() && !p.empty() && std::stod(q) > 0 && std::stod(p) > 0) {
+            consider(std::stod(q) / std::stod(p));
+          }
+        });
+      }
+    }
+    if (v2 || !v1) {
+      each_level(v2 ? v2_path : std::string("/"), [&](const std::string& level) {
+        auto [quota, period] = read(root + (level == "/" ? "" : level) + "/cpu.max");
+        if (!quota.empty() && quota != "max" && !period.empty() && std::stod(period) > 0) {
+          consider(std::stod(quota) / std::stod(period));
+        }
+      });
     }
   } catch (...) {
   }
-  return 0;
+  return best > 0 ? static_cast<unsigned>(std::ceil(best)) : 0;
 }
+
+}  // namespace detail
+
+namespace {
+
+// The CPU quota of this process's cgroup and its parents, in whole cores rounded up; 0 when
+// there is none.
+unsigned cgroup_cpu_quota() noexcept {
+  std::ifstream in("/proc/self/cgroup");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return detail::cgroup_cpu_quota(text, "/sys/fs/cgroup");
+}
+
+}  // namespace
 
 unsigned available_cores() noexcept {
   unsigned n = 0;
