@@ -61,7 +61,7 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
     measure_ceiling();
   }
   LoadResult res;
-  progress.begin(std::string(pl.no_data ? "account for" : "load") + " this rank's partition of " +
+  progress.begin(std::string(pl.no_data ? "account for" : "load") + " this rank's reads of " +
                      format_bytes(cfg.checkpoint_bytes),
                  0);
   try {

@@ -122,6 +122,13 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
       static_cast<unsigned long long>(cfg.options.dp),
       cfg.options.round_robin ? " (round-robin)" : "", cfg.placement.device_spec.c_str());
   std::printf("layout: %s\n", rules_text(cfg.release).c_str());
+  // The read plan, the same on every rank (the first entry that has one says it).
+  for (const Json& e : entries) {
+    if (e.contains("read_plans") && e["read_plans"].contains("reason")) {
+      std::printf("read plan: %s\n", e["read_plans"]["reason"].get<std::string>().c_str());
+      break;
+    }
+  }
   if (!cfg.left_out.empty()) {
     std::printf("left out: %s\n", join(cfg.left_out).c_str());
   }
