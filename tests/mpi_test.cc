@@ -234,9 +234,17 @@ TEST(MpiRun, ARankThatNeverJoinsEndsTheOthersWithinTheTimeout) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_LT(seconds, 30.0);
     EXPECT_NE(r.err.find("exit1=2"), std::string::npos) << r.err;
-    EXPECT_NE(r.err.find("exit0=1"), std::string::npos) << r.err;
-    EXPECT_NE(r.err.find("exit2=1"), std::string::npos) << r.err;
-    EXPECT_NE(r.err.find("did not start within --timeout 2 s"), std::string::npos) << r.err;
+    // The others end by their own watchdog (exit 1, saying why), unless mpirun ends the job
+    // first because rank 1 left without joining (it may, when the others start slowly, as
+    // under the sanitizers): either way, nobody waits past the timeout.
+    const bool ended_by_mpirun = r.err.find("mpirun has exited") != std::string::npos;
+    for (const char* other : {"exit0=", "exit2="}) {
+      const std::size_t at = r.err.find(other);
+      if (at == std::string::npos && ended_by_mpirun) continue;
+      ASSERT_NE(at, std::string::npos) << r.err;
+      EXPECT_EQ(r.err.substr(at, 7), std::string(other) + "1") << r.err;
+      EXPECT_NE(r.err.find("did not start within --timeout 2 s"), std::string::npos) << r.err;
+    }
   }
 }
 
