@@ -6,31 +6,13 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#include <immintrin.h>
-#define ZEROFLAT_X86 1
-#else
-#define ZEROFLAT_X86 0
-#endif
+#include "common/cpu_features.h"
 
 namespace zeroflat::detail {
 namespace {
 
 #if ZEROFLAT_X86
-// F16C usable: the CPU has it (and AVX) and the OS saves the YMM state.
-bool detect_f16c() noexcept {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
-  const bool osxsave = (ecx & (1u << 27)) != 0;
-  if (!osxsave) return false;
-  unsigned lo = 0, hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  const bool ymm_state = (lo & 0x6u) == 0x6u;
-  const bool avx = ymm_state && (ecx & (1u << 28)) != 0;
-  return avx && (ecx & (1u << 29)) != 0;
-}
-const bool kF16c = detect_f16c();
+const bool kF16c = cpu_features().f16c;
 
 __attribute__((target("f16c,avx"))) void upcast_fp16_f16c(float* dst, const std::uint16_t* src,
                                                           std::uint64_t n) noexcept {

@@ -8,15 +8,8 @@
 #include <cstring>
 #include <string>
 
+#include "common/cpu_features.h"
 #include "zeroflat/error.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#include <immintrin.h>
-#define ZEROFLAT_X86 1
-#else
-#define ZEROFLAT_X86 0
-#endif
 
 namespace zeroflat::detail {
 namespace {
@@ -54,24 +47,7 @@ __attribute__((target("avx"))) void stream_copy_body_avx(unsigned char* dst,
   }
 }
 
-// AVX usable: the CPU has it and the OS saves the YMM state.
-struct CpuFeatures {
-  bool avx = false;
-};
-CpuFeatures detect_cpu() noexcept {
-  CpuFeatures f;
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return f;
-  const bool osxsave = (ecx & (1u << 27)) != 0;
-  if (!osxsave) return f;
-  unsigned lo = 0, hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  const bool ymm_state = (lo & 0x6u) == 0x6u;
-  f.avx = ymm_state && (ecx & (1u << 28)) != 0;
-  return f;
-}
-const CpuFeatures kCpu = detect_cpu();
-const bool kHaveAvx = kCpu.avx;
+const bool kHaveAvx = cpu_features().avx;
 
 void stream_zero_body(unsigned char* dst, std::size_t n) noexcept {
   const __m128i z = _mm_setzero_si128();
