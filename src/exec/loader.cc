@@ -54,6 +54,13 @@ std::uint64_t dst_bytes(const Read& r, std::uint64_t es) {
   return r.src_bytes / element_size(r.from) * es;
 }
 
+// A file shorter than its header says: cut since the headers were read.
+InvalidArgument truncated(const CheckpointIndex& ck, std::size_t file, std::uint64_t size) {
+  return InvalidArgument(ck.files[file] + " has " + std::to_string(size) +
+                         " bytes, but its header says " + std::to_string(ck.file_bytes[file]) +
+                         ": truncated since it was opened");
+}
+
 // The checkpoint's files, opened when first read and kept open a bounded number at a time, so
 // that a checkpoint of hundreds of shards loads under the default descriptor limit: a rank opens
 // only the files it reads, and at most kept() of them at once.
@@ -99,11 +106,7 @@ class OpenFiles {
       }
       throw;
     }
-    if (f->size() < ck_.file_bytes[i]) {
-      throw InvalidArgument(ck_.files[i] + " has " + std::to_string(f->size()) +
-                            " bytes, but its header says " + std::to_string(ck_.file_bytes[i]) +
-                            ": truncated since it was opened");
-    }
+    if (f->size() < ck_.file_bytes[i]) throw truncated(ck_, i, f->size());
     open_[i] = f;
     lru_.push_back(i);
     return f;
@@ -132,9 +135,7 @@ void check_files_present(const CheckpointIndex& ck) {
       throw InvalidArgument(ck.files[i] + " is not a regular file");
     }
     if (static_cast<std::uint64_t>(st.st_size) < ck.file_bytes[i]) {
-      throw InvalidArgument(ck.files[i] + " has " + std::to_string(st.st_size) +
-                            " bytes, but its header says " + std::to_string(ck.file_bytes[i]) +
-                            ": truncated since it was opened");
+      throw truncated(ck, i, static_cast<std::uint64_t>(st.st_size));
     }
   }
 }

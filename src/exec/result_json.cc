@@ -24,6 +24,17 @@ double gbps(std::uint64_t bytes, double seconds) {
   return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
 }
 
+// The fields both documents end with: the master partition, and what the probes saw.
+void add_master_and_probes(Json& j, const DeviceBuffer& master, double master_seconds,
+                           const std::string& master_error, const ProbeResult& probe,
+                           const ProbeResult& host_probe) {
+  j["master_bytes"] = master ? Json(master.num_bytes()) : Json();
+  if (master) j["master_seconds"] = master_seconds;
+  if (!master_error.empty()) j["master_error"] = master_error;
+  j["probe"] = parsed(probe_json(probe));
+  j["host_probe"] = parsed(probe_json(host_probe));
+}
+
 }  // namespace
 
 std::string flatten_result_json(const FlattenResult& r) {
@@ -52,11 +63,7 @@ std::string flatten_result_json(const FlattenResult& r) {
     j["value_check_seconds"] = r.value_check.seconds;
     j["value_check_bytes"] = r.value_check.bytes_hashed;
   }
-  j["master_bytes"] = r.master ? Json(r.master.num_bytes()) : Json();
-  if (r.master) j["master_seconds"] = r.master_seconds;
-  if (!r.master_error.empty()) j["master_error"] = r.master_error;
-  j["probe"] = parsed(probe_json(r.probe));
-  j["host_probe"] = parsed(probe_json(r.host_probe));
+  add_master_and_probes(j, r.master, r.master_seconds, r.master_error, r.probe, r.host_probe);
   j["plan"] = parsed(plan_json(r.plan, r.input));
   return dump(j);
 }
@@ -86,14 +93,12 @@ std::string load_result_json(const LoadResult& r) {
   j["host_bytes"] = r.measured_peak_host_bytes;
   j["copy_check_bytes"] = r.copy_check_bytes;
   j["copy_check_seconds"] = r.copy_check_seconds;
-  j["master_bytes"] = r.master ? Json(r.master.num_bytes()) : Json();
-  if (r.master) j["master_seconds"] = r.master_seconds;
-  if (!r.master_error.empty()) j["master_error"] = r.master_error;
-  j["probe"] = parsed(probe_json(r.probe));
-  j["host_probe"] = parsed(probe_json(r.host_probe));
+  add_master_and_probes(j, r.master, r.master_seconds, r.master_error, r.probe, r.host_probe);
   j["plan"] = parsed(candidate_json(r.plan, true));
   Json plans = Json::array();
-  for (const Candidate& c : r.read_plans.candidates) plans.push_back(parsed(candidate_json(c, false)));
+  for (const Candidate& c : r.read_plans.candidates) {
+    plans.push_back(parsed(candidate_json(c, false)));
+  }
   j["read_plans"] = {{"reason", r.read_plans.reason}, {"candidates", std::move(plans)}};
   return dump(j);
 }
