@@ -32,3 +32,4 @@
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 #include "zeroflat/tensor.h"
+#include "zeroflat/zero3.h"

@@ -4,28 +4,14 @@
 #include <algorithm>
 #include <string>
 
+#include "common/saturate.h"
 #include "zeroflat/error.h"
 
 namespace zeroflat {
 namespace {
 
-std::uint64_t checked_add(std::uint64_t a, std::uint64_t b, const char* what) {
-  std::uint64_t out = 0;
-  if (__builtin_add_overflow(a, b, &out)) {
-    throw InvalidArgument(std::string(what) + " overflows 64 bits (" + std::to_string(a) + " + " +
-                          std::to_string(b) + ")");
-  }
-  return out;
-}
-
-std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, const char* what) {
-  std::uint64_t out = 0;
-  if (__builtin_mul_overflow(a, b, &out)) {
-    throw InvalidArgument(std::string(what) + " overflows 64 bits (" + std::to_string(a) + " * " +
-                          std::to_string(b) + ")");
-  }
-  return out;
-}
+using detail::checked_add;
+using detail::checked_mul;
 
 // Smallest multiple of m that is >= x (m >= 1).
 std::uint64_t round_up(std::uint64_t x, std::uint64_t m, const char* what) {
