@@ -95,14 +95,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def write_checkpoint(path, layers, experts, vocab):
+QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128)
+
+
+def write_checkpoint(path, layers, experts, vocab, shape=QWEN3_30B_A3B, shard="200MB"):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=2048, intermediate_size=6144,
-                            moe_intermediate_size=768, num_hidden_layers=layers,
-                            num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                            num_experts=experts, num_experts_per_tok=min(8, experts),
-                            tie_word_embeddings=False, dtype="bfloat16")
+    config = Qwen3MoeConfig(vocab_size=vocab, num_hidden_layers=layers, num_experts=experts,
+                            num_experts_per_tok=min(8, experts), tie_word_embeddings=False,
+                            dtype="bfloat16", **shape)
     import zeroflat
 
     # Built without memory, then filled with deterministic values tensor by tensor.
@@ -115,7 +117,7 @@ def write_checkpoint(path, layers, experts, vocab):
                 continue
             t = torch.empty(p.shape, dtype=torch.float32).normal_(0, 0.02, generator=gen)
             module._parameters[name] = torch.nn.Parameter(t.to(torch.bfloat16))
-    model.save_pretrained(path, max_shard_size="200MB")
+    model.save_pretrained(path, max_shard_size=shard)
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
         return len(json.load(f)["weight_map"])
 
