@@ -26,6 +26,7 @@
 #include "zeroflat/error.h"
 #include "zeroflat/model.h"
 #include "zeroflat/pattern.h"
+#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {
@@ -46,8 +47,28 @@ std::vector<LoadParam> params_of(const CheckpointIndex& ck) {
   return out;
 }
 
-// What the buffer must hold: every tensor read whole from its file, converted on its own, at its
-// layout offset; zeros elsewhere.
+// Parameter p's values: its tensors read whole from their files with std::ifstream, each
+// converted on its own to `dtype`, concatenated.
+std::vector<unsigned char> values_of(const CheckpointIndex& ck, const LoadParam& p, DType dtype) {
+  const std::uint64_t es = element_size(dtype);
+  std::vector<unsigned char> out(shape_numel(p.shape) * es);
+  std::vector<std::string> names = p.sources;
+  if (names.empty()) names.push_back(p.name);
+  std::uint64_t at = 0;
+  for (const std::string& name : names) {
+    const CheckpointTensor& t = *ck.find(name);
+    std::vector<unsigned char> raw(t.bytes);
+    std::ifstream in(ck.files[t.file], std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(t.offset));
+    in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
+    EXPECT_TRUE(in) << t.name;
+    detail::convert_range(out.data() + at, dtype, raw.data(), *t.type, t.numel);
+    at += t.numel * es;
+  }
+  return out;
+}
+
+// What the buffer must hold: every parameter's values at its layout offset; zeros elsewhere.
 std::vector<unsigned char> expected_flat(const CheckpointIndex& ck,
                                          const std::vector<LoadParam>& params,
                                          const LayoutOptions& options) {
@@ -57,19 +78,8 @@ std::vector<unsigned char> expected_flat(const CheckpointIndex& ck,
   const std::uint64_t es = element_size(options.dtype);
   std::vector<unsigned char> flat(layout.flat_bytes(), 0);
   for (std::size_t i = 0; i < params.size(); ++i) {
-    std::vector<std::string> names = params[i].sources;
-    if (names.empty()) names.push_back(params[i].name);
-    std::uint64_t at = layout.offsets()[i] * es;
-    for (const std::string& name : names) {
-      const CheckpointTensor& t = *ck.find(name);
-      std::vector<unsigned char> raw(t.bytes);
-      std::ifstream in(ck.files[t.file], std::ios::binary);
-      in.seekg(static_cast<std::streamoff>(t.offset));
-      in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
-      EXPECT_TRUE(in) << t.name;
-      detail::convert_range(flat.data() + at, options.dtype, raw.data(), *t.type, t.numel);
-      at += t.numel * es;
-    }
+    const std::vector<unsigned char> v = values_of(ck, params[i], options.dtype);
+    std::memcpy(flat.data() + layout.offsets()[i] * es, v.data(), v.size());
   }
   return flat;
 }
@@ -479,13 +489,13 @@ TEST_F(LoaderTest, ReadPlansFillTheSameBufferAndAreChosenByTopology) {
 
 // Two ranks, each loading its own copy of the checkpoint (as on two nodes); the errors, or "".
 std::vector<std::string> load_two_copies(const std::string& a, const std::string& b,
-                                         CopyCheck copies) {
+                                         CopyCheck copies, bool partitions = false) {
   return errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
     const CheckpointIndex ck = open_checkpoint(r == 0 ? a : b);
     LoadOptions o;
     o.layout.dp = 2;
     o.copies = copies;
-    load_flat_group(ck, params_of(ck), dev, c, o);
+    (partitions ? load_partitions : load_flat_group)(ck, params_of(ck), dev, c, o);
   });
 }
 
@@ -549,26 +559,29 @@ TEST_F(LoaderTest, CopiesWhoseBytesDifferAreRefusedOnEveryRank) {
     f.seekp(at);
     f.write(&c, 1);
   }
-  for (const auto& [dir, check] : {std::pair{many, CopyCheck::kSampled},
-                                   std::pair{one, CopyCheck::kFull}}) {
-    SCOPED_TRACE(std::string(copy_check_name(check)));
-    const std::vector<std::string> e = load_two_copies(*bf16_dir_, dir, check);
-    for (int r = 0; r < 2; ++r) {
-      EXPECT_NE(e[r].find("hold different bytes"), std::string::npos) << e[r];
-      EXPECT_EQ(e[r].find("InvalidArgument"), std::string::npos) << e[r];
+  // ZeRO-3's partitions (no rank holds another's bytes) are checked as well.
+  for (bool partitions : {false, true}) {
+    for (const auto& [dir, check] : {std::pair{many, CopyCheck::kSampled},
+                                     std::pair{one, CopyCheck::kFull}}) {
+      SCOPED_TRACE(std::string(copy_check_name(check)) + (partitions ? " partitions" : ""));
+      const std::vector<std::string> e = load_two_copies(*bf16_dir_, dir, check, partitions);
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_NE(e[r].find("hold different bytes"), std::string::npos) << e[r];
+        EXPECT_EQ(e[r].find("InvalidArgument"), std::string::npos) << e[r];
+      }
+      // At least one rank names the tensor and the file.
+      EXPECT_TRUE(e[0].find("tensor '") != std::string::npos ||
+                  e[1].find("tensor '") != std::string::npos)
+          << e[0] << "\n" << e[1];
     }
-    // At least one rank names the tensor and the file.
-    EXPECT_TRUE(e[0].find("tensor '") != std::string::npos ||
-                e[1].find("tensor '") != std::string::npos)
-        << e[0] << "\n" << e[1];
-  }
-  // Identical copies pass every check.
-  for (CopyCheck check : {CopyCheck::kOff, CopyCheck::kSampled, CopyCheck::kFull}) {
-    const std::string same = copy_checkpoint(*bf16_dir_, "same");
-    const std::vector<std::string> e = load_two_copies(*bf16_dir_, same, check);
-    EXPECT_EQ(e[0], "");
-    EXPECT_EQ(e[1], "");
-    fs::remove_all(same);
+    // Identical copies pass every check.
+    for (CopyCheck check : {CopyCheck::kOff, CopyCheck::kSampled, CopyCheck::kFull}) {
+      const std::string same = copy_checkpoint(*bf16_dir_, "same");
+      const std::vector<std::string> e = load_two_copies(*bf16_dir_, same, check, partitions);
+      EXPECT_EQ(e[0], "");
+      EXPECT_EQ(e[1], "");
+      fs::remove_all(same);
+    }
   }
   fs::remove_all(many);
   fs::remove_all(one);
@@ -666,25 +679,36 @@ TEST(Loader, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
   for (const TensorSpec& t : m.tensors) params.push_back(LoadParam{t.name, t.shape, {}});
   std::uint64_t total = 0;
   for (const CheckpointTensor& t : ck.tensors) total += t.bytes;
-  std::vector<std::uint64_t> read(8, 0);
-  on_ranks(8, [&](int r, Communicator* comm) {
-    std::unique_ptr<Device> dev = make_device("sim:h100-80gb", DeviceOptions{1, true});
-    LoadOptions o;
-    o.layout.dp = 8;
-    o.probe.local_ranks = 8;
-    const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
-    ASSERT_TRUE(res.feasible()) << res.plan.why_not;
-    EXPECT_EQ(res.measured_peak_device_bytes, res.predicted_peak_device_bytes);
-    // The flat buffer alone on the device: no second copy, ever.
-    EXPECT_EQ(res.predicted_peak_device_bytes, res.group.layout.flat_bytes());
-    EXPECT_EQ(res.measured_peak_host_bytes, res.plan.profile.peak_host_bytes);
-    EXPECT_GT(res.plan.profile.peak_host_bytes, 0u);  // the staging ring
-    EXPECT_EQ(res.plan.profile.read_bytes, res.group.layout.partition_bytes());
-    read[r] = res.bytes_read;
-  });
-  std::uint64_t sum = 0;
-  for (std::uint64_t b : read) sum += b;
-  EXPECT_EQ(sum, total);
+  // The flat buffer on every rank, and ZeRO-3's partitions (each rank's own buffer).
+  for (bool partitions : {false, true}) {
+    SCOPED_TRACE(partitions ? "partitions" : "flat");
+    std::vector<std::uint64_t> read(8, 0);
+    on_ranks(8, [&](int r, Communicator* comm) {
+      std::unique_ptr<Device> dev = make_device("sim:h100-80gb", DeviceOptions{1, true});
+      LoadOptions o;
+      o.layout.dp = 8;
+      o.probe.local_ranks = 8;
+      const LoadResult res =
+          (partitions ? load_partitions : load_flat_group)(ck, params, *dev, comm, o);
+      ASSERT_TRUE(res.feasible()) << res.plan.why_not;
+      EXPECT_EQ(res.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+      // The buffer alone on the device: no second copy, ever.
+      EXPECT_EQ(res.predicted_peak_device_bytes, res.group.layout.flat_bytes());
+      EXPECT_EQ(res.measured_peak_host_bytes, res.plan.profile.peak_host_bytes);
+      EXPECT_GT(res.plan.profile.peak_host_bytes, 0u);  // the staging ring
+      EXPECT_EQ(res.plan.profile.read_bytes, res.group.layout.partition_bytes());
+      if (partitions) {
+        EXPECT_EQ(res.plan.tier, Tier::kLoadPartitions);
+        EXPECT_EQ(res.plan.profile.comm_bytes, 0u);
+        // Its partitions: about 1/8 of the model.
+        EXPECT_LT(res.group.layout.flat_bytes(), total / 8 + 8 * params.size());
+      }
+      read[r] = res.bytes_read;
+    });
+    std::uint64_t sum = 0;
+    for (std::uint64_t b : read) sum += b;
+    EXPECT_EQ(sum, total);
+  }
   EXPECT_GT(total, 60'000'000'000u);
 }
 
@@ -718,6 +742,149 @@ TEST_F(LoaderTest, TheCeilingReadsTheBytesAskedForAndVerifyCatchesACorruptByte) 
   EXPECT_NE(m.find(params[5].name), std::string::npos) << m;
   // A cached file reads as cached.
   EXPECT_GT(cached_fraction(ck.files.front(), 0, ck.file_bytes.front()), 0.5);
+}
+
+// ZeRO-3: what rank r's buffer must hold: elements [r * p, min((r + 1) * p, n)) of each
+// parameter's values, then zeros up to p, the parameters' partitions back to back.
+std::vector<unsigned char> expected_partitions(const CheckpointIndex& ck,
+                                               const std::vector<LoadParam>& params, DType dtype,
+                                               std::uint64_t world, std::uint64_t r) {
+  const std::uint64_t es = element_size(dtype);
+  std::vector<unsigned char> buffer;
+  for (const LoadParam& p : params) {
+    const std::uint64_t n = shape_numel(p.shape);
+    const std::uint64_t part = (n + world - 1) / world;
+    const std::vector<unsigned char> whole = values_of(ck, p, dtype);
+    std::vector<unsigned char> slice(part * es, 0);
+    for (std::uint64_t e = r * part; e < std::min((r + 1) * part, n); ++e) {
+      std::memcpy(slice.data() + (e - r * part) * es, whole.data() + e * es, es);
+    }
+    buffer.insert(buffer.end(), slice.begin(), slice.end());
+  }
+  return buffer;
+}
+
+TEST_F(LoaderTest, ZeRO3EveryRankReadsOnlyItsPartitionsIntoTheStage3Buffer) {
+  for (const std::string* dir : {bf16_dir_, fp32_dir_}) {
+    const CheckpointIndex ck = open_checkpoint(*dir);
+    std::vector<LoadParam> params = params_of(ck);
+    // A tied weight and a fused parameter, as the Python loader hands them.
+    params.push_back(LoadParam{"tied", ck.tensors[0].shape, {ck.tensors[0].name}});
+    params.push_back(LoadParam{"fused",
+                               {static_cast<std::int64_t>(ck.tensors[1].numel +
+                                                          ck.tensors[2].numel)},
+                               {ck.tensors[1].name, ck.tensors[2].name}});
+    std::uint64_t total = 0;
+    for (const LoadParam& p : params) {
+      std::vector<std::string> names = p.sources;
+      if (names.empty()) names.push_back(p.name);
+      for (const std::string& n : names) total += ck.find(n)->bytes;
+    }
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      for (int world = 1; world <= 3; ++world) {
+        for (bool ring : {false, true}) {
+          SCOPED_TRACE(*dir + " -> " + std::string(dtype_name(dtype)) + " world " +
+                       std::to_string(world) + (ring ? " ring" : ""));
+          LoadOptions o;
+          o.layout.dp = static_cast<std::uint64_t>(world);
+          o.layout.dtype = dtype;
+          o.through_ring = ring;
+          o.ring_chunk_bytes = 8192;
+          o.ring_depth = 2;
+          o.threads = 2;
+          o.master = true;
+          std::vector<std::uint64_t> read(world, 0);
+          on_ranks(world, [&](int r, Communicator* comm) {
+            const std::vector<unsigned char> want =
+                expected_partitions(ck, params, dtype, world, r);
+            std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+            const LoadResult res = load_partitions(ck, params, *dev, comm, o);
+            ASSERT_TRUE(res.feasible()) << res.plan.why_not;
+            EXPECT_EQ(res.plan.tier, Tier::kLoadPartitions);
+            for (const Step& s : res.plan.steps) EXPECT_NE(s.op, Op::kAllGather);
+            ASSERT_EQ(res.group.layout.flat_bytes(), want.size());
+            EXPECT_EQ(std::memcmp(res.group.flat.data(), want.data(), want.size()), 0);
+            EXPECT_EQ(verify_partitions(ck, params, *dev, res.group, world, r), "");
+            // The views are the partitions, at the Stage 3 offsets.
+            std::vector<std::uint64_t> numels;
+            for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
+            const Zero3Layout z = Zero3Layout::compute(
+                std::vector<std::vector<std::uint64_t>>{numels},
+                Zero3Options{static_cast<std::uint64_t>(world), kDefaultSubGroupSize, dtype});
+            for (std::size_t i = 0; i < params.size(); ++i) {
+              EXPECT_EQ(res.group.views[i].numel, z.partition_numels()[i]);
+              EXPECT_EQ(res.group.views[i].data,
+                        static_cast<const unsigned char*>(res.group.flat.data()) +
+                            z.offsets()[i] * element_size(dtype));
+            }
+            EXPECT_EQ(res.bytes_read, partitions_read_bytes(ck, params, world, r));
+            read[r] = res.bytes_read;
+            EXPECT_EQ(res.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+            EXPECT_EQ(res.measured_peak_host_bytes, res.plan.profile.peak_host_bytes);
+            EXPECT_EQ(res.master.num_bytes(), z.buffer_numel() * 4);
+          });
+          // Together the ranks read every source byte once.
+          std::uint64_t sum = 0;
+          for (std::uint64_t b : read) sum += b;
+          EXPECT_EQ(sum, total);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> good = params_of(ck);
+  std::vector<LoadParam> missing = good;
+  missing.push_back(LoadParam{"no.such.weight", {4}, {}});
+  // A tensor one rank lacks: InvalidArgument on every rank, the failing one naming it.
+  std::vector<std::string> e = errors_on_ranks(3, [&](int r, Communicator* c, Device& dev) {
+    LoadOptions o;
+    o.layout.dp = 3;
+    load_partitions(ck, r == 2 ? missing : good, dev, c, o);
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_NE(e[r].find("InvalidArgument"), std::string::npos) << e[r];
+  EXPECT_NE(e[2].find("no.such.weight"), std::string::npos) << e[2];
+  // Options no Stage 3 buffer has, and a read plan of the flat placement.
+  e = errors_on_ranks(2, [&](int, Communicator* c, Device& dev) {
+    LoadOptions o;
+    o.layout.dp = 2;
+    o.layout.round_robin = true;
+    load_partitions(ck, good, dev, c, o);
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_NE(e[r].find("round-robin"), std::string::npos) << e[r];
+  e = errors_on_ranks(2, [&](int, Communicator* c, Device& dev) {
+    LoadOptions o;
+    o.layout.dp = 2;
+    o.read_plan = Tier::kLoad;
+    load_partitions(ck, good, dev, c, o);
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_NE(e[r].find("load-partitions"), std::string::npos) << e[r];
+  // Ranks of which one loads partitions and one the flat buffer disagree before any read.
+  e = errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
+    LoadOptions o;
+    o.layout.dp = 2;
+    (r == 0 ? load_partitions : load_flat_group)(ck, good, dev, c, o);
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_NE(e[r].find("InvalidArgument"), std::string::npos) << e[r];
+  // A read that fails midway on rank 1: every rank fails, no buffer or ring is kept.
+  for (bool ring : {false, true}) {
+    e = errors_on_ranks(3, [&](int r, Communicator* c, Device& dev) {
+      LoadOptions o;
+      o.layout.dp = 3;
+      o.through_ring = ring;
+      o.ring_chunk_bytes = 16384;
+      if (r == 1) o.fail_after_bytes = 50'000;
+      load_partitions(ck, good, dev, c, o);
+    });
+    EXPECT_NE(e[1].find(".safetensors"), std::string::npos) << e[1];
+    EXPECT_NE(e[1].find("bytes ["), std::string::npos) << e[1];
+    for (int r : {0, 2}) {
+      EXPECT_NE(e[r].find("rank 1"), std::string::npos) << e[r];
+      EXPECT_EQ(e[r].find("InvalidArgument"), std::string::npos) << e[r];
+    }
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include "zeroflat/error.h"
 #include "zeroflat/model.h"
+#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {
@@ -267,6 +268,37 @@ TEST(Load, TheFlatBufferAloneOnTheDeviceTheRingOnTheHostTheReadsAPartition) {
   // A host device reads straight into the buffer: no ring.
   EXPECT_TRUE(plan_load(in, 0).feasible);
   EXPECT_THROW(tier_steps(Tier::kLoad, in.layout, 0), InvalidArgument);
+}
+
+TEST(Load, ZeRO3PartitionsAreReadIntoTheRanksOwnBufferWithNoAllGather) {
+  // The seed's 48 layers on 8 ranks of one node: each rank's buffer is its partitions (zero3.h).
+  const PlanInput flat = qwen_on("h100-80gb", 48, 8);
+  PlanInput in = flat;
+  in.layout = zero3_buffer_layout(flat.layout.numels(), flat.layout.options());
+  in.ranks = 8;
+  in.local_ranks = 8;
+  in.free_bytes = in.capacity_bytes;
+  in.original_bytes = 0;
+  const Plan p = plan_reads(in, kDefaultRingBytes, std::nullopt, kPartitionReadPlans);
+  ASSERT_EQ(p.candidates.size(), 1u);
+  ASSERT_EQ(p.chosen, Tier::kLoadPartitions);
+  EXPECT_NE(p.reason.find("1 node x 8 ranks"), std::string::npos) << p.reason;
+  const Candidate& c = p.candidates[0];
+  EXPECT_EQ(c.profile.peak_device_bytes, in.layout.flat_bytes());
+  EXPECT_EQ(c.profile.read_bytes, in.layout.flat_bytes());
+  EXPECT_EQ(c.profile.comm_bytes, 0u);
+  // About 1/8 of the flat buffer, never more than a rank's own rounding up per parameter.
+  EXPECT_LE(in.layout.flat_bytes(), flat.layout.flat_bytes() / 8 + 2 * in.layout.num_params());
+  // The node reads its 8 ranks' buffers from its storage: at least that over the read rate;
+  // from a shared storage, all 8 ranks' buffers over its bandwidth.
+  const double node = 8.0 * static_cast<double>(in.layout.flat_bytes());
+  EXPECT_GE(c.predicted_seconds, node / in.bandwidths.read);
+  in.bandwidths.storage = 1e9;
+  EXPECT_GE(plan_load(in, kDefaultRingBytes, Tier::kLoadPartitions).predicted_seconds, node / 1e9);
+  // The flat placement's read plans are not this placement's.
+  EXPECT_THROW(plan_reads(in, kDefaultRingBytes, Tier::kLoad, kPartitionReadPlans),
+               InvalidArgument);
+  EXPECT_EQ(load_steps(in.layout, 5, 0, Tier::kLoadPartitions).size(), 3u);  // any rank
 }
 
 // Sizes past 64 bits: a flat buffer of 2^64 - 2 bytes (alignment factor 2^63 - 1, bf16) is a

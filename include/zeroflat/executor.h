@@ -90,12 +90,14 @@ class StepReader {
 // Runs `steps` (a tier's list for this rank from tier_steps, load_steps or the plan) for
 // `params` on `device`. With a reader, the group's values come from it (kRead steps), params'
 // data pointers are null on entry (nothing of the group is on the device) and a rollback leaves
-// them null; without one, a kRead step is refused. `comm` joins the ranks of the group (null, or one of size 1, for a single rank; its
-// size must equal the layout's dp otherwise). On return, each params[i].data points at the
-// parameter's data (original storage or a view into the flat buffer, per the outcome); after a
-// release its pointer is null only if the outcome is kLost. Throws InvalidArgument for a bad
-// group or a step list that does not fit the layout, before any step runs; every other failure
-// is reported in the result, never thrown.
+// them null; without one, a kRead step is refused. `comm` joins the ranks of the group (null, or
+// one of size 1, for a single rank); its size must equal the layout's dp, except for a list
+// without an all-gather, whose layout may be this rank's own buffer (ZeRO-3's partitions: dp 1,
+// rank = comm's rank). On return, each params[i].data points at the parameter's data (original
+// storage or a view into the flat buffer, per the outcome); after a release its pointer is null
+// only if the outcome is kLost. Throws InvalidArgument for a bad group or a step list that does
+// not fit the layout, before any step runs; every other failure is reported in the result,
+// never thrown.
 Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t rank,
                   std::span<TensorRef> params, Device& device, Communicator* comm,
                   const ReleaseOriginals& release_originals, const ExecuteOptions& options = {},

@@ -101,7 +101,8 @@ struct LoadOptions {
   // The check of the ranks' copies after reading (see CopyCheck). Must match.
   CopyCheck copies = CopyCheck::kSampled;
   // The read plan (plan.h: Tier::kLoad, each rank its slice and an all-gather; kLoadWhole, each
-  // rank the whole buffer from its node's page cache); none: the faster by the cost model, from
+  // rank the whole buffer from its node's page cache; load_partitions: kLoadPartitions, its
+  // only one); none: the faster by the cost model, from
   // the nodes (the ranks over the local ranks of ProbeContext/runtime_env) and the bandwidths.
   // Must match.
   std::optional<Tier> read_plan;
@@ -155,6 +156,24 @@ struct LoadResult {
 LoadResult load_flat_group(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
                            Device& device, Communicator* comm, const LoadOptions& options);
 
+// ZeRO-3 (zero3.h): each rank reads only its own partition of every parameter, elements
+// [r * p, min((r + 1) * p, n)) of the parameter's sources concatenated (converted to the buffer's
+// dtype; the elements past n zero), into its buffer: the partitions back to back in the order of
+// params, as the Stage 3 optimizer's lp_param_buffer holds them (a caller with several optimizer
+// groups passes them in group order: the buffer has no padding between groups). No all-gather,
+// no rank reads another's bytes: the read plan is kLoadPartitions, on the same memory and cost
+// models; a failed read is an error on every rank with nothing kept, as for load_flat_group.
+// Collective over comm with the same rules and options as load_flat_group, except:
+// options.layout.dp is the world (the ranks of comm) and its dtype the buffer's; round_robin and
+// param_align_bytes are refused (InvalidArgument), alignment_factor is ignored; read_plan is none
+// or kLoadPartitions; the copies check compares, in the same windows of every buffer, each rank's
+// bytes with what the next rank's copy holds for them. The result's group.layout is the rank
+// buffer's (zero3_buffer_layout: dp 1, partition numels as its parameters), group.views the
+// partitions (1-D views, p_i elements each), bytes_read this rank's partitions' file bytes
+// (partitions_read_bytes), and master, when asked, the fp32 copy of the whole buffer.
+LoadResult load_partitions(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
+                           Device& device, Communicator* comm, const LoadOptions& options);
+
 // The read ceiling of the same files: `bytes` of the checkpoint's data (every file from its
 // first tensor on, in file order, as one sequence) from byte `skip` on (wrapping at the end;
 // ranks pass different skips so that they read different bytes), read sequentially by `threads`
@@ -180,12 +199,25 @@ ReadCeiling measure_read_ceiling(const CheckpointIndex& checkpoint, std::uint64_
 std::string verify_loaded(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
                           Device& device, const FlatGroup& group);
 
+// verify_loaded for load_partitions' buffer of rank `rank` of `world`: each parameter's
+// partition against the same elements of its tensors read whole and converted, the padding past
+// its data zero, each view at its offset. "" when all hold, else the first difference.
+std::string verify_partitions(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
+                              Device& device, const FlatGroup& group, std::uint64_t world,
+                              std::uint64_t rank);
+
 // The file bytes rank `rank` reads for its partition of `params` laid out with `layout`: what
 // load_flat_group reports as bytes_read, known before it runs. Throws InvalidArgument for a
 // parameter the checkpoint does not hold.
 std::uint64_t partition_read_bytes(const CheckpointIndex& checkpoint,
                                    std::span<const LoadParam> params, const LayoutOptions& layout,
                                    std::uint64_t rank);
+
+// The same for load_partitions: the file bytes of rank `rank`'s partitions of every parameter on
+// `world` ranks. Throws InvalidArgument as partition_read_bytes does.
+std::uint64_t partitions_read_bytes(const CheckpointIndex& checkpoint,
+                                    std::span<const LoadParam> params, std::uint64_t world,
+                                    std::uint64_t rank);
 
 // Tensor `name` of the checkpoint read whole into dst (host memory, t->numel elements of `to`):
 // converted to `to` as torch rounds, or, when to is none, its bytes as stored (any dtype, for a

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -23,12 +24,24 @@ namespace zeroflat {
 // reads its own slice and an all-gather completes the buffers (each node reads 1/nodes of the
 // checkpoint from storage); kLoadWhole, each rank reads the whole buffer, which its node's page
 // cache serves after the first reader (each node reads the whole checkpoint from storage once,
-// no all-gather).
-enum class Tier : std::uint8_t { kDevice, kSharded, kStaged, kHost, kLoad, kLoadWhole };
+// no all-gather). ZeRO-3's placement (each rank keeps only its own partition of every parameter,
+// zero3.h) has one read plan, kLoadPartitions: each rank reads only its partitions into its
+// buffer, no all-gather (each node reads local_ranks / ranks of the checkpoint from storage).
+enum class Tier : std::uint8_t {
+  kDevice,
+  kSharded,
+  kStaged,
+  kHost,
+  kLoad,
+  kLoadWhole,
+  kLoadPartitions
+};
 inline constexpr Tier kAllTiers[] = {Tier::kDevice, Tier::kSharded, Tier::kStaged, Tier::kHost};
 inline constexpr Tier kReadPlans[] = {Tier::kLoad, Tier::kLoadWhole};
+inline constexpr Tier kPartitionReadPlans[] = {Tier::kLoadPartitions};
 
-// "device", "sharded", "staged", "host"; the read plans "load" and "load-whole".
+// "device", "sharded", "staged", "host"; the read plans "load", "load-whole" and
+// "load-partitions".
 std::string_view tier_name(Tier tier) noexcept;
 std::optional<Tier> try_parse_tier(std::string_view text) noexcept;
 // "auto" (none: the planner chooses) or a tier's name. Throws InvalidArgument naming `what`
@@ -137,6 +150,9 @@ struct PlanInput {
   std::uint64_t rank = 0;             // whose slice the step lists name (they differ only there)
   bool integrated = false;            // device memory is host memory: staging frees nothing
   std::uint64_t local_ranks = 1;      // ranks of this node staging through its host at once
+  // The ranks sharing the group; 0: layout.options().dp. A layout of one rank's own buffer
+  // (ZeRO-3's partitions, Zero3Layout::buffer_layout) has dp 1 on each of them.
+  std::uint64_t ranks = 0;
   Bandwidths bandwidths;
   std::optional<Tier> forced;  // plan only this tier (the others are still reported)
 };
@@ -184,25 +200,28 @@ std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank
 
 // The loader's step list for a read plan (loader.h): allocate the flat buffer; where the host
 // cannot write the device, a ring of ring_bytes of pinned staging memory; read this rank's slice
-// of the layout (kLoad) or all of it (kLoadWhole) from the checkpoint; release the ring; for
-// kLoad, all-gather the slices in place; re-point.
+// of the layout (kLoad) or all of it (kLoadWhole, and kLoadPartitions, whose layout is the
+// rank's own buffer: rank is not checked against its dp) from the checkpoint; release the ring;
+// for kLoad, all-gather the slices in place; re-point.
 std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint64_t ring_bytes,
                              Tier plan = Tier::kLoad);
 
 // A read plan as a candidate: its step list on the memory model from what is resident now
 // (input.original_bytes is 0: nothing of the group is on the device yet), its traffic
 // (read_bytes, comm_bytes), its predicted time, and whether it fits in free - margin (device)
-// and host_free (the ring). The time model: the nodes are dp / local_ranks; each node's share
-// of the storage (bandwidths.storage, when shared) carries 1/nodes of the group under kLoad and
-// all of it under kLoadWhole; a rank reads at bandwidths.read, or from its node's page cache at
-// its share of host_copy; the all-gather runs at allgather_bus between nodes and as a memory
-// copy within one.
+// and host_free (the ring). The time model: the nodes are ranks / local_ranks; each node's
+// share of the storage (bandwidths.storage, when shared) carries 1/nodes of the group under
+// kLoad, all of it under kLoadWhole, and its ranks' own buffers under kLoadPartitions; a rank
+// reads at bandwidths.read, or from its node's page cache at its share of host_copy; the
+// all-gather runs at allgather_bus between nodes and as a memory copy within one.
 Candidate plan_load(const PlanInput& input, std::uint64_t ring_bytes, Tier plan = Tier::kLoad);
 
-// Both read plans, the fastest that fits chosen (or the forced one, if it fits). Throws
-// InvalidArgument for a forced tier that is not a read plan.
+// The read plans `plans` (kReadPlans for a flat buffer, kPartitionReadPlans for ZeRO-3's
+// partitions), the fastest that fits chosen (or the forced one, if it fits). Throws
+// InvalidArgument for a forced tier that is not one of them.
 Plan plan_reads(const PlanInput& input, std::uint64_t ring_bytes,
-                std::optional<Tier> forced = std::nullopt);
+                std::optional<Tier> forced = std::nullopt,
+                std::span<const Tier> plans = kReadPlans);
 // The loader's default ring: 4 chunks of 16 MiB (LoadOptions).
 inline constexpr std::uint64_t kDefaultRingBytes = std::uint64_t{64} << 20;
 

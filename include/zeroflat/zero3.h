@@ -132,4 +132,11 @@ class Zero3Layout {
   std::vector<Zero3SubGroup> sub_groups_;
 };
 
+// The rank buffer of one group whose parameters have these element counts, from the options a
+// flat layout takes (the loader's LoadOptions::layout: dp = the world, dtype): the partitions back
+// to back (Zero3Layout::buffer_layout), the same on every rank. alignment_factor is ignored
+// (ZeRO-3 pads each parameter to the world, never the group). Throws InvalidArgument for
+// round-robin or a parameter alignment, which no Stage 3 buffer has, and as compute() does.
+Layout zero3_buffer_layout(std::span<const std::uint64_t> numels, const LayoutOptions& options);
+
 }  // namespace zeroflat

@@ -11,6 +11,7 @@
 #include "zeroflat/flatten.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
+#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {
@@ -18,7 +19,7 @@ namespace {
 // Everything besides the group that must be the same on every rank, as text: the options, the
 // source's own account of itself, the caller's.
 std::string options_text(const FlattenOptions& o, const Device& device,
-                         const detail::GroupSource* source) {
+                         const detail::GroupSource* source, detail::Placement placement) {
   const LayoutOptions& l = o.layout;
   const std::string name = device.name();
   const std::optional<DevicePreset> hw = device.hardware();
@@ -33,6 +34,7 @@ std::string options_text(const FlattenOptions& o, const Device& device,
                   name.substr(0, name.find(':')) + (hw ? " (" + hw->name + ")" : "") +
                   (device.keeps_data() ? "" : " without data");
   t += std::string(", tier ") + (o.tier ? std::string(tier_name(*o.tier)) : "auto");
+  if (placement == detail::Placement::kPartitions) t += ", placement ZeRO-3 partitions";
   if (source == nullptr) {
     t += std::string(", value check ") + (o.check_values ? "on" : "off");
   } else {
@@ -142,7 +144,7 @@ namespace detail {
 FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communicator* comm,
                            const FlattenOptions& options, const ReleaseOriginals& release_originals,
                            GroupSource* source, Placement placement) {
-  (void)placement;  // one placement so far: its step lists are the tiers' and load_steps
+  const bool partitions = placement == Placement::kPartitions;
   FlattenResult res;
   Communicator* group = comm != nullptr && comm->size() > 1 ? comm : nullptr;
   const std::uint64_t ranks = group ? static_cast<std::uint64_t>(group->size()) : 1;
@@ -161,11 +163,18 @@ FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communic
                                      : std::string("there is no communicator (one rank)")) +
                               ": dp must be the number of ranks sharing the group");
       }
-      if (options.release) check_release_options(options.layout, *options.release);
-      if (source == nullptr) validate_group(params, device, options.layout);
       std::vector<std::uint64_t> numels(params.size());
       for (std::size_t i = 0; i < params.size(); ++i) numels[i] = params[i].numel;
-      layout = Layout::compute(numels, options.layout);
+      if (partitions) {
+        if (source == nullptr) {
+          throw InvalidArgument("ZeRO-3's partitions are read from a source (a checkpoint)");
+        }
+        layout = zero3_buffer_layout(numels, options.layout);
+      } else {
+        if (options.release) check_release_options(options.layout, *options.release);
+        if (source == nullptr) validate_group(params, device, options.layout);
+        layout = Layout::compute(numels, options.layout);
+      }
       if (context.local_ranks == 0) {
         context.local_ranks = runtime_env().local_ranks.value_or(static_cast<unsigned>(ranks));
       }
@@ -184,7 +193,7 @@ FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communic
 
   // --- agree: one all-reduce; an error anywhere is thrown everywhere ---------------------------
   AgreementInput& ai = here.facts;
-  ai.options = options_text(options, device, source);
+  ai.options = options_text(options, device, source, placement);
   ai.params = params;
   ai.names = options.names;
   ai.error = error;
@@ -195,8 +204,11 @@ FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communic
   // --- plan -------------------------------------------------------------------------------------
   res.input = plan_input(agreed, context, device, options, *layout, original_bytes, rank,
                          source != nullptr);
+  res.input.ranks = ranks;
   res.plan = source == nullptr ? plan_group(res.input)
-                                : plan_reads(res.input, source->ring_bytes(), options.tier);
+                               : plan_reads(res.input, source->ring_bytes(), options.tier,
+                                            partitions ? std::span<const Tier>(kPartitionReadPlans)
+                                                       : std::span<const Tier>(kReadPlans));
   const Candidate* chosen = res.plan.chosen_candidate();
   if (chosen == nullptr) return res;  // the same verdict on every rank: nothing moves
 
@@ -211,8 +223,16 @@ FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communic
   const std::uint64_t resident = std::max(device.memory_info().allocated_bytes, original_bytes);
   res.predicted_peak_device_bytes =
       simulate(chosen->steps, resident, original_bytes, layout->options().dp).peak_device_bytes;
-  res.execution = execute(chosen->steps, *layout, rank, params, device, group,
-                          source == nullptr ? release_originals : ReleaseOriginals{},
+  // The partitions' views are what the steps fill and re-point; the parameters stay whole.
+  std::vector<TensorRef> slices;
+  if (partitions) {
+    for (std::uint64_t p : layout->numels()) {
+      slices.push_back(TensorRef{nullptr, p, Shape{static_cast<std::int64_t>(p)},
+                                 options.layout.dtype, &device});
+    }
+  }
+  res.execution = execute(chosen->steps, *layout, rank, partitions ? slices : params, device,
+                          group, source == nullptr ? release_originals : ReleaseOriginals{},
                           options.execute, source);
   // A source's after-check runs on every rank whose execution completed; the executor's last
   // agreement made that every rank or none.
@@ -222,7 +242,8 @@ FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communic
   if (options.master && res.complete()) {
     const auto t0 = detail::Clock::now();
     try {
-      res.master = make_master_partition(device, res.execution.group, rank);
+      // A rank's own buffer (partitions) is its layout's one partition.
+      res.master = make_master_partition(device, res.execution.group, partitions ? 0 : rank);
       res.master_seconds = detail::seconds_since(t0);
     } catch (const OutOfMemory& e) {
       res.master_error = std::string("the fp32 master partition does not fit: ") + e.what();

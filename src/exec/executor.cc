@@ -2,6 +2,7 @@
 // rolls back or recovers forward on failure (see executor.h).
 #include "zeroflat/executor.h"
 
+#include <algorithm>
 #include <array>
 #include <exception>
 
@@ -364,13 +365,17 @@ Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uin
                   const ReleaseOriginals& release_originals, const ExecuteOptions& options,
                   StepReader* reader) {
   const std::uint64_t dp = layout.options().dp;
-  if (rank >= dp) {
+  // A list without an all-gather may fill a buffer of this rank's own (ZeRO-3's partitions,
+  // whose layout has dp 1 on every rank): the ranks still agree at its points, over comm.
+  bool gathers = false;
+  for (const Step& s : steps) gathers = gathers || s.op == Op::kAllGather;
+  const bool many = comm != nullptr && comm->size() > 1;
+  const std::uint64_t ranks = many ? static_cast<std::uint64_t>(comm->size()) : 1;
+  if (rank >= (gathers ? dp : std::max(dp, ranks))) {
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside the layout's dp " +
                           std::to_string(dp));
   }
-  if (comm != nullptr && comm->size() > 1 &&
-      (static_cast<std::uint64_t>(comm->size()) != dp ||
-       static_cast<std::uint64_t>(comm->rank()) != rank)) {
+  if (many && ((gathers && ranks != dp) || static_cast<std::uint64_t>(comm->rank()) != rank)) {
     throw InvalidArgument("the communicator has " + std::to_string(comm->size()) +
                           " ranks (this one " + std::to_string(comm->rank()) + ") but the layout " +
                           "is for dp " + std::to_string(dp) + ", rank " + std::to_string(rank));

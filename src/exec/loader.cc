@@ -33,6 +33,7 @@
 #include "zeroflat/error.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
+#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {
@@ -386,22 +387,39 @@ void for_pieces(const std::vector<const CheckpointTensor*>& src, std::uint64_t l
   }
 }
 
+using Sources = std::vector<std::vector<const CheckpointTensor*>>;
+
+// Where each parameter's elements in the layout start within the parameter: 0 for a flat
+// buffer, which holds parameters whole; for ZeRO-3's partitions (zero3.h), rank * p of each, or
+// its element count when the rank holds none of its data (only padding, never read).
+std::vector<std::uint64_t> partition_starts(std::span<const std::uint64_t> numels,
+                                            std::uint64_t world, std::uint64_t rank) {
+  std::vector<std::uint64_t> out;
+  out.reserve(numels.size());
+  for (std::uint64_t n : numels) {
+    out.push_back(zero3_data_numel(n, world, rank) == 0 ? n
+                                                         : rank * zero3_partition_numel(n, world));
+  }
+  return out;
+}
+
 // The file reads that fill layout bytes [lo, hi) (element-aligned), dst relative to lo, in file
 // order with neighbours merged: one pread where the bytes follow each other in the file and in
-// the buffer.
-std::vector<Read> reads_for(const Layout& layout,
-                            const std::vector<std::vector<const CheckpointTensor*>>& sources,
-                            std::uint64_t lo, std::uint64_t hi) {
+// the buffer. starts: partition_starts, or empty (parameters whole); the layout's elements past
+// a parameter's data are padding, not read.
+std::vector<Read> reads_for(const Layout& layout, const Sources& sources,
+                            std::span<const std::uint64_t> starts, std::uint64_t lo,
+                            std::uint64_t hi) {
   const std::uint64_t es = layout.element_size();
   std::vector<Read> reads;
   for (const Fragment& f : layout.fragments_in(lo / es, hi / es)) {
-    for_pieces(sources[f.param], f.param_offset, f.numel,
-               [&](const CheckpointTensor& t, std::uint64_t first, std::uint64_t n,
+    const std::uint64_t first = f.param_offset + (starts.empty() ? 0 : starts[f.param]);
+    for_pieces(sources[f.param], first, f.numel,
+               [&](const CheckpointTensor& t, std::uint64_t tensor_first, std::uint64_t n,
                    std::uint64_t param_first) {
                  const std::uint64_t fes = element_size(*t.type);
-                 reads.push_back(Read{t.file, t.offset + first * fes, n * fes,
-                                      (f.partition_offset + param_first - f.param_offset) * es,
-                                      *t.type});
+                 reads.push_back(Read{t.file, t.offset + tensor_first * fes, n * fes,
+                                      (f.partition_offset + param_first - first) * es, *t.type});
                });
   }
   std::sort(reads.begin(), reads.end(), [](const Read& a, const Read& b) {
@@ -454,9 +472,17 @@ std::string describe_entry(const CheckpointIndex& ck, std::size_t k) {
 // The checkpoint as the pipeline's source.
 class CheckpointSource final : public detail::GroupSource {
  public:
+  // placement kPartitions: the layout is ZeRO-3's rank buffer, and this source reads rank
+  // `rank`'s partitions into it.
   CheckpointSource(const CheckpointIndex& ck, Device& device, const LoadOptions& options,
-                   std::uint64_t ring_bytes)
-      : ck_(ck), device_(device), options_(options), ring_bytes_(ring_bytes), files_(ck) {}
+                   std::uint64_t ring_bytes, detail::Placement placement, std::uint64_t rank)
+      : ck_(ck),
+        device_(device),
+        options_(options),
+        ring_bytes_(ring_bytes),
+        partitions_(placement == detail::Placement::kPartitions),
+        rank_(rank),
+        files_(ck) {}
 
   // This rank's own checks, before the ranks agree: every parameter's tensors, the files.
   // Throws InvalidArgument.
@@ -477,7 +503,13 @@ class CheckpointSource final : public detail::GroupSource {
                             " (the checkpoint holds " + std::to_string(ck_.tensors.size()) +
                             " tensors)");
     }
-    layout_ = Layout::compute(numels, options_.layout);
+    numels_ = numels;
+    if (partitions_) {
+      layout_ = zero3_buffer_layout(numels, options_.layout);
+      starts_ = partition_starts(numels, options_.layout.dp, rank_);
+    } else {
+      layout_ = Layout::compute(numels, options_.layout);
+    }
     if (device_.keeps_data()) {
       check_files_present(ck_);
       // Before the ranks agree, so that every rank's drop precedes every rank's reads.
@@ -533,8 +565,9 @@ class CheckpointSource final : public detail::GroupSource {
   void read(void* dst, std::uint64_t flat_offset, std::uint64_t bytes, void* stage,
             std::uint64_t stage_bytes) override {
     const std::uint64_t es = layout_->element_size();
-    const std::vector<Read> reads = reads_for(*layout_, sources_, flat_offset, flat_offset + bytes);
-    whole_ = flat_offset == 0 && bytes == layout_->flat_bytes();
+    const std::vector<Read> reads =
+        reads_for(*layout_, sources_, starts_, flat_offset, flat_offset + bytes);
+    whole_ = !partitions_ && flat_offset == 0 && bytes == layout_->flat_bytes();
     reads_ = reads.size();
     bytes_read_ = 0;
     for (const Read& r : reads) bytes_read_ += r.src_bytes;
@@ -565,6 +598,10 @@ class CheckpointSource final : public detail::GroupSource {
       compare_digests(group, comm);
       return;
     }
+    if (partitions_) {
+      compare_partitions(group, comm);
+      return;
+    }
     const auto t0 = Clock::now();
     const auto rank = static_cast<std::uint64_t>(comm->rank());
     const std::uint64_t sb = layout_->partition_bytes();
@@ -579,16 +616,11 @@ class CheckpointSource final : public detail::GroupSource {
       for (const auto& [lo, hi] : ranges) {
         const std::uint64_t n = hi - lo;
         mine.resize(n);
-        reader.fill(mine.data(), n, reads_for(*layout_, sources_, lo, hi));
+        const std::vector<Read> reads = reads_for(*layout_, sources_, starts_, lo, hi);
+        reader.fill(mine.data(), n, reads);
         reader.rethrow();
-        for (const Read& r : reads_for(*layout_, sources_, lo, hi)) copy_check_bytes_ += r.src_bytes;
-        const auto* flat = static_cast<const unsigned char*>(group.flat.data()) + lo;
-        if (!device_.host_accessible()) {
-          held.resize(n);
-          device_.copy(held.data(), flat, n);  // NOLINT: host staging of device bytes
-          device_.synchronize();
-          flat = held.data();
-        }
+        for (const Read& r : reads) copy_check_bytes_ += r.src_bytes;
+        const unsigned char* flat = on_host(group, lo, hi, held);
         if (std::memcmp(mine.data(), flat, n) != 0) {
           std::uint64_t k = 0;
           while (mine[k] == flat[k]) ++k;
@@ -728,14 +760,7 @@ class CheckpointSource final : public detail::GroupSource {
     std::vector<unsigned char> held;
     for (std::size_t k = 0; k < ranges.size(); ++k) {
       const auto [lo, hi] = ranges[k];
-      const auto* p = static_cast<const unsigned char*>(group.flat.data()) + lo;
-      if (!device_.host_accessible()) {
-        held.resize(hi - lo);
-        device_.copy(held.data(), p, hi - lo);
-        device_.synchronize();
-        p = held.data();
-      }
-      const std::uint64_t d = checksum_serial(p, hi - lo);
+      const std::uint64_t d = checksum_serial(on_host(group, lo, hi, held), hi - lo);
       copy_check_bytes_ += hi - lo;
       v[2 * k] = d;
       v[2 * k + 1] = ~d;
@@ -751,6 +776,79 @@ class CheckpointSource final : public detail::GroupSource {
                     "; every rank must read an identical copy (nothing was kept)");
       }
     }
+  }
+
+  // ZeRO-3's partitions: no rank holds another's bytes, so each rank reads from its own copy
+  // what the next rank's buffer must hold in the windows of check_ranges (the same on every
+  // rank: each buffer has the same layout), and the ranks compare, in one all-reduce, each
+  // rank's digests of its buffer with its neighbour's of its copy. A rank whose check itself
+  // fails says so in the same all-reduce.
+  void compare_partitions(const FlatGroup& group, Communicator* comm) {
+    const auto t0 = Clock::now();
+    const auto world = static_cast<std::uint64_t>(comm->size());
+    const auto rank = static_cast<std::uint64_t>(comm->rank());
+    const std::uint64_t peer = (rank + 1) % world;
+    const std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges =
+        check_ranges(std::nullopt, 0);
+    const std::uint64_t k_all = ranges.size();
+    // [own digests of every rank][check digests of every rank][failed rank + 1], as (d, ~d).
+    std::vector<std::uint64_t> v(4 * world * k_all + 2, 0);
+    auto put = [&](std::uint64_t at, std::uint64_t d) {
+      v[2 * at] = d;
+      v[2 * at + 1] = ~d;
+    };
+    std::string failure;
+    try {
+      const std::vector<std::uint64_t> peer_starts = partition_starts(numels_, world, peer);
+      Reader reader(ck_, files_, layout_->options().dtype, threads_, std::nullopt);
+      std::vector<unsigned char> mine;
+      std::vector<unsigned char> held;
+      for (std::uint64_t k = 0; k < k_all; ++k) {
+        const auto [lo, hi] = ranges[k];
+        put(rank * k_all + k, checksum_serial(on_host(group, lo, hi, held), hi - lo));
+        mine.resize(hi - lo);
+        const std::vector<Read> reads = reads_for(*layout_, sources_, peer_starts, lo, hi);
+        reader.fill(mine.data(), hi - lo, reads);
+        reader.rethrow();
+        for (const Read& r : reads) copy_check_bytes_ += r.src_bytes;
+        put(world * k_all + peer * k_all + k, checksum_serial(mine.data(), hi - lo));
+      }
+    } catch (const std::exception& e) {
+      failure = e.what();
+      put(2 * world * k_all, rank + 1);
+    }
+    comm->all_reduce_max(v);
+    copy_check_seconds_ = seconds_since(t0);
+    if (v[4 * world * k_all] != 0) {
+      const std::uint64_t bad = v[4 * world * k_all] - 1;
+      throw Error("the check of the ranks' copies of " + ck_.path + " failed on rank " +
+                  std::to_string(bad) + (failure.empty() ? "" : ": " + failure) +
+                  " (nothing was kept)");
+    }
+    for (std::uint64_t q = 0; q < world; ++q) {
+      for (std::uint64_t k = 0; k < k_all; ++k) {
+        if (v[2 * (q * k_all + k)] != v[2 * (world * k_all + q * k_all + k)]) {
+          throw Error("the ranks' copies of " + ck_.path + " hold different bytes: rank " +
+                      std::to_string(q) + "'s partitions differ from what rank " +
+                      std::to_string((q + world - 1) % world) + "'s copy holds for them in " +
+                      "buffer bytes [" + std::to_string(ranges[k].first) + ", " +
+                      std::to_string(ranges[k].second) + "), " + where(ranges[k].first, q) +
+                      "; every rank must read an identical copy (nothing was kept)");
+        }
+      }
+    }
+  }
+
+  // Bytes [lo, hi) of the group's buffer where the host can read them: in place, or copied into
+  // `held` from a device the host cannot read.
+  const unsigned char* on_host(const FlatGroup& group, std::uint64_t lo, std::uint64_t hi,
+                               std::vector<unsigned char>& held) {
+    const auto* p = static_cast<const unsigned char*>(group.flat.data()) + lo;
+    if (device_.host_accessible()) return p;
+    held.resize(hi - lo);
+    device_.copy(held.data(), p, hi - lo);  // NOLINT: host staging of device bytes
+    device_.synchronize();
+    return held.data();
   }
 
   // Layout byte b, which the owner `rank` read, for a message: the parameter, tensor, file and
@@ -773,6 +871,10 @@ class CheckpointSource final : public detail::GroupSource {
     if (i == 0) return text;
     const std::size_t p = i - 1;
     std::uint64_t at = e - offs[p];
+    if (partitions_) {
+      at += partition_starts(std::span<const std::uint64_t>(numels_).subspan(p, 1),
+                             options_.layout.dp, owner)[0];
+    }
     for (const CheckpointTensor* t : sources_[p]) {
       if (at < t->numel) {
         const std::uint64_t fb = t->offset + at * element_size(*t->type);
@@ -788,8 +890,12 @@ class CheckpointSource final : public detail::GroupSource {
   Device& device_;
   const LoadOptions& options_;
   std::uint64_t ring_bytes_;
+  bool partitions_;
+  std::uint64_t rank_;
   OpenFiles files_;
-  std::vector<std::vector<const CheckpointTensor*>> sources_;
+  Sources sources_;
+  std::vector<std::uint64_t> starts_;  // partition_starts of this rank (ZeRO-3), else empty
+  std::vector<std::uint64_t> numels_;  // the parameters' elements
   std::optional<Layout> layout_;
   unsigned threads_ = 1;
   std::uint64_t bytes_read_ = 0;
@@ -823,10 +929,13 @@ CopyCheck parse_copy_check(std::string_view text, std::string_view what) {
                         "': expected off, sampled or full");
 }
 
-std::uint64_t partition_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                                   const LayoutOptions& options, std::uint64_t rank) {
-  std::vector<std::uint64_t> numels;
-  std::vector<std::vector<const CheckpointTensor*>> sources;
+namespace {
+
+// Every parameter's source tensors, and its element count. Throws InvalidArgument naming the
+// first tensor the checkpoint lacks.
+Sources resolve_all(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                    std::vector<std::uint64_t>& numels) {
+  Sources sources;
   std::vector<std::string> missing;
   for (const LoadParam& p : params) {
     sources.push_back(resolve(ck, p, missing));
@@ -835,19 +944,41 @@ std::uint64_t partition_read_bytes(const CheckpointIndex& ck, std::span<const Lo
   if (!missing.empty()) {
     throw InvalidArgument(ck.path + " has no tensor named '" + missing.front() + "'");
   }
+  return sources;
+}
+
+std::uint64_t source_bytes(const std::vector<Read>& reads) {
+  std::uint64_t bytes = 0;
+  for (const Read& r : reads) bytes += r.src_bytes;
+  return bytes;
+}
+
+}  // namespace
+
+std::uint64_t partition_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                                   const LayoutOptions& options, std::uint64_t rank) {
+  std::vector<std::uint64_t> numels;
+  const Sources sources = resolve_all(ck, params, numels);
   const Layout layout = Layout::compute(numels, options);
   if (rank >= options.dp) {
     throw InvalidArgument("rank " + std::to_string(rank) + " of dp " + std::to_string(options.dp));
   }
-  std::uint64_t bytes = 0;
-  for (const Fragment& f : layout.fragments_in(rank * layout.partition_numel(),
-                                               (rank + 1) * layout.partition_numel())) {
-    for_pieces(sources[f.param], f.param_offset, f.numel,
-               [&](const CheckpointTensor& t, std::uint64_t, std::uint64_t n, std::uint64_t) {
-                 bytes += n * element_size(*t.type);
-               });
+  const std::uint64_t sb = layout.partition_bytes();
+  return source_bytes(reads_for(layout, sources, {}, rank * sb, (rank + 1) * sb));
+}
+
+std::uint64_t partitions_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                                    std::uint64_t world, std::uint64_t rank) {
+  std::vector<std::uint64_t> numels;
+  const Sources sources = resolve_all(ck, params, numels);
+  LayoutOptions o;
+  o.dp = world;
+  const Layout layout = zero3_buffer_layout(numels, o);
+  if (rank >= world) {
+    throw InvalidArgument("rank " + std::to_string(rank) + " of world " + std::to_string(world));
   }
-  return bytes;
+  return source_bytes(
+      reads_for(layout, sources, partition_starts(numels, world, rank), 0, layout.flat_bytes()));
 }
 
 void read_checkpoint_tensor(const CheckpointIndex& ck, const std::string& name,
@@ -878,8 +1009,12 @@ double cached_fraction(const std::string& file, std::uint64_t offset, std::uint6
   return resident_fraction(file, offset, length);
 }
 
-LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                           Device& device, Communicator* comm, const LoadOptions& options) {
+namespace {
+
+// Both front doors: the checkpoint as the pipeline's source, for either placement.
+LoadResult load_group(const CheckpointIndex& ck, std::span<const LoadParam> params, Device& device,
+                      Communicator* comm, const LoadOptions& options,
+                      detail::Placement placement) {
   const auto t_start = Clock::now();
   LoadResult res;
   const bool ring_path = options.through_ring || !device.host_accessible();
@@ -904,7 +1039,9 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
   }
 
   // --- this rank's own checks of the checkpoint, carried into the agreement ---------------------
-  CheckpointSource source(ck, device, options, ring_bytes);
+  const std::uint64_t rank =
+      comm != nullptr && comm->size() > 1 ? static_cast<std::uint64_t>(comm->rank()) : 0;
+  CheckpointSource source(ck, device, options, ring_bytes, placement, rank);
   std::string error = options.local_error;
   if (error.empty()) {
     try {
@@ -932,7 +1069,7 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
   fo.probe = options.probe;
   fo.names = std::move(names);
   fo.local_error = std::move(error);
-  FlattenResult run = detail::run_pipeline(refs, device, comm, fo, {}, &source);
+  FlattenResult run = detail::run_pipeline(refs, device, comm, fo, {}, &source, placement);
 
   res.probe = std::move(run.probe);
   res.host_probe = std::move(run.host_probe);
@@ -972,6 +1109,18 @@ LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam>
   res.master_error = std::move(run.master_error);
   res.seconds = seconds_since(t_start);
   return res;
+}
+
+}  // namespace
+
+LoadResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                           Device& device, Communicator* comm, const LoadOptions& options) {
+  return load_group(ck, params, device, comm, options, detail::Placement::kFlatPartitioned);
+}
+
+LoadResult load_partitions(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                           Device& device, Communicator* comm, const LoadOptions& options) {
+  return load_group(ck, params, device, comm, options, detail::Placement::kPartitions);
 }
 
 ReadCeiling measure_read_ceiling(const CheckpointIndex& ck, std::uint64_t skip, std::uint64_t bytes,
@@ -1047,8 +1196,14 @@ ReadCeiling measure_read_ceiling(const CheckpointIndex& ck, std::uint64_t skip, 
   return out;
 }
 
-std::string verify_loaded(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                          Device& device, const FlatGroup& group) {
+namespace {
+
+// verify_loaded and verify_partitions: parameter i's elements [starts[i], +its layout numel) of
+// its tensors read whole (starts empty: all of them, from 0), the layout's elements past its
+// data zero, every byte no parameter covers zero, every view at its layout offset.
+std::string verify_buffer(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                          Device& device, const FlatGroup& group,
+                          std::span<const std::uint64_t> starts) {
   const Layout& layout = group.layout;
   const DType dtype = layout.options().dtype;
   const std::uint64_t es = element_size(dtype);
@@ -1074,14 +1229,19 @@ std::string verify_loaded(const CheckpointIndex& ck, std::span<const LoadParam> 
     device.synchronize();
     return static_cast<const unsigned char*>(stage);
   };
+  // The bytes of each parameter's data: [offset, offset + data) of the layout, in elements.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
   std::vector<unsigned char> whole, want;
   for (std::size_t i = 0; i < params.size(); ++i) {
     const LoadParam& p = params[i];
     std::vector<std::string> missing;
     const std::vector<const CheckpointTensor*> src = resolve(ck, p, missing);
     if (!missing.empty()) return "no tensor '" + missing.front() + "'";
+    const std::uint64_t n = shape_numel(p.shape);
+    const std::uint64_t first = starts.empty() ? 0 : std::min(starts[i], n);
+    const std::uint64_t data = std::min(layout.numels()[i], n - first);
     // The tensors read whole, on their own, and converted on their own.
-    want.assign(shape_numel(p.shape) * es, 0);
+    want.assign(n * es, 0);
     std::uint64_t filled = 0;
     for (const CheckpointTensor* t : src) {
       whole.resize(t->bytes);
@@ -1092,42 +1252,65 @@ std::string verify_loaded(const CheckpointIndex& ck, std::span<const LoadParam> 
     const std::string name = src.empty() ? p.name : src.front()->name;
     const std::string file = src.empty() ? std::string("?") : files.path(src.front()->file);
     const std::uint64_t at = layout.offsets()[i] * es;
-    for (std::uint64_t done = 0; done < want.size();) {
-      const std::uint64_t n = std::min(kPiece, want.size() - done);
-      const unsigned char* got = held(at + done, n);
-      if (std::memcmp(got, want.data() + done, n) != 0) {
+    for (std::uint64_t done = 0; done < data * es;) {
+      const std::uint64_t m = std::min(kPiece, data * es - done);
+      const unsigned char* got = held(at + done, m);
+      const unsigned char* expected = want.data() + first * es + done;
+      if (std::memcmp(got, expected, m) != 0) {
         std::uint64_t k = 0;
-        while (got[k] == want[done + k]) ++k;
+        while (got[k] == expected[k]) ++k;
         return "parameter '" + printable(p.name) + "' differs from tensor '" + printable(name) +
-               "' of " + file + (src.size() > 1 ? " (or a tensor after it)" : "") + " at element " +
-               std::to_string((done + k) / es);
+               "' of " + file + (src.size() > 1 ? " (or a tensor after it)" : "") +
+               " at element " + std::to_string(first + (done + k) / es);
       }
-      done += n;
+      done += m;
     }
     if (group.views[i].data != static_cast<const unsigned char*>(group.flat.data()) + at) {
       return "parameter '" + printable(p.name) + "' is not a view at its layout offset";
     }
+    spans.emplace_back(at, at + data * es);
   }
-  // Padding: every byte no parameter covers is zero.
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    spans.emplace_back(layout.offsets()[i] * es, (layout.offsets()[i] + layout.numels()[i]) * es);
-  }
+  // Padding: every byte no parameter's data covers is zero.
   std::sort(spans.begin(), spans.end());
   std::uint64_t gap = 0;
   spans.emplace_back(layout.flat_bytes(), layout.flat_bytes());
   for (const auto& [lo, hi] : spans) {
     for (std::uint64_t b = gap; b < lo;) {
-      const std::uint64_t n = std::min(kPiece, lo - b);
-      const unsigned char* got = held(b, n);
-      for (std::uint64_t k = 0; k < n; ++k) {
+      const std::uint64_t m = std::min(kPiece, lo - b);
+      const unsigned char* got = held(b, m);
+      for (std::uint64_t k = 0; k < m; ++k) {
         if (got[k] != 0) return "padding byte " + std::to_string(b + k) + " is not zero";
       }
-      b += n;
+      b += m;
     }
     gap = std::max(gap, hi);
   }
   return "";
+}
+
+}  // namespace
+
+std::string verify_loaded(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                          Device& device, const FlatGroup& group) {
+  return verify_buffer(ck, params, device, group, {});
+}
+
+std::string verify_partitions(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                              Device& device, const FlatGroup& group, std::uint64_t world,
+                              std::uint64_t rank) {
+  std::vector<std::uint64_t> numels;
+  for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
+  LayoutOptions o;
+  o.dp = world;
+  o.dtype = group.layout.options().dtype;
+  if (rank >= world) {
+    return "rank " + std::to_string(rank) + " is outside the world of " + std::to_string(world);
+  }
+  if (group.layout.numels() != zero3_buffer_layout(numels, o).numels()) {
+    return "the group is not the ZeRO-3 buffer of these " + std::to_string(params.size()) +
+           " parameters on " + std::to_string(world) + " ranks";
+  }
+  return verify_buffer(ck, params, device, group, partition_starts(numels, world, rank));
 }
 
 }  // namespace zeroflat

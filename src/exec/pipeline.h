@@ -21,6 +21,12 @@ enum class Placement : std::uint8_t {
   // optimizer keeps rank r's partition [r * S, (r + 1) * S) (the tiers, and the loader's read of
   // its own slice plus an all-gather).
   kFlatPartitioned,
+  // ZeRO-3: each rank holds only its own partition of every parameter (zero3.h), the partitions
+  // back to back in the group's order as the Stage 3 optimizer's buffer; the layout the steps run
+  // on is that buffer's (Zero3Layout::buffer_layout, dp 1 on every rank) while the ranks still
+  // agree over comm; the step list is the source's kLoadPartitions (no all-gather). Only from a
+  // source: a group's own storage is whole parameters, not partitions.
+  kPartitions,
 };
 
 // A source other than the parameters' own storage on the device (the checkpoint loader's files).
@@ -43,6 +49,9 @@ class GroupSource : public StepReader {
 // (engine.h). With a source, params' data pointers are null (nothing of the group is on the
 // device), the options' tier, check_values and release_originals do not apply, and the plan is
 // the source's step list; options.local_error carries the caller's own checks of the source.
+// With kPartitions, params are the whole parameters (compared over the ranks as such) and stay
+// untouched; the result's group holds the partitions' views (1-D, partition numel each), and the
+// master is the fp32 copy of the whole rank buffer.
 FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communicator* comm,
                            const FlattenOptions& options, const ReleaseOriginals& release_originals,
                            GroupSource* source, Placement placement = Placement::kFlatPartitioned);

@@ -106,4 +106,18 @@ Layout Zero3Layout::buffer_layout() const {
   return Layout::compute(partition_, o);
 }
 
+Layout zero3_buffer_layout(std::span<const std::uint64_t> numels, const LayoutOptions& options) {
+  if (options.round_robin) {
+    throw InvalidArgument("round-robin order: ZeRO-3 keeps every parameter's partition in group "
+                          "order (round_robin_gradients is a ZeRO-1/2 option)");
+  }
+  if (options.param_align_bytes != 0) {
+    throw InvalidArgument("a parameter alignment of " + std::to_string(options.param_align_bytes) +
+                          " bytes: the Stage 3 buffer packs the partitions back to back");
+  }
+  const std::vector<std::vector<std::uint64_t>> group = {{numels.begin(), numels.end()}};
+  return Zero3Layout::compute(group, Zero3Options{options.dp, kDefaultSubGroupSize, options.dtype})
+      .buffer_layout();
+}
+
 }  // namespace zeroflat

@@ -40,8 +40,14 @@ double predicted_seconds(const Candidate& c, const Bandwidths& bw, std::uint64_t
   return t;
 }
 
+// The ranks sharing the group planned by `in` (a layout of one rank's own buffer has dp 1).
+std::uint64_t group_ranks(const PlanInput& in) {
+  return std::max<std::uint64_t>(in.ranks > 0 ? in.ranks : in.layout.options().dp, 1);
+}
+
 // A read plan's time (plan_load). Three resources: the storage (each node reads its share of
-// the checkpoint from it once: 1/nodes of the group under kLoad, all of it under kLoadWhole; at
+// the checkpoint from it once: 1/nodes of the group under kLoad, all of it under kLoadWhole,
+// its ranks' own partitions under kLoadPartitions; at
 // `read` from a node's own storage, or its share of `storage` when the nodes share one), each
 // rank's memory copies (a read served by the node's page cache is a copy, and so is an
 // all-gather among the ranks of one node, through the host: a rank writes its slice and copies
@@ -50,10 +56,11 @@ double predicted_seconds(const Candidate& c, const Bandwidths& bw, std::uint64_t
 // cache wait for the storage to fill it, and a cold read is both.
 double load_seconds(const Candidate& c, const PlanInput& in, Tier plan) {
   const Bandwidths& bw = in.bandwidths;
-  const std::uint64_t dp = std::max<std::uint64_t>(in.layout.options().dp, 1);
+  const std::uint64_t dp = group_ranks(in);
   const std::uint64_t local = std::min(std::max<std::uint64_t>(in.local_ranks, 1), dp);
   const double nodes = static_cast<double>((dp + local - 1) / local);
-  const double flat = static_cast<double>(in.layout.flat_bytes());
+  const double flat = static_cast<double>(in.layout.flat_bytes());  // the rank's own buffer
+                                                                     // under kLoadPartitions
   const double ranks = static_cast<double>(local);
   const double read = static_cast<double>(c.profile.read_bytes);
   const double comm = static_cast<double>(c.profile.comm_bytes);
@@ -64,9 +71,12 @@ double load_seconds(const Candidate& c, const PlanInput& in, Tier plan) {
   // Through a staging ring (a device the host cannot write) the reads also cross the host link,
   // each accelerator its own, and the all-gather runs between accelerators.
   const bool ring = c.profile.peak_host_bytes > 0;
-  const double node_share = plan == Tier::kLoad ? flat / nodes : flat;
-  const double storage = bw.storage > 0 ? over(node_share * nodes, bw.storage)
-                                        : over(node_share, bw.read);
+  const double node_share = plan == Tier::kLoad        ? flat / nodes
+                            : plan == Tier::kLoadWhole ? flat
+                                                       : flat * ranks;
+  const double all_nodes =
+      plan == Tier::kLoadPartitions ? flat * static_cast<double>(dp) : node_share * nodes;
+  const double storage = bw.storage > 0 ? over(all_nodes, bw.storage) : over(node_share, bw.read);
   double copies = over(read, cache);
   double network = 0;
   if (ring) {
@@ -262,8 +272,7 @@ Candidate plan_load(const PlanInput& in, std::uint64_t ring_bytes, Tier plan) {
   c.tier = plan;
   c.steps = load_steps(in.layout, in.rank, ring_bytes, plan);
   const std::uint64_t resident = in.capacity_bytes - in.free_bytes;
-  const std::uint64_t dp = in.layout.options().dp;
-  c.profile = simulate(c.steps, resident, 0, dp);
+  c.profile = simulate(c.steps, resident, 0, in.layout.options().dp);
   c.predicted_seconds = load_seconds(c, in, plan);
   const std::uint64_t limit =
       in.capacity_bytes > in.margin_bytes ? in.capacity_bytes - in.margin_bytes : 0;
@@ -285,41 +294,49 @@ Candidate plan_load(const PlanInput& in, std::uint64_t ring_bytes, Tier plan) {
   return c;
 }
 
-Plan plan_reads(const PlanInput& in, std::uint64_t ring_bytes, std::optional<Tier> forced) {
-  if (forced && *forced != Tier::kLoad && *forced != Tier::kLoadWhole) {
+Plan plan_reads(const PlanInput& in, std::uint64_t ring_bytes, std::optional<Tier> forced,
+                std::span<const Tier> plans) {
+  if (plans.empty()) throw InvalidArgument("plan_reads: no read plan to choose from");
+  std::string names;
+  for (Tier t : plans) names += (names.empty() ? "" : " or ") + std::string(tier_name(t));
+  if (forced && std::find(plans.begin(), plans.end(), *forced) == plans.end()) {
     throw InvalidArgument("'" + std::string(tier_name(*forced)) +
-                          "' is not a read plan: expected load or load-whole");
+                          "' is not a read plan here: expected " + names);
   }
   Plan plan;
-  for (Tier t : kReadPlans) plan.candidates.push_back(plan_load(in, ring_bytes, t));
+  for (Tier t : plans) plan.candidates.push_back(plan_load(in, ring_bytes, t));
   const Candidate* best = nullptr;
   for (const Candidate& c : plan.candidates) {
     if (!c.feasible || (forced && c.tier != *forced)) continue;
     if (best == nullptr || c.predicted_seconds < best->predicted_seconds) best = &c;
   }
+  const std::uint64_t ranks = group_ranks(in);
   const std::uint64_t local = std::max<std::uint64_t>(in.local_ranks, 1);
-  const std::uint64_t nodes = (in.layout.options().dp + local - 1) / local;
+  const std::uint64_t nodes = (ranks + local - 1) / local;
   const std::string topology = std::to_string(nodes) + (nodes == 1 ? " node" : " nodes") +
-                               " x " + std::to_string(std::min(local, in.layout.options().dp)) +
-                               " ranks";
+                               " x " + std::to_string(std::min(local, ranks)) + " ranks";
   // One rank: its slice is the whole buffer, and there is nothing to gather.
-  if (best != nullptr && !forced && in.layout.options().dp == 1 && plan.candidates[0].feasible) {
+  if (best != nullptr && !forced && ranks == 1 && plan.candidates[0].feasible) {
     best = &plan.candidates[0];
   }
   if (best != nullptr) {
     plan.chosen = best->tier;
     plan.reason = std::string(tier_name(best->tier)) + (forced ? " (forced)" : "") + " on " +
                   topology + ": " +
-                  (best->tier == Tier::kLoad
-                       ? "each rank reads its slice, one all-gather completes the buffers"
-                       : "each rank reads the whole buffer from its node's page cache, no "
+                  (best->tier == Tier::kLoad ? "each rank reads its slice, one all-gather "
+                                               "completes the buffers"
+                   : best->tier == Tier::kLoadWhole
+                       ? "each rank reads the whole buffer from its node's page cache, no "
+                         "all-gather"
+                       : "each rank reads only its own partition of every parameter, no "
                          "all-gather") +
                   ", predicted " + std::to_string(best->predicted_seconds) + " s";
   } else {
-    const Candidate& c = plan.candidates.front();
-    plan.reason = "no read plan fits: " + (forced ? plan.candidates[*forced == Tier::kLoad ? 0 : 1]
-                                                        .why_not
-                                                  : c.why_not);
+    const Candidate* c = &plan.candidates.front();
+    for (const Candidate& k : plan.candidates) {
+      if (forced && k.tier == *forced) c = &k;
+    }
+    plan.reason = "no read plan fits: " + c->why_not;
   }
   return plan;
 }

@@ -23,6 +23,8 @@ std::string_view tier_name(Tier tier) noexcept {
       return "load";
     case Tier::kLoadWhole:
       return "load-whole";
+    case Tier::kLoadPartitions:
+      return "load-partitions";
   }
   return "?";
 }
@@ -191,6 +193,7 @@ std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank
       break;
     case Tier::kLoad:
     case Tier::kLoadWhole:
+    case Tier::kLoadPartitions:
       throw InvalidArgument("the read plan '" + std::string(tier_name(tier)) +
                             "' reads a checkpoint: its steps are load_steps()");
   }
@@ -291,17 +294,18 @@ void StepMachine::apply(const Step& st) noexcept {
 
 std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint64_t ring_bytes,
                              Tier plan) {
-  if (rank >= layout.options().dp) {
+  if (plan != Tier::kLoad && plan != Tier::kLoadWhole && plan != Tier::kLoadPartitions) {
+    throw InvalidArgument("'" + std::string(tier_name(plan)) + "' is not a read plan");
+  }
+  // kLoadPartitions' layout is this rank's own buffer: every rank reads all of its own.
+  if (plan != Tier::kLoadPartitions && rank >= layout.options().dp) {
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside [0, " +
                           std::to_string(layout.options().dp) + ")");
-  }
-  if (plan != Tier::kLoad && plan != Tier::kLoadWhole) {
-    throw InvalidArgument("'" + std::string(tier_name(plan)) + "' is not a read plan");
   }
   const std::uint64_t sb = layout.partition_bytes();
   std::vector<Step> s = {allocate(Buffer::kFlat, layout.flat_bytes())};
   if (ring_bytes > 0) s.push_back(allocate(Buffer::kHostStage, ring_bytes));
-  if (plan == Tier::kLoadWhole) {
+  if (plan != Tier::kLoad) {
     s.push_back(Step{Op::kRead, Buffer::kFlat, Buffer::kNone, layout.flat_bytes(), 0, 0, 0});
   } else {
     s.push_back(Step{Op::kRead, Buffer::kFlat, Buffer::kNone, sb, rank * sb, rank * sb, 0});
