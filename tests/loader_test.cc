@@ -561,8 +561,8 @@ TEST_F(LoaderTest, CopiesWhoseBytesDifferAreRefusedOnEveryRank) {
   }
   // ZeRO-3's partitions (no rank holds another's bytes) are checked as well.
   for (bool partitions : {false, true}) {
-    for (const auto& [dir, check] : {std::pair{many, CopyCheck::kSampled},
-                                     std::pair{one, CopyCheck::kFull}}) {
+    for (const auto& [dir, check] :
+         {std::pair{many, CopyCheck::kSampled}, std::pair{one, CopyCheck::kFull}}) {
       SCOPED_TRACE(std::string(copy_check_name(check)) + (partitions ? " partitions" : ""));
       const std::vector<std::string> e = load_two_copies(*bf16_dir_, dir, check, partitions);
       for (int r = 0; r < 2; ++r) {
@@ -770,10 +770,10 @@ TEST_F(LoaderTest, ZeRO3EveryRankReadsOnlyItsPartitionsIntoTheStage3Buffer) {
     std::vector<LoadParam> params = params_of(ck);
     // A tied weight and a fused parameter, as the Python loader hands them.
     params.push_back(LoadParam{"tied", ck.tensors[0].shape, {ck.tensors[0].name}});
-    params.push_back(LoadParam{"fused",
-                               {static_cast<std::int64_t>(ck.tensors[1].numel +
-                                                          ck.tensors[2].numel)},
-                               {ck.tensors[1].name, ck.tensors[2].name}});
+    params.push_back(
+        LoadParam{"fused",
+                  {static_cast<std::int64_t>(ck.tensors[1].numel + ck.tensors[2].numel)},
+                  {ck.tensors[1].name, ck.tensors[2].name}});
     std::uint64_t total = 0;
     for (const LoadParam& p : params) {
       std::vector<std::string> names = p.sources;

@@ -354,14 +354,18 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
   return py::make_tuple(report, owned(device, r.execution.group.flat), owned(device, r.master));
 }
 
-// A checkpoint's group loaded straight into the flat buffer on this rank (loader.h). Returns the
-// report (a dict: the probe, the load candidate, bytes read, times, peaks) and the flat buffer's
-// and the master's uint8 tensors (None when nothing fits). `checkpoint` None: this rank could
-// not open it (its local_error says why). Raises InvalidArgument on every rank for a bad group
-// or checkpoint, options that differ, or any rank's local_error; Error on every rank when a read
-// fails.
-py::tuple load(TorchDevice& device, py::object comm_impl, py::object checkpoint,
-               std::vector<zf::LoadParam> params, zf::LoadOptions o) {
+// One of the loader's doors (loader.h): load_flat_group or load_partitions.
+using LoadDoor = zf::LoadResult (*)(const zf::CheckpointIndex&, std::span<const zf::LoadParam>,
+                                    zf::Device&, zf::Communicator*, const zf::LoadOptions&);
+
+// A checkpoint's group loaded on this rank through `door`. Returns the report (a dict: the
+// probe, the read plan, bytes read, times, peaks) and the buffer's and the master's uint8
+// tensors (None when nothing fits). `checkpoint` None: this rank could not open it (its
+// local_error says why). Raises InvalidArgument on every rank for a bad group or checkpoint,
+// options that differ, or any rank's local_error; Error on every rank when a read fails.
+py::tuple load_through(LoadDoor door, TorchDevice& device, py::object comm_impl,
+                       py::object checkpoint, std::vector<zf::LoadParam> params,
+                       zf::LoadOptions o) {
   static const zf::CheckpointIndex kNone;
   const zf::CheckpointIndex& ck =
       checkpoint.is_none() ? kNone : checkpoint.cast<const zf::CheckpointIndex&>();
@@ -379,12 +383,63 @@ py::tuple load(TorchDevice& device, py::object comm_impl, py::object checkpoint,
   zf::LoadResult r;
   {
     py::gil_scoped_release nogil;
-    r = zf::load_flat_group(ck, params, device, comm.get(), o);
+    r = door(ck, params, device, comm.get(), o);
   }
   // The library's document of this rank's load (report.h).
   py::object report = parse_json(zf::load_result_json(r));
   if (!r.feasible()) return py::make_tuple(report, py::none(), py::none());
   return py::make_tuple(report, owned(device, r.group.flat), owned(device, r.master));
+}
+
+// The whole flat buffer on every rank (load_flat_group).
+py::tuple load(TorchDevice& device, py::object comm_impl, py::object checkpoint,
+               std::vector<zf::LoadParam> params, zf::LoadOptions o) {
+  return load_through(&zf::load_flat_group, device, std::move(comm_impl), std::move(checkpoint),
+                      std::move(params), std::move(o));
+}
+
+// ZeRO-3: this rank's own partition of every parameter, back to back in the order of params
+// (load_partitions; options.layout.dp = the ranks of comm). The buffer tensor holds
+// sum(ceil(n_i / world)) elements of options.layout.dtype; the master, when asked, is its fp32
+// copy.
+py::tuple load_partitions(TorchDevice& device, py::object comm_impl, py::object checkpoint,
+                          std::vector<zf::LoadParam> params, zf::LoadOptions o) {
+  return load_through(&zf::load_partitions, device, std::move(comm_impl), std::move(checkpoint),
+                      std::move(params), std::move(o));
+}
+
+// The ZeRO-3 layout of optimizer groups (zero3.h) seen from `rank`: per parameter (flat over the
+// groups) its numel, partition_numel, padding (p * W - n) and offset in the rank buffer; the
+// buffer's elements; the sub-groups; this rank's groups_padding and elements of data.
+py::dict zero3_layout(const std::vector<std::vector<std::uint64_t>>& groups, std::uint64_t world,
+                      std::uint64_t sub_group_size, std::uint64_t rank) {
+  const zf::Zero3Layout l =
+      zf::Zero3Layout::compute(groups, zf::Zero3Options{world, sub_group_size, zf::DType::kBF16});
+  std::vector<std::uint64_t> paddings;
+  for (std::uint64_t i = 0; i < l.num_params(); ++i) paddings.push_back(l.padding(i));
+  py::list subs;
+  for (const zf::Zero3SubGroup& g : l.sub_groups()) {
+    py::dict d;
+    d["group"] = g.group;
+    d["params"] = py::make_tuple(g.first_param, g.num_params);
+    d["offset"] = g.offset;
+    d["numel"] = g.numel;
+    subs.append(d);
+  }
+  py::dict out;
+  out["world"] = world;
+  out["sub_group_size"] = sub_group_size;
+  out["rank"] = rank;
+  out["numels"] = l.numels();
+  out["groups"] = l.groups();
+  out["partition_numels"] = l.partition_numels();
+  out["paddings"] = paddings;
+  out["offsets"] = l.offsets();
+  out["buffer_numel"] = l.buffer_numel();
+  out["sub_groups"] = subs;
+  out["groups_padding"] = l.groups_padding(rank);
+  out["data_numel"] = l.data_numel(rank);
+  return out;
 }
 
 at::ScalarType scalar_type_of(zf::DType d) {
@@ -626,12 +681,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](zf::LoadOptions& o, const std::optional<std::string>& name) {
             o.read_plan.reset();
             if (!name || *name == "auto") return;
-            for (zf::Tier t : zf::kReadPlans) {
+            for (zf::Tier t : {zf::Tier::kLoad, zf::Tier::kLoadWhole, zf::Tier::kLoadPartitions}) {
               if (*name == zf::tier_name(t)) o.read_plan = t;
             }
             if (!o.read_plan) {
-              throw zf::InvalidArgument("read_plan '" + *name +
-                                        "': expected None, 'auto', 'load' or 'load-whole'");
+              throw zf::InvalidArgument(
+                  "read_plan '" + *name +
+                  "': expected None, 'auto', 'load', 'load-whole' or 'load-partitions'");
             }
           })
       // The copies check by name ("sampled", "full", "off").
@@ -654,6 +710,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("defer_release") = false);
   m.def("load", &load, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
         py::arg("params"), py::arg("options"));
+  m.def("load_partitions", &load_partitions, py::arg("device"), py::arg("comm"),
+        py::arg("checkpoint"), py::arg("params"), py::arg("options"));
   // Collective: the lowest rank of comm whose `failed` is true, or -1 (agree.h). For a caller
   // that must tell the other ranks about its own error where no front door call carries it.
   m.def(
@@ -713,6 +771,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("numels"), py::arg("frozen"), py::arg("options"), py::arg("rules"));
   m.attr("tested_deepspeed_releases") = zf::tested_deepspeed_releases();
+  m.def("zero3_layout", &zero3_layout, py::arg("groups"), py::arg("world"),
+        py::arg("sub_group_size"), py::arg("rank"));
 
   // --- the environment --------------------------------------------------------------------------
   m.def("default_threads",

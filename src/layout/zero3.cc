@@ -47,9 +47,8 @@ Zero3Layout Zero3Layout::compute(std::span<const std::vector<std::uint64_t>> gro
     // the running count to sub_group_size or more, and after the group's last parameter.
     const std::uint64_t last = l.numels_.size();
     if (options.sub_group_size >= group_numel) {
-      l.sub_groups_.push_back(Zero3SubGroup{g, first, last - first,
-                                            first < last ? l.offsets_[first] : l.buffer_numel_,
-                                            group_numel});
+      l.sub_groups_.push_back(Zero3SubGroup{
+          g, first, last - first, first < last ? l.offsets_[first] : l.buffer_numel_, group_numel});
       continue;
     }
     Zero3SubGroup cur{g, first, 0, l.offsets_[first], 0};
@@ -108,8 +107,9 @@ Layout Zero3Layout::buffer_layout() const {
 
 Layout zero3_buffer_layout(std::span<const std::uint64_t> numels, const LayoutOptions& options) {
   if (options.round_robin) {
-    throw InvalidArgument("round-robin order: ZeRO-3 keeps every parameter's partition in group "
-                          "order (round_robin_gradients is a ZeRO-1/2 option)");
+    throw InvalidArgument(
+        "round-robin order: ZeRO-3 keeps every parameter's partition in group "
+        "order (round_robin_gradients is a ZeRO-1/2 option)");
   }
   if (options.param_align_bytes != 0) {
     throw InvalidArgument("a parameter alignment of " + std::to_string(options.param_align_bytes) +
