@@ -305,10 +305,13 @@ class _Prepared:
 
 def _prepare(model, checkpoint, dp: int, param_groups, dtype, device, round_robin,
              alignment_factor, param_align_bytes, deepspeed, master_dtype, margin_bytes, threads,
-             strict) -> _Prepared:
+             strict, zero3: bool = False) -> _Prepared:
     """Every check of this rank and every read outside the flat buffers, before the ranks
     meet: whatever fails here is this rank's own error, which the first collective carries to
-    the others."""
+    the others. With ``zero3`` (DeepSpeed ZeRO-3's partitions): every trainable parameter of a
+    group stays in it (Stage 3 leaves none out), and one last group holds every other
+    parameter (frozen ones, and those of no group), partitioned too: nothing is read whole but
+    the buffers."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}: expected a torch.nn.Module")
     bool_option("round_robin", round_robin)
@@ -322,7 +325,7 @@ def _prepare(model, checkpoint, dp: int, param_groups, dtype, device, round_robi
         target = torch.device("cuda", torch.cuda.current_device())
     if target.type not in ("cpu", "cuda"):
         raise ValueError(f"device {target}: zeroflat loads onto cpu and cuda devices")
-    rules = release_rules(deepspeed)
+    rules = None if zero3 else release_rules(deepspeed)
     if rules is not None:
         check_release_options(layout_options(dp, round_robin, alignment_factor, torch.bfloat16,
                                              param_align_bytes), rules)
@@ -374,9 +377,16 @@ def _prepare(model, checkpoint, dp: int, param_groups, dtype, device, round_robi
     # DeepSpeed's groups: trainable parameters; what the release leaves out besides.
     out = _Prepared(ck=ck, target=target, rules=rules, groups=[])
     in_buffers = set()
+    if zero3:
+        trainable = {id(p) for g in groups for p in g if p.requires_grad}
+        groups = [[p for p in g if p.requires_grad] for g in groups]
+        groups.append([p for p in model.parameters() if id(p) not in trainable])
     for gi, group in enumerate(groups):
-        kept, _ = select(group, rules, trainable_only=True)
-        members = [group[k] for k in kept]
+        if zero3:
+            members = list(group)
+        else:
+            kept, _ = select(group, rules, trainable_only=True)
+            members = [group[k] for k in kept]
         kinds = {dtype or p.dtype for p in members}
         if len(kinds) > 1:
             raise ValueError(f"group {gi} mixes dtypes {sorted(map(str, kinds))}; pass dtype= "
@@ -423,6 +433,37 @@ def _prepare(model, checkpoint, dp: int, param_groups, dtype, device, round_robi
     text += [f"buffer {n} {list(t.shape)} {t.dtype}" for n, t in out.buffers]
     out.digest = hashlib.sha256("\n".join(text).encode()).hexdigest()[:16]
     return out
+
+
+def engine_and_comm(target: torch.device, threads: Optional[int], dp: int, process_group):
+    """The loader's engine on ``target`` (its thread count) and the collectives over
+    ``process_group`` (None for one process), with this rank."""
+    nthreads = engine_threads(threads, dp)
+    engine = _C.TorchDevice(str(target), nthreads)
+    if process_group is None:
+        return engine, nthreads, None, 0
+    comm = TorchComm(process_group, engine, comm_device(process_group, target))
+    return engine, nthreads, comm, comm.rank
+
+
+def call_loader(fn, engine, comm, ck, params, options, local_error: Optional[BaseException],
+                what: str):
+    """``fn(engine, comm, ck, params, options)``, one of the loader's collective calls
+    (``_C.load``, ``_C.load_partitions``): this rank's own error (``local_error``, which
+    ``options`` carries to the others) raised as it was found; a collective that failed, in
+    whichever step, as CommError in zeroflat's words with the process group's own error
+    chained."""
+    try:
+        return fn(engine, comm, ck, params, options)
+    except InvalidArgument:
+        if local_error is not None:
+            raise local_error from None  # this rank's own error, as it was found
+        raise
+    except Error as e:
+        failure = comm.failure if comm is not None else None
+        if failure is None and not isinstance(e, CommError):
+            raise
+        raise CommError(f"{what}: {e}") from (failure or e)
 
 
 def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpoint"],
@@ -487,12 +528,8 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
 
     ok = prep is not None
     target = prep.target if ok else torch.device("cpu")
-    nthreads = engine_threads(threads, dp) if ok else 1
-    engine = _C.TorchDevice(str(target), nthreads)
-    comm, rank = None, 0
-    if process_group is not None:
-        comm = TorchComm(process_group, engine, comm_device(process_group, target))
-        rank = comm.rank
+    engine, nthreads, comm, rank = engine_and_comm(target, threads if ok else 1, dp,
+                                                   process_group)
     rules = prep.rules if ok else None
     path = prep.ck.path if ok else str(checkpoint)
 
@@ -521,21 +558,9 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
         options.must_match = (f"group {k} of {calls}, device {target.type}, master "
                               f"{master_dtype}, deepspeed rules {rules.rules if rules else None}, "
                               f"model {prep.digest if ok else ''}")
-        try:
-            report, flat_bytes, master_bytes = _C.load(
-                engine, comm if (comm is not None and dp > 1) else None,
-                prep.ck if ok else None, group.params if group else [], options)
-        except InvalidArgument:
-            if local_error is not None:
-                raise local_error from None  # this rank's own error, as it was found
-            raise
-        except Error as e:
-            # A collective that failed, whichever step it was in: zeroflat's words, the process
-            # group's own error chained.
-            failure = comm.failure if comm is not None else None
-            if failure is None and not isinstance(e, CommError):
-                raise
-            raise CommError(f"loading group {k} of {path}: {e}") from (failure or e)
+        report, flat_bytes, master_bytes = call_loader(
+            _C.load, engine, comm if dp > 1 else None, prep.ck if ok else None,
+            group.params if group else [], options, local_error, f"loading group {k} of {path}")
         report["dp"] = dp
         report["deepspeed"] = rules.to_dict() if rules else None
         if report["outcome"] == "infeasible":

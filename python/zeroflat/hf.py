@@ -11,11 +11,18 @@ completes it, or (ranks of one host) each reads the whole buffer from the page c
 (``zeroflat.load_param_groups``): no rank ever holds the checkpoint in separate tensors. The
 buffers are laid out for the groups the Transformers Trainer gives its optimizer
 (``param_groups="trainer"``, the default here). Which checkpoint tensors hold which parameter
-is Transformers' own mapping (``_hf_names``). See docs/python.md.
+is Transformers' own mapping (``_hf_names``).
+
+Under DeepSpeed ZeRO-3 (a live ``HfDeepSpeedConfig`` that says stage 3, as Transformers itself
+detects it, or ``zero3=<DeepSpeed config>``) each rank reads only its own partition of every
+parameter into one buffer laid out as the Stage 3 optimizer's flat partitions, and the
+parameters come out as the ZeRO-3 parameters ``zero.Init`` would have made (``_zero3``). See
+docs/python.md.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable, List, Optional, Sequence, Union
@@ -23,6 +30,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from . import _zero3
 from ._load import load_param_groups, meta_parameters
 
 __all__ = ["from_pretrained", "trainer_param_groups"]
@@ -30,26 +38,30 @@ __all__ = ["from_pretrained", "trainer_param_groups"]
 log = logging.getLogger("zeroflat")
 
 
-def _deepspeed_config_optimizer() -> bool:
-    """Whether a DeepSpeed config that Transformers holds now (TrainingArguments(deepspeed=...)
-    made one) has its own optimizer: the Trainer then hands DeepSpeed one group."""
-    try:
-        from transformers.integrations.deepspeed import deepspeed_config
-    except ImportError:
-        return False
-    config = deepspeed_config()
+def _deepspeed_config_optimizer(config: Optional[dict] = None) -> bool:
+    """Whether ``config``, else the DeepSpeed config that Transformers holds now
+    (TrainingArguments(deepspeed=...) made one), has its own optimizer: the Trainer then hands
+    DeepSpeed one group."""
+    if config is None:
+        try:
+            from transformers.integrations.deepspeed import deepspeed_config
+        except ImportError:
+            return False
+        config = deepspeed_config()
     return isinstance(config, dict) and "optimizer" in config
 
 
-def trainer_param_groups(model: torch.nn.Module) -> List[List[str]]:
+def trainer_param_groups(model: torch.nn.Module,
+                         deepspeed_config: Optional[dict] = None) -> List[List[str]]:
     """The groups the Transformers Trainer gives DeepSpeed's optimizer, as parameter names,
     trainable ones only, in the model's order: its own optimizer's two groups, the parameters
     with weight decay then those without (biases and normalization weights, as
     ``Trainer.get_decay_parameter_names`` says); or, when a DeepSpeed config with its own
     ``"optimizer"`` is already made (``TrainingArguments(deepspeed=...)`` before the load), the
-    one group of every trainable parameter the Trainer hands DeepSpeed then."""
+    one group of every trainable parameter the Trainer hands DeepSpeed then
+    (``deepspeed_config``: the DeepSpeed config to ask instead of the one Transformers holds)."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    if _deepspeed_config_optimizer():
+    if _deepspeed_config_optimizer(deepspeed_config):
         return [names]
     from transformers import Trainer
 
@@ -71,7 +83,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                     deepspeed: Optional[str] = "installed", cold: bool = False,
                     threads: Optional[int] = None, install_drop_in: bool = False,
                     read_plan: Optional[str] = None, copies: str = "sampled",
-                    storage_bytes_per_second: float = 0,
+                    storage_bytes_per_second: float = 0, zero3: Any = "auto",
                     **from_config_kwargs) -> torch.nn.Module:
     """The model of checkpoint directory ``path`` (its ``config.json`` and safetensors files),
     every trainable parameter a view into the flat buffer DeepSpeed's ZeRO-1/2 will build for
@@ -98,10 +110,41 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
 
     The model is returned in eval mode, as Transformers returns it; ``model.zeroflat_groups``
     holds the FlatGroups (buffers, partitions, reports; no fp32 master partition: DeepSpeed
-    builds its own)."""
+    builds its own).
+
+    ``zero3``: DeepSpeed ZeRO-3. ``"auto"`` (the default) loads for ZeRO-3 when Transformers
+    would build the model inside ``zero.Init``: a live ``HfDeepSpeedConfig`` whose config says
+    stage 3 (``TrainingArguments(deepspeed=...)`` made before the load;
+    ``transformers.integrations.is_deepspeed_zero3_enabled()``), with that config; a DeepSpeed
+    config (a dict, a path to its JSON file, or an ``HfDeepSpeedConfig``) loads for it without
+    one; ``True`` requires the live one; ``False`` loads for ZeRO-1/2 whatever Transformers
+    holds. Under ZeRO-3 the model is built on the meta device, each rank reads only its
+    partition of every parameter (``[r*p, (r+1)*p)`` of the flattened parameter, p =
+    ceil(numel / world), the last rank's padding zero) straight into one buffer in the layout
+    of the Stage 3 optimizer's ``lp_param_buffer`` (the groups of ``param_groups`` in order,
+    each group's trainable parameters in order; every other parameter in a second buffer), on
+    DeepSpeed's device (the ``offload_param`` device when there is one), and every parameter
+    becomes a ZeRO-3 parameter made by DeepSpeed's own ``zero.Init`` conversion: ``ds_id`` in
+    the order ``zero.Init`` numbers them, ``ds_tensor`` its view of the buffer, the data an
+    empty placeholder, NOT_AVAILABLE. The parameters take ``zero.Init``'s dtype (the DeepSpeed
+    config's bf16 or fp16, else fp32), as under Transformers' ZeRO-3 loading; ``dtype`` only
+    builds the model. ``device``, ``round_robin``, ``read_plan`` and
+    ``storage_bytes_per_second`` do not apply (ValueError). No all-gather: the
+    ``process_group`` (default: DeepSpeed's data-parallel group) is used for the load's
+    agreements only. ``model.zeroflat_zero3`` holds the buffers, the parameters in each and
+    the load reports. With the drop-in in place, the Stage 3 optimizer adopts the buffer as
+    its own. hpZ, ``offload_param`` to nvme and quantized weights are refused."""
     from transformers import AutoConfig
 
     path = os.fspath(path)
+    ds_config = _zero3.resolve(zero3)
+    if ds_config is not None:
+        for name, value, default in (("device", device, None), ("round_robin", round_robin, False),
+                                     ("read_plan", read_plan, None),
+                                     ("storage_bytes_per_second", storage_bytes_per_second, 0)):
+            if value != default:
+                raise ValueError(f"{name}={value!r} does not apply under ZeRO-3 (each rank "
+                                 "reads its own partitions onto DeepSpeed's device)")
     if process_group == "default":
         process_group = _default_group()
     config = AutoConfig.from_pretrained(path)
@@ -109,19 +152,35 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None)
-    with meta_parameters():
+
+    def build():
         if hasattr(model_class, "from_config"):
             try:
-                model = model_class.from_config(config, dtype=dtype, **from_config_kwargs)
+                return model_class.from_config(config, dtype=dtype, **from_config_kwargs)
             except TypeError:
-                model = model_class.from_config(config, torch_dtype=dtype, **from_config_kwargs)
-        else:
-            model = model_class._from_config(config, torch_dtype=dtype, **from_config_kwargs)
+                return model_class.from_config(config, torch_dtype=dtype, **from_config_kwargs)
+        return model_class._from_config(config, torch_dtype=dtype, **from_config_kwargs)
+
     if isinstance(param_groups, str):
         if param_groups != "trainer":
             raise ValueError(f"param_groups {param_groups!r}: expected \"trainer\", None, a "
                              "list of groups or a function of the model")
-        param_groups = trainer_param_groups
+        param_groups = functools.partial(trainer_param_groups, deepspeed_config=ds_config)
+    if ds_config is not None:
+        # DeepSpeed's zero.Init (not entered) makes the parameters: its group, dtype, devices.
+        init = _zero3.init_object(ds_config, process_group)
+        model, order = _zero3.build_meta(build)
+        loaded = _zero3.load(model, order, path, init, process_group, param_groups=param_groups,
+                             dtype=init.dtype, cold=cold, threads=threads)
+        model.eval()
+        model.zeroflat_zero3 = loaded
+        if install_drop_in:
+            import zeroflat.deepspeed as zd
+
+            zd.install()
+        return model
+    with meta_parameters():
+        model = build()
     # The groups are taken from the model as the loader finalizes it (tied weights that the
     # checkpoint holds apart are untied first); no master partition here: DeepSpeed builds its
     # own from the buffer.
