@@ -127,6 +127,10 @@ def equality_worker(rank, world, port, checkpoints):
         ref, ours = load_both(checkpoints[name], ds3(dtype), param_groups=groups)
         assert_same_zero3(ref, ours, where)
         assert_one_buffer(ours, where)
+        # Only this rank's partitions read (the checkpoints are bf16): no rank reads it whole.
+        report = ours.zeroflat_zero3.reports[0]
+        assert report["tier"] == "load-partitions", where
+        assert 0 < report["bytes_read"] <= ours.zeroflat_zero3.flat.numel() * 2, where
         others = [n for n, p in ours.named_parameters()
                   if any(p is q for q in ours.zeroflat_zero3.frozen_params)]
         assert others == ([] if groups == "trainer" else

@@ -129,9 +129,9 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     empty placeholder, NOT_AVAILABLE. The parameters take ``zero.Init``'s dtype (the DeepSpeed
     config's bf16 or fp16, else fp32), as under Transformers' ZeRO-3 loading; ``dtype`` only
     builds the model. ``device``, ``round_robin``, ``read_plan`` and
-    ``storage_bytes_per_second`` do not apply (ValueError). No all-gather: the
-    ``process_group`` (default: DeepSpeed's data-parallel group) is used for the load's
-    agreements only. ``model.zeroflat_zero3`` holds the buffers, the parameters in each and
+    ``storage_bytes_per_second`` do not apply (ValueError). ``process_group``: the group
+    the parameters are partitioned over (``zero.Init``'s ``data_parallel_group``; "default" or
+    None: DeepSpeed's, every rank); nothing is gathered over it, the ranks only agree. ``model.zeroflat_zero3`` holds the buffers, the parameters in each and
     the load reports. With the drop-in in place, the Stage 3 optimizer adopts the buffer as
     its own. hpZ, ``offload_param`` to nvme and quantized weights are refused."""
     from transformers import AutoConfig
@@ -146,7 +146,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                 raise ValueError(f"{name}={value!r} does not apply under ZeRO-3 (each rank "
                                  "reads its own partitions onto DeepSpeed's device)")
     if process_group == "default":
-        process_group = _default_group()
+        process_group = _default_group() if ds_config is None else None
     config = AutoConfig.from_pretrained(path)
     if dtype is None:
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -167,8 +167,12 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                              "list of groups or a function of the model")
         param_groups = functools.partial(trainer_param_groups, deepspeed_config=ds_config)
     if ds_config is not None:
-        # DeepSpeed's zero.Init (not entered) makes the parameters: its group, dtype, devices.
+        # DeepSpeed's zero.Init (not entered) makes the parameters: its group, dtype, devices;
+        # the partitions are read for its group.
         init = _zero3.init_object(ds_config, process_group)
+        process_group = init.ds_process_group
+        if dist.get_world_size(process_group) == 1:
+            process_group = None
         model, order = _zero3.build_meta(build)
         loaded = _zero3.load(model, order, path, init, process_group, param_groups=param_groups,
                              dtype=init.dtype, cold=cold, threads=threads)
