@@ -140,6 +140,17 @@ def timed_init_parts():
     from deepspeed.runtime import engine
     from deepspeed.runtime.zero import stage_1_and_2
 
+    cls = stage_1_and_2.DeepSpeedZeroOptimizer
+    return timed_calls([(cls, "__init__", "ZeRO optimizer"),
+                        (cls, "flatten_dense_tensors_aligned", "  flatten"),
+                        (cls, "initialize_optimizer_states", "  optimizer state"),
+                        (engine.DeepSpeedEngine, "_broadcast_model", "broadcast"),
+                        (engine, "is_zero_supported_optimizer", "optimizer check (imports)")])
+
+
+def timed_calls(targets):
+    """Wraps each (class or module, function name, label) so that its calls add their seconds to
+    the returned dict under the label (labels indented by two spaces: parts of the one above)."""
     parts = {}
 
     def wrap(owner, name, label):
@@ -156,12 +167,8 @@ def timed_init_parts():
         timed.__wrapped__ = fn
         setattr(owner, name, timed)
 
-    cls = stage_1_and_2.DeepSpeedZeroOptimizer
-    wrap(cls, "__init__", "ZeRO optimizer")
-    wrap(cls, "flatten_dense_tensors_aligned", "  flatten")
-    wrap(cls, "initialize_optimizer_states", "  optimizer state")
-    wrap(engine.DeepSpeedEngine, "_broadcast_model", "broadcast")
-    wrap(engine, "is_zero_supported_optimizer", "optimizer check (imports)")
+    for owner, name, label in targets:
+        wrap(owner, name, label)
     return parts
 
 

@@ -17,8 +17,9 @@ shown apart). Then, a barrier between phases, each rank times
             checkpoint's values (Transformers: zero.Init builds and initializes every module
             and partitions it, then rank 0 reads the checkpoint and each module is gathered,
             filled by rank 0 and partitioned again)
-  init      deepspeed.initialize (the Stage 3 optimizer: its flat partition buffers, fp32
-            partitions, optimizer state)
+  init      deepspeed.initialize, and where it goes: the Stage 3 optimizer's constructor, its
+            parameter offload object and hooks, its flat partition buffers (what the drop-in
+            adopts), its fp32 partitions and its optimizer state
   step      the first training step (forward, backward, optimizer step) on a fixed batch
             (32 tokens, a different one per rank), in the first --step-rounds rounds (the
             optimizer's state is allocated and zero-filled in it: seconds, the same both
@@ -44,13 +45,14 @@ rounds. cold: the checkpoint's files written back and dropped from the page cach
 The checkpoint: Qwen3-30B-A3B's shapes (hidden 2048, 32 heads, 4 KV heads, experts of 768)
 with --layers layers, --experts experts and a --vocab vocabulary, bf16, deterministic values,
 written once by Transformers' save_pretrained in 200 MB shards (defaults: 0.55 GB in 4
-files); --tiny: a 2-layer model of 32 MB (10 MB shards) for trying the harness. Kept in --dir when given.
+files); --tiny: a 2-layer model of 32 MB in 10 MB shards, for trying the harness. Kept in --dir
+when given.
 
 Targets (issue 21, at 2 and 4 ranks, warm and cold): load >= 5x faster than Transformers, load
 + initialize >= 2x; every zeroflat rank reads <= 1.15 x checkpoint / N + 8 MB (cold: read_bytes;
 warm: rchar) and grows <= 1.2 x its partition bytes + 256 MB while loading. Exit status 1 when
 a target is not met, 2 when the losses differ. --quick: the tiny checkpoint at 2 ranks, warm
-and cold, one round (well under a minute).
+and cold, one round (about 40 s on 2 idle cores).
 """
 
 import argparse
@@ -65,8 +67,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_load_bench import (QWEN3_30B_A3B, drop_cache, free_port, warm_memory,  # noqa: E402
-                           write_checkpoint)
+from hf_load_bench import (QWEN3_30B_A3B, drop_cache, free_port, timed_calls,  # noqa: E402
+                           warm_memory, write_checkpoint)
 RESULT = "ZERO3_BENCH "
 WAYS = ("transformers", "zeroflat")
 MB = 1_000_000
@@ -118,6 +120,22 @@ class PeakResident:
 
             self.growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - \
                 max(self.maxrss0, self.base)
+
+
+def timed_init_parts():
+    """Where initialize goes: the Stage 3 optimizer's constructor and its steps (wrapped after
+    the drop-in is installed: its hooks are timed with what they replace)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
+
+    return timed_calls([(S3, name, label) for name, label in INIT_PARTS])
+
+
+INIT_PARTS = [("__init__", "Stage 3 optimizer"),
+              ("initialize_ds_offload", "  parameter offload and hooks"),
+              ("_create_fp16_partitions_with_defragmentation", "  flat partitions"),
+              ("_setup_for_real_optimizer", "  optimizer memory"),
+              ("_create_fp32_partitions", "    fp32 partitions"),
+              ("initialize_optimizer_states", "    optimizer state")]
 
 
 def ds_config(world):
@@ -199,6 +217,7 @@ def rank_main(way):
                          f"parameters ({len(not_partitioned)}, first {not_partitioned[0]})")
     dist.barrier()
 
+    parts = timed_init_parts()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     t0 = time.perf_counter()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
@@ -230,8 +249,8 @@ def rank_main(way):
     dist.barrier()
     print(RESULT + json.dumps({
         "rank": rank, "world": world, "way": way, "imports": t_imports, "load": t_load,
-        "init": t_init, "step": t_step, "step_parts": step_parts, "loss": loss,
-        "loss_after": loss_after,
+        "init": t_init, "init_parts": parts, "step": t_step, "step_parts": step_parts,
+        "loss": loss, "loss_after": loss_after,
         "loss_hex": None if loss is None else float.hex(loss),
         "loss_after_hex": None if loss_after is None else float.hex(loss_after),
         "read_bytes": io1["read_bytes"] - io0["read_bytes"], "rchar": io1["rchar"] - io0["rchar"],
@@ -347,7 +366,10 @@ def summarize(runs, ways, world, cache, size):
                   "rss_method": ranks[0]["rss_method"],
                   "partition_bytes": max(x["partition_bytes"] for x in ranks),
                   "losses": [x["loss"] for x in rs[0]["ranks"]] if steps else None,
-                  "drop_in": ranks[0]["drop_in"]}
+                  "drop_in": ranks[0]["drop_in"],
+                  "init_parts": {k: statistics.median(r["ranks"][0]["init_parts"].get(k, 0)
+                                                      for r in rs)
+                                 for _, k in INIT_PARTS}}
     if len(ways) == 2:
         t, z = row["transformers"], row["zeroflat"]
         row["load_x"] = t["load"] / z["load"]
@@ -390,6 +412,23 @@ def targets(rows, ways):
     return out
 
 
+def nested(parts, total, name):
+    """'a 1.00 (b 0.50 (c 0.20, other 0.30), other 0.50), the rest of name 0.10' from labels
+    indented two spaces a level."""
+    def level(keys, depth, whole, label):
+        own = [k for k in keys if len(k) - len(k.lstrip()) == depth]
+        if not own:
+            return ""
+        items = []
+        for i, k in enumerate(own):
+            below = keys[keys.index(k) + 1:keys.index(own[i + 1]) if i + 1 < len(own) else None]
+            inner = level(below, depth + 2, parts[k], "other")
+            items.append(f"{k.strip()} {parts[k]:.2f}" + (f" ({inner})" if inner else ""))
+        items.append(f"{label} {whole - sum(parts[k] for k in own):.2f}")
+        return ", ".join(items)
+    return level(list(parts), 0, total, f"the rest of {name}")
+
+
 def report(args, describe, size, rows, ways, verdicts, bad):
     print(f"{describe}: {size / 1e9:.3f} GB; ZeRO-3, bf16, gloo, CPU accelerator; median of "
           f"{args.rounds} round(s), slowest rank; times in s, T = Transformers, Z = zeroflat")
@@ -423,6 +462,12 @@ def report(args, describe, size, rows, ways, verdicts, bad):
                   f"rss +{x['rss_growth'] / MB:7.1f} / partition {x['partition_bytes'] / MB:6.1f}"
                   f" (budget {x['rss_budget'] / MB:6.1f}, {x['rss_method']})"
                   + (f" | drop-in {x['drop_in']}" if w == "zeroflat" else ""))
+    print("where initialize goes (rank 0, median s):")
+    for r in rows:
+        for w in ways:
+            parts = r[w]["init_parts"]
+            print(f"{r['ranks']:>5} {r['cache']:>5} {w:>12}: {r[w]['init']:.2f} s (slowest rank):"
+                  f" {nested(parts, r[w]['init'], 'initialize')}")
     imports = max(r[w]["imports"] for r in rows for w in ways)
     print(f"not in any phase: the one-time imports, up to {imports:.2f} s per rank (the same both "
           "ways)")
@@ -480,7 +525,7 @@ def main():
                          "fault; see docs/performance.md)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
     ap.add_argument("--quick", action="store_true",
-                    help="--tiny --ranks 2 --rounds 1: about 40 s on 2 cores")
+                    help="--tiny --ranks 2 --rounds 1: about 40 s on 2 idle cores")
     ap.add_argument("--json", action="store_true", help="the results as JSON on stdout")
     ap.add_argument("--save", help="also write the results as JSON there (after every row)")
     ap.add_argument("--report", metavar="FILE",
