@@ -288,3 +288,6 @@ def test_zero3_argument():
         json.dump(config, f)
         f.flush()
         assert _zero3.resolve(f.name) == config
+    from transformers.integrations import HfDeepSpeedConfig
+
+    assert _zero3.resolve(HfDeepSpeedConfig(config)) == config

@@ -193,13 +193,27 @@ def construction_order():
 @contextlib.contextmanager
 def transformers_zero_init_off():
     """Transformers' own ``zero.Init`` around model construction off (a live ZeRO-3
-    ``HfDeepSpeedConfig`` would turn it on in ``from_config``), by Transformers' own switch."""
+    ``HfDeepSpeedConfig`` would turn it on in ``from_config``): by Transformers' own switch
+    (``set_zero3_state``), or, in a release without it, its check answering no meanwhile."""
     try:
-        from transformers.modeling_utils import set_zero3_state
+        from transformers import modeling_utils
     except ImportError:
-        set_zero3_state = None
-    with (set_zero3_state() if set_zero3_state is not None else contextlib.nullcontext()):
         yield
+        return
+    switch = getattr(modeling_utils, "set_zero3_state", None)
+    if switch is not None:
+        with switch():
+            yield
+        return
+    check = getattr(modeling_utils, "is_deepspeed_zero3_enabled", None)
+    if check is None:
+        yield
+        return
+    modeling_utils.is_deepspeed_zero3_enabled = lambda: False
+    try:
+        yield
+    finally:
+        modeling_utils.is_deepspeed_zero3_enabled = check
 
 
 # --- the load ------------------------------------------------------------------------------
