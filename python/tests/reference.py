@@ -25,6 +25,20 @@ def init_deepspeed_rank(rank, world, port):
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
+def train_steps(engine, rank, steps=3):
+    """``steps`` optimizer steps of a DeepSpeed engine over a model taking token ids below 37
+    (the same batches for the same rank); the losses."""
+    losses = []
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randint(0, 37, (2, 5), generator=gen)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def deepspeed_flat(tensors, dp, *, round_robin=False, alignment_factor=2):
     """The flat buffer as DeepSpeed builds it: the tensors (in round-robin bucket order if
     asked), concatenated, then zero-padded to a multiple of alignment_factor * dp elements."""

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
 import zeroflat.deepspeed as zd  # noqa: E402
-from reference import init_deepspeed_rank  # noqa: E402
+from reference import init_deepspeed_rank, train_steps as train  # noqa: E402
 
 RELEASE = deepspeed.__version__.split("+")[0]
 # ctest names the release each run is for: it must be the one imported.
@@ -122,18 +122,6 @@ def initialize(model, optimizer, config, drop_in):
 
 def same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def train(engine, rank, steps=3):
-    losses = []
-    gen = torch.Generator().manual_seed(100 + rank)
-    for _ in range(steps):
-        x = torch.randint(0, 37, (2, 5), generator=gen)
-        loss = engine(x).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def params(engine):

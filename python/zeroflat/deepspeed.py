@@ -1,4 +1,4 @@
-"""DeepSpeed drop-in: ZeRO stage 1 and 2 build their flat parameter buffers through zeroflat.
+"""DeepSpeed drop-in: ZeRO stages 1, 2 and 3 build their flat parameter buffers through zeroflat.
 
     import zeroflat.deepspeed
     zeroflat.deepspeed.install()          # before deepspeed.initialize
@@ -9,9 +9,11 @@ ZeRO-1 with fp32 gradient accumulation, ``BF16_Optimizer`` obtain each parameter
 buffer from ``zeroflat.flatten_param_group`` (zeroflat's probe, planner, tiers and rollback, over
 the group's own data-parallel group) instead of building it themselves. Releases up to 0.18.6
 copy every rank's whole model to the host and flatten it there; with the drop-in the parameters
-stay where they are and zeroflat plans the flatten. Everything else is DeepSpeed's own code, and
-the buffers, partitions, padding and fp32 master partitions are the ones that release would
-have built. See docs/deepspeed.md.
+stay where they are and zeroflat plans the flatten. ``DeepSpeedZeroOptimizer_Stage3`` obtains
+its buffer of this rank's partitions (``lp_param_buffer``; with offload_param, one host buffer
+per param group) the same way, or adopts the one the partitions already are views of
+(``_stage3``). Everything else is DeepSpeed's own code, and the buffers, partitions, padding and
+fp32 master partitions are the ones that release would have built. See docs/deepspeed.md.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Callable, List, Optional
 import torch
 
 import zeroflat
-from . import _load
+from . import _load, _stage3
 from ._comm import collective
 from ._common import select
 
@@ -41,7 +43,8 @@ _lock = threading.Lock()
 _saved: Optional[dict] = None
 _state = threading.local()
 stats = {"release": None, "groups": 0, "fallbacks": 0, "tiers": [], "optimizers": [],
-         "fallback_reasons": [], "not_flattened": [], "adopted": 0, "not_adopted": []}
+         "fallback_reasons": [], "not_flattened": [], "adopted": 0, "not_adopted": [],
+         "stage3": [], "stage3_refused": None}
 
 # How DeepSpeed fills a buffer when nothing else says otherwise: torch's concatenation. A group
 # whose optimizer fills it another way (ZenFlow stores 2-D parameters transposed) is DeepSpeed's.
@@ -545,18 +548,33 @@ def _targets(stage_1_and_2):
     return out
 
 
+def _stage3_targets(release: str):
+    """Stage 3's hooks, or none and a warning saying why this release's Stage 3 is left to
+    DeepSpeed (ZeRO-1/2 are served all the same)."""
+    out, why = _stage3.targets()
+    if why is None:
+        return out, None
+    return [], (f"DeepSpeed {release}: Stage 3 (DeepSpeedZeroOptimizer_Stage3) is left to "
+                f"DeepSpeed: {why}")
+
+
 def install(*, allow_untested: bool = False) -> None:
-    """Makes DeepSpeed's ZeRO-1/2 optimizers build their flat buffers through zeroflat.
+    """Makes DeepSpeed's ZeRO-1/2 and Stage 3 optimizers build their flat buffers through
+    zeroflat.
 
     Any DeepSpeed from 0.14 on: a release outside SUPPORTED_VERSIONS gets a warning (once;
     ``allow_untested=True`` silences it), and every group is still checked against that
     release's own bookkeeping before anything moves: a group that would differ is flattened by
     DeepSpeed itself, with a warning saying why. Older releases are refused (RuntimeError,
-    nothing changed). Installing twice is harmless. Either every patch is in place or none is."""
+    nothing changed). A release whose Stage 3 optimizer lacks the steps the drop-in takes over
+    keeps its own Stage 3, with a warning naming the release and why
+    (``stats["stage3_refused"]``); its ZeRO-1/2 are served. Installing twice is harmless. Either
+    every patch is in place or none is."""
     global _saved
     deepspeed, s12 = _deepspeed_modules()
     rules = _release_rules(deepspeed)
-    targets = _targets(s12)
+    stage3_targets, stage3_refused = _stage3_targets(rules.release)
+    targets = _targets(s12) + stage3_targets
     for cls, name, _ in targets:
         if not callable(vars(cls).get(name)):
             raise RuntimeError(f"zeroflat.deepspeed: DeepSpeed {rules.release} has no "
@@ -578,6 +596,9 @@ def install(*, allow_untested: bool = False) -> None:
                 setattr(cls, name, fn)
             raise
         stats["release"] = rules.release
+        stats["stage3_refused"] = stage3_refused
+        if stage3_refused:
+            log.warning("zeroflat: %s", stage3_refused)
         _saved = {"targets": saved, "rules": rules}
 
 

@@ -1,0 +1,376 @@
+"""The drop-in for DeepSpeed's Stage 3 optimizer against the real DeepSpeed ZeRO-3 (CPU
+accelerator, gloo), for whichever release this interpreter imports (ctest runs it once more per
+supported release, each from its own folder, with a reduced set of cases): a small model built
+under ``deepspeed.zero.Init`` (an embedding, a layer norm, linear layers, a parameter smaller than
+the world, sizes that are not multiples of it, a frozen parameter), two optimizer param groups
+cut into several sub-groups, bf16 and fp16, offload_param and offload_optimizer to the CPU, at
+1, 2 and 3 ranks: with and without the drop-in, the same lp_param_buffer, flat partitions, fp32
+partitions, padding and ds_tensors, every buffer built by zeroflat; the same parameters and
+losses after three steps. Partitions that already are back-to-back views of one buffer are
+adopted as they are; a buffer zeroflat cannot build is DeepSpeed's own, with one warning.
+Where the library has ``zero3_layout``, it equals the release's own bookkeeping."""
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+
+import pytest
+import torch
+
+import deepspeed  # noqa: E402  (the release under test)
+import torch.multiprocessing as mp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import zeroflat  # noqa: E402
+import zeroflat.deepspeed as zd  # noqa: E402
+from reference import init_deepspeed_rank, train_steps as train  # noqa: E402
+
+RELEASE = deepspeed.__version__.split("+")[0]
+assert os.environ.get("ZEROFLAT_DEEPSPEED_RELEASE", RELEASE) == RELEASE, (
+    f"expected DeepSpeed {os.environ.get('ZEROFLAT_DEEPSPEED_RELEASE')}, imported {RELEASE} "
+    f"from {deepspeed.__file__}: run scripts/setup.sh, which installs every tested release")
+# ctest's run for another release than the environment's own: the reduced set.
+REDUCED = "ZEROFLAT_DEEPSPEED_RELEASE" in os.environ
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Model(torch.nn.Module):
+    """Sizes that are not multiples of 2 or 3 (partition edges and the last rank's padding fall
+    inside parameters), ``tiny`` with fewer elements than ranks, a frozen parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(37, 24)
+        self.norm = torch.nn.LayerNorm(24)
+        self.fc1 = torch.nn.Linear(24, 29)
+        self.fc2 = torch.nn.Linear(29, 11)
+        self.tiny = torch.nn.Parameter(torch.full((1,), 0.5))
+        self.frozen = torch.nn.Parameter(torch.linspace(-1, 1, 7), requires_grad=False)
+
+    def forward(self, x):
+        h = self.fc2(torch.relu(self.fc1(self.norm(self.embed(x)))))
+        return h.sum(-1) * self.tiny + self.frozen.sum()
+
+    def groups(self):
+        # Stage 3 leaves the frozen parameter out of its group.
+        return [{"params": [self.embed.weight, self.frozen, self.norm.weight, self.norm.bias,
+                            self.tiny]},
+                {"params": [self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias],
+                 "lr": 2e-3, "weight_decay": 0.0}]
+
+
+def config_of(case):
+    dtype, offload_param, offload_optimizer = case
+    zero = {"stage": 3, "sub_group_size": 100, "stage3_param_persistence_threshold": 0}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+              "zero_force_ds_cpu_optimizer": False}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    else:
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return config
+
+
+def zero_padding(model):
+    """zero.Init leaves the last rank's padding of each partition as it found the memory
+    (torch.empty): both runs start from zeros there, so that whole buffers compare."""
+    rank = torch.distributed.get_rank()
+    for p in model.parameters():
+        part = p.ds_tensor.numel()
+        valid = max(0, min(part, p.ds_numel - rank * part))
+        p.ds_tensor.data[valid:].zero_()
+
+
+def build(case, drop_in, prepare=None):
+    """The engine and optimizer of a model made under zero.Init, with the drop-in or without.
+    ``prepare(model, config)`` may rearrange the partitions before the optimizer sees them."""
+    config = config_of(case)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = Model()
+    zero_padding(model)
+    if prepare is not None:
+        prepare(model, config)
+    optimizer = torch.optim.AdamW(model.groups(), lr=1e-3, foreach=False)
+    with zd.installed() if drop_in else contextlib.nullcontext():
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine, opt
+
+
+def same(a, b):
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b))
+
+
+def gathered(engine):
+    """Every parameter whole, from the ranks' ds_tensors by torch's all-gather (GatheredParameters
+    of the releases before 0.19 gave values that changed from one call to the next on the CPU
+    accelerator here, with or without the drop-in)."""
+    world = torch.distributed.get_world_size()
+    out = []
+    for p in engine.module.parameters():
+        parts = [torch.empty_like(p.ds_tensor) for _ in range(world)]
+        torch.distributed.all_gather(parts, p.ds_tensor.detach().contiguous())
+        out.append(torch.cat(parts)[:p.ds_numel].view(p.ds_shape))
+    return out
+
+
+def ds_tensors(engine):
+    return [p.ds_tensor.detach().clone() for p in engine.module.parameters()]
+
+
+def buffers(opt):
+    """The lp buffer(s) of a Stage 3 optimizer: lp_param_buffer (from 0.15; 0.14 keeps it only
+    as the sub-groups' base), or the host buffer of each param group with offload_param."""
+    if getattr(opt, "offload_param", False):
+        return list(opt.param_groups_fp16_flat_cpu_memory)
+    if hasattr(opt, "lp_param_buffer"):
+        return [opt.lp_param_buffer]
+    return []
+
+
+def check_bookkeeping(opt, rank, world, where):
+    """zeroflat's Stage 3 layout (the library's zero3_layout) against the release's own."""
+    layout = getattr(zeroflat._C, "zero3_layout", None)
+    if layout is None:
+        return
+    groups = [[p.ds_numel for p in g["params"]] for g in opt.trainable_param_groups]
+    lay = layout(groups, world, int(opt.sub_group_size), rank)
+    assert [sg["numel"] for sg in lay["sub_groups"]] == opt.fp16_partitioned_groups_flat_numel, \
+        where
+    assert lay["groups_padding"] == opt.groups_padding, where
+    members, first = [], 0
+    for sub_group in opt.fp16_groups:
+        members.append([first, len(sub_group)])
+        first += len(sub_group)
+    assert [list(sg["params"]) for sg in lay["sub_groups"]] == members, (where, lay, members)
+    assert [sg["group"] for sg in lay["sub_groups"]] == [
+        opt.sub_group_to_group_id[i] for i in range(len(opt.fp16_groups))], where
+    assert lay["buffer_numel"] == sum(opt.fp16_partitioned_groups_flat_numel), where
+    partitions = [p.ds_tensor.numel() for sg in opt.fp16_groups for p in sg]
+    assert lay["partition_numels"] == partitions, where
+    if not opt.offload_param:  # where each partition sits in the rank's buffer
+        base = opt.fp16_partitioned_groups_flat[0]
+        offsets = [(p.ds_tensor.data_ptr() - base.data_ptr()) // base.element_size()
+                   for sg in opt.fp16_groups for p in sg]
+        assert lay["offsets"] == offsets, where
+        assert [sg["offset"] for sg in lay["sub_groups"]] == [
+            (f.data_ptr() - base.data_ptr()) // base.element_size()
+            for f in opt.fp16_partitioned_groups_flat], where
+
+
+def compare(rank, world, case):
+    """One configuration: DeepSpeed alone, then with the drop-in, from the same zero.Init."""
+    where = f"{RELEASE} world {world} rank {rank} {case}"
+    plain, po = build(case, False)
+    before = dict(zd.stats)
+    dropped, do = build(case, True)
+    n_buffers = len(buffers(po)) if buffers(po) else 1
+    assert zd.stats["fallbacks"] == before["fallbacks"], (where, zd.stats["fallback_reasons"])
+    assert zd.stats["groups"] == before["groups"] + n_buffers, (where, zd.stats)
+    assert all(s["how"] not in ("release", "adopted")
+               for s in zd.stats["stage3"][len(before["stage3"]):]), where
+    assert same(buffers(po), buffers(do)), where
+    assert same(po.fp16_partitioned_groups_flat, do.fp16_partitioned_groups_flat), where
+    assert same(po.fp32_partitioned_groups_flat, do.fp32_partitioned_groups_flat), where
+    assert po.groups_padding == do.groups_padding, where
+    assert po.fp16_partitioned_groups_flat_numel == do.fp16_partitioned_groups_flat_numel, where
+    assert len(po.fp16_groups) > len(po.trainable_param_groups), where  # several sub-groups
+    assert same(ds_tensors(plain), ds_tensors(dropped)), where
+    # Every trained partition is a view into the drop-in's buffers (no second copy).
+    spans = [(f.data_ptr(), f.data_ptr() + f.numel() * f.element_size())
+             for f in do.fp16_partitioned_groups_flat]
+    for sub_group in do.fp16_groups:
+        for p in sub_group:
+            assert any(lo <= p.ds_tensor.data_ptr() < hi for lo, hi in spans), where
+    check_bookkeeping(po, rank, world, where)
+    assert same(gathered(plain), gathered(dropped)), where
+    assert train(plain, rank) == train(dropped, rank), where
+    assert same(gathered(plain), gathered(dropped)), where
+    assert same(ds_tensors(plain), ds_tensors(dropped)), where
+    assert same(po.fp32_partitioned_groups_flat, do.fp32_partitioned_groups_flat), where
+
+
+def back_to_back(model, config):
+    """The partitions of the optimizer's parameters, in its order, moved into one buffer (with
+    offload_param, one per param group) as views, as zeroflat's loader leaves them."""
+    offload = "offload_param" in config["zero_optimization"]
+    groups = [[p for p in g["params"] if p.requires_grad] for g in model.groups()]
+    if not offload:
+        groups = [[p for g in groups for p in g]]
+    made = []
+    for g in groups:
+        flat = torch.cat([p.ds_tensor.detach().reshape(-1) for p in g])
+        at = 0
+        for p in g:
+            p.ds_tensor.data = flat.narrow(0, at, p.ds_tensor.numel())
+            at += p.ds_tensor.numel()
+        made.append(flat)
+    model.made = made
+
+
+def check_adoption(rank, world, case, only_rank=None):
+    """Partitions that are back-to-back views of one buffer: that buffer, as it is, on every
+    rank; when one rank's are not (only_rank), no rank adopts and zeroflat builds them all."""
+    where = f"{RELEASE} world {world} rank {rank} adoption {case} only_rank {only_rank}"
+    plain, po = build(case, False)
+    before = dict(zd.stats)
+    adopt = only_rank is None
+    prepare = back_to_back if only_rank in (None, rank) else None
+    dropped, do = build(case, True, prepare=prepare)
+    made = getattr(dropped.module, "made", [])
+    n_buffers = len(buffers(po)) if buffers(po) else 1
+    assert zd.stats["adopted"] == before["adopted"] + (n_buffers if adopt else 0), \
+        (where, zd.stats)
+    assert zd.stats["groups"] == before["groups"] + n_buffers, (where, zd.stats)
+    assert zd.stats["fallbacks"] == before["fallbacks"], (where, zd.stats["fallback_reasons"])
+    got = buffers(do) or [do.fp16_partitioned_groups_flat[0]]
+    assert ([b.data_ptr() for b in got] == [m.data_ptr() for m in made]) == adopt, where
+    assert same(buffers(po), buffers(do)), where
+    assert same(po.fp16_partitioned_groups_flat, do.fp16_partitioned_groups_flat), where
+    assert same(po.fp32_partitioned_groups_flat, do.fp32_partitioned_groups_flat), where
+    assert same(ds_tensors(plain), ds_tensors(dropped)), where
+    assert train(plain, rank) == train(dropped, rank), where
+    assert same(gathered(plain), gathered(dropped)), where
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def check_fallback(rank, world, case):
+    """A buffer zeroflat cannot build (here: nothing fits) is DeepSpeed's own, with one
+    warning naming why."""
+    where = f"{RELEASE} world {world} rank {rank} fallback {case}"
+    plain, po = build(case, False)
+    real = zeroflat.flatten_param_group
+
+    def nothing_fits(*args, **kwargs):
+        raise zeroflat.NoFeasiblePlan("no way of flattening fits: test", {})
+
+    seen = _Warnings()
+    logger = logging.getLogger("zeroflat.deepspeed")
+    logger.addHandler(seen)
+    before = dict(zd.stats)
+    zeroflat.flatten_param_group = nothing_fits
+    try:
+        dropped, do = build(case, True)
+    finally:
+        zeroflat.flatten_param_group = real
+        logger.removeHandler(seen)
+    n_buffers = len(buffers(po)) if buffers(po) else 1
+    assert zd.stats["fallbacks"] == before["fallbacks"] + n_buffers, (where, zd.stats)
+    assert zd.stats["groups"] == before["groups"], where
+    mine = [m for m in seen.messages if "built by DeepSpeed itself" in m]
+    assert len(mine) == n_buffers, (where, seen.messages)
+    assert "no way of flattening fits" in mine[0], (where, mine)
+    assert same(buffers(po), buffers(do)), where
+    assert same(po.fp16_partitioned_groups_flat, do.fp16_partitioned_groups_flat), where
+    assert same(po.fp32_partitioned_groups_flat, do.fp32_partitioned_groups_flat), where
+    assert train(plain, rank) == train(dropped, rank), where
+
+
+# (dtype, offload_param, offload_optimizer)
+CASES = {
+    1: [("bf16", False, False), ("fp16", True, True)],
+    2: [("bf16", False, False), ("fp16", False, False), ("bf16", True, False),
+        ("bf16", False, True), ("fp16", True, True)],
+    3: [("bf16", False, False), ("fp16", False, True), ("bf16", True, True)],
+}
+REDUCED_CASES = [("bf16", False, False), ("fp16", True, True)]
+
+
+def worker(rank, world, port):
+    os.environ["LOCAL_SIZE"] = str(world)  # as DeepSpeed's launcher sets it (0.14, 0.15 ask)
+    init_deepspeed_rank(rank, world, port)
+    # The CPU accelerator refuses fp16 where the CPU lacks oneDNN's fp16 kernels; torch computes
+    # fp16 on any CPU, and the comparison needs only the two runs to do the same.
+    accel = deepspeed.accelerator.get_accelerator()
+    accel.is_fp16_supported = lambda: True
+    if REDUCED:
+        for case in REDUCED_CASES:
+            compare(rank, world, case)
+        check_adoption(rank, world, ("bf16", False, False))
+        check_fallback(rank, world, ("bf16", True, False))
+    else:
+        for case in CASES[world]:
+            compare(rank, world, case)
+        if world == 2:
+            check_adoption(rank, world, ("bf16", False, False))
+            check_adoption(rank, world, ("fp16", True, False))
+            check_adoption(rank, world, ("bf16", False, False), only_rank=0)
+            check_fallback(rank, world, ("bf16", False, False))
+            check_fallback(rank, world, ("bf16", True, False))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+WORLDS = [2] if REDUCED else [1, 2, 3]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_stage3_drop_in_matches_deepspeed(world):
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    mp.spawn(worker, args=(world, free_port()), nprocs=world, join=True)
+
+
+def test_install_puts_stage3_back_as_it_was():
+    from deepspeed.runtime.zero import stage3
+
+    cls = stage3.DeepSpeedZeroOptimizer_Stage3
+    names = ("__init__", "defragment", "_create_param_groups_fp16_flat_cpu_memory",
+             "_move_to_flat_buffer")
+    before = {n: vars(cls).get(n) for n in names}
+    module_defragment = vars(stage3).get("defragment")
+    with zd.installed():
+        assert zd.stats["stage3_refused"] is None
+        assert cls.__init__ is not before["__init__"]
+        if isinstance(before["defragment"], staticmethod):  # up to 0.18
+            assert isinstance(vars(cls)["defragment"], staticmethod)
+            assert vars(cls)["defragment"] is not before["defragment"]
+        else:  # 0.19: the module's name for deepspeed.runtime.zero.utils.defragment
+            assert stage3.defragment is not module_defragment
+    assert {n: vars(cls).get(n) for n in names} == before
+    assert vars(stage3).get("defragment") is module_defragment
+
+
+def test_a_stage3_without_its_steps_is_left_to_deepspeed(monkeypatch):
+    """A release whose Stage 3 has no defragment step: install() serves ZeRO-1/2, leaves Stage 3
+    to DeepSpeed and says so, naming the release and why."""
+    from deepspeed.runtime.zero import stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    cls = stage3.DeepSpeedZeroOptimizer_Stage3
+    monkeypatch.delitem(vars(stage3), "defragment", raising=False)
+    if "defragment" in vars(cls):
+        monkeypatch.delattr(cls, "defragment")
+    init = cls.__init__
+    seen = _Warnings()
+    logging.getLogger("zeroflat.deepspeed").addHandler(seen)
+    try:
+        with zd.installed():
+            assert DeepSpeedZeroOptimizer.__init__.__zeroflat__
+            assert cls.__init__ is init
+            refused = zd.stats["stage3_refused"]
+    finally:
+        logging.getLogger("zeroflat.deepspeed").removeHandler(seen)
+    assert refused and RELEASE in refused and "no defragment step" in refused
+    assert any(refused in m for m in seen.messages)

@@ -1,0 +1,324 @@
+"""The drop-in for DeepSpeed's Stage 3 optimizer (``DeepSpeedZeroOptimizer_Stage3``), installed
+by ``zeroflat.deepspeed.install()`` with the ZeRO-1/2 hooks.
+
+Stage 3 keeps each parameter's partition as ``param.ds_tensor``; its optimizer moves every
+sub-group's partitions, in order, into one buffer of this rank (``lp_param_buffer``, whose ranges
+are ``fp16_partitioned_groups_flat``) and re-points them as views, or, with ``offload_param``,
+into one host buffer per optimizer param group. The hooks hand that step to zeroflat:
+
+- the partitions are already back-to-back 1-D views of one storage (the loader built them so):
+  that span is the buffer, no copy, no allocation (``stats["adopted"]``);
+- otherwise zeroflat concatenates them (one rank's group, no padding) through its front door:
+  probe, planner (device or host tier), rollback; the same bytes as the release's own buffer;
+- a buffer zeroflat cannot build as the release would is the release's own, with one warning
+  saying why (``stats["fallbacks"]``).
+
+Every rank of the optimizer's data-parallel group takes the same path (one all-reduce).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+import zeroflat
+from ._comm import collective
+
+KIND = "DeepSpeedZeroOptimizer_Stage3"
+
+
+def _ds():
+    from . import deepspeed as ds  # the stats, the log and the thread state live there
+
+    return ds
+
+
+# --- what the ranks find ------------------------------------------------------------------------
+
+def _span(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The 1-D view of the storage ``tensors`` cover when they are 1-D views of it of one dtype
+    and device, back to back in this order (each starts where the previous one ends); else None.
+    Tensors without elements have no bytes and sit anywhere."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    if any(t.dtype != first.dtype or t.device != first.device or t.dim() != 1
+           or not t.is_contiguous() for t in tensors):
+        return None
+    full = [t for t in tensors if t.numel()]
+    if not full:
+        return None
+    storage = full[0].untyped_storage().data_ptr()
+    at = full[0].storage_offset()
+    base = at
+    for t in full:
+        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != at:
+            return None
+        at += t.numel()
+    return full[0].detach().as_strided((at - base,), (1,), base)
+
+
+def _why_not(tensors: List[torch.Tensor], dtype: Optional[torch.dtype] = None,
+             device: Optional[str] = None) -> Optional[str]:
+    """Why zeroflat's concatenation would not be the buffer the release builds, or None."""
+    if not tensors:
+        return "the buffer has no partitions"
+    first = tensors[0]
+    if any(t.dtype != first.dtype for t in tensors):
+        return "the partitions mix dtypes ({})".format(
+            ", ".join(sorted({str(t.dtype) for t in tensors})))
+    if dtype is not None and first.dtype != dtype:
+        return (f"the partitions are {first.dtype} and the release converts them into a "
+                f"{dtype} buffer")
+    if any(t.device != first.device for t in tensors):
+        return "the partitions are on different devices"
+    if device is not None and first.device.type != device:
+        return f"the partitions are on {first.device}, the release's buffer in {device} memory"
+    if any(t.dim() != 1 or not t.is_contiguous() for t in tensors):
+        return "a partition is not a 1-D contiguous tensor"
+    numels = [t.numel() for t in tensors]
+    if sum(numels) == 0:
+        return "the partitions have no elements"
+    try:
+        lay = zeroflat.layout(numels, 1, alignment_factor=1, dtype=first.dtype)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    at, want = 0, []
+    for n in numels:
+        want.append(at)
+        at += n
+    if lay["offsets"] != want or lay["flat_numel"] != at:
+        return "zeroflat's layout of the partitions is not their plain concatenation"
+    return None
+
+
+def _agree(process_group, adopt: bool, build: bool, tag: str) -> Tuple[bool, bool]:
+    """(every rank adopts, every rank can build): one all-reduce of two flags."""
+    import torch.distributed as dist
+
+    if process_group is None and not dist.is_initialized():
+        return adopt, build
+    if dist.get_world_size(group=process_group) == 1:
+        return adopt, build
+    device = "cpu"
+    if str(dist.get_backend(process_group)) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([int(adopt), int(build)], dtype=torch.int32, device=device)
+    collective("the ranks' agreement on how Stage 3's buffer is built (an all-reduce)",
+               process_group, tag, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN,
+                                                           group=process_group))
+    return bool(t[0].item()), bool(t[1].item())
+
+
+# --- the buffer ---------------------------------------------------------------------------------
+
+def _record(what: str, numel: int, how: str) -> None:
+    ds = _ds()
+    ds.stats["stage3"].append({"buffer": what, "numel": numel, "how": how})
+
+
+def _buffer(opt, what: str, tensors: List[torch.Tensor], release: Callable[[], torch.Tensor], *,
+            dtype: Optional[torch.dtype] = None, device: Optional[str] = None,
+            host_pins: bool = False) -> torch.Tensor:
+    """The buffer the release would build from ``tensors`` (this rank's partitions, in order),
+    each re-pointed into it as the release re-points them: adopted, built by zeroflat, or
+    ``release()``'s own."""
+    ds = _ds()
+    stats, log = ds.stats, ds.log
+    reason = _why_not(tensors, dtype, device)
+    span = _span(tensors) if reason is None else None
+    if span is not None and host_pins and not span.is_pinned():
+        span = None  # the release page-locks this buffer; a plain host span is not its buffer
+    if reason is None and host_pins:
+        reason = ("the release page-locks this host buffer and zeroflat's host buffers are not "
+                  "page-locked")
+    group = getattr(opt, "dp_process_group", None)
+    adopt, build = _agree(group, span is not None, reason is None, f"stage3-{id(opt)}-{what}")
+    if reason is None and not build:
+        reason = "another rank's partitions cannot be concatenated by zeroflat"
+    numel = sum(t.numel() for t in tensors)
+    if adopt:
+        flat = span
+        how = "adopted"
+        stats["adopted"] += 1
+        log.info("zeroflat: %s %s adopted the partitions' buffer", KIND, what)
+    elif reason is None:
+        flat, how, reason = _concatenate(tensors, what)
+        if flat is not None:
+            log.info("zeroflat: %s %s built with the %s tier", KIND, what, how)
+    if reason is not None:
+        stats["fallbacks"] += 1
+        stats["fallback_reasons"].append(f"{KIND} {what}: {reason}")
+        _record(what, numel, "release")
+        log.warning("zeroflat: %s %s built by DeepSpeed itself: %s", KIND, what, reason)
+        return release()
+    stats["groups"] += 1
+    stats["tiers"].append(how)
+    stats["optimizers"].append(KIND)
+    _record(what, numel, how)
+    at = 0
+    for t in tensors:  # as the release re-points them
+        t.data = flat.narrow(0, at, t.numel())
+        at += t.numel()
+    return flat
+
+
+def _concatenate(tensors: List[torch.Tensor], what: str):
+    """(flat, tier, None) from zeroflat's front door, or (None, None, why) with nothing moved."""
+    try:
+        fg = zeroflat.flatten_param_group(
+            tensors, None, alignment_factor=1, param_align_bytes=0, master_dtype=None,
+            trainable_only=False, check_values=False, deepspeed=None, _rebinds=True)
+    except (TypeError, ValueError, zeroflat.NoFeasiblePlan) as e:  # nothing moved
+        return None, None, str(e)
+    except zeroflat.ExecutionError as e:
+        if e.outcome != "recovered":
+            raise
+        fg = e.flat_group  # the values are safe in the completed buffer
+        _ds().log.warning("zeroflat: %s %s: %s", KIND, what, e)
+    return fg.flat, fg.tier, None
+
+
+# --- the hooks ----------------------------------------------------------------------------------
+
+def _current(opt=None):
+    cur = getattr(_ds()._state, "zero3", None)
+    return cur if opt is None or cur is opt else None
+
+
+def init_hook(original):
+    def __init__(self, *args, **kwargs):
+        state = _ds()._state
+        outer = getattr(state, "zero3", None)
+        state.zero3 = self
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            state.zero3 = outer
+
+    __init__.__wrapped__ = original
+    __init__.__zeroflat__ = True
+    return __init__
+
+
+def _defragment_hook(fn):
+    def defragment(tensors):
+        opt = _current()
+        if opt is None or getattr(opt, "offload_param", False):
+            return fn(tensors)
+        mine = [p.ds_tensor for sub_group in getattr(opt, "fp16_groups", []) for p in sub_group]
+        given = list(tensors)
+        if len(mine) != len(given) or any(a is not b for a, b in zip(mine, given)):
+            return fn(tensors)  # not the optimizer's own call during its __init__
+        return _buffer(opt, "lp_param_buffer", given, lambda: fn(tensors))
+
+    defragment.__wrapped__ = fn
+    defragment.__zeroflat__ = True
+    return defragment
+
+
+def defragment_function_hook(original):
+    """``deepspeed.runtime.zero.stage3.defragment`` (the module's name for the utility, 0.19)."""
+    return _defragment_hook(original)
+
+
+def defragment_static_hook(original):
+    """``DeepSpeedZeroOptimizer_Stage3.defragment``, a static method (up to 0.18)."""
+    return staticmethod(_defragment_hook(original.__func__))
+
+
+def _host_pins() -> bool:
+    """Whether the accelerator page-locks the host buffers it is handed (CUDA does; the CPU
+    accelerator hands them back as they are)."""
+    from deepspeed.accelerator import get_accelerator
+
+    probe = torch.empty(1)
+    return get_accelerator().pin_memory(probe) is not probe
+
+
+def cpu_memory_hook(original):
+    """``_create_param_groups_fp16_flat_cpu_memory``: with ``offload_param``, one host buffer per
+    optimizer param group, which ``_move_to_flat_buffer`` then fills sub-group by sub-group."""
+
+    def _create_param_groups_fp16_flat_cpu_memory(self):
+        if _current(self) is None:
+            return original(self)
+        groups = list(self.trainable_param_groups)
+        if getattr(self, "params_in_nvme_and_cpu", False):
+            for j in range(len(groups)):
+                why = "its parameters are offloaded to NVMe (the release sizes it by max_in_cpu)"
+                _ds().stats["fallbacks"] += 1
+                _ds().stats["fallback_reasons"].append(f"{KIND} param group {j}: {why}")
+                _record(f"param group {j}", 0, "release")
+                _ds().log.warning("zeroflat: %s param group %d built by DeepSpeed itself: %s",
+                                  KIND, j, why)
+            return original(self)
+        pins = _host_pins()
+
+        def release_one(j):
+            # The release's own function for this one group (each group's buffer depends on
+            # that group alone when nothing is on NVMe).
+            self.trainable_param_groups = [groups[j]]
+            try:
+                original(self)
+            finally:
+                self.trainable_param_groups = groups
+            return self.param_groups_fp16_flat_cpu_memory.pop()
+
+        for j, g in enumerate(groups):
+            tensors = [p.ds_tensor for p in g["params"]]
+            flat = _buffer(self, f"param group {j}", tensors, lambda j=j: release_one(j),
+                           dtype=self.dtype, device="cpu", host_pins=pins)
+            self.param_groups_fp16_flat_cpu_memory.append(flat)
+
+    _create_param_groups_fp16_flat_cpu_memory.__wrapped__ = original
+    _create_param_groups_fp16_flat_cpu_memory.__zeroflat__ = True
+    return _create_param_groups_fp16_flat_cpu_memory
+
+
+def move_hook(original):
+    """``_move_to_flat_buffer``: a partition that already is its place in the buffer is not
+    copied onto itself (the release's own ``avoid_copy``)."""
+
+    def _move_to_flat_buffer(self, param_list, flat_buffer, avoid_copy=False):
+        if flat_buffer is not None and not avoid_copy and _current(self) is not None:
+            at, size = 0, flat_buffer.element_size()
+            in_place = True
+            for p in param_list:
+                src = p.ds_tensor
+                if (src.dtype != flat_buffer.dtype or src.device != flat_buffer.device
+                        or (src.numel() and src.data_ptr() != flat_buffer.data_ptr() + at * size)):
+                    in_place = False
+                    break
+                at += src.ds_numel
+            avoid_copy = in_place
+        return original(self, param_list, flat_buffer, avoid_copy=avoid_copy)
+
+    _move_to_flat_buffer.__wrapped__ = original
+    _move_to_flat_buffer.__zeroflat__ = True
+    return _move_to_flat_buffer
+
+
+def targets() -> Tuple[list, Optional[str]]:
+    """(class or module, attribute, hook) for Stage 3 in the installed release, or ([], why not)."""
+    try:
+        from deepspeed.runtime.zero import stage3
+    except ImportError as e:
+        return [], f"deepspeed.runtime.zero.stage3 is not importable ({e})"
+    cls = getattr(stage3, "DeepSpeedZeroOptimizer_Stage3", None)
+    if cls is None:
+        return [], "it has no DeepSpeedZeroOptimizer_Stage3"
+    out = [(cls, "__init__", init_hook)]
+    if isinstance(vars(cls).get("defragment"), staticmethod):
+        out.append((cls, "defragment", defragment_static_hook))
+    elif callable(vars(stage3).get("defragment")):
+        out.append((stage3, "defragment", defragment_function_hook))
+    else:
+        return [], "its Stage 3 optimizer has no defragment step to build lp_param_buffer"
+    for name, hook in (("_create_param_groups_fp16_flat_cpu_memory", cpu_memory_hook),
+                       ("_move_to_flat_buffer", move_hook)):
+        if not callable(vars(cls).get(name)):
+            return [], f"its Stage 3 optimizer has no {name} (offload_param's buffers)"
+        out.append((cls, name, hook))
+    return out, None
