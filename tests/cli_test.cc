@@ -981,22 +981,114 @@ TEST(CliLoad, BadCheckpointsExit2AndAFailedReadExits4OnEveryRank) {
 }
 
 TEST(CliLoad, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
-  Result r =
-      run("load --model qwen3-30b-a3b --layers 48 --device sim:h100-80gb --no-data --dp 8 "
-          "--json --quiet");
-  ASSERT_EQ(r.code, 0) << r.err;
-  const json doc = json::parse(r.out);
-  ASSERT_EQ(doc["ranks"].size(), 8u);
-  std::uint64_t read = 0;
-  for (const json& e : doc["ranks"]) {
-    EXPECT_EQ(e["predicted_peak_device_bytes"], e["measured_peak_device_bytes"]);
-    EXPECT_EQ(e["measured_peak_device_bytes"], doc["flat_bytes"]);  // never a second copy
-    EXPECT_EQ(e["predicted_host_bytes"], e["host_bytes"]);
-    read += e["bytes_read"].get<std::uint64_t>();
+  // The flat buffer on every rank, and ZeRO-3's partitions (each rank's own buffer).
+  for (const std::string stage : {"", " --stage 3"}) {
+    SCOPED_TRACE(stage);
+    Result r =
+        run("load --model qwen3-30b-a3b --layers 48 --device sim:h100-80gb --no-data --dp 8" +
+            stage + " --json --quiet");
+    ASSERT_EQ(r.code, 0) << r.err;
+    const json doc = json::parse(r.out);
+    ASSERT_EQ(doc["ranks"].size(), 8u);
+    std::uint64_t read = 0;
+    for (const json& e : doc["ranks"]) {
+      EXPECT_EQ(e["predicted_peak_device_bytes"], e["measured_peak_device_bytes"]);
+      EXPECT_EQ(e["measured_peak_device_bytes"], doc["flat_bytes"]);  // never a second copy
+      EXPECT_EQ(e["predicted_host_bytes"], e["host_bytes"]);
+      read += e["bytes_read"].get<std::uint64_t>();
+    }
+    EXPECT_EQ(read, doc["checkpoint_bytes"].get<std::uint64_t>());
+    EXPECT_GT(doc["checkpoint_bytes"].get<std::uint64_t>(), 60'000'000'000u);
+    EXPECT_EQ(doc["plan"]["tier"], stage.empty() ? "load" : "load-partitions");
+    if (!stage.empty()) {
+      // Each rank's buffer is its partitions: an eighth of the model.
+      EXPECT_LT(doc["flat_bytes"].get<std::uint64_t>(),
+                doc["checkpoint_bytes"].get<std::uint64_t>() / 8 + 100'000);
+    }
   }
-  EXPECT_EQ(read, doc["checkpoint_bytes"].get<std::uint64_t>());
-  EXPECT_GT(doc["checkpoint_bytes"].get<std::uint64_t>(), 60'000'000'000u);
-  EXPECT_EQ(doc["plan"]["tier"], "load");
+  Result human =
+      run("load --stage 3 --model qwen3-30b-a3b --layers 48 --device sim:h100-80gb "
+          "--no-data --dp 8 --quiet");
+  EXPECT_NE(human.out.find("load-partitions"), std::string::npos) << human.out;
+  EXPECT_NE(human.out.find("7.63 GB / 7.63 GB"), std::string::npos) << human.out;
+}
+
+TEST(CliZero3, LayoutPrintsPartitionsSubGroupsAndEachRanksPadding) {
+  // W = 2: partitions 5 3 | 4 2 6, cut at 8: [5 3] [4 2 6]; paddings 0 0 | 1 0 1.
+  Result r = run("layout --numels 10,6/7,4,11 --dp 2 --stage 3 --sub-group-size 8 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  json doc = json::parse(r.out);
+  EXPECT_EQ(doc["stage"], 3);
+  EXPECT_EQ(doc["buffer_numel"], 20);
+  EXPECT_EQ(doc["sub_groups"], json::parse(R"([{"group":0,"params":[0,2],"offset":0,"numel":8},
+                                             {"group":1,"params":[2,3],"offset":8,"numel":12}])"));
+  EXPECT_EQ(doc["ranks"][1]["groups_padding"], json::parse("[[0,0],[1,0,1]]"));
+  EXPECT_EQ(doc["ranks"][0]["groups_padding"], json::parse("[[0,0],[0,0,0]]"));
+  EXPECT_EQ(doc["deepspeed"]["rules"], "0.19.8");
+  // The release's selection: frozen parameters, and from 0.19.8 zero-element ones, are left out.
+  r = run("layout --numels 10,0,6/7,4,11 --dp 3 --stage 3 --frozen 3 --rank 2 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  doc = json::parse(r.out);
+  EXPECT_EQ(doc["inputs"], json::parse("[0,2,4,5]"));
+  EXPECT_EQ(doc["left_out"][0], json::parse(R"({"param":1,"why":"zero elements"})"));
+  EXPECT_EQ(doc["left_out"][1], json::parse(R"({"param":3,"why":"frozen"})"));
+  EXPECT_EQ(doc["ranks"].size(), 1u);
+  EXPECT_EQ(doc["ranks"][0]["groups_padding"], json::parse("[[2,0],[2,1]]"));
+  r = run("layout --numels 10,0,6 --dp 3 --stage 3 --deepspeed 0.18.9 --json");
+  EXPECT_EQ(json::parse(r.out)["params"].size(), 3u);  // before 0.19.8: zero-element kept
+  // The table names the rules and the sub-groups.
+  r = run("layout --model tiny-moe --dp 4 --stage 3 --sub-group-size 100000");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("layout: ZeRO-3"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("ZeRO-3: partitions and sub-groups"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("groups_padding"), std::string::npos) << r.out;
+  // Options of the flat buffer, and a sub-group size without stage 3: exit 2, named.
+  for (const char* bad : {"--stage 3 --round-robin", "--stage 3 --alignment-factor 4",
+                          "--stage 3 --param-align-bytes 16", "--sub-group-size 5", "--stage 4",
+                          "--stage 3 --rank 2"}) {
+    Result b = run(std::string("layout --numels 5,6 --dp 2 ") + bad);
+    EXPECT_EQ(b.code, 2) << bad;
+    EXPECT_NE(b.err.find(std::string(bad).substr(std::string(bad).rfind("--") + 2, 5)),
+              std::string::npos)
+        << bad << ": " << b.err;
+  }
+}
+
+TEST(CliZero3, LoadReadsEachRanksPartitionsAndVerifiesThem) {
+  const std::string dir = checkpoint("zero3", "--dtype fp32 --values bf16");
+  std::uint64_t buffer = 0;
+  for (int dp = 1; dp <= 3; ++dp) {
+    SCOPED_TRACE("dp " + std::to_string(dp));
+    Result r = run("load " + dir + " --stage 3 --dtype bf16 --dp " + std::to_string(dp) +
+                   " --verify --no-ceiling --json --quiet");
+    ASSERT_EQ(r.code, 0) << r.err;
+    const json doc = json::parse(r.out);
+    EXPECT_EQ(doc["stage"], 3);
+    EXPECT_EQ(doc["plan"]["tier"], "load-partitions");
+    std::uint64_t read = 0;
+    for (const json& e : doc["ranks"]) {
+      EXPECT_EQ(e["verified"], true) << e.dump();
+      EXPECT_EQ(e["predicted_peak_device_bytes"], e["measured_peak_device_bytes"]);
+      EXPECT_EQ(e["flat_bytes"], doc["flat_bytes"]);  // the same buffer size on every rank
+      read += e["bytes_read"].get<std::uint64_t>();
+    }
+    EXPECT_EQ(read, doc["checkpoint_bytes"].get<std::uint64_t>());  // each byte once
+    if (dp == 1) buffer = doc["flat_bytes"].get<std::uint64_t>();
+    EXPECT_LE(doc["flat_bytes"].get<std::uint64_t>(),
+              buffer / dp + 2 * doc["tensors"].get<std::uint64_t>());
+  }
+  // A failed read on rank 1: exit 4 on every rank; the flat placement's plans are refused.
+  Result fail = run("load " + dir +
+                    " --stage 3 --dp 3 --inject-read-error 10000@1 --no-ceiling "
+                    "--json --quiet");
+  EXPECT_EQ(fail.code, 4) << fail.err;
+  EXPECT_NE(json::parse(fail.out)["ranks"][0]["error"].get<std::string>().find("rank 1"),
+            std::string::npos);
+  EXPECT_EQ(run("load " + dir + " --stage 3 --dp 2 --read-plan load --quiet").code, 2);
+  Result hint = run("load " + dir + " --dp 2 --read-plan load-partitions --quiet");
+  EXPECT_EQ(hint.code, 2);
+  EXPECT_NE(hint.err.find("--stage 3"), std::string::npos) << hint.err;
+  std::system(("rm -rf " + dir).c_str());
 }
 
 // The per-rank entries of run and load are the library's result documents (report.h), with the

@@ -9,7 +9,11 @@
 //                  accelerator.available_memory() holds its flat buffer, else through the host;
 //                  before, every group was copied to the host and flattened there
 //   0.19.7         zero_optimization.parameter_alignment: parameter starts padded to 16 bytes
-//   0.19.8         zero-element parameters are left out, like frozen ones
+//   0.19.8         zero-element parameters are left out, like frozen ones (by ZeRO-1/2 and by the
+//                  Stage 3 optimizer alike: is_optimized_parameter)
+//
+// ZeRO-3's partitions, its rank buffer and its sub-groups (zero3.h) are the same arithmetic in
+// every release from 0.14 on; only which parameters enter its groups follows the rules above.
 //
 // A layout "for release V" takes the group as the model has it (frozen and zero-element
 // parameters included), leaves out what V leaves out, and lays out the rest exactly as V does.

@@ -57,10 +57,13 @@ std::string plan_json(const Plan& plan, const PlanInput& input);
 // All sizes are bytes and all times seconds.
 std::string flatten_result_json(const FlattenResult& result);
 
-// One rank's load_flat_group (loader.h), the same whether the buffer fits or not:
+// One rank's load_flat_group or load_partitions (loader.h), the same whether the buffer fits or
+// not (for load_partitions, flat_bytes and partition_bytes are both the rank's own buffer's):
 //   rank                         this rank (the plan input's)
 //   tier                         the read plan chosen: "load" (this rank's slice, then an
-//                                all-gather) or "load-whole" (the whole buffer, no all-gather)
+//                                all-gather), "load-whole" (the whole buffer, no all-gather) or
+//                                "load-partitions" (load_partitions: this rank's ZeRO-3
+//                                partitions, no all-gather)
 //   outcome                      "done", or "infeasible" when the buffer does not fit (nothing
 //                                read)
 //   feasible, reason             whether it fits, and why not ("" when it does)

@@ -11,14 +11,16 @@
 //              group order, back to back, with no other padding: the same offsets on every rank
 //              (only the padding's place differs).
 //   sub-groups each group cut in order, as _create_fp16_sub_groups does: a group whose
-//              partitions add up to at most sub_group_size elements is one sub-group (an empty
-//              group too); otherwise parameters are added to the current sub-group until its
-//              partition elements reach sub_group_size (>=) or the group ends.
+//              partitions add up to at most sub_group_size elements is one sub-group; otherwise
+//              parameters are added to the current sub-group until its partition elements reach
+//              sub_group_size (>=) or the group ends. A group without parameters has none
+//              (DeepSpeed drops it before cutting: _get_trainable_parameter_groups).
 //   padding    groups_padding: per sub-group, each parameter's p * W - n on the last rank, 0 on
 //              every other (DeepSpeed records it all on the last rank, wherever it lies).
 //
-// Every DeepSpeed release from 0.14 on (release.h) partitions and cuts sub-groups this way; which
-// parameters enter the groups (frozen ones do not) is the caller's to say.
+// Every DeepSpeed release from 0.14 on partitions and cuts sub-groups this way; which parameters
+// enter the groups is the release's rule (release.h: select_for_release, frozen ones never,
+// zero-element ones not from 0.19.8) and the caller's to apply.
 //
 // Pure arithmetic on 64-bit integers: no I/O, no devices. Counts are elements of the buffer's
 // dtype unless a name says bytes.

@@ -42,13 +42,16 @@ Zero3Layout Zero3Layout::compute(std::span<const std::vector<std::uint64_t>> gro
       l.buffer_numel_ = checked_add(l.buffer_numel_, p, "the rank buffer's elements");
       group_numel += p;  // bounded by buffer_numel_, which did not overflow
     }
-    // _create_fp16_sub_groups: the whole group when it holds at most sub_group_size partition
-    // elements (an empty group included); else cut after the parameter whose partition brings
-    // the running count to sub_group_size or more, and after the group's last parameter.
+    // A group without parameters has no sub-group: DeepSpeed leaves it out of the optimizer's
+    // groups before cutting them (_get_trainable_parameter_groups).
     const std::uint64_t last = l.numels_.size();
+    if (first == last) continue;
+    // _create_fp16_sub_groups: the whole group when it holds at most sub_group_size partition
+    // elements; else cut after the parameter whose partition brings the running count to
+    // sub_group_size or more, and after the group's last parameter.
     if (options.sub_group_size >= group_numel) {
-      l.sub_groups_.push_back(Zero3SubGroup{
-          g, first, last - first, first < last ? l.offsets_[first] : l.buffer_numel_, group_numel});
+      l.sub_groups_.push_back(
+          Zero3SubGroup{g, first, last - first, l.offsets_[first], group_numel});
       continue;
     }
     Zero3SubGroup cur{g, first, 0, l.offsets_[first], 0};

@@ -11,6 +11,7 @@
 #include "zeroflat/model_source.h"
 #include "zeroflat/release.h"
 #include "zeroflat/size.h"
+#include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {
 namespace {
@@ -150,6 +151,211 @@ void print_table(const Layout& l, const std::string& source, std::optional<std::
   }
 }
 
+// --rank R, checked against the layout's ranks; none without it.
+std::optional<std::uint64_t> rank_option(const Args& args, std::uint64_t ranks) {
+  const std::optional<std::string> v = args.get("rank");
+  if (!v) return std::nullopt;
+  const std::uint64_t rank = parse_u64(*v, "--rank");
+  if (rank >= ranks) {
+    throw InvalidArgument("--rank " + std::to_string(rank) + ": the layout has ranks 0 to " +
+                          std::to_string(ranks - 1));
+  }
+  return rank;
+}
+
+// --frozen LIST as one flag per input parameter (empty without it); only a release's rules
+// leave parameters out.
+std::vector<bool> frozen_option(const Args& args, std::uint64_t inputs, bool release) {
+  const std::optional<std::string> v = args.get("frozen");
+  if (!v) return {};
+  if (!release) {
+    throw UsageError(
+        "--frozen names parameters a DeepSpeed release leaves out; zeroflat's own layout "
+        "(--deepspeed none, or options no release builds) has none: leave them out of "
+        "--numels");
+  }
+  std::vector<bool> frozen(inputs, false);
+  for (std::uint64_t i : parse_numels(*v)) {
+    if (i >= inputs) {
+      throw InvalidArgument("--frozen " + std::to_string(i) + ": the group has parameters 0 to " +
+                            std::to_string(inputs - 1));
+    }
+    frozen[i] = true;
+  }
+  return frozen;
+}
+
+// --stage 3's groups: --numels split at '/' into optimizer groups ("10,6/7,4,11"), a file's
+// list as one group, or the model's tensors as one group.
+std::vector<std::vector<std::uint64_t>> zero3_groups(const std::string& text) {
+  if (text.empty() || text[0] == '@') return {parse_numels(text)};
+  std::vector<std::vector<std::uint64_t>> groups;
+  for (std::size_t at = 0;;) {
+    const std::size_t slash = text.find('/', at);
+    groups.push_back(parse_numels(text.substr(at, slash - at)));
+    if (slash == std::string::npos) break;
+    at = slash + 1;
+  }
+  return groups;
+}
+
+// A ZeRO-3 layout as a table: the buffer, each parameter's partition (the first and last 32
+// when there are many), the sub-groups, and each rank's data (or only rank R's).
+void print_zero3_table(const Zero3Layout& l, const std::string& source,
+                       std::optional<std::uint64_t> only, const std::string& rules,
+                       const std::vector<std::uint64_t>& inputs) {
+  const Zero3Options& o = l.options();
+  const std::uint64_t es = l.element_size();
+  std::printf("layout: ZeRO-3, %s parameters (%s) in %s group(s), %s elements of %s\n",
+              format_count(l.num_params()).c_str(), printable(source).c_str(),
+              format_count(l.num_groups()).c_str(), format_count(l.numel()).c_str(),
+              std::string(dtype_name(o.dtype)).c_str());
+  std::printf(
+      "  world %llu: each parameter partitioned on its own, ceil(n / %llu) elements per "
+      "rank, the padding zero at the end of the last ranks' slices\n",
+      static_cast<unsigned long long>(o.world), static_cast<unsigned long long>(o.world));
+  std::printf("  rank buffer  %s elements, %s, on every rank (the partitions back to back)\n",
+              format_count(l.buffer_numel()).c_str(), format_bytes(l.buffer_bytes()).c_str());
+  std::printf("  sub-groups   %s, cut at sub_group_size %s partition elements\n",
+              format_count(l.sub_groups().size()).c_str(), format_count(o.sub_group_size).c_str());
+  std::printf("  rules        %s\n\n", rules.c_str());
+  // Parameters are numbered as laid out (sub-groups and paddings name them so); "input" is the
+  // index in the groups as given, before the release left any out.
+  std::printf("%8s %8s %6s %14s %12s %8s %14s\n", "param", "input", "group", "numel", "partition",
+              "padding", "offset");
+  const std::uint64_t n = l.num_params();
+  for (std::uint64_t i = 0; i < n; ++i) {
+    if (n > 64 && i == 32) {
+      std::printf("%8s (%s parameters not shown; --json lists every one)\n", "...",
+                  format_count(n - 64).c_str());
+      i = n - 32;
+    }
+    std::printf("%8llu %8llu %6llu %14llu %12llu %8llu %14llu\n",
+                static_cast<unsigned long long>(i),
+                static_cast<unsigned long long>(inputs.empty() ? i : inputs[i]),
+                static_cast<unsigned long long>(l.groups()[i]),
+                static_cast<unsigned long long>(l.numels()[i]),
+                static_cast<unsigned long long>(l.partition_numels()[i]),
+                static_cast<unsigned long long>(l.padding(i)),
+                static_cast<unsigned long long>(l.offsets()[i]));
+  }
+  std::printf("\n%9s %6s %16s %14s %14s %12s\n", "sub-group", "group", "params", "offset", "numel",
+              "bytes");
+  const std::vector<Zero3SubGroup>& subs = l.sub_groups();
+  for (std::size_t k = 0; k < subs.size(); ++k) {
+    if (subs.size() > 64 && k == 32) {
+      std::printf("%9s (%s sub-groups not shown)\n", "...", format_count(subs.size() - 64).c_str());
+      k = subs.size() - 32;
+    }
+    const Zero3SubGroup& g = subs[k];
+    const std::string params = std::to_string(g.first_param) + " +" + std::to_string(g.num_params);
+    std::printf("%9zu %6llu %16s %14llu %14llu %12s\n", k, static_cast<unsigned long long>(g.group),
+                params.c_str(), static_cast<unsigned long long>(g.offset),
+                static_cast<unsigned long long>(g.numel), format_bytes(g.numel * es).c_str());
+  }
+  std::printf("\n%6s %14s %14s  %s\n", "rank", "data", "padding", "groups_padding (nonzero)");
+  for (std::uint64_t r = only.value_or(0); r < (only ? *only + 1 : o.world); ++r) {
+    if (!only && o.world > 16 && r == 8) {
+      std::printf("%6s (%llu ranks not shown)\n", "...",
+                  static_cast<unsigned long long>(o.world - 16));
+      r = o.world - 8;
+    }
+    const std::uint64_t data = l.data_numel(r);
+    std::string pads;
+    const std::vector<std::vector<std::uint64_t>> gp = l.groups_padding(r);
+    std::uint64_t shown = 0;
+    for (std::size_t k = 0; k < gp.size(); ++k) {
+      for (std::size_t j = 0; j < gp[k].size(); ++j) {
+        if (gp[k][j] == 0) continue;
+        if (++shown > 8) continue;
+        // Appended piece by piece: GCC 12 warns (-Wrestrict, a false positive) on the chain.
+        if (!pads.empty()) pads.append(" ");
+        pads.append("param ").append(std::to_string(subs[k].first_param + j));
+        pads.append(": ").append(std::to_string(gp[k][j]));
+      }
+    }
+    if (shown > 8) pads += " ... (" + format_count(shown) + " in all)";
+    std::printf("%6llu %14llu %14llu  %s\n", static_cast<unsigned long long>(r),
+                static_cast<unsigned long long>(data),
+                static_cast<unsigned long long>(l.buffer_numel() - data),
+                pads.empty() ? "-" : pads.c_str());
+  }
+}
+
+// `zeroflat layout --stage 3`: the groups (the release's selection applied to every one), then
+// the table or the document with the rules it follows and what was left out.
+int layout_zero3(const Args& args, const StageChoice& stage) {
+  std::vector<std::vector<std::uint64_t>> groups;
+  std::string source;
+  ModelSpec model;
+  if (args.has("numels")) {
+    groups = zero3_groups(*args.get("numels"));
+    source = "from --numels";
+  } else {
+    model = model_from_args(args, "");
+    groups = {model.numels()};
+    source = model.name;
+  }
+  const LayoutOptions options =
+      layout_options_from_args(args, args.has("model") ? &model : nullptr);
+  const std::optional<ReleaseRules> rules = release_from_args(args, options);
+  // The release's selection over every input (numbered flat over the groups): frozen ones, and
+  // zero-element ones where the release leaves them out.
+  std::vector<std::uint64_t> flat;
+  for (const auto& g : groups) flat.insert(flat.end(), g.begin(), g.end());
+  const std::vector<bool> frozen = frozen_option(args, flat.size(), rules.has_value());
+  std::vector<std::uint64_t> inputs;  // input index of each parameter laid out
+  std::vector<std::pair<std::uint64_t, LeftOut>> left_out;
+  if (rules) {
+    ReleaseSelection sel = select_for_release(flat, frozen, *rules);
+    inputs = std::move(sel.kept);
+    left_out = std::move(sel.left_out);
+    std::vector<std::vector<std::uint64_t>> kept(groups.size());
+    std::uint64_t i = 0, k = 0;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (std::size_t j = 0; j < groups[g].size(); ++j, ++i) {
+        if (k < inputs.size() && inputs[k] == i) {
+          kept[g].push_back(flat[i]);
+          ++k;
+        }
+      }
+    }
+    groups = std::move(kept);
+  }
+  const Zero3Layout layout =
+      Zero3Layout::compute(groups, Zero3Options{options.dp, stage.sub_group_size, options.dtype});
+  const std::optional<std::uint64_t> rank = rank_option(args, options.dp);
+  if (!args.has("json")) {
+    std::string rules_line = rules_text(rules) + kZero3RulesNote;
+    std::string left;
+    for (const auto& [i, why] : left_out) {
+      left += (left.empty() ? "; left out: " : ", ") + std::to_string(i) + " (" +
+              std::string(left_out_name(why)) + ")";
+    }
+    print_zero3_table(layout, source, rank, rules_line + left, inputs);
+    return kExitOk;
+  }
+  // The document, with what says whose rules it follows and which inputs it holds appended.
+  HoldLastChar hold(std::cout.rdbuf());
+  std::ostream out(&hold);
+  try {
+    layout.write_json(out, rank);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(std::string(e.what()) + " with --rank R");
+  }
+  nlohmann::ordered_json tail;
+  tail["deepspeed"] = rules_doc(rules);
+  nlohmann::ordered_json left = nlohmann::ordered_json::array();
+  for (const auto& [i, why] : left_out) {
+    left.push_back({{"param", i}, {"why", std::string(left_out_name(why))}});
+  }
+  tail["left_out"] = std::move(left);
+  tail["inputs"] = inputs.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(inputs);
+  // The document's closing brace is held back: the tail's fields close it.
+  std::cout << ',' << tail.dump().substr(1) << '\n';
+  return kExitOk;
+}
+
 }  // namespace
 
 int subcommand_layout(const std::vector<std::string>& argv) {
@@ -160,12 +366,18 @@ int subcommand_layout(const std::vector<std::string>& argv) {
            "release does (--deepspeed latest; from 0.19.8 zero-element parameters are left out\n"
            "of the group), or as --deepspeed V does. --deepspeed none prints zeroflat's own\n"
            "layout (docs/layout.md: every parameter in place, zero-element ones included).\n"
+           "With --stage 3, prints ZeRO-3's instead: each parameter partitioned on its own\n"
+           "(p = ceil(n / dp) elements per rank, the padding zero at the end), every rank's\n"
+           "partitions back to back as DeepSpeedZeroOptimizer_Stage3's buffer, its sub-groups\n"
+           "(cut at --sub-group-size partition elements, as _create_fp16_sub_groups cuts\n"
+           "them) and each rank's groups_padding; --numels 10,6/7,4,11 gives optimizer groups.\n"
            "Every printout says which rules it follows.");
   p.option("numels", "LIST",
            "element counts in group order: 5,7,3 or @FILE (one per line, or a "
            "JSON list)");
   add_model_options(p, "");
   add_layout_options(p);
+  add_stage_options(p);
   p.option("frozen", "LIST",
            "with --deepspeed: the indices of frozen parameters (requires_grad False), which "
            "DeepSpeed leaves out of the group: 1,4 or @FILE");
@@ -177,7 +389,9 @@ int subcommand_layout(const std::vector<std::string>& argv) {
       "  zeroflat layout --numels 5,7,3 --dp 4\n"
       "  zeroflat layout --numels 5,7,3,4,6 --dp 2 --round-robin --json\n"
       "  zeroflat layout --numels 8,0,24 --dp 2 --deepspeed none --json\n"
-      "  zeroflat layout --model tiny-moe --dp 8 --param-align-bytes 16");
+      "  zeroflat layout --model tiny-moe --dp 8 --param-align-bytes 16\n"
+      "  zeroflat layout --numels 10,6/7,4,11 --dp 2 --stage 3 --sub-group-size 8\n"
+      "  zeroflat layout --model qwen3-30b-a3b --layers 2 --dp 8 --stage 3 --rank 7 --json");
   std::optional<Args> parsed = p.parse_or_help(argv);
   if (!parsed) return kExitOk;
   const Args& args = *parsed;
@@ -190,6 +404,8 @@ int subcommand_layout(const std::vector<std::string>& argv) {
   if (!model_given && (args.has("layers") || args.has("experts"))) {
     throw UsageError("--layers and --experts go with --model");
   }
+  const StageChoice stage = stage_from_args(args);
+  if (stage.zero3) return layout_zero3(args, stage);
   std::vector<std::uint64_t> numels;
   std::string source;
   ModelSpec model;
@@ -213,34 +429,11 @@ int subcommand_layout(const std::vector<std::string>& argv) {
                    std::string(e.what()) + ")";
     }
   }
-  std::vector<bool> frozen;
-  if (auto v = args.get("frozen")) {
-    if (!rules) {
-      throw UsageError(
-          "--frozen names parameters a DeepSpeed release leaves out; zeroflat's own layout "
-          "(--deepspeed none, or options no release builds) has none: leave them out of "
-          "--numels");
-    }
-    frozen.assign(numels.size(), false);
-    for (std::uint64_t i : parse_numels(*v)) {
-      if (i >= numels.size()) {
-        throw InvalidArgument("--frozen " + std::to_string(i) + ": the group has parameters 0 to " +
-                              std::to_string(numels.size() - 1));
-      }
-      frozen[i] = true;
-    }
-  }
+  const std::vector<bool> frozen = frozen_option(args, numels.size(), rules.has_value());
   std::optional<ReleaseLayout> release;
   if (rules) release = layout_for_release(numels, frozen, options, *rules);
   const Layout layout = release ? release->layout : Layout::compute(numels, options);
-  std::optional<std::uint64_t> rank;
-  if (auto v = args.get("rank")) {
-    rank = parse_u64(*v, "--rank");
-    if (*rank >= options.dp) {
-      throw InvalidArgument("--rank " + std::to_string(*rank) + ": the layout has ranks 0 to " +
-                            std::to_string(options.dp - 1));
-    }
-  }
+  const std::optional<std::uint64_t> rank = rank_option(args, options.dp);
   if (args.has("json")) {
     try {
       if (release) {

@@ -27,7 +27,12 @@ int subcommand_load(const std::vector<std::string>& argv) {
            "buffer. The group is every floating-point tensor of the checkpoint, in the order\n"
            "`--model CHECKPOINT` uses elsewhere. Reports the bytes each rank read, GB/s against\n"
            "a sequential read of the same files measured in the same run, whether the bytes\n"
-           "came from the page cache, and the device peak predicted and measured.");
+           "came from the page cache, and the device peak predicted and measured.\n"
+           "With --stage 3 each rank keeps only its own ZeRO-3 partition of every parameter\n"
+           "(p = ceil(n / dp) elements, the last ranks' padding zero), back to back as\n"
+           "DeepSpeed's Stage 3 optimizer holds them: it reads only those bytes, with no\n"
+           "all-gather (read plan load-partitions), and --verify checks every partition\n"
+           "against its tensors read whole.");
   add_load_options(p);
   p.allow_positionals(1);
   p.epilog(
@@ -37,7 +42,10 @@ int subcommand_load(const std::vector<std::string>& argv) {
       "  zeroflat load /tmp/ck --dp 2 --dtype fp16 --round-robin --cold --json\n"
       "  mpirun -n 3 zeroflat load /tmp/ck --comm mpi --verify\n"
       "  zeroflat load --model qwen3-30b-a3b --layers 48 --device sim:h100-80gb --no-data --dp "
-      "8\n\n"
+      "8\n"
+      "  zeroflat load /tmp/ck --dp 3 --stage 3 --verify\n"
+      "  zeroflat load --stage 3 --model qwen3-30b-a3b --layers 48 --device sim:h100-80gb "
+      "--no-data --dp 8\n\n"
       "Exit codes: 0 loaded; 1 the buffer does not hold the checkpoint's values (--verify);\n"
       "2 bad arguments or a bad checkpoint (named before anything is read), or ranks that\n"
       "disagree; 3 the buffer does not fit (nothing read); 4 a read failed midway (every rank\n"

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <span>
 #include <string>
 
 #include "cli/common.h"
@@ -10,6 +11,7 @@
 #include "zeroflat/error.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
+#include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {
 namespace {
@@ -80,6 +82,7 @@ void add_load_options(Parser& p) {
            "the buffer's");
   add_placement_options(p, "the buffer lives", "nothing is read");
   add_layout_options(p);
+  add_stage_options(p);
   p.option("margin", "SIZE", "device bytes the plan never uses", "min(3% of capacity, 1 GiB)");
   p.option("threads", "N", "reader threads per rank", "cores / ranks on this host");
   p.option("ring", "SIZE", "devices the host cannot write: the size of each pinned staging chunk",
@@ -92,7 +95,9 @@ void add_load_options(Parser& p) {
            "who reads what: load (each rank reads its slice, one all-gather completes the "
            "buffers; each node reads 1/nodes of the checkpoint), load-whole (each rank reads "
            "the whole buffer from its node's page cache, no all-gather), or auto (the faster by "
-           "the cost model, from the nodes = ranks / ranks per host, and --storage)",
+           "the cost model, from the nodes = ranks / ranks per host, and --storage); with "
+           "--stage 3 the one plan is load-partitions (each rank reads only its own partition "
+           "of every parameter, no all-gather)",
            "auto");
   p.option("storage", "SIZE",
            "the read bandwidth, per second, of storage all nodes share (a network file system), "
@@ -125,16 +130,22 @@ LoadConfig load_config_from_args(const Args& args) {
   cfg.placement =
       placement_from_args(args, args.get("dp") ? parse_u64(*args.get("dp"), "--dp") : 1);
   cfg.cold = args.has("cold");
+  cfg.stage = stage_from_args(args);
   if (auto v = args.get("read-plan"); v && *v != "auto") {
-    std::optional<Tier> t;
-    for (Tier plan : kReadPlans) {
-      if (*v == tier_name(plan)) t = plan;
+    const std::span<const Tier> plans = cfg.stage.zero3 ? std::span<const Tier>(kPartitionReadPlans)
+                                                        : std::span<const Tier>(kReadPlans);
+    for (Tier plan : plans) {
+      if (*v == tier_name(plan)) cfg.read_plan = plan;
     }
-    if (!t) {
-      throw InvalidArgument("--read-plan '" + printable(*v) +
-                            "': expected auto, load or load-whole");
+    if (!cfg.read_plan) {
+      throw InvalidArgument(
+          "--read-plan '" + printable(*v) + "': expected " +
+          (cfg.stage.zero3 ? std::string("auto or load-partitions (--stage 3 reads partitions)")
+                           : std::string("auto, load or load-whole") +
+                                 (*v == tier_name(Tier::kLoadPartitions)
+                                      ? " (load-partitions is ZeRO-3's: add --stage 3)"
+                                      : "")));
     }
-    cfg.read_plan = t;
   }
   if (auto v = args.get("storage")) {
     cfg.storage = static_cast<double>(parse_size(*v));
@@ -243,7 +254,8 @@ std::string load_memory_shortfall(const LoadConfig& cfg) {
   std::vector<std::uint64_t> numels;
   numels.reserve(cfg.params.size());
   for (const LoadParam& p : cfg.params) numels.push_back(shape_numel(p.shape));
-  const Layout layout = Layout::compute(numels, cfg.options);
+  const Layout layout = cfg.stage.zero3 ? zero3_buffer_layout(numels, cfg.options)
+                                        : Layout::compute(numels, cfg.options);
   // The buffer, the ceiling's scratch (about this rank's share of the files), a verify's
   // largest tensor.
   std::uint64_t largest = 0;

@@ -40,6 +40,8 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   lo.release = cfg.release;
   lo.must_match = "source " + cfg.source + ", device " + pl.device_spec + ", comm " + pl.comm +
                   ", threads " + std::to_string(cfg.threads) + (cfg.verify ? ", verify" : "") +
+                  (cfg.stage.zero3 ? ", sub-groups " + std::to_string(cfg.stage.sub_group_size)
+                                   : std::string()) +
                   (cfg.ceiling ? ", ceiling" : "");
   if (cfg.fail_after && rank == cfg.fail_rank) lo.fail_after_bytes = cfg.fail_after;
 
@@ -57,7 +59,9 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   };
   const bool with_ceiling = cfg.ceiling && !pl.no_data;
   if (with_ceiling) {
-    ceiling_bytes = partition_read_bytes(cfg.ck, cfg.params, cfg.options, rank);
+    ceiling_bytes = cfg.stage.zero3
+                        ? partitions_read_bytes(cfg.ck, cfg.params, cfg.options.dp, rank)
+                        : partition_read_bytes(cfg.ck, cfg.params, cfg.options, rank);
     measure_ceiling();
   }
   LoadResult res;
@@ -65,7 +69,8 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
                      format_bytes(cfg.checkpoint_bytes),
                  0);
   try {
-    res = load_flat_group(cfg.ck, cfg.params, *device, comm, lo);
+    res = (cfg.stage.zero3 ? load_partitions : load_flat_group)(cfg.ck, cfg.params, *device, comm,
+                                                                lo);
   } catch (const InvalidArgument&) {
     throw;  // bad input, the same verdict on every rank: exit 2
   } catch (const Error& err) {
@@ -101,7 +106,10 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   }
   if (cfg.verify) {
     progress.begin("verify against every tensor read whole", 0);
-    const std::string failure = verify_loaded(cfg.ck, cfg.params, *device, res.group);
+    const std::string failure =
+        cfg.stage.zero3
+            ? verify_partitions(cfg.ck, cfg.params, *device, res.group, cfg.options.dp, rank)
+            : verify_loaded(cfg.ck, cfg.params, *device, res.group);
     progress.end();
     e["verified"] = failure.empty();
     if (!failure.empty()) {

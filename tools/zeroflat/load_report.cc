@@ -9,6 +9,7 @@
 #include "cli/load.h"
 #include "zeroflat/loader.h"
 #include "zeroflat/size.h"
+#include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {
 namespace {
@@ -17,6 +18,17 @@ std::string fixed(double v, int digits) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", digits, v);
   return buf;
+}
+
+// How many sub-groups Stage 3 cuts the loaded group into (one optimizer group).
+std::uint64_t zero3_sub_groups(const LoadConfig& cfg) {
+  std::vector<std::uint64_t> numels;
+  for (const LoadParam& p : cfg.params) numels.push_back(shape_numel(p.shape));
+  const std::vector<std::vector<std::uint64_t>> groups = {numels};
+  return Zero3Layout::compute(
+             groups, Zero3Options{cfg.options.dp, cfg.stage.sub_group_size, cfg.options.dtype})
+      .sub_groups()
+      .size();
 }
 
 }  // namespace
@@ -91,6 +103,9 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
     doc["checkpoint_bytes"] = cfg.checkpoint_bytes;
     doc["dtype"] = std::string(dtype_name(cfg.options.dtype));
     doc["dp"] = cfg.options.dp;
+    doc["stage"] = cfg.stage.zero3 ? 3 : 2;
+    doc["sub_group_size"] = cfg.stage.zero3 ? Json(cfg.stage.sub_group_size) : Json();
+    doc["sub_groups"] = cfg.stage.zero3 ? Json(zero3_sub_groups(cfg)) : Json();
     doc["round_robin"] = cfg.options.round_robin;
     doc["deepspeed"] = rules_doc(cfg.release);
     doc["device"] = cfg.placement.device_spec;
@@ -115,13 +130,21 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
     return;
   }
   std::printf(
-      "%s %s: %zu tensors in %zu file(s), %s as stored; %s buffers of %s, dp %llu%s, on %s\n",
+      "%s %s: %zu tensors in %zu file(s), %s as stored; %s buffers of %s%s, dp %llu%s, on %s\n",
       cfg.rehearsal ? "rehearsed" : "loaded", printable(cfg.source).c_str(), cfg.params.size(),
       cfg.ck.files.size(), format_bytes(cfg.checkpoint_bytes).c_str(),
       std::string(dtype_name(cfg.options.dtype)).c_str(), format_bytes(flat_bytes).c_str(),
+      cfg.stage.zero3 ? " (ZeRO-3: each rank's own partitions)" : "",
       static_cast<unsigned long long>(cfg.options.dp),
       cfg.options.round_robin ? " (round-robin)" : "", cfg.placement.device_spec.c_str());
-  std::printf("layout: %s\n", rules_text(cfg.release).c_str());
+  if (cfg.stage.zero3) {
+    std::printf("layout: %s%s; %llu sub-group(s) at sub_group_size %s\n",
+                rules_text(cfg.release).c_str(), kZero3RulesNote,
+                static_cast<unsigned long long>(zero3_sub_groups(cfg)),
+                format_count(cfg.stage.sub_group_size).c_str());
+  } else {
+    std::printf("layout: %s\n", rules_text(cfg.release).c_str());
+  }
   // The read plan, the same on every rank (the first entry that has one says it).
   for (const Json& e : entries) {
     if (e.contains("read_plans") && e["read_plans"].contains("reason")) {

@@ -135,6 +135,46 @@ void add_layout_options(Parser& parser) {
                 "layout no release builds");
 }
 
+void add_stage_options(Parser& parser) {
+  parser.option("stage", "S",
+                "the ZeRO stage: 1 or 2 (DeepSpeedZeroOptimizer's flat buffer, the same layout "
+                "for both) or 3 (each parameter partitioned on its own over the --dp ranks, "
+                "p = ceil(n / dp) elements each, every rank's partitions back to back as "
+                "DeepSpeedZeroOptimizer_Stage3's buffer, cut into sub-groups)",
+                "2");
+  parser.option("sub-group-size", "N",
+                "with --stage 3: zero_optimization.sub_group_size, the partition elements at "
+                "which Stage 3 closes a sub-group",
+                "1000000000, DeepSpeed's");
+}
+
+StageChoice stage_from_args(const Args& args) {
+  StageChoice out;
+  if (auto v = args.get("stage")) {
+    const std::uint64_t stage = parse_u64(*v, "--stage");
+    if (stage < 1 || stage > 3) {
+      throw InvalidArgument("--stage " + printable(*v) + ": expected 1, 2 or 3");
+    }
+    out.zero3 = stage == 3;
+  }
+  if (auto v = args.get("sub-group-size")) {
+    if (!out.zero3) {
+      throw InvalidArgument("--sub-group-size cuts ZeRO-3's sub-groups: it needs --stage 3");
+    }
+    out.sub_group_size = parse_u64(*v, "--sub-group-size");
+  }
+  if (out.zero3) {
+    for (const char* o : {"round-robin", "alignment-factor", "param-align-bytes"}) {
+      if (args.has(o)) {
+        throw InvalidArgument(std::string("--") + o +
+                              " shapes ZeRO-1/2's flat buffer; --stage 3 pads each parameter "
+                              "to the ranks and packs the partitions back to back");
+      }
+    }
+  }
+  return out;
+}
+
 std::optional<ReleaseRules> release_from_args(const Args& args, const LayoutOptions& options) {
   if (auto v = args.get("deepspeed")) {
     if (*v == "none") return std::nullopt;

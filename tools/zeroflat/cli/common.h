@@ -11,6 +11,7 @@
 #include "zeroflat/layout.h"
 #include "zeroflat/model.h"
 #include "zeroflat/release.h"
+#include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {
 
@@ -42,6 +43,22 @@ LayoutOptions layout_options_from_args(const Args& args, const ModelSpec* model 
 // (--alignment-factor other than 2, --param-align-bytes other than 0 or 16): those are
 // zeroflat's own. InvalidArgument for a release given explicitly whose rules refuse the options.
 std::optional<ReleaseRules> release_from_args(const Args& args, const LayoutOptions& options);
+// --stage, --sub-group-size.
+void add_stage_options(Parser& parser);
+// Which layout the options ask for: ZeRO-3's partitions (--stage 3, zero3.h) with its
+// sub_group_size, or ZeRO-1/2's flat buffer (--stage 1 or 2, the default: one layout). With
+// --stage 3, the flat layout's options Stage 3 has no use for (--round-robin,
+// --alignment-factor, --param-align-bytes) are InvalidArgument naming them, and so is
+// --sub-group-size without it.
+struct StageChoice {
+  bool zero3 = false;
+  std::uint64_t sub_group_size = kDefaultSubGroupSize;
+};
+StageChoice stage_from_args(const Args& args);
+// What a ZeRO-3 printout adds to its rules line (rules_text): no release rule changes them.
+inline constexpr const char* kZero3RulesNote =
+    "; ZeRO-3: partitions and sub-groups as every release from 0.14 cuts them";
+
 // "DeepSpeed 0.19.8's rules" or "zeroflat's own layout (--deepspeed none)", for printouts.
 std::string rules_text(const std::optional<ReleaseRules>& rules);
 // The "deepspeed" field of a document: {release, rules, tested}, or null for zeroflat's own.

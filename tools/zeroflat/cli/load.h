@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cli/args.h"
+#include "cli/common.h"
 #include "cli/progress.h"
 #include "cli/ranks.h"
 #include "zeroflat/checkpoint.h"
@@ -31,6 +32,7 @@ struct LoadConfig {
   std::uint64_t checkpoint_bytes = 0;  // of the tensors loaded, as stored
   LayoutOptions options;
   std::optional<ReleaseRules> release;  // the DeepSpeed release the group follows, if any
+  StageChoice stage;  // --stage 3: ZeRO-3's partitions (load_partitions), else the flat buffer
   Placement placement;
   std::optional<std::uint64_t> margin;
   unsigned threads = 0;
