@@ -295,7 +295,6 @@ CASES = {
         ("bf16", False, True), ("fp16", True, True)],
     3: [("bf16", False, False), ("fp16", False, True), ("bf16", True, True)],
 }
-REDUCED_CASES = [("bf16", False, False), ("fp16", True, True)]
 
 
 def worker(rank, world, port):
@@ -305,10 +304,9 @@ def worker(rank, world, port):
     # fp16 on any CPU, and the comparison needs only the two runs to do the same.
     accel = deepspeed.accelerator.get_accelerator()
     accel.is_fp16_supported = lambda: True
-    if REDUCED:
-        for case in REDUCED_CASES:
-            compare(rank, world, case)
-        check_adoption(rank, world, ("bf16", False, False))
+    if REDUCED:  # each hook of the release once: built, adopted, handed back
+        compare(rank, world, ("bf16", False, False))
+        check_adoption(rank, world, ("fp16", True, True))
         check_fallback(rank, world, ("bf16", True, False))
     else:
         for case in CASES[world]:
