@@ -244,7 +244,8 @@ def cpu_memory_hook(original):
     def _create_param_groups_fp16_flat_cpu_memory(self):
         if _current(self) is None:
             return original(self)
-        groups = list(self.trainable_param_groups)
+        own = self.trainable_param_groups
+        groups = list(own)
         if getattr(self, "params_in_nvme_and_cpu", False):
             for j in range(len(groups)):
                 why = "its parameters are offloaded to NVMe (the release sizes it by max_in_cpu)"
@@ -263,7 +264,7 @@ def cpu_memory_hook(original):
             try:
                 original(self)
             finally:
-                self.trainable_param_groups = groups
+                self.trainable_param_groups = own
             return self.param_groups_fp16_flat_cpu_memory.pop()
 
         for j, g in enumerate(groups):
