@@ -30,12 +30,22 @@ from test_hf import equal, free_port, tiny_dense, tiny_moe, train, write  # noqa
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+def tiny_gemma():
+    """Gemma 2 keeps a buffer (embed_scale) made by torch.tensor, which zero.Init makes in
+    DeepSpeed's dtype."""
+    from transformers import Gemma2Config
+
+    return Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
 @pytest.fixture(scope="module")
 def checkpoints():
     root = tempfile.mkdtemp(prefix="zeroflat-hf3-")
     out = {
         "moe": write(tiny_moe(), os.path.join(root, "moe"), torch.bfloat16),
         "dense_tied": write(tiny_dense(), os.path.join(root, "dense"), torch.bfloat16),
+        "gemma_buffer": write(tiny_gemma(), os.path.join(root, "gemma"), torch.bfloat16),
         "root": root,
     }
     yield out
@@ -121,7 +131,8 @@ def equality_worker(rank, world, port, checkpoints):
     def no_norms(model):  # the norms in no group: in the buffer of the other parameters
         return [[n for n, _ in model.named_parameters() if "norm" not in n]]
 
-    cases = [("moe", "bf16", "trainer"), ("dense_tied", "fp16", no_norms)]
+    cases = [("moe", "bf16", "trainer"), ("dense_tied", "fp16", no_norms),
+             ("gemma_buffer", "fp16", "trainer")]
     for name, dtype, groups in cases:
         where = f"world {world} rank {rank} {name} {dtype}"
         ref, ours = load_both(checkpoints[name], ds3(dtype), param_groups=groups)

@@ -107,7 +107,8 @@ class _Order:
     among the module's own parameters. Parameters replaced afterwards (tied weights) keep their
     number used, as under ``zero.Init``."""
 
-    def __init__(self):
+    def __init__(self, then=None):
+        self.then = then
         self.slots: Dict[Tuple[int, str], int] = {}
         self.count = 0
         self.modules: List[torch.nn.Module] = []  # alive, so that their ids stay theirs
@@ -121,6 +122,8 @@ class _Order:
             seen.add(id(p))
             self.slots[(id(module), name)] = self.count
             self.count += 1
+        if self.then is not None:
+            self.then(module)
 
     def index(self, model: torch.nn.Module, name: str) -> Optional[int]:
         module_name, _, attr = name.rpartition(".")
@@ -138,11 +141,11 @@ def _subclasses(cls) -> List[type]:
 
 
 @contextlib.contextmanager
-def construction_order():
+def construction_order(then=None):
     """While a model is constructed inside, the completion of every module's construction is
     recorded in an ``_Order`` (each module class's ``__init__`` wrapped, also of classes defined
-    inside; the outermost call per module counts)."""
-    order = _Order()
+    inside; the outermost call per module counts), and ``then(module)`` called."""
+    order = _Order(then)
     entered: set = set()
     wrapped: List[Tuple[type, Any]] = []
 
@@ -242,10 +245,53 @@ def _partition_numel(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
-def build_meta(build):
-    """``build()`` (the model's construction) without memory and without initialization, with
-    the order ``zero.Init`` would have numbered its parameters in."""
-    with transformers_zero_init_off(), construction_order() as order, meta_parameters():
+_CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+
+
+@contextlib.contextmanager
+def zero_init_tensors(init):
+    """While a model is constructed inside, tensors are made as inside ``zero.Init``
+    (Transformers' way): DeepSpeed's own wrappers of torch's constructors give floating-point
+    tensors ``init``'s dtype (``torch.arange`` excepted, as Transformers excepts it), so that
+    the buffers are what ``zero.Init`` makes; where the release can say so, without moving
+    them to the device (the parameters go to the meta device, the buffers later)."""
+    add = getattr(init, "_add_tensor_creation_wrappers", None)
+    if add is None:
+        yield
+        return
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    except ImportError:
+        prevent_arange_dtype_change = contextlib.nullcontext
+    saved = {name: getattr(torch, name) for name in _CONSTRUCTORS}
+    had_new = "__new__" in torch.Tensor.__dict__
+    saved_new = torch.Tensor.__dict__.get("__new__")
+    overrides = getattr(init, "tensor_overrides", None)
+    with prevent_arange_dtype_change():
+        if overrides is not None:
+            init.tensor_overrides = [o for o in overrides if getattr(o, "name", "") == "dtype"]
+        try:
+            add()
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(torch, name, fn)
+            if had_new:
+                torch.Tensor.__new__ = saved_new
+            elif "__new__" in torch.Tensor.__dict__:
+                del torch.Tensor.__new__
+            if overrides is not None:
+                init.tensor_overrides = overrides
+
+
+def build_meta(build, init):
+    """``build()`` (the model's construction) without memory and without initialization, its
+    tensors made as inside ``init`` (DeepSpeed's ``zero.Init``), with the order ``zero.Init``
+    would have numbered its parameters in; each module's buffers that the release keeps in
+    fp32 (``zero.Init._keep_in_fp32``, where it has it) as it keeps them."""
+    keep = getattr(init, "_keep_in_fp32", None)
+    with transformers_zero_init_off(), zero_init_tensors(init), \
+            construction_order(keep) as order, meta_parameters():
         model = build()
     return model, order
 

@@ -173,7 +173,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
         process_group = init.ds_process_group
         if dist.get_world_size(process_group) == 1:
             process_group = None
-        model, order = _zero3.build_meta(build)
+        model, order = _zero3.build_meta(build, init)
         loaded = _zero3.load(model, order, path, init, process_group, param_groups=param_groups,
                              dtype=init.dtype, cold=cold, threads=threads)
         model.eval()
