@@ -25,7 +25,8 @@ import zeroflat.hf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from reference import init_deepspeed_rank  # noqa: E402
-from test_hf import equal, free_port, tiny_dense, tiny_moe, train, write  # noqa: E402
+from test_hf import (equal, free_port, optimizer_for, tiny_dense, tiny_moe, train,  # noqa: E402
+                     write)
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -208,29 +209,32 @@ def trainer_script(path, mode, out):
     return losses, model
 
 
-def engine_of(model, config):
+def engine_of(model, config, trainer_groups):
     import deepspeed
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, opt, _, _ = deepspeed.initialize(model=model, config=config,
+                                             optimizer=optimizer_for(model, trainer_groups))
     return engine, opt
 
 
-def engine_case(path, config, rank, where):
+def engine_case(path, config, rank, where, trainer_groups):
     """deepspeed.initialize on Transformers' ZeRO-3 model and on zeroflat's (the drop-in in
-    place): the same flat partitions and fp32 partitions, the loaded buffer adopted, the same
-    losses and partitions after three steps."""
+    place), one group or the Trainer's two: the same flat partitions and fp32 partitions, the
+    loaded buffer adopted (with offload_param, each group's part of it), the same losses and
+    partitions after three steps."""
     import zeroflat.deepspeed as zd
 
-    ref, ours = load_both(path, config, param_groups=None)
-    plain, po = engine_of(ref, config)
+    ref, ours = load_both(path, config, param_groups="trainer" if trainer_groups else None)
+    plain, po = engine_of(ref, config, trainer_groups)
     before = dict(zd.stats)
     with zd.installed():
-        mine, oo = engine_of(ours, config)
-    assert zd.stats["adopted"] > before["adopted"], (where, zd.stats)
+        mine, oo = engine_of(ours, config, trainer_groups)
+    offload = "offload_param" in config["zero_optimization"]
+    adopted = len(oo.optimizer.param_groups) if offload else 1
+    assert zd.stats["adopted"] == before["adopted"] + adopted, (where, zd.stats)
     assert zd.stats["fallbacks"] == before["fallbacks"], (where, zd.stats["fallback_reasons"])
     # Without offload_param the engine's buffer is the loaded one, as it is.
-    if "offload_param" not in config["zero_optimization"]:
+    if not offload:
         assert oo.fp16_partitioned_groups_flat[0].data_ptr() == ours.zeroflat_zero3.flat.data_ptr()
     assert len(po.fp16_partitioned_groups_flat) > 1, where  # several sub-groups
     assert equal(po.fp16_partitioned_groups_flat, oo.fp16_partitioned_groups_flat), where
@@ -269,9 +273,9 @@ def trainer_worker(rank, world, port, checkpoints, out):
     del ref, ours
 
     engine_case(checkpoints["dense_tied"], ds3(sub_group_size=3000), rank,
-                f"rank {rank} tied initialize")
+                f"rank {rank} tied initialize", False)
     engine_case(path, ds3(sub_group_size=20000, offload_param={"device": "cpu"}), rank,
-                f"rank {rank} moe offload_param initialize")
+                f"rank {rank} moe offload_param initialize", True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
