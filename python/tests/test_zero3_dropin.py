@@ -109,6 +109,11 @@ def build(case, drop_in, prepare=None):
     return engine, opt
 
 
+def snapshot():
+    """zd.stats as it is now (its lists copied)."""
+    return {k: list(v) if isinstance(v, list) else v for k, v in zd.stats.items()}
+
+
 def same(a, b):
     return len(a) == len(b) and all(
         (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
@@ -176,7 +181,7 @@ def compare(rank, world, case):
     """One configuration: DeepSpeed alone, then with the drop-in, from the same zero.Init."""
     where = f"{RELEASE} world {world} rank {rank} {case}"
     plain, po = build(case, False)
-    before = dict(zd.stats)
+    before = snapshot()
     dropped, do = build(case, True)
     n_buffers = len(buffers(po)) if buffers(po) else 1
     assert zd.stats["fallbacks"] == before["fallbacks"], (where, zd.stats["fallback_reasons"])
@@ -227,7 +232,7 @@ def check_adoption(rank, world, case, only_rank=None):
     rank; when one rank's are not (only_rank), no rank adopts and zeroflat builds them all."""
     where = f"{RELEASE} world {world} rank {rank} adoption {case} only_rank {only_rank}"
     plain, po = build(case, False)
-    before = dict(zd.stats)
+    before = snapshot()
     adopt = only_rank is None
     prepare = back_to_back if only_rank in (None, rank) else None
     dropped, do = build(case, True, prepare=prepare)
@@ -239,6 +244,9 @@ def check_adoption(rank, world, case, only_rank=None):
     assert zd.stats["fallbacks"] == before["fallbacks"], (where, zd.stats["fallback_reasons"])
     got = buffers(do) or [do.fp16_partitioned_groups_flat[0]]
     assert ([b.data_ptr() for b in got] == [m.data_ptr() for m in made]) == adopt, where
+    said = zd.stats["not_adopted"][len(before["not_adopted"]):]
+    assert len(said) == (n_buffers if only_rank == rank else 0), (where, said)
+    assert all("another rank's partitions" in m for m in said), (where, said)
     assert same(buffers(po), buffers(do)), where
     assert same(po.fp16_partitioned_groups_flat, do.fp16_partitioned_groups_flat), where
     assert same(po.fp32_partitioned_groups_flat, do.fp32_partitioned_groups_flat), where
@@ -269,7 +277,7 @@ def check_fallback(rank, world, case):
     seen = _Warnings()
     logger = logging.getLogger("zeroflat.deepspeed")
     logger.addHandler(seen)
-    before = dict(zd.stats)
+    before = snapshot()
     zeroflat.flatten_param_group = nothing_fits
     try:
         dropped, do = build(case, True)
@@ -372,3 +380,38 @@ def test_a_stage3_without_its_steps_is_left_to_deepspeed(monkeypatch):
         logging.getLogger("zeroflat.deepspeed").removeHandler(seen)
     assert refused and RELEASE in refused and "no defragment step" in refused
     assert any(refused in m for m in seen.messages)
+
+
+def test_buffers_adopted_built_and_handed_back():
+    """One rank, no DeepSpeed: partitions back to back in one storage are that storage; in one
+    storage but out of order, a new buffer in the order given and one warning; separate ones, a
+    new buffer and no warning; mixed dtypes, the release's own function and one warning."""
+    import types
+    from zeroflat import _stage3
+
+    opt = types.SimpleNamespace(dp_process_group=None)
+    storage = torch.arange(10, dtype=torch.bfloat16)
+    parts = [storage[0:3], storage[3:3], storage[3:7], storage[7:10]]
+    before = snapshot()
+    flat = _stage3._buffer(opt, "b2b", parts, lambda: pytest.fail("handed back"))
+    assert flat.data_ptr() == storage.data_ptr() and flat.numel() == 10
+    assert zd.stats["adopted"] == before["adopted"] + 1
+    assert parts[2].data_ptr() == storage[3:].data_ptr()
+    swapped = [storage[5:10], storage[0:5]]
+    flat = _stage3._buffer(opt, "swapped", swapped, lambda: pytest.fail("handed back"))
+    assert flat.data_ptr() != storage.data_ptr()
+    assert torch.equal(flat, torch.cat([torch.arange(5, 10), torch.arange(5)]).bfloat16())
+    assert swapped[1].data_ptr() == flat.data_ptr() + 5 * 2
+    said = zd.stats["not_adopted"][len(before["not_adopted"]):]
+    assert len(said) == 1 and "not back to back in the optimizer's order" in said[0], said
+    separate = [torch.ones(3, dtype=torch.float16), torch.zeros(2, dtype=torch.float16)]
+    flat = _stage3._buffer(opt, "separate", separate, lambda: pytest.fail("handed back"))
+    assert torch.equal(flat, torch.tensor([1, 1, 1, 0, 0], dtype=torch.float16))
+    assert len(zd.stats["not_adopted"]) == len(before["not_adopted"]) + 1
+    mixed = [torch.ones(3, dtype=torch.float16), torch.zeros(2, dtype=torch.bfloat16)]
+    own = torch.empty(5)
+    assert _stage3._buffer(opt, "mixed", mixed, lambda: own) is own
+    assert zd.stats["fallbacks"] == before["fallbacks"] + 1
+    assert "mix dtypes" in zd.stats["fallback_reasons"][-1]
+    assert zd.stats["groups"] == before["groups"] + 3
+    assert [s["how"] for s in zd.stats["stage3"][-4:]][::3] == ["adopted", "release"]

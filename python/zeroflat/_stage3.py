@@ -128,8 +128,18 @@ def _buffer(opt, what: str, tensors: List[torch.Tensor], release: Callable[[], t
     stats, log = ds.stats, ds.log
     reason = _why_not(tensors, dtype, device)
     span = _span(tensors) if reason is None else None
-    if span is not None and host_pins and not span.is_pinned():
+    unpinned = span is not None and host_pins and not span.is_pinned()
+    if unpinned:
         span = None  # the release page-locks this buffer; a plain host span is not its buffer
+    if reason is not None:
+        cause = reason
+    elif unpinned:
+        cause = "the release page-locks this host buffer and they are not page-locked"
+    elif span is not None:
+        cause = "another rank's partitions are not back-to-back views of one buffer"
+    else:
+        cause = ("they are not back to back in the optimizer's order (sub-groups of each param "
+                 "group in turn, parameters in group order, frozen ones left out)")
     if reason is None and host_pins:
         reason = ("the release page-locks this host buffer and zeroflat's host buffers are not "
                   "page-locked")
@@ -139,11 +149,12 @@ def _buffer(opt, what: str, tensors: List[torch.Tensor], release: Callable[[], t
         reason = "another rank's partitions cannot be concatenated by zeroflat"
     numel = sum(t.numel() for t in tensors)
     if adopt:
-        flat = span
-        how = "adopted"
+        flat, how, reason = span, "adopted", None
         stats["adopted"] += 1
         log.info("zeroflat: %s %s adopted the partitions' buffer", KIND, what)
-    elif reason is None:
+    else:
+        _say_not_adopted(what, tensors, cause)
+    if not adopt and reason is None:
         flat, how, reason = _concatenate(tensors, what)
         if flat is not None:
             log.info("zeroflat: %s %s built with the %s tier", KIND, what, how)
@@ -162,6 +173,19 @@ def _buffer(opt, what: str, tensors: List[torch.Tensor], release: Callable[[], t
         t.data = flat.narrow(0, at, t.numel())
         at += t.numel()
     return flat
+
+
+def _say_not_adopted(what: str, tensors: List[torch.Tensor], cause: str) -> None:
+    """One warning (and ``stats["not_adopted"]``) when this rank's partitions lie in one buffer,
+    as a loader leaves them, and are not adopted all the same."""
+    full = [t for t in tensors if t.numel()]
+    if len(full) < 2 or len({t.untyped_storage().data_ptr() for t in full}) != 1:
+        return
+    size = sum(t.numel() * t.element_size() for t in full)
+    message = (f"zeroflat: {KIND} {what}: this rank's partitions lie in one buffer but it was "
+               f"not adopted ({size} bytes copied): {cause}")
+    _ds().stats["not_adopted"].append(message)
+    _ds().log.warning("%s", message)
 
 
 def _concatenate(tensors: List[torch.Tensor], what: str):
