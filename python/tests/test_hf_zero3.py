@@ -2,7 +2,7 @@
 (CPU, gloo): the parameters equal those of Transformers' own ZeRO-3 from_pretrained (zero.Init,
 then rank 0's values gathered in) in every ds_tensor, ds_* attribute, ds_id and buffer, at 1, 2
 and 3 ranks, bf16 and fp16, a MoE model with stacked experts and tied embeddings, offload_param
-to the CPU, and a checkpoint DeepSpeed's ZeRO-3 saved; the Trainer trains the same with one
+(and offload_optimizer) to the CPU, and a checkpoint DeepSpeed's ZeRO-3 saved; the Trainer trains the same with one
 changed line, the drop-in adopting the loaded buffer; a parameter the checkpoint lacks is an
 error naming it on every rank."""
 
@@ -274,8 +274,10 @@ def trainer_worker(rank, world, port, checkpoints, out):
 
     engine_case(checkpoints["dense_tied"], ds3(sub_group_size=3000), rank,
                 f"rank {rank} tied initialize", False)
-    engine_case(path, ds3(sub_group_size=20000, offload_param={"device": "cpu"}), rank,
-                f"rank {rank} moe offload_param initialize", True)
+    config = ds3(sub_group_size=20000, offload_param={"device": "cpu"},
+                 offload_optimizer={"device": "cpu"})
+    config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the host partitions
+    engine_case(path, config, rank, f"rank {rank} moe offload_param+optimizer initialize", True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
