@@ -9,7 +9,7 @@ into one host buffer per optimizer param group. The hooks hand that step to zero
 - the partitions are already back-to-back 1-D views of one storage (the loader built them so):
   that span is the buffer, no copy, no allocation (``stats["adopted"]``);
 - otherwise zeroflat concatenates them (one rank's group, no padding) through its front door:
-  probe, planner (device or host tier), rollback; the same bytes as the release's own buffer;
+  probe, planner (device, staged or host tier), rollback; the release's own bytes;
 - a buffer zeroflat cannot build as the release would is the release's own, with one warning
   saying why (``stats["fallbacks"]``).
 
