@@ -188,6 +188,7 @@ def compare(rank, world, case):
     assert zd.stats["groups"] == before["groups"] + n_buffers, (where, zd.stats)
     assert all(s["how"] not in ("release", "adopted")
                for s in zd.stats["stage3"][len(before["stage3"]):]), where
+    assert zd.stats["not_adopted"] == before["not_adopted"], (where, zd.stats["not_adopted"])
     assert same(buffers(po), buffers(do)), where
     assert same(po.fp16_partitioned_groups_flat, do.fp16_partitioned_groups_flat), where
     assert same(po.fp32_partitioned_groups_flat, do.fp32_partitioned_groups_flat), where
