@@ -421,7 +421,7 @@ py::dict zero3_layout(const std::vector<std::vector<std::uint64_t>>& groups, std
   for (const zf::Zero3SubGroup& g : l.sub_groups()) {
     py::dict d;
     d["group"] = g.group;
-    d["params"] = py::make_tuple(g.first_param, g.num_params);
+    d["params"] = std::vector<std::uint64_t>{g.first_param, g.num_params};
     d["offset"] = g.offset;
     d["numel"] = g.numel;
     subs.append(d);
