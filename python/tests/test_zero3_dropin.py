@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -93,11 +94,11 @@ def zero_padding(model):
         p.ds_tensor.data[valid:].zero_()
 
 
-def build(case, drop_in, prepare=None):
+def build(case, drop_in, prepare=None, seed=0):
     """The engine and optimizer of a model made under zero.Init, with the drop-in or without.
     ``prepare(model, config)`` may rearrange the partitions before the optimizer sees them."""
     config = config_of(case)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = Model()
     zero_padding(model)
@@ -208,6 +209,20 @@ def compare(rank, world, case):
     assert same(gathered(plain), gathered(dropped)), where
     assert same(ds_tensors(plain), ds_tensors(dropped)), where
     assert same(po.fp32_partitioned_groups_flat, do.fp32_partitioned_groups_flat), where
+    return dropped
+
+
+def check_checkpoint(rank, world, case, dropped, ckpt_dir):
+    """A checkpoint the drop-in's engine saves loads into DeepSpeed alone (other weights)."""
+    where = f"{RELEASE} world {world} rank {rank} checkpoint {case}"
+    dropped.save_checkpoint(ckpt_dir, tag="t")
+    fresh, fo = build(case, False, seed=7)
+    fresh.load_checkpoint(ckpt_dir, tag="t")
+    do = dropped.optimizer
+    assert same(ds_tensors(fresh), ds_tensors(dropped)), where
+    assert same(fo.fp16_partitioned_groups_flat, do.fp16_partitioned_groups_flat), where
+    assert same(fo.fp32_partitioned_groups_flat, do.fp32_partitioned_groups_flat), where
+    assert train(fresh, rank) == train(dropped, rank), where
 
 
 def back_to_back(model, config):
@@ -306,7 +321,7 @@ CASES = {
 }
 
 
-def worker(rank, world, port):
+def worker(rank, world, port, ckpt_dir):
     os.environ["LOCAL_SIZE"] = str(world)  # as DeepSpeed's launcher sets it (0.14, 0.15 ask)
     init_deepspeed_rank(rank, world, port)
     # The CPU accelerator refuses fp16 where the CPU lacks oneDNN's fp16 kernels; torch computes
@@ -319,7 +334,9 @@ def worker(rank, world, port):
         check_fallback(rank, world, ("bf16", True, False))
     else:
         for case in CASES[world]:
-            compare(rank, world, case)
+            dropped = compare(rank, world, case)
+            if world == 2 and case == ("bf16", False, True):
+                check_checkpoint(rank, world, case, dropped, ckpt_dir)
         if world == 2:
             check_adoption(rank, world, ("bf16", False, False))
             check_adoption(rank, world, ("fp16", True, False))
@@ -336,7 +353,8 @@ WORLDS = [2] if REDUCED else [1, 2, 3]
 @pytest.mark.parametrize("world", WORLDS)
 def test_stage3_drop_in_matches_deepspeed(world):
     os.environ["DS_ACCELERATOR"] = "cpu"
-    mp.spawn(worker, args=(world, free_port()), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        mp.spawn(worker, args=(world, free_port(), ckpt_dir), nprocs=world, join=True)
 
 
 def test_install_puts_stage3_back_as_it_was():
