@@ -305,6 +305,19 @@ TEST(Executor, RefusesMismatchedInputsBeforeAnyStep) {
   const Layout l1 = Layout::compute(kNumels, one);
   EXPECT_THROW(execute(tier_steps(Tier::kDevice, l1, 0), l1, 0, fewer, *st.device, nullptr, {}),
                InvalidArgument);
+  // A list with an all-gather needs as many ranks as the layout's dp; only a list without one
+  // may run a layout of this rank's own (ZeRO-3's partitions) under more ranks. Refused before
+  // any collective, so one rank alone can ask.
+  {
+    LocalGroup two(2, std::chrono::seconds(5));
+    std::unique_ptr<Communicator> c = two.rank(0);
+    EXPECT_THROW(execute(tier_steps(Tier::kSharded, l1, 0), l1, 0, st.params, *st.device, c.get(),
+                         {}),
+                 InvalidArgument);
+    EXPECT_THROW(execute(tier_steps(Tier::kDevice, l1, 0), l1, 1, st.params, *st.device, c.get(),
+                         {}),
+                 InvalidArgument);  // the communicator says rank 0
+  }
   // A malformed list (releases a buffer it never allocated).
   std::vector<Step> bad = tier_steps(Tier::kDevice, l1, 0);
   bad.insert(bad.begin(), Step{Op::kRelease, Buffer::kPartition});
