@@ -311,12 +311,12 @@ TEST(Executor, RefusesMismatchedInputsBeforeAnyStep) {
   {
     LocalGroup two(2, std::chrono::seconds(5));
     std::unique_ptr<Communicator> c = two.rank(0);
-    EXPECT_THROW(execute(tier_steps(Tier::kSharded, l1, 0), l1, 0, st.params, *st.device, c.get(),
-                         {}),
-                 InvalidArgument);
-    EXPECT_THROW(execute(tier_steps(Tier::kDevice, l1, 0), l1, 1, st.params, *st.device, c.get(),
-                         {}),
-                 InvalidArgument);  // the communicator says rank 0
+    EXPECT_THROW(
+        execute(tier_steps(Tier::kSharded, l1, 0), l1, 0, st.params, *st.device, c.get(), {}),
+        InvalidArgument);
+    EXPECT_THROW(
+        execute(tier_steps(Tier::kDevice, l1, 0), l1, 1, st.params, *st.device, c.get(), {}),
+        InvalidArgument);  // the communicator says rank 0
   }
   // A malformed list (releases a buffer it never allocated).
   std::vector<Step> bad = tier_steps(Tier::kDevice, l1, 0);
