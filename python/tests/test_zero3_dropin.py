@@ -7,8 +7,9 @@ cut into several sub-groups, bf16 and fp16, offload_param and offload_optimizer 
 1, 2 and 3 ranks: with and without the drop-in, the same lp_param_buffer, flat partitions, fp32
 partitions, padding and ds_tensors, every buffer built by zeroflat; the same parameters and
 losses after three steps. Partitions that already are back-to-back views of one buffer are
-adopted as they are; a buffer zeroflat cannot build is DeepSpeed's own, with one warning.
-Where the library has ``zero3_layout``, it equals the release's own bookkeeping."""
+adopted as they are; a buffer zeroflat cannot build is DeepSpeed's own, with one warning. The
+library's ``zero3_layout`` equals the release's own bookkeeping (sub-groups, their members and
+offsets, each partition's size and offset, groups_padding)."""
 
 import contextlib
 import logging
@@ -150,11 +151,8 @@ def buffers(opt):
 
 def check_bookkeeping(opt, rank, world, where):
     """zeroflat's Stage 3 layout (the library's zero3_layout) against the release's own."""
-    layout = getattr(zeroflat._C, "zero3_layout", None)
-    if layout is None:
-        return
     groups = [[p.ds_numel for p in g["params"]] for g in opt.trainable_param_groups]
-    lay = layout(groups, world, int(opt.sub_group_size), rank)
+    lay = zeroflat._C.zero3_layout(groups, world, int(opt.sub_group_size), rank)
     assert [sg["numel"] for sg in lay["sub_groups"]] == opt.fp16_partitioned_groups_flat_numel, \
         where
     assert lay["groups_padding"] == opt.groups_padding, where
