@@ -244,6 +244,15 @@ def engine_case(path, config, rank, where, trainer_groups):
     assert equal(po.fp32_partitioned_groups_flat, oo.fp32_partitioned_groups_flat), where
     assert equal([p.ds_tensor for p in plain.module.parameters()],
                  [p.ds_tensor for p in mine.module.parameters()]), where
+    if not offload:  # without the drop-in, DeepSpeed copies the partitions: the same training
+        again = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, zero3=config,
+                                            param_groups="trainer" if trainer_groups else None)
+        before = dict(zd.stats)
+        alone, _ = engine_of(again, config, trainer_groups)
+        assert zd.stats["adopted"] == before["adopted"], where
+        ref, _ = load_both(path, config)
+        plain, _ = engine_of(ref, config, trainer_groups)
+        assert train(plain, rank) == train(alone, rank), where
 
 
 def trainer_worker(rank, world, port, checkpoints, out):
