@@ -280,7 +280,7 @@ class _Warnings(logging.Handler):
 
 def check_fallback(rank, world, case):
     """A buffer zeroflat cannot build (here: nothing fits) is DeepSpeed's own, with one
-    warning naming why."""
+    warning naming why, and everything DeepSpeed builds from it is as without the drop-in."""
     where = f"{RELEASE} world {world} rank {rank} fallback {case}"
     plain, po = build(case, False)
     real = zeroflat.flatten_param_group
@@ -307,7 +307,7 @@ def check_fallback(rank, world, case):
     assert same(buffers(po), buffers(do)), where
     assert same(po.fp16_partitioned_groups_flat, do.fp16_partitioned_groups_flat), where
     assert same(po.fp32_partitioned_groups_flat, do.fp32_partitioned_groups_flat), where
-    assert train(plain, rank) == train(dropped, rank), where
+    assert same(ds_tensors(plain), ds_tensors(dropped)), where
 
 
 # (dtype, offload_param, offload_optimizer)
