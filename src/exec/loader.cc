@@ -691,27 +691,37 @@ class CheckpointSource final : public detail::GroupSource {
         cv.notify_all();
       }
     });
-    for (std::uint64_t w = 0, k = 0; w < sb && !reader.failed(); w += chunk, ++k) {
-      const std::uint64_t slot = k % depth;
-      {
-        std::unique_lock<std::mutex> lock(m);
-        cv.wait(lock, [&] { return !busy[slot]; });
-        busy[slot] = true;
-      }
-      const std::uint64_t len = std::min(chunk, sb - w);
-      reader.fill(ring + slot * chunk, len, window(reads, w, w + len, es));
+    // The copier is stopped and joined on every way out, a throw included: a thread left
+    // joinable would end the process.
+    const auto stop_copier = [&] {
       {
         std::lock_guard<std::mutex> lock(m);
-        full.emplace_back(slot, w);
+        done = true;
       }
       cv.notify_all();
+      copier.join();
+    };
+    try {
+      for (std::uint64_t w = 0, k = 0; w < sb && !reader.failed(); w += chunk, ++k) {
+        const std::uint64_t slot = k % depth;
+        {
+          std::unique_lock<std::mutex> lock(m);
+          cv.wait(lock, [&] { return !busy[slot]; });
+          busy[slot] = true;
+        }
+        const std::uint64_t len = std::min(chunk, sb - w);
+        reader.fill(ring + slot * chunk, len, window(reads, w, w + len, es));
+        {
+          std::lock_guard<std::mutex> lock(m);
+          full.emplace_back(slot, w);
+        }
+        cv.notify_all();
+      }
+    } catch (...) {
+      stop_copier();
+      throw;
     }
-    {
-      std::lock_guard<std::mutex> lock(m);
-      done = true;
-    }
-    cv.notify_all();
-    copier.join();
+    stop_copier();
     device_.synchronize();
     if (!copy_error.empty()) throw Error("copying to " + device_.name() + ": " + copy_error);
   }
