@@ -6,7 +6,7 @@ with the drop-in installed (which adopts the loaded partitions).
     PYTHONPATH=python .venv/bin/python benchmarks/zero3_bench.py [--ranks 1,2,4] [--rounds 3]
         [--cache warm,cold] [--ways transformers,zeroflat] [--layers 1] [--experts 26]
         [--vocab 32000] [--tiny] [--step-rounds 1] [--dir DIR] [--warm-gib 0] [--timeout 900]
-        [--json] [--save FILE] [--report FILE] [--quick]
+        [--json] [--save FILE] [--report FILE... [--markdown]] [--quick]
 
 What one run is: every rank a fresh process (gloo, DeepSpeed's CPU accelerator, cores split
 between the ranks), the same DeepSpeed config both ways (ZeRO-3, bf16, torch's AdamW with one
@@ -429,6 +429,27 @@ def nested(parts, total, name):
     return level(list(parts), 0, total, f"the rest of {name}")
 
 
+def markdown(rows, ways):
+    """The ratio table for docs/performance.md: times T / Z with T/Z, and zeroflat's (and
+    Transformers') worst rank's bytes read and resident growth against their budgets."""
+    print("| ranks | cache | load s | x | initialize s | x | load + initialize s | x | first step "
+          "s | read per rank MB | budget | resident growth MB | budget |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    for r in rows:
+        t, z = (r[w] for w in ways)
+        read = {w: r[w]["read_bytes"] if r["cache"] == "cold" else r[w]["rchar"] for w in ways}
+        cells = [str(r["ranks"]), r["cache"]]
+        for key, x in (("load", "load_x"), ("init", "init_x"), ("ready", "ready_x")):
+            cells += [f"{fmt(t[key])} / {fmt(z[key])}", f"**{r[x]:.2f}**"]
+        cells.append(f"{fmt(t['step'])} / {fmt(z['step'])}")
+        cells += [f"{read['zeroflat'] / MB:.0f} ({read['transformers'] / MB:.0f})",
+                  f"{z['read_budget'] / MB:.0f}",
+                  f"{z['rss_growth'] / MB:.0f} ({t['rss_growth'] / MB:.0f})",
+                  f"{z['rss_budget'] / MB:.0f}"]
+        print("| " + " | ".join(cells) + " |")
+
+
 def report(args, describe, size, rows, ways, verdicts, bad):
     print(f"{describe}: {size / 1e9:.3f} GB; ZeRO-3, bf16, gloo, CPU accelerator; median of "
           f"{args.rounds} round(s), slowest rank; times in s, T = Transformers, Z = zeroflat")
@@ -528,15 +549,29 @@ def main():
                     help="--tiny --ranks 2 --rounds 1: about 40 s on 2 idle cores")
     ap.add_argument("--json", action="store_true", help="the results as JSON on stdout")
     ap.add_argument("--save", help="also write the results as JSON there (after every row)")
-    ap.add_argument("--report", metavar="FILE",
-                    help="print the table of a file --save wrote (a run cut short included)")
+    ap.add_argument("--report", metavar="FILE", nargs="+",
+                    help="print the tables of files --save wrote (a run cut short included), "
+                         "their rows together (the same checkpoint and ways)")
+    ap.add_argument("--markdown", action="store_true",
+                    help="with --report: the rows as one Markdown table")
     args = ap.parse_args()
     if args.report:
-        with open(args.report) as f:
-            doc = json.load(f)
-        args.rounds = doc["rounds"]
-        report(args, doc["checkpoint"], doc["checkpoint_bytes"], doc["rows"], tuple(doc["ways"]),
-               targets(doc["rows"], tuple(doc["ways"])), doc["loss_differences"])
+        docs = []
+        for name in args.report:
+            with open(name) as f:
+                docs.append(json.load(f))
+        doc = docs[0]
+        if any((d["checkpoint"], d["ways"]) != (doc["checkpoint"], doc["ways"]) for d in docs):
+            ap.error("--report: the files are of different checkpoints or ways")
+        rows = [r for d in docs for r in d["rows"]]
+        ways = tuple(doc["ways"])
+        bad = [b for d in docs for b in d["loss_differences"]]
+        if args.markdown:
+            markdown(rows, ways)
+            return 0
+        args.rounds = "/".join(sorted({str(d["rounds"]) for d in docs}))
+        report(args, doc["checkpoint"], doc["checkpoint_bytes"], rows, ways,
+               targets(rows, ways), bad)
         return 0
     if args.quick:
         args.tiny, args.ranks, args.rounds = True, "2", 1
