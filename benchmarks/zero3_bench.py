@@ -5,8 +5,9 @@ with the drop-in installed (which adopts the loaded partitions).
 
     PYTHONPATH=python .venv/bin/python benchmarks/zero3_bench.py [--ranks 1,2,4] [--rounds 3]
         [--cache warm,cold] [--ways transformers,zeroflat] [--layers 1] [--experts 26]
-        [--vocab 32000] [--tiny] [--step-rounds 1] [--dir DIR] [--warm-gib 0] [--timeout 900]
-        [--json] [--save FILE] [--report FILE... [--markdown]] [--quick]
+        [--vocab 32000] [--tiny] [--step-rounds 1] [--copies sampled] [--dir DIR]
+        [--warm-gib 0] [--timeout 900] [--json] [--save FILE] [--quick]
+    ... --report FILE... [--markdown]
 
 What one run is: every rank a fresh process (gloo, DeepSpeed's CPU accelerator, cores split
 between the ranks), the same DeepSpeed config both ways (ZeRO-3, bf16, torch's AdamW with one
@@ -198,7 +199,8 @@ def rank_main(way):
         t0 = time.perf_counter()
         if way == "zeroflat":
             model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
-                                                param_groups=None)
+                                                param_groups=None,
+                                                copies=env.get("ZERO3_BENCH_COPIES", "sampled"))
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         t_load = time.perf_counter() - t0
@@ -278,7 +280,7 @@ TINY = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
             num_attention_heads=8, num_key_value_heads=2, head_dim=64)
 
 
-def run_once(way, world, path, cold, step, timeout, log):
+def run_once(way, world, path, cold, step, timeout, log, copies="sampled"):
     if cold:
         drop_cache(path)
     port = free_port()
@@ -288,7 +290,8 @@ def run_once(way, world, path, cold, step, timeout, log):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu",
-                   ZERO3_BENCH_CHECKPOINT=path, ZERO3_BENCH_STEP="1" if step else "0")
+                   ZERO3_BENCH_CHECKPOINT=path, ZERO3_BENCH_STEP="1" if step else "0",
+                   ZERO3_BENCH_COPIES=copies)
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", way],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
@@ -544,6 +547,10 @@ def main():
                     help="GiB of memory to touch once before measuring (on a virtual machine "
                          "the first touch of memory the guest has not used costs a hypervisor "
                          "fault; see docs/performance.md)")
+    ap.add_argument("--copies", default="sampled", choices=("sampled", "full", "off"),
+                    help="zeroflat's check that the ranks' copies of the checkpoint agree "
+                         "(from_pretrained's copies; default sampled: it reads a sample of the "
+                         "other ranks' bytes)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
     ap.add_argument("--quick", action="store_true",
                     help="--tiny --ranks 2 --rounds 1: about 40 s on 2 idle cores")
@@ -617,7 +624,7 @@ def main():
                 for i in range(args.rounds):
                     for w in ways:
                         runs[w].append(run_once(w, world, path, cache == "cold", i < step_rounds,
-                                                args.timeout, log))
+                                                args.timeout, log, args.copies))
                 diff = compare_losses(runs, ways)
                 bad += [f"{world} rank(s) {cache}: {d}" for d in diff]
                 rows.append(summarize(runs, ways, world, cache, size))
