@@ -53,7 +53,7 @@ Targets (issue 21, at 2 and 4 ranks, warm and cold): load >= 5x faster than Tran
 + initialize >= 2x; every zeroflat rank reads <= 1.15 x checkpoint / N + 8 MB (cold: read_bytes;
 warm: rchar) and grows <= 1.2 x its partition bytes + 256 MB while loading. Exit status 1 when
 a target is not met, 2 when the losses differ. --quick: the tiny checkpoint at 2 ranks, warm
-and cold, one round (about 40 s on 2 idle cores).
+and cold, one round (about 30 s on 2 idle cores).
 """
 
 import argparse
@@ -553,7 +553,7 @@ def main():
                          "other ranks' bytes)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
     ap.add_argument("--quick", action="store_true",
-                    help="--tiny --ranks 2 --rounds 1: about 40 s on 2 idle cores")
+                    help="--tiny --ranks 2 --rounds 1: about 30 s on 2 idle cores")
     ap.add_argument("--json", action="store_true", help="the results as JSON on stdout")
     ap.add_argument("--save", help="also write the results as JSON there (after every row)")
     ap.add_argument("--report", metavar="FILE", nargs="+",
