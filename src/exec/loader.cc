@@ -67,7 +67,11 @@ InvalidArgument truncated(const CheckpointIndex& ck, std::size_t file, std::uint
 // only the files it reads, and at most kept() of them at once.
 class OpenFiles {
  public:
-  explicit OpenFiles(const CheckpointIndex& ck) : ck_(ck), open_(ck.files.size()) {
+  // scattered: the reads are many ranges spread over each file (ZeRO-3's partitions: a range
+  // of every tensor), so the kernel's read-ahead is turned off (POSIX_FADV_RANDOM): past the end
+  // of each range it would read the start of another rank's, which that rank reads itself.
+  explicit OpenFiles(const CheckpointIndex& ck, bool scattered = false)
+      : ck_(ck), open_(ck.files.size()), scattered_(scattered) {
     rlimit lim{};
     std::uint64_t budget = 1024;
     if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
@@ -108,6 +112,7 @@ class OpenFiles {
       throw;
     }
     if (f->size() < ck_.file_bytes[i]) throw truncated(ck_, i, f->size());
+    if (scattered_) (void)posix_fadvise(f->fd(), 0, 0, POSIX_FADV_RANDOM);
     open_[i] = f;
     lru_.push_back(i);
     return f;
@@ -120,6 +125,7 @@ class OpenFiles {
   std::vector<std::shared_ptr<const detail::File>> open_;
   std::list<std::uint32_t> lru_;
   std::size_t keep_ = 64;
+  bool scattered_ = false;
 };
 
 // Every file of the checkpoint is there and as long as its header says: checked without opening
@@ -482,7 +488,7 @@ class CheckpointSource final : public detail::GroupSource {
         ring_bytes_(ring_bytes),
         partitions_(placement == detail::Placement::kPartitions),
         rank_(rank),
-        files_(ck) {}
+        files_(ck, partitions_) {}
 
   // This rank's own checks, before the ranks agree: every parameter's tensors, the files.
   // Throws InvalidArgument.
