@@ -25,6 +25,18 @@ def init_deepspeed_rank(rank, world, port):
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
+def end_rank():
+    """End a spawned rank that passed, after its process group is destroyed, without the
+    interpreter's teardown. torch's gloo worker threads may still be releasing the last
+    collective's work then; when that drops the last reference to a tensor Python made, the
+    worker needs the GIL, and a thread that asks for it while the interpreter finalizes is ended
+    by it, which aborts the process ("terminate called without an active exception", from
+    ProcessGroupGloo::runLoop). A failing rank raises instead, and torch reports its error."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def train_steps(engine, rank, steps=3):
     """``steps`` optimizer steps of a DeepSpeed engine over a model taking token ids below 37
     (the same batches for the same rank); the losses."""

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
 import zeroflat.deepspeed as zd  # noqa: E402
-from reference import init_deepspeed_rank, train_steps as train  # noqa: E402
+from reference import end_rank, init_deepspeed_rank, train_steps as train  # noqa: E402
 
 RELEASE = deepspeed.__version__.split("+")[0]
 # ctest names the release each run is for: it must be the one imported.
@@ -356,6 +356,7 @@ def worker(rank, world, port, ckpt_dir):
     check_layouts_against_bookkeeping(rank, world, skip_link)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    end_rank()
 
 
 # The environment's own release at 1, 2 and 3 ranks; every other release (run once more per

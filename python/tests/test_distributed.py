@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
-from reference import Tiny, deepspeed_flat, tiny_model  # noqa: E402
+from reference import Tiny, deepspeed_flat, end_rank, tiny_model  # noqa: E402
 
 
 def free_port():
@@ -242,6 +242,7 @@ def worker(rank, world, port):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.parametrize("world", [2, 3])

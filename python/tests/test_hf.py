@@ -23,7 +23,7 @@ import zeroflat  # noqa: E402
 import zeroflat.hf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from reference import init_deepspeed_rank  # noqa: E402
+from reference import end_rank, init_deepspeed_rank  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -328,6 +328,7 @@ def worker(rank, world, port, path):
                      [p.detach() for p in ours.module.parameters()]), where
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -24,7 +24,7 @@ import zeroflat  # noqa: E402
 import zeroflat.hf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from reference import init_deepspeed_rank  # noqa: E402
+from reference import end_rank, init_deepspeed_rank  # noqa: E402
 from test_hf import (equal, free_port, optimizer_for, tiny_dense, tiny_moe, train,  # noqa: E402
                      write)
 
@@ -165,6 +165,7 @@ def equality_worker(rank, world, port, checkpoints):
         zeroflat.hf.from_pretrained(AutoModelForCausalLM, bad)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -289,6 +290,7 @@ def trainer_worker(rank, world, port, checkpoints, out):
     engine_case(path, config, rank, f"rank {rank} moe offload_param+optimizer initialize", True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def test_a_trainer_script_changes_one_line_under_zero3(checkpoints, tmp_path):

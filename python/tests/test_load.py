@@ -367,6 +367,9 @@ def _rank_main(rank, world, port, fn, args):
         fn(rank, world, dist.group.WORLD, *args)
     finally:
         dist.destroy_process_group()
+    from reference import end_rank
+
+    end_rank()
 
 
 def run_ranks(fn, world=2, *args):

@@ -108,6 +108,9 @@ def worker(rank, world, port, path):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    from reference import end_rank
+
+    end_rank()
 
 
 def test_two_gloo_ranks_hold_torchs_own_slices(tmp_path):

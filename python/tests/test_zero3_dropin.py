@@ -27,7 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
 import zeroflat.deepspeed as zd  # noqa: E402
-from reference import init_deepspeed_rank, train_steps as train  # noqa: E402
+from reference import end_rank, init_deepspeed_rank, train_steps as train  # noqa: E402
 
 RELEASE = deepspeed.__version__.split("+")[0]
 assert os.environ.get("ZEROFLAT_DEEPSPEED_RELEASE", RELEASE) == RELEASE, (
@@ -343,6 +343,7 @@ def worker(rank, world, port, ckpt_dir):
             check_fallback(rank, world, ("bf16", True, False))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    end_rank()
 
 
 WORLDS = [2] if REDUCED else [1, 2, 3]
