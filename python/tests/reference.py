@@ -25,6 +25,27 @@ def init_deepspeed_rank(rank, world, port):
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
+def free_port():
+    """A TCP port on the loopback nobody listens on now, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_deepspeed_workers(worker, world):
+    """``worker(rank, world, port, tmpdir)`` on ``world`` spawned ranks of DeepSpeed's CPU
+    accelerator, sharing a temporary directory (for checkpoints) removed afterwards."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(world, free_port(), tmp), nprocs=world, join=True)
+
+
 def end_rank():
     """End a spawned rank that passed, after its process group is destroyed, without the
     interpreter's teardown. torch's gloo worker threads may still be releasing the last

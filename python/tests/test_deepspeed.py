@@ -11,20 +11,18 @@ against the release's own bookkeeping."""
 
 import os
 import random
-import socket
 import sys
-import tempfile
 
 import pytest
 import torch
 
 import deepspeed  # noqa: E402  (the release under test)
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
 import zeroflat.deepspeed as zd  # noqa: E402
-from reference import end_rank, init_deepspeed_rank, train_steps as train  # noqa: E402
+from reference import (end_rank, init_deepspeed_rank,  # noqa: E402
+                       spawn_deepspeed_workers, train_steps as train)
 
 RELEASE = deepspeed.__version__.split("+")[0]
 # ctest names the release each run is for: it must be the one imported.
@@ -33,12 +31,6 @@ assert os.environ.get("ZEROFLAT_DEEPSPEED_RELEASE", RELEASE) == RELEASE, (
     f"from {deepspeed.__file__}: run scripts/setup.sh, which installs every tested release")
 RULES = zeroflat._C.deepspeed_rules(RELEASE)
 V = tuple(int(x) for x in RELEASE.split(".")[:3])
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Model(torch.nn.Module):
@@ -367,9 +359,7 @@ WORLDS = [1, 2, 3] if "ZEROFLAT_DEEPSPEED_RELEASE" not in os.environ else [2]
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_drop_in_matches_deepspeed(world):
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    with tempfile.TemporaryDirectory() as ckpt:
-        mp.spawn(worker, args=(world, free_port(), ckpt), nprocs=world, join=True)
+    spawn_deepspeed_workers(worker, world)
 
 
 def test_the_tested_releases_are_listed_once():

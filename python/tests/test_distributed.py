@@ -5,7 +5,6 @@ training through the views; ranks that disagree on shapes; a failure on one rank
 import copy
 import os
 import time
-import socket
 import sys
 
 import pytest
@@ -15,13 +14,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
-from reference import Tiny, deepspeed_flat, end_rank, tiny_model  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from reference import Tiny, deepspeed_flat, end_rank, free_port, tiny_model  # noqa: E402
 
 
 def check_layouts(rank, world, group):

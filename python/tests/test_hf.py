@@ -9,7 +9,6 @@ fp32 master partitions and three training steps equal plain Hugging Face + DeepS
 import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
 
@@ -23,7 +22,7 @@ import zeroflat  # noqa: E402
 import zeroflat.hf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from reference import end_rank, init_deepspeed_rank  # noqa: E402
+from reference import end_rank, free_port, init_deepspeed_rank  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -243,12 +242,6 @@ def test_tied_embeddings_the_checkpoint_holds_apart_are_untied_as_transformers_d
 
 
 # --- with DeepSpeed -----------------------------------------------------------------------------
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def ds_config(stage, rr):
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zeroflat
+from reference import end_rank, free_port
 
 _ST = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 
@@ -346,14 +347,6 @@ def test_no_module_of_the_package_imports_back_from_it():
 
 # --- several ranks ---------------------------------------------------------------------------
 
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank, world, port, fn, args):
     import datetime
 
@@ -367,8 +360,6 @@ def _rank_main(rank, world, port, fn, args):
         fn(rank, world, dist.group.WORLD, *args)
     finally:
         dist.destroy_process_group()
-    from reference import end_rank
-
     end_rank()
 
 

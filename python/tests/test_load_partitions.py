@@ -6,22 +6,16 @@ error on one rank raised on both."""
 
 import os
 import random
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from reference import end_rank, free_port
 from test_load import save
 from zeroflat import _C
 from zeroflat._comm import TorchComm, comm_device
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Param:
@@ -108,8 +102,6 @@ def worker(rank, world, port, path):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    from reference import end_rank
-
     end_rank()
 
 

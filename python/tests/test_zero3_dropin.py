@@ -14,20 +14,18 @@ offsets, each partition's size and offset, groups_padding)."""
 import contextlib
 import logging
 import os
-import socket
 import sys
-import tempfile
 
 import pytest
 import torch
 
 import deepspeed  # noqa: E402  (the release under test)
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
 import zeroflat.deepspeed as zd  # noqa: E402
-from reference import end_rank, init_deepspeed_rank, train_steps as train  # noqa: E402
+from reference import (end_rank, init_deepspeed_rank,  # noqa: E402
+                       spawn_deepspeed_workers, train_steps as train)
 
 RELEASE = deepspeed.__version__.split("+")[0]
 assert os.environ.get("ZEROFLAT_DEEPSPEED_RELEASE", RELEASE) == RELEASE, (
@@ -35,12 +33,6 @@ assert os.environ.get("ZEROFLAT_DEEPSPEED_RELEASE", RELEASE) == RELEASE, (
     f"from {deepspeed.__file__}: run scripts/setup.sh, which installs every tested release")
 # ctest's run for another release than the environment's own: the reduced set.
 REDUCED = "ZEROFLAT_DEEPSPEED_RELEASE" in os.environ
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Model(torch.nn.Module):
@@ -351,9 +343,7 @@ WORLDS = [2] if REDUCED else [1, 2, 3]
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_stage3_drop_in_matches_deepspeed(world):
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    with tempfile.TemporaryDirectory() as ckpt_dir:
-        mp.spawn(worker, args=(world, free_port(), ckpt_dir), nprocs=world, join=True)
+    spawn_deepspeed_workers(worker, world)
 
 
 def test_install_puts_stage3_back_as_it_was():
