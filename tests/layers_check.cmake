@@ -9,7 +9,7 @@
 cmake_minimum_required(VERSION 3.25)  # script mode: today's policies (IN_LIST, ...)
 
 # The rooms, and the rooms each may use besides itself (docs/design.md, "Rooms").
-set(rooms common system layout model device comm plan exec)
+set(rooms common system layout model device comm plan exec source)
 set(uses_common "")
 set(uses_system common)
 set(uses_layout common)
@@ -18,6 +18,7 @@ set(uses_device common system)
 set(uses_comm common device)
 set(uses_plan common system layout model device comm)
 set(uses_exec common system layout model device comm plan)
+set(uses_source common system layout model device comm plan exec)
 
 # The room each public header belongs to: the one whose sources implement it.
 set(room_of_checksum common)
@@ -43,6 +44,8 @@ set(room_of_report plan)
 set(room_of_executor exec)
 set(room_of_engine exec)
 set(room_of_loader exec)
+set(room_of_torch_file source)
+set(room_of_deepspeed_checkpoint source)
 set(room_of_flatten exec)
 set(room_of_rehearsal exec)
 

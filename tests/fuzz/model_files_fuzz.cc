@@ -1,6 +1,6 @@
 // Fuzz target for the parsers of untrusted model files: the first byte picks the safetensors
-// header parser, the config.json parser or the parser of `--numels @FILE` lists, the rest is
-// the file. Any exception other than
+// header parser, the config.json parser, the parser of `--numels @FILE` lists or the torch.save
+// reader (zip directory and pickle), the rest is the file. Any exception other than
 // InvalidArgument, any crash, leak or undefined behaviour is a finding.
 #include <cstddef>
 #include <cstdint>
@@ -10,14 +10,20 @@
 
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
+#include "zeroflat/torch_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
-  const int parser = data[0] % 3;
+  const int parser = data[0] % 4;
   const std::span<const unsigned char> file(data + 1, size - 1);
   const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
   try {
-    if (parser == 2) {
+    if (parser == 3) {
+      const zeroflat::TorchFile f = zeroflat::parse_torch_file(file, "fuzz");
+      // The lookups walk what the reader built.
+      for (const zeroflat::TorchTensor& t : f.tensors) (void)f.find(t.path);
+      (void)f.find("a/0/b");
+    } else if (parser == 2) {
       (void)zeroflat::parse_numels_file_text(text, "fuzz");
     } else if (parser == 1) {
       zeroflat::TransformerConfig c = zeroflat::parse_hf_config(text, "fuzz");

@@ -1,0 +1,1065 @@
+// The restricted pickle machine (pickle.h): opcodes of protocols 0-5 that build plain values,
+// and the allow-list of globals, in one table.
+#include "source/deepspeed/pickle.h"
+
+#include <bit>
+#include <charconv>
+#include <cstring>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "zeroflat/error.h"
+#include "zeroflat/size.h"
+#include "zeroflat/torch_file.h"
+
+namespace zeroflat::detail {
+namespace {
+
+using R = GlobalRole;
+
+// Every global the machine resolves, and why. Nothing else is ever named by a file and
+// accepted. Rows found in DeepSpeed 0.14.5 to 0.19.8 checkpoints saved by python/tests.
+constexpr AllowedGlobal kAllowed[] = {
+    {"torch._utils", "_rebuild_tensor_v2", R::kRebuildTensorV2, nullptr,
+     "every tensor torch.save writes"},
+    {"torch._utils", "_rebuild_tensor", R::kRebuildTensor, nullptr,
+     "tensors saved by older torch releases"},
+    {"torch._tensor", "_rebuild_from_type_v2", R::kRebuildFromType, nullptr,
+     "a tensor carrying Python attributes (DeepSpeed's Stage 3 fp32 partitions carry ds_id)"},
+    {"torch", "Tensor", R::kTensorType, nullptr, "the type _rebuild_from_type_v2 gives back"},
+    {"torch._utils", "_rebuild_parameter", R::kRebuildParameter, nullptr,
+     "an nn.Parameter saved as itself: its tensor"},
+    {"torch", "FloatStorage", R::kStorage, "float32", "storage type of float32 tensors"},
+    {"torch", "DoubleStorage", R::kStorage, "float64", "storage type of float64 tensors"},
+    {"torch", "HalfStorage", R::kStorage, "float16", "storage type of float16 tensors"},
+    {"torch", "BFloat16Storage", R::kStorage, "bfloat16", "storage type of bfloat16 tensors"},
+    {"torch", "LongStorage", R::kStorage, "int64", "storage type of int64 tensors"},
+    {"torch", "IntStorage", R::kStorage, "int32", "storage type of int32 tensors"},
+    {"torch", "ShortStorage", R::kStorage, "int16", "storage type of int16 tensors"},
+    {"torch", "CharStorage", R::kStorage, "int8", "storage type of int8 tensors"},
+    {"torch", "ByteStorage", R::kStorage, "uint8", "storage type of uint8 tensors"},
+    {"torch", "BoolStorage", R::kStorage, "bool", "storage type of bool tensors"},
+    {"torch", "UntypedStorage", R::kStorage, "uint8", "a storage saved as itself, in bytes"},
+    {"torch", "Size", R::kSize, nullptr, "shapes: DeepSpeed's param_shapes"},
+    {"torch", "device", R::kDevice, nullptr, "a device named in a saved state"},
+    {"collections", "OrderedDict", R::kOrderedDict, nullptr,
+     "state dicts, and every tensor's (empty) backward hooks"},
+    {"__builtin__", "set", R::kSet, nullptr,
+     "a set: DeepSpeed before 0.17 saves sparse_tensor_module_names as one"},
+    {"builtins", "set", R::kSet, nullptr, "the same, under protocol 3 and later"},
+    {"__builtin__", "frozenset", R::kSet, nullptr, "a frozen set, as a set"},
+    {"builtins", "frozenset", R::kSet, nullptr, "the same, under protocol 3 and later"},
+    {"_codecs", "encode", R::kEncode, nullptr,
+     "bytes under protocol 2: encode(text, 'latin1'), nothing else"},
+    {"__builtin__", "bytes", R::kEncode, nullptr, "empty bytes under protocol 2: bytes()"},
+    {"builtins", "bytes", R::kEncode, nullptr, "the same, under protocol 3 and later"},
+    {"torch", "float16", R::kValue, nullptr, "a dtype as a value: DynamicLossScaler's dtype"},
+    {"torch", "bfloat16", R::kValue, nullptr, "a dtype as a value"},
+    {"torch", "float32", R::kValue, nullptr, "a dtype as a value"},
+    {"__builtin__", "getattr", R::kGetattr, nullptr,
+     "how Python 3.11+ pickles an enum member (protocol 2 names builtins so)"},
+    {"builtins", "getattr", R::kGetattr, nullptr, "the same, under protocol 3 and later"},
+    {"deepspeed.runtime.zero.config", "ZeroStageEnum", R::kEnum, nullptr,
+     "DeepSpeed's zero_stage in every optimizer file"},
+    {"deepspeed.utils.tensor_fragment", "fragment_address", R::kObject, nullptr,
+     "DeepSpeed's param_slice_mappings: each parameter's (numel, start) in a partition"},
+    {"deepspeed.runtime.fp16.loss_scaler", "LossScaler", R::kObject, nullptr,
+     "DeepSpeed's static loss scaler (bf16 and fp32 runs)"},
+    {"deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler", R::kObject, nullptr,
+     "DeepSpeed's dynamic loss scaler (fp16 runs)"},
+};
+
+constexpr EnumMember kZeroStages[] = {
+    {"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3},
+};
+
+struct DtypeSize {
+  const char* name;
+  std::uint64_t size;
+};
+constexpr DtypeSize kDtypeSizes[] = {
+    {"float32", 4}, {"float64", 8}, {"float16", 2}, {"bfloat16", 2},
+    {"int64", 8},   {"int32", 4},   {"int16", 2},   {"int8", 1},
+    {"uint8", 1},   {"bool", 1},    {"complex64", 8}, {"complex128", 16},
+};
+
+const char* opcode_name(unsigned char op) {
+  switch (op) {
+    case '(': return "MARK";
+    case '.': return "STOP";
+    case '0': return "POP";
+    case '1': return "POP_MARK";
+    case '2': return "DUP";
+    case 'F': return "FLOAT";
+    case 'I': return "INT";
+    case 'J': return "BININT";
+    case 'K': return "BININT1";
+    case 'L': return "LONG";
+    case 'M': return "BININT2";
+    case 'N': return "NONE";
+    case 'P': return "PERSID";
+    case 'Q': return "BINPERSID";
+    case 'R': return "REDUCE";
+    case 'S': return "STRING";
+    case 'T': return "BINSTRING";
+    case 'U': return "SHORT_BINSTRING";
+    case 'V': return "UNICODE";
+    case 'X': return "BINUNICODE";
+    case 'a': return "APPEND";
+    case 'b': return "BUILD";
+    case 'c': return "GLOBAL";
+    case 'd': return "DICT";
+    case '}': return "EMPTY_DICT";
+    case 'e': return "APPENDS";
+    case 'g': return "GET";
+    case 'h': return "BINGET";
+    case 'i': return "INST";
+    case 'j': return "LONG_BINGET";
+    case 'l': return "LIST";
+    case ']': return "EMPTY_LIST";
+    case 'o': return "OBJ";
+    case 'p': return "PUT";
+    case 'q': return "BINPUT";
+    case 'r': return "LONG_BINPUT";
+    case 's': return "SETITEM";
+    case 't': return "TUPLE";
+    case ')': return "EMPTY_TUPLE";
+    case 'u': return "SETITEMS";
+    case 'G': return "BINFLOAT";
+    case 'B': return "BINBYTES";
+    case 'C': return "SHORT_BINBYTES";
+    case 0x80: return "PROTO";
+    case 0x81: return "NEWOBJ";
+    case 0x82: return "EXT1";
+    case 0x83: return "EXT2";
+    case 0x84: return "EXT4";
+    case 0x85: return "TUPLE1";
+    case 0x86: return "TUPLE2";
+    case 0x87: return "TUPLE3";
+    case 0x88: return "NEWTRUE";
+    case 0x89: return "NEWFALSE";
+    case 0x8a: return "LONG1";
+    case 0x8b: return "LONG4";
+    case 0x8c: return "SHORT_BINUNICODE";
+    case 0x8d: return "BINUNICODE8";
+    case 0x8e: return "BINBYTES8";
+    case 0x8f: return "EMPTY_SET";
+    case 0x90: return "ADDITEMS";
+    case 0x91: return "FROZENSET";
+    case 0x92: return "NEWOBJ_EX";
+    case 0x93: return "STACK_GLOBAL";
+    case 0x94: return "MEMOIZE";
+    case 0x95: return "FRAME";
+    case 0x96: return "BYTEARRAY8";
+    case 0x97: return "NEXT_BUFFER";
+    case 0x98: return "READONLY_BUFFER";
+    default: return nullptr;
+  }
+}
+
+std::string_view node_kind_name(NodeKind k) {
+  switch (k) {
+    case NodeKind::kNone: return "None";
+    case NodeKind::kBool: return "bool";
+    case NodeKind::kInt: return "int";
+    case NodeKind::kFloat: return "float";
+    case NodeKind::kString: return "str";
+    case NodeKind::kBytes: return "bytes";
+    case NodeKind::kList: return "list";
+    case NodeKind::kTuple: return "tuple";
+    case NodeKind::kDict: return "dict";
+    case NodeKind::kGlobal: return "global";
+    case NodeKind::kStorage: return "storage";
+    case NodeKind::kTensor: return "tensor";
+    case NodeKind::kObject: return "object";
+    case NodeKind::kEnum: return "enum member";
+  }
+  return "?";
+}
+
+// The deepest tuple a dict key may be.
+constexpr int kMaxKeyDepth = 16;
+// The longest text line (GLOBAL's module and name, INT, FLOAT, PUT, GET).
+constexpr std::size_t kMaxLine = 4096;
+
+class Machine {
+ public:
+  Machine(std::span<const unsigned char> data, const std::string& source)
+      : d_(data), src_(source) {
+    none_ = add(Node{});
+    Node t;
+    t.kind = NodeKind::kBool;
+    t.flag = true;
+    true_ = add(std::move(t));
+    Node f;
+    f.kind = NodeKind::kBool;
+    false_ = add(std::move(f));
+  }
+
+  PickleGraph run() {
+    while (true) {
+      if (pos_ >= d_.size()) {
+        at_ = pos_;
+        throw fail_plain("the pickle ends without STOP (truncated data.pkl)");
+      }
+      at_ = pos_;
+      op_ = d_[pos_++];
+      if (step()) break;
+    }
+    if (pos_ != d_.size()) {
+      throw fail_plain(std::to_string(d_.size() - pos_) +
+                       " bytes follow STOP (torch.save writes none)");
+    }
+    return std::move(g_);
+  }
+
+ private:
+  InvalidArgument fail_plain(const std::string& why) const {
+    return InvalidArgument(src_ + ", byte " + std::to_string(at_) + ": " + why);
+  }
+  InvalidArgument fail(const std::string& why) const {
+    const char* name = opcode_name(op_);
+    return InvalidArgument(src_ + ", byte " + std::to_string(at_) + " (opcode " +
+                           (name ? std::string(name) : "0x??") + "): " + why);
+  }
+
+  std::uint32_t add(Node&& n) {
+    if (g_.nodes.size() >= kMaxTorchValues) {
+      throw fail("more than " + format_count(kMaxTorchValues) +
+                 " values in the pickle (the reader's bound)");
+    }
+    g_.nodes.push_back(std::move(n));
+    return static_cast<std::uint32_t>(g_.nodes.size() - 1);
+  }
+  Node& node(std::uint32_t i) { return g_.nodes[i]; }
+
+  void need(std::uint64_t n) {
+    if (n > d_.size() - pos_) {
+      throw fail("needs " + std::to_string(n) + " more bytes, but the pickle has " +
+                 std::to_string(d_.size() - pos_) + " left (truncated data.pkl)");
+    }
+  }
+  std::uint64_t le(int n) {
+    need(static_cast<std::uint64_t>(n));
+    std::uint64_t v = 0;
+    for (int i = n - 1; i >= 0; --i) v = v << 8 | d_[pos_ + static_cast<std::size_t>(i)];
+    pos_ += static_cast<std::size_t>(n);
+    return v;
+  }
+  std::string_view bytes(std::uint64_t n) {
+    need(n);
+    std::string_view out(reinterpret_cast<const char*>(d_.data() + pos_), n);
+    pos_ += n;
+    return out;
+  }
+  std::string_view line() {
+    const std::size_t left = d_.size() - pos_;
+    const std::size_t n = std::min(left, kMaxLine + 1);
+    const void* nl = std::memchr(d_.data() + pos_, '\n', n);
+    if (nl == nullptr) {
+      throw fail(left <= kMaxLine ? "its text line has no end (truncated data.pkl)"
+                                  : "its text line is longer than " + std::to_string(kMaxLine) +
+                                        " bytes");
+    }
+    const std::size_t len = static_cast<const unsigned char*>(nl) - (d_.data() + pos_);
+    std::string_view out(reinterpret_cast<const char*>(d_.data() + pos_), len);
+    pos_ += len + 1;
+    return out;
+  }
+
+  void push(std::uint32_t i) {
+    if (stack_.size() >= kMaxTorchValues) {
+      throw fail("the pickle's stack grows past " + format_count(kMaxTorchValues) + " items");
+    }
+    stack_.push_back(i);
+  }
+  std::size_t base() const { return marks_.empty() ? 0 : marks_.back(); }
+  std::uint32_t pop() {
+    if (stack_.size() <= base()) throw fail("needs a value, but the stack is empty");
+    const std::uint32_t v = stack_.back();
+    stack_.pop_back();
+    return v;
+  }
+  std::uint32_t top() {
+    if (stack_.size() <= base()) throw fail("needs a value, but the stack is empty");
+    return stack_.back();
+  }
+  std::vector<std::uint32_t> pop_mark() {
+    if (marks_.empty()) throw fail("needs a MARK, but there is none");
+    const std::size_t b = marks_.back();
+    marks_.pop_back();
+    std::vector<std::uint32_t> out(stack_.begin() + static_cast<std::ptrdiff_t>(b), stack_.end());
+    stack_.resize(b);
+    return out;
+  }
+
+  std::uint32_t make_int(std::int64_t v) {
+    Node n;
+    n.kind = NodeKind::kInt;
+    n.integer = v;
+    return add(std::move(n));
+  }
+  std::uint32_t make_text(NodeKind kind, std::string_view text) {
+    Node n;
+    n.kind = kind;
+    n.text.assign(text);
+    return add(std::move(n));
+  }
+  std::uint32_t make_seq(NodeKind kind, std::vector<std::uint32_t> items,
+                         std::string_view tag = {}) {
+    Node n;
+    n.kind = kind;
+    n.items = std::move(items);
+    n.tag = tag;
+    return add(std::move(n));
+  }
+
+  // Python's int(text) for the INT and LONG opcodes (and I01/I00 booleans).
+  std::int64_t parse_int(std::string_view t) {
+    if (!t.empty() && t.back() == 'L') t.remove_suffix(1);
+    std::int64_t v = 0;
+    const char* b = t.data();
+    if (!t.empty() && t.front() == '+') ++b;
+    auto [p, ec] = std::from_chars(b, t.data() + t.size(), v);
+    if (t.empty() || ec != std::errc() || p != t.data() + t.size()) {
+      throw fail("'" + printable(t) + "' is not an integer that fits in 64 bits");
+    }
+    return v;
+  }
+  // Little-endian two's complement of n bytes (LONG1, LONG4), at most 64 bits of value.
+  std::int64_t parse_long(std::string_view b) {
+    if (b.empty()) return 0;
+    const auto* u = reinterpret_cast<const unsigned char*>(b.data());
+    const bool negative = (u[b.size() - 1] & 0x80) != 0;
+    if (b.size() > 8) {
+      const unsigned char fill = negative ? 0xff : 0x00;
+      for (std::size_t i = 8; i < b.size(); ++i) {
+        if (u[i] != fill) throw fail("an integer of " + std::to_string(b.size()) +
+                                     " bytes, beyond 64 bits (refused)");
+      }
+      if (((u[7] & 0x80) != 0) != negative) {
+        throw fail("an integer beyond 64 bits (refused)");
+      }
+    }
+    std::uint64_t v = negative ? ~std::uint64_t{0} : 0;
+    const std::size_t n = std::min<std::size_t>(b.size(), 8);
+    for (std::size_t i = 0; i < n; ++i) {
+      v &= ~(std::uint64_t{0xff} << (8 * i));
+      v |= std::uint64_t{u[i]} << (8 * i);
+    }
+    return static_cast<std::int64_t>(v);
+  }
+
+  // A canonical text for a hashable key (Python's equality: True == 1 == 1.0).
+  std::string key_of(std::uint32_t k, int depth) {
+    const Node& n = node(k);
+    if (depth > kMaxKeyDepth) throw fail("a dict key nested deeper than 16 tuples");
+    switch (n.kind) {
+      case NodeKind::kNone: return "N";
+      case NodeKind::kBool: return n.flag ? "i1" : "i0";
+      case NodeKind::kInt: return "i" + std::to_string(n.integer);
+      case NodeKind::kFloat: {
+        if (n.real == static_cast<double>(static_cast<std::int64_t>(n.real)) &&
+            n.real >= -9.2e18 && n.real <= 9.2e18) {
+          return "i" + std::to_string(static_cast<std::int64_t>(n.real));
+        }
+        char buf[32];
+        auto [p, ec] = std::to_chars(buf, buf + sizeof buf, n.real);
+        return "f" + std::string(buf, ec == std::errc() ? p : buf);
+      }
+      case NodeKind::kString: return "s" + n.text;
+      case NodeKind::kBytes: return "b" + n.text;
+      case NodeKind::kEnum: return "e" + std::to_string(n.ref) + "." + n.text;
+      case NodeKind::kGlobal: return "g" + std::to_string(n.ref);
+      case NodeKind::kTuple: {
+        std::string out = "(";
+        for (std::uint32_t i : n.items) {
+          std::string part = key_of(i, depth + 1);
+          out += std::to_string(part.size()) + ":" + part;
+        }
+        return out + ")";
+      }
+      default:
+        throw fail(std::string("a ") + std::string(node_kind_name(n.kind)) +
+                   " as a dict key (unhashable, or not what torch.save writes)");
+    }
+  }
+  void set_item(std::uint32_t dict, std::uint32_t key, std::uint32_t value) {
+    Node& d = node(dict);
+    if (d.kind != NodeKind::kDict) {
+      throw fail(std::string("sets an item on a ") + std::string(node_kind_name(d.kind)) +
+                 " (expected a dict)");
+    }
+    std::string k = key_of(key, 0);
+    if (!dict_keys_[dict].insert(std::move(k)).second) {
+      const Node& kn = node(key);
+      throw fail("a dict key appears twice" +
+                 (kn.kind == NodeKind::kString ? " ('" + printable(kn.text) + "')"
+                                               : std::string()) +
+                 " (torch.save never writes one dict key twice)");
+    }
+    d.items.push_back(key);
+    d.items.push_back(value);
+  }
+  void add_to_set(std::uint32_t set, std::uint32_t item) {
+    Node& s = node(set);
+    if (s.kind != NodeKind::kList || s.tag != "set") {
+      throw fail("adds items to a " + std::string(node_kind_name(s.kind)) + " (expected a set)");
+    }
+    std::string k = key_of(item, 0);
+    if (dict_keys_[set].insert(std::move(k)).second) s.items.push_back(item);
+  }
+  void append(std::uint32_t list, std::uint32_t item) {
+    Node& l = node(list);
+    if (l.kind != NodeKind::kList || !l.tag.empty()) {
+      throw fail("appends to a " + std::string(node_kind_name(l.kind)) + " (expected a list)");
+    }
+    l.items.push_back(item);
+  }
+
+  std::uint32_t resolve(std::string_view module, std::string_view name) {
+    std::string named = std::string(module) + " " + std::string(name);
+    bool seen = false;
+    for (const std::string& g : g_.globals) seen = seen || g == named;
+    if (!seen && g_.globals.size() < 1000) g_.globals.push_back(named);
+    for (std::size_t i = 0; i < std::size(kAllowed); ++i) {
+      if (module == kAllowed[i].module && name == kAllowed[i].name) {
+        Node n;
+        n.kind = NodeKind::kGlobal;
+        n.ref = static_cast<std::uint32_t>(i);
+        return add(std::move(n));
+      }
+    }
+    throw fail("global '" + printable(named, 200) +
+               "' is not on the allow-list of torch_file.h (loading it would import and run "
+               "code the file names; a torch.save of tensors, dicts, lists and DeepSpeed's "
+               "checkpoint state needs none other)");
+  }
+
+  const AllowedGlobal* global_of(std::uint32_t i) {
+    const Node& n = node(i);
+    return n.kind == NodeKind::kGlobal ? &kAllowed[n.ref] : nullptr;
+  }
+  std::string global_text(const AllowedGlobal& g) {
+    return std::string(g.module) + "." + g.name;
+  }
+
+  const Node& expect(std::uint32_t i, NodeKind kind, const std::string& what) {
+    const Node& n = node(i);
+    if (n.kind != kind) {
+      throw fail(what + ": expected a " + std::string(node_kind_name(kind)) + ", found a " +
+                 std::string(node_kind_name(n.kind)));
+    }
+    return n;
+  }
+  const Node& expect_seq(std::uint32_t i, const std::string& what) {
+    const Node& n = node(i);
+    if (n.kind != NodeKind::kTuple && n.kind != NodeKind::kList) {
+      throw fail(what + ": expected a tuple, found a " + std::string(node_kind_name(n.kind)));
+    }
+    return n;
+  }
+  std::vector<std::int64_t> int_list(std::uint32_t i, const std::string& what) {
+    const Node& n = expect_seq(i, what);
+    if (n.items.size() > kMaxTorchDims) {
+      throw fail(what + " has " + std::to_string(n.items.size()) + " dimensions; at most " +
+                 std::to_string(kMaxTorchDims));
+    }
+    std::vector<std::int64_t> out;
+    for (std::uint32_t x : n.items) {
+      const Node& v = expect(x, NodeKind::kInt, what);
+      if (v.integer < 0) throw fail(what + " holds " + std::to_string(v.integer) +
+                                    " (expected no negative value)");
+      out.push_back(v.integer);
+    }
+    return out;
+  }
+
+  std::uint32_t rebuild_tensor(const std::vector<std::uint32_t>& a, const AllowedGlobal& g) {
+    const std::string fn = global_text(g);
+    const bool v2 = g.role == R::kRebuildTensorV2;
+    if (v2 ? (a.size() != 6 && a.size() != 7) : a.size() != 4) {
+      throw fail(fn + " takes " + (v2 ? "6 or 7" : "4") + " arguments, given " +
+                 std::to_string(a.size()));
+    }
+    expect(a[0], NodeKind::kStorage, fn + "'s storage (argument 1)");
+    const Node& off = expect(a[1], NodeKind::kInt, fn + "'s storage offset (argument 2)");
+    if (off.integer < 0) throw fail(fn + "'s storage offset " + std::to_string(off.integer) +
+                                    " is negative");
+    std::vector<std::int64_t> size = int_list(a[2], fn + "'s size (argument 3)");
+    std::vector<std::int64_t> stride = int_list(a[3], fn + "'s stride (argument 4)");
+    if (size.size() != stride.size()) {
+      throw fail(fn + ": size has " + std::to_string(size.size()) + " dimensions, stride " +
+                 std::to_string(stride.size()));
+    }
+    bool requires_grad = false;
+    if (v2) {
+      const Node& rg = expect(a[4], NodeKind::kBool, fn + "'s requires_grad (argument 5)");
+      requires_grad = rg.flag;
+      const Node& hooks = node(a[5]);
+      if (!(hooks.kind == NodeKind::kNone || (hooks.kind == NodeKind::kDict && hooks.items.empty()))) {
+        throw fail(fn + "'s backward hooks (argument 6) must be empty; found a " +
+                   std::string(node_kind_name(hooks.kind)) +
+                   (hooks.kind == NodeKind::kDict ? " of " + std::to_string(hooks.items.size() / 2) +
+                                                        " hooks"
+                                                  : std::string()));
+      }
+      if (a.size() == 7) {
+        const Node& meta = node(a[6]);
+        if (meta.kind != NodeKind::kNone && meta.kind != NodeKind::kDict) {
+          throw fail(fn + "'s metadata (argument 7): expected None or a dict, found a " +
+                     std::string(node_kind_name(meta.kind)));
+        }
+      }
+    }
+    Node t;
+    t.kind = NodeKind::kTensor;
+    t.ref = a[0];
+    t.integer = node(a[1]).integer;
+    t.flag = requires_grad;
+    t.dims = std::move(size);
+    t.dims.insert(t.dims.end(), stride.begin(), stride.end());
+    return add(std::move(t));
+  }
+
+  const EnumMember* member_named(const AllowedGlobal& cls, std::string_view name) {
+    for (const EnumMember& m : enum_members(cls)) {
+      if (name == m.name) return &m;
+    }
+    return nullptr;
+  }
+  std::uint32_t make_enum(std::uint32_t cls_row, const EnumMember& m) {
+    Node n;
+    n.kind = NodeKind::kEnum;
+    n.ref = cls_row;
+    n.integer = m.value;
+    // An alias (max_stage) pickles under its canonical name; report that one.
+    for (const EnumMember& c : enum_members(kAllowed[cls_row])) {
+      if (c.value == m.value) {
+        n.text = c.name;
+        break;
+      }
+    }
+    return add(std::move(n));
+  }
+
+  std::uint32_t call(std::uint32_t callable, std::uint32_t args_node) {
+    const AllowedGlobal* g = global_of(callable);
+    if (g == nullptr) {
+      throw fail("calls a " + std::string(node_kind_name(node(callable).kind)) +
+                 "; only globals of the allow-list may be called");
+    }
+    const std::string fn = global_text(*g);
+    const Node& args = expect(args_node, NodeKind::kTuple, fn + "'s arguments");
+    const std::vector<std::uint32_t> a = args.items;
+    const std::uint32_t row = node(callable).ref;
+    switch (g->role) {
+      case R::kRebuildTensorV2:
+      case R::kRebuildTensor:
+        return rebuild_tensor(a, *g);
+      case R::kRebuildFromType: {
+        if (a.size() != 4) throw fail(fn + " takes 4 arguments, given " + std::to_string(a.size()));
+        const AllowedGlobal* f = global_of(a[0]);
+        if (f == nullptr || (f->role != R::kRebuildTensorV2 && f->role != R::kRebuildTensor)) {
+          throw fail(fn + "'s function (argument 1) must be torch._utils._rebuild_tensor_v2");
+        }
+        const AllowedGlobal* type = global_of(a[1]);
+        if (type == nullptr || type->role != R::kTensorType) {
+          throw fail(fn + "'s type (argument 2) must be torch.Tensor (a tensor subclass would "
+                     "run its own code)");
+        }
+        const Node& inner = expect(a[2], NodeKind::kTuple, fn + "'s arguments (argument 3)");
+        const std::vector<std::uint32_t> inner_args = inner.items;
+        const Node& state = node(a[3]);
+        if (state.kind != NodeKind::kNone && state.kind != NodeKind::kDict) {
+          throw fail(fn + "'s attributes (argument 4): expected a dict, found a " +
+                     std::string(node_kind_name(state.kind)));
+        }
+        return rebuild_tensor(inner_args, *f);
+      }
+      case R::kRebuildParameter: {
+        if (a.size() != 3) throw fail(fn + " takes 3 arguments, given " + std::to_string(a.size()));
+        Node t = expect(a[0], NodeKind::kTensor, fn + "'s data (argument 1)");
+        t.flag = expect(a[1], NodeKind::kBool, fn + "'s requires_grad (argument 2)").flag;
+        return add(std::move(t));
+      }
+      case R::kSize: {
+        if (a.size() != 1) throw fail(fn + " takes 1 argument, given " + std::to_string(a.size()));
+        (void)int_list(a[0], fn + "'s dimensions");
+        return make_seq(NodeKind::kTuple, node(a[0]).items, "torch.Size");
+      }
+      case R::kDevice: {
+        if (a.empty() || a.size() > 2) {
+          throw fail(fn + " takes 1 or 2 arguments, given " + std::to_string(a.size()));
+        }
+        expect(a[0], NodeKind::kString, fn + "'s type (argument 1)");
+        if (a.size() == 2 && node(a[1]).kind != NodeKind::kInt &&
+            node(a[1]).kind != NodeKind::kNone) {
+          throw fail(fn + "'s index (argument 2): expected an int or None");
+        }
+        Node o;
+        o.kind = NodeKind::kObject;
+        o.ref = row;
+        o.items = a;
+        return add(std::move(o));
+      }
+      case R::kOrderedDict: {
+        if (a.size() > 1) throw fail(fn + " takes 0 or 1 argument, given " + std::to_string(a.size()));
+        const std::uint32_t d = make_seq(NodeKind::kDict, {}, "collections.OrderedDict");
+        if (a.size() == 1) {
+          const std::vector<std::uint32_t> pairs = expect_seq(a[0], fn + "'s items").items;
+          for (std::uint32_t p : pairs) {
+            const Node& pair = expect_seq(p, fn + "'s item");
+            if (pair.items.size() != 2) throw fail(fn + "'s items must be (key, value) pairs");
+            const std::uint32_t k = pair.items[0], v = pair.items[1];
+            set_item(d, k, v);
+          }
+        }
+        return d;
+      }
+      case R::kGetattr: {
+        if (a.size() != 2) throw fail(fn + " takes 2 arguments, given " + std::to_string(a.size()));
+        const AllowedGlobal* cls = global_of(a[0]);
+        if (cls == nullptr || cls->role != R::kEnum) {
+          throw fail(fn + " may only name a member of an allowed enum (argument 1 is a " +
+                     (cls ? global_text(*cls) : std::string(node_kind_name(node(a[0]).kind))) +
+                     ")");
+        }
+        const Node& name = expect(a[1], NodeKind::kString, fn + "'s name (argument 2)");
+        const EnumMember* m = member_named(*cls, name.text);
+        if (m == nullptr) {
+          throw fail(global_text(*cls) + " has no member '" + printable(name.text) + "'");
+        }
+        return make_enum(node(a[0]).ref, *m);
+      }
+      case R::kEnum: {
+        if (a.size() != 1) throw fail(fn + " takes 1 argument, given " + std::to_string(a.size()));
+        const Node& v = expect(a[0], NodeKind::kInt, fn + "'s value");
+        for (const EnumMember& m : enum_members(*g)) {
+          if (m.value == v.integer) return make_enum(row, m);
+        }
+        throw fail(fn + " has no member of value " + std::to_string(v.integer));
+      }
+      case R::kObject: {
+        Node o;
+        o.kind = NodeKind::kObject;
+        o.ref = row;
+        o.items = a;
+        return add(std::move(o));
+      }
+      case R::kSet: {
+        if (a.size() > 1) throw fail(fn + " takes 0 or 1 argument, given " + std::to_string(a.size()));
+        const std::uint32_t s = make_seq(NodeKind::kList, {}, "set");
+        if (a.size() == 1) {
+          const std::vector<std::uint32_t> items = expect_seq(a[0], fn + "'s items").items;
+          for (std::uint32_t i : items) add_to_set(s, i);
+        }
+        if (g->name == std::string_view("frozenset")) node(s).tag = "frozenset";
+        return s;
+      }
+      case R::kEncode: {
+        if (std::string_view(g->name) == "bytes") {
+          if (!a.empty()) throw fail(fn + " is allowed only without arguments (empty bytes)");
+          return make_text(NodeKind::kBytes, "");
+        }
+        if (a.size() != 2) throw fail(fn + " takes 2 arguments, given " + std::to_string(a.size()));
+        const std::string text = expect(a[0], NodeKind::kString, fn + "'s text").text;
+        const std::string codec = expect(a[1], NodeKind::kString, fn + "'s codec").text;
+        if (codec != "latin1" && codec != "latin-1") {
+          throw fail(fn + " is allowed only with 'latin1' (how protocol 2 writes bytes), given '" +
+                     printable(codec) + "'");
+        }
+        return make_text(NodeKind::kBytes, latin1(text, fn));
+      }
+      case R::kStorage:
+      case R::kTensorType:
+      case R::kValue:
+        break;
+    }
+    throw fail(fn + " may not be called (it is allowed only as " +
+               (g->role == R::kStorage      ? "a storage type in a persistent id)"
+                : g->role == R::kTensorType ? "the type _rebuild_from_type_v2 names)"
+                                            : "a value)"));
+  }
+
+  // UTF-8 text whose code points are all below 256, as the bytes they number.
+  std::string latin1(const std::string& text, const std::string& fn) {
+    std::string out;
+    for (std::size_t i = 0; i < text.size();) {
+      const auto c = static_cast<unsigned char>(text[i]);
+      if (c < 0x80) {
+        out += static_cast<char>(c);
+        i += 1;
+      } else if ((c == 0xc2 || c == 0xc3) && i + 1 < text.size() &&
+                 (static_cast<unsigned char>(text[i + 1]) & 0xc0) == 0x80) {
+        out += static_cast<char>(((c & 0x03) << 6) | (static_cast<unsigned char>(text[i + 1]) & 0x3f));
+        i += 2;
+      } else {
+        throw fail(fn + "'s text holds a character beyond latin-1 (byte " + std::to_string(i) +
+                   "): not bytes as protocol 2 writes them");
+      }
+    }
+    return out;
+  }
+
+  std::uint32_t new_object(std::uint32_t cls, std::uint32_t args_node) {
+    const AllowedGlobal* g = global_of(cls);
+    if (g == nullptr || g->role != R::kObject) {
+      throw fail("makes an instance of " +
+                 (g ? "'" + global_text(*g) + "'" : "a " + std::string(node_kind_name(node(cls).kind))) +
+                 "; only the allow-list's classes may be (fragment_address, LossScaler, "
+                 "DynamicLossScaler)");
+    }
+    const Node& args = expect(args_node, NodeKind::kTuple, global_text(*g) + "'s arguments");
+    Node o;
+    o.kind = NodeKind::kObject;
+    o.ref = node(cls).ref;
+    o.items = args.items;
+    return add(std::move(o));
+  }
+
+  void build(std::uint32_t inst, std::uint32_t state) {
+    Node& o = node(inst);
+    if (o.kind == NodeKind::kDict && o.tag == "collections.OrderedDict") {
+      // An OrderedDict's attributes: torch's state dicts carry _metadata (module versions).
+      if (o.state != kNoNode) throw fail("sets a dict's attributes twice");
+      const Node& attrs = node(state);
+      if (attrs.kind != NodeKind::kDict) {
+        throw fail("an OrderedDict's attributes: expected a dict, found a " +
+                   std::string(node_kind_name(attrs.kind)));
+      }
+      node(inst).state = state;
+      return;
+    }
+    if (o.kind != NodeKind::kObject || kAllowed[o.ref].role != R::kObject) {
+      throw fail("sets the state of a " + std::string(node_kind_name(o.kind)) +
+                 (o.kind == NodeKind::kObject ? " '" + global_text(kAllowed[o.ref]) + "'" : "") +
+                 "; only instances of the allow-list's classes have one");
+    }
+    if (o.state != kNoNode) throw fail("sets an object's state twice");
+    std::uint32_t s = state;
+    const Node& sn = node(state);
+    if (sn.kind == NodeKind::kTuple && sn.items.size() == 2) {
+      // (state, slot state): the slots may be empty, nothing else.
+      const Node& slots = node(sn.items[1]);
+      if (!(slots.kind == NodeKind::kNone || (slots.kind == NodeKind::kDict && slots.items.empty()))) {
+        throw fail("an object's slot state is not empty (not what DeepSpeed's classes save)");
+      }
+      s = sn.items[0];
+    }
+    const Node& d = node(s);
+    if (d.kind != NodeKind::kDict && d.kind != NodeKind::kNone) {
+      throw fail("an object's state: expected a dict, found a " +
+                 std::string(node_kind_name(d.kind)));
+    }
+    node(inst).state = d.kind == NodeKind::kDict ? s : kNoNode;
+  }
+
+  std::uint32_t persistent(std::uint32_t pid) {
+    const Node& t = node(pid);
+    if (t.kind != NodeKind::kTuple || t.items.size() != 5) {
+      throw fail("a persistent id must be torch's ('storage', type, key, location, numel); "
+                 "found a " + std::string(node_kind_name(t.kind)) +
+                 (t.kind == NodeKind::kTuple ? " of " + std::to_string(t.items.size()) + " items"
+                                             : std::string()));
+    }
+    const std::vector<std::uint32_t> p = t.items;
+    const Node& tag = expect(p[0], NodeKind::kString, "a persistent id's tag");
+    if (tag.text != "storage") {
+      throw fail("a persistent id of kind '" + printable(tag.text) + "' (expected 'storage')");
+    }
+    const AllowedGlobal* type = global_of(p[1]);
+    if (type == nullptr || type->role != R::kStorage) {
+      throw fail("a persistent id's storage type is " +
+                 (type ? "'" + global_text(*type) + "'" : "a " + std::string(node_kind_name(node(p[1]).kind))) +
+                 " (expected a torch storage type such as torch.FloatStorage)");
+    }
+    const Node& key = expect(p[2], NodeKind::kString, "a persistent id's key");
+    if (key.text.empty() || key.text.size() > 256) {
+      throw fail("a storage key of " + std::to_string(key.text.size()) +
+                 " bytes (expected 1 to 256)");
+    }
+    const Node& loc = expect(p[3], NodeKind::kString, "a persistent id's location");
+    const Node& numel = expect(p[4], NodeKind::kInt, "a persistent id's numel");
+    if (numel.integer < 0) throw fail("storage '" + printable(key.text) + "' has numel " +
+                                      std::to_string(numel.integer));
+    Node s;
+    s.kind = NodeKind::kStorage;
+    s.ref = node(p[1]).ref;
+    s.text = key.text;
+    s.text2 = loc.text.substr(0, 256);
+    s.integer = numel.integer;
+    return add(std::move(s));
+  }
+
+  void put(std::uint64_t index) {
+    const std::uint32_t v = top();
+    if (memo_.size() >= kMaxTorchValues && !memo_.count(index)) {
+      throw fail("more than " + format_count(kMaxTorchValues) + " memo entries");
+    }
+    memo_[index] = v;
+  }
+  void get(std::uint64_t index) {
+    auto it = memo_.find(index);
+    if (it == memo_.end()) throw fail("memo entry " + std::to_string(index) + " was never stored");
+    push(it->second);
+  }
+
+  // One opcode; true at STOP.
+  bool step() {
+    switch (op_) {
+      case '(':
+        if (marks_.size() >= kMaxTorchValues) throw fail("too many MARKs");
+        marks_.push_back(stack_.size());
+        return false;
+      case '.':
+        g_.root = pop();
+        return true;
+      case '0':
+        if (stack_.size() > base()) stack_.pop_back();
+        else (void)pop_mark();
+        return false;
+      case '1': (void)pop_mark(); return false;
+      case '2': push(top()); return false;
+      case 'N': push(none_); return false;
+      case 0x88: push(true_); return false;
+      case 0x89: push(false_); return false;
+      case 'I': {
+        std::string_view t = line();
+        if (t == "01") push(true_);
+        else if (t == "00") push(false_);
+        else push(make_int(parse_int(t)));
+        return false;
+      }
+      case 'L': push(make_int(parse_int(line()))); return false;
+      case 'J': push(make_int(static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4))))); return false;
+      case 'K': push(make_int(static_cast<std::int64_t>(le(1)))); return false;
+      case 'M': push(make_int(static_cast<std::int64_t>(le(2)))); return false;
+      case 0x8a: {
+        const std::uint64_t n = le(1);
+        push(make_int(parse_long(bytes(n))));
+        return false;
+      }
+      case 0x8b: {
+        const std::int64_t n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
+        if (n < 0) throw fail("negative length " + std::to_string(n));
+        push(make_int(parse_long(bytes(static_cast<std::uint64_t>(n)))));
+        return false;
+      }
+      case 'F': {
+        std::string_view t = line();
+        double v = 0;
+        auto [p, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+        if (t.empty() || ec != std::errc() || p != t.data() + t.size()) {
+          throw fail("'" + printable(t) + "' is not a float");
+        }
+        Node n;
+        n.kind = NodeKind::kFloat;
+        n.real = v;
+        push(add(std::move(n)));
+        return false;
+      }
+      case 'G': {
+        need(8);
+        std::uint64_t bits = 0;
+        for (int i = 0; i < 8; ++i) bits = bits << 8 | d_[pos_ + static_cast<std::size_t>(i)];
+        pos_ += 8;
+        Node n;
+        n.kind = NodeKind::kFloat;
+        n.real = std::bit_cast<double>(bits);
+        push(add(std::move(n)));
+        return false;
+      }
+      case 'T': {
+        const std::int64_t n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
+        if (n < 0) throw fail("negative length " + std::to_string(n));
+        push(make_text(NodeKind::kString, bytes(static_cast<std::uint64_t>(n))));
+        return false;
+      }
+      case 'U': push(make_text(NodeKind::kString, bytes(le(1)))); return false;
+      case 'X': push(make_text(NodeKind::kString, bytes(le(4)))); return false;
+      case 0x8c: push(make_text(NodeKind::kString, bytes(le(1)))); return false;
+      case 0x8d: push(make_text(NodeKind::kString, bytes(le(8)))); return false;
+      case 'B': push(make_text(NodeKind::kBytes, bytes(le(4)))); return false;
+      case 'C': push(make_text(NodeKind::kBytes, bytes(le(1)))); return false;
+      case 0x8e: push(make_text(NodeKind::kBytes, bytes(le(8)))); return false;
+      case 0x96: push(make_text(NodeKind::kBytes, bytes(le(8)))); return false;
+      case ']': push(make_seq(NodeKind::kList, {})); return false;
+      case ')': push(make_seq(NodeKind::kTuple, {})); return false;
+      case '}': push(make_seq(NodeKind::kDict, {})); return false;
+      case 0x8f: push(make_seq(NodeKind::kList, {}, "set")); return false;
+      case 'l': push(make_seq(NodeKind::kList, pop_mark())); return false;
+      case 't': push(make_seq(NodeKind::kTuple, pop_mark())); return false;
+      case 0x85: {
+        const std::uint32_t a = pop();
+        push(make_seq(NodeKind::kTuple, {a}));
+        return false;
+      }
+      case 0x86: {
+        const std::uint32_t b = pop(), a = pop();
+        push(make_seq(NodeKind::kTuple, {a, b}));
+        return false;
+      }
+      case 0x87: {
+        const std::uint32_t c = pop(), b = pop(), a = pop();
+        push(make_seq(NodeKind::kTuple, {a, b, c}));
+        return false;
+      }
+      case 0x91: {
+        const std::vector<std::uint32_t> items = pop_mark();
+        const std::uint32_t s = make_seq(NodeKind::kList, {}, "set");
+        for (std::uint32_t i : items) add_to_set(s, i);
+        node(s).tag = "frozenset";
+        push(s);
+        return false;
+      }
+      case 'd': {
+        const std::vector<std::uint32_t> items = pop_mark();
+        if (items.size() % 2 != 0) throw fail("an odd number of items for key, value pairs");
+        const std::uint32_t d = make_seq(NodeKind::kDict, {});
+        for (std::size_t i = 0; i < items.size(); i += 2) set_item(d, items[i], items[i + 1]);
+        push(d);
+        return false;
+      }
+      case 'a': {
+        const std::uint32_t v = pop();
+        append(top(), v);
+        return false;
+      }
+      case 'e': {
+        const std::vector<std::uint32_t> items = pop_mark();
+        const std::uint32_t l = top();
+        for (std::uint32_t i : items) append(l, i);
+        return false;
+      }
+      case 0x90: {
+        const std::vector<std::uint32_t> items = pop_mark();
+        const std::uint32_t s = top();
+        for (std::uint32_t i : items) add_to_set(s, i);
+        return false;
+      }
+      case 's': {
+        const std::uint32_t v = pop(), k = pop();
+        set_item(top(), k, v);
+        return false;
+      }
+      case 'u': {
+        const std::vector<std::uint32_t> items = pop_mark();
+        if (items.size() % 2 != 0) throw fail("an odd number of items for key, value pairs");
+        const std::uint32_t d = top();
+        for (std::size_t i = 0; i < items.size(); i += 2) set_item(d, items[i], items[i + 1]);
+        return false;
+      }
+      case 'g': {
+        get(static_cast<std::uint64_t>(parse_int(line())));
+        return false;
+      }
+      case 'h': get(le(1)); return false;
+      case 'j': get(le(4)); return false;
+      case 'p': {
+        const std::int64_t i = parse_int(line());
+        if (i < 0) throw fail("negative memo index");
+        put(static_cast<std::uint64_t>(i));
+        return false;
+      }
+      case 'q': put(le(1)); return false;
+      case 'r': put(le(4)); return false;
+      case 0x94: put(memo_.size()); return false;
+      case 'c': {
+        const std::string module(line());
+        const std::string_view name = line();
+        push(resolve(module, name));
+        return false;
+      }
+      case 0x93: {
+        const std::uint32_t name = pop(), module = pop();
+        const Node& n = expect(name, NodeKind::kString, "STACK_GLOBAL's name");
+        const Node& m = expect(module, NodeKind::kString, "STACK_GLOBAL's module");
+        push(resolve(m.text, n.text));
+        return false;
+      }
+      case 'R': {
+        const std::uint32_t args = pop(), fn = pop();
+        push(call(fn, args));
+        return false;
+      }
+      case 0x81: {
+        const std::uint32_t args = pop(), cls = pop();
+        push(new_object(cls, args));
+        return false;
+      }
+      case 0x92: {
+        const std::uint32_t kwargs = pop(), args = pop(), cls = pop();
+        const Node& k = expect(kwargs, NodeKind::kDict, "NEWOBJ_EX's keyword arguments");
+        if (!k.items.empty()) throw fail("keyword arguments to a constructor (none allowed)");
+        push(new_object(cls, args));
+        return false;
+      }
+      case 'b': {
+        const std::uint32_t state = pop();
+        build(top(), state);
+        return false;
+      }
+      case 'Q': push(persistent(pop())); return false;
+      case 0x80: {
+        const std::uint64_t v = le(1);
+        if (v > 5) throw fail("protocol " + std::to_string(v) + " (this reader knows 0 to 5)");
+        g_.protocol = v;
+        return false;
+      }
+      case 0x95: {
+        const std::uint64_t n = le(8);
+        if (n > d_.size() - pos_) {
+          throw fail("a frame of " + std::to_string(n) + " bytes, but " +
+                     std::to_string(d_.size() - pos_) + " are left (truncated data.pkl)");
+        }
+        return false;
+      }
+      default:
+        break;
+    }
+    const char* name = opcode_name(op_);
+    if (name != nullptr) {
+      throw fail(std::string("opcode ") + name +
+                 " is refused: it needs code, an extension registry or out-of-band data, or is a "
+                 "text form torch.save never writes");
+    }
+    static const char* digits = "0123456789abcdef";
+    throw fail_plain(std::string("unknown opcode 0x") + digits[op_ >> 4] + digits[op_ & 0xf] +
+                     " (not a pickle of protocol 0 to 5, or a corrupt data.pkl)");
+  }
+
+  std::span<const unsigned char> d_;
+  const std::string& src_;
+  std::size_t pos_ = 0;
+  std::size_t at_ = 0;
+  unsigned char op_ = 0;
+  PickleGraph g_;
+  std::vector<std::uint32_t> stack_;
+  std::vector<std::size_t> marks_;
+  std::unordered_map<std::uint64_t, std::uint32_t> memo_;
+  std::unordered_map<std::uint32_t, std::unordered_set<std::string>> dict_keys_;
+  std::uint32_t none_ = 0, true_ = 0, false_ = 0;
+};
+
+}  // namespace
+
+std::span<const AllowedGlobal> allowed_globals() { return kAllowed; }
+
+std::span<const EnumMember> enum_members(const AllowedGlobal& cls) {
+  if (cls.role == R::kEnum && std::string_view(cls.name) == "ZeroStageEnum") return kZeroStages;
+  return {};
+}
+
+std::uint64_t torch_dtype_size(std::string_view dtype) noexcept {
+  for (const DtypeSize& d : kDtypeSizes) {
+    if (dtype == d.name) return d.size;
+  }
+  return 0;
+}
+
+PickleGraph run_pickle(std::span<const unsigned char> data, const std::string& source) {
+  return Machine(data, source).run();
+}
+
+}  // namespace zeroflat::detail

@@ -1,0 +1,655 @@
+// torch.save archives (torch_file.h): the zip directory, data.pkl through the restricted pickle
+// machine, and the state as a tree of values with every tensor's and storage's bytes located.
+#include "zeroflat/torch_file.h"
+
+#include <algorithm>
+#include <charconv>
+#include <map>
+
+#include "model/files.h"
+#include "source/deepspeed/pickle.h"
+#include "source/deepspeed/zip.h"
+#include "zeroflat/error.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat {
+namespace {
+
+using detail::Node;
+using detail::NodeKind;
+
+std::string torch_dtype_display(std::string_view torch_name, std::optional<DType>* type) {
+  if (torch_name == "bfloat16") *type = DType::kBF16;
+  else if (torch_name == "float16") *type = DType::kFP16;
+  else if (torch_name == "float32") *type = DType::kFP32;
+  else *type = std::nullopt;
+  return *type ? std::string(dtype_name(**type)) : std::string(torch_name);
+}
+
+std::string quote_path(std::string_view path) {
+  return "'" + printable(path, 200) + "'";
+}
+
+// Turns the pickle's graph into the tree of values, locating every tensor.
+class Converter {
+ public:
+  Converter(const detail::PickleGraph& g, const detail::ZipArchive& zip, TorchFile& out,
+            const std::string& file)
+      : g_(g), zip_(zip), out_(out), file_(file) {}
+
+  void run() {
+    std::string path;
+    convert(g_.root, 0, path, out_.root);
+    // Storages by key, numerically where the keys are numbers.
+    std::vector<std::uint64_t> order(out_.storages.size());
+    for (std::uint64_t i = 0; i < order.size(); ++i) order[i] = i;
+    auto number = [](const std::string& k) -> std::optional<std::uint64_t> {
+      std::uint64_t v = 0;
+      auto [p, ec] = std::from_chars(k.data(), k.data() + k.size(), v);
+      if (ec != std::errc() || p != k.data() + k.size()) return std::nullopt;
+      return v;
+    };
+    std::stable_sort(order.begin(), order.end(), [&](std::uint64_t a, std::uint64_t b) {
+      const auto na = number(out_.storages[a].key), nb = number(out_.storages[b].key);
+      if (na && nb) return *na < *nb;
+      if (na || nb) return na.has_value();
+      return out_.storages[a].key < out_.storages[b].key;
+    });
+    std::vector<std::uint64_t> new_index(order.size());
+    std::vector<TorchStorage> sorted;
+    sorted.reserve(order.size());
+    for (std::uint64_t k = 0; k < order.size(); ++k) {
+      new_index[order[k]] = k;
+      sorted.push_back(std::move(out_.storages[order[k]]));
+    }
+    out_.storages = std::move(sorted);
+    for (TorchTensor& t : out_.tensors) t.storage = new_index[t.storage];
+    renumber(out_.root, new_index);
+  }
+
+ private:
+  void renumber(TorchValue& v, const std::vector<std::uint64_t>& new_index) {
+    if (v.kind == TorchKind::kStorage) {
+      v.integer = static_cast<std::int64_t>(new_index[static_cast<std::uint64_t>(v.integer)]);
+    }
+    for (TorchValue& i : v.items) renumber(i, new_index);
+    for (auto& [k, x] : v.entries) {
+      renumber(k, new_index);
+      renumber(x, new_index);
+    }
+  }
+
+  InvalidArgument fail(const std::string& path, const std::string& why) const {
+    return InvalidArgument(file_ + ": " + (path.empty() ? std::string("the saved state")
+                                                        : "entry " + quote_path(path)) +
+                           ": " + why);
+  }
+
+  void count(const std::string& path, std::uint64_t text_bytes) {
+    if (++values_ > kMaxTorchValues) {
+      throw fail(path, "the saved state holds more than " + format_count(kMaxTorchValues) +
+                           " values (shared ones counted where each appears), the reader's "
+                           "bound");
+    }
+    text_ += text_bytes;
+    if (text_ > kMaxTorchTextBytes) {
+      throw fail(path, "the saved state holds more than " + format_bytes(kMaxTorchTextBytes) +
+                           " of text (shared ones counted where each appears), the reader's "
+                           "bound");
+    }
+  }
+
+  // The storage a tensor or a storage value names: one entry per key, the same dtype and numel
+  // wherever the key is named.
+  std::uint64_t storage_of(const Node& s, const std::string& path) {
+    const detail::AllowedGlobal& type = detail::allowed_globals()[s.ref];
+    auto it = storage_index_.find(s.text);
+    if (it != storage_index_.end()) {
+      const TorchStorage& have = out_.storages[it->second];
+      std::optional<DType> t;
+      const std::string dtype = torch_dtype_display(type.dtype, &t);
+      if (have.dtype != dtype || have.numel != static_cast<std::uint64_t>(s.integer)) {
+        throw fail(path, "storage '" + printable(s.text) + "' is named as " + dtype + " of " +
+                             std::to_string(s.integer) + " elements here, and as " + have.dtype +
+                             " of " + std::to_string(have.numel) + " before");
+      }
+      return it->second;
+    }
+    TorchStorage st;
+    st.key = s.text;
+    st.dtype = torch_dtype_display(type.dtype, &st.type);
+    st.element_size = detail::torch_dtype_size(type.dtype);
+    st.numel = static_cast<std::uint64_t>(s.integer);
+    st.location = s.text2;
+    st.entry = out_.archive + "/data/" + s.text;
+    const detail::ZipEntry* e = zip_.find(st.entry);
+    if (e == nullptr) {
+      throw fail(path, "its storage '" + printable(s.text) + "' has no entry '" +
+                           printable(st.entry, 200) + "' in the archive");
+    }
+    if (__builtin_mul_overflow(st.numel, st.element_size, &st.bytes)) {
+      throw fail(path, "storage '" + printable(s.text) + "' declares " +
+                           std::to_string(st.numel) + " elements: more bytes than 64 bits hold");
+    }
+    if (e->bytes < st.bytes) {
+      throw fail(path, "storage entry '" + printable(st.entry, 200) + "' holds " +
+                           std::to_string(e->bytes) + " bytes, but its " +
+                           std::to_string(st.numel) + " " + st.dtype + " elements need " +
+                           std::to_string(st.bytes));
+    }
+    st.offset = e->offset;
+    out_.storages.push_back(std::move(st));
+    storage_index_[s.text] = out_.storages.size() - 1;
+    return out_.storages.size() - 1;
+  }
+
+  std::uint64_t tensor_of(const Node& n, const std::string& path) {
+    TorchTensor t;
+    t.path = path;
+    const Node& s = g_.nodes[n.ref];
+    t.storage = storage_of(s, path);
+    const TorchStorage& st = out_.storages[t.storage];
+    t.dtype = st.dtype;
+    t.type = st.type;
+    t.element_size = st.element_size;
+    const std::size_t nd = n.dims.size() / 2;
+    t.shape.assign(n.dims.begin(), n.dims.begin() + static_cast<std::ptrdiff_t>(nd));
+    t.stride.assign(n.dims.begin() + static_cast<std::ptrdiff_t>(nd), n.dims.end());
+    t.storage_offset = static_cast<std::uint64_t>(n.integer);
+    t.requires_grad = n.flag;
+    try {
+      t.numel = shape_numel(t.shape);
+    } catch (const InvalidArgument&) {
+      throw fail(path, "shape " + shape_to_string(t.shape) + " has more elements than 64 bits hold");
+    }
+    // The last element it reaches: storage_offset + sum((size - 1) * stride).
+    std::uint64_t last = t.storage_offset;
+    bool overflow = false;
+    if (t.numel > 0) {
+      for (std::size_t d = 0; d < nd; ++d) {
+        std::uint64_t step = 0;
+        overflow |= __builtin_mul_overflow(static_cast<std::uint64_t>(t.shape[d] - 1),
+                                           static_cast<std::uint64_t>(t.stride[d]), &step);
+        overflow |= __builtin_add_overflow(last, step, &last);
+      }
+    }
+    const std::string geometry = "(storage_offset " + std::to_string(t.storage_offset) +
+                                 ", size " + shape_to_string(t.shape) + ", stride " +
+                                 shape_to_string(t.stride) + ")";
+    if (overflow || (t.numel > 0 && last >= st.numel) || t.storage_offset > st.numel) {
+      throw fail(path, "tensor " + geometry + " reaches " +
+                           (overflow ? std::string("past 64 bits")
+                                     : "element " + std::to_string(t.numel > 0 ? last : t.storage_offset)) +
+                           " of storage '" + printable(st.key) + "', which holds " +
+                           std::to_string(st.numel) + " elements");
+    }
+    // torch's is_contiguous: row-major where the size is not 1.
+    t.contiguous = true;
+    if (t.numel > 0) {
+      std::uint64_t expected = 1;  // at most numel: no overflow
+      for (std::size_t d = nd; d-- > 0;) {
+        if (t.shape[d] == 1) continue;
+        if (static_cast<std::uint64_t>(t.stride[d]) != expected) {
+          t.contiguous = false;
+          break;
+        }
+        expected *= static_cast<std::uint64_t>(t.shape[d]);
+      }
+    }
+    t.offset = st.offset + t.storage_offset * t.element_size;  // within the entry: no overflow
+    t.extent_bytes = t.numel > 0 ? (last - t.storage_offset + 1) * t.element_size : 0;
+    t.bytes = t.contiguous ? t.numel * t.element_size : 0;
+    count(path, path.size());
+    out_.tensors.push_back(std::move(t));
+    return out_.tensors.size() - 1;
+  }
+
+  void convert(std::uint32_t i, std::uint64_t depth, std::string& path, TorchValue& v) {
+    if (depth > kMaxTorchDepth) {
+      throw fail(path, "the saved state nests deeper than " + std::to_string(kMaxTorchDepth) +
+                           " levels (or refers to itself)");
+    }
+    const Node& n = g_.nodes[i];
+    switch (n.kind) {
+      case NodeKind::kNone: v.kind = TorchKind::kNone; break;
+      case NodeKind::kBool:
+        v.kind = TorchKind::kBool;
+        v.boolean = n.flag;
+        break;
+      case NodeKind::kInt:
+        v.kind = TorchKind::kInt;
+        v.integer = n.integer;
+        break;
+      case NodeKind::kFloat:
+        v.kind = TorchKind::kFloat;
+        v.real = n.real;
+        break;
+      case NodeKind::kString:
+      case NodeKind::kBytes:
+        v.kind = n.kind == NodeKind::kString ? TorchKind::kString : TorchKind::kBytes;
+        count(path, n.text.size());
+        v.text = n.text;
+        return;
+      case NodeKind::kGlobal: {
+        const detail::AllowedGlobal& a = detail::allowed_globals()[n.ref];
+        v.kind = TorchKind::kGlobal;
+        v.text = std::string(a.module) + "." + a.name;
+        break;
+      }
+      case NodeKind::kEnum: {
+        const detail::AllowedGlobal& a = detail::allowed_globals()[n.ref];
+        v.kind = TorchKind::kEnum;
+        v.text = std::string(a.module) + "." + a.name + "." + n.text;
+        v.integer = n.integer;
+        break;
+      }
+      case NodeKind::kStorage:
+        v.kind = TorchKind::kStorage;
+        v.integer = static_cast<std::int64_t>(storage_of(n, path));
+        break;
+      case NodeKind::kTensor:
+        v.kind = TorchKind::kTensor;
+        v.integer = static_cast<std::int64_t>(tensor_of(n, path));
+        return;
+      case NodeKind::kList:
+      case NodeKind::kTuple: {
+        v.kind = n.kind == NodeKind::kList ? TorchKind::kList : TorchKind::kTuple;
+        v.text = std::string(n.tag);
+        count(path, 0);
+        v.items.resize(n.items.size());
+        for (std::size_t k = 0; k < n.items.size(); ++k) {
+          child(n.items[k], depth, path, std::to_string(k), v.items[k]);
+        }
+        return;
+      }
+      case NodeKind::kDict:
+        v.kind = TorchKind::kDict;
+        v.text = std::string(n.tag);
+        count(path, 0);
+        entries(n, depth, path, v);
+        if (n.state != detail::kNoNode) {
+          v.items.resize(1);
+          child(n.state, depth, path, "__attrs__", v.items[0]);
+        }
+        return;
+      case NodeKind::kObject: {
+        const detail::AllowedGlobal& a = detail::allowed_globals()[n.ref];
+        v.kind = TorchKind::kObject;
+        v.text = std::string(a.module) + "." + a.name;
+        count(path, 0);
+        v.items.resize(n.items.size());
+        for (std::size_t k = 0; k < n.items.size(); ++k) {
+          child(n.items[k], depth, path, "__args__/" + std::to_string(k), v.items[k]);
+        }
+        if (n.state != detail::kNoNode) entries(g_.nodes[n.state], depth, path, v);
+        return;
+      }
+    }
+    count(path, 0);
+  }
+
+  void entries(const Node& d, std::uint64_t depth, std::string& path, TorchValue& v) {
+    v.entries.resize(d.items.size() / 2);
+    for (std::size_t k = 0; k < v.entries.size(); ++k) {
+      auto& [key, value] = v.entries[k];
+      convert(d.items[2 * k], depth + 1, path, key);
+      child(d.items[2 * k + 1], depth, path, torch_path_segment(key), value);
+    }
+  }
+
+  void child(std::uint32_t i, std::uint64_t depth, std::string& path, const std::string& segment,
+             TorchValue& v) {
+    const std::size_t keep = path.size();
+    if (depth > 0) path += '/';  // the root's children: no leading '/'
+    path += segment;
+    convert(i, depth + 1, path, v);
+    path.resize(keep);
+  }
+
+  const detail::PickleGraph& g_;
+  const detail::ZipArchive& zip_;
+  TorchFile& out_;
+  const std::string& file_;
+  std::map<std::string, std::uint64_t> storage_index_;
+  std::uint64_t values_ = 0;
+  std::uint64_t text_ = 0;
+};
+
+std::string read_entry(const detail::ByteSource& src, const detail::ZipEntry& e,
+                       std::uint64_t max_bytes, const std::string& file) {
+  if (e.bytes > max_bytes) {
+    throw InvalidArgument(file + ": entry '" + printable(e.name, 200) + "' holds " +
+                          format_bytes(e.bytes) + "; at most " + format_bytes(max_bytes) +
+                          " are read");
+  }
+  std::string out(e.bytes, '\0');
+  if (e.bytes > 0) src.read(out.data(), e.bytes, e.offset);
+  return out;
+}
+
+std::string trim(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+TorchFile parse(const detail::ByteSource& src, const std::string& given) {
+  const std::string file = printable(given, 200);
+  TorchFile out;
+  out.path = given;
+  out.file_bytes = src.size();
+  const detail::ZipArchive zip = detail::read_zip(src);
+
+  const std::string& first = zip.entries.front().name;
+  const std::size_t slash = first.find('/');
+  if (slash == std::string::npos || slash == 0) {
+    throw InvalidArgument(file + ": entry '" + printable(first, 200) +
+                          "' lies in no folder (torch.save puts every entry in one folder, "
+                          "such as 'archive/'): not a torch.save archive");
+  }
+  out.archive = first.substr(0, slash);
+  const std::string prefix = out.archive + "/";
+  for (const detail::ZipEntry& e : zip.entries) {
+    if (e.name.compare(0, prefix.size(), prefix) != 0) {
+      throw InvalidArgument(file + ": entry '" + printable(e.name, 200) +
+                            "' lies outside the archive's folder '" + printable(out.archive) +
+                            "' (torch.save puts every entry in one folder)");
+    }
+  }
+  if (const detail::ZipEntry* e = zip.find(prefix + "byteorder")) {
+    out.byteorder = trim(read_entry(src, *e, 64, file));
+    if (out.byteorder != "little") {
+      throw InvalidArgument(file + ": entry '" + printable(e->name, 200) + "' says '" +
+                            printable(out.byteorder) +
+                            "'; zeroflat reads little-endian archives only (expected 'little')");
+    }
+  } else {
+    out.byteorder = "little";  // archives from before torch wrote the entry
+  }
+  if (const detail::ZipEntry* e = zip.find(prefix + "version")) {
+    out.version = printable(trim(read_entry(src, *e, 64, file)));
+  }
+  if (const detail::ZipEntry* e = zip.find(prefix + ".storage_alignment")) {
+    const std::string text = trim(read_entry(src, *e, 64, file));
+    std::uint64_t v = 0;
+    auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (text.empty() || ec != std::errc() || p != text.data() + text.size()) {
+      throw InvalidArgument(file + ": entry '" + printable(e->name, 200) + "' holds '" +
+                            printable(text) + "' (expected a number of bytes)");
+    }
+    out.storage_alignment = v;
+  }
+  const detail::ZipEntry* pkl = zip.find(prefix + "data.pkl");
+  if (pkl == nullptr) {
+    throw InvalidArgument(file + ": no entry '" + printable(prefix, 200) +
+                          "data.pkl' (the pickled state every torch.save archive holds)");
+  }
+  const std::string data = read_entry(src, *pkl, kMaxTorchPickleBytes, file);
+  out.pickle_bytes = data.size();
+  const detail::PickleGraph graph = detail::run_pickle(
+      std::span(reinterpret_cast<const unsigned char*>(data.data()), data.size()),
+      file + ", entry '" + printable(pkl->name, 200) + "'");
+  out.protocol = graph.protocol;
+  out.globals = graph.globals;
+  Converter(graph, zip, out, file).run();
+  return out;
+}
+
+std::string float_text(double v) {
+  char buf[40];
+  auto [p, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  std::string s(buf, ec == std::errc() ? p : buf);
+  if (s.find_first_of(".eni") == std::string::npos) s += ".0";  // Python's repr: 1.0
+  return s;
+}
+
+std::vector<std::string_view> split_path(std::string_view path) {
+  std::vector<std::string_view> out;
+  if (path.empty()) return out;
+  std::size_t at = 0;
+  while (true) {
+    const std::size_t slash = path.find('/', at);
+    out.push_back(path.substr(at, slash == std::string_view::npos ? std::string_view::npos
+                                                                  : slash - at));
+    if (slash == std::string_view::npos) break;
+    at = slash + 1;
+  }
+  return out;
+}
+
+std::optional<std::uint64_t> index_of(std::string_view s) {
+  std::uint64_t v = 0;
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc() || p != s.data() + s.size()) return std::nullopt;
+  return v;
+}
+
+}  // namespace
+
+std::string_view torch_kind_name(TorchKind kind) noexcept {
+  switch (kind) {
+    case TorchKind::kNone: return "none";
+    case TorchKind::kBool: return "bool";
+    case TorchKind::kInt: return "int";
+    case TorchKind::kFloat: return "float";
+    case TorchKind::kString: return "string";
+    case TorchKind::kBytes: return "bytes";
+    case TorchKind::kList: return "list";
+    case TorchKind::kTuple: return "tuple";
+    case TorchKind::kDict: return "dict";
+    case TorchKind::kTensor: return "tensor";
+    case TorchKind::kStorage: return "storage";
+    case TorchKind::kObject: return "object";
+    case TorchKind::kEnum: return "enum";
+    case TorchKind::kGlobal: return "global";
+  }
+  return "?";
+}
+
+const TorchValue* TorchValue::get(std::string_view key) const noexcept {
+  if (kind != TorchKind::kDict && kind != TorchKind::kObject) return nullptr;
+  for (const auto& [k, v] : entries) {
+    if (k.kind == TorchKind::kString && k.text == key) return &v;
+  }
+  return nullptr;
+}
+
+std::string_view TorchValue::member() const noexcept {
+  if (kind != TorchKind::kEnum) return {};
+  const std::size_t dot = text.rfind('.');
+  return dot == std::string::npos ? std::string_view(text) : std::string_view(text).substr(dot + 1);
+}
+
+std::string torch_path_segment(const TorchValue& key) {
+  switch (key.kind) {
+    case TorchKind::kString: {
+      std::string out;
+      for (char c : key.text) {
+        if (c == '%') out += "%25";
+        else if (c == '/') out += "%2F";
+        else out += c;
+      }
+      return out;
+    }
+    case TorchKind::kInt: return std::to_string(key.integer);
+    case TorchKind::kNone: return "None";
+    case TorchKind::kBool: return key.boolean ? "True" : "False";
+    case TorchKind::kFloat: return float_text(key.real);
+    case TorchKind::kBytes: {
+      std::string out = "b'";
+      static const char* digits = "0123456789abcdef";
+      for (unsigned char c : key.text) {
+        if (c >= 0x20 && c < 0x7f && c != '\'' && c != '\\' && c != '/' && c != '%') {
+          out += static_cast<char>(c);
+        } else {
+          out += "\\x";
+          out += digits[c >> 4];
+          out += digits[c & 0xf];
+        }
+      }
+      return out + "'";
+    }
+    case TorchKind::kTuple: {
+      std::string out = "(";
+      for (std::size_t i = 0; i < key.items.size(); ++i) {
+        if (i > 0) out += ", ";
+        out += torch_path_segment(key.items[i]);
+      }
+      return out + ")";
+    }
+    case TorchKind::kEnum: return std::string(key.member());
+    default: return "<" + std::string(torch_kind_name(key.kind)) + ">";
+  }
+}
+
+const TorchValue* TorchFile::find(std::string_view entry) const {
+  const TorchValue* v = &root;
+  const std::vector<std::string_view> parts = split_path(entry);
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const std::string_view seg = parts[i];
+    if (v->kind == TorchKind::kDict && seg == "__attrs__" && !v->items.empty()) {
+      v = &v->items[0];
+      continue;
+    }
+    if (v->is_sequence() || (v->kind == TorchKind::kObject && seg == "__args__")) {
+      if (v->kind == TorchKind::kObject) {
+        if (++i == parts.size()) return nullptr;
+      }
+      const std::optional<std::uint64_t> k = index_of(parts[i]);
+      if (!k || *k >= v->items.size()) return nullptr;
+      v = &v->items[*k];
+      continue;
+    }
+    if (v->kind != TorchKind::kDict && v->kind != TorchKind::kObject) return nullptr;
+    const TorchValue* next = nullptr;
+    for (const auto& [key, value] : v->entries) {
+      if (torch_path_segment(key) == seg) {
+        next = &value;
+        break;
+      }
+    }
+    if (next == nullptr) return nullptr;
+    v = next;
+  }
+  return v;
+}
+
+const TorchValue& TorchFile::at(std::string_view entry) const {
+  if (const TorchValue* v = find(entry)) return *v;
+  // Name the first segment that is missing.
+  const std::vector<std::string_view> parts = split_path(entry);
+  std::string have;
+  for (const std::string_view seg : parts) {
+    const std::string next = have.empty() ? std::string(seg) : have + "/" + std::string(seg);
+    const TorchValue* v = find(next);
+    if (v == nullptr) {
+      const TorchValue* parent = find(have);
+      throw InvalidArgument(printable(this->path, 200) + ": no entry " + quote_path(entry) +
+                            " (" + (have.empty() ? "the saved state" : quote_path(have)) +
+                            (parent ? " is a " + std::string(torch_kind_name(parent->kind)) +
+                                          " without '" + printable(seg) + "'"
+                                    : std::string(" is missing")) +
+                            ")");
+    }
+    have = next;
+  }
+  throw InvalidArgument(printable(this->path, 200) + ": no entry " + quote_path(entry));
+}
+
+namespace {
+[[noreturn]] void wrong_kind(const TorchFile& f, std::string_view entry, const char* expected,
+                             const TorchValue& v) {
+  throw InvalidArgument(printable(f.path, 200) + ": entry " + quote_path(entry) + ": expected " +
+                        expected + ", found " + std::string(torch_kind_name(v.kind)) +
+                        (v.kind == TorchKind::kObject || v.kind == TorchKind::kGlobal
+                             ? " " + printable(v.text)
+                             : std::string()));
+}
+}  // namespace
+
+std::int64_t TorchFile::int_at(std::string_view entry) const {
+  const TorchValue& v = at(entry);
+  if (v.kind == TorchKind::kInt || v.kind == TorchKind::kEnum) return v.integer;
+  if (v.kind == TorchKind::kBool) return v.boolean ? 1 : 0;
+  wrong_kind(*this, entry, "an int", v);
+}
+
+double TorchFile::float_at(std::string_view entry) const {
+  const TorchValue& v = at(entry);
+  if (v.kind == TorchKind::kFloat) return v.real;
+  if (v.kind == TorchKind::kInt) return static_cast<double>(v.integer);
+  wrong_kind(*this, entry, "a float", v);
+}
+
+const std::string& TorchFile::string_at(std::string_view entry) const {
+  const TorchValue& v = at(entry);
+  if (v.kind == TorchKind::kString) return v.text;
+  wrong_kind(*this, entry, "a string", v);
+}
+
+const std::vector<TorchValue>& TorchFile::list_at(std::string_view entry) const {
+  const TorchValue& v = at(entry);
+  if (v.is_sequence()) return v.items;
+  wrong_kind(*this, entry, "a list", v);
+}
+
+const TorchTensor& TorchFile::tensor_at(std::string_view entry) const {
+  const TorchValue& v = at(entry);
+  if (v.kind == TorchKind::kTensor) return tensors[static_cast<std::uint64_t>(v.integer)];
+  wrong_kind(*this, entry, "a tensor", v);
+}
+
+Shape TorchFile::shape_at(std::string_view entry) const {
+  const TorchValue& v = at(entry);
+  if (!v.is_sequence()) wrong_kind(*this, entry, "a shape (a tuple of ints)", v);
+  Shape out;
+  for (const TorchValue& d : v.items) {
+    if (d.kind != TorchKind::kInt || d.integer < 0) {
+      throw InvalidArgument(printable(this->path, 200) + ": entry " + quote_path(entry) +
+                            ": expected a shape (non-negative ints), found a " +
+                            std::string(torch_kind_name(d.kind)) + " in it");
+    }
+    out.push_back(d.integer);
+  }
+  return out;
+}
+
+const TorchTensor* TorchFile::find_tensor(std::string_view entry) const {
+  const TorchValue* v = find(entry);
+  if (v == nullptr || v->kind != TorchKind::kTensor) return nullptr;
+  return &tensors[static_cast<std::uint64_t>(v->integer)];
+}
+
+TorchFile read_torch_file(const std::string& path) {
+  const detail::FileSource src(path);
+  return parse(src, path);
+}
+
+TorchFile parse_torch_file(std::span<const unsigned char> bytes, const std::string& source) {
+  const detail::MemorySource src(bytes, source);
+  return parse(src, source);
+}
+
+bool is_torch_file(const std::string& path) noexcept {
+  try {
+    const detail::File file(path);
+    unsigned char head[4] = {0, 0, 0, 0};
+    if (file.size() < 2) return false;
+    file.read_at(head, std::min<std::uint64_t>(file.size(), 4), 0);
+    if (file.size() >= 4 && head[0] == 'P' && head[1] == 'K' && head[2] == 3 && head[3] == 4) {
+      return true;
+    }
+    return head[0] == 0x80 && head[1] <= 5;
+  } catch (...) {
+    return false;
+  }
+}
+
+std::vector<std::string> torch_allowed_globals() {
+  std::vector<std::string> out;
+  for (const detail::AllowedGlobal& g : detail::allowed_globals()) {
+    out.push_back(std::string(g.module) + " " + g.name + ": " + g.reason);
+  }
+  return out;
+}
+
+}  // namespace zeroflat
