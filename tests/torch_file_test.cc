@@ -2,7 +2,8 @@
 // ones listed exactly, hostile ones (foreign globals, compressed or truncated archives, missing
 // or short storages, tensors past their storage, deep or self-referring or exploding states,
 // huge declared lengths) refused with InvalidArgument naming the file and the entry; a real
-// torch.save archive (the fuzz corpus' seed) listed as torch saved it.
+// torch.save archive (the fuzz corpus' seed) listed as torch saved it; and the reads of a
+// resume at a new world size, against the layouts they come from.
 #include "zeroflat/torch_file.h"
 
 #include <gtest/gtest.h>
@@ -13,7 +14,10 @@
 #include <fstream>
 #include <map>
 
+#include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/error.h"
+#include "zeroflat/layout.h"
+#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {
@@ -646,6 +650,112 @@ TEST(TorchFile, RealTorchSaveArchive) {
   std::memcpy(w, bytes.data() + f.tensors[0].offset, sizeof w);
   for (int i = 0; i < 6; ++i) EXPECT_EQ(w[i], static_cast<float>(i));
   EXPECT_EQ(f.tensors[0].offset % 64, 0u);  // torch aligns storages
+}
+
+// ---- the reads of a resume at a new world size, on a described checkpoint --------------------
+
+// A ZeRO-1/2 checkpoint of one group saved by `world` ranks: each rank's fp32 partition in file
+// `rank` at offset 1000 * (rank + 1), exp_avg after it, step elsewhere.
+DeepSpeedCheckpoint zero12(const std::vector<std::uint64_t>& numels, std::uint64_t world) {
+  DeepSpeedCheckpoint ck;
+  ck.format = DeepSpeedFormat::kZero12;
+  ck.zero_stage = 2;
+  ck.world = world;
+  ck.ds_version = "0.19.8";
+  ck.dtype = "bf16";
+  LayoutOptions o;
+  o.dp = world;
+  const Layout l = Layout::compute(numels, o);
+  DeepSpeedGroup g;
+  for (std::size_t i = 0; i < numels.size(); ++i) {
+    DeepSpeedParam p;
+    p.name = "p" + std::to_string(i);
+    p.shape = {static_cast<std::int64_t>(numels[i])};
+    p.numel = numels[i];
+    p.offset = l.offsets()[i];
+    g.params.push_back(p);
+    g.numel += numels[i];
+  }
+  g.flat_numel = l.flat_numel();
+  g.sub_groups = {0};
+  DeepSpeedSubGroup sg;
+  sg.num_params = numels.size();
+  sg.partition_numel = l.partition_numel();
+  for (std::uint64_t r = 0; r < world; ++r) {
+    ck.files.emplace_back();
+    DeepSpeedPartition part;
+    part.padding = l.rank(r).padding;
+    auto tensor = [&](std::uint64_t numel, std::uint64_t offset) {
+      DeepSpeedTensor t;
+      t.file = static_cast<std::uint32_t>(r);
+      t.dtype = "fp32";
+      t.type = DType::kFP32;
+      t.element_size = 4;
+      t.numel = numel;
+      t.offset = offset;
+      t.bytes = 4 * numel;
+      return t;
+    };
+    part.fp32 = tensor(sg.partition_numel - part.padding, 1000 * (r + 1));
+    part.states.push_back({"exp_avg", tensor(sg.partition_numel, 1000 * (r + 1) + 500)});
+    part.states.push_back({"step", tensor(1, 10)});
+    sg.ranks.push_back(part);
+  }
+  ck.groups.push_back(g);
+  ck.sub_groups.push_back(sg);
+  return ck;
+}
+
+TEST(DeepSpeedRankReads, Zero12EveryElementOnceFromTheRankThatSavedIt) {
+  const std::vector<std::uint64_t> numels{481, 13, 13, 7, 100, 1};
+  for (std::uint64_t saved : {1, 2, 3}) {
+    const DeepSpeedCheckpoint ck = zero12(numels, saved);
+    LayoutOptions oo;
+    oo.dp = saved;
+    const Layout old_layout = Layout::compute(numels, oo);
+    const std::uint64_t P = old_layout.partition_numel();
+    for (std::uint64_t world : {1, 2, 3, 4, 7}) {
+      LayoutOptions no;
+      no.dp = world;
+      const Layout nl = Layout::compute(numels, no);
+      std::uint64_t total = 0;
+      for (std::uint64_t r = 0; r < world; ++r) {
+        const DeepSpeedRankReads rr = deepspeed_rank_reads(ck, world, r);
+        ASSERT_EQ(rr.partition_numel, std::vector<std::uint64_t>{nl.partition_numel()});
+        // The flat element each destination must hold, and the flat element each read brings.
+        std::vector<std::int64_t> want(nl.partition_numel(), -1), got_fp32(want), got_avg(want);
+        for (const Fragment& f : nl.rank(r).fragments) {
+          for (std::uint64_t k = 0; k < f.numel; ++k) {
+            want[f.partition_offset + k] =
+                static_cast<std::int64_t>(old_layout.offsets()[f.param] + f.param_offset + k);
+          }
+        }
+        int steps = 0;
+        for (const DeepSpeedRead& x : rr.reads) {
+          total += x.target == "fp32" ? x.numel : 0;
+          if (x.target == "step") {
+            ++steps;
+            continue;
+          }
+          const std::uint64_t q = x.file;
+          const std::uint64_t base = 1000 * (q + 1) + (x.target == "exp_avg" ? 500 : 0);
+          ASSERT_EQ(x.bytes, 4 * x.numel);
+          for (std::uint64_t k = 0; k < x.numel; ++k) {
+            auto& slot = (x.target == "fp32" ? got_fp32 : got_avg)[x.dest + k];
+            EXPECT_EQ(slot, -1) << "read twice";
+            slot = static_cast<std::int64_t>(q * P + (x.offset - base) / 4 + k);
+          }
+        }
+        EXPECT_EQ(got_fp32, want) << saved << " -> " << world << " rank " << r;
+        EXPECT_EQ(got_avg, want) << saved << " -> " << world << " rank " << r;
+        EXPECT_EQ(steps, 1);
+        EXPECT_EQ(rr.data_numel[0], nl.partition_numel() - nl.rank(r).padding);
+      }
+      EXPECT_EQ(total, 615u);  // every parameter element, once over all new ranks
+    }
+  }
+  EXPECT_THROW((void)deepspeed_rank_reads(zero12(numels, 2), 0, 0), InvalidArgument);
+  EXPECT_THROW((void)deepspeed_rank_reads(zero12(numels, 2), 2, 2), InvalidArgument);
 }
 
 }  // namespace

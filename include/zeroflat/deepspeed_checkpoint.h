@@ -1,0 +1,250 @@
+// DeepSpeed ZeRO checkpoint folders read without running them (torch_file.h reads each file):
+// the saving run's stage, world size and release, every optimizer group's parameters, each
+// saving rank's fp32 partitions and optimizer states with their byte ranges, frozen parameters
+// and buffers; and, for a new world size, which byte ranges each new rank reads to keep its
+// share.
+//
+// The files of one tag (DIR/TAG/, DIR/latest naming TAG), as DeepSpeed 0.14 to 0.19 writes them:
+//   ZeRO-1/2   mp_rank_00_model_states.pt (the module's 16-bit state_dict, param_shapes in flat
+//              order, frozen_param_shapes, buffer_names, ...), and per saving rank r
+//              {bf16_}zero_pp_rank_{r}_mp_rank_00_optim_states.pt: single_partition_of_fp32_groups
+//              (per group, rank r's partition of the flat buffer without its padding),
+//              base_optimizer_state (the torch optimizer's state over those partitions),
+//              param_slice_mappings, group_paddings, partition_count, ...
+//   ZeRO-3     per saving rank r zero_pp_rank_{r}_mp_rank_00_model_states.pt (param_shapes per
+//              sub-group, frozen_param_fragments: r's partition of each frozen parameter, ...)
+//              and {bf16_}zero_pp_rank_{r}_mp_rank_00_optim_states.pt: fp32_flat_groups (per
+//              sub-group, r's partitions back to back, zero3.h) and optimizer_state_dict.
+//   universal  ds_to_universal's output: zero/NAME/{fp32,exp_avg,exp_avg_sq,step}.pt per
+//              parameter, zero/optimizer_state.pt, and mp_rank_00_model_states.pt.
+// The optimizer files are also found under the name without the underscore before
+// "optim_states" (DeepSpeed retries it), and without "bf16_" (fp16 and fp32 runs).
+//
+// Contract:
+//   - Only the zip directories and pickles of the files are read, never tensor data; every file
+//     is untrusted (torch_file.h's contract holds for each).
+//   - Every disagreement is InvalidArgument naming the files and the entry: a rank's file
+//     missing, files of more ranks than partition_count says, two optimizer files for one rank,
+//     different releases (ds_version), stages (zero_stage), world sizes (partition_count,
+//     dp_world_size), configurations (ds_config) or steps (global_steps) between files;
+//     parameter shapes, fragments (param_slice_mappings), paddings or partitions that do not
+//     add up; a tensor that is not contiguous where a partition is expected.
+//   - Model parallelism (mp_world_size > 1, mp_rank_01...), pipeline parallelism (layer_*
+//     files) and MoE expert files are Unsupported, saying so.
+//   - Units: elements of the tensor's dtype unless a name says bytes; file offsets in bytes.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zeroflat/dtype.h"
+#include "zeroflat/release.h"
+#include "zeroflat/tensor.h"
+#include "zeroflat/torch_file.h"
+
+namespace zeroflat {
+
+enum class DeepSpeedFormat : std::uint8_t { kZero12, kZero3, kUniversal };
+// "zero-1/2", "zero-3", "universal".
+std::string_view deepspeed_format_name(DeepSpeedFormat format) noexcept;
+
+// One file of the checkpoint and its saved state.
+struct DeepSpeedFile {
+  std::string path;
+  std::string role;       // "model", "optim", "universal", "universal-common"
+  std::int64_t rank = -1; // the saving rank it belongs to; -1 for a file of every rank
+  std::string param;      // universal: the parameter it holds
+  std::string state;      // universal: "fp32", "exp_avg", ... (the file's stem)
+  TorchFile torch;
+};
+
+// A tensor of the checkpoint, contiguous: bytes [offset, offset + bytes) of its file.
+struct DeepSpeedTensor {
+  std::uint32_t file = 0;     // index into DeepSpeedCheckpoint::files
+  std::string path;           // its place in that file's state (TorchTensor::path)
+  std::string dtype;          // as TorchTensor::dtype
+  std::optional<DType> type;
+  std::uint64_t element_size = 0;
+  Shape shape;
+  std::uint64_t numel = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;    // numel * element_size
+};
+
+// One optimizer state tensor ("exp_avg", "exp_avg_sq", "step", ...).
+struct DeepSpeedState {
+  std::string name;
+  DeepSpeedTensor tensor;
+};
+
+// What one saving rank holds of one flat partition (a ZeRO-1/2 group, a ZeRO-3 sub-group).
+struct DeepSpeedPartition {
+  DeepSpeedTensor fp32;                // the fp32 master partition as saved
+  std::vector<DeepSpeedState> states;  // the optimizer's state for it, as saved
+  // Padding elements at the end of the rank's partition: ZeRO-1/2's group_paddings[g] (the
+  // saved fp32 tensor leaves them out: fp32.numel = partition_numel - padding); ZeRO-3: 0
+  // (padding stays inside each parameter's partition).
+  std::uint64_t padding = 0;
+};
+
+struct DeepSpeedParam {
+  std::string name;
+  Shape shape;
+  std::uint64_t numel = 0;
+  std::uint64_t sub_group = 0;  // index into DeepSpeedCheckpoint::sub_groups
+  // ZeRO-1/2: its first element in the saved flat buffer. ZeRO-3: its partition's first
+  // element in its sub-group's partition (the same on every rank; each partition holds
+  // ceil(numel / world) elements). Universal: 0.
+  std::uint64_t offset = 0;
+};
+
+// A flat fp32 partition every saving rank holds its part of: a ZeRO-1/2 group, a ZeRO-3
+// sub-group (none for universal checkpoints).
+struct DeepSpeedSubGroup {
+  std::uint64_t group = 0;            // the optimizer group it belongs to
+  std::uint64_t first_param = 0;      // index into the group's params
+  std::uint64_t num_params = 0;
+  std::uint64_t partition_numel = 0;  // each rank's partition, padding included
+  std::vector<DeepSpeedPartition> ranks;  // per saving rank
+};
+
+struct DeepSpeedGroup {
+  // Group order (the optimizer's). ZeRO-1/2 saves param_shapes in the flat buffer's order,
+  // which round_robin_gradients permutes: DeepSpeedCheckpoint::round_robin says, and the
+  // offsets say where each lies.
+  std::vector<DeepSpeedParam> params;
+  std::uint64_t numel = 0;       // the parameters' elements
+  // ZeRO-1/2: partition_numel * world (padding included). ZeRO-3: its sub-groups' partitions
+  // times world. Universal: numel.
+  std::uint64_t flat_numel = 0;
+  std::vector<std::uint64_t> sub_groups;  // indices into DeepSpeedCheckpoint::sub_groups
+};
+
+// A parameter the optimizer does not train (requires_grad False).
+struct DeepSpeedFrozen {
+  std::string name;
+  Shape shape;
+  std::uint64_t numel = 0;
+  // ZeRO-1/2 and universal: one, the whole parameter (the module file's module/NAME). ZeRO-3:
+  // per saving rank, its partition (frozen_param_fragments/NAME, at most ceil(numel / world)
+  // elements). Empty when the release saved none.
+  std::vector<DeepSpeedTensor> fragments;
+};
+
+// A universal checkpoint's parameter: its files' tensors.
+struct DeepSpeedUniversalParam {
+  std::string name;
+  Shape shape;
+  std::uint64_t numel = 0;
+  std::vector<DeepSpeedState> tensors;  // "fp32" (the master weights), "exp_avg", ...
+};
+
+struct DeepSpeedCheckpoint {
+  std::string dir;    // the folder holding the files (DIR/TAG)
+  std::string tag;    // its name
+  DeepSpeedFormat format = DeepSpeedFormat::kZero12;
+  int zero_stage = 0;               // 1, 2 or 3 (universal: the stage that saved it)
+  std::uint64_t world = 0;          // the saving data-parallel world size
+  std::uint64_t mp_world = 1;       // always 1 (more is Unsupported)
+  std::string ds_version;           // the saving release, as written ("0.19.8")
+  std::string dtype;                // the model's 16-bit dtype: "bf16", "fp16" (or "fp32")
+  bool round_robin = false;         // ZeRO-1/2: round_robin_gradients
+  bool parameter_alignment = false; // ZeRO-1/2: parameter_alignment (param starts padded to
+                                    // 16 bytes, 0.19.7+)
+  std::uint64_t sub_group_size = 0; // ZeRO-3: zero_optimization.sub_group_size as configured
+  std::vector<DeepSpeedFile> files;
+  std::vector<DeepSpeedGroup> groups;
+  std::vector<DeepSpeedSubGroup> sub_groups;
+  std::vector<DeepSpeedFrozen> frozen;
+  std::vector<std::string> buffer_names;
+  // The module state_dict's tensors in the model file (ZeRO-3: rank 0's, whose parameters are
+  // empty placeholders), path "module/NAME".
+  std::vector<DeepSpeedTensor> module;
+  std::vector<DeepSpeedUniversalParam> universal;  // universal checkpoints only
+  // Bookkeeping (absent: -1, or the default).
+  std::int64_t global_steps = -1;
+  std::int64_t global_samples = -1;
+  std::int64_t skipped_steps = -1;
+  double loss_scale = 1;            // loss_scaler's cur_scale
+  bool dynamic_loss_scale = false;
+  double clip_grad = 0;
+  bool has_lr_scheduler = false;    // lr_scheduler saved (not None)
+
+  // The module tensor module/NAME, or null.
+  const DeepSpeedTensor* find_module(std::string_view name) const;
+};
+
+// Whether `dir` is a folder that holds a DeepSpeed checkpoint by its names: a 'latest' or
+// 'latest_universal' file, model-states or ZeRO optimizer files, or a universal checkpoint's
+// zero/ folder beside mp_rank_00_model_states.pt. Lists the folder only; never throws.
+bool is_deepspeed_checkpoint(const std::string& dir) noexcept;
+
+// Opens the checkpoint in `dir`: DIR/TAG when `tag` is given; else the tag DIR/latest names
+// (DIR/latest_universal when only that exists); else DIR itself when it holds the files.
+// Reads every file's directory and pickle. Throws InvalidArgument as the contract says (no
+// checkpoint in the folder: the message lists what it looked for), Unsupported for model or
+// pipeline parallelism and MoE expert files.
+DeepSpeedCheckpoint open_deepspeed_checkpoint(const std::string& dir,
+                                              const std::optional<std::string>& tag = {});
+
+// One read of a new rank's resume: bytes [offset, offset + bytes) of a file, holding elements
+// [dest, dest + numel) of a target.
+struct DeepSpeedRead {
+  std::uint32_t file = 0;      // index into DeepSpeedCheckpoint::files
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+  // "fp32" (the master partition), an optimizer state's name ("exp_avg"), or "module" (a
+  // frozen parameter or a buffer: param names it).
+  std::string target;
+  // fp32 and states: the new rank's sub-group (ZeRO-1/2: group) whose partition it fills, and
+  // dest counts from that partition's first element. A state that is not partitioned (step,
+  // one element) is read whole, once per sub-group, dest 0. module: dest counts from the
+  // tensor's first element (ZeRO-3: of the new rank's partition of a frozen parameter).
+  std::uint64_t sub_group = 0;
+  std::string param;
+  std::uint64_t dest = 0;
+  std::uint64_t numel = 0;
+};
+
+struct DeepSpeedReshardOptions {
+  // The new run's release rules (which parameters enter its groups); default: the saving
+  // release's (DeepSpeedCheckpoint::ds_version).
+  std::optional<ReleaseRules> rules;
+  // ZeRO-3: the new run's sub_group_size; default: the saved configuration's.
+  std::optional<std::uint64_t> sub_group_size;
+  bool states = true;  // read the optimizer states too
+  bool module = true;  // read frozen parameters and buffers too
+};
+
+// What one new rank reads.
+struct DeepSpeedRankReads {
+  std::uint64_t world = 0;
+  std::uint64_t rank = 0;
+  // Per new sub-group (ZeRO-1/2: group), the rank's partition: elements, and how many of them
+  // hold data (the rest is padding, which nothing is read for).
+  std::vector<std::uint64_t> partition_numel;
+  std::vector<std::uint64_t> data_numel;
+  std::vector<DeepSpeedRead> reads;  // by target, sub-group, destination; adjacent ranges merged
+  std::uint64_t bytes = 0;           // their sum
+};
+
+// The reads that give rank `rank` of a new data-parallel world of `world` ranks its share of
+// the checkpoint: its partition of every group's fp32 master and optimizer states (ZeRO-1/2:
+// the new flat layout is layout_for_release over each group's parameters with the saved
+// round-robin and parameter alignment, alignment factor 2, dp `world`; ZeRO-3: each parameter
+// partitioned over `world` (zero3.h), sub-groups recut with the sub_group_size), and the frozen
+// parameters and buffers it holds (ZeRO-1/2: all of them, whole; ZeRO-3: its partition of each
+// frozen parameter, every buffer). Each data element of the new partition is read exactly once,
+// from whichever saved rank's file holds it; padding is never read. The 16-bit weights are not
+// read: DeepSpeed rebuilds them from the fp32 master. Pure arithmetic on the checkpoint's
+// description: nothing is read here. Requires 1 <= world <= kMaxDp and rank < world, else
+// InvalidArgument; InvalidArgument when the checkpoint lacks what is needed (no optimizer
+// states: a module-only checkpoint) or the rules refuse the saved options.
+DeepSpeedRankReads deepspeed_rank_reads(const DeepSpeedCheckpoint& checkpoint,
+                                        std::uint64_t world, std::uint64_t rank,
+                                        const DeepSpeedReshardOptions& options = {});
+
+}  // namespace zeroflat
