@@ -1,28 +1,427 @@
-// `zeroflat inspect`: what a checkpoint, a .safetensors file or a config.json holds.
+// `zeroflat inspect`: what a checkpoint, a .safetensors file, a config.json, a torch.save file
+// or a DeepSpeed checkpoint folder holds.
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 
 #include "cli/common.h"
+#include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/size.h"
+#include "zeroflat/torch_file.h"
 
 namespace zeroflat::cli {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+void print_json(const Json& doc) {
+  std::printf("%s\n", doc.dump(2, ' ', false, Json::error_handler_t::replace).c_str());
+}
+
+std::string hex(std::string_view bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out += digits[c >> 4];
+    out += digits[c & 0xf];
+  }
+  return out;
+}
+
+// A saved state as JSON: dicts keyed by their path segments, tensors by index.
+Json value_json(const TorchValue& v, const TorchFile& f) {
+  switch (v.kind) {
+    case TorchKind::kNone: return nullptr;
+    case TorchKind::kBool: return v.boolean;
+    case TorchKind::kInt: return v.integer;
+    case TorchKind::kFloat: return v.real;
+    case TorchKind::kString: return v.text;
+    case TorchKind::kBytes: return Json{{"bytes", hex(v.text)}};
+    case TorchKind::kList:
+    case TorchKind::kTuple: {
+      Json a = Json::array();
+      for (const TorchValue& i : v.items) a.push_back(value_json(i, f));
+      if (v.text == "set" || v.text == "frozenset") return Json{{v.text, a}};
+      return a;
+    }
+    case TorchKind::kDict: {
+      Json o = Json::object();
+      for (const auto& [k, x] : v.entries) o[torch_path_segment(k)] = value_json(x, f);
+      return o;
+    }
+    case TorchKind::kTensor: return Json{{"tensor", v.integer}};
+    case TorchKind::kStorage:
+      return Json{{"storage", f.storages[static_cast<std::uint64_t>(v.integer)].key}};
+    case TorchKind::kObject: {
+      Json o{{"object", v.text}};
+      Json args = Json::array();
+      for (const TorchValue& i : v.items) args.push_back(value_json(i, f));
+      o["args"] = args;
+      Json state = Json::object();
+      for (const auto& [k, x] : v.entries) state[torch_path_segment(k)] = value_json(x, f);
+      o["state"] = state;
+      return o;
+    }
+    case TorchKind::kEnum: return Json{{"enum", v.text}, {"value", v.integer}};
+    case TorchKind::kGlobal: return Json{{"global", v.text}};
+  }
+  return nullptr;
+}
+
+Json tensor_json(const TorchTensor& t, const TorchFile& f) {
+  return Json{{"path", t.path},
+              {"dtype", t.dtype},
+              {"shape", t.shape},
+              {"stride", t.stride},
+              {"storage_offset", t.storage_offset},
+              {"storage", f.storages[t.storage].key},
+              {"numel", t.numel},
+              {"contiguous", t.contiguous},
+              {"requires_grad", t.requires_grad},
+              {"offset", t.offset},
+              {"bytes", t.bytes},
+              {"extent_bytes", t.extent_bytes}};
+}
+
+int inspect_torch(const std::string& path, bool json, std::uint64_t largest) {
+  const TorchFile f = read_torch_file(path);
+  std::uint64_t numel = 0, bytes = 0;
+  std::map<std::string, std::uint64_t> by_dtype;
+  for (const TorchTensor& t : f.tensors) {
+    numel += t.numel;
+    by_dtype[t.dtype] += t.numel * t.element_size;
+    bytes += t.numel * t.element_size;
+  }
+  if (json) {
+    Json doc;
+    doc["path"] = path;
+    doc["source"] = "torch";
+    doc["file_bytes"] = f.file_bytes;
+    doc["archive"] = f.archive;
+    doc["byteorder"] = f.byteorder;
+    doc["version"] = f.version;
+    doc["storage_alignment"] = f.storage_alignment;
+    doc["protocol"] = f.protocol;
+    doc["pickle_bytes"] = f.pickle_bytes;
+    doc["globals"] = f.globals;
+    doc["numel"] = numel;
+    doc["bytes"] = bytes;
+    doc["dtypes"] = Json::object();
+    for (const auto& [d, b] : by_dtype) doc["dtypes"][d] = b;
+    doc["storages"] = Json::array();
+    for (const TorchStorage& s : f.storages) {
+      doc["storages"].push_back(Json{{"key", s.key},
+                                     {"dtype", s.dtype},
+                                     {"numel", s.numel},
+                                     {"location", s.location},
+                                     {"entry", s.entry},
+                                     {"offset", s.offset},
+                                     {"bytes", s.bytes}});
+    }
+    doc["tensors"] = Json::array();
+    for (const TorchTensor& t : f.tensors) doc["tensors"].push_back(tensor_json(t, f));
+    doc["state"] = value_json(f.root, f);
+    print_json(doc);
+    return kExitOk;
+  }
+  std::printf("%s (torch.save archive '%s', pickle protocol %llu): %s tensors in %s storages, "
+              "%s elements, %s\n",
+              printable(path, 200).c_str(), printable(f.archive).c_str(),
+              static_cast<unsigned long long>(f.protocol), format_count(f.tensors.size()).c_str(),
+              format_count(f.storages.size()).c_str(), format_count(numel).c_str(),
+              format_bytes(bytes).c_str());
+  for (const auto& [d, b] : by_dtype) {
+    std::printf("  %-8s %s\n", printable(d).c_str(), format_bytes(b).c_str());
+  }
+  std::printf("globals: %s\n", printable(join(f.globals), 400).c_str());
+  std::vector<const TorchTensor*> order;
+  for (const TorchTensor& t : f.tensors) order.push_back(&t);
+  std::stable_sort(order.begin(), order.end(), [](const TorchTensor* a, const TorchTensor* b) {
+    return a->numel * a->element_size > b->numel * b->element_size;
+  });
+  if (order.size() > largest) order.resize(largest);
+  if (!order.empty()) std::printf("largest:\n");
+  for (const TorchTensor* t : order) {
+    std::printf("  %-56s %-6s %-16s %s at byte %llu%s\n", printable(t->path, 53).c_str(),
+                printable(t->dtype).c_str(), shape_to_string(t->shape).c_str(),
+                format_bytes(t->numel * t->element_size).c_str(),
+                static_cast<unsigned long long>(t->offset),
+                t->contiguous ? "" : (" (strided " + shape_to_string(t->stride) + ")").c_str());
+  }
+  return kExitOk;
+}
+
+Json ds_tensor_json(const DeepSpeedTensor& t) {
+  return Json{{"file", t.file},       {"path", t.path},     {"dtype", t.dtype},
+              {"shape", t.shape},     {"numel", t.numel},   {"offset", t.offset},
+              {"bytes", t.bytes}};
+}
+
+// A file of the checkpoint as its path below the tag folder.
+std::string below(const std::string& path, const std::string& dir) {
+  std::string prefix = dir;
+  if (!prefix.empty() && prefix.back() != '/') prefix += '/';
+  return path.compare(0, prefix.size(), prefix) == 0 ? path.substr(prefix.size()) : path;
+}
+
+// One rank's reads per file: (file, bytes), by file index.
+std::map<std::uint32_t, std::uint64_t> bytes_per_file(const DeepSpeedRankReads& r) {
+  std::map<std::uint32_t, std::uint64_t> out;
+  for (const DeepSpeedRead& x : r.reads) out[x.file] += x.bytes;
+  return out;
+}
+
+int inspect_deepspeed(const std::string& path, const std::optional<std::string>& tag, bool json,
+                      std::optional<std::uint64_t> dp) {
+  const DeepSpeedCheckpoint ck = open_deepspeed_checkpoint(path, tag);
+  std::vector<DeepSpeedRankReads> plans;
+  if (dp) {
+    for (std::uint64_t r = 0; r < *dp; ++r) plans.push_back(deepspeed_rank_reads(ck, *dp, r));
+  }
+  std::uint64_t file_bytes = 0;
+  for (const DeepSpeedFile& f : ck.files) file_bytes += f.torch.file_bytes;
+  // The optimizer states of a partition: name -> (dtype, partitioned).
+  std::map<std::string, std::pair<std::string, bool>> states;
+  for (const DeepSpeedSubGroup& sg : ck.sub_groups) {
+    for (const DeepSpeedPartition& p : sg.ranks) {
+      for (const DeepSpeedState& s : p.states) {
+        states[s.name] = {s.tensor.dtype, s.tensor.numel == p.fp32.numel ||
+                                              s.tensor.numel == sg.partition_numel};
+      }
+    }
+  }
+  for (const DeepSpeedUniversalParam& u : ck.universal) {
+    for (const DeepSpeedState& s : u.tensors) {
+      if (s.name != "fp32") states[s.name] = {s.tensor.dtype, s.name != "step"};
+    }
+  }
+  if (json) {
+    Json doc;
+    doc["path"] = path;
+    doc["source"] = "deepspeed";
+    doc["format"] = deepspeed_format_name(ck.format);
+    doc["dir"] = ck.dir;
+    doc["tag"] = ck.tag;
+    doc["zero_stage"] = ck.zero_stage;
+    doc["world"] = ck.world;
+    doc["mp_world"] = ck.mp_world;
+    doc["ds_version"] = ck.ds_version;
+    doc["dtype"] = ck.dtype;
+    doc["round_robin"] = ck.round_robin;
+    doc["parameter_alignment"] = ck.parameter_alignment;
+    doc["sub_group_size"] = ck.sub_group_size;
+    doc["files"] = Json::array();
+    for (const DeepSpeedFile& f : ck.files) {
+      doc["files"].push_back(Json{{"path", f.path},
+                                  {"role", f.role},
+                                  {"rank", f.rank},
+                                  {"bytes", f.torch.file_bytes},
+                                  {"tensors", f.torch.tensors.size()},
+                                  {"globals", f.torch.globals}});
+    }
+    doc["groups"] = Json::array();
+    for (const DeepSpeedGroup& g : ck.groups) {
+      Json params = Json::array();
+      for (const DeepSpeedParam& p : g.params) {
+        params.push_back(Json{{"name", p.name},
+                              {"shape", p.shape},
+                              {"numel", p.numel},
+                              {"sub_group", p.sub_group},
+                              {"offset", p.offset}});
+      }
+      doc["groups"].push_back(Json{{"numel", g.numel},
+                                   {"flat_numel", g.flat_numel},
+                                   {"sub_groups", g.sub_groups},
+                                   {"params", params}});
+    }
+    doc["sub_groups"] = Json::array();
+    for (const DeepSpeedSubGroup& sg : ck.sub_groups) {
+      Json ranks = Json::array();
+      for (const DeepSpeedPartition& p : sg.ranks) {
+        Json st = Json::array();
+        for (const DeepSpeedState& s : p.states) {
+          st.push_back(Json{{"name", s.name}, {"tensor", ds_tensor_json(s.tensor)}});
+        }
+        ranks.push_back(Json{{"fp32", ds_tensor_json(p.fp32)}, {"padding", p.padding}, {"states", st}});
+      }
+      doc["sub_groups"].push_back(Json{{"group", sg.group},
+                                       {"first_param", sg.first_param},
+                                       {"num_params", sg.num_params},
+                                       {"partition_numel", sg.partition_numel},
+                                       {"ranks", ranks}});
+    }
+    doc["optimizer_states"] = Json::object();
+    for (const auto& [name, info] : states) {
+      doc["optimizer_states"][name] = Json{{"dtype", info.first}, {"partitioned", info.second}};
+    }
+    doc["frozen"] = Json::array();
+    for (const DeepSpeedFrozen& fz : ck.frozen) {
+      Json frags = Json::array();
+      for (const DeepSpeedTensor& t : fz.fragments) frags.push_back(ds_tensor_json(t));
+      doc["frozen"].push_back(
+          Json{{"name", fz.name}, {"shape", fz.shape}, {"numel", fz.numel}, {"fragments", frags}});
+    }
+    doc["buffers"] = ck.buffer_names;
+    doc["module"] = Json::array();
+    for (const DeepSpeedTensor& t : ck.module) doc["module"].push_back(ds_tensor_json(t));
+    doc["universal"] = Json::array();
+    for (const DeepSpeedUniversalParam& u : ck.universal) {
+      Json ts = Json::array();
+      for (const DeepSpeedState& s : u.tensors) {
+        ts.push_back(Json{{"name", s.name}, {"tensor", ds_tensor_json(s.tensor)}});
+      }
+      doc["universal"].push_back(
+          Json{{"name", u.name}, {"shape", u.shape}, {"numel", u.numel}, {"tensors", ts}});
+    }
+    doc["bookkeeping"] = Json{{"global_steps", ck.global_steps},
+                              {"global_samples", ck.global_samples},
+                              {"skipped_steps", ck.skipped_steps},
+                              {"loss_scale", ck.loss_scale},
+                              {"dynamic_loss_scale", ck.dynamic_loss_scale},
+                              {"clip_grad", ck.clip_grad},
+                              {"lr_scheduler", ck.has_lr_scheduler}};
+    if (dp) {
+      Json ranks = Json::array();
+      for (const DeepSpeedRankReads& r : plans) {
+        Json files = Json::array();
+        for (const auto& [f, b] : bytes_per_file(r)) {
+          files.push_back(Json{{"file", f}, {"path", ck.files[f].path}, {"bytes", b}});
+        }
+        Json reads = Json::array();
+        for (const DeepSpeedRead& x : r.reads) {
+          reads.push_back(Json{{"file", x.file},
+                               {"offset", x.offset},
+                               {"bytes", x.bytes},
+                               {"target", x.target},
+                               {"sub_group", x.sub_group},
+                               {"param", x.param},
+                               {"dest", x.dest},
+                               {"numel", x.numel}});
+        }
+        ranks.push_back(Json{{"rank", r.rank},
+                             {"bytes", r.bytes},
+                             {"partition_numel", r.partition_numel},
+                             {"data_numel", r.data_numel},
+                             {"files", files},
+                             {"reads", reads}});
+      }
+      doc["resume"] = Json{{"world", *dp}, {"ranks", ranks}};
+    }
+    print_json(doc);
+    return kExitOk;
+  }
+
+  std::printf("%s: DeepSpeed %s checkpoint, tag '%s': ZeRO stage %d, saved by %llu rank%s, "
+              "DeepSpeed %s, %s\n",
+              printable(path, 200).c_str(), std::string(deepspeed_format_name(ck.format)).c_str(),
+              printable(ck.tag).c_str(), ck.zero_stage,
+              static_cast<unsigned long long>(ck.world), ck.world == 1 ? "" : "s",
+              printable(ck.ds_version).c_str(), ck.dtype.c_str());
+  std::printf("  %s files, %s; global steps %lld, samples %lld, skipped %lld; loss scale %g%s; "
+              "clip_grad %g%s\n",
+              format_count(ck.files.size()).c_str(), format_bytes(file_bytes).c_str(),
+              static_cast<long long>(ck.global_steps), static_cast<long long>(ck.global_samples),
+              static_cast<long long>(ck.skipped_steps), ck.loss_scale,
+              ck.dynamic_loss_scale ? " (dynamic)" : "", ck.clip_grad,
+              ck.has_lr_scheduler ? "; lr scheduler saved" : "");
+  if (ck.round_robin || ck.parameter_alignment) {
+    std::printf("  %s%s\n", ck.round_robin ? "round_robin_gradients " : "",
+                ck.parameter_alignment ? "parameter_alignment" : "");
+  }
+  std::printf("groups:\n");
+  for (std::size_t g = 0; g < ck.groups.size(); ++g) {
+    const DeepSpeedGroup& group = ck.groups[g];
+    std::uint64_t per_rank = 0;
+    for (std::uint64_t s : group.sub_groups) per_rank += ck.sub_groups[s].partition_numel;
+    std::string layout = "one file per parameter and state";
+    if (ck.format != DeepSpeedFormat::kUniversal) {
+      layout = "flat " + format_count(group.flat_numel) + ", " + format_count(per_rank) +
+               " per rank (" + format_bytes(per_rank * 4) + " in fp32)";
+      if (group.sub_groups.size() > 1) {
+        layout += ", " + std::to_string(group.sub_groups.size()) + " sub-groups";
+      }
+    }
+    std::printf("  %zu: %s parameters, %s elements (%s in %s), %s\n", g,
+                format_count(group.params.size()).c_str(), format_count(group.numel).c_str(),
+                format_bytes(group.numel * (ck.dtype == "fp32" ? 4 : 2)).c_str(),
+                ck.dtype.c_str(), layout.c_str());
+    const std::size_t show = std::min<std::size_t>(group.params.size(), 4);
+    for (std::size_t i = 0; i < show; ++i) {
+      std::printf("     %-50s %s\n", printable(group.params[i].name, 48).c_str(),
+                  shape_to_string(group.params[i].shape).c_str());
+    }
+    if (group.params.size() > show) {
+      std::printf("     ... %s more\n", format_count(group.params.size() - show).c_str());
+    }
+  }
+  if (!states.empty()) {
+    std::printf("optimizer states:");
+    for (const auto& [name, info] : states) {
+      std::printf(" %s (%s%s)", printable(name).c_str(), info.first.c_str(),
+                  info.second ? ", per element" : ", whole");
+    }
+    std::printf("\n");
+  }
+  std::printf("frozen parameters: %s", ck.frozen.empty() ? "none" : "");
+  for (std::size_t i = 0; i < ck.frozen.size(); ++i) {
+    std::printf("%s%s %s", i ? ", " : "", printable(ck.frozen[i].name).c_str(),
+                shape_to_string(ck.frozen[i].shape).c_str());
+  }
+  std::printf("\nbuffers: %s", ck.buffer_names.empty() ? "none" : "");
+  for (std::size_t i = 0; i < ck.buffer_names.size(); ++i) {
+    std::printf("%s%s", i ? ", " : "", printable(ck.buffer_names[i]).c_str());
+  }
+  std::printf("\n");
+  if (dp) {
+    std::printf("resumed by %llu ranks (fp32 master%s%s):\n",
+                static_cast<unsigned long long>(*dp), states.empty() ? "" : ", optimizer states",
+                ck.frozen.empty() && ck.buffer_names.empty() ? "" : ", frozen parameters, buffers");
+    for (const DeepSpeedRankReads& r : plans) {
+      const auto files = bytes_per_file(r);
+      std::printf("  rank %llu reads %s from %zu file%s:",
+                  static_cast<unsigned long long>(r.rank), format_bytes(r.bytes).c_str(),
+                  files.size(), files.size() == 1 ? "" : "s");
+      std::size_t shown = 0;
+      for (const auto& [f, b] : files) {
+        if (shown++ == 4) {
+          std::printf(" ...");
+          break;
+        }
+        std::printf(" %s %s", printable(below(ck.files[f].path, ck.dir), 60).c_str(),
+                    format_bytes(b).c_str());
+      }
+      std::printf("\n");
+    }
+  }
+  return kExitOk;
+}
+
+}  // namespace
 
 int subcommand_inspect(const std::vector<std::string>& argv) {
-  Parser p("inspect", "PATH [--json] [--largest N]",
+  Parser p("inspect", "PATH [--json] [--largest N] [--tag TAG] [--dp N]",
            "Reads a checkpoint directory (*.safetensors, optionally with\n"
            "model.safetensors.index.json), a single .safetensors file, or a Hugging Face\n"
            "config.json, headers only, and reports the tensor count, parameter count, bytes per\n"
-           "dtype and the largest tensors. Every field of an untrusted file is checked: a\n"
-           "malformed one is exit 2 with the file and the problem named.");
+           "dtype and the largest tensors. A torch.save file (.pt, .bin) is listed without\n"
+           "running its pickle: every tensor's place, dtype, shape and byte range. A DeepSpeed\n"
+           "checkpoint folder (the one holding 'latest', or a tag folder) reports the saving\n"
+           "run's stage, world size and release, its groups, optimizer states, frozen parameters\n"
+           "and buffers; with --dp N, which files and bytes each rank of a world of N would read.\n"
+           "Every field of an untrusted file is checked: a malformed one is exit 2 with the file\n"
+           "and the problem named.");
   p.option("largest", "N", "how many of the largest tensors to list", "5");
+  p.option("tag", "TAG", "DeepSpeed: the tag folder to read (default: the one 'latest' names)");
+  p.option("dp", "N", "DeepSpeed: the reads of each rank of a new world of N ranks");
   p.flag("json", "print one JSON document");
   p.allow_positionals(1);
   p.epilog(
       "examples:\n  zeroflat inspect model.safetensors\n  zeroflat inspect ./Qwen3-30B-A3B/\n"
-      "  zeroflat inspect config.json --json");
+      "  zeroflat inspect config.json --json\n  zeroflat inspect ckpt/step2/mp_rank_00_model_states.pt\n"
+      "  zeroflat inspect ckpt/ --dp 4");
   std::optional<Args> parsed = p.parse_or_help(argv);
   if (!parsed) return kExitOk;
   const Args& args = *parsed;
@@ -30,6 +429,20 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
   std::uint64_t largest = 5;
   if (auto v = args.get("largest")) largest = parse_u64(*v, "--largest");
   const std::string path = args.positionals()[0];
+  std::optional<std::uint64_t> dp;
+  if (auto v = args.get("dp")) {
+    dp = parse_u64(*v, "--dp");
+    if (*dp == 0 || *dp > kMaxDp) {
+      throw UsageError("--dp " + *v + ": expected 1 to " + std::to_string(kMaxDp) + " ranks");
+    }
+  }
+  std::optional<std::string> tag = args.get("tag");
+  if (is_deepspeed_checkpoint(path)) return inspect_deepspeed(path, tag, args.has("json"), dp);
+  if (dp || tag) {
+    throw UsageError("--dp and --tag apply to DeepSpeed checkpoint folders; " +
+                     printable(path, 200) + " is not one");
+  }
+  if (is_torch_file(path)) return inspect_torch(path, args.has("json"), largest);
   Inspection in = inspect_path(path);
   std::vector<const TensorInfo*> order;
   for (const TensorInfo& t : in.tensors) order.push_back(&t);
