@@ -53,7 +53,7 @@
 //                                        attributes (torch's state dicts carry _metadata)
 //   __builtin__ set, builtins set, __builtin__ frozenset, builtins frozenset
 //                                        called with nothing or a list: a list, type "set" or
-//                                        "frozenset" (DeepSpeed before 0.17 saves
+//                                        "frozenset" (DeepSpeed before 0.19 saves
 //                                        sparse_tensor_module_names as a set)
 //   torch float16, bfloat16, float32     only as values, kind kGlobal (DynamicLossScaler's
 //                                        dtype)

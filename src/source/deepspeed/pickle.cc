@@ -45,7 +45,7 @@ constexpr AllowedGlobal kAllowed[] = {
     {"collections", "OrderedDict", R::kOrderedDict, nullptr,
      "state dicts, and every tensor's (empty) backward hooks"},
     {"__builtin__", "set", R::kSet, nullptr,
-     "a set: DeepSpeed before 0.17 saves sparse_tensor_module_names as one"},
+     "a set: DeepSpeed before 0.19 saves sparse_tensor_module_names as one"},
     {"builtins", "set", R::kSet, nullptr, "the same, under protocol 3 and later"},
     {"__builtin__", "frozenset", R::kSet, nullptr, "a frozen set, as a set"},
     {"builtins", "frozenset", R::kSet, nullptr, "the same, under protocol 3 and later"},
@@ -181,6 +181,8 @@ std::string_view node_kind_name(NodeKind k) {
 constexpr int kMaxKeyDepth = 16;
 // The longest text line (GLOBAL's module and name, INT, FLOAT, PUT, GET).
 constexpr std::size_t kMaxLine = 4096;
+// The most arguments a call may be given (_rebuild_tensor_v2 takes 7).
+constexpr std::size_t kMaxArgs = 16;
 
 class Machine {
  public:
@@ -223,7 +225,35 @@ class Machine {
                            (name ? std::string(name) : "0x??") + "): " + why);
   }
 
+  // What the machine copies rather than reads: references kept in containers, and text it
+  // builds (dict keys' canonical forms, bytes decoded from latin-1). Bounded, so that a value
+  // stored once and used many times cannot multiply memory or time.
+  void keep_refs(std::uint64_t n) {
+    refs_ += n;
+    if (refs_ > 4 * kMaxTorchValues) {
+      throw fail("the pickle's containers hold more than " + format_count(4 * kMaxTorchValues) +
+                 " references (the reader's bound)");
+    }
+  }
+  void keep_text(std::uint64_t n) {
+    text_ += n;
+    if (text_ > kMaxTorchTextBytes) {
+      throw fail("the pickle builds more than " + format_bytes(kMaxTorchTextBytes) +
+                 " of keys and text (the reader's bound)");
+    }
+  }
+  // Arguments of a call: no allowed global takes more than a few.
+  const std::vector<std::uint32_t>& args_of(std::uint32_t i, const std::string& fn) {
+    const Node& n = expect(i, NodeKind::kTuple, fn + "'s arguments");
+    if (n.items.size() > kMaxArgs) {
+      throw fail(fn + " given " + std::to_string(n.items.size()) + " arguments (at most " +
+                 std::to_string(kMaxArgs) + " are taken by any allowed global)");
+    }
+    return n.items;
+  }
+
   std::uint32_t add(Node&& n) {
+    keep_refs(n.items.size());
     if (g_.nodes.size() >= kMaxTorchValues) {
       throw fail("more than " + format_count(kMaxTorchValues) +
                  " values in the pickle (the reader's bound)");
@@ -391,6 +421,8 @@ class Machine {
                  " (expected a dict)");
     }
     std::string k = key_of(key, 0);
+    keep_text(k.size());
+    keep_refs(2);
     if (!dict_keys_[dict].insert(std::move(k)).second) {
       const Node& kn = node(key);
       throw fail("a dict key appears twice" +
@@ -407,6 +439,8 @@ class Machine {
       throw fail("adds items to a " + std::string(node_kind_name(s.kind)) + " (expected a set)");
     }
     std::string k = key_of(item, 0);
+    keep_text(k.size());
+    keep_refs(1);
     if (dict_keys_[set].insert(std::move(k)).second) s.items.push_back(item);
   }
   void append(std::uint32_t list, std::uint32_t item) {
@@ -414,14 +448,13 @@ class Machine {
     if (l.kind != NodeKind::kList || !l.tag.empty()) {
       throw fail("appends to a " + std::string(node_kind_name(l.kind)) + " (expected a list)");
     }
+    keep_refs(1);
     l.items.push_back(item);
   }
 
   std::uint32_t resolve(std::string_view module, std::string_view name) {
     std::string named = std::string(module) + " " + std::string(name);
-    bool seen = false;
-    for (const std::string& g : g_.globals) seen = seen || g == named;
-    if (!seen && g_.globals.size() < 1000) g_.globals.push_back(named);
+    if (named_.size() < 1000 && named_.insert(named).second) g_.globals.push_back(named);
     for (std::size_t i = 0; i < std::size(kAllowed); ++i) {
       if (module == kAllowed[i].module && name == kAllowed[i].name) {
         Node n;
@@ -550,8 +583,7 @@ class Machine {
                  "; only globals of the allow-list may be called");
     }
     const std::string fn = global_text(*g);
-    const Node& args = expect(args_node, NodeKind::kTuple, fn + "'s arguments");
-    const std::vector<std::uint32_t> a = args.items;
+    const std::vector<std::uint32_t> a = args_of(args_node, fn);
     const std::uint32_t row = node(callable).ref;
     switch (g->role) {
       case R::kRebuildTensorV2:
@@ -568,8 +600,7 @@ class Machine {
           throw fail(fn + "'s type (argument 2) must be torch.Tensor (a tensor subclass would "
                      "run its own code)");
         }
-        const Node& inner = expect(a[2], NodeKind::kTuple, fn + "'s arguments (argument 3)");
-        const std::vector<std::uint32_t> inner_args = inner.items;
+        const std::vector<std::uint32_t> inner_args = args_of(a[2], fn + "'s argument 3");
         const Node& state = node(a[3]);
         if (state.kind != NodeKind::kNone && state.kind != NodeKind::kDict) {
           throw fail(fn + "'s attributes (argument 4): expected a dict, found a " +
@@ -663,7 +694,8 @@ class Machine {
           return make_text(NodeKind::kBytes, "");
         }
         if (a.size() != 2) throw fail(fn + " takes 2 arguments, given " + std::to_string(a.size()));
-        const std::string text = expect(a[0], NodeKind::kString, fn + "'s text").text;
+        keep_text(expect(a[0], NodeKind::kString, fn + "'s text").text.size());
+        const std::string text = node(a[0]).text;
         const std::string codec = expect(a[1], NodeKind::kString, fn + "'s codec").text;
         if (codec != "latin1" && codec != "latin-1") {
           throw fail(fn + " is allowed only with 'latin1' (how protocol 2 writes bytes), given '" +
@@ -710,11 +742,10 @@ class Machine {
                  "; only the allow-list's classes may be (fragment_address, LossScaler, "
                  "DynamicLossScaler)");
     }
-    const Node& args = expect(args_node, NodeKind::kTuple, global_text(*g) + "'s arguments");
     Node o;
     o.kind = NodeKind::kObject;
     o.ref = node(cls).ref;
-    o.items = args.items;
+    o.items = args_of(args_node, global_text(*g));
     return add(std::move(o));
   }
 
@@ -1039,6 +1070,9 @@ class Machine {
   std::vector<std::size_t> marks_;
   std::unordered_map<std::uint64_t, std::uint32_t> memo_;
   std::unordered_map<std::uint32_t, std::unordered_set<std::string>> dict_keys_;
+  std::unordered_set<std::string> named_;  // the globals named so far (at most 1000 listed)
+  std::uint64_t refs_ = 0;
+  std::uint64_t text_ = 0;
   std::uint32_t none_ = 0, true_ = 0, false_ = 0;
 };
 

@@ -30,6 +30,91 @@ std::string quote_path(std::string_view path) {
   return "'" + printable(path, 200) + "'";
 }
 
+// The size of the tree the graph expands to (values, text bytes, height), measured on the graph
+// itself in O(nodes + references) without building anything, so that a state that refers to
+// itself, nests too deep or expands past the bounds is refused before memory is spent on it.
+// Iterative: a chain of millions of nested lists must not recurse.
+void measure(const detail::PickleGraph& g, const std::string& file) {
+  auto fail = [&](const std::string& why) { return InvalidArgument(file + ": the saved state " + why); };
+  enum : std::uint8_t { kNew, kActive, kDone };
+  const std::size_t n = g.nodes.size();
+  std::vector<std::uint8_t> state(n, kNew);
+  std::vector<std::uint64_t> values(n, 0), text(n, 0), height(n, 0);
+  // A node's children as the tree holds them: items (list, tuple, dict keys and values, object
+  // arguments), a dict's attributes, an object's state entries (its dict is not a value).
+  auto child = [&](const Node& node, std::size_t k, std::uint32_t* out) -> bool {
+    const std::size_t items = node.items.size();
+    if (k < items) {
+      *out = node.items[k];
+      return true;
+    }
+    if (node.state == detail::kNoNode) return false;
+    if (node.kind == NodeKind::kDict) {
+      if (k != items) return false;
+      *out = node.state;
+      return true;
+    }
+    if (node.kind != NodeKind::kObject) return false;
+    const Node& st = g.nodes[node.state];
+    if (k - items >= st.items.size()) return false;
+    *out = st.items[k - items];
+    return true;
+  };
+  auto sat_add = [](std::uint64_t a, std::uint64_t b) {
+    std::uint64_t out = 0;
+    return __builtin_add_overflow(a, b, &out) ? UINT64_MAX : out;
+  };
+  std::vector<std::pair<std::uint32_t, std::size_t>> stack{{g.root, 0}};
+  state[g.root] = kActive;
+  while (!stack.empty()) {
+    auto& [i, k] = stack.back();
+    const Node& node = g.nodes[i];
+    std::uint32_t c = 0;
+    if (node.kind != NodeKind::kTensor && node.kind != NodeKind::kStorage && child(node, k, &c)) {
+      ++k;
+      if (state[c] == kActive) throw fail("refers to itself (a container holds itself)");
+      if (state[c] == kNew) {
+        if (stack.size() > kMaxTorchDepth + 1) {
+          throw fail("nests deeper than " + std::to_string(kMaxTorchDepth) + " levels");
+        }
+        state[c] = kActive;
+        stack.emplace_back(c, 0);
+      }
+      continue;
+    }
+    // All children done: sum them up.
+    std::uint64_t v = 1, t = node.kind == NodeKind::kString || node.kind == NodeKind::kBytes
+                                 ? node.text.size() : 0;
+    std::uint64_t h = 0;
+    for (std::size_t j = 0; child(node, j, &c) && node.kind != NodeKind::kTensor &&
+                            node.kind != NodeKind::kStorage;
+         ++j) {
+      v = sat_add(v, values[c]);
+      t = sat_add(t, text[c]);
+      h = std::max(h, height[c]);
+    }
+    values[i] = v;
+    text[i] = t;
+    height[i] = h + 1;
+    state[i] = kDone;
+    stack.pop_back();
+  }
+  if (height[g.root] > kMaxTorchDepth + 1) {
+    throw fail("nests deeper than " + std::to_string(kMaxTorchDepth) + " levels");
+  }
+  if (values[g.root] > kMaxTorchValues) {
+    throw fail("holds " + (values[g.root] == UINT64_MAX ? std::string("more than 2^64")
+                                                        : format_count(values[g.root])) +
+               " values (shared ones counted where each appears); the reader's bound is " +
+               format_count(kMaxTorchValues));
+  }
+  if (text[g.root] > kMaxTorchTextBytes) {
+    throw fail("holds " + format_bytes(text[g.root]) +
+               " of text (shared ones counted where each appears); the reader's bound is " +
+               format_bytes(kMaxTorchTextBytes));
+  }
+}
+
 // Turns the pickle's graph into the tree of values, locating every tensor.
 class Converter {
  public:
@@ -390,6 +475,7 @@ TorchFile parse(const detail::ByteSource& src, const std::string& given) {
       file + ", entry '" + printable(pkl->name, 200) + "'");
   out.protocol = graph.protocol;
   out.globals = graph.globals;
+  measure(graph, file);
   Converter(graph, zip, out, file).run();
   return out;
 }
