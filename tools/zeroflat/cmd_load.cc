@@ -56,7 +56,8 @@ int subcommand_load(const std::vector<std::string>& argv) {
   if (!parsed) return kExitOk;
   const Args& args = *parsed;
   LoadConfig cfg = load_config_from_args(args);
-  std::unique_ptr<Communicator> world = start_world("load", cfg.placement.comm, cfg.timeout);
+  std::unique_ptr<Communicator> world =
+      start_world("load", cfg.placement.comm, cfg.timeout, cfg.start_timeout);
   settle_load_ranks(cfg, args, world.get());
   const int me = world ? world->rank() : 0;
   auto finish = [&](int code) { return finish_job(world.get(), code); };

@@ -45,7 +45,8 @@ int subcommand_run(const std::vector<std::string>& argv) {
   RunConfig cfg = run_config_from_args(args);
 
   // The ranks: threads of this process, or the MPI job's processes.
-  std::unique_ptr<Communicator> world = start_world("run", cfg.placement.comm, cfg.timeout);
+  std::unique_ptr<Communicator> world =
+      start_world("run", cfg.placement.comm, cfg.timeout, cfg.start_timeout);
   settle_ranks(cfg, args, world.get());
   const int me = world ? world->rank() : 0;
 

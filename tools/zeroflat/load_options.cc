@@ -115,9 +115,10 @@ void add_load_options(Parser& p) {
   p.flag("verify",
          "compare every parameter in the buffer with its tensor read whole, on its own, from "
          "the file (and every padding byte with zero)");
-  p.option("timeout", "SECONDS",
-           "how long a rank waits for the others (in a collective, and while the MPI job starts)",
-           "60");
+  p.option("timeout", "SECONDS", "how long a rank waits for the others in a collective", "60");
+  p.option("start-timeout", "SECONDS",
+           "--comm mpi and nccl: how long the MPI job may take to start (every rank joining it)",
+           "the larger of 120 and --timeout");
   p.option("inject-read-error", "BYTES[@R]",
            "testing aid: rank R's reads (default 0) fail as an I/O error once BYTES have been "
            "read; exit 4, with every rank saying so and no buffer kept");
@@ -227,6 +228,7 @@ LoadConfig load_config_from_args(const Args& args) {
     cfg.ring_depth = static_cast<unsigned>(n);
   }
   cfg.timeout = timeout_from_args(args);
+  cfg.start_timeout = start_timeout_from_args(args, cfg.timeout);
   if (auto v = args.get("inject-read-error")) {
     const auto at = v->find('@');
     cfg.fail_after = parse_u64(v->substr(0, at), "--inject-read-error");

@@ -2,6 +2,7 @@
 // under a deadline, ranks as threads, every rank's entry brought together, and this host's room.
 #include "cli/ranks.h"
 
+#include <algorithm>
 #include <array>
 #include <condition_variable>
 #include <cstdio>
@@ -108,8 +109,21 @@ std::chrono::milliseconds timeout_from_args(const Args& args) {
   return std::chrono::milliseconds(s * 1000);
 }
 
+std::chrono::milliseconds start_timeout_from_args(const Args& args,
+                                                  std::chrono::milliseconds timeout) {
+  auto v = args.get("start-timeout");
+  // The larger of the two: a --timeout raised for slow collectives never shortens the start.
+  if (!v) return std::max(std::chrono::milliseconds(kDefaultStartTimeoutSeconds * 1000), timeout);
+  const std::uint64_t s = parse_u64(*v, "--start-timeout");
+  if (s == 0 || s > 86400) {
+    throw InvalidArgument("--start-timeout " + printable(*v) + ": expected 1 to 86400");
+  }
+  return std::chrono::milliseconds(s * 1000);
+}
+
 std::unique_ptr<Communicator> start_world(const std::string& command, const std::string& comm,
-                                          std::chrono::milliseconds timeout) {
+                                          std::chrono::milliseconds timeout,
+                                          std::chrono::milliseconds start_timeout) {
   if (comm == "local") return nullptr;
   // The library never exits the process, and MPI offers no way to interrupt its start-up: the
   // watchdog is the command's. It only waits, so it does not count as a thread calling MPI.
@@ -118,12 +132,13 @@ std::unique_ptr<Communicator> start_world(const std::string& command, const std:
   bool started = false;
   std::thread watchdog([&] {
     std::unique_lock<std::mutex> lock(m);
-    if (cv.wait_for(lock, timeout, [&] { return started; })) return;
+    if (cv.wait_for(lock, start_timeout, [&] { return started; })) return;
     std::fprintf(stderr,
-                 "zeroflat %s: error: the MPI job did not start within --timeout %lld s: a rank "
-                 "has not joined it (a rank that exited early says why in its own message), or "
-                 "the ranks cannot reach each other\n",
-                 command.c_str(), static_cast<long long>(timeout.count() / 1000));
+                 "zeroflat %s: error: the MPI job did not start within --start-timeout %lld s: a "
+                 "rank has not joined it (a rank that exited early says why in its own message), "
+                 "the ranks cannot reach each other, or the start needs longer (raise "
+                 "--start-timeout)\n",
+                 command.c_str(), static_cast<long long>(start_timeout.count() / 1000));
     std::fflush(nullptr);
     std::_Exit(kExitOther);
   });

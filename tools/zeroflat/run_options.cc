@@ -32,9 +32,10 @@ void add_run_options(Parser& p) {
            "cores / ranks on this host");
   p.option("repeat", "N", "cpu: timed rounds of the copy, the tier and each ceiling (best kept)",
            "3");
-  p.option("timeout", "SECONDS",
-           "how long a rank waits for the others (in a collective, and while the MPI job starts)",
-           "60");
+  p.option("timeout", "SECONDS", "how long a rank waits for the others in a collective", "60");
+  p.option("start-timeout", "SECONDS",
+           "--comm mpi and nccl: how long the MPI job may take to start (every rank joining it)",
+           "the larger of 120 and --timeout");
   p.flag("verify", "check every byte of the flat buffer, every view and the master partition");
   p.flag("no-value-check",
          "skip the check that the ranks hold equal values before the sharded and staged tiers "
@@ -76,6 +77,7 @@ RunConfig run_config_from_args(const Args& args) {
     }
   }
   cfg.timeout = timeout_from_args(args);
+  cfg.start_timeout = start_timeout_from_args(args, cfg.timeout);
   if (auto v = args.get("inject-fault")) {
     parse_step_at_rank(*v, "--inject-fault", cfg.fault_step, cfg.fault_rank);
   }

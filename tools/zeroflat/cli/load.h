@@ -46,6 +46,8 @@ struct LoadConfig {
   bool verify = false;
   bool ceiling = true;
   std::chrono::milliseconds timeout{60000};
+  // --start-timeout: how long the MPI job may take to start (--timeout bounds a collective)
+  std::chrono::milliseconds start_timeout{120000};
   std::optional<std::uint64_t> fail_after;
   std::uint64_t fail_rank = 0;
   bool json = false;

@@ -39,19 +39,27 @@ void add_placement_options(Parser& parser, const std::string& what,
 Placement placement_from_args(const Args& args, std::uint64_t dp);
 // The --threads value: 0 when not given (settled from the ranks on this host later).
 unsigned threads_from_args(const Args& args);
-// --timeout SECONDS (1 to 86400; default 60): how long a rank waits for the others, in a
-// collective and while the MPI job starts.
+// --timeout SECONDS (1 to 86400; default 60): how long a rank waits for the others in a
+// collective.
 std::chrono::milliseconds timeout_from_args(const Args& args);
+inline constexpr std::int64_t kDefaultStartTimeoutSeconds = 120;
+// --start-timeout SECONDS (1 to 86400; default the larger of 120 s and `timeout`): how long the
+// MPI job may take to start (start_world). Its own limit, not --timeout: a job's start (the
+// launcher's daemons, a loaded machine) takes seconds where a collective takes milliseconds.
+std::chrono::milliseconds start_timeout_from_args(const Args& args,
+                                                  std::chrono::milliseconds timeout);
 
 // The most ranks one run or load takes.
 inline constexpr std::uint64_t kMaxRanks = 256;
 
-// The MPI job this process is a rank of, for --comm mpi and nccl (null for local). MPI's own
-// start-up waits for every rank of the job without a time limit, and a rank that exited before
-// joining (an argument only it refused) would leave the others there for good: if the start-up
-// outlasts `timeout`, this process says so on stderr and exits 1. `command` names it there.
+// The MPI job this process is a rank of, for --comm mpi and nccl (null for local), its
+// collectives bounded by `timeout`. MPI's own start-up waits for every rank of the job without a
+// time limit, and a rank that exited before joining (an argument only it refused) would leave the
+// others there for good: if the start-up outlasts `start_timeout`, this process says so on stderr
+// (naming --start-timeout) and exits 1. `command` names it there.
 std::unique_ptr<Communicator> start_world(const std::string& command, const std::string& comm,
-                                          std::chrono::milliseconds timeout);
+                                          std::chrono::milliseconds timeout,
+                                          std::chrono::milliseconds start_timeout);
 // dp: mpirun's world size (refused when --dp says otherwise), or --dp for ranks as threads; and
 // this host's ranks. InvalidArgument beyond kMaxRanks.
 void settle_world(LayoutOptions& options, unsigned& local_ranks, const Args& args,

@@ -40,6 +40,8 @@ struct RunConfig {
   std::optional<std::uint64_t> corrupt;
   unsigned local_ranks = 1;  // ranks of this run on this host
   std::chrono::milliseconds timeout{60000};
+  // --start-timeout: how long the MPI job may take to start (--timeout bounds a collective)
+  std::chrono::milliseconds start_timeout{120000};
   bool json = false;
   bool quiet = false;
 };
