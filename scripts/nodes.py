@@ -44,6 +44,7 @@ import argparse
 import ctypes
 import ctypes.util
 import json
+import math
 import os
 import re
 import shutil
@@ -64,6 +65,13 @@ PREFIX = "zeroflat-nodes-"
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
 HERE = os.path.abspath(__file__)
+
+# The ranges the options accept (argparse refuses anything else, exit 2, before any set-up).
+MAX_NODES = 256  # --nodes: each node is a copy of the checkpoint and a namespace
+MAX_RANKS_PER_NODE = 256
+MIN_CPUS, MAX_CPUS = 0.01, 1024.0  # --cpus-per-node: the CFS quota's 1 ms per 100 ms period
+MAX_BANDWIDTH = 10 ** 18  # bytes/s (1 EB/s): the kernel's throttles take 64-bit values
+MAX_TIMEOUT = 7 * 86400  # --timeout: a week
 
 
 class Unsupported(Exception):
@@ -103,7 +111,59 @@ def parse_bandwidth(text):
     value = float(m.group(1)) * _UNITS[m.group(2) or ""]
     if value < 1:
         raise ValueError(f"bandwidth {text!r} is under 1 byte/s")
+    if value > MAX_BANDWIDTH:
+        raise ValueError(f"bandwidth {text!r} is over 1 EB/s ({MAX_BANDWIDTH} bytes/s)")
     return int(value)
+
+
+def _finite(text):
+    """text as a float, or None for anything that is not a finite number (nan and inf too)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def timeout_arg(text):
+    """--timeout: 0 (no timeout) or a finite number of seconds above 0, up to a week."""
+    value = _finite(text)
+    if value is None or not (value == 0 or 0 < value <= MAX_TIMEOUT):
+        raise argparse.ArgumentTypeError(
+            f"expected 0 (no timeout) or seconds above 0 up to {MAX_TIMEOUT} (a week), "
+            f"got {text!r}")
+    return value
+
+
+def cpus_arg(text):
+    """--cpus-per-node: a finite number of cores from MIN_CPUS to MAX_CPUS."""
+    value = _finite(text)
+    if value is None or not MIN_CPUS <= value <= MAX_CPUS:
+        raise argparse.ArgumentTypeError(
+            f"expected cores from {MIN_CPUS} to {MAX_CPUS:g}, got {text!r}")
+    return value
+
+
+def count_arg(most):
+    """An argparse type: a whole number from 1 to most."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not 1 <= value <= most:
+            raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {most}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+def bandwidth_arg(text):
+    """--bandwidth through parse_bandwidth, its ValueError as argparse's."""
+    try:
+        return parse_bandwidth(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def human(n):
@@ -272,7 +332,7 @@ class CgroupV1:
                 _write(os.path.join(dirs[1], "cpu.cfs_period_us"), "100000")
                 _write(os.path.join(dirs[1], "cpu.cfs_quota_us"),
                        str(max(1000, int(cpus * 100000))))
-        except OSError:
+        except BaseException:  # whatever failed (a value the kernel refuses, a signal)
             for d in reversed(made):
                 os.rmdir(d)
             raise
@@ -345,7 +405,7 @@ class CgroupV2:
                 _write(os.path.join(d, "io.max"), f"{device} rbps={read_bps}")
             if cpus:
                 _write(os.path.join(d, "cpu.max"), f"{max(1000, int(cpus * 100000))} 100000")
-        except OSError:
+        except BaseException:
             os.rmdir(d)
             raise
         return [d]
@@ -527,8 +587,8 @@ class Rehearsal:
                  private_shm=True, log=None):
         if os.geteuid() != 0:
             raise Unsupported("not root (mount namespaces, bind mounts and cgroups need root)")
-        if nodes < 1:
-            raise ValueError("nodes must be at least 1")
+        if not 1 <= nodes <= MAX_NODES:
+            raise ValueError(f"nodes must be 1 to {MAX_NODES}, not {nodes}")
         if not os.path.isdir(checkpoint):
             raise ValueError(f"the checkpoint {checkpoint!r} is not a directory")
         self.checkpoint = os.path.abspath(checkpoint)
@@ -661,8 +721,18 @@ class Rehearsal:
         nodes = self.nodes if nodes is None else nodes
         if not 1 <= nodes <= self.nodes:
             raise ValueError(f"nodes must be 1 to {self.nodes} (the copies made)")
-        if ranks_per_node < 1:
-            raise ValueError("ranks_per_node must be at least 1")
+        if not 1 <= ranks_per_node <= MAX_RANKS_PER_NODE:
+            raise ValueError(f"ranks_per_node must be 1 to {MAX_RANKS_PER_NODE}, "
+                             f"not {ranks_per_node}")
+        if bandwidth is not None and bandwidth != 0 and not nodes <= bandwidth <= MAX_BANDWIDTH:
+            raise ValueError(f"bandwidth must be {nodes} (1 byte/s per node) to {MAX_BANDWIDTH} "
+                             f"bytes/s, or None (unthrottled), not {bandwidth}")
+        if cpus_per_node is not None and not MIN_CPUS <= cpus_per_node <= MAX_CPUS:
+            raise ValueError(f"cpus_per_node must be {MIN_CPUS} to {MAX_CPUS:g}, "
+                             f"not {cpus_per_node}")
+        if timeout is not None and not (timeout == 0 or 0 < timeout <= MAX_TIMEOUT):
+            raise ValueError(f"timeout must be 0 or None (no timeout) or seconds above 0 up to "
+                             f"{MAX_TIMEOUT}, not {timeout}")
         if cpus_per_node is not None and not self.want_cpu:
             raise ValueError("cpus_per_node needs Rehearsal(..., cpus=True)")
         if launcher not in ("direct", "mpirun"):
@@ -952,11 +1022,14 @@ def main(argv=None):
         prog="nodes.py", description=__doc__.split("\n\n")[0],
         epilog="Exit codes: 0 ok, 1 a rank failed, 2 bad arguments, 3 set-up failed, "
                "77 kernel features missing, 124 timeout, 128+N a signal.")
-    ap.add_argument("--nodes", type=int, help="K: simulated nodes")
-    ap.add_argument("--ranks-per-node", type=int, default=1, help="R (default 1)")
-    ap.add_argument("--bandwidth", default="none",
-                    help="storage read bandwidth shared by all nodes, e.g. 100MB/s, 1GiB/s "
-                         "(default none: unthrottled); each node gets 1/K of it")
+    ap.add_argument("--nodes", type=count_arg(MAX_NODES),
+                    help=f"K: simulated nodes (1 to {MAX_NODES})")
+    ap.add_argument("--ranks-per-node", type=count_arg(MAX_RANKS_PER_NODE), default=1,
+                    help=f"R (1 to {MAX_RANKS_PER_NODE}; default 1)")
+    ap.add_argument("--bandwidth", type=bandwidth_arg, default="none",
+                    help="storage read bandwidth shared by all nodes, e.g. 100MB/s, 1GiB/s, "
+                         "at least 1 byte/s per node and at most 1EB/s "
+                         "(default none: unthrottled; 0 is none too); each node gets 1/K of it")
     cache = ap.add_mutually_exclusive_group()
     cache.add_argument("--cold", dest="cold", action="store_true", default=True,
                        help="every copy written back and dropped from the page cache (default)")
@@ -966,15 +1039,17 @@ def main(argv=None):
     ap.add_argument("--copies-in", help="where the copies go (a disk; default the temp dir)")
     ap.add_argument("--mount", help="the common path the ranks see their node's copy at "
                                     "(default: a fresh empty directory next to the copies)")
-    ap.add_argument("--cpus-per-node", type=float,
-                    help="a CPU quota per node, in cores (cpu cgroup)")
+    ap.add_argument("--cpus-per-node", type=cpus_arg,
+                    help=f"a CPU quota per node, in cores (cpu cgroup), {MIN_CPUS} to "
+                         f"{MAX_CPUS:g}")
     ap.add_argument("--shared-shm", action="store_true",
                     help="keep the machine's /dev/shm in every node (default: one per node)")
     ap.add_argument("--launcher", choices=("direct", "mpirun"), default="direct")
     ap.add_argument("--mpirun-arg", action="append", default=[],
                     help="one more argument for mpirun (repeatable)")
-    ap.add_argument("--timeout", type=float, default=600,
-                    help="seconds before the run is stopped (0: none; default 600)")
+    ap.add_argument("--timeout", type=timeout_arg, default=600,
+                    help="seconds before the run is stopped: above 0 up to "
+                         f"{MAX_TIMEOUT} (a week), or 0 for no timeout (default 600)")
     ap.add_argument("--json", action="store_true", help="the result as JSON on stdout")
     ap.add_argument("--quiet", action="store_true", help="no output of ranks that succeeded")
     ap.add_argument("--check-throttle", action="store_true",
@@ -1006,18 +1081,17 @@ def main(argv=None):
             print(f"disk {device}: 200 MiB read cold through a 50 MiB/s cap in {seconds:.2f} s "
                   f"(expected about 4 s); the kernel counted {counted / (1 << 20):.1f} MiB")
             return 0 if 3.0 <= seconds <= 6.0 else EXIT_FAILED
-        if not args.nodes or args.nodes < 1 or args.ranks_per_node < 1:
-            ap.error("--nodes and --ranks-per-node must be at least 1")
+        if args.nodes is None:
+            ap.error("--nodes K is required")
         if not args.checkpoint:
             ap.error("--checkpoint DIR is required")
         if not command:
             ap.error("the command to run goes after --")
-        if args.cpus_per_node is not None and args.cpus_per_node <= 0:
-            ap.error("--cpus-per-node must be positive")
-        try:
-            bandwidth = parse_bandwidth(args.bandwidth)
-        except ValueError as e:
-            ap.error(str(e))
+        bandwidth = args.bandwidth
+        if bandwidth is not None and bandwidth < args.nodes:
+            # Each node's throttle is its share: under 1 byte/s it would be none at all.
+            ap.error(f"argument --bandwidth: {bandwidth} bytes/s over {args.nodes} nodes leaves "
+                     "a node under 1 byte/s; expected at least 1 byte/s per node")
         log = (lambda msg: None) if args.json else (
             lambda msg: print(f"[nodes] {msg}", file=sys.stderr))
         with Rehearsal(args.checkpoint, args.nodes, copies_in=args.copies_in,

@@ -6,9 +6,13 @@ from_pretrained (every parameter touched, as DeepSpeed's flatten touches them) e
 all of it. And the harness leaves nothing behind: no cgroup, no mount, no copy, no process, after
 a run that succeeds, fails, times out or is stopped by SIGTERM.
 
-It needs root and a block-I/O cgroup controller. Where they are missing the harness refuses
-(exit 77, one line saying why) and these tests skip with that line; run as a script (as ctest
-does) the suite then exits 77.
+It also checks that options out of range (--timeout -1, nan or inf, a CPU quota of nan, a
+bandwidth under 1 byte/s per node, ...) are usage errors before anything is set up: those checks
+need no root and take seconds.
+
+The rest needs root and a block-I/O cgroup controller. Where they are missing the harness refuses
+(exit 77, one line saying why) and those tests skip with that line; run as a script (as ctest
+does) the suite then exits 77 once the checks that need no root have passed.
 
     python test_nodes.py                      # the suite (exit 77: skipped, reason printed)
     python test_nodes.py --rank WAY           # one rank, under the harness"""
@@ -241,12 +245,74 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
                         "true")
             assert r.returncode == 77 and "without a block device" in r.stderr, r.stderr
 
-    def test_bandwidths_parse_with_units():
+    def harness_module():
         import importlib.util
 
         spec = importlib.util.spec_from_file_location("nodes_harness", HARNESS)
         nodes = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(nodes)
+        return nodes
+
+    # Values outside an option's range: argparse's usage error (exit 2) naming the option and
+    # what it takes, before anything is set up (no root needed, nothing copied). Before these
+    # were refused, --timeout -1 stopped the command at once (exit 124), --timeout nan never,
+    # --cpus-per-node nan or inf failed after the cgroups were made, and a --bandwidth under
+    # 1 byte/s per node left the nodes unthrottled.
+    @pytest.mark.parametrize("args, option, says", [
+        (["--timeout", "-1"], "--timeout", "0 (no timeout) or seconds above 0 up to 604800"),
+        (["--timeout=-0.5"], "--timeout", "0 (no timeout) or seconds above 0 up to 604800"),
+        (["--timeout", "nan"], "--timeout", "got 'nan'"),
+        (["--timeout", "inf"], "--timeout", "got 'inf'"),
+        (["--timeout=-inf"], "--timeout", "got '-inf'"),
+        (["--timeout", "604801"], "--timeout", "up to 604800"),
+        (["--timeout", "soon"], "--timeout", "got 'soon'"),
+        (["--cpus-per-node", "nan"], "--cpus-per-node", "from 0.01 to 1024"),
+        (["--cpus-per-node", "inf"], "--cpus-per-node", "from 0.01 to 1024"),
+        (["--cpus-per-node", "0"], "--cpus-per-node", "from 0.01 to 1024"),
+        (["--cpus-per-node=-1"], "--cpus-per-node", "from 0.01 to 1024"),
+        (["--cpus-per-node", "0.001"], "--cpus-per-node", "from 0.01 to 1024"),
+        (["--cpus-per-node", "1025"], "--cpus-per-node", "from 0.01 to 1024"),
+        (["--nodes", "0"], "--nodes", "from 1 to 256"),
+        (["--nodes=-2"], "--nodes", "from 1 to 256"),
+        (["--nodes", "1.5"], "--nodes", "from 1 to 256"),
+        (["--nodes", "257"], "--nodes", "from 1 to 256"),
+        (["--ranks-per-node", "0"], "--ranks-per-node", "from 1 to 256"),
+        (["--ranks-per-node", "nan"], "--ranks-per-node", "from 1 to 256"),
+        (["--bandwidth", "nan"], "--bandwidth", "bytes per second"),
+        (["--bandwidth", "inf"], "--bandwidth", "bytes per second"),
+        (["--bandwidth=-5MB/s"], "--bandwidth", "bytes per second"),
+        (["--bandwidth", "0.5"], "--bandwidth", "under 1 byte/s"),
+        (["--bandwidth", "2000000000T"], "--bandwidth", "over 1 EB/s"),
+        (["--nodes", "4", "--bandwidth", "3"], "--bandwidth", "at least 1 byte/s per node"),
+    ])
+    def test_options_out_of_range_are_usage_errors_before_any_set_up(tmp_path, args, option,
+                                                                      says):
+        ck = tmp_path / "ck"
+        ck.mkdir()
+        (ck / "data").write_bytes(b"x")
+        copies = tmp_path / "copies"
+        copies.mkdir()
+        r = harness("--nodes", "1", "--checkpoint", str(ck), "--copies-in", str(copies),
+                    "--json", *args, "--", "true", timeout=60)
+        assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"nodes.py: error: argument {option}: "), r.stderr
+        assert says in last, r.stderr
+        assert "usage: nodes.py" in r.stderr and r.stdout == ""
+        assert list(copies.iterdir()) == []
+
+    def test_options_in_range_parse():
+        nodes = harness_module()
+        assert nodes.timeout_arg("0") == 0  # no timeout, as --help says
+        assert nodes.timeout_arg("0.25") == 0.25 and nodes.timeout_arg("604800") == 604800
+        assert nodes.cpus_arg("0.01") == 0.01 and nodes.cpus_arg("1024") == 1024
+        assert nodes.count_arg(256)("1") == 1 and nodes.count_arg(256)("256") == 256
+        assert nodes.bandwidth_arg("0") is None and nodes.bandwidth_arg("1000000T") == 10 ** 18
+        r = harness("--help", timeout=30)
+        assert r.returncode == 0 and "or 0 for no timeout" in " ".join(r.stdout.split())
+
+    def test_bandwidths_parse_with_units():
+        nodes = harness_module()
         assert nodes.parse_bandwidth("100MB/s") == 100_000_000
         assert nodes.parse_bandwidth("50MiB/s") == 50 * MiB
         assert nodes.parse_bandwidth("1.5G") == 1_500_000_000
@@ -258,8 +324,11 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank"]:
         sys.exit(rank_main(sys.argv[2]))
+    # The checks that need no root run everywhere; where the harness refuses, the rest skip and
+    # the suite says so with 77 once those passed.
     reason = unsupported_reason()
-    if reason:
+    code = pytest.main([os.path.abspath(__file__), "-q", "-rs", "-p", "no:cacheprovider"])
+    if reason and code == 0:
         print(f"skipped: {reason}")
         sys.exit(77)
-    sys.exit(pytest.main([os.path.abspath(__file__), "-q", "-rs", "-p", "no:cacheprovider"]))
+    sys.exit(code)
