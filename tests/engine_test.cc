@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
+#include "zeroflat/cli/pattern.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/error.h"
 #include "zeroflat/flatten.h"
-#include "zeroflat/pattern.h"
 
 namespace zeroflat {
 namespace {
@@ -69,8 +69,7 @@ struct Rank {
 
 // Runs fn(rank, comm) on `ranks` threads of one LocalGroup; returns each rank's exception text
 // ("" when it returned).
-std::vector<std::string> on_ranks(int ranks,
-                                  const std::function<void(int, Communicator*)>& fn) {
+std::vector<std::string> on_ranks(int ranks, const std::function<void(int, Communicator*)>& fn) {
   LocalGroup group(ranks, std::chrono::seconds(20));
   std::vector<std::string> errors(ranks);
   std::vector<std::thread> threads;
@@ -91,8 +90,8 @@ std::vector<std::string> on_ranks(int ranks,
 TEST(Engine, OneRankProbesPlansFlattensAndBuildsTheMaster) {
   Rank rank("cpu");
   FlattenOptions o;
-  FlattenResult r = flatten_param_group(rank.params, *rank.device, nullptr, o,
-                                        [&] { rank.release(); });
+  FlattenResult r =
+      flatten_param_group(rank.params, *rank.device, nullptr, o, [&] { rank.release(); });
   ASSERT_TRUE(r.feasible()) << r.plan.reason;
   ASSERT_TRUE(r.complete()) << r.execution.error;
   EXPECT_EQ(*r.plan.chosen, Tier::kDevice);  // the cpu's memory is the host's: never staged
@@ -125,8 +124,8 @@ TEST(Engine, EveryTierOnRanksAsThreadsBuildsTheSameBuffer) {
         FlattenOptions o;
         o.layout = lo;
         o.tier = tier;
-        FlattenResult res = flatten_param_group(rank.params, *rank.device, comm, o,
-                                                [&] { rank.release(); });
+        FlattenResult res =
+            flatten_param_group(rank.params, *rank.device, comm, o, [&] { rank.release(); });
         if (!res.complete()) throw Error("not complete: " + res.execution.error);
         const FlatGroup& g = res.execution.group;
         if (std::memcmp(g.flat.data(), want.flat.data(), want.layout.flat_bytes()) != 0) {
@@ -185,9 +184,11 @@ TEST(Engine, RanksThatDifferAreRefusedNamingTheDifference) {
     o.layout.round_robin = r == 1;
     (void)flatten_param_group(rank.params, *rank.device, comm, o, [&] { rank.release(); });
   });
+  // Each rank names the option and both values.
   for (const std::string& e : errors) {
     EXPECT_NE(e.find("different options"), std::string::npos) << e;
-    EXPECT_NE(e.find("round-robin"), std::string::npos) << e;
+    EXPECT_NE(e.find("'round-robin on'"), std::string::npos) << e;
+    EXPECT_NE(e.find("'round-robin off'"), std::string::npos) << e;
   }
   // A shape (parameter 3 has 2 elements on rank 2), named by the caller's names.
   errors = on_ranks(3, [&](int r, Communicator* comm) {
@@ -199,8 +200,15 @@ TEST(Engine, RanksThatDifferAreRefusedNamingTheDifference) {
     for (std::size_t i = 0; i < sizes.size(); ++i) o.names.push_back("w" + std::to_string(i));
     (void)flatten_param_group(rank.params, *rank.device, comm, o, [&] { rank.release(); });
   });
-  for (const std::string& e : errors) {
-    EXPECT_NE(e.find("w3 differs between ranks"), std::string::npos) << e;
+  // Every rank names the parameter, its shape here and the other shape with a rank holding it.
+  for (int r = 0; r < 3; ++r) {
+    const std::string& e = errors[static_cast<std::size_t>(r)];
+    EXPECT_NE(e.find("position 3 of the group"), std::string::npos) << e;
+    EXPECT_NE(e.find(r == 2 ? "'w3 [2] bf16' on this rank (2), 'w3 [1] bf16' on rank 0"
+                            : "'w3 [1] bf16' on this rank (" + std::to_string(r) +
+                                  "), 'w3 [2] bf16' on rank 2"),
+              std::string::npos)
+        << e;
   }
   // A different number of parameters.
   errors = on_ranks(2, [&](int r, Communicator* comm) {
@@ -211,8 +219,10 @@ TEST(Engine, RanksThatDifferAreRefusedNamingTheDifference) {
     o.layout.dp = 2;
     (void)flatten_param_group(rank.params, *rank.device, comm, o, [&] { rank.release(); });
   });
+  // The count, and the first parameter one rank has and the other has not.
   for (const std::string& e : errors) {
-    EXPECT_NE(e.find("different groups"), std::string::npos) << e;
+    EXPECT_NE(e.find("different groups (from 10 to 11 parameters"), std::string::npos) << e;
+    EXPECT_NE(e.find("'(none)'"), std::string::npos) << e;
   }
 }
 
@@ -242,8 +252,8 @@ TEST(Engine, RanksWithDifferentValuesAreRefusedBeforeSlicesChangeHands) {
       o.layout.dp = 2;
       o.tier = tier;
       o.check_values = false;
-      FlattenResult res = flatten_param_group(rank.params, *rank.device, comm, o,
-                                              [&] { rank.release(); });
+      FlattenResult res =
+          flatten_param_group(rank.params, *rank.device, comm, o, [&] { rank.release(); });
       if (!res.complete() || res.value_check.bytes_hashed != 0) throw Error("not as asked");
     });
     EXPECT_EQ(errors[0], "");
@@ -255,8 +265,8 @@ TEST(Engine, NoFeasiblePlanMovesNothing) {
   Rank rank("sim:40KB");  // the group is 37 KB: no second copy, no room to stage it back
   FlattenOptions o;
   o.tier = Tier::kDevice;
-  FlattenResult r = flatten_param_group(rank.params, *rank.device, nullptr, o,
-                                        [&] { rank.release(); });
+  FlattenResult r =
+      flatten_param_group(rank.params, *rank.device, nullptr, o, [&] { rank.release(); });
   EXPECT_FALSE(r.feasible());
   EXPECT_NE(r.plan.reason.find("forced tier device does not fit"), std::string::npos)
       << r.plan.reason;
@@ -281,9 +291,9 @@ TEST(Engine, SimulatedDevicesStageThroughTheirSimulatedHost) {
   EXPECT_EQ(host.free_bytes, host.total_bytes / 8);
   auto small = make_device("sim:80GiB", DeviceOptions{1, true, std::uint64_t{1} << 30});
   EXPECT_EQ(small->probe_host_memory(ProbeContext{2, 0, 0}).free_bytes, std::uint64_t{1} << 29);
-  EXPECT_EQ(make_device("sim:80GiB", DeviceOptions{1, true})->probe_host_memory({1, 0, 0})
-                .total_bytes,
-            kGenericNodeHostBytes);
+  EXPECT_EQ(
+      make_device("sim:80GiB", DeviceOptions{1, true})->probe_host_memory({1, 0, 0}).total_bytes,
+      kGenericNodeHostBytes);
   EXPECT_TRUE(make_device("sim:gb10", DeviceOptions{1, true})->probe_memory({}).integrated);
 }
 

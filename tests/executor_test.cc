@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "zeroflat/checksum.h"
+#include "zeroflat/cli/pattern.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/error.h"
-#include "zeroflat/pattern.h"
 #include "zeroflat/plan.h"
 
 namespace zeroflat {

@@ -21,15 +21,32 @@
 
 #include "device/host_kernels.h"
 #include "zeroflat/checkpoint.h"
+#include "zeroflat/cli/pattern.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/device.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model.h"
-#include "zeroflat/pattern.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {
+
+// The loader's options as the tests take them: no master partition unless a test asks.
+FlattenOptions load_options() {
+  FlattenOptions o;
+  o.master = false;
+  return o;
+}
+
+// The all-gather steps' time of a load.
+double allgather_seconds(const FlattenResult& res) {
+  double s = 0;
+  const std::vector<Step>& steps = res.chosen().steps;
+  for (std::size_t k = 0; k < steps.size() && k < res.execution.step_seconds.size(); ++k) {
+    if (steps[k].op == Op::kAllGather) s += res.execution.step_seconds[k];
+  }
+  return s;
+}
 
 namespace fs = std::filesystem;
 
@@ -139,35 +156,37 @@ TEST_F(LoaderTest, EveryRankHoldsTheLayoutOfTheTensorsAndReadsOnlyItsPartition) 
           for (bool ring : {false, true}) {
             SCOPED_TRACE(*dir + " -> " + std::string(dtype_name(dtype)) + " dp " +
                          std::to_string(dp) + (rr ? " rr" : "") + (ring ? " ring" : ""));
-            LoadOptions o;
+            FlattenOptions o = load_options();
             o.layout.dp = static_cast<std::uint64_t>(dp);
             o.layout.round_robin = rr;
             o.layout.dtype = dtype;
-            o.through_ring = ring;
-            o.ring_chunk_bytes = 8192;  // many windows, cutting tensors and elements' neighbours
-            o.ring_depth = 2;
-            o.threads = 2;
-            o.read_plan = Tier::kLoad;  // each rank its slice (load-whole: ReadPlans below)
+            o.read.through_ring = ring;
+            o.read.ring_chunk_bytes =
+                8192;  // many windows, cutting tensors and elements' neighbours
+            o.read.ring_depth = 2;
+            o.read.threads = 2;
+            o.tier = Tier::kLoad;  // each rank its slice (load-whole: ReadPlans below)
             const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
             std::vector<std::uint64_t> read(dp, 0);
             on_ranks(dp, [&](int r, Communicator* comm) {
               std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
-              const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
+              const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
               ASSERT_TRUE(res.feasible());
-              ASSERT_EQ(res.group.layout.flat_bytes(), want.size());
-              EXPECT_EQ(std::memcmp(res.group.flat.data(), want.data(), want.size()), 0);
-              EXPECT_EQ(verify_loaded(ck, params, *dev, res.group), "");
-              read[r] = res.bytes_read;
+              ASSERT_EQ(res.group().layout.flat_bytes(), want.size());
+              EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
+              EXPECT_EQ(verify_loaded(ck, params, *dev, res.group()), "");
+              read[r] = res.read->bytes;
               // Exactly the partition's elements, at the file's element size.
-              const Layout& l = res.group.layout;
+              const Layout& l = res.group().layout;
               std::uint64_t bytes = 0;
               for (const Fragment& f :
                    l.fragments_in(r * l.partition_numel(), (r + 1) * l.partition_numel())) {
                 bytes += f.numel * element_size(*ck.find(params[f.param].name)->type);
               }
-              EXPECT_EQ(res.bytes_read, bytes);
-              EXPECT_EQ(res.measured_peak_device_bytes, res.predicted_peak_device_bytes);
-              EXPECT_EQ(res.measured_peak_host_bytes, res.plan.profile.peak_host_bytes);
+              EXPECT_EQ(res.read->bytes, bytes);
+              EXPECT_EQ(res.execution.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+              EXPECT_EQ(res.execution.measured_peak_host_bytes,
+                        res.chosen().profile.peak_host_bytes);
             });
             // Together the ranks read every byte of the checkpoint once.
             std::uint64_t sum = 0, total = 0;
@@ -187,14 +206,14 @@ TEST_F(LoaderTest, AnFp32FileOfBf16ValuesLoadsAsTheBf16Pattern) {
   write_pattern_checkpoint(m, DType::kFP32, dir, 2'000'000, DType::kBF16);
   const CheckpointIndex ck = open_checkpoint(dir);
   const std::vector<LoadParam> params = params_of(ck);
-  LoadOptions o;
+  FlattenOptions o = load_options();
   o.layout.dtype = DType::kBF16;
   std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
-  const LoadResult res = load_flat_group(ck, params, *dev, nullptr, o);
+  const FlattenResult res = load_flat_group(ck, params, *dev, nullptr, o);
   // Parameter i (natural order) holds the bf16 pattern i: what `zeroflat run --model DIR`
   // fills it with.
   for (std::size_t i = 0; i < params.size(); ++i) {
-    const TensorRef& v = res.group.views[i];
+    const TensorRef& v = res.group().views[i];
     EXPECT_EQ(match_pattern(v.data, DType::kBF16, i, 0, v.numel), v.numel) << params[i].name;
   }
   fs::remove_all(dir);
@@ -206,15 +225,15 @@ TEST_F(LoaderTest, TiedWeightsShareOneTensor) {
   // A second parameter reading the first tensor's values, as a tied lm_head reads the
   // embedding.
   params.push_back(LoadParam{"tied.copy", params.front().shape, {params.front().name}});
-  LoadOptions o;
+  FlattenOptions o = load_options();
   o.layout.dp = 2;
   const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
   on_ranks(2, [&](int, Communicator* comm) {
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-    const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
-    EXPECT_EQ(std::memcmp(res.group.flat.data(), want.data(), want.size()), 0);
-    EXPECT_EQ(std::memcmp(res.group.views.back().data, res.group.views.front().data,
-                          res.group.views.front().numel * 2),
+    const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+    EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
+    EXPECT_EQ(std::memcmp(res.group().views.back().data, res.group().views.front().data,
+                          res.group().views.front().numel * 2),
               0);
   });
 }
@@ -258,7 +277,7 @@ TEST_F(LoaderTest, BadGroupsAreRefusedOnEveryRankBeforeAnyRead) {
   auto on_two = [&](const std::vector<LoadParam>& mine, const std::vector<LoadParam>& theirs,
                     const std::string& rank0_error = "") {
     return errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
-      LoadOptions o;
+      FlattenOptions o = load_options();
       o.layout.dp = 2;
       if (r == 0) o.local_error = rank0_error;
       load_flat_group(ck, r == 1 ? mine : theirs, dev, c, o);
@@ -316,23 +335,23 @@ TEST_F(LoaderTest, AFusedParameterConcatenatesItsTensorsInOrder) {
       "fused.experts", {4, shape[0], shape[1]}, {stack[2], stack[0], stack[3], stack[1]}});
   params.push_back(LoadParam{"fused.pair", {2 * shape[0], shape[1]}, {stack[1], stack[2]}});
   for (int dp : {1, 3}) {
-    LoadOptions o;
+    FlattenOptions o = load_options();
     o.layout.dp = static_cast<std::uint64_t>(dp);
     o.layout.dtype = DType::kFP16;
-    o.read_plan = Tier::kLoad;
+    o.tier = Tier::kLoad;
     const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
     on_ranks(dp, [&](int r, Communicator* comm) {
       std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-      const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
-      EXPECT_EQ(std::memcmp(res.group.flat.data(), want.data(), want.size()), 0);
-      EXPECT_EQ(verify_loaded(ck, params, *dev, res.group), "");
-      EXPECT_EQ(res.bytes_read, partition_read_bytes(ck, params, o.layout, r));
+      const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+      EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
+      EXPECT_EQ(verify_loaded(ck, params, *dev, res.group()), "");
+      EXPECT_EQ(res.read->bytes, partition_read_bytes(ck, params, o.layout, r));
     });
   }
   // Sources that do not hold the parameter's element count.
   std::vector<LoadParam> bad = {LoadParam{"fused", {5, shape[0], shape[1]}, stack}};
   std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-  const std::string m = error_of([&] { load_flat_group(ck, bad, *dev, nullptr, LoadOptions{}); });
+  const std::string m = error_of([&] { load_flat_group(ck, bad, *dev, nullptr, load_options()); });
   EXPECT_NE(m.find("'fused'"), std::string::npos) << m;
   EXPECT_NE(m.find("elements"), std::string::npos) << m;
 }
@@ -365,7 +384,7 @@ TEST_F(LoaderTest, BadCheckpointsAreRefusedNamingFileAndTensor) {
     fs::resize_file(ck.files.front(), ck.file_bytes.front() / 2);
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
     const std::string m =
-        error_of([&] { load_flat_group(ck, params_of(ck), *dev, nullptr, LoadOptions{}); });
+        error_of([&] { load_flat_group(ck, params_of(ck), *dev, nullptr, load_options()); });
     EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
     EXPECT_NE(m.find(ck.files.front()), std::string::npos) << m;
     EXPECT_NE(m.find("truncated"), std::string::npos) << m;
@@ -402,13 +421,13 @@ TEST_F(LoaderTest, BadCheckpointsAreRefusedNamingFileAndTensor) {
     const CheckpointIndex ck = open_checkpoint(dir);
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
     const std::string m =
-        error_of([&] { load_flat_group(ck, params_of(ck), *dev, nullptr, LoadOptions{}); });
+        error_of([&] { load_flat_group(ck, params_of(ck), *dev, nullptr, load_options()); });
     EXPECT_NE(m.find("'ids'"), std::string::npos) << m;
     EXPECT_NE(m.find("I64"), std::string::npos) << m;
     // Without it, the rest loads.
     std::vector<LoadParam> floats = {LoadParam{"a", {4}, {}}};
-    const LoadResult res = load_flat_group(ck, floats, *dev, nullptr, LoadOptions{});
-    EXPECT_EQ(res.bytes_read, 8u);
+    const FlattenResult res = load_flat_group(ck, floats, *dev, nullptr, load_options());
+    EXPECT_EQ(res.read->bytes, 8u);
     fs::remove_all(dir);
   }
 }
@@ -422,21 +441,21 @@ TEST_F(LoaderTest, ReadPlansFillTheSameBufferAndAreChosenByTopology) {
   for (int dp : {2, 3}) {
     for (bool ring : {false, true}) {
       SCOPED_TRACE("dp " + std::to_string(dp) + (ring ? " ring" : ""));
-      LoadOptions o;
+      FlattenOptions o = load_options();
       o.layout.dp = static_cast<std::uint64_t>(dp);
-      o.through_ring = ring;
-      o.ring_chunk_bytes = 8192;
-      o.read_plan = Tier::kLoadWhole;
+      o.read.through_ring = ring;
+      o.read.ring_chunk_bytes = 8192;
+      o.tier = Tier::kLoadWhole;
       const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
       on_ranks(dp, [&](int, Communicator* comm) {
         std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-        const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
-        EXPECT_EQ(res.plan.tier, Tier::kLoadWhole);
-        EXPECT_EQ(std::memcmp(res.group.flat.data(), want.data(), want.size()), 0);
-        EXPECT_EQ(res.bytes_read, all);
-        EXPECT_EQ(res.allgather_seconds, 0.0);
-        EXPECT_EQ(res.measured_peak_device_bytes, res.predicted_peak_device_bytes);
-        for (const Step& s : res.plan.steps) EXPECT_NE(s.op, Op::kAllGather);
+        const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+        EXPECT_EQ(res.chosen().tier, Tier::kLoadWhole);
+        EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
+        EXPECT_EQ(res.read->bytes, all);
+        EXPECT_EQ(allgather_seconds(res), 0.0);
+        EXPECT_EQ(res.execution.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+        for (const Step& s : res.chosen().steps) EXPECT_NE(s.op, Op::kAllGather);
       });
     }
   }
@@ -450,16 +469,16 @@ TEST_F(LoaderTest, ReadPlansFillTheSameBufferAndAreChosenByTopology) {
   for (const Case& c : {Case{2, 0, Tier::kLoadWhole}, Case{2, 100e6, Tier::kLoadWhole},
                         Case{1, 100e6, Tier::kLoad}}) {
     SCOPED_TRACE(std::to_string(c.local_ranks) + " local, storage " + std::to_string(c.storage));
-    LoadOptions o;
+    FlattenOptions o = load_options();
     o.layout.dp = 2;
     o.probe.local_ranks = c.local_ranks;
     o.storage_bytes_per_second = c.storage;
     on_ranks(2, [&](int, Communicator* comm) {
       std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-      const LoadResult res = load_flat_group(ck, params, *dev, comm, o);
-      EXPECT_EQ(res.plan.tier, c.want) << res.read_plans.reason;
-      EXPECT_EQ(res.read_plans.candidates.size(), 2u);
-      EXPECT_NE(res.read_plans.reason.find(tier_name(c.want)), std::string::npos);
+      const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+      EXPECT_EQ(res.chosen().tier, c.want) << res.plan.reason;
+      EXPECT_EQ(res.plan.candidates.size(), 2u);
+      EXPECT_NE(res.plan.reason.find(tier_name(c.want)), std::string::npos);
     });
   }
   // Copies that differ are caught under load-whole too (the ranks compare digests).
@@ -474,10 +493,10 @@ TEST_F(LoaderTest, ReadPlansFillTheSameBufferAndAreChosenByTopology) {
   const std::vector<std::string> errors =
       errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
         const CheckpointIndex mine = open_checkpoint(r == 0 ? *bf16_dir_ : other);
-        LoadOptions o;
+        FlattenOptions o = load_options();
         o.layout.dp = 2;
-        o.read_plan = Tier::kLoadWhole;
-        o.copies = CopyCheck::kFull;
+        o.tier = Tier::kLoadWhole;
+        o.read.copies = CopyCheck::kFull;
         load_flat_group(mine, params_of(mine), dev, c, o);
       });
   for (int r = 0; r < 2; ++r) {
@@ -492,9 +511,9 @@ std::vector<std::string> load_two_copies(const std::string& a, const std::string
                                          CopyCheck copies, bool partitions = false) {
   return errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
     const CheckpointIndex ck = open_checkpoint(r == 0 ? a : b);
-    LoadOptions o;
+    FlattenOptions o = load_options();
     o.layout.dp = 2;
-    o.copies = copies;
+    o.read.copies = copies;
     (partitions ? load_partitions : load_flat_group)(ck, params_of(ck), dev, c, o);
   });
 }
@@ -572,7 +591,8 @@ TEST_F(LoaderTest, CopiesWhoseBytesDifferAreRefusedOnEveryRank) {
       // At least one rank names the tensor and the file.
       EXPECT_TRUE(e[0].find("tensor '") != std::string::npos ||
                   e[1].find("tensor '") != std::string::npos)
-          << e[0] << "\n" << e[1];
+          << e[0] << "\n"
+          << e[1];
     }
     // Identical copies pass every check.
     for (CopyCheck check : {CopyCheck::kOff, CopyCheck::kSampled, CopyCheck::kFull}) {
@@ -601,7 +621,7 @@ TEST_F(LoaderTest, ASourceOfTheRightSizeButAnotherShapeIsRefused) {
                                         {two_d->name, two_d->name},
                                         {transposed, transposed}}};
   std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-  const std::string m = error_of([&] { load_flat_group(ck, p, *dev, nullptr, LoadOptions{}); });
+  const std::string m = error_of([&] { load_flat_group(ck, p, *dev, nullptr, load_options()); });
   EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
   EXPECT_NE(m.find("'" + two_d->name + "'"), std::string::npos) << m;
   EXPECT_NE(m.find(shape_to_string(transposed)), std::string::npos) << m;
@@ -610,7 +630,7 @@ TEST_F(LoaderTest, ASourceOfTheRightSizeButAnotherShapeIsRefused) {
                    {2, two_d->shape[0], two_d->shape[1]},
                    {two_d->name, two_d->name},
                    {two_d->shape, two_d->shape}};
-  EXPECT_EQ(load_flat_group(ck, p, *dev, nullptr, LoadOptions{}).bytes_read, 2 * two_d->bytes);
+  EXPECT_EQ(load_flat_group(ck, p, *dev, nullptr, load_options()).read->bytes, 2 * two_d->bytes);
 }
 
 TEST(Loader, ManyShardsLoadUnderALowOpenFileLimit) {
@@ -632,9 +652,9 @@ TEST(Loader, ManyShardsLoadUnderALowOpenFileLimit) {
   {
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
     try {
-      const LoadResult res = load_flat_group(ck, params_of(ck), *dev, nullptr, LoadOptions{});
-      const auto* p = static_cast<const unsigned char*>(res.group.flat.data());
-      flat.assign(p, p + res.group.layout.flat_bytes());
+      const FlattenResult res = load_flat_group(ck, params_of(ck), *dev, nullptr, load_options());
+      const auto* p = static_cast<const unsigned char*>(res.group().flat.data());
+      flat.assign(p, p + res.group().layout.flat_bytes());
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -652,12 +672,12 @@ TEST_F(LoaderTest, AReadThatFailsMidwayFailsEveryRankAndKeepsNothing) {
     SCOPED_TRACE(ring ? "ring" : "direct");
     const std::vector<std::string> errors =
         errors_on_ranks(3, [&](int r, Communicator* c, Device& dev) {
-          LoadOptions o;
+          FlattenOptions o = load_options();
           o.layout.dp = 3;
-          o.through_ring = ring;
-          o.ring_chunk_bytes = 16384;
-          o.read_plan = Tier::kLoad;  // the other ranks learn of the failure at the all-gather
-          if (r == 1) o.fail_after_bytes = 100'000;
+          o.read.through_ring = ring;
+          o.read.ring_chunk_bytes = 16384;
+          o.tier = Tier::kLoad;  // the other ranks learn of the failure at the all-gather
+          if (r == 1) o.read.fail_after_bytes = 100'000;
           load_flat_group(ck, params, dev, c, o);
         });
     // The failing rank names the file, the tensor and the byte range; the others name it.
@@ -685,25 +705,25 @@ TEST(Loader, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
     std::vector<std::uint64_t> read(8, 0);
     on_ranks(8, [&](int r, Communicator* comm) {
       std::unique_ptr<Device> dev = make_device("sim:h100-80gb", DeviceOptions{1, true});
-      LoadOptions o;
+      FlattenOptions o = load_options();
       o.layout.dp = 8;
       o.probe.local_ranks = 8;
-      const LoadResult res =
+      const FlattenResult res =
           (partitions ? load_partitions : load_flat_group)(ck, params, *dev, comm, o);
-      ASSERT_TRUE(res.feasible()) << res.plan.why_not;
-      EXPECT_EQ(res.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+      ASSERT_TRUE(res.feasible()) << res.plan.reason;
+      EXPECT_EQ(res.execution.measured_peak_device_bytes, res.predicted_peak_device_bytes);
       // The buffer alone on the device: no second copy, ever.
-      EXPECT_EQ(res.predicted_peak_device_bytes, res.group.layout.flat_bytes());
-      EXPECT_EQ(res.measured_peak_host_bytes, res.plan.profile.peak_host_bytes);
-      EXPECT_GT(res.plan.profile.peak_host_bytes, 0u);  // the staging ring
-      EXPECT_EQ(res.plan.profile.read_bytes, res.group.layout.partition_bytes());
+      EXPECT_EQ(res.predicted_peak_device_bytes, res.group().layout.flat_bytes());
+      EXPECT_EQ(res.execution.measured_peak_host_bytes, res.chosen().profile.peak_host_bytes);
+      EXPECT_GT(res.chosen().profile.peak_host_bytes, 0u);  // the staging ring
+      EXPECT_EQ(res.chosen().profile.read_bytes, res.group().layout.partition_bytes());
       if (partitions) {
-        EXPECT_EQ(res.plan.tier, Tier::kLoadPartitions);
-        EXPECT_EQ(res.plan.profile.comm_bytes, 0u);
+        EXPECT_EQ(res.chosen().tier, Tier::kLoadPartitions);
+        EXPECT_EQ(res.chosen().profile.comm_bytes, 0u);
         // Its partitions: about 1/8 of the model.
-        EXPECT_LT(res.group.layout.flat_bytes(), total / 8 + 8 * params.size());
+        EXPECT_LT(res.group().layout.flat_bytes(), total / 8 + 8 * params.size());
       }
-      read[r] = res.bytes_read;
+      read[r] = res.read->bytes;
     });
     std::uint64_t sum = 0;
     for (std::uint64_t b : read) sum += b;
@@ -719,9 +739,9 @@ TEST(Loader, ABufferThatDoesNotFitIsReportedWithNothingAllocated) {
   std::vector<LoadParam> params;
   for (const TensorSpec& t : m.tensors) params.push_back(LoadParam{t.name, t.shape, {}});
   std::unique_ptr<Device> dev = make_device("sim:1GiB", DeviceOptions{1, true});
-  const LoadResult res = load_flat_group(ck, params, *dev, nullptr, LoadOptions{});
+  const FlattenResult res = load_flat_group(ck, params, *dev, nullptr, load_options());
   EXPECT_FALSE(res.feasible());
-  EXPECT_NE(res.plan.why_not.find("exceeds"), std::string::npos) << res.plan.why_not;
+  EXPECT_NE(res.plan.reason.find("exceeds"), std::string::npos) << res.plan.reason;
   EXPECT_EQ(dev->memory_info().peak_allocated_bytes, 0u);
 }
 
@@ -735,10 +755,11 @@ TEST_F(LoaderTest, TheCeilingReadsTheBytesAskedForAndVerifyCatchesACorruptByte) 
   EXPECT_EQ(measure_read_ceiling(ck, 0, total * 2, 1, false).bytes, total);
   const std::vector<LoadParam> params = params_of(ck);
   std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-  const LoadResult res = load_flat_group(ck, params, *dev, nullptr, LoadOptions{});
-  ASSERT_EQ(verify_loaded(ck, params, *dev, res.group), "");
-  static_cast<unsigned char*>(res.group.flat.data())[res.group.layout.offsets()[5] * 2 + 3] ^= 1;
-  const std::string m = verify_loaded(ck, params, *dev, res.group);
+  const FlattenResult res = load_flat_group(ck, params, *dev, nullptr, load_options());
+  ASSERT_EQ(verify_loaded(ck, params, *dev, res.group()), "");
+  static_cast<unsigned char*>(res.group().flat.data())[res.group().layout.offsets()[5] * 2 + 3] ^=
+      1;
+  const std::string m = verify_loaded(ck, params, *dev, res.group());
   EXPECT_NE(m.find(params[5].name), std::string::npos) << m;
   // A cached file reads as cached.
   EXPECT_GT(cached_fraction(ck.files.front(), 0, ck.file_bytes.front()), 0.5);
@@ -785,26 +806,26 @@ TEST_F(LoaderTest, ZeRO3EveryRankReadsOnlyItsPartitionsIntoTheStage3Buffer) {
         for (bool ring : {false, true}) {
           SCOPED_TRACE(*dir + " -> " + std::string(dtype_name(dtype)) + " world " +
                        std::to_string(world) + (ring ? " ring" : ""));
-          LoadOptions o;
+          FlattenOptions o = load_options();
           o.layout.dp = static_cast<std::uint64_t>(world);
           o.layout.dtype = dtype;
-          o.through_ring = ring;
-          o.ring_chunk_bytes = 8192;
-          o.ring_depth = 2;
-          o.threads = 2;
+          o.read.through_ring = ring;
+          o.read.ring_chunk_bytes = 8192;
+          o.read.ring_depth = 2;
+          o.read.threads = 2;
           o.master = true;
           std::vector<std::uint64_t> read(world, 0);
           on_ranks(world, [&](int r, Communicator* comm) {
             const std::vector<unsigned char> want =
                 expected_partitions(ck, params, dtype, world, r);
             std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
-            const LoadResult res = load_partitions(ck, params, *dev, comm, o);
-            ASSERT_TRUE(res.feasible()) << res.plan.why_not;
-            EXPECT_EQ(res.plan.tier, Tier::kLoadPartitions);
-            for (const Step& s : res.plan.steps) EXPECT_NE(s.op, Op::kAllGather);
-            ASSERT_EQ(res.group.layout.flat_bytes(), want.size());
-            EXPECT_EQ(std::memcmp(res.group.flat.data(), want.data(), want.size()), 0);
-            EXPECT_EQ(verify_partitions(ck, params, *dev, res.group, world, r), "");
+            const FlattenResult res = load_partitions(ck, params, *dev, comm, o);
+            ASSERT_TRUE(res.feasible()) << res.plan.reason;
+            EXPECT_EQ(res.chosen().tier, Tier::kLoadPartitions);
+            for (const Step& s : res.chosen().steps) EXPECT_NE(s.op, Op::kAllGather);
+            ASSERT_EQ(res.group().layout.flat_bytes(), want.size());
+            EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
+            EXPECT_EQ(verify_partitions(ck, params, *dev, res.group(), world, r), "");
             // The views are the partitions, at the Stage 3 offsets.
             std::vector<std::uint64_t> numels;
             for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
@@ -812,15 +833,15 @@ TEST_F(LoaderTest, ZeRO3EveryRankReadsOnlyItsPartitionsIntoTheStage3Buffer) {
                 std::vector<std::vector<std::uint64_t>>{numels},
                 Zero3Options{static_cast<std::uint64_t>(world), kDefaultSubGroupSize, dtype});
             for (std::size_t i = 0; i < params.size(); ++i) {
-              EXPECT_EQ(res.group.views[i].numel, z.partition_numels()[i]);
-              EXPECT_EQ(res.group.views[i].data,
-                        static_cast<const unsigned char*>(res.group.flat.data()) +
+              EXPECT_EQ(res.group().views[i].numel, z.partition_numels()[i]);
+              EXPECT_EQ(res.group().views[i].data,
+                        static_cast<const unsigned char*>(res.group().flat.data()) +
                             z.offsets()[i] * element_size(dtype));
             }
-            EXPECT_EQ(res.bytes_read, partitions_read_bytes(ck, params, world, r));
-            read[r] = res.bytes_read;
-            EXPECT_EQ(res.measured_peak_device_bytes, res.predicted_peak_device_bytes);
-            EXPECT_EQ(res.measured_peak_host_bytes, res.plan.profile.peak_host_bytes);
+            EXPECT_EQ(res.read->bytes, partitions_read_bytes(ck, params, world, r));
+            read[r] = res.read->bytes;
+            EXPECT_EQ(res.execution.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+            EXPECT_EQ(res.execution.measured_peak_host_bytes, res.chosen().profile.peak_host_bytes);
             EXPECT_EQ(res.master.num_bytes(), z.buffer_numel() * 4);
           });
           // Together the ranks read every source byte once.
@@ -840,7 +861,7 @@ TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {
   missing.push_back(LoadParam{"no.such.weight", {4}, {}});
   // A tensor one rank lacks: InvalidArgument on every rank, the failing one naming it.
   std::vector<std::string> e = errors_on_ranks(3, [&](int r, Communicator* c, Device& dev) {
-    LoadOptions o;
+    FlattenOptions o = load_options();
     o.layout.dp = 3;
     load_partitions(ck, r == 2 ? missing : good, dev, c, o);
   });
@@ -848,22 +869,22 @@ TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {
   EXPECT_NE(e[2].find("no.such.weight"), std::string::npos) << e[2];
   // Options no Stage 3 buffer has, and a read plan of the flat placement.
   e = errors_on_ranks(2, [&](int, Communicator* c, Device& dev) {
-    LoadOptions o;
+    FlattenOptions o = load_options();
     o.layout.dp = 2;
     o.layout.round_robin = true;
     load_partitions(ck, good, dev, c, o);
   });
   for (int r = 0; r < 2; ++r) EXPECT_NE(e[r].find("round-robin"), std::string::npos) << e[r];
   e = errors_on_ranks(2, [&](int, Communicator* c, Device& dev) {
-    LoadOptions o;
+    FlattenOptions o = load_options();
     o.layout.dp = 2;
-    o.read_plan = Tier::kLoad;
+    o.tier = Tier::kLoad;
     load_partitions(ck, good, dev, c, o);
   });
   for (int r = 0; r < 2; ++r) EXPECT_NE(e[r].find("load-partitions"), std::string::npos) << e[r];
   // Ranks of which one loads partitions and one the flat buffer disagree before any read.
   e = errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
-    LoadOptions o;
+    FlattenOptions o = load_options();
     o.layout.dp = 2;
     (r == 0 ? load_partitions : load_flat_group)(ck, good, dev, c, o);
   });
@@ -871,11 +892,11 @@ TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {
   // A read that fails midway on rank 1: every rank fails, no buffer or ring is kept.
   for (bool ring : {false, true}) {
     e = errors_on_ranks(3, [&](int r, Communicator* c, Device& dev) {
-      LoadOptions o;
+      FlattenOptions o = load_options();
       o.layout.dp = 3;
-      o.through_ring = ring;
-      o.ring_chunk_bytes = 16384;
-      if (r == 1) o.fail_after_bytes = 50'000;
+      o.read.through_ring = ring;
+      o.read.ring_chunk_bytes = 16384;
+      if (r == 1) o.read.fail_after_bytes = 50'000;
       load_partitions(ck, good, dev, c, o);
     });
     EXPECT_NE(e[1].find(".safetensors"), std::string::npos) << e[1];

@@ -1,18 +1,15 @@
 // The Device interface: where parameter memory lives and where flattening copies run.
-//
-// A Device allocates, releases, gathers many (src, dst, bytes) runs into one buffer in a single
-// call, up-casts, hashes, reports memory (its own accounting, and every free-memory source it
-// has, through the probe) and synchronizes. Backends register by name ("cpu", "sim:SIZE",
-// "cuda:N") so the CLI and the bindings pick them with a string.
-//
-// Threads: a Device is used by one rank. Its methods may be called from any thread, but not
-// concurrently with each other unless a method says so: the cpu device runs one team operation
-// at a time and serializes callers; memory_info() and the probes are safe to call concurrently
-// with anything. Different Device objects are independent.
-//
-// Lifetime: a Device must outlive everything that holds its memory: every DeviceBuffer, every
-// FlatGroup and flatten or load result (their flat buffers, views and master partitions), and
-// every communicator made for it (nccl).
+// - A Device allocates, releases, gathers many (src, dst, bytes) runs into one buffer in a single
+//   call, up-casts, hashes, reports memory (its own accounting, and every free-memory source it
+//   has, through the probe) and synchronizes. Backends register by name ("cpu", "sim:SIZE",
+//   "cuda:N") so the CLI and the bindings pick them with a string.
+// - Threads: a Device is used by one rank. Its methods may be called from any thread, but not
+//   concurrently with each other unless a method says so: the cpu device runs one team
+//   operation at a time and serializes callers; memory_info() and the probes are safe to call
+//   concurrently with anything. Different Device objects are independent.
+// - Lifetime: a Device must outlive everything that holds its memory: every DeviceBuffer, every
+//   FlatGroup and result (their buffers, views and master partitions), and every communicator
+//   made for it (nccl).
 #pragma once
 
 #include <cstdint>
@@ -178,8 +175,7 @@ using DeviceFactory =
 // Nothing is touched: the first writer faults the pages in (the cpu device's gather does, split
 // by bytes over its threads). A framework can hand it out as its own tensor's storage,
 // releasing it with release_host_memory. Throws OutOfMemory.
-void* allocate_host_memory(std::uint64_t num_bytes,
-                           std::optional<bool> huge_pages = std::nullopt);
+void* allocate_host_memory(std::uint64_t num_bytes, std::optional<bool> huge_pages = std::nullopt);
 // Releases memory from allocate_host_memory; num_bytes must be the size that was asked for.
 void release_host_memory(void* ptr, std::uint64_t num_bytes) noexcept;
 

@@ -1,22 +1,27 @@
-// The front door for a group whose values are on the device: one call takes it from its
-// original storage to its flat buffer on every rank of the group, the way every caller should
-// (C++ programs, the CLI's run, the Python package and the DeepSpeed drop-in all go through it).
-// A group read from a checkpoint enters through load_flat_group (loader.h); both doors lead to
-// the same pipeline, with only the source of the values differing:
+// The front door for a group whose values are on the device, and the one options and result
+// type of every front door. One call takes a group from its original storage to its flat buffer
+// on every rank of the group, the way every caller should (C++ programs, the CLI's run, the
+// Python package and the DeepSpeed drop-in all go through it). A group read from a checkpoint
+// enters through load_flat_group or load_partitions (loader.h): every door leads to the one
+// pipeline, which asks the group's source (where its values are now) and its placement (what
+// each rank must hold at the end) and never branches on either:
 //
 //   probe    the device's free-memory sources (Device::probe_memory) and the host memory this
 //            rank may stage through (Device::probe_host_memory), with what the caller knows
 //            (the framework's cached-but-free bytes) given as a source, not a finished number;
-//   agree    one all-reduce over the ranks (agree.h): the options and the group's shapes and
-//            dtypes must match, every rank's own checks must have passed, and the planner's
-//            facts become the minimum over ranks;
-//   plan     every tier as a step list on the memory model; the fastest that fits, or none;
+//   agree    one all-reduce over the ranks: the options and the group's shapes and dtypes must
+//            match, every rank's own checks must have passed (an error names the first option
+//            or parameter that differs), and the planner's facts become the minimum over ranks;
+//            then the sources compare what they say (a checkpoint's headers);
+//   plan     the source's candidate step lists for the placement (tiers from the originals,
+//            read plans from files) on the memory model; the fastest that fits, or none;
 //   check    for the sharded and staged tiers, that the ranks hold the same values (one more
 //            all-reduce; each rank hashes the group once);
 //   execute  the chosen step list (executor.h), with agreement, rollback and recovery;
+//   after    a source's check of what the ranks read (their copies of a checkpoint);
 //   master   this rank's fp32 master partition, if asked.
 //
-// Rules, as for a collective:
+// Rules of flatten_param_group, as for a collective:
 // - Every rank of `comm` calls it once per group, with a group of the same shapes and dtypes in
 //   the same order and the same options (FlattenOptions says which fields may differ). This is
 //   checked before anything moves: a mismatch, or an error found on any one rank, throws
@@ -36,9 +41,9 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
-#include "zeroflat/agree.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/device.h"
 #include "zeroflat/executor.h"
@@ -49,18 +54,51 @@
 
 namespace zeroflat {
 
+// How the ranks check, after reading a checkpoint, that their copies hold the same bytes (their
+// headers are always compared).
+enum class CopyCheck : std::uint8_t {
+  kOff,      // no check of the bytes
+  kSampled,  // each rank re-reads 16 windows of 64 KiB of every other rank's slice from its own
+             // copy and compares them with what that rank read: at most 1 MiB per other rank
+  kFull,     // each rank re-reads every other rank's slice: (N - 1) / N of the checkpoint more
+};
+std::string_view copy_check_name(CopyCheck check) noexcept;  // "off", "sampled", "full"
+// "off", "sampled" or "full"; throws InvalidArgument naming `what` otherwise.
+CopyCheck parse_copy_check(std::string_view text, std::string_view what);
+
+// How a group read from files is read (loader.h); a group on the device ignores it.
+struct ReadOptions {
+  // Drop the files this rank reads from the page cache before reading (posix_fadvise), so that
+  // a cold load is measured without root. May differ.
+  bool cold = false;
+  // The staging ring, for devices the host cannot write: depth chunks of chunk_bytes of pinned
+  // host memory. Must match.
+  std::uint64_t ring_chunk_bytes = std::uint64_t{16} << 20;
+  unsigned ring_depth = 4;
+  // Testing aid: go through the ring on a host device too. Must match.
+  bool through_ring = false;
+  // Reader threads; 0: the device's team (default_num_threads of the local ranks). May differ.
+  unsigned threads = 0;
+  // The check of the ranks' copies after reading (see CopyCheck). Must match.
+  CopyCheck copies = CopyCheck::kSampled;
+  // Testing aid: this rank's reads fail once this many bytes have been read, as an I/O error.
+  std::optional<std::uint64_t> fail_after_bytes;
+};
+
+// The options of every front door: flatten_param_group here, load_flat_group and
+// load_partitions (loader.h).
 struct FlattenOptions {
   // The layout (dp = the ranks of comm). Must match on every rank.
   LayoutOptions layout;
-  // Force a tier (for a group read from a source, a read plan); none: the planner's choice.
-  // Must match.
+  // Force a tier (for a group read from files, a read plan: plan.h); none: the planner's
+  // choice. Must match.
   std::optional<Tier> tier;
-  // A group read from a source: the bandwidth of the storage all nodes share (bytes/s); 0: each
+  // A group read from files: the bandwidth of the storage all nodes share (bytes/s); 0: each
   // node's own, not a shared bottleneck (Bandwidths::storage). Must match.
   double storage_bytes_per_second = 0;
   // Device bytes never planned into; none: default_margin(capacity). Must match.
   std::optional<std::uint64_t> margin_bytes;
-  // Build this rank's fp32 master partition once the flat buffer is complete. Must match.
+  // Build this rank's fp32 master partition once the buffer is complete. Must match.
   bool master = true;
   // Before the sharded and staged tiers release the originals, check that the ranks hold the
   // same values (they would otherwise each end up with the owners' values). Off for callers
@@ -75,9 +113,18 @@ struct FlattenOptions {
   // group as that release forms it (layout_for_release says which parameters it keeps). Must
   // match.
   std::optional<ReleaseRules> release;
-  // More that every rank must pass identically, as text (the caller's own options): compared,
-  // shown in the error when the ranks differ.
-  std::string must_match;
+  // A group read from files: how (loader.h).
+  ReadOptions read;
+  // The caller's own account of the layout, when it laid the group out itself (a framework's
+  // bookkeeping): each parameter's first element and the buffer's elements. Empty / none: not
+  // checked. A layout that differs is refused (InvalidArgument naming the first parameter that
+  // differs, and both offsets) before anything moves.
+  std::vector<std::uint64_t> expected_offsets;
+  std::optional<std::uint64_t> expected_flat_numel;
+  // More that every rank must pass identically, as items (the caller's own options, "key
+  // value"; a description of each tensor it holds outside the group): compared, and the first
+  // item that differs is named in the error with what each side passed.
+  std::vector<std::string> must_match;
 
   // May differ between ranks:
   // What the caller knows that the probe cannot see (the framework's cache); local_ranks 0:
@@ -93,27 +140,51 @@ struct FlattenOptions {
   ExecuteOptions execute;
 };
 
+// What a rank read from files (a group read from a checkpoint).
+struct ReadReport {
+  std::uint64_t bytes = 0;  // file bytes this rank read (its slice's, or the whole buffer's)
+  std::uint64_t reads = 0;  // pread ranges after merging neighbours
+  // How much of what this rank read was in the page cache before it read it (0 to 1), and the
+  // word for it: "cold" (under 10%), "warm" (over 90%), "partly"; "" when nothing was read (a
+  // device without data).
+  double cached_fraction = 0;
+  std::string page_cache;
+  double seconds = 0;  // reading (conversion and staging included)
+  // The copies check (ReadOptions::copies): bytes this rank read again to compare, and how
+  // long.
+  std::uint64_t copy_check_bytes = 0;
+  double copy_check_seconds = 0;
+};
+
+// The result of every front door.
 struct FlattenResult {
+  std::uint64_t rank = 0;  // this rank of comm (0 alone)
   ProbeResult probe;       // this rank's device: every source, which decided (before agreement)
   ProbeResult host_probe;  // the host memory this rank may stage through
   PlanInput input;         // what the planner was given, after agreement
-  Plan plan;               // every candidate; nothing chosen when no tier fits
+  Plan plan;               // every candidate; nothing chosen when none fits
   ValueCheck value_check;  // when the chosen tier needed it (seconds, bytes hashed)
-  Execution execution;     // outcome, error, and the group (flat buffer and views) when complete
+  Execution execution;     // outcome, error, and the group (buffer and views) when complete
   // The memory model's peak for the chosen steps on this rank's own account (what its device
   // held before the first step), to set beside execution.measured_peak_device_bytes.
   std::uint64_t predicted_peak_device_bytes = 0;
-  DeviceBuffer master;       // this rank's fp32 master partition, when asked and complete
+  DeviceBuffer master;        // this rank's fp32 master partition, when asked and complete
   double master_seconds = 0;  // building it (allocation and first touch included)
-  std::string master_error;  // why there is no master although one was asked
+  std::string master_error;   // why there is no master although one was asked
+  double seconds = 0;         // the whole call on this rank, agreement included
+  // A group read from files: what this rank read; none for a group on the device.
+  std::optional<ReadReport> read;
 
-  // False: no tier fits (plan.reason says why with the numbers); nothing was moved.
+  // False: no tier or read plan fits (plan.reason says why with the numbers); nothing moved.
   bool feasible() const noexcept { return plan.chosen.has_value(); }
-  // The flat buffer is complete and every parameter is a view into it.
+  // The buffer is complete and every parameter is a view into it.
   bool complete() const noexcept {
     return feasible() &&
            (execution.outcome == Outcome::kDone || execution.outcome == Outcome::kRecovered);
   }
+  const FlatGroup& group() const noexcept { return execution.group; }
+  // The chosen candidate (feasible()), else the first (the reason it does not fit).
+  const Candidate& chosen() const;
 };
 
 // What flatten_param_group would plan for a group laid out as `layout` whose originals are about
@@ -137,8 +208,8 @@ PlannedGroup plan_param_group(const Layout& layout, Device& device, const Flatte
 // different values; see check_values), each before anything moves. Every other failure is in
 // the result: no feasible plan (feasible() false, nothing moved), a failed step (the execution's
 // outcome says what the parameters hold), a master partition that does not fit (master_error).
-FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device,
-                                  Communicator* comm, const FlattenOptions& options,
+FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device, Communicator* comm,
+                                  const FlattenOptions& options,
                                   const ReleaseOriginals& release_originals = {});
 
 }  // namespace zeroflat

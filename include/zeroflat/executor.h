@@ -1,21 +1,20 @@
-// The executor: runs a tier's step list (the very list the planner simulated) on a device and a
+// The executor: runs a step list (the very list the planner simulated) on a device and a
 // communicator, and keeps the parameters' data safe when anything fails.
-//
-// Agreement. Ranks that share a group must end in the same state, so before every step that
-// cannot be taken back or that needs all of them (releasing the originals, each all-gather) and
-// once more at the end, they agree with one small all-reduce on whether every rank's steps so
-// far succeeded. A rank whose step failed skips ahead to that agreement point, so nobody waits
-// for it in an all-gather.
-//
-// Rollback. A failure found before the originals are released rolls every rank back: the
-// buffers the steps allocated are released and every parameter points at its original storage
-// again, untouched. After the originals are released, the only complete copy of the group's
-// data is spread over the ranks' slices (or, in the host tier, the host stage); putting it back
-// within the memory the plan proved is exactly what the rest of the step list does. So the
-// executor recovers forward: each rank re-runs the steps from the one that failed, without the
-// injected fault, and the parameters end up holding their original values as views into the
-// completed flat buffer. Only when that fails too (the device refuses memory again, the
-// communicator is gone) is data lost, and the result says so.
+// - Agreement: ranks that share a group end in the same state. Before every step that cannot be
+//   taken back or that needs all of them (releasing the originals, each all-gather) and once
+//   more at the end, they agree in one small all-reduce on whether every rank's steps so far
+//   succeeded. A rank whose step failed skips ahead to that point, so nobody waits for it in an
+//   all-gather.
+// - Rollback: a failure agreed before the originals are released rolls every rank back: the
+//   buffers the steps allocated are released and every view points where it pointed before
+//   (its original storage, untouched; or nothing, for values read from files).
+// - Recovery: after the release, the only complete copy of the group is spread over the ranks'
+//   slices (or, in the host tier, the host stage). Putting it back within the memory the plan
+//   proved is exactly what the rest of the list does, so every rank re-runs the steps from the
+//   one that failed (without the injected fault), and the parameters end up holding their
+//   values as views into the completed buffer (kRecovered). Only when that fails too (the
+//   device refuses memory again, the communicator is gone) is data lost (kLost), and the result
+//   says which layout bytes this rank still held.
 #pragma once
 
 #include <cstdint>
@@ -67,40 +66,78 @@ struct Execution {
   std::vector<double> step_seconds;  // per step of the list (the last run of each)
 };
 
-// What the executor needs from the caller besides the tensors: how to free the originals'
-// storage. Called at most once, at the step that releases the originals; must not throw.
+// How the caller frees the originals' storage (the parameters as they are before flattening):
+// called at most once, at the step that releases them; must not throw.
 using ReleaseOriginals = std::function<void()>;
 
-// A source that is not the parameters' own storage: what a kRead step reads from (the checkpoint
-// loader's files, loader.h). The executor owns the buffers and the order of the steps; a reader
-// only fills bytes it is pointed at, and may be called again for the same range when a step is
-// re-run.
-class StepReader {
+// Where a step list's values come from: the group's bytes wherever they are now. The executor
+// owns the buffers and the order of the steps; a source only fills bytes it is pointed at, and
+// may be asked again for the same range when a step is re-run. Two kinds: the parameters' own
+// storage on the device (Originals, below), and a checkpoint's files (loader.h).
+class StepSource {
  public:
-  virtual ~StepReader() = default;
-  // Writes flat-layout bytes [flat_offset, flat_offset + bytes) of the group into dst, device
-  // memory of the executor's device (padding as zeros). stage: the step list's live host staging
-  // buffer (stage_bytes of pinned host memory), or null; a device the host cannot write is
-  // filled through it. Throws Error naming the file, tensor and byte range that failed,
-  // OutOfMemory when it cannot allocate its own scratch.
+  virtual ~StepSource() = default;
+  // Bytes of the group already on the device before the first step (the originals), which the
+  // kReleaseOriginals step frees; 0 for values that are not on the device.
+  virtual std::uint64_t resident_bytes() const = 0;
+  // Before any step: the views the steps re-point fit this source (their data pointers are the
+  // originals, or null when nothing of the group is on the device yet). Throws InvalidArgument.
+  virtual void check(std::span<const TensorRef> views, const Layout& layout,
+                     const Device& device) const = 0;
+  // kGather and kRead: layout bytes [flat_offset, flat_offset + bytes) of the group into dst,
+  // device memory of the executor's device, padding as zeros. stage: the step list's live host
+  // staging buffer (stage_bytes of pinned host memory), or null; a source the host cannot copy
+  // to the device directly goes through it. Throws Error naming what failed (a file, tensor and
+  // byte range), OutOfMemory when it cannot allocate its own scratch.
   virtual void read(void* dst, std::uint64_t flat_offset, std::uint64_t bytes, void* stage,
                     std::uint64_t stage_bytes) = 0;
+  // kReleaseOriginals: the originals' storage is freed. Must not throw.
+  virtual void release() noexcept = 0;
 };
 
-// Runs `steps` (a tier's list for this rank from tier_steps, load_steps or the plan) for
-// `params` on `device`. With a reader, the group's values come from it (kRead steps), params'
-// data pointers are null on entry (nothing of the group is on the device) and a rollback leaves
-// them null; without one, a kRead step is refused. `comm` joins the ranks of the group (null, or
-// one of size 1, for a single rank); its size must equal the layout's dp, except for a list
-// without an all-gather, whose layout may be this rank's own buffer (ZeRO-3's partitions: dp 1,
-// rank = comm's rank). On return, each params[i].data points at the parameter's data (original
-// storage or a view into the flat buffer, per the outcome); after a release its pointer is null
-// only if the outcome is kLost. Throws InvalidArgument for a bad group or a step list that does
-// not fit the layout, before any step runs; every other failure is reported in the result,
-// never thrown.
-Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t rank,
+// The parameters' own storage on the device as a step source: kGather copies their bytes in
+// layout order (zeros in the padding), kReleaseOriginals calls release_originals. params (data
+// = the originals) is copied; the storage it points at must stay valid until released.
+class Originals final : public StepSource {
+ public:
+  Originals(const Layout& layout, std::span<const TensorRef> params, Device& device,
+            ReleaseOriginals release_originals = {});
+  std::uint64_t resident_bytes() const override { return bytes_; }
+  // validate_group (flatten.h): dtype, device, shapes, no overlaps.
+  void check(std::span<const TensorRef> views, const Layout& layout,
+             const Device& device) const override;
+  void read(void* dst, std::uint64_t flat_offset, std::uint64_t bytes, void* stage,
+            std::uint64_t stage_bytes) override;
+  void release() noexcept override;
+
+ private:
+  const Layout& layout_;
+  std::vector<TensorRef> params_;
+  Device& device_;
+  ReleaseOriginals release_;
+  std::uint64_t bytes_ = 0;
+};
+
+// Runs `steps` (a candidate's list from the plan: tier_steps or load_steps) that fill `layout`
+// from `source` on `device`, and re-point `views` into the buffer they build.
+// - slot: which slice [slot * S, (slot + 1) * S) of the layout is this rank's (its all-gather
+//   contribution and the partition the list names); < the layout's dp.
+// - views: one per parameter of the layout, with its numel; on entry their data is where the
+//   values are now (source.check says what it accepts), on return the parameter's data
+//   (original storage, or its view in the buffer, per the outcome); after a release a pointer is
+//   null only if the outcome is kLost.
+// - comm: the ranks that agree at every point of no return (null, or of size 1: this rank
+//   alone); a kAllGather step needs it to be the layout's dp ranks with this rank at `slot`.
+// - Throws InvalidArgument for views, a source or a step list that do not fit the layout, before
+//   any step runs; every other failure is reported in the result, never thrown.
+Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t slot,
+                  std::span<TensorRef> views, Device& device, Communicator* comm,
+                  StepSource& source, const ExecuteOptions& options = {});
+
+// The same for a group whose values are its parameters' own storage on the device: `params` are
+// both the source (Originals) and the views.
+Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t slot,
                   std::span<TensorRef> params, Device& device, Communicator* comm,
-                  const ReleaseOriginals& release_originals, const ExecuteOptions& options = {},
-                  StepReader* reader = nullptr);
+                  const ReleaseOriginals& release_originals, const ExecuteOptions& options = {});
 
 }  // namespace zeroflat

@@ -1,10 +1,14 @@
-// The planner: each way of building a group's buffer (a tier, from the originals on the device,
-// or the loader's reads, from a checkpoint) is a list of steps; a memory model runs a step list
-// symbolically to get its peak device bytes, host bytes and traffic; a cost model turns the
-// traffic into seconds; the planner keeps the feasible candidates and picks the fastest.
-//
-// The executor runs the very same step lists (kRead through a StepReader, executor.h), so the
-// planner's account of memory and the executor's cannot drift apart.
+// The planner:
+// - Each way of building a group's buffer is a list of steps: a tier (from the originals on the
+//   device: device, sharded, staged, host) or a read plan (from files: load, load-whole,
+//   load-partitions). Which candidates a group has is its placement's and its source's to say.
+// - A memory model (simulate, on a StepMachine) runs a list symbolically: peak device and host
+//   bytes after every step, and its traffic; a cost model turns the traffic into seconds.
+// - The planner keeps the candidates that fit in free - margin (device) and the host memory
+//   this rank may use, and picks the fastest, or the forced one; none fitting is a verdict with
+//   the numbers, never a throw.
+// - The executor runs the very same lists (executor.h), so the planner's account of memory and
+//   the executor's cannot drift apart.
 #pragma once
 
 #include <cstdint>
@@ -92,13 +96,18 @@ struct StepAccount {
 };
 
 struct Profile {
-  std::uint64_t peak_device_bytes = 0;  // highest device usage, resident bytes included
-  std::uint64_t peak_host_bytes = 0;    // highest host memory the steps hold
-  std::uint64_t device_copy_bytes = 0;  // bytes copied device to device
-  std::uint64_t pcie_bytes = 0;         // bytes over the host link, both directions
-  std::uint64_t comm_bytes = 0;         // bytes each rank receives from the communicator
-  std::uint64_t read_bytes = 0;         // layout bytes read from checkpoint files
-  std::vector<StepAccount> after_step;  // one per step
+  std::uint64_t peak_device_bytes = 0;   // highest device usage, resident bytes included
+  std::uint64_t peak_host_bytes = 0;     // highest host memory the steps hold
+  std::uint64_t device_copy_bytes = 0;   // bytes copied device to device
+  std::uint64_t pcie_bytes = 0;          // bytes over the host link, both directions
+  std::uint64_t comm_bytes = 0;          // bytes each rank receives from the communicator
+  std::uint64_t read_bytes = 0;          // layout bytes read from checkpoint files
+  std::vector<StepAccount> after_step;   // one per step
+  std::uint64_t start_device_bytes = 0;  // what was resident before the first step
+
+  // The peak had the list started from `resident` device bytes instead (the same list on
+  // another rank's account): the rise over the start is the same. Saturates.
+  std::uint64_t peak_from(std::uint64_t resident) const noexcept;
 };
 
 // The state a step list walks through: which buffers are live and how large, whether the
@@ -188,6 +197,15 @@ struct Plan {
   std::string reason;                 // one line: why this tier, or why none
 
   const Candidate* chosen_candidate() const;
+};
+
+// The check that the ranks hold the same values before the sharded and staged tiers hand slices
+// between them (agree.h: check_same_values).
+struct ValueCheck {
+  double seconds = 0;
+  std::uint64_t bytes_hashed = 0;  // on this rank: the whole group
+  int first_mismatch = -1;         // the first slice (rank) whose digests differ, or -1
+  std::string error;               // what differs, when first_mismatch >= 0
 };
 
 // The default margin: 3% of capacity or 1 GiB, whichever is smaller.

@@ -16,7 +16,6 @@
 namespace zeroflat {
 
 struct FlattenResult;  // engine.h
-struct LoadResult;     // loader.h
 
 // `zeroflat probe --json`: the device, whether it is available, total and free bytes, which
 // source decided, every source with its answer or error, and the notes.
@@ -31,15 +30,21 @@ std::string candidate_json(const Candidate& candidate, bool with_steps);
 // numbered lines.
 std::string plan_json(const Plan& plan, const PlanInput& input);
 
-// One rank's flatten_param_group (engine.h), the same whether the group fits or not:
-//   rank                         this rank (the plan input's)
-//   tier                         the chosen tier, or null when none fits
+// One rank's result of any front door (engine.h: flatten_param_group; loader.h:
+// load_flat_group, load_partitions), the same keys for the same facts whatever the source and
+// placement, and whether the group fits or not:
+//   rank                         this rank (of comm)
+//   tier                         the chosen tier or read plan, or null when none fits
 //   outcome                      "done", "rolled back", "recovered", "lost" (executor.h), or
-//                                "infeasible" when no tier fits (nothing moved)
-//   feasible, reason             whether a tier fits, and why this one or why none (the plan's)
-//   flat_bytes, partition_bytes  of the group's layout
+//                                "infeasible" when none fits (nothing moved)
+//   feasible, reason             whether one fits, and why this one or why none (the plan's)
+//   flat_bytes, partition_bytes  of the layout the steps filled (for ZeRO-3's partitions both
+//                                are the rank's own buffer's)
 //   seconds                      the chosen step list on this rank, agreements included
+//   total_seconds                the whole call on this rank: checks, probe, agreement, plan,
+//                                steps, the checks after them and the master partition
 //   step_seconds                 each step's time
+//   allgather_seconds            the all-gather steps' (0 without one)
 //   predicted_peak_device_bytes  the memory model on the chosen steps, from what this rank's
 //                                device held before them
 //   measured_peak_device_bytes   the device's own high-water mark over the steps
@@ -53,42 +58,19 @@ std::string plan_json(const Plan& plan, const PlanInput& input);
 //   master_seconds               only with a master: building it
 //   master_error                 only when a master was asked and does not fit: why
 //   probe, host_probe            probe_json of the device and of the host memory it stages through
-//   plan                         plan_json of the plan and its input
+//   plan                         plan_json of the plan and its input: every candidate, the
+//                                chosen one's steps
+//   bytes_read, reads            only for a group read from files (loader.h): the file bytes
+//                                this rank read, and its reads after merging
+//   read_seconds                 only from files: reading (conversion and staging included)
+//   read_gbps                    only from files: bytes_read / read_seconds in GB/s (10^9
+//                                bytes); null when nothing was read (a device without data)
+//   page_cache, cached_fraction  only from files: where the bytes were before they were read
+//                                ("cold", "warm", "partly"; 0 to 1); null when nothing was read
+//   copy_check_bytes,            only from files: the check of the ranks' copies of the
+//   copy_check_seconds           checkpoint, bytes this rank read or hashed again to compare,
+//                                and how long (0 without one)
 // All sizes are bytes and all times seconds.
-std::string flatten_result_json(const FlattenResult& result);
-
-// One rank's load_flat_group or load_partitions (loader.h), the same whether the buffer fits or
-// not (for load_partitions, flat_bytes and partition_bytes are both the rank's own buffer's):
-//   rank                         this rank (the plan input's)
-//   tier                         the read plan chosen: "load" (this rank's slice, then an
-//                                all-gather), "load-whole" (the whole buffer, no all-gather) or
-//                                "load-partitions" (load_partitions: this rank's ZeRO-3
-//                                partitions, no all-gather)
-//   outcome                      "done", or "infeasible" when the buffer does not fit (nothing
-//                                read)
-//   feasible, reason             whether it fits, and why not ("" when it does)
-//   flat_bytes, partition_bytes  of the group's layout
-//   bytes_read, reads            file bytes this rank read, and its reads after merging
-//   read_seconds                 reading (conversion and staging included)
-//   read_gbps                    bytes_read / read_seconds in GB/s (10^9 bytes); null when
-//                                nothing was read (a device without data, or infeasible)
-//   page_cache, cached_fraction  where the bytes were before they were read ("cold", "warm",
-//                                "partly"; 0 to 1); null when nothing was read
-//   allgather_seconds, seconds   the all-gather, and the whole load on this rank
-//   predicted_peak_device_bytes, as for a flatten, over the load's steps
-//   measured_peak_device_bytes,
-//   predicted_host_bytes,
-//   host_bytes
-//   copy_check_bytes,            the check of the ranks' copies of the checkpoint: bytes this
-//   copy_check_seconds           rank read again to compare, and how long (0 without one)
-//   master_bytes                 this rank's fp32 master partition, or null without one
-//   master_seconds               only with a master: building it
-//   master_error                 only when a master was asked and does not fit: why
-//   probe, host_probe            probe_json of the device and of the host memory it stages through
-//   plan                         candidate_json of the read plan chosen, with its steps
-//   read_plans                   {reason: why this plan, candidates: candidate_json of each read
-//                                plan, without steps}
-// All sizes are bytes and all times seconds.
-std::string load_result_json(const LoadResult& result);
+std::string result_json(const FlattenResult& result);
 
 }  // namespace zeroflat

@@ -69,6 +69,12 @@ constexpr std::uint64_t zero3_data_numel(std::uint64_t n, std::uint64_t world,
   return n - first < p ? n - first : p;
 }
 
+// Where rank `rank`'s partition of each parameter (element counts `numels`, on `world` ranks)
+// starts within the parameter: rank * p, or n when the rank holds none of its data (only
+// padding, which is never read). world >= 1.
+std::vector<std::uint64_t> zero3_partition_starts(std::span<const std::uint64_t> numels,
+                                                  std::uint64_t world, std::uint64_t rank);
+
 struct Zero3SubGroup {
   std::uint64_t group = 0;        // the optimizer group it is cut from
   std::uint64_t first_param = 0;  // flat parameter index (over all groups) of its first

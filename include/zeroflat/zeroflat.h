@@ -1,13 +1,19 @@
-// zeroflat: flat, partitioned ZeRO-1/2 parameter buffers. The whole public API in one include.
+// zeroflat: the flat, partitioned parameter buffers of ZeRO stages 1, 2 and 3. The whole public
+// API in one include.
 //
-// Start at engine.h: flatten_param_group() takes a group from its original storage to its flat
-// buffer on every rank (probe, agreement, plan, execution, master partition). The other headers
-// are its parts, usable alone: the layout (layout.h), the planner (plan.h), the probe
-// (probe.h), devices (device.h), communicators (comm.h), the executor (executor.h), model
-// sources (model.h, model_source.h), reports (report.h) and rehearsals (rehearsal.h).
+// Start at the front doors, which run the one pipeline (probe, agreement, plan, execution,
+// checks, master partition) for one group on every rank:
+// - engine.h: flatten_param_group(), a group from its original storage on the device to its
+//   ZeRO-1/2 flat buffer; FlattenOptions and FlattenResult, the options and result of every door.
+// - loader.h: load_flat_group() and load_partitions(), a group straight from a checkpoint into
+//   ZeRO-1/2's flat buffer or ZeRO-3's partitions, each rank reading only its share.
+// The other headers are their parts, usable alone: the layouts (layout.h, zero3.h, release.h),
+// the planner (plan.h), the probe (probe.h), devices (device.h), communicators (comm.h), the
+// executor (executor.h), checkpoints and model sources (checkpoint.h, model.h,
+// model_source.h, torch_file.h, deepspeed_checkpoint.h) and the JSON reports (report.h).
+// Headers under zeroflat/cli/ serve the command line and are not part of this API.
 #pragma once
 
-#include "zeroflat/agree.h"
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/checksum.h"
 #include "zeroflat/comm.h"
@@ -23,10 +29,8 @@
 #include "zeroflat/loader.h"
 #include "zeroflat/model.h"
 #include "zeroflat/model_source.h"
-#include "zeroflat/pattern.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
-#include "zeroflat/rehearsal.h"
 #include "zeroflat/release.h"
 #include "zeroflat/report.h"
 #include "zeroflat/runtime.h"

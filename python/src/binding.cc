@@ -105,7 +105,8 @@ class TorchDevice final : public zf::Device {
     info.peak_allocated_bytes = peak_;
     return info;
   }
-  // The inner device's sources, with what torch knows (its cache) passed as sources too.
+  // The inner device's sources; what torch knows (its allocator's cached-but-free bytes) comes
+  // in the context, which the Python package fills for every front door (framework_memory).
   zf::ProbeResult probe_memory(const zf::ProbeContext& context) override {
     return inner_->probe_memory(context);
   }
@@ -283,6 +284,35 @@ py::object owned(TorchDevice& device, const zf::DeviceBuffer& b) {
   return py::cast(device.tensor(reinterpret_cast<std::uintptr_t>(b.data())));
 }
 
+// The layout a result's steps filled, as Python takes it: what a caller needs to place its
+// parameters (each one's offset and elements, the buffer's and a partition's elements), not the
+// ranks' bookkeeping (zeroflat.layout() has that).
+py::dict layout_dict(const zf::Layout& l) {
+  py::dict d;
+  d["dp"] = l.options().dp;
+  d["alignment"] = l.alignment();
+  d["dtype"] = std::string(zf::dtype_name(l.options().dtype));
+  d["numel"] = l.numel();
+  d["padding"] = l.padding();
+  d["flat_numel"] = l.flat_numel();
+  d["flat_bytes"] = l.flat_bytes();
+  d["partition_numel"] = l.partition_numel();
+  d["partition_bytes"] = l.partition_bytes();
+  d["order"] = l.order();
+  d["offsets"] = l.offsets();
+  d["numels"] = l.numels();
+  return d;
+}
+
+// A front door's result for Python: (report, buffer, master, layout): the library's document of
+// this rank (report.h), the buffer's and the master's uint8 tensors (None when nothing fits, or
+// without a master), and the layout the steps filled (layout_dict).
+py::tuple result_tuple(TorchDevice& device, const zf::FlattenResult& r, py::object report) {
+  py::dict layout = layout_dict(r.complete() ? r.group().layout : r.input.layout);
+  if (!r.feasible()) return py::make_tuple(report, py::none(), py::none(), layout);
+  return py::make_tuple(report, owned(device, r.group().flat), owned(device, r.master), layout);
+}
+
 // One group through the front door on this rank (engine.h). Returns the report (a dict: the
 // probe, the plan, the outcome) and the flat buffer's and the master's uint8 tensors (None when
 // there is none). Raises InvalidArgument on every rank for a bad group, options that differ, or
@@ -348,24 +378,22 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
   }
   if (!released) device.uncount_originals(model_bytes);
   // The library's document of this rank's flatten (report.h), and what only the binding knows.
-  py::object report = parse_json(zf::flatten_result_json(r));
+  py::object report = parse_json(zf::result_json(r));
   report["release_deferred"] = deferred;
-  if (!r.feasible()) return py::make_tuple(report, py::none(), py::none());
-  return py::make_tuple(report, owned(device, r.execution.group.flat), owned(device, r.master));
+  return result_tuple(device, r, report);
 }
 
 // One of the loader's doors (loader.h): load_flat_group or load_partitions.
-using LoadDoor = zf::LoadResult (*)(const zf::CheckpointIndex&, std::span<const zf::LoadParam>,
-                                    zf::Device&, zf::Communicator*, const zf::LoadOptions&);
+using LoadDoor = zf::FlattenResult (*)(const zf::CheckpointIndex&, std::span<const zf::LoadParam>,
+                                       zf::Device&, zf::Communicator*, const zf::FlattenOptions&);
 
-// A checkpoint's group loaded on this rank through `door`. Returns the report (a dict: the
-// probe, the read plan, bytes read, times, peaks) and the buffer's and the master's uint8
-// tensors (None when nothing fits). `checkpoint` None: this rank could not open it (its
-// local_error says why). Raises InvalidArgument on every rank for a bad group or checkpoint,
-// options that differ, or any rank's local_error; Error on every rank when a read fails.
+// A checkpoint's group loaded on this rank through `door`: (report, buffer, master, layout) as
+// flatten returns them. `checkpoint` None: this rank could not open it (its local_error says
+// why). Raises InvalidArgument on every rank for a bad group or checkpoint, options that differ,
+// or any rank's local_error; Error on every rank when a read fails.
 py::tuple load_through(LoadDoor door, TorchDevice& device, py::object comm_impl,
                        py::object checkpoint, std::vector<zf::LoadParam> params,
-                       zf::LoadOptions o) {
+                       zf::FlattenOptions o) {
   static const zf::CheckpointIndex kNone;
   const zf::CheckpointIndex& ck =
       checkpoint.is_none() ? kNone : checkpoint.cast<const zf::CheckpointIndex&>();
@@ -380,30 +408,26 @@ py::tuple load_through(LoadDoor door, TorchDevice& device, py::object comm_impl,
   if (!o.local_error.empty()) params.clear();
   std::unique_ptr<PyCommunicator> comm;
   if (!comm_impl.is_none()) comm = std::make_unique<PyCommunicator>(comm_impl);
-  zf::LoadResult r;
+  zf::FlattenResult r;
   {
     py::gil_scoped_release nogil;
     r = door(ck, params, device, comm.get(), o);
   }
-  // The library's document of this rank's load (report.h).
-  py::object report = parse_json(zf::load_result_json(r));
-  if (!r.feasible()) return py::make_tuple(report, py::none(), py::none());
-  return py::make_tuple(report, owned(device, r.group.flat), owned(device, r.master));
+  return result_tuple(device, r, parse_json(zf::result_json(r)));
 }
 
 // The whole flat buffer on every rank (load_flat_group).
 py::tuple load(TorchDevice& device, py::object comm_impl, py::object checkpoint,
-               std::vector<zf::LoadParam> params, zf::LoadOptions o) {
+               std::vector<zf::LoadParam> params, zf::FlattenOptions o) {
   return load_through(&zf::load_flat_group, device, std::move(comm_impl), std::move(checkpoint),
                       std::move(params), std::move(o));
 }
 
 // ZeRO-3: this rank's own partition of every parameter, back to back in the order of params
-// (load_partitions; options.layout.dp = the ranks of comm). The buffer tensor holds
-// sum(ceil(n_i / world)) elements of options.layout.dtype; the master, when asked, is its fp32
-// copy.
+// (load_partitions; options.layout.dp = the ranks of comm); the layout's offsets and numels are
+// the partitions'. The master, when asked, is the buffer's fp32 copy.
 py::tuple load_partitions(TorchDevice& device, py::object comm_impl, py::object checkpoint,
-                          std::vector<zf::LoadParam> params, zf::LoadOptions o) {
+                          std::vector<zf::LoadParam> params, zf::FlattenOptions o) {
   return load_through(&zf::load_partitions, device, std::move(comm_impl), std::move(checkpoint),
                       std::move(params), std::move(o));
 }
@@ -462,7 +486,6 @@ void check_host_source(const at::Tensor& src, const char* what) {
                               src.toString() + " on " + src.device().str());
   }
 }
-
 
 }  // namespace
 
@@ -623,8 +646,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("alignment_factor", &zf::LayoutOptions::alignment_factor)
       .def_readwrite("param_align_bytes", &zf::LayoutOptions::param_align_bytes)
       .def_property(
-          "dtype",
-          [](const zf::LayoutOptions& o) { return std::string(zf::dtype_name(o.dtype)); },
+          "dtype", [](const zf::LayoutOptions& o) { return std::string(zf::dtype_name(o.dtype)); },
           [](zf::LayoutOptions& o, const std::string& d) { o.dtype = zf::parse_dtype(d); })
       .def("validate", [](const zf::LayoutOptions& o) { zf::validate(o); });
   // The probe's context and the fault injection are flattened into the options (the
@@ -645,6 +667,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("check_values", &zf::FlattenOptions::check_values)
       .def_readwrite("release", &zf::FlattenOptions::release)
       .def_readwrite("must_match", &zf::FlattenOptions::must_match)
+      .def_readwrite("expected_offsets", &zf::FlattenOptions::expected_offsets)
+      .def_readwrite("expected_flat_numel", &zf::FlattenOptions::expected_flat_numel)
       .def_readwrite("names", &zf::FlattenOptions::names)
       .def_readwrite("local_error", &zf::FlattenOptions::local_error)
       .def_property(
@@ -657,34 +681,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](zf::FlattenOptions& o, std::uint64_t v) { o.probe.framework_held_bytes = v; })
       .def_property(
           "fault_step", [](const zf::FlattenOptions& o) { return o.execute.fault_step; },
-          [](zf::FlattenOptions& o, std::optional<std::size_t> v) { o.execute.fault_step = v; });
-  py::class_<zf::LoadOptions>(m, "LoadOptions")
-      .def(py::init([](const py::kwargs& kw) { return from_kwargs<zf::LoadOptions>(kw); }))
-      .def_readwrite("layout", &zf::LoadOptions::layout)
-      .def_readwrite("margin_bytes", &zf::LoadOptions::margin_bytes)
-      .def_readwrite("cold", &zf::LoadOptions::cold)
-      .def_readwrite("threads", &zf::LoadOptions::threads)
-      .def_readwrite("through_ring", &zf::LoadOptions::through_ring)
-      .def_readwrite("master", &zf::LoadOptions::master)
-      .def_readwrite("release", &zf::LoadOptions::release)
-      .def_readwrite("must_match", &zf::LoadOptions::must_match)
-      .def_readwrite("local_error", &zf::LoadOptions::local_error)
-      .def_readwrite("fail_after_bytes", &zf::LoadOptions::fail_after_bytes)
-      .def_readwrite("storage_bytes_per_second", &zf::LoadOptions::storage_bytes_per_second)
-      // The read plan by name ("load", "load-whole"; None: the cost model's choice).
+          [](zf::FlattenOptions& o, std::optional<std::size_t> v) { o.execute.fault_step = v; })
+      .def_readwrite("storage_bytes_per_second", &zf::FlattenOptions::storage_bytes_per_second)
+      // The read options (engine.h: ReadOptions), flattened into the options.
+      .def_property(
+          "cold", [](const zf::FlattenOptions& o) { return o.read.cold; },
+          [](zf::FlattenOptions& o, bool v) { o.read.cold = v; })
+      .def_property(
+          "threads", [](const zf::FlattenOptions& o) { return o.read.threads; },
+          [](zf::FlattenOptions& o, unsigned v) { o.read.threads = v; })
+      .def_property(
+          "through_ring", [](const zf::FlattenOptions& o) { return o.read.through_ring; },
+          [](zf::FlattenOptions& o, bool v) { o.read.through_ring = v; })
+      .def_property(
+          "fail_after_bytes", [](const zf::FlattenOptions& o) { return o.read.fail_after_bytes; },
+          [](zf::FlattenOptions& o, std::optional<std::uint64_t> v) {
+            o.read.fail_after_bytes = v;
+          })
+      // The read plan by name (None or "auto": the cost model's choice), as `tier`.
       .def_property(
           "read_plan",
-          [](const zf::LoadOptions& o) -> std::optional<std::string> {
-            if (!o.read_plan) return std::nullopt;
-            return std::string(zf::tier_name(*o.read_plan));
+          [](const zf::FlattenOptions& o) -> std::optional<std::string> {
+            if (!o.tier) return std::nullopt;
+            return std::string(zf::tier_name(*o.tier));
           },
-          [](zf::LoadOptions& o, const std::optional<std::string>& name) {
-            o.read_plan.reset();
+          [](zf::FlattenOptions& o, const std::optional<std::string>& name) {
+            o.tier.reset();
             if (!name || *name == "auto") return;
             for (zf::Tier t : {zf::Tier::kLoad, zf::Tier::kLoadWhole, zf::Tier::kLoadPartitions}) {
-              if (*name == zf::tier_name(t)) o.read_plan = t;
+              if (*name == zf::tier_name(t)) o.tier = t;
             }
-            if (!o.read_plan) {
+            if (!o.tier) {
               throw zf::InvalidArgument(
                   "read_plan '" + *name +
                   "': expected None, 'auto', 'load', 'load-whole' or 'load-partitions'");
@@ -693,9 +720,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // The copies check by name ("sampled", "full", "off").
       .def_property(
           "copies",
-          [](const zf::LoadOptions& o) { return std::string(zf::copy_check_name(o.copies)); },
-          [](zf::LoadOptions& o, const std::string& name) {
-            o.copies = zf::parse_copy_check(name, "copies");
+          [](const zf::FlattenOptions& o) {
+            return std::string(zf::copy_check_name(o.read.copies));
+          },
+          [](zf::FlattenOptions& o, const std::string& name) {
+            o.read.copies = zf::parse_copy_check(name, "copies");
           });
   py::class_<zf::LoadParam>(m, "LoadParam")
       .def(py::init([](const py::kwargs& kw) { return from_kwargs<zf::LoadParam>(kw); }))
@@ -705,24 +734,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("source_shapes", &zf::LoadParam::source_shapes);
 
   // --- the two doors (engine.h, loader.h) -------------------------------------------------------
-  m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"),
-        py::arg("shapes"), py::arg("options"), py::kw_only(), py::arg("release_originals"),
+  m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"), py::arg("shapes"),
+        py::arg("options"), py::kw_only(), py::arg("release_originals"),
         py::arg("defer_release") = false);
-  m.def("load", &load, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
-        py::arg("params"), py::arg("options"));
+  m.def("load", &load, py::arg("device"), py::arg("comm"), py::arg("checkpoint"), py::arg("params"),
+        py::arg("options"));
   m.def("load_partitions", &load_partitions, py::arg("device"), py::arg("comm"),
         py::arg("checkpoint"), py::arg("params"), py::arg("options"));
-  // Collective: the lowest rank of comm whose `failed` is true, or -1 (agree.h). For a caller
-  // that must tell the other ranks about its own error where no front door call carries it.
-  m.def(
-      "agree_on_failure",
-      [](py::object comm_impl, bool failed) {
-        PyCommunicator comm(std::move(comm_impl));
-        py::gil_scoped_release nogil;
-        return zf::agree_on_failure(&comm, failed);
-      },
-      py::arg("comm"), py::arg("failed"));
-
   // --- layouts and DeepSpeed's release rules (layout.h, release.h) -----------------------------
   m.def(
       "layout_json",
@@ -758,8 +776,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return py::make_tuple(s.kept, left_out);
       },
       py::arg("numels"), py::arg("frozen"), py::arg("rules"));
-  m.def("check_release_options", &zf::check_release_options, py::arg("options"),
-        py::arg("rules"));
+  m.def("check_release_options", &zf::check_release_options, py::arg("options"), py::arg("rules"));
   m.def(
       "release_layout_json",
       [](const std::vector<std::uint64_t>& numels, const std::vector<bool>& frozen,

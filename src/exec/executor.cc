@@ -45,12 +45,6 @@ int rank_of(std::uint64_t code) {
   return static_cast<int>((code & ((std::uint64_t{1} << 24) - 1)) - 1);
 }
 
-std::uint64_t group_bytes(std::span<const TensorRef> params) {
-  std::uint64_t n = 0;
-  for (const TensorRef& t : params) n += t.num_bytes();
-  return n;
-}
-
 bool is_agreement_point(const Step& step) {
   return step.op == Op::kAllGather || step.op == Op::kReleaseOriginals;
 }
@@ -67,21 +61,20 @@ struct PassEnd {
 
 class Run {
  public:
-  Run(const std::vector<Step>& steps, const Layout& layout, std::uint64_t rank,
-      std::span<TensorRef> params, Device& device, Communicator* comm,
-      const ReleaseOriginals& release_originals, const ExecuteOptions& options,
-      StepReader* reader)
+  Run(const std::vector<Step>& steps, const Layout& layout, std::uint64_t slot,
+      std::span<TensorRef> params, Device& device, Communicator* comm, StepSource& source,
+      const ExecuteOptions& options)
       : steps_(steps),
         layout_(layout),
-        rank_(rank),
+        slot_(slot),
         params_(params),
         device_(device),
         comm_(comm != nullptr && comm->size() > 1 ? comm : nullptr),
-        release_originals_(release_originals),
+        rank_(comm_ != nullptr ? static_cast<std::uint64_t>(comm_->rank()) : slot),
+        source_(source),
         options_(options),
-        reader_(reader),
-        machine_(reader != nullptr ? device.memory_info().allocated_bytes : group_bytes(params),
-                 reader != nullptr ? 0 : group_bytes(params)),
+        machine_(std::max(device.memory_info().allocated_bytes, source.resident_bytes()),
+                 source.resident_bytes()),
         step_seconds_(steps.size(), 0.0) {
     originals_.reserve(params.size());
     for (const TensorRef& t : params) originals_.push_back(t.data);
@@ -97,11 +90,8 @@ class Run {
       rollback();
       out.outcome = Outcome::kRolledBack;
       out.error = failure_text(first) +
-                  (reader_ != nullptr
-                       ? std::string("; nothing was kept: every buffer the steps allocated is "
-                                     "released, and the source is untouched")
-                       : std::string("; rolled back: nothing had been released, every parameter "
-                                     "holds its original storage, unchanged"));
+                  "; rolled back: nothing had been released, every buffer the steps allocated "
+                  "is freed and every parameter holds what it held before, untouched";
     } else if (first.comm_broken) {
       if (!first.local_failed && first.stopped_at == steps_.size()) {
         // Every step of this rank ran; only the last agreement could not be had.
@@ -214,19 +204,17 @@ class Run {
         ptr(s.buffer) =
             on_host(s.buffer) ? device_.allocate_host(s.bytes) : device_.allocate(s.bytes);
         break;
-      case Op::kGather: {
-        std::vector<TensorRef> from(params_.begin(), params_.end());
-        for (std::size_t i = 0; i < from.size(); ++i) from[i].data = originals_[i];
-        std::vector<Segment> segs =
-            gather_segments(layout_, from, s.flat_offset, s.flat_offset + s.bytes);
-        device_.gather(at(s.buffer, s.dst_offset), s.bytes, segs);
+      case Op::kGather:
+      case Op::kRead:
+        source_.read(at(s.buffer, s.dst_offset), s.flat_offset, s.bytes,
+                     machine_.live(Buffer::kHostStage) ? ptr(Buffer::kHostStage) : nullptr,
+                     machine_.size(Buffer::kHostStage));
         break;
-      }
       case Op::kCopy:
         device_.copy(at(s.buffer, s.dst_offset), at(s.source, s.src_offset), s.bytes);
         break;
       case Op::kReleaseOriginals:
-        if (release_originals_) release_originals_();
+        source_.release();
         for (std::size_t i = 0; i < params_.size(); ++i) {
           if (params_[i].data == originals_[i]) params_[i].data = nullptr;
         }
@@ -236,7 +224,7 @@ class Run {
         auto* flat = static_cast<unsigned char*>(at(s.buffer, 0));
         if (s.source != s.buffer) {
           // This rank's contribution moves into its own slot first; the all-gather is in place.
-          device_.copy(flat + rank_ * sb, at(s.source, 0), sb);
+          device_.copy(flat + slot_ * sb, at(s.source, 0), sb);
         }
         if (comm_ != nullptr) comm_->all_gather_inplace(flat, sb, device_);
         break;
@@ -251,12 +239,6 @@ class Run {
       }
       case Op::kRelease:
         free_buffer(s.buffer);
-        break;
-      case Op::kRead:
-        if (reader_ == nullptr) throw InternalError("a read step needs a reader (loader.h)");
-        reader_->read(at(s.buffer, s.dst_offset), s.flat_offset, s.bytes,
-                      machine_.live(Buffer::kHostStage) ? ptr(Buffer::kHostStage) : nullptr,
-                      machine_.size(Buffer::kHostStage));
         break;
     }
     machine_.apply(s);
@@ -339,19 +321,19 @@ class Run {
     const std::uint64_t sb = layout_.partition_bytes();
     return "parameter data is lost: the originals were released and the flat buffer could not "
            "be completed; this rank held layout bytes [" +
-           std::to_string(rank_ * sb) + ", " + std::to_string((rank_ + 1) * sb) +
+           std::to_string(slot_ * sb) + ", " + std::to_string((slot_ + 1) * sb) +
            "), the rest must be reloaded from the checkpoint";
   }
 
   const std::vector<Step>& steps_;
   const Layout& layout_;
-  std::uint64_t rank_;
+  std::uint64_t slot_;  // this rank's slice of the layout
   std::span<TensorRef> params_;
   Device& device_;
   Communicator* comm_;
-  const ReleaseOriginals& release_originals_;
+  std::uint64_t rank_;  // this rank among comm's (for the others and for messages)
+  StepSource& source_;
   const ExecuteOptions& options_;
-  StepReader* reader_;
   std::vector<void*> originals_;
   StepMachine machine_;
   std::array<void*, 5> ptrs_{};
@@ -360,59 +342,66 @@ class Run {
 
 }  // namespace
 
-Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t rank,
-                  std::span<TensorRef> params, Device& device, Communicator* comm,
-                  const ReleaseOriginals& release_originals, const ExecuteOptions& options,
-                  StepReader* reader) {
+Originals::Originals(const Layout& layout, std::span<const TensorRef> params, Device& device,
+                     ReleaseOriginals release_originals)
+    : layout_(layout),
+      params_(params.begin(), params.end()),
+      device_(device),
+      release_(std::move(release_originals)) {
+  for (const TensorRef& t : params_) bytes_ += t.num_bytes();
+}
+
+void Originals::check(std::span<const TensorRef> views, const Layout& layout,
+                      const Device& device) const {
+  validate_group(views, device, layout.options());
+}
+
+void Originals::read(void* dst, std::uint64_t flat_offset, std::uint64_t bytes, void*,
+                     std::uint64_t) {
+  device_.gather(dst, bytes, gather_segments(layout_, params_, flat_offset, flat_offset + bytes));
+}
+
+void Originals::release() noexcept {
+  if (release_) release_();
+}
+
+Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t slot,
+                  std::span<TensorRef> views, Device& device, Communicator* comm,
+                  StepSource& source, const ExecuteOptions& options) {
   const std::uint64_t dp = layout.options().dp;
-  // A list without an all-gather may fill a buffer of this rank's own (ZeRO-3's partitions,
-  // whose layout has dp 1 on every rank): the ranks still agree at its points, over comm.
-  bool gathers = false;
-  for (const Step& s : steps) gathers = gathers || s.op == Op::kAllGather;
   const bool many = comm != nullptr && comm->size() > 1;
-  const std::uint64_t ranks = many ? static_cast<std::uint64_t>(comm->size()) : 1;
-  if (rank >= (gathers ? dp : std::max(dp, ranks))) {
-    throw InvalidArgument("rank " + std::to_string(rank) + " is outside the layout's dp " +
+  if (slot >= dp) {
+    throw InvalidArgument("slot " + std::to_string(slot) + " is outside the layout's dp " +
                           std::to_string(dp));
   }
-  if (many && ((gathers && ranks != dp) || static_cast<std::uint64_t>(comm->rank()) != rank)) {
-    throw InvalidArgument("the communicator has " + std::to_string(comm->size()) +
-                          " ranks (this one " + std::to_string(comm->rank()) + ") but the layout " +
-                          "is for dp " + std::to_string(dp) + ", rank " + std::to_string(rank));
-  }
-  if ((comm == nullptr || comm->size() == 1) && dp > 1) {
-    for (const Step& s : steps) {
-      if (s.op == Op::kAllGather) {
-        throw InvalidArgument("an all-gather step for dp " + std::to_string(dp) +
-                              " needs a communicator of that size");
-      }
+  const std::uint64_t ranks = many ? static_cast<std::uint64_t>(comm->size()) : 1;
+  const std::uint64_t rank = many ? static_cast<std::uint64_t>(comm->rank()) : 0;
+  for (const Step& s : steps) {
+    // An all-gather joins the layout's dp ranks, each contributing its own slot.
+    if (s.op == Op::kAllGather && (ranks != dp || rank != slot)) {
+      throw InvalidArgument(
+          "step '" + s.describe() + "' gathers the slices of " + std::to_string(dp) +
+          " ranks: it needs a communicator of that size with this rank at slot " +
+          std::to_string(slot) +
+          (many
+               ? ", not " + std::to_string(ranks) + " ranks (this one " + std::to_string(rank) + ")"
+               : std::string(", and there is none")));
     }
   }
-  if (params.size() != layout.numels().size()) {
+  if (views.size() != layout.numels().size()) {
     throw InvalidArgument("the layout has " + std::to_string(layout.numels().size()) +
-                          " parameters, the group " + std::to_string(params.size()));
+                          " parameters, the group " + std::to_string(views.size()));
   }
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    if (params[i].numel != layout.numels()[i]) {
+  for (std::size_t i = 0; i < views.size(); ++i) {
+    if (views[i].numel != layout.numels()[i]) {
       throw InvalidArgument("parameter " + std::to_string(i) + " has " +
-                            std::to_string(params[i].numel) + " elements, the layout " +
+                            std::to_string(views[i].numel) + " elements, the layout " +
                             std::to_string(layout.numels()[i]));
     }
   }
-  if (reader == nullptr) {
-    validate_group(params, device, layout.options());
-  } else {
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      if (params[i].data != nullptr || params[i].device != &device ||
-          params[i].dtype != layout.options().dtype) {
-        throw InvalidArgument("parameter " + std::to_string(i) +
-                              " of a group read from a source must have no data yet, be on " +
-                              device.name() + " and have the group's dtype");
-      }
-    }
-  }
+  source.check(views, layout, device);
   // The list must make sense on its own (the memory model refuses a malformed one).
-  const std::uint64_t original_bytes = reader != nullptr ? 0 : group_bytes(params);
+  const std::uint64_t original_bytes = source.resident_bytes();
   try {
     (void)simulate(steps, original_bytes, original_bytes, dp);
   } catch (const InternalError& e) {
@@ -426,8 +415,14 @@ Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uin
                             format_bytes(layout.flat_bytes()) + " flat buffer");
     }
   }
-  return Run(steps, layout, rank, params, device, comm, release_originals, options, reader)
-      .execute();
+  return Run(steps, layout, slot, views, device, comm, source, options).execute();
+}
+
+Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t slot,
+                  std::span<TensorRef> params, Device& device, Communicator* comm,
+                  const ReleaseOriginals& release_originals, const ExecuteOptions& options) {
+  Originals originals(layout, params, device, release_originals);
+  return execute(steps, layout, slot, params, device, comm, originals, options);
 }
 
 }  // namespace zeroflat

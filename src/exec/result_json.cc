@@ -4,7 +4,6 @@
 #include <string>
 
 #include "zeroflat/engine.h"
-#include "zeroflat/loader.h"
 #include "zeroflat/report.h"
 
 namespace zeroflat {
@@ -37,11 +36,11 @@ void add_master_and_probes(Json& j, const DeviceBuffer& master, double master_se
 
 }  // namespace
 
-std::string flatten_result_json(const FlattenResult& r) {
+std::string result_json(const FlattenResult& r) {
   const Candidate* chosen = r.plan.chosen_candidate();
   const Execution& ex = r.execution;
   Json j;
-  j["rank"] = r.input.rank;
+  j["rank"] = r.rank;
   j["tier"] = chosen != nullptr ? Json(std::string(tier_name(chosen->tier))) : Json();
   j["outcome"] = r.feasible() ? std::string(outcome_name(ex.outcome)) : std::string("infeasible");
   j["feasible"] = r.feasible();
@@ -49,7 +48,15 @@ std::string flatten_result_json(const FlattenResult& r) {
   j["flat_bytes"] = r.input.layout.flat_bytes();
   j["partition_bytes"] = r.input.layout.partition_bytes();
   j["seconds"] = ex.seconds;
+  j["total_seconds"] = r.seconds;
   j["step_seconds"] = ex.step_seconds;
+  double allgather = 0;
+  if (chosen != nullptr) {
+    for (std::size_t k = 0; k < chosen->steps.size() && k < ex.step_seconds.size(); ++k) {
+      if (chosen->steps[k].op == Op::kAllGather) allgather += ex.step_seconds[k];
+    }
+  }
+  j["allgather_seconds"] = allgather;
   j["predicted_peak_device_bytes"] = r.predicted_peak_device_bytes;
   j["measured_peak_device_bytes"] = ex.measured_peak_device_bytes;
   j["predicted_host_bytes"] = chosen != nullptr ? chosen->profile.peak_host_bytes : 0;
@@ -63,43 +70,21 @@ std::string flatten_result_json(const FlattenResult& r) {
     j["value_check_seconds"] = r.value_check.seconds;
     j["value_check_bytes"] = r.value_check.bytes_hashed;
   }
+  if (r.read) {
+    // Nothing was read into a device without data (or before a plan was chosen).
+    const ReadReport& rd = *r.read;
+    const bool read = !rd.page_cache.empty();
+    j["bytes_read"] = rd.bytes;
+    j["reads"] = rd.reads;
+    j["read_seconds"] = rd.seconds;
+    j["read_gbps"] = read ? Json(gbps(rd.bytes, rd.seconds)) : Json();
+    j["page_cache"] = read ? Json(rd.page_cache) : Json();
+    j["cached_fraction"] = read ? Json(rd.cached_fraction) : Json();
+    j["copy_check_bytes"] = rd.copy_check_bytes;
+    j["copy_check_seconds"] = rd.copy_check_seconds;
+  }
   add_master_and_probes(j, r.master, r.master_seconds, r.master_error, r.probe, r.host_probe);
   j["plan"] = parsed(plan_json(r.plan, r.input));
-  return dump(j);
-}
-
-std::string load_result_json(const LoadResult& r) {
-  // The loader leaves page_cache empty when it read nothing (no data to read into, or no plan).
-  const bool read = !r.page_cache.empty();
-  Json j;
-  j["rank"] = r.input.rank;
-  j["tier"] = std::string(tier_name(r.plan.tier));
-  j["outcome"] = r.feasible() ? "done" : "infeasible";
-  j["feasible"] = r.feasible();
-  j["reason"] = r.plan.why_not;
-  j["flat_bytes"] = r.input.layout.flat_bytes();
-  j["partition_bytes"] = r.input.layout.partition_bytes();
-  j["bytes_read"] = r.bytes_read;
-  j["reads"] = r.reads;
-  j["read_seconds"] = r.read_seconds;
-  j["read_gbps"] = read ? Json(gbps(r.bytes_read, r.read_seconds)) : Json();
-  j["page_cache"] = read ? Json(r.page_cache) : Json();
-  j["cached_fraction"] = read ? Json(r.cached_fraction) : Json();
-  j["allgather_seconds"] = r.allgather_seconds;
-  j["seconds"] = r.seconds;
-  j["predicted_peak_device_bytes"] = r.predicted_peak_device_bytes;
-  j["measured_peak_device_bytes"] = r.measured_peak_device_bytes;
-  j["predicted_host_bytes"] = r.plan.profile.peak_host_bytes;
-  j["host_bytes"] = r.measured_peak_host_bytes;
-  j["copy_check_bytes"] = r.copy_check_bytes;
-  j["copy_check_seconds"] = r.copy_check_seconds;
-  add_master_and_probes(j, r.master, r.master_seconds, r.master_error, r.probe, r.host_probe);
-  j["plan"] = parsed(candidate_json(r.plan, true));
-  Json plans = Json::array();
-  for (const Candidate& c : r.read_plans.candidates) {
-    plans.push_back(parsed(candidate_json(c, false)));
-  }
-  j["read_plans"] = {{"reason", r.read_plans.reason}, {"candidates", std::move(plans)}};
   return dump(j);
 }
 

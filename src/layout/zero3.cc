@@ -123,4 +123,15 @@ Layout zero3_buffer_layout(std::span<const std::uint64_t> numels, const LayoutOp
       .buffer_layout();
 }
 
+std::vector<std::uint64_t> zero3_partition_starts(std::span<const std::uint64_t> numels,
+                                                  std::uint64_t world, std::uint64_t rank) {
+  std::vector<std::uint64_t> out;
+  out.reserve(numels.size());
+  for (std::uint64_t n : numels) {
+    out.push_back(zero3_data_numel(n, world, rank) == 0 ? n
+                                                         : rank * zero3_partition_numel(n, world));
+  }
+  return out;
+}
+
 }  // namespace zeroflat

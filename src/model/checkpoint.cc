@@ -20,7 +20,7 @@
 #include "model/strict_json.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
-#include "zeroflat/pattern.h"
+#include "zeroflat/cli/pattern.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat {

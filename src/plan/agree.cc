@@ -1,6 +1,6 @@
 // Agreement over the ranks of a group: one all-reduce for options, shapes, local verdicts and
 // the planner's facts; the values check before a tier hands slices between ranks.
-#include "zeroflat/agree.h"
+#include "zeroflat/cli/agree.h"
 
 #include <array>
 #include <cstring>
@@ -46,7 +46,7 @@ std::string name_of(const AgreementInput& in, std::size_t i) {
 
 // The index of the first pair (v[2i], v[2i+1] = max of x, max of ~x) whose minimum and maximum
 // differ, or -1.
-long first_difference(std::span<const std::uint64_t> v) {
+long first_differing_pair(std::span<const std::uint64_t> v) {
   for (std::size_t i = 0; i + 1 < v.size(); i += 2) {
     if (v[i] != ~v[i + 1]) return static_cast<long>(i / 2);
   }
@@ -65,7 +65,64 @@ std::vector<std::uint64_t> min_max_pairs(std::span<const std::uint64_t> xs, Comm
   return v;
 }
 
+constexpr std::size_t kShownBytes = 240;
+constexpr std::size_t kShownWords = kShownBytes / 8;
+
+std::uint64_t digest(std::string_view text) {
+  return checksum_serial(text.data(), text.size());
+}
+
+// A parameter as the ranks compare it: its name, shape and dtype.
+std::string param_entry(const AgreementInput& in, std::size_t i) {
+  const TensorRef& t = in.params[i];
+  return name_of(in, i) + " " + shape_to_string(t.shape) + " " + std::string(dtype_name(t.dtype));
+}
+
 }  // namespace
+
+std::optional<Difference> first_difference(std::span<const std::string> entries,
+                                           Communicator& comm) {
+  static const std::string kNone = "(none)";
+  std::array<std::uint64_t, 2> n{entries.size(), ~std::uint64_t{entries.size()}};
+  comm.all_reduce_max(n);
+  const std::uint64_t longest = n[0];
+  std::vector<std::uint64_t> digests(longest);
+  for (std::uint64_t k = 0; k < longest; ++k) {
+    digests[k] = digest(k < entries.size() ? std::string_view(entries[k]) : kNone);
+  }
+  const std::vector<std::uint64_t> v = min_max_pairs(digests, comm);
+  const long k = first_differing_pair(v);
+  if (k < 0) return std::nullopt;
+  const auto i = static_cast<std::size_t>(k);
+  const std::uint64_t high = v[2 * i];
+  const std::uint64_t low = ~v[2 * i + 1];
+  // The two versions' texts (the highest and the lowest digest), and the lowest rank holding
+  // each: a rank holding a version writes its text and ~rank into that version's slots.
+  const std::string& mine = i < entries.size() ? entries[i] : kNone;
+  std::vector<std::uint64_t> texts(2 * (kShownWords + 1), 0);
+  for (int side = 0; side < 2; ++side) {
+    if (digests[i] != (side == 0 ? high : low)) continue;
+    std::uint64_t* at = texts.data() + side * (kShownWords + 1);
+    std::memcpy(at, mine.data(), std::min(mine.size(), kShownBytes));
+    at[kShownWords] = ~static_cast<std::uint64_t>(comm.rank());
+  }
+  comm.all_reduce_max(texts);
+  Difference d;
+  d.index = i;
+  d.here = mine.size() > kShownBytes ? mine.substr(0, kShownBytes) + "..." : mine;
+  const int side = digests[i] == high ? 1 : 0;  // the other version
+  const std::uint64_t* at = texts.data() + side * (kShownWords + 1);
+  const char* text = reinterpret_cast<const char*>(at);
+  d.other = std::string(text, strnlen(text, kShownBytes));
+  if (d.other.size() == kShownBytes) d.other += "...";
+  d.other_rank = static_cast<int>(~at[kShownWords]);
+  return d;
+}
+
+std::string describe_difference(const Difference& d, std::string_view what, int rank) {
+  return std::string(what) + " '" + d.here + "' on this rank (" + std::to_string(rank) + "), '" +
+         d.other + "' on rank " + std::to_string(d.other_rank);
+}
 
 PlanFacts plan_facts(const Agreement& agreed, std::uint64_t local_ranks) {
   PlanFacts facts;
@@ -83,19 +140,25 @@ Agreement agree(const AgreementInput& in, Communicator* comm) {
     if (!in.error.empty()) throw InvalidArgument(in.error);
     return a;
   }
+  std::string options;
+  for (const std::string& item : in.options) append(options, digest(item));
   std::string group;
-  for (const TensorRef& t : in.params) append(group, param_signature(t));
-  const std::uint64_t options = checksum_serial(in.options.data(), in.options.size());
-  const std::uint64_t shapes = checksum_serial(group.data(), group.size());
+  for (std::size_t i = 0; i < in.params.size(); ++i) append(group, digest(param_entry(in, i)));
+  const std::uint64_t options_digest = digest(options);
+  const std::uint64_t shapes = digest(group);
   const std::uint64_t n = in.params.size();
-  std::array<std::uint64_t, 11> v{options,           ~options,
-                                  shapes,            ~shapes,
-                                  n,                 ~n,
-                                  ~in.capacity_bytes, ~in.free_bytes,
-                                  ~in.host_free_bytes, std::uint64_t{in.integrated},
+  std::array<std::uint64_t, 11> v{options_digest,
+                                  ~options_digest,
+                                  shapes,
+                                  ~shapes,
+                                  n,
+                                  ~n,
+                                  ~in.capacity_bytes,
+                                  ~in.free_bytes,
+                                  ~in.host_free_bytes,
+                                  std::uint64_t{in.integrated},
                                   failure_code(!in.error.empty(), comm->rank())};
   comm->all_reduce_max(v);
-  const std::string here = " (rank " + std::to_string(comm->rank()) + ")";
   if (const int bad = failed_rank(v[10]); bad >= 0) {
     if (!in.error.empty()) throw InvalidArgument(in.error);
     throw InvalidArgument("rank " + std::to_string(bad) +
@@ -103,25 +166,28 @@ Agreement agree(const AgreementInput& in, Communicator* comm) {
                           "nothing was moved on any rank");
   }
   if (v[0] != ~v[1]) {
-    throw InvalidArgument("the ranks passed different options: every rank must flatten the group "
-                          "the same way; this rank" + here + " passed: " + in.options);
+    const std::optional<Difference> d = first_difference(in.options, *comm);
+    throw InvalidArgument(
+        "the ranks passed different options: every rank must build the group the same way; " +
+        (d ? describe_difference(*d, "option", comm->rank())
+           : std::string("they differ in order")));
   }
-  if (v[4] != ~v[5]) {
-    throw InvalidArgument("the ranks passed different groups: from " + std::to_string(~v[5]) +
-                          " to " + std::to_string(v[4]) + " parameters; this rank" + here +
-                          " passed " + std::to_string(n));
-  }
-  if (v[2] != ~v[3]) {
-    std::vector<std::uint64_t> each;
-    each.reserve(in.params.size());
-    for (const TensorRef& t : in.params) each.push_back(param_signature(t));
-    const long k = first_difference(min_max_pairs(each, *comm));
-    if (k < 0) throw InvalidArgument("the ranks passed different groups");
-    const TensorRef& t = in.params[static_cast<std::size_t>(k)];
-    throw InvalidArgument(name_of(in, static_cast<std::size_t>(k)) +
-                          " differs between ranks: shape " + shape_to_string(t.shape) + " (" +
-                          std::string(dtype_name(t.dtype)) + ") on this rank" + here +
-                          "; every rank must pass the same group");
+  if (v[2] != ~v[3] || v[4] != ~v[5]) {
+    std::vector<std::string> entries;
+    entries.reserve(in.params.size());
+    for (std::size_t i = 0; i < in.params.size(); ++i) entries.push_back(param_entry(in, i));
+    const std::optional<Difference> d = first_difference(entries, *comm);
+    std::string what = "the ranks passed different groups";
+    if (v[4] != ~v[5]) {
+      what += " (from " + std::to_string(~v[5]) + " to " + std::to_string(v[4]) + " parameters; " +
+              std::to_string(n) + " on this rank)";
+    }
+    if (d) {
+      what += ": " + describe_difference(*d, "", comm->rank()).substr(1) +
+              " (the first parameter that differs, position " + std::to_string(d->index) +
+              " of the group)";
+    }
+    throw InvalidArgument(what + "; every rank must pass the same group");
   }
   a.capacity_bytes = ~v[6];
   a.free_bytes = ~v[7];
@@ -177,14 +243,14 @@ ValueCheck check_same_values(const Layout& layout, std::span<const TensorRef> pa
   comm->all_reduce_max(v);
   out.seconds = detail::seconds_since(t0);
   if (const int bad = failed_rank(v.back()); bad >= 0) {
-    throw Error(error.empty() ? "rank " + std::to_string(bad) +
-                                    " could not hash its parameters to compare values; nothing "
-                                    "was moved"
-                              : "hashing the parameters to compare values: " + error +
-                                    "; nothing was moved");
+    throw Error(error.empty()
+                    ? "rank " + std::to_string(bad) +
+                          " could not hash its parameters to compare values; nothing "
+                          "was moved"
+                    : "hashing the parameters to compare values: " + error + "; nothing was moved");
   }
   v.pop_back();
-  const long r = first_difference(v);
+  const long r = first_differing_pair(v);
   if (r < 0) return out;
   out.first_mismatch = static_cast<int>(r);
   const auto lo = static_cast<std::uint64_t>(r) * s;

@@ -200,8 +200,7 @@ std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank
   return s;
 }
 
-StepMachine::StepMachine(std::uint64_t resident_device_bytes,
-                         std::uint64_t original_bytes) noexcept
+StepMachine::StepMachine(std::uint64_t resident_device_bytes, std::uint64_t original_bytes) noexcept
     : device_(resident_device_bytes), original_bytes_(original_bytes) {}
 
 bool StepMachine::live(Buffer buffer) const noexcept {
@@ -312,11 +311,17 @@ std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint
   }
   if (ring_bytes > 0) s.push_back(release(Buffer::kHostStage));
   if (plan == Tier::kLoad) {
-    s.push_back(Step{Op::kAllGather, Buffer::kFlat, Buffer::kFlat, layout.flat_bytes(), 0, 0,
-                     rank * sb});
+    s.push_back(
+        Step{Op::kAllGather, Buffer::kFlat, Buffer::kFlat, layout.flat_bytes(), 0, 0, rank * sb});
   }
   s.push_back(Step{Op::kRepoint});
   return s;
+}
+
+std::uint64_t Profile::peak_from(std::uint64_t resident) const noexcept {
+  if (peak_device_bytes == detail::kSaturated) return detail::kSaturated;
+  return detail::sat_add(resident,
+                         peak_device_bytes - std::min(peak_device_bytes, start_device_bytes));
 }
 
 Profile simulate(const std::vector<Step>& steps, std::uint64_t resident_device_bytes,
@@ -328,6 +333,7 @@ Profile simulate(const std::vector<Step>& steps, std::uint64_t resident_device_b
   }
   Profile p;
   StepMachine m(resident_device_bytes, original_bytes);
+  p.start_device_bytes = resident_device_bytes;
   p.peak_device_bytes = m.device_bytes();
   for (std::size_t k = 0; k < steps.size(); ++k) {
     const Step& st = steps[k];

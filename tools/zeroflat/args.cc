@@ -1,11 +1,11 @@
 // The command-line parser.
 #include "cli/args.h"
 
-#include "zeroflat/size.h"
-
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
+
+#include "zeroflat/size.h"
 
 namespace zeroflat::cli {
 namespace {

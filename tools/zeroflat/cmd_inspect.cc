@@ -34,12 +34,18 @@ std::string hex(std::string_view bytes) {
 // A saved state as JSON: dicts keyed by their path segments, tensors by index.
 Json value_json(const TorchValue& v, const TorchFile& f) {
   switch (v.kind) {
-    case TorchKind::kNone: return nullptr;
-    case TorchKind::kBool: return v.boolean;
-    case TorchKind::kInt: return v.integer;
-    case TorchKind::kFloat: return v.real;
-    case TorchKind::kString: return v.text;
-    case TorchKind::kBytes: return Json{{"bytes", hex(v.text)}};
+    case TorchKind::kNone:
+      return nullptr;
+    case TorchKind::kBool:
+      return v.boolean;
+    case TorchKind::kInt:
+      return v.integer;
+    case TorchKind::kFloat:
+      return v.real;
+    case TorchKind::kString:
+      return v.text;
+    case TorchKind::kBytes:
+      return Json{{"bytes", hex(v.text)}};
     case TorchKind::kList:
     case TorchKind::kTuple: {
       Json a = Json::array();
@@ -52,7 +58,8 @@ Json value_json(const TorchValue& v, const TorchFile& f) {
       for (const auto& [k, x] : v.entries) o[torch_path_segment(k)] = value_json(x, f);
       return o;
     }
-    case TorchKind::kTensor: return Json{{"tensor", v.integer}};
+    case TorchKind::kTensor:
+      return Json{{"tensor", v.integer}};
     case TorchKind::kStorage:
       return Json{{"storage", f.storages[static_cast<std::uint64_t>(v.integer)].key}};
     case TorchKind::kObject: {
@@ -65,8 +72,10 @@ Json value_json(const TorchValue& v, const TorchFile& f) {
       o["state"] = state;
       return o;
     }
-    case TorchKind::kEnum: return Json{{"enum", v.text}, {"value", v.integer}};
-    case TorchKind::kGlobal: return Json{{"global", v.text}};
+    case TorchKind::kEnum:
+      return Json{{"enum", v.text}, {"value", v.integer}};
+    case TorchKind::kGlobal:
+      return Json{{"global", v.text}};
   }
   return nullptr;
 }
@@ -127,12 +136,13 @@ int inspect_torch(const std::string& path, bool json, std::uint64_t largest) {
     print_json(doc);
     return kExitOk;
   }
-  std::printf("%s (torch.save archive '%s', pickle protocol %llu): %s tensors in %s storages, "
-              "%s elements, %s\n",
-              printable(path, 200).c_str(), printable(f.archive).c_str(),
-              static_cast<unsigned long long>(f.protocol), format_count(f.tensors.size()).c_str(),
-              format_count(f.storages.size()).c_str(), format_count(numel).c_str(),
-              format_bytes(bytes).c_str());
+  std::printf(
+      "%s (torch.save archive '%s', pickle protocol %llu): %s tensors in %s storages, "
+      "%s elements, %s\n",
+      printable(path, 200).c_str(), printable(f.archive).c_str(),
+      static_cast<unsigned long long>(f.protocol), format_count(f.tensors.size()).c_str(),
+      format_count(f.storages.size()).c_str(), format_count(numel).c_str(),
+      format_bytes(bytes).c_str());
   for (const auto& [d, b] : by_dtype) {
     std::printf("  %-8s %s\n", printable(d).c_str(), format_bytes(b).c_str());
   }
@@ -155,9 +165,8 @@ int inspect_torch(const std::string& path, bool json, std::uint64_t largest) {
 }
 
 Json ds_tensor_json(const DeepSpeedTensor& t) {
-  return Json{{"file", t.file},       {"path", t.path},     {"dtype", t.dtype},
-              {"shape", t.shape},     {"numel", t.numel},   {"offset", t.offset},
-              {"bytes", t.bytes}};
+  return Json{{"file", t.file},   {"path", t.path},     {"dtype", t.dtype}, {"shape", t.shape},
+              {"numel", t.numel}, {"offset", t.offset}, {"bytes", t.bytes}};
 }
 
 // A file of the checkpoint as its path below the tag folder.
@@ -188,8 +197,8 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
   for (const DeepSpeedSubGroup& sg : ck.sub_groups) {
     for (const DeepSpeedPartition& p : sg.ranks) {
       for (const DeepSpeedState& s : p.states) {
-        states[s.name] = {s.tensor.dtype, s.tensor.numel == p.fp32.numel ||
-                                              s.tensor.numel == sg.partition_numel};
+        states[s.name] = {s.tensor.dtype,
+                          s.tensor.numel == p.fp32.numel || s.tensor.numel == sg.partition_numel};
       }
     }
   }
@@ -245,7 +254,8 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
         for (const DeepSpeedState& s : p.states) {
           st.push_back(Json{{"name", s.name}, {"tensor", ds_tensor_json(s.tensor)}});
         }
-        ranks.push_back(Json{{"fp32", ds_tensor_json(p.fp32)}, {"padding", p.padding}, {"states", st}});
+        ranks.push_back(
+            Json{{"fp32", ds_tensor_json(p.fp32)}, {"padding", p.padding}, {"states", st}});
       }
       doc["sub_groups"].push_back(Json{{"group", sg.group},
                                        {"first_param", sg.first_param},
@@ -314,19 +324,20 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
     return kExitOk;
   }
 
-  std::printf("%s: DeepSpeed %s checkpoint, tag '%s': ZeRO stage %d, saved by %llu rank%s, "
-              "DeepSpeed %s, %s\n",
-              printable(path, 200).c_str(), std::string(deepspeed_format_name(ck.format)).c_str(),
-              printable(ck.tag).c_str(), ck.zero_stage,
-              static_cast<unsigned long long>(ck.world), ck.world == 1 ? "" : "s",
-              printable(ck.ds_version).c_str(), ck.dtype.c_str());
-  std::printf("  %s files, %s; global steps %lld, samples %lld, skipped %lld; loss scale %g%s; "
-              "clip_grad %g%s\n",
-              format_count(ck.files.size()).c_str(), format_bytes(file_bytes).c_str(),
-              static_cast<long long>(ck.global_steps), static_cast<long long>(ck.global_samples),
-              static_cast<long long>(ck.skipped_steps), ck.loss_scale,
-              ck.dynamic_loss_scale ? " (dynamic)" : "", ck.clip_grad,
-              ck.has_lr_scheduler ? "; lr scheduler saved" : "");
+  std::printf(
+      "%s: DeepSpeed %s checkpoint, tag '%s': ZeRO stage %d, saved by %llu rank%s, "
+      "DeepSpeed %s, %s\n",
+      printable(path, 200).c_str(), std::string(deepspeed_format_name(ck.format)).c_str(),
+      printable(ck.tag).c_str(), ck.zero_stage, static_cast<unsigned long long>(ck.world),
+      ck.world == 1 ? "" : "s", printable(ck.ds_version).c_str(), ck.dtype.c_str());
+  std::printf(
+      "  %s files, %s; global steps %lld, samples %lld, skipped %lld; loss scale %g%s; "
+      "clip_grad %g%s\n",
+      format_count(ck.files.size()).c_str(), format_bytes(file_bytes).c_str(),
+      static_cast<long long>(ck.global_steps), static_cast<long long>(ck.global_samples),
+      static_cast<long long>(ck.skipped_steps), ck.loss_scale,
+      ck.dynamic_loss_scale ? " (dynamic)" : "", ck.clip_grad,
+      ck.has_lr_scheduler ? "; lr scheduler saved" : "");
   if (ck.round_robin || ck.parameter_alignment) {
     std::printf("  %s%s\n", ck.round_robin ? "round_robin_gradients " : "",
                 ck.parameter_alignment ? "parameter_alignment" : "");
@@ -346,8 +357,8 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
     }
     std::printf("  %zu: %s parameters, %s elements (%s in %s), %s\n", g,
                 format_count(group.params.size()).c_str(), format_count(group.numel).c_str(),
-                format_bytes(group.numel * (ck.dtype == "fp32" ? 4 : 2)).c_str(),
-                ck.dtype.c_str(), layout.c_str());
+                format_bytes(group.numel * (ck.dtype == "fp32" ? 4 : 2)).c_str(), ck.dtype.c_str(),
+                layout.c_str());
     const std::size_t show = std::min<std::size_t>(group.params.size(), 4);
     for (std::size_t i = 0; i < show; ++i) {
       std::printf("     %-50s %s\n", printable(group.params[i].name, 48).c_str(),
@@ -376,14 +387,13 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
   }
   std::printf("\n");
   if (dp) {
-    std::printf("resumed by %llu ranks (fp32 master%s%s):\n",
-                static_cast<unsigned long long>(*dp), states.empty() ? "" : ", optimizer states",
+    std::printf("resumed by %llu ranks (fp32 master%s%s):\n", static_cast<unsigned long long>(*dp),
+                states.empty() ? "" : ", optimizer states",
                 ck.frozen.empty() && ck.buffer_names.empty() ? "" : ", frozen parameters, buffers");
     for (const DeepSpeedRankReads& r : plans) {
       const auto files = bytes_per_file(r);
-      std::printf("  rank %llu reads %s from %zu file%s:",
-                  static_cast<unsigned long long>(r.rank), format_bytes(r.bytes).c_str(),
-                  files.size(), files.size() == 1 ? "" : "s");
+      std::printf("  rank %llu reads %s from %zu file%s:", static_cast<unsigned long long>(r.rank),
+                  format_bytes(r.bytes).c_str(), files.size(), files.size() == 1 ? "" : "s");
       std::size_t shown = 0;
       for (const auto& [f, b] : files) {
         if (shown++ == 4) {
@@ -420,7 +430,8 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
   p.allow_positionals(1);
   p.epilog(
       "examples:\n  zeroflat inspect model.safetensors\n  zeroflat inspect ./Qwen3-30B-A3B/\n"
-      "  zeroflat inspect config.json --json\n  zeroflat inspect ckpt/step2/mp_rank_00_model_states.pt\n"
+      "  zeroflat inspect config.json --json\n  zeroflat inspect "
+      "ckpt/step2/mp_rank_00_model_states.pt\n"
       "  zeroflat inspect ckpt/ --dp 4");
   std::optional<Args> parsed = p.parse_or_help(argv);
   if (!parsed) return kExitOk;
@@ -471,8 +482,7 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
                 doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace).c_str());
     return kExitOk;
   }
-  std::printf("%s (%s, %llu file%s): %s tensors, %s parameters, %s\n",
-              printable(path, 200).c_str(),
+  std::printf("%s (%s, %llu file%s): %s tensors, %s parameters, %s\n", printable(path, 200).c_str(),
               in.source.c_str(), static_cast<unsigned long long>(in.files),
               in.files == 1 ? "" : "s", format_count(in.tensors.size()).c_str(),
               format_count(in.numel).c_str(), format_bytes(in.bytes).c_str());
@@ -483,8 +493,8 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
   for (const TensorInfo* t : order) {
     // Names come from the file: printable characters only, whatever it holds.
     std::printf("  %-56s %-6s %-20s %s\n", printable(t->name, 53).c_str(),
-                printable(t->dtype).c_str(),
-                shape_to_string(t->shape).c_str(), format_bytes(t->bytes).c_str());
+                printable(t->dtype).c_str(), shape_to_string(t->shape).c_str(),
+                format_bytes(t->bytes).c_str());
   }
   return kExitOk;
 }

@@ -9,7 +9,7 @@
 
 #include "cli/common.h"
 #include "cli/load.h"
-#include "zeroflat/agree.h"
+#include "zeroflat/cli/agree.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
@@ -57,7 +57,7 @@ int subcommand_load(const std::vector<std::string>& argv) {
   const Args& args = *parsed;
   LoadConfig cfg = load_config_from_args(args);
   std::unique_ptr<Communicator> world =
-      start_world("load", cfg.placement.comm, cfg.timeout, cfg.start_timeout);
+      start_world("load", cfg.setup.comm, cfg.timeout, cfg.start_timeout);
   settle_load_ranks(cfg, args, world.get());
   const int me = world ? world->rank() : 0;
   auto finish = [&](int code) { return finish_job(world.get(), code); };
@@ -71,13 +71,13 @@ int subcommand_load(const std::vector<std::string>& argv) {
   if (me == 0) {
     progress.note(printable(cfg.source) + ": " + format_count(cfg.params.size()) + " tensors in " +
                   std::to_string(cfg.ck.files.size()) + " file(s), " +
-                  format_bytes(cfg.checkpoint_bytes) + "; dp " + std::to_string(cfg.options.dp) +
-                  " over " + cfg.placement.comm + " on " + cfg.placement.device_spec + ", " +
-                  std::to_string(cfg.threads) + " reader thread(s) per rank" +
-                  (cfg.cold ? ", cold" : ""));
+                  format_bytes(cfg.checkpoint_bytes) + "; dp " +
+                  std::to_string(cfg.library.layout.dp) + " over " + cfg.setup.comm + " on " +
+                  cfg.setup.device_spec + ", " + std::to_string(cfg.threads) +
+                  " reader thread(s) per rank" + (cfg.library.read.cold ? ", cold" : ""));
   }
-  std::vector<LoadOutcome> outcomes(world ? 1 : cfg.options.dp);
-  run_ranks(cfg.options.dp, world.get(), cfg.timeout, [&](std::uint64_t r, Communicator* c) {
+  std::vector<LoadOutcome> outcomes(world ? 1 : cfg.library.layout.dp);
+  run_ranks(cfg.library.layout.dp, world.get(), cfg.timeout, [&](std::uint64_t r, Communicator* c) {
     Progress silent(false);
     outcomes[world ? 0 : r] = load_rank(cfg, r, c, r == 0 ? progress : silent);
   });

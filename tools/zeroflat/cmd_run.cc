@@ -7,7 +7,7 @@
 
 #include "cli/common.h"
 #include "cli/run.h"
-#include "zeroflat/agree.h"
+#include "zeroflat/cli/agree.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
@@ -46,7 +46,7 @@ int subcommand_run(const std::vector<std::string>& argv) {
 
   // The ranks: threads of this process, or the MPI job's processes.
   std::unique_ptr<Communicator> world =
-      start_world("run", cfg.placement.comm, cfg.timeout, cfg.start_timeout);
+      start_world("run", cfg.setup.comm, cfg.timeout, cfg.start_timeout);
   settle_ranks(cfg, args, world.get());
   const int me = world ? world->rank() : 0;
 
@@ -73,11 +73,11 @@ int subcommand_run(const std::vector<std::string>& argv) {
 
   Progress progress(!cfg.quiet && me == 0);
   if (me == 0) {
-    progress.note(printable(cfg.model.name) + ": " + format_count(cfg.model.tensors.size()) +
-                  " tensors, " + format_bytes(cfg.model.numel() * element_size(cfg.options.dtype)) +
-                  "; dp " + std::to_string(cfg.options.dp) + " over " + cfg.placement.comm +
-                  " on " + cfg.placement.device_spec + ", threads per rank " +
-                  std::to_string(cfg.threads));
+    progress.note(
+        printable(cfg.model.name) + ": " + format_count(cfg.model.tensors.size()) + " tensors, " +
+        format_bytes(cfg.model.numel() * element_size(cfg.library.layout.dtype)) + "; dp " +
+        std::to_string(cfg.library.layout.dp) + " over " + cfg.setup.comm + " on " +
+        cfg.setup.device_spec + ", threads per rank " + std::to_string(cfg.threads));
   }
   const Launched run = launch_ranks(cfg, world.get(), progress);
   if (run.first.exit == kExitInfeasible) {

@@ -21,12 +21,13 @@ constexpr std::uint64_t kRehearsalShardBytes = 5'000'000'000;  // Hugging Face's
 // The release's group of `model`: the tensors it leaves out (zero-element ones from 0.19.8) are
 // dropped from the model and listed in cfg.left_out.
 void apply_release_to_group(LoadConfig& cfg, ModelSpec& model) {
-  if (!cfg.release) return;
-  const ReleaseLayout rl = layout_for_release(model.numels(), {}, cfg.options, *cfg.release);
+  if (!cfg.library.release) return;
+  const ReleaseLayout rl =
+      layout_for_release(model.numels(), {}, cfg.library.layout, *cfg.library.release);
   if (rl.left_out.empty()) return;
   for (const auto& [i, why] : rl.left_out) {
     cfg.left_out.push_back(model.tensors[i].name + " (" + std::string(left_out_name(why)) +
-                           ", DeepSpeed " + cfg.release->release + ")");
+                           ", DeepSpeed " + cfg.library.release->release + ")");
   }
   std::vector<TensorSpec> kept;
   for (std::uint64_t i : rl.kept) kept.push_back(model.tensors[i]);
@@ -60,8 +61,8 @@ void group_from_checkpoint(LoadConfig& cfg, const Args& args) {
       model.dtype = type;
     }
   }
-  cfg.options = layout_options_from_args(args, &model);
-  cfg.release = release_from_args(args, cfg.options);
+  cfg.library.layout = layout_options_from_args(args, &model);
+  cfg.library.release = release_from_args(args, cfg.library.layout);
   apply_release_to_group(cfg, model);
   for (const TensorSpec& t : model.tensors) {
     cfg.params.push_back(LoadParam{t.name, t.shape, {}});
@@ -80,7 +81,7 @@ void add_load_options(Parser& p) {
   p.option("experts", "N", "with --model: keep N experts per MoE layer");
   p.option("checkpoint-dtype", "T", "with --model: the dtype the checkpoint stores",
            "the buffer's");
-  add_placement_options(p, "the buffer lives", "nothing is read");
+  add_device_setup_options(p, "the buffer lives", "nothing is read");
   add_layout_options(p);
   add_stage_options(p);
   p.option("margin", "SIZE", "device bytes the plan never uses", "min(3% of capacity, 1 GiB)");
@@ -128,17 +129,17 @@ void add_load_options(Parser& p) {
 
 LoadConfig load_config_from_args(const Args& args) {
   LoadConfig cfg;
-  cfg.placement =
-      placement_from_args(args, args.get("dp") ? parse_u64(*args.get("dp"), "--dp") : 1);
-  cfg.cold = args.has("cold");
+  cfg.library.master = false;  // DeepSpeed builds its own from the buffer; --verify reads the views
+  cfg.setup = device_setup_from_args(args, args.get("dp") ? parse_u64(*args.get("dp"), "--dp") : 1);
+  cfg.library.read.cold = args.has("cold");
   cfg.stage = stage_from_args(args);
   if (auto v = args.get("read-plan"); v && *v != "auto") {
     const std::span<const Tier> plans = cfg.stage.zero3 ? std::span<const Tier>(kPartitionReadPlans)
                                                         : std::span<const Tier>(kReadPlans);
     for (Tier plan : plans) {
-      if (*v == tier_name(plan)) cfg.read_plan = plan;
+      if (*v == tier_name(plan)) cfg.library.tier = plan;
     }
-    if (!cfg.read_plan) {
+    if (!cfg.library.tier) {
       throw InvalidArgument(
           "--read-plan '" + printable(*v) + "': expected " +
           (cfg.stage.zero3 ? std::string("auto or load-partitions (--stage 3 reads partitions)")
@@ -149,10 +150,11 @@ LoadConfig load_config_from_args(const Args& args) {
     }
   }
   if (auto v = args.get("storage")) {
-    cfg.storage = static_cast<double>(parse_size(*v));
-    if (cfg.storage <= 0) throw InvalidArgument("--storage " + printable(*v) + ": expected > 0");
+    cfg.library.storage_bytes_per_second = static_cast<double>(parse_size(*v));
+    if (cfg.library.storage_bytes_per_second <= 0)
+      throw InvalidArgument("--storage " + printable(*v) + ": expected > 0");
   }
-  if (auto v = args.get("copies")) cfg.copies = parse_copy_check(*v, "--copies");
+  if (auto v = args.get("copies")) cfg.library.read.copies = parse_copy_check(*v, "--copies");
   cfg.verify = args.has("verify");
   cfg.ceiling = !args.has("no-ceiling");
   cfg.json = args.has("json");
@@ -165,7 +167,7 @@ LoadConfig load_config_from_args(const Args& args) {
           "give a checkpoint or --model, not both: --model rehearses the "
           "checkpoint write-checkpoint would write, without reading files");
     }
-    if (!cfg.placement.no_data) {
+    if (!cfg.setup.no_data) {
       throw InvalidArgument(
           "--model rehearses a load without reading anything: it needs "
           "--device sim:... --no-data. To load real files, write them with "
@@ -173,11 +175,11 @@ LoadConfig load_config_from_args(const Args& args) {
           printable(*m) + "` and name DIR");
     }
     ModelSpec model = model_from_args(args, "tiny-moe");
-    cfg.options = layout_options_from_args(args, &model);
-    cfg.release = release_from_args(args, cfg.options);
+    cfg.library.layout = layout_options_from_args(args, &model);
+    cfg.library.release = release_from_args(args, cfg.library.layout);
     apply_release_to_group(cfg, model);
     const DType stored = args.get("checkpoint-dtype") ? parse_dtype(*args.get("checkpoint-dtype"))
-                                                      : cfg.options.dtype;
+                                                      : cfg.library.layout.dtype;
     cfg.rehearsal = true;
     cfg.source = model.name;
     cfg.ck = pattern_checkpoint_index(model, stored, "(" + model.name + ", not written)",
@@ -199,7 +201,7 @@ LoadConfig load_config_from_args(const Args& args) {
                               "checkpoint's tensors are what they are");
       }
     }
-    if (cfg.placement.no_data) {
+    if (cfg.setup.no_data) {
       throw InvalidArgument(
           "--no-data reads nothing: rehearse with --model NAME instead of a "
           "checkpoint");
@@ -210,14 +212,15 @@ LoadConfig load_config_from_args(const Args& args) {
     group_from_checkpoint(cfg, args);
   }
 
-  if (cfg.placement.no_data && cfg.verify) {
+  if (cfg.setup.no_data && cfg.verify) {
     throw InvalidArgument("--verify needs data; drop --no-data");
   }
-  if (auto v = args.get("margin")) cfg.margin = parse_size(*v);
+  if (auto v = args.get("margin")) cfg.library.margin_bytes = parse_size(*v);
   cfg.threads = threads_from_args(args);
   if (auto v = args.get("ring")) {
-    cfg.ring_chunk = parse_size(*v);
-    if (cfg.ring_chunk < 4096 || cfg.ring_chunk > (std::uint64_t{1} << 32)) {
+    cfg.library.read.ring_chunk_bytes = parse_size(*v);
+    if (cfg.library.read.ring_chunk_bytes < 4096 ||
+        cfg.library.read.ring_chunk_bytes > (std::uint64_t{1} << 32)) {
       throw InvalidArgument("--ring " + printable(*v) + ": expected 4KiB to 4GiB");
     }
   }
@@ -225,7 +228,7 @@ LoadConfig load_config_from_args(const Args& args) {
     const std::uint64_t n = parse_u64(*v, "--ring-depth");
     if (n == 0 || n > 64)
       throw InvalidArgument("--ring-depth " + printable(*v) + ": expected 1 to 64");
-    cfg.ring_depth = static_cast<unsigned>(n);
+    cfg.library.read.ring_depth = static_cast<unsigned>(n);
   }
   cfg.timeout = timeout_from_args(args);
   cfg.start_timeout = start_timeout_from_args(args, cfg.timeout);
@@ -235,38 +238,38 @@ LoadConfig load_config_from_args(const Args& args) {
     if (at != std::string::npos)
       cfg.fail_rank = parse_u64(v->substr(at + 1), "--inject-read-error rank");
   }
-  if (cfg.options.dp > kMaxRanks) {
-    throw InvalidArgument("--dp " + std::to_string(cfg.options.dp) + ": at most " +
+  if (cfg.library.layout.dp > kMaxRanks) {
+    throw InvalidArgument("--dp " + std::to_string(cfg.library.layout.dp) + ": at most " +
                           std::to_string(kMaxRanks) + " ranks");
   }
   return cfg;
 }
 
 void settle_load_ranks(LoadConfig& cfg, const Args& args, Communicator* world) {
-  settle_world(cfg.options, cfg.local_ranks, args, world);
-  if (cfg.fail_after && cfg.fail_rank >= cfg.options.dp) {
+  settle_world(cfg.library.layout, cfg.library.probe.local_ranks, args, world);
+  if (cfg.fail_after && cfg.fail_rank >= cfg.library.layout.dp) {
     throw InvalidArgument("--inject-read-error: rank " + std::to_string(cfg.fail_rank) +
-                          " is outside dp " + std::to_string(cfg.options.dp));
+                          " is outside dp " + std::to_string(cfg.library.layout.dp));
   }
-  if (cfg.threads == 0) cfg.threads = default_num_threads(cfg.local_ranks);
+  if (cfg.threads == 0) cfg.threads = default_num_threads(cfg.library.probe.local_ranks);
 }
 
 std::string load_memory_shortfall(const LoadConfig& cfg) {
-  if (cfg.placement.no_data || cfg.placement.kind == DeviceKind::kCuda) return "";
+  if (cfg.setup.no_data || cfg.setup.kind == DeviceKind::kCuda) return "";
   std::vector<std::uint64_t> numels;
   numels.reserve(cfg.params.size());
   for (const LoadParam& p : cfg.params) numels.push_back(shape_numel(p.shape));
-  const Layout layout = cfg.stage.zero3 ? zero3_buffer_layout(numels, cfg.options)
-                                        : Layout::compute(numels, cfg.options);
+  const Layout layout = cfg.stage.zero3 ? zero3_buffer_layout(numels, cfg.library.layout)
+                                        : Layout::compute(numels, cfg.library.layout);
   // The buffer, the ceiling's scratch (about this rank's share of the files), a verify's
   // largest tensor.
   std::uint64_t largest = 0;
   for (const CheckpointTensor& t : cfg.ck.tensors) largest = std::max(largest, t.bytes * 2);
-  const std::uint64_t per_rank = layout.flat_bytes() +
-                                 (cfg.ceiling ? cfg.checkpoint_bytes / cfg.options.dp + 1 : 0) +
-                                 (cfg.verify ? largest : 0);
-  const std::optional<HostShortfall> s =
-      host_shortfall(per_rank, cfg.placement.comm, cfg.options.dp, cfg.local_ranks);
+  const std::uint64_t per_rank =
+      layout.flat_bytes() + (cfg.ceiling ? cfg.checkpoint_bytes / cfg.library.layout.dp + 1 : 0) +
+      (cfg.verify ? largest : 0);
+  const std::optional<HostShortfall> s = host_shortfall(
+      per_rank, cfg.setup.comm, cfg.library.layout.dp, cfg.library.probe.local_ranks);
   if (!s) return "";
   return "this load needs " + format_bytes(s->need) + " of this machine's memory (" +
          std::to_string(s->ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +

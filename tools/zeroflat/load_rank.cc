@@ -17,7 +17,7 @@ namespace zeroflat::cli {
 LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* control,
                       Progress& progress) {
   LoadOutcome out;
-  const Placement& pl = cfg.placement;
+  const DeviceSetup& pl = cfg.setup;
   std::unique_ptr<Device> device =
       make_device(pl.device_spec, DeviceOptions{cfg.threads, pl.no_data, pl.node_host_bytes});
   std::unique_ptr<Communicator> nccl;
@@ -26,24 +26,18 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
     nccl = make_nccl_communicator(*control, *device, cfg.timeout);
     comm = nccl.get();
   }
-  LoadOptions lo;
-  lo.layout = cfg.options;
-  lo.margin_bytes = cfg.margin;
-  lo.cold = cfg.cold;
-  lo.read_plan = cfg.read_plan;
-  lo.storage_bytes_per_second = cfg.storage;
-  lo.copies = cfg.copies;
-  lo.ring_chunk_bytes = cfg.ring_chunk;
-  lo.ring_depth = cfg.ring_depth;
-  lo.threads = cfg.threads;
-  lo.probe.local_ranks = cfg.local_ranks;
-  lo.release = cfg.release;
-  lo.must_match = "source " + cfg.source + ", device " + pl.device_spec + ", comm " + pl.comm +
-                  ", threads " + std::to_string(cfg.threads) + (cfg.verify ? ", verify" : "") +
-                  (cfg.stage.zero3 ? ", sub-groups " + std::to_string(cfg.stage.sub_group_size)
-                                   : std::string()) +
-                  (cfg.ceiling ? ", ceiling" : "");
-  if (cfg.fail_after && rank == cfg.fail_rank) lo.fail_after_bytes = cfg.fail_after;
+  FlattenOptions lo = cfg.library;
+  lo.read.threads = cfg.threads;
+  lo.must_match = {"source " + cfg.source,
+                   "device " + pl.device_spec,
+                   "comm " + pl.comm,
+                   "threads " + std::to_string(cfg.threads),
+                   std::string("verify ") + (cfg.verify ? "yes" : "no"),
+                   std::string("ceiling ") + (cfg.ceiling ? "yes" : "no")};
+  if (cfg.stage.zero3) {
+    lo.must_match.push_back("sub-group size " + std::to_string(cfg.stage.sub_group_size));
+  }
+  if (cfg.fail_after && rank == cfg.fail_rank) lo.read.fail_after_bytes = cfg.fail_after;
 
   // The ceiling: as many bytes of the same files read sequentially, before the load and again
   // after it (memory and cache conditions shift between the two); the faster is kept.
@@ -53,18 +47,18 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
     if (control != nullptr) control->barrier();  // the ranks read together, as they load
     progress.begin("ceiling: read " + format_bytes(ceiling_bytes) + " sequentially", 0);
     const ReadCeiling c = measure_read_ceiling(cfg.ck, rank * ceiling_bytes, ceiling_bytes,
-                                               cfg.threads, cfg.cold, device.get());
+                                               cfg.threads, cfg.library.read.cold, device.get());
     progress.end();
     if (!ceiling || c.seconds < ceiling->seconds) ceiling = c;
   };
   const bool with_ceiling = cfg.ceiling && !pl.no_data;
   if (with_ceiling) {
     ceiling_bytes = cfg.stage.zero3
-                        ? partitions_read_bytes(cfg.ck, cfg.params, cfg.options.dp, rank)
-                        : partition_read_bytes(cfg.ck, cfg.params, cfg.options, rank);
+                        ? partitions_read_bytes(cfg.ck, cfg.params, cfg.library.layout.dp, rank)
+                        : partition_read_bytes(cfg.ck, cfg.params, cfg.library.layout, rank);
     measure_ceiling();
   }
-  LoadResult res;
+  FlattenResult res;
   progress.begin(std::string(pl.no_data ? "account for" : "load") + " this rank's reads of " +
                      format_bytes(cfg.checkpoint_bytes),
                  0);
@@ -85,16 +79,16 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   // The library's account of this rank (report.h); the plan is the same on every rank and goes
   // to the top of the document once. The command's own fields follow.
   Json& e = out.entry;
-  e = Json::parse(load_result_json(res));
+  e = Json::parse(result_json(res));
   out.plan = std::move(e["plan"]);
   e.erase("plan");
   if (!res.feasible()) {
     out.exit = kExitInfeasible;
-    out.message = "the loader's plan does not fit: " + res.plan.why_not + ". Nothing was read.";
+    out.message = "the loader's plan does not fit: " + res.plan.reason + ". Nothing was read.";
     return out;
   }
-  out.flat_bytes = res.group.layout.flat_bytes();
-  out.partition_bytes = res.group.layout.partition_bytes();
+  out.flat_bytes = res.group().layout.flat_bytes();
+  out.partition_bytes = res.group().layout.partition_bytes();
 
   if (with_ceiling) {
     measure_ceiling();
@@ -106,10 +100,10 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   }
   if (cfg.verify) {
     progress.begin("verify against every tensor read whole", 0);
-    const std::string failure =
-        cfg.stage.zero3
-            ? verify_partitions(cfg.ck, cfg.params, *device, res.group, cfg.options.dp, rank)
-            : verify_loaded(cfg.ck, cfg.params, *device, res.group);
+    const std::string failure = cfg.stage.zero3
+                                    ? verify_partitions(cfg.ck, cfg.params, *device, res.group(),
+                                                        cfg.library.layout.dp, rank)
+                                    : verify_loaded(cfg.ck, cfg.params, *device, res.group());
     progress.end();
     e["verified"] = failure.empty();
     if (!failure.empty()) {
@@ -120,9 +114,10 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
     e["verified"] = false;
     e["verify"] = pl.no_data ? "no data to verify (--no-data)" : "not requested";
   }
-  e["checksum"] = device->keeps_data()
-                      ? Json(checksum_hex(device->checksum(res.group.flat.data(), out.flat_bytes)))
-                      : Json();
+  e["checksum"] =
+      device->keeps_data()
+          ? Json(checksum_hex(device->checksum(res.group().flat.data(), out.flat_bytes)))
+          : Json();
   return out;
 }
 

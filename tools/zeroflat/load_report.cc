@@ -25,8 +25,8 @@ std::uint64_t zero3_sub_groups(const LoadConfig& cfg) {
   std::vector<std::uint64_t> numels;
   for (const LoadParam& p : cfg.params) numels.push_back(shape_numel(p.shape));
   const std::vector<std::vector<std::uint64_t>> groups = {numels};
-  return Zero3Layout::compute(
-             groups, Zero3Options{cfg.options.dp, cfg.stage.sub_group_size, cfg.options.dtype})
+  return Zero3Layout::compute(groups, Zero3Options{cfg.library.layout.dp, cfg.stage.sub_group_size,
+                                                   cfg.library.layout.dtype})
       .sub_groups()
       .size();
 }
@@ -59,7 +59,7 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
   const Json& plan = first.plan;
   const std::uint64_t flat_bytes = first.flat_bytes;
   const std::uint64_t partition_bytes = first.partition_bytes;
-  const bool no_data = cfg.placement.no_data;
+  const bool no_data = cfg.setup.no_data;
   // The node's figures: all bytes over the slowest rank's time.
   std::uint64_t bytes = 0, ceiling_bytes = 0;
   double seconds = 0, ceiling_seconds = 0, cached = 0;
@@ -101,18 +101,18 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
     for (const std::string& l : cfg.left_out) left.push_back(l);
     doc["left_out"] = std::move(left);
     doc["checkpoint_bytes"] = cfg.checkpoint_bytes;
-    doc["dtype"] = std::string(dtype_name(cfg.options.dtype));
-    doc["dp"] = cfg.options.dp;
+    doc["dtype"] = std::string(dtype_name(cfg.library.layout.dtype));
+    doc["dp"] = cfg.library.layout.dp;
     doc["stage"] = cfg.stage.zero3 ? 3 : 2;
     doc["sub_group_size"] = cfg.stage.zero3 ? Json(cfg.stage.sub_group_size) : Json();
     doc["sub_groups"] = cfg.stage.zero3 ? Json(zero3_sub_groups(cfg)) : Json();
-    doc["round_robin"] = cfg.options.round_robin;
-    doc["deepspeed"] = rules_doc(cfg.release);
-    doc["device"] = cfg.placement.device_spec;
+    doc["round_robin"] = cfg.library.layout.round_robin;
+    doc["deepspeed"] = rules_doc(cfg.library.release);
+    doc["device"] = cfg.setup.device_spec;
     doc["no_data"] = no_data;
-    doc["comm"] = cfg.placement.comm;
+    doc["comm"] = cfg.setup.comm;
     doc["threads"] = cfg.threads;
-    doc["cold"] = cfg.cold;
+    doc["cold"] = cfg.library.read.cold;
     doc["flat_bytes"] = flat_bytes;
     doc["partition_bytes"] = partition_bytes;
     doc["plan"] = plan;
@@ -133,24 +133,21 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
       "%s %s: %zu tensors in %zu file(s), %s as stored; %s buffers of %s%s, dp %llu%s, on %s\n",
       cfg.rehearsal ? "rehearsed" : "loaded", printable(cfg.source).c_str(), cfg.params.size(),
       cfg.ck.files.size(), format_bytes(cfg.checkpoint_bytes).c_str(),
-      std::string(dtype_name(cfg.options.dtype)).c_str(), format_bytes(flat_bytes).c_str(),
+      std::string(dtype_name(cfg.library.layout.dtype)).c_str(), format_bytes(flat_bytes).c_str(),
       cfg.stage.zero3 ? " (ZeRO-3: each rank's own partitions)" : "",
-      static_cast<unsigned long long>(cfg.options.dp),
-      cfg.options.round_robin ? " (round-robin)" : "", cfg.placement.device_spec.c_str());
+      static_cast<unsigned long long>(cfg.library.layout.dp),
+      cfg.library.layout.round_robin ? " (round-robin)" : "", cfg.setup.device_spec.c_str());
   if (cfg.stage.zero3) {
     std::printf("layout: %s%s; %llu sub-group(s) at sub_group_size %s\n",
-                rules_text(cfg.release).c_str(), kZero3RulesNote,
+                rules_text(cfg.library.release).c_str(), kZero3RulesNote,
                 static_cast<unsigned long long>(zero3_sub_groups(cfg)),
                 format_count(cfg.stage.sub_group_size).c_str());
   } else {
-    std::printf("layout: %s\n", rules_text(cfg.release).c_str());
+    std::printf("layout: %s\n", rules_text(cfg.library.release).c_str());
   }
-  // The read plan, the same on every rank (the first entry that has one says it).
-  for (const Json& e : entries) {
-    if (e.contains("read_plans") && e["read_plans"].contains("reason")) {
-      std::printf("read plan: %s\n", e["read_plans"]["reason"].get<std::string>().c_str());
-      break;
-    }
+  // The read plan, the same on every rank.
+  if (first.plan.contains("reason")) {
+    std::printf("read plan: %s\n", first.plan["reason"].get<std::string>().c_str());
   }
   if (!cfg.left_out.empty()) {
     std::printf("left out: %s\n", join(cfg.left_out).c_str());

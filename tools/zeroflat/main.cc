@@ -116,10 +116,12 @@ int main(int argc, char** argv) {
                  shown(e.what()).c_str(), command.c_str());
     return kExitInvalid;
   } catch (const InvalidArgument& e) {
-    std::fprintf(stderr, "zeroflat %s: invalid input: %s\n", command.c_str(), shown(e.what()).c_str());
+    std::fprintf(stderr, "zeroflat %s: invalid input: %s\n", command.c_str(),
+                 shown(e.what()).c_str());
     return kExitInvalid;
   } catch (const Unsupported& e) {
-    std::fprintf(stderr, "zeroflat %s: not supported: %s\n", command.c_str(), shown(e.what()).c_str());
+    std::fprintf(stderr, "zeroflat %s: not supported: %s\n", command.c_str(),
+                 shown(e.what()).c_str());
     return kExitInvalid;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zeroflat %s: error: %s\n", command.c_str(), shown(e.what()).c_str());

@@ -1,4 +1,4 @@
-// The ranks of a `run` or a `load` (cli/ranks.h): placement options, the MPI job's start-up
+// The ranks of a `run` or a `load` (cli/ranks.h): device setup options, the MPI job's start-up
 // under a deadline, ranks as threads, every rank's entry brought together, and this host's room.
 #include "cli/ranks.h"
 
@@ -23,7 +23,8 @@
 
 namespace zeroflat::cli {
 
-void add_placement_options(Parser& p, const std::string& what, const std::string& no_data_effect) {
+void add_device_setup_options(Parser& p, const std::string& what,
+                              const std::string& no_data_effect) {
   p.option("device", "DEV",
            "where " + what +
                ": cpu, cuda:N, or sim:SIZE / sim:PRESET (a device of that "
@@ -41,8 +42,8 @@ void add_placement_options(Parser& p, const std::string& what, const std::string
            "local");
 }
 
-Placement placement_from_args(const Args& args, std::uint64_t dp) {
-  Placement pl;
+DeviceSetup device_setup_from_args(const Args& args, std::uint64_t dp) {
+  DeviceSetup pl;
   pl.device_spec = args.get("device").value_or("cpu");
   pl.no_data = args.has("no-data");
   pl.comm = args.get("comm").value_or("local");

@@ -22,7 +22,7 @@ Launched launch_ranks(const RunConfig& cfg, Communicator* world, Progress& progr
     }
     return out;
   }
-  const std::uint64_t dp = cfg.options.dp;
+  const std::uint64_t dp = cfg.library.layout.dp;
   std::vector<RankResult> results(dp);
   run_ranks(dp, nullptr, cfg.timeout, [&](std::uint64_t r, Communicator* c) {
     Progress silent(false);  // one per rank: a Progress is not shared between threads

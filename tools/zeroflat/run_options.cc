@@ -24,7 +24,7 @@ void parse_step_at_rank(const std::string& text, const std::string& option,
 
 void add_run_options(Parser& p) {
   add_model_options(p, "tiny-moe");
-  add_placement_options(p, "the parameters live", "nothing is copied");
+  add_device_setup_options(p, "the parameters live", "nothing is copied");
   add_layout_options(p);
   p.option("tier", "TIER", "auto, device, sharded, staged or host", "auto");
   p.option("margin", "SIZE", "device bytes the plan never uses", "min(3% of capacity, 1 GiB)");
@@ -55,21 +55,22 @@ void add_run_options(Parser& p) {
 RunConfig run_config_from_args(const Args& args) {
   RunConfig cfg;
   cfg.model = model_from_args(args, "tiny-moe");
-  cfg.options = layout_options_from_args(args, &cfg.model);
-  cfg.release = release_from_args(args, cfg.options);
-  if (const std::string note = apply_release(cfg.release, cfg.model, cfg.options); !note.empty()) {
+  cfg.library.layout = layout_options_from_args(args, &cfg.model);
+  cfg.library.release = release_from_args(args, cfg.library.layout);
+  if (const std::string note = apply_release(cfg.library.release, cfg.model, cfg.library.layout);
+      !note.empty()) {
     std::fprintf(stderr, "zeroflat run: %s\n", note.c_str());
   }
-  cfg.placement = placement_from_args(args, cfg.options.dp);
+  cfg.setup = device_setup_from_args(args, cfg.library.layout.dp);
   cfg.verify = args.has("verify");
-  cfg.check_values = !args.has("no-value-check");
+  cfg.library.check_values = !args.has("no-value-check");
   cfg.json = args.has("json");
   cfg.quiet = args.has("quiet");
-  if (cfg.placement.no_data && cfg.verify) {
+  if (cfg.setup.no_data && cfg.verify) {
     throw InvalidArgument("--verify needs data; drop --no-data to verify on a sim device");
   }
-  if (auto v = args.get("tier")) cfg.forced = parse_tier_choice(*v, "--tier");
-  if (auto v = args.get("margin")) cfg.margin = parse_size(*v);
+  if (auto v = args.get("tier")) cfg.library.tier = parse_tier_choice(*v, "--tier");
+  if (auto v = args.get("margin")) cfg.library.margin_bytes = parse_size(*v);
   if (auto v = args.get("repeat")) {
     cfg.repeat = parse_u64(*v, "--repeat");
     if (cfg.repeat == 0 || cfg.repeat > 1000) {
@@ -83,23 +84,23 @@ RunConfig run_config_from_args(const Args& args) {
   }
   if (auto v = args.get("inject-crash")) {
     parse_step_at_rank(*v, "--inject-crash", cfg.crash_step, cfg.crash_rank);
-    if (cfg.placement.comm != "mpi") {
+    if (cfg.setup.comm != "mpi") {
       throw InvalidArgument(
           "--inject-crash kills a process: it is for --comm mpi (ranks as "
           "threads would all die)");
     }
   }
   cfg.threads = threads_from_args(args);  // 0: settle_ranks picks the default
-  if (cfg.options.dp > kMaxRanks) {
-    throw InvalidArgument("--dp " + std::to_string(cfg.options.dp) + ": at most " +
+  if (cfg.library.layout.dp > kMaxRanks) {
+    throw InvalidArgument("--dp " + std::to_string(cfg.library.layout.dp) + ": at most " +
                           std::to_string(kMaxRanks) + " ranks");
   }
   return cfg;
 }
 
 void settle_ranks(RunConfig& cfg, const Args& args, Communicator* world) {
-  settle_world(cfg.options, cfg.local_ranks, args, world);
-  const std::uint64_t dp = cfg.options.dp;
+  settle_world(cfg.library.layout, cfg.library.probe.local_ranks, args, world);
+  const std::uint64_t dp = cfg.library.layout.dp;
   if (cfg.fault_step && cfg.fault_rank >= dp) {
     throw InvalidArgument("--inject-fault " + printable(*args.get("inject-fault")) + ": rank " +
                           std::to_string(cfg.fault_rank) + " is outside dp " + std::to_string(dp));
@@ -108,8 +109,8 @@ void settle_ranks(RunConfig& cfg, const Args& args, Communicator* world) {
     throw InvalidArgument("--inject-crash " + printable(*args.get("inject-crash")) + ": rank " +
                           std::to_string(cfg.crash_rank) + " is outside dp " + std::to_string(dp));
   }
-  if (cfg.threads == 0) cfg.threads = default_num_threads(cfg.local_ranks);
-  const Layout layout = Layout::compute(cfg.model.numels(), cfg.options);
+  if (cfg.threads == 0) cfg.threads = default_num_threads(cfg.library.probe.local_ranks);
+  const Layout layout = Layout::compute(cfg.model.numels(), cfg.library.layout);
   if (auto v = args.get("inject-corruption")) {
     cfg.corrupt = parse_u64(*v, "--inject-corruption");
     if (*cfg.corrupt >= layout.flat_bytes()) {

@@ -8,12 +8,12 @@
 
 #include "cli/common.h"
 #include "cli/run.h"
-#include "zeroflat/agree.h"
 #include "zeroflat/checksum.h"
+#include "zeroflat/cli/agree.h"
+#include "zeroflat/cli/rehearsal.h"
 #include "zeroflat/device.h"
 #include "zeroflat/engine.h"
 #include "zeroflat/error.h"
-#include "zeroflat/rehearsal.h"
 #include "zeroflat/report.h"
 #include "zeroflat/size.h"
 
@@ -47,24 +47,20 @@ class Originals {
 };
 
 DeviceOptions device_options(const RunConfig& cfg) {
-  return DeviceOptions{cfg.threads, cfg.placement.no_data, cfg.placement.node_host_bytes};
+  return DeviceOptions{cfg.threads, cfg.setup.no_data, cfg.setup.node_host_bytes};
 }
 
 }  // namespace
 
 std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
-  const std::uint64_t es = element_size(cfg.options.dtype);
+  const std::uint64_t es = element_size(cfg.library.layout.dtype);
   const std::uint64_t model_bytes = sat_mul(cfg.model.numel(), es);
-  const Layout layout = Layout::compute(cfg.model.numels(), cfg.options);
-  std::unique_ptr<Device> device = make_device(cfg.placement.device_spec, device_options(cfg));
+  const Layout layout = Layout::compute(cfg.model.numels(), cfg.library.layout);
+  std::unique_ptr<Device> device = make_device(cfg.setup.device_spec, device_options(cfg));
   // The plan the ranks will make once the originals are materialized on each device, as the
   // library's dry run makes it (the ranks' own agreement will take the minimum over them; here
   // one stands for all).
-  FlattenOptions fo;
-  fo.tier = cfg.forced;
-  fo.margin_bytes = cfg.margin;
-  fo.probe.local_ranks = cfg.local_ranks;
-  const PlannedGroup planned = plan_param_group(layout, *device, fo);
+  const PlannedGroup planned = plan_param_group(layout, *device, cfg.library);
   const Plan& plan = planned.plan;
   plan_doc = Json::parse(plan_json(plan, planned.input));
   const Candidate* chosen = plan.chosen_candidate();
@@ -76,14 +72,14 @@ std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
   // scratch buffer and the tier run again beside the finished buffer).
   const bool device_here = device->host_accessible() && device->keeps_data();
   const bool stage_here = device->keeps_data();
-  const Profile own = simulate(chosen->steps, model_bytes, model_bytes, cfg.options.dp);
+  const Profile own = simulate(chosen->steps, model_bytes, model_bytes, cfg.library.layout.dp);
   const std::uint64_t flat = layout.flat_bytes();
   const std::uint64_t master = sat_mul(4, layout.partition_numel());
   const std::uint64_t stage = stage_here ? own.peak_host_bytes : 0;
   std::uint64_t per_rank = 0;
   if (device_here) {
     per_rank = std::max(sat_add(own.peak_device_bytes, stage), sat_add(flat, master));
-    if (cfg.placement.kind == DeviceKind::kCpu) {
+    if (cfg.setup.kind == DeviceKind::kCpu) {
       const std::uint64_t rerun =
           own.peak_device_bytes - std::min(own.peak_device_bytes, model_bytes);
       per_rank = std::max(per_rank, sat_add(sat_add(sat_mul(2, flat), rerun), stage));
@@ -92,8 +88,8 @@ std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
     per_rank = sat_add(flat, master);  // copied back to the host to be checked
   }
   per_rank = std::max(per_rank, stage);
-  const std::optional<HostShortfall> s =
-      host_shortfall(per_rank, cfg.placement.comm, cfg.options.dp, cfg.local_ranks);
+  const std::optional<HostShortfall> s = host_shortfall(
+      per_rank, cfg.setup.comm, cfg.library.layout.dp, cfg.library.probe.local_ranks);
   if (!s) return "";
   return "this run needs " + format_bytes(s->need) + " of this machine's memory (" +
          std::to_string(s->ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +
@@ -108,15 +104,16 @@ std::string host_memory_shortfall(const RunConfig& cfg, Json& plan_doc) {
 RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* control,
                     Progress& progress) {
   RankResult res;
-  const DType dtype = cfg.options.dtype;
+  const DType dtype = cfg.library.layout.dtype;
   const std::uint64_t es = element_size(dtype);
   const std::uint64_t model_bytes = cfg.model.numel() * es;
-  const std::uint64_t flat_bytes = Layout::compute(cfg.model.numels(), cfg.options).flat_bytes();
+  const std::uint64_t flat_bytes =
+      Layout::compute(cfg.model.numels(), cfg.library.layout).flat_bytes();
 
-  std::unique_ptr<Device> device = make_device(cfg.placement.device_spec, device_options(cfg));
+  std::unique_ptr<Device> device = make_device(cfg.setup.device_spec, device_options(cfg));
   std::unique_ptr<Communicator> nccl;
   Communicator* comm = control;
-  if (cfg.placement.comm == "nccl") {
+  if (cfg.setup.comm == "nccl") {
     nccl = make_nccl_communicator(*control, *device, cfg.timeout);
     comm = nccl.get();
   }
@@ -136,17 +133,12 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   if (control != nullptr) control->barrier();  // every rank has materialized before the probe
 
   // --- the front door: probe, agree, plan, check, execute, master -----------------------------
-  FlattenOptions fo;
-  fo.layout = cfg.options;
-  fo.release = cfg.release;
-  fo.tier = cfg.forced;
-  fo.margin_bytes = cfg.margin;
-  fo.check_values = cfg.check_values;
-  fo.probe.local_ranks = cfg.local_ranks;
-  fo.must_match = "model " + cfg.model.name + " (" + std::to_string(cfg.model.tensors.size()) +
-                  " tensors), device " + cfg.placement.device_spec + ", comm " +
-                  cfg.placement.comm + ", repeat " + std::to_string(cfg.repeat) +
-                  (cfg.placement.no_data ? ", no data" : "");
+  FlattenOptions fo = cfg.library;
+  fo.must_match = {
+      "model " + cfg.model.name + " (" + std::to_string(cfg.model.tensors.size()) + " tensors)",
+      "device " + cfg.setup.device_spec, "comm " + cfg.setup.comm,
+      "repeat " + std::to_string(cfg.repeat),
+      std::string("data ") + (cfg.setup.no_data ? "no" : "yes")};
   if (rank == cfg.fault_rank) fo.execute.fault_step = cfg.fault_step;
   if (cfg.crash_step && rank == cfg.crash_rank) {
     fo.execute.on_step = [&](std::size_t k, const Step&) {
@@ -162,7 +154,7 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   // The library's account of this rank (report.h); the plan is the same on every rank and goes
   // to the top of the document once. The rehearsal's own fields follow.
   Json& e = res.entry;
-  e = Json::parse(flatten_result_json(fr));
+  e = Json::parse(result_json(fr));
   res.plan = std::move(e["plan"]);
   e.erase("plan");
   if (!fr.feasible()) {
@@ -191,7 +183,7 @@ RankResult run_rank(const RunConfig& cfg, std::uint64_t rank, Communicator* cont
   FlatGroup& group = ex.group;
 
   // --- timing rounds (cpu): the copy alone and the whole tier again, against memcpy ---------
-  if (cfg.placement.kind == DeviceKind::kCpu && ex.outcome == Outcome::kDone) {
+  if (cfg.setup.kind == DeviceKind::kCpu && ex.outcome == Outcome::kDone) {
     if (control != nullptr) control->barrier();  // the ranks contend for the cores together
     progress.begin("time against memcpy (" + std::to_string(cfg.repeat) + " rounds)", 0);
     const Timing t = time_rounds(*device, group, chosen.steps, rank, comm, cfg.repeat, ex.seconds);

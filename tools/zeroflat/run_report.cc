@@ -14,7 +14,7 @@ double ratio(double a, double b) {
 }
 
 Json model_doc(const RunConfig& cfg) {
-  const std::uint64_t es = element_size(cfg.options.dtype);
+  const std::uint64_t es = element_size(cfg.library.layout.dtype);
   return {{"name", cfg.model.name},
           {"architecture", cfg.model.architecture},
           {"tensors", cfg.model.tensors.size()},
@@ -24,15 +24,15 @@ Json model_doc(const RunConfig& cfg) {
 
 // The fields every run document starts with.
 Json run_doc(const RunConfig& cfg) {
-  const Layout layout = Layout::compute(cfg.model.numels(), cfg.options);
+  const Layout layout = Layout::compute(cfg.model.numels(), cfg.library.layout);
   Json doc;
   doc["model"] = model_doc(cfg);
-  doc["dp"] = cfg.options.dp;
-  doc["device"] = cfg.placement.device_spec;
-  doc["no_data"] = cfg.placement.no_data;
-  doc["comm"] = cfg.placement.comm;
-  doc["dtype"] = std::string(dtype_name(cfg.options.dtype));
-  doc["deepspeed"] = rules_doc(cfg.release);
+  doc["dp"] = cfg.library.layout.dp;
+  doc["device"] = cfg.setup.device_spec;
+  doc["no_data"] = cfg.setup.no_data;
+  doc["comm"] = cfg.setup.comm;
+  doc["dtype"] = std::string(dtype_name(cfg.library.layout.dtype));
+  doc["deepspeed"] = rules_doc(cfg.library.release);
   doc["flat_bytes"] = layout.flat_bytes();
   doc["partition_bytes"] = layout.partition_bytes();
   return doc;
@@ -48,16 +48,16 @@ unsigned long long rank_of(const Json& e) {
 
 void print_human(const RunConfig& cfg, const std::vector<Json>& entries, const RankResult& first) {
   const Json& plan = first.plan;
-  const std::uint64_t es = element_size(cfg.options.dtype);
+  const std::uint64_t es = element_size(cfg.library.layout.dtype);
   std::printf("zeroflat run: %s, %s tensors, %s parameters, %s %s\n",
               printable(cfg.model.name).c_str(), format_count(cfg.model.tensors.size()).c_str(),
               format_count(cfg.model.numel()).c_str(), format_bytes(cfg.model.numel() * es).c_str(),
-              std::string(dtype_name(cfg.options.dtype)).c_str());
+              std::string(dtype_name(cfg.library.layout.dtype)).c_str());
   std::printf(
-      "  device %s%s, dp %llu over %s, threads per rank %u\n", cfg.placement.device_spec.c_str(),
-      cfg.placement.no_data ? " (no data: memory accounted, nothing copied)" : "",
-      static_cast<unsigned long long>(cfg.options.dp), cfg.placement.comm.c_str(), cfg.threads);
-  std::printf("  layout: %s\n", rules_text(cfg.release).c_str());
+      "  device %s%s, dp %llu over %s, threads per rank %u\n", cfg.setup.device_spec.c_str(),
+      cfg.setup.no_data ? " (no data: memory accounted, nothing copied)" : "",
+      static_cast<unsigned long long>(cfg.library.layout.dp), cfg.setup.comm.c_str(), cfg.threads);
+  std::printf("  layout: %s\n", rules_text(cfg.library.release).c_str());
   std::printf("  plan: %s (free %s per rank, margin %s)\n",
               plan["reason"].get<std::string>().c_str(),
               format_bytes(plan["free_bytes"].get<std::uint64_t>()).c_str(),

@@ -30,19 +30,14 @@ struct LoadConfig {
   std::vector<LoadParam> params;
   std::vector<std::string> left_out;   // tensors the loader does not read, and why
   std::uint64_t checkpoint_bytes = 0;  // of the tensors loaded, as stored
-  LayoutOptions options;
-  std::optional<ReleaseRules> release;  // the DeepSpeed release the group follows, if any
+  // What every rank passes to the loader: the layout (dp, dtype, rules), margin, the read plan
+  // (tier; none: the cost model's choice), the shared storage's bytes/s, the read options (cold,
+  // ring, copies), this host's ranks (probe.local_ranks). Only rank-specific fields (the names,
+  // the fault injection, must_match) are set per rank.
+  FlattenOptions library;
   StageChoice stage;  // --stage 3: ZeRO-3's partitions (load_partitions), else the flat buffer
-  Placement placement;
-  std::optional<std::uint64_t> margin;
+  DeviceSetup setup;
   unsigned threads = 0;
-  unsigned local_ranks = 1;
-  std::uint64_t ring_chunk = std::uint64_t{16} << 20;
-  unsigned ring_depth = 4;
-  bool cold = false;
-  std::optional<Tier> read_plan;  // --read-plan; none: the cost model's choice
-  double storage = 0;             // --storage: bytes/s of the storage the nodes share; 0: own
-  CopyCheck copies = CopyCheck::kSampled;
   bool verify = false;
   bool ceiling = true;
   std::chrono::milliseconds timeout{60000};

@@ -23,7 +23,7 @@ using Json = nlohmann::ordered_json;
 enum class DeviceKind { kCpu, kSim, kCuda };
 
 // Where the ranks' buffers live and how the ranks talk: --device, --no-data, --host, --comm.
-struct Placement {
+struct DeviceSetup {
   std::string device_spec = "cpu";
   DeviceKind kind = DeviceKind::kCpu;
   bool no_data = false;
@@ -32,11 +32,11 @@ struct Placement {
 };
 // what: what lives on the device ("the parameters live"); no_data_effect: what
 // --no-data leaves out ("nothing is copied").
-void add_placement_options(Parser& parser, const std::string& what,
-                           const std::string& no_data_effect);
+void add_device_setup_options(Parser& parser, const std::string& what,
+                              const std::string& no_data_effect);
 // Checked (InvalidArgument names the bad value; the device is made once, so a GPU that is not
 // there is an error before any work). dp: the ranks as given, for the comm checks.
-Placement placement_from_args(const Args& args, std::uint64_t dp);
+DeviceSetup device_setup_from_args(const Args& args, std::uint64_t dp);
 // The --threads value: 0 when not given (settled from the ranks on this host later).
 unsigned threads_from_args(const Args& args);
 // --timeout SECONDS (1 to 86400; default 60): how long a rank waits for the others in a

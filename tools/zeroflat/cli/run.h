@@ -1,7 +1,7 @@
 // `zeroflat run`, cut by job: its options (run_options.cc), one rank's pipeline around the
 // library's front door (run_rank.cc), launching the ranks as threads or MPI processes
 // (run_launch.cc), and the report (run_report.cc). cmd_run.cc joins them. What run shares with
-// load (placement, ranks, this host's memory) is in cli/ranks.h.
+// load (the device setup, ranks, this host's memory) is in cli/ranks.h.
 #pragma once
 
 #include <chrono>
@@ -14,6 +14,7 @@
 #include "cli/progress.h"
 #include "cli/ranks.h"
 #include "zeroflat/comm.h"
+#include "zeroflat/engine.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/model.h"
 #include "zeroflat/plan.h"
@@ -24,21 +25,19 @@ namespace zeroflat::cli {
 // Everything the ranks share, validated before anything is allocated.
 struct RunConfig {
   ModelSpec model;
-  LayoutOptions options;
-  std::optional<ReleaseRules> release;  // the DeepSpeed release the group follows, if any
-  Placement placement;
-  std::optional<Tier> forced;
-  std::optional<std::uint64_t> margin;
+  // What every rank passes to the front door: the layout (dp, dtype, rules), the forced tier,
+  // margin, the value check, this host's ranks (probe.local_ranks). Only rank-specific fields
+  // (fault injection, must_match) are set per rank.
+  FlattenOptions library;
+  DeviceSetup setup;
   unsigned threads = 1;  // per rank
   std::uint64_t repeat = 3;
   bool verify = false;
-  bool check_values = true;
   std::optional<std::size_t> fault_step;
   std::uint64_t fault_rank = 0;
   std::optional<std::size_t> crash_step;  // --inject-crash: this rank dies (SIGKILL) there
   std::uint64_t crash_rank = 0;
   std::optional<std::uint64_t> corrupt;
-  unsigned local_ranks = 1;  // ranks of this run on this host
   std::chrono::milliseconds timeout{60000};
   // --start-timeout: how long the MPI job may take to start (--timeout bounds a collective)
   std::chrono::milliseconds start_timeout{120000};

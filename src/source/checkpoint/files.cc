@@ -1,0 +1,335 @@
+// Reading byte ranges of a checkpoint's files (files.h).
+#include "source/checkpoint/files.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <new>
+#include <thread>
+
+#include "common/convert.h"
+#include "zeroflat/error.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::detail {
+namespace {
+
+// A file shorter than its header says: cut since the headers were read.
+InvalidArgument truncated(const CheckpointIndex& ck, std::size_t file, std::uint64_t size) {
+  return InvalidArgument(ck.files[file] + " has " + std::to_string(size) +
+                         " bytes, but its header says " + std::to_string(ck.file_bytes[file]) +
+                         ": truncated since it was opened");
+}
+
+// The tensor whose bytes hold file offset `at` (for messages).
+std::string tensor_at(const CheckpointIndex& ck, std::uint32_t file, std::uint64_t at) {
+  for (const CheckpointTensor& t : ck.tensors) {
+    if (t.file == file && t.offset <= at && at < t.offset + t.bytes) return t.name;
+  }
+  return "?";
+}
+
+}  // namespace
+
+// The reads of [lo, hi) (bytes of the range) cut out of `reads`, dst relative to lo.
+std::vector<Read> window(const std::vector<Read>& reads, std::uint64_t lo, std::uint64_t hi,
+                         std::uint64_t es) {
+  std::vector<Read> out;
+  for (const Read& r : reads) {
+    const std::uint64_t d0 = r.dst;
+    const std::uint64_t d1 = r.dst + dst_bytes(r, es);
+    const std::uint64_t a = std::max(d0, lo);
+    const std::uint64_t b = std::min(d1, hi);
+    if (a >= b) continue;
+    const std::uint64_t fes = element_size(r.from);
+    Read w = r;
+    w.src = r.src + (a - d0) / es * fes;
+    w.src_bytes = (b - a) / es * fes;
+    w.dst = a - lo;
+    out.push_back(w);
+  }
+  return out;
+}
+
+double resident_fraction(const std::string& file, std::uint64_t offset, std::uint64_t length) {
+  if (length == 0) return 1.0;
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return 0.0;
+  const auto page = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
+  const std::uint64_t lo = offset / page * page;
+  const std::uint64_t hi = offset + length;
+  void* map = mmap(nullptr, hi - lo, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(lo));
+  ::close(fd);
+  if (map == MAP_FAILED) return 0.0;
+  std::vector<unsigned char> resident((hi - lo + page - 1) / page);
+  double fraction = 0.0;
+  if (mincore(map, hi - lo, resident.data()) == 0) {
+    std::uint64_t in = 0;
+    for (unsigned char r : resident) in += r & 1;
+    fraction = static_cast<double>(in) / static_cast<double>(resident.size());
+  }
+  munmap(map, hi - lo);
+  return fraction;
+}
+
+std::uint64_t source_bytes(const std::vector<Read>& reads) {
+  std::uint64_t bytes = 0;
+  for (const Read& r : reads) bytes += r.src_bytes;
+  return bytes;
+}
+
+OpenFiles::OpenFiles(const CheckpointIndex& ck) : ck_(ck), open_(ck.files.size()) {
+  rlimit lim{};
+  std::uint64_t budget = 1024;
+  if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+    budget = lim.rlim_cur;
+  }
+  keep_ = static_cast<std::size_t>(std::clamp<std::uint64_t>(budget / 8, 4, 64));
+}
+
+void OpenFiles::advise_scattered(bool scattered) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (scattered == scattered_) return;
+  scattered_ = scattered;
+  for (const std::shared_ptr<const File>& f : open_) {
+    if (f) (void)posix_fadvise(f->fd(), 0, 0, scattered ? POSIX_FADV_RANDOM : POSIX_FADV_NORMAL);
+  }
+}
+
+std::shared_ptr<const File> OpenFiles::get(std::uint32_t i) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (open_[i]) {
+    lru_.remove(i);
+    lru_.push_back(i);
+    return open_[i];
+  }
+  // Close the least recently used files nobody is reading.
+  for (auto it = lru_.begin(); it != lru_.end() && lru_.size() >= keep_;) {
+    if (open_[*it].use_count() == 1) {
+      open_[*it].reset();
+      it = lru_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  std::shared_ptr<const File> f;
+  try {
+    f = std::make_shared<const File>(ck_.files[i]);
+  } catch (const InvalidArgument& e) {
+    const int err = errno;
+    if (err == EMFILE || err == ENFILE) {
+      throw ResourceExhausted(ck_.files[i] + ": the system refuses another open file (" +
+                              std::strerror(err) + "; " + std::to_string(lru_.size()) +
+                              " of the checkpoint's files are open here): raise `ulimit -n`");
+    }
+    throw;
+  }
+  if (f->size() < ck_.file_bytes[i]) throw truncated(ck_, i, f->size());
+  if (scattered_) (void)posix_fadvise(f->fd(), 0, 0, POSIX_FADV_RANDOM);
+  open_[i] = f;
+  lru_.push_back(i);
+  return f;
+}
+
+// Every file of the checkpoint is there and as long as its header says: checked without opening
+// (so without descriptors), before the ranks agree, so that a missing shard is an error on every
+// rank before anything is read.
+void check_files_present(const CheckpointIndex& ck) {
+  for (std::size_t i = 0; i < ck.files.size(); ++i) {
+    struct stat st {};
+    if (::stat(ck.files[i].c_str(), &st) != 0) {
+      throw InvalidArgument(ck.files[i] + ": " + std::strerror(errno) + " (a file of checkpoint " +
+                            ck.path + ", named by its index)");
+    }
+    if (!S_ISREG(st.st_mode)) {
+      throw InvalidArgument(ck.files[i] + " is not a regular file");
+    }
+    if (static_cast<std::uint64_t>(st.st_size) < ck.file_bytes[i]) {
+      throw truncated(ck, i, static_cast<std::uint64_t>(st.st_size));
+    }
+  }
+}
+
+// Drops files' pages from the page cache. Dirty pages (a checkpoint just written) are not
+// dropped, so they are written back first.
+void drop_from_cache(OpenFiles& files, const std::vector<std::uint32_t>& which) {
+  for (std::uint32_t f : which) {
+    const std::shared_ptr<const File> file = files.get(f);
+    (void)fdatasync(file->fd());
+    (void)posix_fadvise(file->fd(), 0, 0, POSIX_FADV_DONTNEED);
+  }
+}
+
+void drop_all_from_cache(OpenFiles& files) {
+  std::vector<std::uint32_t> all(files.checkpoint().files.size());
+  for (std::uint32_t f = 0; f < all.size(); ++f) all[f] = f;
+  drop_from_cache(files, all);
+}
+
+// The fraction of the reads' bytes in the page cache now.
+double cached_fraction_of(const CheckpointIndex& ck, const std::vector<Read>& reads) {
+  std::uint64_t cached = 0;
+  std::uint64_t total = 0;
+  for (const Read& r : reads) {
+    cached += static_cast<std::uint64_t>(resident_fraction(ck.files[r.file], r.src, r.src_bytes) *
+                                         static_cast<double>(r.src_bytes));
+    total += r.src_bytes;
+  }
+  return total ? static_cast<double>(cached) / static_cast<double>(total) : 1.0;
+}
+
+Reader::Reader(OpenFiles& files, DType to, unsigned threads,
+               std::optional<std::uint64_t> fail_after)
+    : files_(files), to_(to), es_(element_size(to)), pool_(threads), fail_after_(fail_after) {}
+
+void Reader::fill(unsigned char* dst, std::uint64_t n, const std::vector<Read>& reads) {
+  // The gaps first (padding between and after parameters).
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> covered;
+  for (const Read& r : reads) covered.emplace_back(r.dst, r.dst + dst_bytes(r, es_));
+  std::sort(covered.begin(), covered.end());
+  std::uint64_t at = 0;
+  for (const auto& [lo, hi] : covered) {
+    if (lo > at) std::memset(dst + at, 0, lo - at);
+    at = std::max(at, hi);
+  }
+  if (n > at) std::memset(dst + at, 0, n - at);
+  // Pieces of at most kPiece source bytes, handed out in file order.
+  struct Piece {
+    const Read* read;
+    std::uint64_t skip;   // source bytes into the read
+    std::uint64_t bytes;  // source bytes
+  };
+  std::vector<Piece> pieces;
+  for (const Read& r : reads) {
+    const std::uint64_t step = kPiece / element_size(r.from) * element_size(r.from);
+    for (std::uint64_t s = 0; s < r.src_bytes; s += step) {
+      pieces.push_back(Piece{&r, s, std::min(step, r.src_bytes - s)});
+    }
+  }
+  std::atomic<std::size_t> next{0};
+  pool_.run([&](unsigned) {
+    std::vector<unsigned char> scratch;
+    for (std::size_t k = next++; k < pieces.size() && !failed_; k = next++) {
+      const Piece& p = pieces[k];
+      const Read& r = *p.read;
+      const std::uint64_t fes = element_size(r.from);
+      unsigned char* out = dst + r.dst + p.skip / fes * es_;
+      unsigned char* into = out;
+      if (r.from != to_) {
+        try {
+          scratch.resize(p.bytes);
+        } catch (const std::bad_alloc&) {
+          fail(OutOfMemory("cannot allocate " + format_bytes(p.bytes) +
+                           " of host scratch to convert " + files_.path(r.file)));
+          return;
+        }
+        into = scratch.data();
+      }
+      if (!read_exactly(r.file, into, p.bytes, r.src + p.skip)) return;
+      if (r.from != to_) convert_range(out, to_, into, r.from, p.bytes / fes);
+      bytes_ += p.bytes;
+    }
+  });
+}
+
+bool Reader::read_exactly(std::uint32_t file, unsigned char* out, std::uint64_t n,
+                          std::uint64_t at) {
+  // Which tensor, only when something failed (a scan of every tensor).
+  auto where = [&] {
+    return " (tensor '" + printable(tensor_at(files_.checkpoint(), file, at)) + "')";
+  };
+  try {
+    if (fail_after_ && read_so_far_.fetch_add(n) + n > *fail_after_) {
+      throw Error(files_.path(file) + ": reading bytes [" + std::to_string(at) + ", " +
+                  std::to_string(at + n) + ") failed: injected I/O error (testing aid)");
+    }
+    files_.get(file)->read_at(out, n, at);
+    return true;
+  } catch (const ResourceExhausted& e) {
+    fail(ResourceExhausted(e.what() + where()));
+  } catch (const std::exception& e) {
+    fail(Error(e.what() + where()));
+  }
+  return false;
+}
+
+void fill_through_ring(Reader& reader, Device& device, unsigned char* dst, std::uint64_t n,
+                       const std::vector<Read>& reads, unsigned char* ring,
+                       std::uint64_t ring_bytes, unsigned depth_option, std::uint64_t es) {
+  const std::uint64_t depth = std::max<unsigned>(1, depth_option);
+  const std::uint64_t chunk = ring_bytes / depth;
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<std::pair<std::uint64_t, std::uint64_t>> full;  // (chunk slot, window start)
+  std::vector<bool> busy(depth, false);
+  bool done = false;
+  std::string copy_error;
+  std::thread copier([&] {
+    for (;;) {
+      std::pair<std::uint64_t, std::uint64_t> job;
+      {
+        std::unique_lock<std::mutex> lock(m);
+        cv.wait(lock, [&] { return done || !full.empty(); });
+        if (full.empty()) return;
+        job = full.front();
+        full.pop_front();
+      }
+      try {
+        if (copy_error.empty()) {
+          device.copy(dst + job.second, ring + job.first * chunk, std::min(chunk, n - job.second));
+        }
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(m);
+        copy_error = e.what();
+      }
+      {
+        std::lock_guard<std::mutex> lock(m);
+        busy[job.first] = false;
+      }
+      cv.notify_all();
+    }
+  });
+  // The copier is stopped and joined on every way out, a throw included: a thread left
+  // joinable would end the process.
+  const auto stop_copier = [&] {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      done = true;
+    }
+    cv.notify_all();
+    copier.join();
+  };
+  try {
+    for (std::uint64_t w = 0, k = 0; w < n && !reader.failed(); w += chunk, ++k) {
+      const std::uint64_t slot = k % depth;
+      {
+        std::unique_lock<std::mutex> lock(m);
+        cv.wait(lock, [&] { return !busy[slot]; });
+        busy[slot] = true;
+      }
+      const std::uint64_t len = std::min(chunk, n - w);
+      reader.fill(ring + slot * chunk, len, window(reads, w, w + len, es));
+      {
+        std::lock_guard<std::mutex> lock(m);
+        full.emplace_back(slot, w);
+      }
+      cv.notify_all();
+    }
+  } catch (...) {
+    stop_copier();
+    throw;
+  }
+  stop_copier();
+  device.synchronize();
+  if (!copy_error.empty()) throw Error("copying to " + device.name() + ": " + copy_error);
+}
+
+}  // namespace zeroflat::detail

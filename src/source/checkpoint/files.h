@@ -1,0 +1,138 @@
+// Reading byte ranges of a checkpoint's files: the reads a rank makes, the files kept open, a
+// team of threads that reads and converts, and what the page cache holds. Shared by every
+// source that reads tensors out of files.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "model/files.h"
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/device.h"
+#include "zeroflat/dtype.h"
+
+namespace zeroflat::detail {
+
+// One contiguous read: src_bytes of file at src, converted from `from`, landing at dst (bytes
+// from the start of the range being filled).
+struct Read {
+  std::uint32_t file = 0;
+  std::uint64_t src = 0;
+  std::uint64_t src_bytes = 0;
+  std::uint64_t dst = 0;
+  DType from = DType::kBF16;
+};
+
+// Bytes a read fills in a buffer of element size es.
+inline std::uint64_t dst_bytes(const Read& r, std::uint64_t es) {
+  return r.src_bytes / element_size(r.from) * es;
+}
+
+// The reads of [lo, hi) (bytes of the range) cut out of `reads`, dst relative to lo.
+std::vector<Read> window(const std::vector<Read>& reads, std::uint64_t lo, std::uint64_t hi,
+                         std::uint64_t es);
+
+// The file bytes of the reads.
+std::uint64_t source_bytes(const std::vector<Read>& reads);
+
+// The checkpoint's files, opened when first read and kept open a bounded number at a time, so
+// that a checkpoint of hundreds of shards loads under the default descriptor limit: a rank opens
+// only the files it reads, and at most a few dozen of them at once.
+class OpenFiles {
+ public:
+  explicit OpenFiles(const CheckpointIndex& ck);
+
+  // scattered: the reads to come are many short ranges spread over each file (a range of every
+  // tensor), so the kernel's read-ahead is turned off (POSIX_FADV_RANDOM): past the end of each
+  // range it would read the start of another rank's, which that rank reads itself. Applies to
+  // the files open now and to those opened later.
+  void advise_scattered(bool scattered);
+
+  // File i, open; it stays open at least while the returned pointer lives. Throws
+  // ResourceExhausted when the system refuses a descriptor, InvalidArgument when the file is
+  // gone, not a regular file or shorter than its header says.
+  std::shared_ptr<const File> get(std::uint32_t i);
+  const std::string& path(std::uint32_t i) const { return ck_.files[i]; }
+  const CheckpointIndex& checkpoint() const { return ck_; }
+
+ private:
+  const CheckpointIndex& ck_;
+  std::mutex mutex_;
+  std::vector<std::shared_ptr<const File>> open_;
+  std::list<std::uint32_t> lru_;
+  std::size_t keep_ = 64;
+  bool scattered_ = false;
+};
+
+// Every file of the checkpoint is there and as long as its header says: checked without opening
+// (so without descriptors). Throws InvalidArgument naming the file.
+void check_files_present(const CheckpointIndex& ck);
+
+// Drops files' pages from the page cache. Dirty pages (a checkpoint just written) are not
+// dropped, so they are written back first.
+void drop_from_cache(OpenFiles& files, const std::vector<std::uint32_t>& which);
+void drop_all_from_cache(OpenFiles& files);
+
+// The fraction of [offset, offset + length) of a file in the page cache now (mincore); 0 when
+// the file cannot be mapped.
+double resident_fraction(const std::string& file, std::uint64_t offset, std::uint64_t length);
+
+// The fraction of the reads' bytes in the page cache now.
+double cached_fraction_of(const CheckpointIndex& ck, const std::vector<Read>& reads);
+
+// Reads and converts pieces on a team of threads. A failure stops the others and is kept.
+class Reader {
+ public:
+  Reader(OpenFiles& files, DType to, unsigned threads, std::optional<std::uint64_t> fail_after);
+
+  // Fills dst[0, n) from the reads (dst offsets relative to dst): zeros where no read lands.
+  // A failure is kept (failed(), rethrow()), not thrown.
+  void fill(unsigned char* dst, std::uint64_t n, const std::vector<Read>& reads);
+
+  // Throws what failed (its type kept: OutOfMemory, ResourceExhausted, Error), naming the file,
+  // byte range and tensor.
+  void rethrow() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool failed() const { return failed_; }
+  std::uint64_t bytes() const { return bytes_; }
+
+ private:
+  static constexpr std::uint64_t kPiece = std::uint64_t{8} << 20;
+
+  template <typename E>
+  void fail(const E& e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failed_.exchange(true)) error_ = std::make_exception_ptr(e);
+  }
+  bool read_exactly(std::uint32_t file, unsigned char* out, std::uint64_t n, std::uint64_t at);
+
+  OpenFiles& files_;
+  DType to_;
+  std::uint64_t es_;
+  ThreadPool pool_;
+  std::optional<std::uint64_t> fail_after_;
+  std::atomic<std::uint64_t> read_so_far_{0};
+  std::atomic<std::uint64_t> bytes_{0};
+  std::atomic<bool> failed_{false};
+  std::mutex mutex_;
+  std::exception_ptr error_;
+};
+
+// A ring of chunks in `ring` (ring_bytes of pinned host memory, `depth` chunks): the team fills
+// window k + 1 of dst[0, n) from the reads while a copier thread moves window k to the device.
+// Throws what the reader or the copy failed with; the copier is stopped and joined on every way
+// out.
+void fill_through_ring(Reader& reader, Device& device, unsigned char* dst, std::uint64_t n,
+                       const std::vector<Read>& reads, unsigned char* ring,
+                       std::uint64_t ring_bytes, unsigned depth, std::uint64_t es);
+
+}  // namespace zeroflat::detail

@@ -1,0 +1,138 @@
+// The loader's front doors (loader.h): the checkpoint as the source of the one pipeline, for
+// the flat buffer (ZeRO-1/2) and for ZeRO-3's partitions; and what a rank would read, known
+// before it reads.
+#include "common/convert.h"
+#include "source/checkpoint/source.h"
+#include "zeroflat/error.h"
+#include "zeroflat/loader.h"
+#include "zeroflat/size.h"
+#include "zeroflat/zero3.h"
+
+namespace zeroflat {
+namespace {
+
+// Both front doors: the checkpoint as the pipeline's source, for either placement.
+FlattenResult load_group(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                         Device& device, Communicator* comm, const FlattenOptions& options,
+                         detail::Placement& placement) {
+  // The group as the pipeline sees it: shapes and dtype, no data yet.
+  FlattenOptions o = options;
+  std::vector<TensorRef> refs;
+  refs.reserve(params.size());
+  o.names.clear();
+  for (const LoadParam& p : params) {
+    refs.push_back(TensorRef{nullptr, shape_numel(p.shape), p.shape, o.layout.dtype, &device});
+    o.names.push_back("parameter '" + printable(p.name) + "'");
+  }
+  detail::CheckpointSource source(ck, params, device, o);
+  FlattenResult res = detail::run_pipeline(refs, device, comm, o, source, placement);
+  if (!res.feasible() || res.complete()) return res;  // the same verdict on every rank
+  // A failed load keeps nothing (the checkpoint is untouched): the failure is thrown.
+  const Execution& ex = res.execution;
+  const std::vector<Step>& steps = res.chosen().steps;
+  if (ex.failed_step && *ex.failed_step < steps.size() &&
+      steps[*ex.failed_step].op == Op::kAllocate) {
+    throw OutOfMemory(ex.error);
+  }
+  throw Error(ex.error);
+}
+
+// The file bytes rank `rank` of `world` reads for `placement` laid out by options: its first
+// read plan's kRead steps.
+std::uint64_t read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                         const FlattenOptions& options, const detail::Placement& placement,
+                         std::uint64_t world, std::uint64_t rank) {
+  if (rank >= world) {
+    throw InvalidArgument("rank " + std::to_string(rank) + " of " + std::to_string(world));
+  }
+  const detail::Sources sources = detail::resolve_all(ck, params);
+  std::vector<std::uint64_t> numels;
+  for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
+  const Layout layout = placement.layout(numels, options);
+  const std::vector<std::uint64_t> starts = placement.starts(numels, world, rank);
+  std::uint64_t bytes = 0;
+  for (const Step& s : load_steps(layout, placement.slot(rank), 0, placement.read_plans()[0])) {
+    if (s.op != Op::kRead) continue;
+    bytes += detail::source_bytes(
+        detail::reads_for(layout, sources, starts, s.flat_offset, s.flat_offset + s.bytes));
+  }
+  return bytes;
+}
+
+}  // namespace
+
+FlattenResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                              Device& device, Communicator* comm, const FlattenOptions& options) {
+  detail::FlatPlacement placement;
+  return load_group(ck, params, device, comm, options, placement);
+}
+
+FlattenResult load_partitions(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                              Device& device, Communicator* comm, const FlattenOptions& options) {
+  detail::PartitionsPlacement placement;
+  return load_group(ck, params, device, comm, options, placement);
+}
+
+std::uint64_t partition_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                                   const LayoutOptions& layout, std::uint64_t rank) {
+  FlattenOptions o;
+  o.layout = layout;
+  return read_bytes(ck, params, o, detail::FlatPlacement(), layout.dp, rank);
+}
+
+std::uint64_t partitions_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                                    std::uint64_t world, std::uint64_t rank) {
+  FlattenOptions o;
+  o.layout.dp = world;
+  return read_bytes(ck, params, o, detail::PartitionsPlacement(), world, rank);
+}
+
+std::string_view copy_check_name(CopyCheck check) noexcept {
+  switch (check) {
+    case CopyCheck::kOff:
+      return "off";
+    case CopyCheck::kSampled:
+      return "sampled";
+    case CopyCheck::kFull:
+      return "full";
+  }
+  return "?";
+}
+
+CopyCheck parse_copy_check(std::string_view text, std::string_view what) {
+  for (CopyCheck c : {CopyCheck::kOff, CopyCheck::kSampled, CopyCheck::kFull}) {
+    if (text == copy_check_name(c)) return c;
+  }
+  throw InvalidArgument(std::string(what) + " '" + printable(std::string(text)) +
+                        "': expected off, sampled or full");
+}
+
+void read_checkpoint_tensor(const CheckpointIndex& ck, const std::string& name,
+                            std::optional<DType> to, void* dst) {
+  const CheckpointTensor* t = ck.find(name);
+  if (t == nullptr) {
+    throw InvalidArgument(ck.path + " has no tensor named '" + printable(name) + "'");
+  }
+  if (to && !t->type) {
+    throw InvalidArgument(ck.files[t->file] + ": tensor '" + printable(name) + "' is " +
+                          printable(t->dtype) + ": the loader converts BF16, F16 and F32");
+  }
+  const detail::File file(ck.files[t->file]);
+  if (!to || *to == *t->type) {
+    file.read_at(dst, t->bytes, t->offset);
+    return;
+  }
+  std::vector<unsigned char> raw(t->bytes);
+  file.read_at(raw.data(), t->bytes, t->offset);
+  detail::convert_range(dst, *to, raw.data(), *t->type, t->numel);
+}
+
+std::string page_cache_word(double fraction) {
+  return fraction < 0.1 ? "cold" : fraction > 0.9 ? "warm" : "partly";
+}
+
+double cached_fraction(const std::string& file, std::uint64_t offset, std::uint64_t length) {
+  return detail::resident_fraction(file, offset, length);
+}
+
+}  // namespace zeroflat

@@ -1,0 +1,283 @@
+// A checkpoint's tensors as the pipeline's source (source.h).
+#include "source/checkpoint/source.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/clock.h"
+#include "zeroflat/cli/agree.h"
+#include "zeroflat/error.h"
+#include "zeroflat/runtime.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat::detail {
+namespace {
+
+// Calls fn(tensor, first element of the tensor, elements, first element of the parameter) for
+// each piece of the parameter's elements [lo, lo + n) held by its sources.
+template <typename Fn>
+void for_pieces(const std::vector<const CheckpointTensor*>& src, std::uint64_t lo, std::uint64_t n,
+                Fn fn) {
+  std::uint64_t at = 0;
+  for (const CheckpointTensor* t : src) {
+    const std::uint64_t a = std::max(at, lo);
+    const std::uint64_t b = std::min(at + t->numel, lo + n);
+    if (a < b) fn(*t, a - at, b - a, a);
+    at += t->numel;
+    if (at >= lo + n) break;
+  }
+}
+
+// Every file's size, then every tensor's name, dtype, shape and byte range, as texts the ranks
+// can compare entry by entry.
+std::vector<std::string> header_entries(const CheckpointIndex& ck) {
+  std::vector<std::string> out;
+  out.reserve(ck.files.size() + ck.tensors.size());
+  for (std::size_t f = 0; f < ck.files.size(); ++f) {
+    const std::string name = ck.files[f].substr(ck.files[f].find_last_of('/') + 1);
+    out.push_back("file " + printable(name) + " of " + std::to_string(ck.file_bytes[f]) + " bytes");
+  }
+  for (const CheckpointTensor& t : ck.tensors) {
+    const std::string file = ck.files[t.file].substr(ck.files[t.file].find_last_of('/') + 1);
+    out.push_back("tensor '" + printable(t.name) + "' " + printable(t.dtype) + " " +
+                  shape_to_string(t.shape) + " at bytes [" + std::to_string(t.offset) + ", " +
+                  std::to_string(t.offset + t.bytes) + ") of " + printable(file));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<const CheckpointTensor*> resolve(const CheckpointIndex& ck, const LoadParam& p,
+                                             std::vector<std::string>& missing) {
+  std::vector<std::string> names = p.sources;
+  if (names.empty()) names.push_back(p.name);
+  if (!p.source_shapes.empty() && p.source_shapes.size() != names.size()) {
+    throw InvalidArgument("parameter '" + printable(p.name) + "' names " +
+                          std::to_string(names.size()) + " source tensors but " +
+                          std::to_string(p.source_shapes.size()) + " expected shapes");
+  }
+  std::vector<const CheckpointTensor*> out;
+  std::uint64_t numel = 0;
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    const CheckpointTensor* t = ck.find(names[k]);
+    if (t == nullptr) {
+      missing.push_back(printable(names[k]));
+      continue;
+    }
+    if (!t->type) {
+      throw InvalidArgument(ck.files[t->file] + ": tensor '" + printable(t->name) + "' is " +
+                            printable(t->dtype) + ": the loader reads BF16, F16 and F32");
+    }
+    if (!p.source_shapes.empty() && t->shape != p.source_shapes[k]) {
+      throw InvalidArgument(ck.files[t->file] + ": tensor '" + printable(t->name) + "' has shape " +
+                            shape_to_string(t->shape) + ", but parameter '" + printable(p.name) +
+                            "' takes it as " + shape_to_string(p.source_shapes[k]) +
+                            " (a tensor stored transposed or reshaped would load as garbage)");
+    }
+    out.push_back(t);
+    numel += t->numel;
+  }
+  if (out.size() != names.size()) return {};
+  if (out.size() == 1 && out.front()->shape != p.shape) {
+    const CheckpointTensor& t = *out.front();
+    throw InvalidArgument(ck.files[t.file] + ": tensor '" + printable(t.name) + "' has shape " +
+                          shape_to_string(t.shape) + ", but parameter '" + printable(p.name) +
+                          "' is " + shape_to_string(p.shape));
+  }
+  if (numel != shape_numel(p.shape)) {
+    throw InvalidArgument("the " + std::to_string(out.size()) + " tensors of parameter '" +
+                          printable(p.name) + "' (" + printable(names.front()) + ", ...) hold " +
+                          std::to_string(numel) + " elements, but it is " +
+                          shape_to_string(p.shape) + " (" + std::to_string(shape_numel(p.shape)) +
+                          " elements)");
+  }
+  return out;
+}
+
+Sources resolve_all(const CheckpointIndex& ck, std::span<const LoadParam> params) {
+  Sources sources;
+  sources.reserve(params.size());
+  std::vector<std::string> missing;
+  for (const LoadParam& p : params) sources.push_back(resolve(ck, p, missing));
+  if (!missing.empty()) {
+    const std::size_t n = missing.size();
+    if (n > 8) {
+      missing.resize(8);
+      missing.push_back("...");
+    }
+    throw InvalidArgument(ck.path + " has no tensor named " + join(missing) + " (" +
+                          std::to_string(n) + " missing; the checkpoint holds " +
+                          std::to_string(ck.tensors.size()) + " tensors)");
+  }
+  return sources;
+}
+
+std::vector<Read> reads_for(const Layout& layout, const Sources& sources,
+                            std::span<const std::uint64_t> starts, std::uint64_t lo,
+                            std::uint64_t hi) {
+  const std::uint64_t es = layout.element_size();
+  std::vector<Read> reads;
+  for (const Fragment& f : layout.fragments_in(lo / es, hi / es)) {
+    const std::uint64_t first = f.param_offset + (starts.empty() ? 0 : starts[f.param]);
+    for_pieces(sources[f.param], first, f.numel,
+               [&](const CheckpointTensor& t, std::uint64_t tensor_first, std::uint64_t n,
+                   std::uint64_t param_first) {
+                 const std::uint64_t fes = element_size(*t.type);
+                 reads.push_back(Read{t.file, t.offset + tensor_first * fes, n * fes,
+                                      (f.partition_offset + param_first - first) * es, *t.type});
+               });
+  }
+  std::sort(reads.begin(), reads.end(), [](const Read& a, const Read& b) {
+    return a.file != b.file ? a.file < b.file : a.src < b.src;
+  });
+  std::vector<Read> merged;
+  for (const Read& r : reads) {
+    if (!merged.empty()) {
+      Read& m = merged.back();
+      if (m.file == r.file && m.from == r.from && m.src + m.src_bytes == r.src &&
+          m.dst + dst_bytes(m, es) == r.dst) {
+        m.src_bytes += r.src_bytes;
+        continue;
+      }
+    }
+    merged.push_back(r);
+  }
+  return merged;
+}
+
+CheckpointSource::CheckpointSource(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                                   Device& device, const FlattenOptions& options)
+    : ck_(ck), params_(params), device_(device), options_(options), files_(ck) {
+  const ReadOptions& r = options.read;
+  if (r.through_ring || !device.host_accessible()) {
+    ring_bytes_ = std::uint64_t{r.ring_depth} * (r.ring_chunk_bytes / 64 * 64);
+  }
+}
+
+void CheckpointSource::check(std::span<const TensorRef> views, const Layout& layout,
+                             const Device& device) const {
+  for (std::size_t i = 0; i < views.size(); ++i) {
+    if (views[i].data != nullptr || views[i].device != &device ||
+        views[i].dtype != layout.options().dtype) {
+      throw InvalidArgument("parameter " + std::to_string(i) +
+                            " of a group read from a checkpoint must have no data yet, be on " +
+                            device.name() + " and have the group's dtype");
+    }
+  }
+}
+
+void CheckpointSource::prepare(std::span<const TensorRef>, const Layout& layout,
+                               const Placement& placement, std::uint64_t world, std::uint64_t rank,
+                               Device& device) {
+  const ReadOptions& r = options_.read;
+  if (ring_bytes_ > 0 && (r.ring_depth == 0 || r.ring_depth > 64 || r.ring_chunk_bytes < 4096 ||
+                          r.ring_chunk_bytes > (std::uint64_t{1} << 32))) {
+    throw InvalidArgument("a staging ring of " + std::to_string(r.ring_depth) + " chunks of " +
+                          format_bytes(r.ring_chunk_bytes) +
+                          ": expected 1 to 64 chunks of 4 KiB to 4 GiB");
+  }
+  sources_ = resolve_all(ck_, params_);
+  numels_.clear();
+  for (const LoadParam& p : params_) numels_.push_back(shape_numel(p.shape));
+  layout_ = layout;
+  placement_ = &placement;
+  world_ = world;
+  rank_ = rank;
+  starts_ = placement.starts(numels_, world, rank);
+  threads_ =
+      r.threads > 0 ? r.threads : default_num_threads(std::max(1u, local_ranks(options_, world)));
+  if (device.keeps_data()) {
+    check_files_present(ck_);
+    // Before the ranks agree, so that every rank's drop precedes every rank's reads.
+    if (r.cold) drop_all_from_cache(files_);
+  }
+}
+
+// The checkpoint's own entries are compared one by one after the options (agree()), so that a
+// difference is named by its tensor.
+std::vector<std::string> CheckpointSource::describe() const {
+  return {"ring " + std::to_string(ring_bytes_) + " B",
+          "copies check " + std::string(copy_check_name(options_.read.copies))};
+}
+
+// The ranks compare their copies' headers: one all-reduce of the whole digest in the
+// agreement's options would not name the entry; here, the entries themselves, digests first.
+void CheckpointSource::agree(Communicator* comm) {
+  if (comm == nullptr || comm->size() <= 1) return;
+  const std::optional<Difference> d = first_difference(header_entries(ck_), *comm);
+  if (!d) return;
+  throw InvalidArgument("the ranks read different checkpoints at " + ck_.path + ": " +
+                        describe_difference(*d, "the entry", comm->rank()) +
+                        " differs between the ranks' copies; every rank must read an identical "
+                        "copy");
+}
+
+Plan CheckpointSource::plan(const PlanInput& input, const Placement& placement) const {
+  return plan_reads(input, ring_bytes_, input.forced, placement.read_plans());
+}
+
+void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t bytes, void* stage,
+                            std::uint64_t stage_bytes) {
+  const std::uint64_t es = layout_->element_size();
+  const std::vector<Read> reads =
+      reads_for(*layout_, sources_, starts_, flat_offset, flat_offset + bytes);
+  read_.emplace_back(flat_offset, flat_offset + bytes);
+  report_.reads = reads.size();
+  report_.bytes = source_bytes(reads);
+  if (!device_.keeps_data()) return;
+  // Many short ranges (a slice of every tensor) would each pull the kernel's read-ahead past
+  // their end into bytes another rank reads.
+  files_.advise_scattered(reads.size() > 1 && report_.bytes / reads.size() < (8u << 20));
+  report_.cached_fraction = cached_fraction_of(ck_, reads);
+  report_.page_cache = page_cache_word(report_.cached_fraction);
+  const auto t0 = Clock::now();
+  Reader reader(files_, layout_->options().dtype, threads_, options_.read.fail_after_bytes);
+  auto* out = static_cast<unsigned char*>(dst);
+  if (stage == nullptr) {
+    reader.fill(out, bytes, reads);
+  } else {
+    fill_through_ring(reader, device_, out, bytes, reads, static_cast<unsigned char*>(stage),
+                      stage_bytes, options_.read.ring_depth, es);
+  }
+  reader.rethrow();
+  report_.seconds = seconds_since(t0);
+}
+
+void CheckpointSource::report(FlattenResult& result) const {
+  result.read = report_;
+}
+
+std::string CheckpointSource::where(std::uint64_t b, std::uint64_t owner) const {
+  const std::uint64_t es = layout_->element_size();
+  const std::uint64_t e = b / es;
+  const auto& offs = layout_->offsets();
+  const std::string text =
+      "layout byte " + std::to_string(b) + " (read by rank " + std::to_string(owner) + ")";
+  const std::vector<std::uint64_t> starts = placement_->starts(numels_, world_, owner);
+  // Round-robin layouts do not keep offsets sorted: a scan.
+  for (std::size_t p = 0; p < offs.size(); ++p) {
+    if (offs[p] > e || e >= offs[p] + layout_->numels()[p]) continue;
+    std::uint64_t at = e - offs[p] + (starts.empty() ? 0 : starts[p]);
+    for (const CheckpointTensor* t : sources_[p]) {
+      if (at < t->numel) {
+        return text + ", tensor '" + printable(t->name) + "' of " + ck_.files[t->file] +
+               " at file byte " + std::to_string(t->offset + at * element_size(*t->type));
+      }
+      at -= t->numel;
+    }
+    return text;
+  }
+  return text;
+}
+
+std::vector<std::pair<std::uint64_t, std::uint64_t>> CheckpointSource::read_ranges(
+    std::uint64_t q) const {
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
+  for (const Step& s : load_steps(*layout_, placement_->slot(q), ring_bytes_, chosen_)) {
+    if (s.op == Op::kRead) out.emplace_back(s.flat_offset, s.flat_offset + s.bytes);
+  }
+  return out;
+}
+
+}  // namespace zeroflat::detail
