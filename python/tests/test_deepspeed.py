@@ -400,7 +400,7 @@ def test_host_copies_run_on_the_engine_only_with_threads_to_split_them(monkeypat
     for threads, engine in ((2, True), (1, False)):
         monkeypatch.setattr(zeroflat._C, "default_threads", lambda local, t=threads: t)
         float_before = torch.Tensor.float
-        with zd._FastHostCopies():
+        with zd._FastHostCopies().on():
             assert (torch.Tensor.float is not float_before) == engine
             up = big.float()
         assert torch.Tensor.float is float_before

@@ -4,8 +4,9 @@ training through the views; ranks that disagree on shapes; a failure on one rank
 
 import copy
 import os
-import time
+import re
 import sys
+import time
 
 import pytest
 import torch
@@ -59,7 +60,11 @@ def check_training(rank, world, group):
 def check_disagreement(rank, world, group):
     model = Tiny(seed=0, width=13 if rank != 1 else 14).to(torch.bfloat16)
     snap = [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"parameter 1 differs between ranks"):
+    # Every rank names the parameter, its shape here and the other shape with a rank holding it.
+    here, there = ("[31, 14]", "[31, 13]") if rank == 1 else ("[31, 13]", "[31, 14]")
+    with pytest.raises(ValueError, match=re.escape(
+            f"'parameter 1 {here} bf16' on this rank ({rank}), 'parameter 1 {there} bf16' on "
+            f"rank {0 if rank == 1 else 1}")):
         zeroflat.flatten_param_group(model.parameters(), group)
     for p, (ptr, v) in zip(model.parameters(), snap):
         assert p.data_ptr() == ptr and torch.equal(p, v)

@@ -100,8 +100,11 @@ def assert_same_zero3(ref, ours, where):
 def assert_one_buffer(model, where):
     """Every trainable parameter's ds_tensor a view of one storage, back to back in the groups'
     order; the other parameters' in another."""
-    z = model.zeroflat_zero3
-    for params, flat in ((z.params, z.flat), (z.frozen_params, z.frozen)):
+    groups = model.zeroflat_groups
+    assert 1 <= len(groups) <= 2, where
+    for fg in groups:
+        params, flat = fg.params, fg.flat
+        assert fg.partition is flat and fg.tier == "load-partitions", where
         at = 0
         for p in params:
             t = p.ds_tensor
@@ -112,7 +115,7 @@ def assert_one_buffer(model, where):
                 assert p.ds_tensor.data_ptr() == flat.data_ptr() + at * flat.element_size(), where
             at += p.ds_tensor.numel()
         assert at == (flat.numel() if flat is not None else 0), where
-    assert len(z.params) + len(z.frozen_params) == len(list(model.parameters())), where
+    assert sum(len(fg.params) for fg in groups) == len(list(model.parameters())), where
 
 
 def load_both(path, config, **kwargs):
@@ -140,11 +143,11 @@ def equality_worker(rank, world, port, checkpoints):
         assert_same_zero3(ref, ours, where)
         assert_one_buffer(ours, where)
         # Only this rank's partitions read (the checkpoints are bf16): no rank reads it whole.
-        report = ours.zeroflat_zero3.reports[0]
+        report = ours.zeroflat_groups[0].report
         assert report["tier"] == "load-partitions", where
-        assert 0 < report["bytes_read"] <= ours.zeroflat_zero3.flat.numel() * 2, where
-        others = [n for n, p in ours.named_parameters()
-                  if any(p is q for q in ours.zeroflat_zero3.frozen_params)]
+        assert 0 < report["bytes_read"] <= ours.zeroflat_groups[0].flat.numel() * 2, where
+        frozen = ours.zeroflat_groups[1].params if len(ours.zeroflat_groups) > 1 else []
+        others = [n for n, p in ours.named_parameters() if any(p is q for q in frozen)]
         assert others == ([] if groups == "trainer" else
                           [n for n, _ in ours.named_parameters() if "norm" in n]), where
         assert ours.model.embed_tokens.weight.dtype == getattr(torch, {"bf16": "bfloat16",
@@ -236,7 +239,8 @@ def engine_case(path, config, rank, where, trainer_groups):
     assert zd.stats["fallbacks"] == before["fallbacks"], (where, zd.stats["fallback_reasons"])
     # Without offload_param the engine's buffer is the loaded one, as it is.
     if not offload:
-        assert oo.fp16_partitioned_groups_flat[0].data_ptr() == ours.zeroflat_zero3.flat.data_ptr()
+        assert (oo.fp16_partitioned_groups_flat[0].data_ptr()
+                == ours.zeroflat_groups[0].flat.data_ptr())
     assert len(po.fp16_partitioned_groups_flat) > 1, where  # several sub-groups
     assert equal(po.fp16_partitioned_groups_flat, oo.fp16_partitioned_groups_flat), where
     assert equal(po.fp32_partitioned_groups_flat, oo.fp32_partitioned_groups_flat), where

@@ -319,7 +319,7 @@ def test_library_errors_arrive_as_zeroflat_exception_classes(tmp_path):
     options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=2, dtype="fp16"), tier="sharded")
     assert options.layout.dp == 2 and options.layout.dtype == "fp16" and options.tier == "sharded"
     with pytest.raises(AttributeError):
-        _C.LoadOptions(colde=True)
+        _C.FlattenOptions(colde=True)
     with pytest.raises(zeroflat.InvalidArgument, match="tier"):
         _C.FlattenOptions(tier="fast")
 
@@ -485,7 +485,7 @@ def check_a_gone_peer_is_named(rank, world, group, path):
     with pytest.raises(zeroflat.CommError) as e:
         zeroflat.load_param_groups(model, path, group, device="cpu", deepspeed=None)
     text = str(e.value)
-    assert "loading group 0" in text and "agreement" in text, text
+    assert "loading buffer 0" in text and "agreement" in text, text
     assert "failed on rank 0" in text and "rank 1 of the group is presumably gone" in text, text
     assert isinstance(e.value.__cause__, RuntimeError), repr(e.value.__cause__)
     assert not isinstance(e.value.__cause__, zeroflat.Error)
@@ -527,24 +527,27 @@ def _documented_fields(function):
 
 def test_reports_are_the_librarys_documents(tmp_path):
     """The reports of a flatten and a load are the library's documents of one rank's result
-    (report.h: flatten_result_json, load_result_json), with only what the binding knows added;
-    the load's has predicted_host_bytes."""
+    (report.h: result_json), the same keys for the same facts whichever the source, with only
+    what the binding knows added."""
     _, state = _state()
     state = {k: v for k, v in state.items() if k != "extra"}
     path = save(tmp_path / "net.safetensors", state)
     with zeroflat.meta_parameters():
         model = Net()
     (fg,) = zeroflat.load_param_groups(model, path, device="cpu", deepspeed=None)
-    fields, optional = _documented_fields("load_result_json")
-    assert {"predicted_host_bytes", "read_gbps", "master_bytes"} <= fields - optional
+    fields, optional = _documented_fields("result_json")
+    assert {"predicted_host_bytes", "master_bytes"} <= fields - optional
+    assert {"bytes_read", "read_gbps", "page_cache", "error"} <= optional
     assert fields - optional <= set(fg.report)
     assert set(fg.report) - fields == {"dp", "deepspeed"}
-    assert fg.report["predicted_host_bytes"] == fg.report["plan"]["host_bytes"]
+    (chosen,) = [c for c in fg.report["plan"]["candidates"] if c["tier"] == fg.report["tier"]]
+    assert fg.report["predicted_host_bytes"] == chosen["host_bytes"]
+    assert fg.report["reason"] == fg.report["plan"]["reason"]
     assert fg.report["tier"] == "load" and fg.report["plan"]["steps"]
     assert fg.report["bytes_read"] == sum(t.numel() * 4 for t in state.values()
                                           if t.dtype == torch.float32)
     fg = zeroflat.flatten_param_group(Net().parameters(), deepspeed=None)
-    fields, optional = _documented_fields("flatten_result_json")
+    assert not {"bytes_read", "read_gbps"} & set(fg.report)  # only from files
     assert {"feasible", "partition_bytes", "master_bytes"} <= fields - optional
     assert {"error", "master_error"} <= optional
     assert fields - optional <= set(fg.report)

@@ -78,8 +78,9 @@ def worker(rank, world, port, path):
                                                                torch.device("cpu")))
         src = tensors()
         params = [_C.LoadParam(name=n, shape=list(t.shape)) for n, t in src.items()]
-        options = _C.LoadOptions(layout=_C.LayoutOptions(dp=world, dtype="bf16"), threads=1)
-        report, flat, master = _C.load_partitions(engine, comm, ck, params, options)
+        options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=world, dtype="bf16"), threads=1,
+                                     master=False)
+        report, flat, master, _ = _C.load_partitions(engine, comm, ck, params, options)
         assert report["tier"] == "load-partitions"
         assert master is None
         # torch's own slicing: flattened, padded to a multiple of the world, rank r's chunk.

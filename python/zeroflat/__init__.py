@@ -1,24 +1,28 @@
-"""zeroflat for PyTorch: flatten a parameter group into DeepSpeed's ZeRO-1/2 layout, or load
-it straight from a checkpoint into that layout.
+"""zeroflat for PyTorch: a parameter group flattened into DeepSpeed's ZeRO-1/2 layout, or a model
+loaded straight from a checkpoint into DeepSpeed's ZeRO-1/2 flat buffers or ZeRO-3 partitions.
 
     fg = zeroflat.flatten_param_group(params, process_group)
     fg.flat, fg.partition, fg.master, fg.tier, fg.layout, fg.report
 
     with zeroflat.meta_parameters():
         model = build_model()                       # no memory, no initialization
-    groups = zeroflat.load_param_groups(model, "checkpoint/", process_group)
+    groups = zeroflat.load_param_groups(model, "checkpoint/", process_group)   # ZeRO-1/2
+    groups = zeroflat.load_param_groups(model, "checkpoint/", zero3=ds_config) # ZeRO-3
 
-Every trainable parameter of the group becomes a view into one flat buffer (padded so that it
-splits evenly over the ranks of ``process_group``), with its value unchanged; this rank's
+Flattened, every trainable parameter of the group becomes a view into one flat buffer (padded so
+that it splits evenly over the ranks of ``process_group``), with its value unchanged; this rank's
 partition and its fp32 master copy come with it. The planner picks the way of flattening that
 fits (on the device, sharded across the ranks, staged through the host, or on the host) before
 anything moves; a failure at any step leaves every parameter holding its original values.
-See docs/python.md.
+Loaded, each rank reads only its share of the checkpoint. See docs/python.md.
 
-The package: ``_flatten`` (flatten_param_group), ``_load`` (load_param_groups), ``_common``
-(what both share: FlatGroup, the layout, DeepSpeed's release rules as the library states them),
-``_comm`` (the collectives over torch.distributed), ``_errors``; ``hf`` (Transformers) and
-``deepspeed`` (the drop-in) on top.
+The package: ``_flatten`` (flatten_param_group), ``_load`` (load_param_groups: the one load loop,
+and the ZeRO-1/2 placement), ``_zero3`` (the ZeRO-3 placement), ``_common`` (what they share:
+FlatGroup, argument checks, DeepSpeed's release rules as the library states them), ``_comm`` (the
+collectives over torch.distributed), ``_patches`` (every change made to DeepSpeed, Transformers
+and torch, one mechanism; docs/patches.md), ``_errors``; ``hf`` (Transformers), ``deepspeed``
+(the drop-in; ``_stage3`` and ``_dropin`` are its parts) and ``_trainer`` (the Trainer's groups)
+on top.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from . import _C
 from ._errors import InvalidArgument
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 TIERS = ("auto", "device", "sharded", "staged", "host")
 U64_MAX = 2**64 - 1
 MAX_RANKS = 2**31 - 1
@@ -187,6 +188,18 @@ def partition_and_master(flat: torch.Tensor, lay: dict, rank: int,
     if master_dtype is not None:
         return partition, partition.detach().to(master_dtype, copy=True)
     return partition, None
+
+
+def framework_memory(options: "_C.FlattenOptions", device: torch.device) -> None:
+    """What torch's caching allocator holds on a CUDA ``device``, as the probe's source
+    (``ProbeContext``): what it holds but does not use is free to this process. The engine's
+    copies run on its own stream, so what torch queued on the device is finished first."""
+    if device.type != "cuda":
+        return
+    torch.cuda.current_stream(device).synchronize()
+    options.framework_held_bytes = torch.cuda.memory_reserved(device)
+    options.framework_cached_free_bytes = (options.framework_held_bytes
+                                           - torch.cuda.memory_allocated(device))
 
 
 def engine_threads(threads: Optional[int], dp: int) -> int:

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from . import _C
 from ._comm import TorchComm, comm_device
 from ._common import (FlatGroup, bool_option, check_options, check_release_options,
-                      dtype_name, engine_threads, layout, layout_options, partition_and_master,
-                      release_rules, select)
+                      dtype_name, engine_threads, framework_memory, int_option, layout_options,
+                      partition_and_master, release_rules, select)
 from ._errors import CommError, ExecutionError, InvalidArgument, NoFeasiblePlan
 
 
@@ -74,6 +74,8 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
                         verify: bool = False, threads: Optional[int] = None,
                         trainable_only: bool = True, check_values: bool = True,
                         deepspeed: Optional[str] = "installed",
+                        expected_offsets: Optional[List[int]] = None,
+                        expected_flat_numel: Optional[int] = None,
                         _fault_step: Optional[int] = None, _fault_rank: int = 0,
                         _rebinds: bool = False) -> FlatGroup:
     """Flattens the trainable parameters of one group into DeepSpeed's ZeRO-1/2 layout.
@@ -102,10 +104,14 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
     out of the group (left alone), and the layout options must be ones that release has
     (alignment factor 2; parameter alignment 0, or 16 from 0.19.7). ``None``: zeroflat's layout,
     which takes every parameter and any alignment.
+
+    ``expected_offsets`` and ``expected_flat_numel``: the caller's own account of the layout (a
+    framework that laid the group out itself): each flattened parameter's first element in the
+    buffer and the buffer's length. A layout that differs is ValueError (naming the first
+    parameter that differs) on every rank, before anything moves.
     """
     dp = dist.get_world_size(process_group) if process_group is not None else 1
     local_error: Optional[Exception] = None
-    lay = None
     rules = None
     group_params: List[torch.Tensor] = []
     indices: List[int] = []
@@ -126,9 +132,12 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
                                         param_align_bytes)
         if rules is not None:
             check_release_options(options.layout, rules)
-        lay = layout([p.numel() for p in group_params], dp, round_robin=round_robin,
-                     alignment_factor=alignment_factor, dtype=group_params[0].dtype,
-                     param_align_bytes=param_align_bytes)
+        if expected_offsets is not None:
+            options.expected_offsets = [int_option(f"expected_offsets[{i}]", o, 0)
+                                        for i, o in enumerate(expected_offsets)]
+        if expected_flat_numel is not None:
+            options.expected_flat_numel = int_option("expected_flat_numel", expected_flat_numel,
+                                                     0)
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it
         local_error = e
     if local_error is not None and dp == 1:
@@ -149,13 +158,8 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
         comm = TorchComm(process_group, engine, comm_device(process_group, device))
         rank = comm.rank
 
-    if ok and device.type == "cuda":
-        # The engine's copies run on its own stream: what torch queued on the parameters must
-        # be done first. What torch's allocator caches but does not use is free to this process.
-        torch.cuda.current_stream(device).synchronize()
-        options.framework_held_bytes = torch.cuda.memory_reserved(device)
-        options.framework_cached_free_bytes = (options.framework_held_bytes
-                                               - torch.cuda.memory_allocated(device))
+    if ok:
+        framework_memory(options, device)
 
     shapes = [p.shape for p in group_params]
     before = []
@@ -175,12 +179,13 @@ def flatten_param_group(params: Iterable[torch.Tensor], process_group=None, *,
     else:
         options.local_error = str(local_error)
     options.check_values = bool(check_values)
-    options.must_match = (f"master_dtype {master_dtype}, verify {verify}, trainable_only "
-                          f"{trainable_only}, deepspeed rules {rules.rules if rules else None}")
+    options.must_match = [f"master_dtype {master_dtype}", f"verify {verify}",
+                          f"trainable_only {trainable_only}",
+                          f"deepspeed rules {rules.rules if rules else None}"]
     if rank == _fault_rank:
         options.fault_step = _fault_step
     try:
-        report, flat_bytes, master_bytes = _C.flatten(
+        report, flat_bytes, master_bytes, lay = _C.flatten(
             engine, comm if (comm is not None and dp > 1) else None,
             [p.data_ptr() for p in group_params], [list(p.shape) for p in group_params],
             options, release_originals=release_originals, defer_release=bool(_rebinds))

@@ -1,12 +1,12 @@
 """zeroflat.load_param_groups: a model's parameters built straight from a safetensors checkpoint
-into flat buffers in DeepSpeed's ZeRO-1/2 layout, by the library's loader (loader.h): each rank
-reads its partition and one all-gather completes the buffer, or, for ranks of one host, each
-reads the whole buffer from the host's page cache."""
+into DeepSpeed's buffers by the library's loader (loader.h), in one loop for every placement:
+ZeRO-1/2's flat buffers (each rank reads its partition and one all-gather completes the buffer,
+or, for ranks of one host, each reads the whole buffer from the host's page cache), or ZeRO-3's
+partitions (``_zero3``: each rank reads only its own partition of every parameter)."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import weakref
@@ -16,12 +16,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from . import _C, _hf_names
+from . import _C, _hf_names, _zero3
 from ._comm import TorchComm, comm_device
-from ._common import (DTYPES, FlatGroup, bool_option, check_options, check_release_options,
-                      dtype_name, engine_threads, layout, layout_options, partition_and_master,
+from ._common import (DTYPES, TORCH_DTYPES, FlatGroup, bool_option, check_options, check_release_options,
+                      dtype_name, engine_threads, framework_memory, layout_options,
+                      partition_and_master,
                       release_rules, select)
 from ._errors import CommError, Error, InvalidArgument, NoFeasiblePlan
+from ._patches import Patch, patched
 
 log = logging.getLogger("zeroflat")
 
@@ -81,27 +83,41 @@ def _register(flat: torch.Tensor, entry: LoadedBuffer) -> None:
 
 
 @contextlib.contextmanager
-def meta_parameters():
+def meta_parameters(zero3: Any = None):
     """While a model is constructed inside, every parameter it registers goes to the ``meta``
     device (no memory, no initialization cost); buffers stay real, so that values computed at
-    construction (rotary frequencies) are kept."""
-    register = torch.nn.Module.register_parameter
+    construction (rotary frequencies) are kept. The order in which modules complete their
+    construction is recorded with the model (what ZeRO-3 numbers parameters by).
 
-    def register_on_meta(module, name, param):
-        register(module, name, param)
-        p = module._parameters.get(name)
-        if p is not None and p.device.type != "meta":
-            extra = {k: v for k, v in vars(p).items()}
-            moved = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-            for k, v in extra.items():
-                setattr(moved, k, v)
-            module._parameters[name] = moved
+    ``zero3`` (a DeepSpeed ZeRO-3 config: a dict, a path to its JSON file, an HfDeepSpeedConfig;
+    or a ``deepspeed.zero.Init``): tensors are made as inside DeepSpeed's ``zero.Init`` (its
+    dtype for floating-point buffers, the buffers it keeps in fp32), for a model to be loaded
+    with ``load_param_groups(..., zero3=)``. Yields that ``zero.Init`` (pass it as ``zero3=`` to
+    the load), else None."""
+    init = None
+    keep = None
+    with contextlib.ExitStack() as stack:
+        if zero3 is not None:
+            config = _zero3.resolve(zero3)
+            if config is None:
+                raise ValueError(f"zero3={zero3!r} names no ZeRO-3 config")
+            init = _zero3.init_object(config, None)
+            keep = stack.enter_context(_zero3.building(init))
+        stack.enter_context(_zero3.construction_order(keep))
+        stack.enter_context(patched([Patch(torch.nn.Module, "register_parameter",
+                                           hook=_register_on_meta)]))
+        yield init
 
-    torch.nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
+
+def _register_on_meta(original, module, name, param):
+    original(module, name, param)
+    p = module._parameters.get(name)
+    if p is not None and p.device.type != "meta":
+        extra = {k: v for k, v in vars(p).items()}
+        moved = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+        for k, v in extra.items():
+            setattr(moved, k, v)
+        module._parameters[name] = moved
 
 
 def _checkpoint(checkpoint) -> "_C.Checkpoint":
@@ -227,7 +243,18 @@ def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
         params[id(p)] = p
 
 
-# --- the load ------------------------------------------------------------------------------
+def _target(device: Any) -> torch.device:
+    """Where ZeRO-1/2's buffers live: ``device``, else the current CUDA device if there is one,
+    else the CPU."""
+    if device is None:
+        return _default_device()
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    if target.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {target}: zeroflat loads onto cpu and cuda devices")
+    return target
+
 
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
@@ -280,55 +307,91 @@ def _replace_everywhere(model: torch.nn.Module, old: torch.nn.Parameter,
     return param
 
 
-@dataclass
-class _Group:
-    index: int
-    members: List[torch.nn.Parameter]
-    names: List[str]
-    params: List["_C.LoadParam"]
-    dtype: torch.dtype
+# --- the placements ------------------------------------------------------------------------------
+
+class _Flat:
+    """ZeRO-1/2: one flat buffer per optimizer group, of the parameters the release keeps in it
+    (trainable ones; zero-element ones left out from 0.19.8), every rank holding the whole
+    buffer; the parameters become views into it; the rest is read whole into its own storage."""
+
+    door = "load"
+
+    def __init__(self, round_robin: bool, alignment_factor: int, param_align_bytes: int,
+                 target: torch.device):
+        self.round_robin = round_robin
+        self.alignment_factor = alignment_factor
+        self.param_align_bytes = param_align_bytes
+        self.target = target
+
+    def buffers(self, groups, model, rules):
+        out = []
+        for group in groups:
+            kept, _ = select(group, rules, trainable_only=True)
+            out.append([group[k] for k in kept])
+        return out
+
+    def layout_options(self, dp: int, dtype: torch.dtype):
+        return layout_options(dp, self.round_robin, self.alignment_factor, dtype,
+                              self.param_align_bytes)
+
+    def finish(self, model, loaded, prep, rank: int, dp: int, master_dtype) -> list:
+        out = []
+        loaded_groups = [[prep.names[id(p)] for p in members]
+                         for members, _, flat, _, _ in loaded if members]
+        for members, report, flat_bytes, master_bytes, lay in loaded:
+            if not members:
+                continue
+            dtype = TORCH_DTYPES[lay["dtype"]]
+            flat = flat_bytes[: lay["flat_bytes"]].view(dtype)
+            _register(flat, LoadedBuffer(flat=weakref.ref(flat), numel=flat.numel(),
+                                         names=[prep.names[id(p)] for p in members],
+                                         index=len(out), groups=loaded_groups,
+                                         round_robin=bool(self.round_robin),
+                                         model=weakref.ref(model)))
+            params = [_replace_everywhere(model, p, flat[off: off + p.numel()].view(p.shape))
+                      for p, off in zip(members, lay["offsets"])]
+            partition, master = partition_and_master(flat, lay, rank, master_bytes,
+                                                     master_dtype)
+            out.append(FlatGroup(flat=flat, partition=partition, master=master,
+                                 tier=report["tier"], layout=lay, report=report, params=params,
+                                 rank=rank, dp=dp))
+        for name, p, value in prep.params:
+            _replace_everywhere(model, p, value.to(self.target))
+        for name, value in prep.buffers:
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            module._buffers[attr] = value.to(self.target)
+        return out
+
+
+# --- the load ----------------------------------------------------------------------------------
 
 
 @dataclass
 class _Prepared:
-    """Everything this rank found before the first collective: the groups to load, and every
-    other tensor of the model already read (on its device, not yet in the model)."""
+    """Everything this rank found before the first collective: each buffer's parameters and
+    their checkpoint tensors, and every other tensor of the model already read (on the host, not
+    yet in the model)."""
 
     ck: "_C.Checkpoint"
-    target: torch.device
-    rules: Any
-    groups: List[_Group]
+    buffers_params: List[List[torch.nn.Parameter]]
+    load_params: List[List["_C.LoadParam"]]
+    dtypes: List[torch.dtype]
+    names: Dict[int, str] = field(default_factory=dict)  # every parameter's name, by its id
     params: List[Tuple[str, torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
     buffers: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
-    digest: str = ""
+    # What the ranks compare besides each buffer's shapes: every parameter's name and sources,
+    # and every tensor outside the buffers (name, shape, dtype).
+    entries: List[str] = field(default_factory=list)
 
 
-def _prepare(model, checkpoint, dp: int, param_groups, dtype, device, round_robin,
-             alignment_factor, param_align_bytes, deepspeed, master_dtype, margin_bytes, threads,
-             strict, zero3: bool = False) -> _Prepared:
-    """Every check of this rank and every read outside the flat buffers, before the ranks
-    meet: whatever fails here is this rank's own error, which the first collective carries to
-    the others. With ``zero3`` (DeepSpeed ZeRO-3's partitions): every trainable parameter of a
-    group stays in it (Stage 3 leaves none out), and one last group holds every other
-    parameter (frozen ones, and those of no group), partitioned too: nothing is read whole but
-    the buffers."""
+def _prepare(model, checkpoint, placement, param_groups, dtype: Optional[torch.dtype], rules,
+             strict: bool) -> _Prepared:
+    """Every check of this rank and every read outside the buffers, before the ranks meet:
+    whatever fails here is this rank's own error, which the first collective carries to the
+    others."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}: expected a torch.nn.Module")
-    bool_option("round_robin", round_robin)
-    bool_option("strict", strict)
-    check_options("auto", master_dtype, threads, margin_bytes, alignment_factor,
-                  param_align_bytes)
-    if dtype is not None:
-        dtype_name(dtype, "dtype")
-    target = torch.device(device) if device is not None else _default_device()
-    if target.type == "cuda" and target.index is None:
-        target = torch.device("cuda", torch.cuda.current_device())
-    if target.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {target}: zeroflat loads onto cpu and cuda devices")
-    rules = None if zero3 else release_rules(deepspeed)
-    if rules is not None:
-        check_release_options(layout_options(dp, round_robin, alignment_factor, torch.bfloat16,
-                                             param_align_bytes), rules)
     ck = _checkpoint(checkpoint)
 
     names_rules = _hf_names.converters(model)
@@ -374,37 +437,33 @@ def _prepare(model, checkpoint, dp: int, param_groups, dtype, device, round_robi
             raise ValueError(f"buffer {name!r} is on the meta device and {ck.path} does not "
                              "hold it")
 
-    # DeepSpeed's groups: trainable parameters; what the release leaves out besides.
-    out = _Prepared(ck=ck, target=target, rules=rules, groups=[])
+    # The placement's buffers, each of one dtype.
+    out = _Prepared(ck=ck, buffers_params=[], load_params=[], dtypes=[],
+                    names={pid: a[0] for pid, a in aliases.items()})
     in_buffers = set()
-    if zero3:
-        trainable = {id(p) for g in groups for p in g if p.requires_grad}
-        groups = [[p for p in g if p.requires_grad] for g in groups]
-        groups.append([p for p in model.parameters() if id(p) not in trainable])
-    for gi, group in enumerate(groups):
-        if zero3:
-            members = list(group)
-        else:
-            kept, _ = select(group, rules, trainable_only=True)
-            members = [group[k] for k in kept]
+    for k, members in enumerate(placement.buffers(groups, model, rules)):
         kinds = {dtype or p.dtype for p in members}
         if len(kinds) > 1:
-            raise ValueError(f"group {gi} mixes dtypes {sorted(map(str, kinds))}; pass dtype= "
+            raise ValueError(f"group {k} mixes dtypes {sorted(map(str, kinds))}; pass dtype= "
                              "or split the group")
         gdtype = kinds.pop() if kinds else (dtype or torch.bfloat16)
         if gdtype not in DTYPES:
-            raise TypeError(f"group {gi} is {gdtype}: zeroflat loads bfloat16, float16 and "
+            raise TypeError(f"group {k} is {gdtype}: zeroflat loads bfloat16, float16 and "
                             "float32 parameters")
-        names = [aliases[id(p)][0] for p in members]
         params = []
-        for n, p in zip(names, members):
+        for p in members:
             srcs, shapes = sources[id(p)]
-            params.append(_C.LoadParam(name=n, shape=list(p.shape), sources=srcs,
+            name = out.names[id(p)]
+            params.append(_C.LoadParam(name=name, shape=list(p.shape), sources=srcs,
                                        source_shapes=shapes))
+            out.entries.append(f"buffer {k} {_dtype_text(gdtype)}: {name} {list(p.shape)} <- "
+                               f"{','.join(srcs)}")
         in_buffers.update(id(p) for p in members)
-        out.groups.append(_Group(gi, members, names, params, gdtype))
+        out.buffers_params.append(list(members))
+        out.load_params.append(params)
+        out.dtypes.append(gdtype)
 
-    # Everything else, read whole now, so that a failure is this rank's own error.
+    # Everything else, read whole now (on the host), so that a failure is this rank's own.
     for name, p in model.named_parameters():
         if id(p) in in_buffers:
             continue
@@ -413,26 +472,23 @@ def _prepare(model, checkpoint, dp: int, param_groups, dtype, device, round_robi
             raise TypeError(f"parameter {name!r} is {want}: zeroflat loads bfloat16, float16 "
                             "and float32 parameters")
         srcs, shapes = sources[id(p)]
-        out.params.append((name, p, _read_whole(ck, name, srcs, shapes, p.shape, want)
-                           .to(target)))
+        out.params.append((name, p, _read_whole(ck, name, srcs, shapes, p.shape, want)))
+        out.entries.append(f"parameter {name} {list(p.shape)} {_dtype_text(want)}")
     for name, b, stored in buffers:
         host = _read_whole(ck, name, [stored], [list(b.shape)], b.shape,
                            b.dtype if b.dtype in DTYPES else None, raw_dtype=b.dtype)
-        out.buffers.append((name, host.to(target)))
+        out.buffers.append((name, host))
+        out.entries.append(f"buffer {name} {list(host.shape)} {host.dtype}")
 
     unused = [t.name for t in ck.tensors() if t.name not in used]
     if unused:
         log.warning("zeroflat: %d tensor(s) of %s are not the model's: %s%s", len(unused),
                     ck.path, ", ".join(unused[:5]), ", ..." if len(unused) > 5 else "")
-
-    # What the ranks compare besides each group's shapes: every name and source, and every
-    # tensor outside the buffers (name, shape, dtype), as one digest.
-    text = [f"group {g.index} {g.dtype}: " + "; ".join(
-        f"{lp.name} <- {','.join(lp.sources)}" for lp in g.params) for g in out.groups]
-    text += [f"parameter {n} {list(t.shape)} {t.dtype}" for n, _, t in out.params]
-    text += [f"buffer {n} {list(t.shape)} {t.dtype}" for n, t in out.buffers]
-    out.digest = hashlib.sha256("\n".join(text).encode()).hexdigest()[:16]
     return out
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    return DTYPES.get(dtype, str(dtype))
 
 
 def engine_and_comm(target: torch.device, threads: Optional[int], dp: int, process_group):
@@ -466,6 +522,30 @@ def call_loader(fn, engine, comm, ck, params, options, local_error: Optional[Bas
         raise CommError(f"{what}: {e}") from (failure or e)
 
 
+def check_load_options(*, cold, round_robin, strict, master_dtype, threads, margin_bytes,
+                       alignment_factor, param_align_bytes, dtype, deepspeed, read_plan, copies,
+                       storage_bytes_per_second) -> Optional["_C.ReleaseRules"]:
+    """Every option of ``load_param_groups`` that can be checked alone, checked the same way
+    whatever the placement (the library's own parsers for read_plan and copies); returns the
+    release's rules. Raises TypeError / ValueError naming the option."""
+    bool_option("cold", cold)
+    bool_option("round_robin", round_robin)
+    bool_option("strict", strict)
+    check_options("auto", master_dtype, threads, margin_bytes, alignment_factor,
+                  param_align_bytes)
+    if dtype is not None:
+        dtype_name(dtype, "dtype")
+    probe = _C.FlattenOptions()
+    probe.read_plan = read_plan
+    probe.copies = copies
+    if (isinstance(storage_bytes_per_second, bool)
+            or not isinstance(storage_bytes_per_second, (int, float))
+            or not storage_bytes_per_second >= 0 or storage_bytes_per_second == float("inf")):
+        raise ValueError(f"storage_bytes_per_second {storage_bytes_per_second!r}: expected a "
+                         "finite number of bytes per second, >= 0 (0: each host's own storage)")
+    return release_rules(deepspeed)
+
+
 def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpoint"],
                       process_group=None, *,
                       param_groups: Union[None, Iterable[Any],
@@ -477,122 +557,154 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
                       margin_bytes: Optional[int] = None, threads: Optional[int] = None,
                       cold: bool = False, strict: bool = True,
                       read_plan: Optional[str] = None, copies: str = "sampled",
-                      storage_bytes_per_second: float = 0) -> list:
-    """Materializes every parameter of ``model`` from a safetensors checkpoint: the trainable
-    ones of each optimizer group as views into that group's flat buffer in DeepSpeed's
-    ZeRO-1/2 layout, each rank reading its partition's bytes and one all-gather completing the
-    buffer (or, for ranks of one host, each reading the whole buffer from the page cache); the
-    rest (frozen parameters, zero-element ones a release leaves out, persistent buffers) into
-    their own storage, read whole. Returns one FlatGroup per group that
-    has parameters in a buffer.
+                      storage_bytes_per_second: float = 0, zero3: Any = None) -> list:
+    """Materializes every parameter of ``model`` from a safetensors checkpoint into the buffers
+    DeepSpeed's optimizer keeps, and returns one FlatGroup per buffer that has parameters.
+
+    ZeRO-1/2 (``zero3`` None, the default): the trainable parameters of each optimizer group
+    become views into that group's flat buffer in DeepSpeed's layout, each rank reading its
+    partition's bytes and one all-gather completing the buffer (or, for ranks of one host, each
+    reading the whole buffer from the page cache); the rest (frozen parameters, zero-element
+    ones a release leaves out, persistent buffers) into their own storage, read whole.
+
+    ZeRO-3 (``zero3``: a DeepSpeed config with ``zero_optimization.stage`` 3, as a dict, a path
+    to its JSON file or an HfDeepSpeedConfig; or the ``deepspeed.zero.Init`` that
+    ``zeroflat.meta_parameters(zero3=...)`` yielded): each rank reads only its own partition of
+    every parameter (``[r*p, (r+1)*p)`` of the flattened parameter, p = ceil(numel / world),
+    the last rank's padding zero) into two buffers: the optimizer groups' trainable parameters,
+    groups in order, in the layout of the Stage 3 optimizer's ``lp_param_buffer``; and every
+    other parameter. Every parameter becomes the ZeRO-3 parameter ``zero.Init`` would have made
+    (its ``ds_id`` in the order the model was built under ``meta_parameters()``, ``ds_tensor``
+    its view of the buffer, the data an empty placeholder); their dtype is ``zero.Init``'s, and
+    they live on its device (the ``offload_param`` device when there is one); the partition
+    group is ``zero.Init``'s (``process_group``: its ``data_parallel_group`` when a config is
+    given). hpZ, ``offload_param`` to nvme and quantized weights are refused from the config
+    (NotImplementedError) before ``zero.Init`` is made. The FlatGroup's ``flat`` and
+    ``partition`` are the rank's buffer, its layout's offsets and numels the partitions'.
 
     ``model`` is typically built without memory (parameters on the ``meta`` device:
     ``zeroflat.meta_parameters()``, or ``zeroflat.hf.from_pretrained``). ``param_groups``: the
     groups the optimizer will get (``optimizer.param_groups``-like dicts or lists, of the model's
     parameters or their names, or a function of the model returning them); default one group of
-    every parameter. ``dtype``: the parameters' dtype (default: theirs), converted from the
-    checkpoint's as torch rounds. ``device``: where they live (default: the current CUDA device
-    if there is one, else the CPU). The layout rules are ``deepspeed``'s (the installed release
-    by default, else the newest tested one), as ``flatten_param_group``'s.
+    every parameter. ``dtype``: the parameters' dtype (default: theirs; under ZeRO-3,
+    ``zero.Init``'s), converted from the checkpoint's as torch rounds. ``device``: where they live
+    (default: the current CUDA device if there is one, else the CPU; under ZeRO-3,
+    ``zero.Init``'s). The layout rules are ``deepspeed``'s (the installed release by default, else
+    the newest tested one), as ``flatten_param_group``'s; ``round_robin``, ``alignment_factor``
+    and ``param_align_bytes`` shape ZeRO-1/2's buffers (under ZeRO-3 only their defaults are
+    accepted). ``master_dtype``: this rank's partition up-cast to it (fp32: the library's
+    master), or None.
 
     Collective over ``process_group``: every error a rank finds before the ranks meet (a bad
     argument, a path or shard it cannot open, a tensor it lacks or whose shape differs, a read
     outside the buffers that fails) is raised on every rank at their first collective, this rank
     with its own exception, the others with InvalidArgument naming it; the ranks also compare
-    every name, source and shape, frozen parameters and buffers included. A parameter whose
-    name (or, for tied weights, any of its names; for fused parameters such as stacked MoE
-    experts, Transformers' own rule for the tensors they stack, each of the shape the rule
-    expects) the checkpoint does not hold is ValueError naming it; with ``strict``, so is a
-    buffer the model has on ``meta`` that the checkpoint does not hold. Tensors of the
-    checkpoint the model does not use are logged.
+    every name, source and shape, frozen parameters and buffers included, and an error names the
+    first that differs and what each side has. A parameter whose name (or, for tied weights, any
+    of its names; for fused parameters such as stacked MoE experts, Transformers' own rule for
+    the tensors they stack, each of the shape the rule expects) the checkpoint does not hold is
+    ValueError naming it; with ``strict``, so is a buffer the model has on ``meta`` that the
+    checkpoint does not hold. Tensors of the checkpoint the model does not use are logged.
 
     ``read_plan``: who reads what (``"load"``: each rank its slice, then one all-gather;
     ``"load-whole"``: each rank the whole buffer from its host's page cache, no all-gather;
-    None: the faster by the cost model, from the hosts (world size over ``LOCAL_WORLD_SIZE``)
-    and ``storage_bytes_per_second``, the bandwidth of storage the hosts share, 0 for storage of
-    their own). ``copies``: after reading, how the ranks compare their copies of the checkpoint
-    (``"sampled"``, ``"full"``, ``"off"``; their headers are always compared)."""
-    dp = dist.get_world_size(process_group) if process_group is not None else 1
+    ``"load-partitions"``: ZeRO-3's only one; None: the fastest by the cost model, from the hosts
+    (world size over ``LOCAL_WORLD_SIZE``) and ``storage_bytes_per_second``, the bandwidth of
+    storage the hosts share, 0 for storage of their own). ``copies``: after reading, how the
+    ranks compare their copies of the checkpoint (``"sampled"``, ``"full"``, ``"off"``; their
+    headers are always compared)."""
+    placement = None
     local_error: Optional[BaseException] = None
     prep: Optional[_Prepared] = None
+    rules = None
     try:
-        cold = bool_option("cold", cold)
-        round_robin = bool_option("round_robin", round_robin)
-        prep = _prepare(model, checkpoint, dp, param_groups, dtype, device, round_robin,
-                        alignment_factor, param_align_bytes, deepspeed, master_dtype,
-                        margin_bytes, threads, strict)
+        rules = check_load_options(cold=cold, round_robin=round_robin, strict=strict,
+                                   master_dtype=master_dtype, threads=threads,
+                                   margin_bytes=margin_bytes, alignment_factor=alignment_factor,
+                                   param_align_bytes=param_align_bytes, dtype=dtype,
+                                   deepspeed=deepspeed, read_plan=read_plan, copies=copies,
+                                   storage_bytes_per_second=storage_bytes_per_second)
+        zero3 = _zero3.resolve(zero3)
+        if zero3 is not None:
+            placement = _zero3.Partitions(zero3, process_group)
+            process_group = placement.process_group
+            if dtype is not None and dtype != placement.dtype:
+                raise ValueError(f"dtype={dtype} does not apply under ZeRO-3: the parameters "
+                                 f"take zero.Init's dtype ({placement.dtype})")
+            if device is not None and _target(device) != placement.target:
+                raise ValueError(f"device={device!r} does not apply under ZeRO-3: the partitions "
+                                 f"live on zero.Init's device ({placement.target})")
+            for name, value, default in (("round_robin", round_robin, False),
+                                         ("alignment_factor", alignment_factor, 2),
+                                         ("param_align_bytes", param_align_bytes, 0)):
+                if value != default:
+                    raise ValueError(f"{name}={value!r} does not apply under ZeRO-3: each "
+                                     "parameter is partitioned on its own, padded to the world")
+            dtype = placement.dtype
+        else:
+            if rules is not None:
+                check_release_options(layout_options(1, round_robin, alignment_factor,
+                                                     torch.bfloat16, param_align_bytes), rules)
+            placement = _Flat(round_robin, alignment_factor, param_align_bytes, _target(device))
+        prep = _prepare(model, checkpoint, placement, param_groups, dtype, rules, strict)
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it
         local_error = e
+    dp = dist.get_world_size(process_group) if process_group is not None else 1
     if local_error is not None and dp == 1:
         raise local_error
 
     ok = prep is not None
-    target = prep.target if ok else torch.device("cpu")
+    target = placement.target if placement is not None else torch.device("cpu")
     engine, nthreads, comm, rank = engine_and_comm(target, threads if ok else 1, dp,
                                                    process_group)
-    rules = prep.rules if ok else None
     path = prep.ck.path if ok else str(checkpoint)
+    door = getattr(_C, placement.door if placement is not None else "load")
 
-    # One load per group on every rank, and at least one: the first carries any rank's own
-    # error, so that every rank raises at the same point.
-    results = []
-    calls = max(1, len(prep.groups)) if ok else 1
+    # One load per buffer on every rank, and at least one: the first carries any rank's own
+    # error and compares the whole model, so that every rank raises at the same point and skips
+    # the same empty buffers after it.
+    loaded = []
+    calls = max(1, len(prep.load_params)) if ok else 1
     for k in range(calls):
-        group = prep.groups[k] if ok and k < len(prep.groups) else None
-        options = _C.LoadOptions(layout=_C.LayoutOptions(dp=dp), cold=cold, threads=nthreads)
+        members = prep.buffers_params[k] if ok and k < len(prep.buffers_params) else []
+        params = prep.load_params[k] if members else []
+        if k > 0 and not params:
+            loaded.append((members, None, None, None, None))
+            continue
+        options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=dp), threads=nthreads,
+                                    master=False)
         try:
+            options.cold = bool(cold)
             options.read_plan = read_plan
             options.copies = copies
             options.storage_bytes_per_second = float(storage_bytes_per_second)
+            if ok:
+                framework_memory(options, target)
+            if ok and k < len(prep.dtypes):
+                options.layout = placement.layout_options(dp, prep.dtypes[k])
+                options.margin_bytes = None if margin_bytes is None else int(margin_bytes)
+                options.master = bool(params) and master_dtype == torch.float32
+                if isinstance(placement, _Flat):
+                    options.release = rules
         except Exception as e:  # noqa: BLE001 - a bad value is this rank's own error, agreed
             local_error = local_error or e
-        if group is not None:
-            options.layout = layout_options(dp, round_robin, alignment_factor, group.dtype,
-                                            param_align_bytes)
-            options.margin_bytes = None if margin_bytes is None else int(margin_bytes)
-        if group is not None:
-            options.master = bool(group.members) and master_dtype == torch.float32
-            options.release = rules
         if local_error is not None:
             options.local_error = f"{type(local_error).__name__}: {local_error}"
-        options.must_match = (f"group {k} of {calls}, device {target.type}, master "
-                              f"{master_dtype}, deepspeed rules {rules.rules if rules else None}, "
-                              f"model {prep.digest if ok else ''}")
-        report, flat_bytes, master_bytes = call_loader(
-            _C.load, engine, comm if dp > 1 else None, prep.ck if ok else None,
-            group.params if group else [], options, local_error, f"loading group {k} of {path}")
+        options.must_match = [f"buffer {k} of {calls}", f"device {target.type}",
+                              f"master {master_dtype}",
+                              f"deepspeed rules {rules.rules if ok and rules else None}",
+                              f"placement {placement.door if placement is not None else None}"]
+        if k == 0 and ok:
+            options.must_match = options.must_match + prep.entries
+        report, flat_bytes, master_bytes, lay = call_loader(
+            door, engine, comm if dp > 1 else None, prep.ck if ok else None, params, options,
+            local_error, f"loading buffer {k} of {path}")
         report["dp"] = dp
-        report["deepspeed"] = rules.to_dict() if rules else None
+        report["deepspeed"] = rules.to_dict() if ok and rules else None
         if report["outcome"] == "infeasible":
-            raise NoFeasiblePlan(f"group {k} does not fit on {target}: {report['reason']}; "
+            raise NoFeasiblePlan(f"buffer {k} does not fit on {target}: {report['reason']}; "
                                  "nothing was read", report)
-        if group is not None and group.members:
-            results.append((group, report, flat_bytes, master_bytes))
+        loaded.append((members, report, flat_bytes, master_bytes, lay))
     assert local_error is None and prep is not None
-
-    # Every rank has every buffer: the model's parameters become their views.
-    out = []
-    loaded_groups = [g.names for g, _, _, _ in results]
-    for group, report, flat_bytes, master_bytes in results:
-        lay = layout([p.numel() for p in group.members], dp, round_robin=round_robin,
-                     alignment_factor=alignment_factor, dtype=group.dtype,
-                     param_align_bytes=param_align_bytes)
-        flat = flat_bytes[: lay["flat_bytes"]].view(group.dtype)
-        _register(flat, LoadedBuffer(flat=weakref.ref(flat), numel=flat.numel(),
-                                     names=list(group.names), index=len(out),
-                                     groups=loaded_groups, round_robin=bool(round_robin),
-                                     model=weakref.ref(model)))
-        params = []
-        for p, off in zip(group.members, lay["offsets"]):
-            params.append(_replace_everywhere(model, p, flat[off: off + p.numel()].view(p.shape)))
-        partition, master = partition_and_master(flat, lay, rank, master_bytes, master_dtype)
-        out.append(FlatGroup(flat=flat, partition=partition, master=master, tier=report["tier"],
-                             layout=lay, report=report, params=params, rank=rank, dp=dp))
-    for name, p, value in prep.params:
-        _replace_everywhere(model, p, value)
-    for name, value in prep.buffers:
-        module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name) if module_name else model
-        module._buffers[attr] = value
-    return out
-
+    # Every rank has its buffers: the model's parameters become their views.
+    return placement.finish(model, loaded, prep, rank, dp, master_dtype)

@@ -23,15 +23,13 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 import zeroflat
+from . import _dropin
 from ._comm import collective
+from ._dropin import log, stats
+from ._dropin import state as _state
+from ._patches import Patch
 
 KIND = "DeepSpeedZeroOptimizer_Stage3"
-
-
-def _ds():
-    from . import deepspeed as ds  # the stats, the log and the thread state live there
-
-    return ds
 
 
 # --- what the ranks find ------------------------------------------------------------------------
@@ -77,19 +75,8 @@ def _why_not(tensors: List[torch.Tensor], dtype: Optional[torch.dtype] = None,
         return f"the partitions are on {first.device}, the release's buffer in {device} memory"
     if any(t.dim() != 1 or not t.is_contiguous() for t in tensors):
         return "a partition is not a 1-D contiguous tensor"
-    numels = [t.numel() for t in tensors]
-    if sum(numels) == 0:
+    if sum(t.numel() for t in tensors) == 0:
         return "the partitions have no elements"
-    try:
-        lay = zeroflat.layout(numels, 1, alignment_factor=1, dtype=first.dtype)
-    except (TypeError, ValueError) as e:
-        return str(e)
-    at, want = 0, []
-    for n in numels:
-        want.append(at)
-        at += n
-    if lay["offsets"] != want or lay["flat_numel"] != at:
-        return "zeroflat's layout of the partitions is not their plain concatenation"
     return None
 
 
@@ -114,8 +101,7 @@ def _agree(process_group, adopt: bool, build: bool, tag: str) -> Tuple[bool, boo
 # --- the buffer ---------------------------------------------------------------------------------
 
 def _record(what: str, numel: int, how: str) -> None:
-    ds = _ds()
-    ds.stats["stage3"].append({"buffer": what, "numel": numel, "how": how})
+    stats["stage3"].append({"buffer": what, "numel": numel, "how": how})
 
 
 def _buffer(opt, what: str, tensors: List[torch.Tensor], release: Callable[[], torch.Tensor], *,
@@ -124,8 +110,6 @@ def _buffer(opt, what: str, tensors: List[torch.Tensor], release: Callable[[], t
     """The buffer the release would build from ``tensors`` (this rank's partitions, in order),
     each re-pointed into it as the release re-points them: adopted, built by zeroflat, or
     ``release()``'s own."""
-    ds = _ds()
-    stats, log = ds.stats, ds.log
     reason = _why_not(tensors, dtype, device)
     span = _span(tensors) if reason is None else None
     unpinned = span is not None and host_pins and not span.is_pinned()
@@ -150,7 +134,6 @@ def _buffer(opt, what: str, tensors: List[torch.Tensor], release: Callable[[], t
     numel = sum(t.numel() for t in tensors)
     if adopt:
         flat, how, reason = span, "adopted", None
-        stats["adopted"] += 1
         log.info("zeroflat: %s %s adopted the partitions' buffer", KIND, what)
     else:
         _say_not_adopted(what, tensors, cause)
@@ -159,14 +142,10 @@ def _buffer(opt, what: str, tensors: List[torch.Tensor], release: Callable[[], t
         if flat is not None:
             log.info("zeroflat: %s %s built with the %s tier", KIND, what, how)
     if reason is not None:
-        stats["fallbacks"] += 1
-        stats["fallback_reasons"].append(f"{KIND} {what}: {reason}")
         _record(what, numel, "release")
-        log.warning("zeroflat: %s %s built by DeepSpeed itself: %s", KIND, what, reason)
+        _dropin.fallback(f"{KIND} {what}", reason)
         return release()
-    stats["groups"] += 1
-    stats["tiers"].append(how)
-    stats["optimizers"].append(KIND)
+    _dropin.built(KIND, how)
     _record(what, numel, how)
     at = 0
     for t in tensors:  # as the release re-points them
@@ -184,72 +163,61 @@ def _say_not_adopted(what: str, tensors: List[torch.Tensor], cause: str) -> None
     size = sum(t.numel() * t.element_size() for t in full)
     message = (f"zeroflat: {KIND} {what}: this rank's partitions lie in one buffer but it was "
                f"not adopted ({size} bytes copied): {cause}")
-    _ds().stats["not_adopted"].append(message)
-    _ds().log.warning("%s", message)
+    stats["not_adopted"].append(message)
+    log.warning("%s", message)
 
 
 def _concatenate(tensors: List[torch.Tensor], what: str):
-    """(flat, tier, None) from zeroflat's front door, or (None, None, why) with nothing moved."""
+    """(flat, tier, None) from zeroflat's front door, or (None, None, why) with nothing moved. The
+    release's buffer is the partitions back to back: the library checks its layout is that."""
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at += t.numel()
     try:
         fg = zeroflat.flatten_param_group(
             tensors, None, alignment_factor=1, param_align_bytes=0, master_dtype=None,
-            trainable_only=False, check_values=False, deepspeed=None, _rebinds=True)
+            trainable_only=False, check_values=False, deepspeed=None, expected_offsets=offsets,
+            expected_flat_numel=at, _rebinds=True)
     except (TypeError, ValueError, zeroflat.NoFeasiblePlan) as e:  # nothing moved
         return None, None, str(e)
     except zeroflat.ExecutionError as e:
         if e.outcome != "recovered":
             raise
         fg = e.flat_group  # the values are safe in the completed buffer
-        _ds().log.warning("zeroflat: %s %s: %s", KIND, what, e)
+        log.warning("zeroflat: %s %s: %s", KIND, what, e)
     return fg.flat, fg.tier, None
 
 
-# --- the hooks ----------------------------------------------------------------------------------
+# --- the hooks (installed by _patches: hook(original, *args, **kwargs)) --------------------------
 
 def _current(opt=None):
-    cur = getattr(_ds()._state, "zero3", None)
+    cur = getattr(_state, "zero3", None)
     return cur if opt is None or cur is opt else None
 
 
-def init_hook(original):
-    def __init__(self, *args, **kwargs):
-        state = _ds()._state
-        outer = getattr(state, "zero3", None)
-        state.zero3 = self
-        try:
-            original(self, *args, **kwargs)
-        finally:
-            state.zero3 = outer
-
-    __init__.__wrapped__ = original
-    __init__.__zeroflat__ = True
-    return __init__
+def _init(original, self, *args, **kwargs):
+    """DeepSpeedZeroOptimizer_Stage3.__init__: the optimizer being built is marked on this
+    thread."""
+    outer = getattr(_state, "zero3", None)
+    _state.zero3 = self
+    try:
+        original(self, *args, **kwargs)
+    finally:
+        _state.zero3 = outer
 
 
-def _defragment_hook(fn):
-    def defragment(tensors):
-        opt = _current()
-        if opt is None or getattr(opt, "offload_param", False):
-            return fn(tensors)
-        mine = [p.ds_tensor for sub_group in getattr(opt, "fp16_groups", []) for p in sub_group]
-        given = list(tensors)
-        if len(mine) != len(given) or any(a is not b for a, b in zip(mine, given)):
-            return fn(tensors)  # not the optimizer's own call during its __init__
-        return _buffer(opt, "lp_param_buffer", given, lambda: fn(tensors))
-
-    defragment.__wrapped__ = fn
-    defragment.__zeroflat__ = True
-    return defragment
-
-
-def defragment_function_hook(original):
-    """``deepspeed.runtime.zero.stage3.defragment`` (the module's name for the utility, 0.19)."""
-    return _defragment_hook(original)
-
-
-def defragment_static_hook(original):
-    """``DeepSpeedZeroOptimizer_Stage3.defragment``, a static method (up to 0.18)."""
-    return staticmethod(_defragment_hook(original.__func__))
+def _defragment(original, tensors):
+    """defragment (0.19: the stage3 module's utility; up to 0.18: the optimizer's static method):
+    lp_param_buffer from zeroflat, or adopted."""
+    opt = _current()
+    if opt is None or getattr(opt, "offload_param", False):
+        return original(tensors)
+    mine = [p.ds_tensor for sub_group in getattr(opt, "fp16_groups", []) for p in sub_group]
+    given = list(tensors)
+    if len(mine) != len(given) or any(a is not b for a, b in zip(mine, given)):
+        return original(tensors)  # not the optimizer's own call during its __init__
+    return _buffer(opt, "lp_param_buffer", given, lambda: original(tensors))
 
 
 def _host_pins() -> bool:
@@ -261,72 +229,57 @@ def _host_pins() -> bool:
     return get_accelerator().pin_memory(probe) is not probe
 
 
-def cpu_memory_hook(original):
-    """``_create_param_groups_fp16_flat_cpu_memory``: with ``offload_param``, one host buffer per
-    optimizer param group, which ``_move_to_flat_buffer`` then fills sub-group by sub-group."""
+def _cpu_memory(original, self):
+    """_create_param_groups_fp16_flat_cpu_memory: with offload_param, one host buffer per
+    optimizer param group, which _move_to_flat_buffer then fills sub-group by sub-group."""
+    if _current(self) is None:
+        return original(self)
+    own = self.trainable_param_groups
+    groups = list(own)
+    if getattr(self, "params_in_nvme_and_cpu", False):
+        for j in range(len(groups)):
+            _record(f"param group {j}", 0, "release")
+            _dropin.fallback(f"{KIND} param group {j}", "its parameters are offloaded to NVMe "
+                             "(the release sizes it by max_in_cpu)")
+        return original(self)
+    pins = _host_pins()
 
-    def _create_param_groups_fp16_flat_cpu_memory(self):
-        if _current(self) is None:
-            return original(self)
-        own = self.trainable_param_groups
-        groups = list(own)
-        if getattr(self, "params_in_nvme_and_cpu", False):
-            for j in range(len(groups)):
-                why = "its parameters are offloaded to NVMe (the release sizes it by max_in_cpu)"
-                _ds().stats["fallbacks"] += 1
-                _ds().stats["fallback_reasons"].append(f"{KIND} param group {j}: {why}")
-                _record(f"param group {j}", 0, "release")
-                _ds().log.warning("zeroflat: %s param group %d built by DeepSpeed itself: %s",
-                                  KIND, j, why)
-            return original(self)
-        pins = _host_pins()
+    def release_one(j):
+        # The release's own function for this one group (each group's buffer depends on that
+        # group alone when nothing is on NVMe).
+        self.trainable_param_groups = [groups[j]]
+        try:
+            original(self)
+        finally:
+            self.trainable_param_groups = own
+        return self.param_groups_fp16_flat_cpu_memory.pop()
 
-        def release_one(j):
-            # The release's own function for this one group (each group's buffer depends on
-            # that group alone when nothing is on NVMe).
-            self.trainable_param_groups = [groups[j]]
-            try:
-                original(self)
-            finally:
-                self.trainable_param_groups = own
-            return self.param_groups_fp16_flat_cpu_memory.pop()
-
-        for j, g in enumerate(groups):
-            tensors = [p.ds_tensor for p in g["params"]]
-            flat = _buffer(self, f"param group {j}", tensors, lambda j=j: release_one(j),
-                           dtype=self.dtype, device="cpu", host_pins=pins)
-            self.param_groups_fp16_flat_cpu_memory.append(flat)
-
-    _create_param_groups_fp16_flat_cpu_memory.__wrapped__ = original
-    _create_param_groups_fp16_flat_cpu_memory.__zeroflat__ = True
-    return _create_param_groups_fp16_flat_cpu_memory
+    for j, g in enumerate(groups):
+        tensors = [p.ds_tensor for p in g["params"]]
+        flat = _buffer(self, f"param group {j}", tensors, lambda j=j: release_one(j),
+                       dtype=self.dtype, device="cpu", host_pins=pins)
+        self.param_groups_fp16_flat_cpu_memory.append(flat)
 
 
-def move_hook(original):
-    """``_move_to_flat_buffer``: a partition that already is its place in the buffer is not
-    copied onto itself (the release's own ``avoid_copy``)."""
-
-    def _move_to_flat_buffer(self, param_list, flat_buffer, avoid_copy=False):
-        if flat_buffer is not None and not avoid_copy and _current(self) is not None:
-            at, size = 0, flat_buffer.element_size()
-            in_place = True
-            for p in param_list:
-                src = p.ds_tensor
-                if (src.dtype != flat_buffer.dtype or src.device != flat_buffer.device
-                        or (src.numel() and src.data_ptr() != flat_buffer.data_ptr() + at * size)):
-                    in_place = False
-                    break
-                at += src.ds_numel
-            avoid_copy = in_place
-        return original(self, param_list, flat_buffer, avoid_copy=avoid_copy)
-
-    _move_to_flat_buffer.__wrapped__ = original
-    _move_to_flat_buffer.__zeroflat__ = True
-    return _move_to_flat_buffer
+def _move(original, self, param_list, flat_buffer, avoid_copy=False):
+    """_move_to_flat_buffer: a partition that already is its place in the buffer is not copied
+    onto itself (the release's own avoid_copy)."""
+    if flat_buffer is not None and not avoid_copy and _current(self) is not None:
+        at, size = 0, flat_buffer.element_size()
+        in_place = True
+        for p in param_list:
+            src = p.ds_tensor
+            if (src.dtype != flat_buffer.dtype or src.device != flat_buffer.device
+                    or (src.numel() and src.data_ptr() != flat_buffer.data_ptr() + at * size)):
+                in_place = False
+                break
+            at += src.ds_numel
+        avoid_copy = in_place
+    return original(self, param_list, flat_buffer, avoid_copy=avoid_copy)
 
 
-def targets() -> Tuple[list, Optional[str]]:
-    """(class or module, attribute, hook) for Stage 3 in the installed release, or ([], why not)."""
+def patches() -> Tuple[List[Patch], Optional[str]]:
+    """Stage 3's patches in the installed release, or none and why not."""
     try:
         from deepspeed.runtime.zero import stage3
     except ImportError as e:
@@ -334,16 +287,16 @@ def targets() -> Tuple[list, Optional[str]]:
     cls = getattr(stage3, "DeepSpeedZeroOptimizer_Stage3", None)
     if cls is None:
         return [], "it has no DeepSpeedZeroOptimizer_Stage3"
-    out = [(cls, "__init__", init_hook)]
+    out = [Patch(cls, "__init__", hook=_init)]
     if isinstance(vars(cls).get("defragment"), staticmethod):
-        out.append((cls, "defragment", defragment_static_hook))
+        out.append(Patch(cls, "defragment", hook=_defragment))
     elif callable(vars(stage3).get("defragment")):
-        out.append((stage3, "defragment", defragment_function_hook))
+        out.append(Patch(stage3, "defragment", hook=_defragment))
     else:
         return [], "its Stage 3 optimizer has no defragment step to build lp_param_buffer"
-    for name, hook in (("_create_param_groups_fp16_flat_cpu_memory", cpu_memory_hook),
-                       ("_move_to_flat_buffer", move_hook)):
+    for name, hook in (("_create_param_groups_fp16_flat_cpu_memory", _cpu_memory),
+                       ("_move_to_flat_buffer", _move)):
         if not callable(vars(cls).get(name)):
             return [], f"its Stage 3 optimizer has no {name} (offload_param's buffers)"
-        out.append((cls, name, hook))
+        out.append(Patch(cls, name, hook=hook))
     return out, None

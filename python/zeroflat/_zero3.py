@@ -1,28 +1,27 @@
-"""zeroflat.hf.from_pretrained under DeepSpeed ZeRO-3: each rank reads only its own partition of
-every parameter, straight into one buffer laid out as the Stage 3 optimizer's flat partitions
-(``lp_param_buffer``), and the parameters become ZeRO-3 parameters whose ``ds_tensor``s are
-views of it, made by DeepSpeed's own ``zero.Init`` conversion as if the model had been built
-inside ``zero.Init``. No all-gather, no rank reading the whole checkpoint, no initialization."""
+"""DeepSpeed ZeRO-3 as a placement of ``zeroflat.load_param_groups``: each rank reads only its own
+partition of every parameter, straight into one buffer laid out as the Stage 3 optimizer's flat
+partitions (``lp_param_buffer``), and the parameters become ZeRO-3 parameters whose
+``ds_tensor``s are views of it, made by DeepSpeed's own ``zero.Init`` conversion as if the model
+had been built inside ``zero.Init``. No all-gather, no rank reading the whole checkpoint, no
+initialization.
+
+Here: which DeepSpeed config (and the refusals decided from it before anything process-wide is
+made), DeepSpeed's ``zero.Init`` object, the order ``zero.Init`` numbers parameters in (recorded
+while a model is built under ``zeroflat.meta_parameters()``), building a model as ``zero.Init``
+would make its tensors, and the placement itself (``Partitions``)."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-import logging
 import os
-from dataclasses import dataclass, field
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _C
-from ._common import bool_option, layout_options
-from ._errors import NoFeasiblePlan
-from ._load import _Prepared, _prepare, call_loader, engine_and_comm, meta_parameters
-
-log = logging.getLogger("zeroflat")
+from ._patches import KEEP, Patch, apply, patched, restore
 
 # --- which DeepSpeed config -------------------------------------------------------------------
 
@@ -38,11 +37,17 @@ def live_config() -> Optional[dict]:
     return deepspeed_config() if is_deepspeed_zero3_enabled() else None
 
 
-def resolve(zero3: Any) -> Optional[dict]:
-    """The DeepSpeed config ``from_pretrained(zero3=...)`` loads for, or None for ZeRO-1/2:
-    ``"auto"`` the live ``HfDeepSpeedConfig``'s when it says stage 3; ``True`` the same, and an
-    error when there is none; ``False`` never; a dict, a path to a JSON file, or an object with
-    a ``config`` dict (an ``HfDeepSpeedConfig``), whose ``zero_optimization.stage`` must be 3."""
+def is_init(zero3: Any) -> bool:
+    """Whether ``zero3`` is a ``deepspeed.zero.Init`` object (made by the caller)."""
+    return hasattr(zero3, "_convert_to_deepspeed_param")
+
+
+def resolve(zero3: Any) -> Any:
+    """What ``zero3=`` names: None for ZeRO-1/2, else a DeepSpeed config dict (or the
+    ``zero.Init`` object given). ``"auto"``: the live ``HfDeepSpeedConfig``'s when it says stage
+    3; ``True`` the same, and an error when there is none; ``False``/None never; a dict, a path
+    to a JSON file, or an object with a ``config`` dict (an ``HfDeepSpeedConfig``), whose
+    ``zero_optimization.stage`` must be 3; or a ``deepspeed.zero.Init`` object."""
     if isinstance(zero3, str) and zero3 == "auto":
         return live_config()
     if zero3 is False or zero3 is None:
@@ -54,6 +59,8 @@ def resolve(zero3: Any) -> Optional[dict]:
                              "TrainingArguments(deepspeed=...) first, or pass the DeepSpeed "
                              "config as zero3=)")
         return config
+    if is_init(zero3):
+        return zero3
     if isinstance(zero3, (str, os.PathLike)):
         with open(zero3) as f:
             config = json.load(f)
@@ -63,7 +70,7 @@ def resolve(zero3: Any) -> Optional[dict]:
         config = zero3.config
     else:
         raise TypeError(f"zero3 is {zero3!r}: expected \"auto\", True, False, a DeepSpeed config "
-                        "dict, a path to one, or an HfDeepSpeedConfig")
+                        "dict, a path to one, an HfDeepSpeedConfig, or a deepspeed.zero.Init")
     stage = (config.get("zero_optimization") or {}).get("stage")
     if stage != 3:
         raise ValueError(f"zero3: the DeepSpeed config's zero_optimization.stage is {stage!r}, "
@@ -71,16 +78,43 @@ def resolve(zero3: Any) -> Optional[dict]:
     return config
 
 
-def init_object(config: dict, process_group):
-    """DeepSpeed's own ``zero.Init`` for ``config`` (not entered: its conversion of parameters
-    into ZeRO-3 parameters, its dtype and devices), refused where this loader cannot make what
-    it would make."""
-    import deepspeed
+def _enabled(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.lower() == "true")
 
-    kwargs = {"config_dict_or_path": config}
-    if process_group is not None and process_group is not dist.group.WORLD:
-        kwargs["data_parallel_group"] = process_group
-    init = deepspeed.zero.Init(**kwargs)
+
+def refusal(config: dict) -> Optional[str]:
+    """Why zeroflat cannot load for this ZeRO-3 config, decided from the config alone (before
+    ``zero.Init`` makes any process-wide state, such as hpZ's process groups), or None."""
+    z = config.get("zero_optimization") or {}
+    if int(z.get("zero_hpz_partition_size") or 1) > 1:
+        return ("zero3: hpZ (zero_hpz_partition_size > 1) keeps a secondary partition zeroflat "
+                "does not load")
+    if str((z.get("offload_param") or {}).get("device", "none")).lower() == "nvme":
+        return "zero3: offload_param to nvme is not loaded by zeroflat (offload_param to cpu is)"
+    if _enabled(z.get("zero_quantized_weights")) or _enabled(
+            z.get("zero_quantized_nontrainable_weights")):
+        return "zero3: quantized weights are not loaded by zeroflat"
+    return None
+
+
+def init_object(zero3: Any, process_group):
+    """DeepSpeed's own ``zero.Init`` for a config resolved by ``resolve`` (not entered: its
+    conversion of parameters into ZeRO-3 parameters, its dtype and devices), or the one given;
+    refused (NotImplementedError) where this loader cannot make what it would make, from the
+    config before anything is made."""
+    if is_init(zero3):
+        init = zero3
+    else:
+        why = refusal(zero3)
+        if why is not None:
+            raise NotImplementedError(why)
+        import deepspeed
+
+        kwargs = {"config_dict_or_path": zero3}
+        if process_group is not None and process_group is not dist.group.WORLD:
+            kwargs["data_parallel_group"] = process_group
+        init = deepspeed.zero.Init(**kwargs)
+    # The same refusals on what the object says (a zero.Init made by the caller).
     if getattr(init, "zero_param_process_group", None) is not None:
         raise NotImplementedError("zero3: hpZ (zero_hpz_partition_size > 1) keeps a secondary "
                                   "partition zeroflat does not load")
@@ -92,6 +126,8 @@ def init_object(config: dict, process_group):
         raise NotImplementedError("zero3: quantized weights are not loaded by zeroflat")
     for name in ("_convert_to_deepspeed_param", "dtype", "local_device", "remote_device"):
         if not hasattr(init, name):
+            import deepspeed
+
             raise NotImplementedError(
                 f"zero3: this DeepSpeed ({deepspeed.__version__}) has no zero.Init.{name}, "
                 "which zeroflat makes its ZeRO-3 parameters with")
@@ -100,7 +136,7 @@ def init_object(config: dict, process_group):
 
 # --- the order zero.Init would number the parameters in ----------------------------------------
 
-class _Order:
+class Order:
     """Where ``zero.Init`` would have numbered each parameter (``ds_id``): it converts a
     module's own parameters when the module's construction completes (its outermost
     ``__init__`` returns), so a parameter's place is its module's completion and its place
@@ -131,6 +167,14 @@ class _Order:
         return self.slots.get((id(module), attr))
 
 
+# The order each model built under meta_parameters() was made in, by its outermost module.
+_ORDERS: "weakref.WeakKeyDictionary[torch.nn.Module, Order]" = weakref.WeakKeyDictionary()
+
+
+def order_of(model: torch.nn.Module) -> Optional[Order]:
+    return _ORDERS.get(model)
+
+
 def _subclasses(cls) -> List[type]:
     out, todo = [], [cls]
     while todo:
@@ -143,106 +187,45 @@ def _subclasses(cls) -> List[type]:
 @contextlib.contextmanager
 def construction_order(then=None):
     """While a model is constructed inside, the completion of every module's construction is
-    recorded in an ``_Order`` (each module class's ``__init__`` wrapped, also of classes defined
-    inside; the outermost call per module counts), and ``then(module)`` called."""
-    order = _Order(then)
+    recorded in an ``Order`` (each module class's ``__init__`` wrapped, also of classes defined
+    inside; the outermost call per module counts), and ``then(module)`` called. Every model
+    completed inside is remembered with its order (``order_of``)."""
+    order = Order(then)
     entered: set = set()
-    wrapped: List[Tuple[type, Any]] = []
+    completed: List[torch.nn.Module] = []
 
-    def wrap(cls):
-        if "__init__" not in cls.__dict__ or getattr(cls.__dict__["__init__"], "_zeroflat_order",
-                                                     False):
-            return
-        init = cls.__dict__["__init__"]
-
-        @functools.wraps(init)
-        def wrapper(module, *args, **kwargs):
-            first = id(module) not in entered
-            entered.add(id(module))
-            try:
-                init(module, *args, **kwargs)
-            finally:
-                if first:
-                    entered.discard(id(module))
+    def init(original, module, *args, **kwargs):
+        first = id(module) not in entered
+        entered.add(id(module))
+        try:
+            original(module, *args, **kwargs)
+        finally:
             if first:
-                order.completed(module)
+                entered.discard(id(module))
+        if first:
+            order.completed(module)
+            completed.append(module)
 
-        wrapper._zeroflat_order = True
-        cls.__init__ = wrapper
-        wrapped.append((cls, init))
+    def own_init(cls) -> List[Patch]:
+        return [Patch(cls, "__init__", hook=init)] if "__init__" in cls.__dict__ else []
 
     module_cls = torch.nn.Module
-    had_own = "__init_subclass__" in module_cls.__dict__
-    old_subclass = module_cls.__dict__.get("__init_subclass__")
+    applied = apply([p for cls in _subclasses(module_cls) for p in own_init(cls)])
 
     def init_subclass(cls, **kwargs):
         super(module_cls, cls).__init_subclass__(**kwargs)
-        wrap(cls)
+        applied.entries.extend(apply(own_init(cls)).entries)
 
-    for cls in _subclasses(module_cls):
-        wrap(cls)
-    module_cls.__init_subclass__ = classmethod(init_subclass)
     try:
-        yield order
+        with patched([Patch(module_cls, "__init_subclass__", value=classmethod(init_subclass))]):
+            yield order
     finally:
-        if had_own:
-            module_cls.__init_subclass__ = old_subclass
-        else:
-            del module_cls.__init_subclass__
-        for cls, init in reversed(wrapped):
-            cls.__init__ = init
-
-
-@contextlib.contextmanager
-def transformers_zero_init_off():
-    """Transformers' own ``zero.Init`` around model construction off (a live ZeRO-3
-    ``HfDeepSpeedConfig`` would turn it on in ``from_config``): by Transformers' own switch
-    (``set_zero3_state``), or, in a release without it, its check answering no meanwhile."""
-    try:
-        from transformers import modeling_utils
-    except ImportError:
-        yield
-        return
-    switch = getattr(modeling_utils, "set_zero3_state", None)
-    if switch is not None:
-        with switch():
-            yield
-        return
-    check = getattr(modeling_utils, "is_deepspeed_zero3_enabled", None)
-    if check is None:
-        yield
-        return
-    modeling_utils.is_deepspeed_zero3_enabled = lambda: False
-    try:
-        yield
-    finally:
-        modeling_utils.is_deepspeed_zero3_enabled = check
-
-
-# --- the load ------------------------------------------------------------------------------
-
-
-@dataclass
-class Zero3Load:
-    """What ``from_pretrained`` loaded under ZeRO-3 (``model.zeroflat_zero3``): ``flat``, this
-    rank's buffer of the optimizer groups' partitions (``lp_param_buffer``'s layout), and
-    ``frozen``, that of every other parameter (None when there are none); ``params`` and
-    ``frozen_params`` the parameters in buffer order, ``offsets``/``frozen_offsets`` each one's
-    element offset; ``reports`` the library's load documents."""
-
-    flat: Optional[torch.Tensor]
-    frozen: Optional[torch.Tensor]
-    params: List[torch.nn.Parameter] = field(default_factory=list)
-    offsets: List[int] = field(default_factory=list)
-    frozen_params: List[torch.nn.Parameter] = field(default_factory=list)
-    frozen_offsets: List[int] = field(default_factory=list)
-    reports: List[dict] = field(default_factory=list)
-    rank: int = 0
-    dp: int = 1
-
-
-def _partition_numel(numel: int, world: int) -> int:
-    return -(-numel // world)
+        restore(applied)
+        # The outermost modules completed inside: the models built.
+        inner = {id(m) for c in completed for m in c.modules() if m is not c}
+        for m in completed:
+            if id(m) not in inner:
+                _ORDERS[m] = order
 
 
 _CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
@@ -263,148 +246,148 @@ def zero_init_tensors(init):
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
     except ImportError:
         prevent_arange_dtype_change = contextlib.nullcontext
-    saved = {name: getattr(torch, name) for name in _CONSTRUCTORS}
-    had_new = "__new__" in torch.Tensor.__dict__
-    saved_new = torch.Tensor.__dict__.get("__new__")
     overrides = getattr(init, "tensor_overrides", None)
-    with prevent_arange_dtype_change():
-        if overrides is not None:
-            init.tensor_overrides = [o for o in overrides if getattr(o, "name", "") == "dtype"]
-        try:
-            add()
-            yield
-        finally:
-            for name, fn in saved.items():
-                setattr(torch, name, fn)
-            if had_new:
-                torch.Tensor.__new__ = saved_new
-            elif "__new__" in torch.Tensor.__dict__:
-                del torch.Tensor.__new__
-            if overrides is not None:
-                init.tensor_overrides = overrides
+    # DeepSpeed's wrappers replace these attributes themselves; they are put back after.
+    kept = [Patch(torch, name, value=KEEP) for name in _CONSTRUCTORS]
+    kept.append(Patch(torch.Tensor, "__new__", value=KEEP))
+    if overrides is not None:
+        kept.append(Patch(init, "tensor_overrides",
+                          value=[o for o in overrides if getattr(o, "name", "") == "dtype"]))
+    with prevent_arange_dtype_change(), patched(kept):
+        add()
+        yield
 
 
-def build_meta(build, init):
-    """``build()`` (the model's construction) without memory and without initialization, its
-    tensors made as inside ``init`` (DeepSpeed's ``zero.Init``), with the order ``zero.Init``
-    would have numbered its parameters in; each module's buffers that the release keeps in
-    fp32 (``zero.Init._keep_in_fp32``, where it has it) as it keeps them."""
-    keep = getattr(init, "_keep_in_fp32", None)
-    with transformers_zero_init_off(), zero_init_tensors(init), \
-            construction_order(keep) as order, meta_parameters():
-        model = build()
-    return model, order
-
-
-def load(model: torch.nn.Module, order: _Order, path: str, init, process_group, *,
-         param_groups, dtype: torch.dtype, cold: bool = False,
-         threads: Optional[int] = None) -> Zero3Load:
-    """Every parameter of ``model`` (built by ``build_meta``) as a ZeRO-3 parameter of ``init``
-    (DeepSpeed's ``zero.Init``), its ``ds_tensor`` this rank's partition read from checkpoint
-    ``path`` into one buffer (the optimizer groups', ``param_groups``) or the other (every other
-    parameter). Collective over ``process_group``; errors agreed as ``load_param_groups``
-    agrees them."""
-    dp = dist.get_world_size(process_group) if process_group is not None else 1
-    local_error: Optional[BaseException] = None
-    prep: Optional[_Prepared] = None
-    remote = str(getattr(init.remote_device, "value", init.remote_device))
-    local = torch.device(init.local_device)
-    target = torch.device("cpu") if remote == "cpu" else local
+@contextlib.contextmanager
+def transformers_zero_init_off():
+    """Transformers' own ``zero.Init`` around model construction off (a live ZeRO-3
+    ``HfDeepSpeedConfig`` would turn it on in ``from_config``): by Transformers' own switch
+    (``set_zero3_state``), or, in a release without it, its check answering no meanwhile."""
     try:
-        cold = bool_option("cold", cold)
-        prep = _prepare(model, path, dp, param_groups, dtype, target, False, 2, 0, None, None,
-                        None, threads, True, zero3=True)
-    except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it
-        local_error = e
-    if local_error is not None and dp == 1:
-        raise local_error
-
-    ok = prep is not None
-    engine, nthreads, comm, rank = engine_and_comm(target, threads if ok else 1, dp,
-                                                   process_group)
-    ck_path = prep.ck.path if ok else str(path)
-
-    # Two loads on every rank: the optimizer groups' buffer, then the other parameters'. The
-    # first carries any rank's own error, so that every rank raises at the same point.
-    parts = []
-    if ok:
-        trainable, other = prep.groups[:-1], prep.groups[-1]
-        parts = [[lp for g in trainable for lp in g.params], list(other.params)]
-        members = [[p for g in trainable for p in g.members], list(other.members)]
-    results = []
-    for k in range(2):
-        if k == 1 and ok and not parts[1]:
-            # No other parameters: the first load agreed on the model, so every rank skips it.
-            results.append(({}, None))
-            continue
-        options = _C.LoadOptions(layout=_C.LayoutOptions(dp=dp), cold=cold, threads=nthreads)
-        if ok:
-            options.layout = layout_options(dp, False, 2, dtype, 0)
-        if local_error is not None:
-            options.local_error = f"{type(local_error).__name__}: {local_error}"
-        options.must_match = (f"zero3 buffer {k}, device {target.type}, dtype {dtype}, "
-                              f"model {prep.digest if ok else ''}")
-        report, flat_bytes, _ = call_loader(
-            _C.load_partitions, engine, comm if dp > 1 else None, prep.ck if ok else None,
-            parts[k] if ok else [], options, local_error,
-            f"loading the ZeRO-3 partitions of {ck_path}")
-        report["dp"] = dp
-        if report.get("outcome") == "infeasible":
-            raise NoFeasiblePlan(f"this rank's partitions do not fit on {target}: "
-                                 f"{report.get('reason')}; nothing was read", report)
-        results.append((report, flat_bytes))
-    assert local_error is None and prep is not None
-
-    out = Zero3Load(flat=None, frozen=None, rank=rank, dp=dp)
-    views: Dict[int, torch.Tensor] = {}
-    for k, (report, flat_bytes) in enumerate(results):
-        numels = [_partition_numel(p.numel(), dp) for p in members[k]]
-        total = sum(numels)
-        flat = None
-        if flat_bytes is not None and total:
-            flat = flat_bytes.view(dtype)[:total]
-            if remote == "cpu" and getattr(init, "pin_memory", False):
-                from deepspeed.accelerator import get_accelerator
-
-                flat = get_accelerator().pin_memory(flat)
-        offsets, at = [], 0
-        for p, n in zip(members[k], numels):
-            offsets.append(at)
-            views[id(p)] = (flat[at: at + n] if flat is not None
-                            else torch.empty(0, dtype=dtype, device=target))
-            at += n
-        if k == 0:
-            out.flat, out.offsets = flat, offsets
-        else:
-            out.frozen, out.frozen_offsets = flat, offsets
-        if report:
-            out.reports.append(report)
-
-    # Buffers the checkpoint holds, and the others, on the device zero.Init keeps them on.
-    for name, value in prep.buffers:
-        module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name) if module_name else model
-        module._buffers[attr] = value.to(local)
-    for module in model.modules():
-        for attr, b in list(module._buffers.items()):
-            if b is not None and b.device != local:
-                module._buffers[attr] = b.to(local)
-
-    made = _zero_parameters(model, order, init, views, dtype, local)
-    out.params = [made[id(p)] for p in members[0]]
-    out.frozen_params = [made[id(p)] for p in members[1]]
-    return out
+        from transformers import modeling_utils
+    except ImportError:
+        yield
+        return
+    switch = getattr(modeling_utils, "set_zero3_state", None)
+    if switch is not None:
+        with switch():
+            yield
+        return
+    with patched([Patch(modeling_utils, "is_deepspeed_zero3_enabled", value=lambda: False,
+                        optional=True)]):
+        yield
 
 
-def _zero_parameters(model: torch.nn.Module, order: _Order, init, views: Dict[int, torch.Tensor],
-                     dtype: torch.dtype, local: torch.device) -> Dict[int, torch.nn.Parameter]:
+@contextlib.contextmanager
+def building(init):
+    """A model built inside is made as inside ``zero.Init`` (``init``): its tensors in
+    ``init``'s dtype, each module's buffers that the release keeps in fp32 kept so
+    (``zero.Init._keep_in_fp32``, where it has it), Transformers' own ``zero.Init`` off."""
+    with transformers_zero_init_off(), zero_init_tensors(init):
+        yield getattr(init, "_keep_in_fp32", None)
+
+
+# --- the placement ------------------------------------------------------------------------------
+
+class Partitions:
+    """ZeRO-3's placement of ``load_param_groups``: two buffers (the optimizer groups' trainable
+    parameters, groups in order, as the Stage 3 optimizer's lp_param_buffer; and every other
+    parameter), each rank reading its own partition of every parameter (``_C.load_partitions``);
+    then every parameter a ZeRO-3 parameter of ``init``."""
+
+    door = "load_partitions"
+    tier = "load-partitions"
+
+    def __init__(self, zero3: Any, process_group):
+        self.init = init_object(zero3, process_group)
+        self.process_group = self.init.ds_process_group
+        if dist.get_world_size(self.process_group) == 1:
+            self.process_group = None
+        self.dtype = self.init.dtype
+        remote = str(getattr(self.init.remote_device, "value", self.init.remote_device))
+        self.local = torch.device(self.init.local_device)
+        self.offloaded = remote == "cpu"
+        self.target = torch.device("cpu") if self.offloaded else self.local
+
+    def buffers(self, groups: List[List[torch.nn.Parameter]], model: torch.nn.Module,
+                rules) -> List[List[torch.nn.Parameter]]:
+        """Every trainable parameter of a group stays in it (Stage 3 leaves none out), the
+        groups' in one buffer; one last buffer holds every other parameter (frozen ones, and
+        those of no group), partitioned too."""
+        trainable = [p for g in groups for p in g if p.requires_grad]
+        ids = {id(p) for p in trainable}
+        return [trainable, [p for p in model.parameters() if id(p) not in ids]]
+
+    def layout_options(self, dp: int, dtype: torch.dtype):
+        from ._common import layout_options
+
+        return layout_options(dp, False, 2, dtype, 0)
+
+    def finish(self, model: torch.nn.Module, loaded: List[tuple], prep, rank: int, dp: int,
+               master_dtype: Optional[torch.dtype]) -> list:
+        """The loaded partitions as the parameters' ds_tensors (each buffer's views at the
+        offsets its layout gives), the buffers on zero.Init's device, every parameter a ZeRO-3
+        parameter. Returns a FlatGroup per non-empty buffer: its flat and partition are the
+        rank's buffer, its master that buffer up-cast (or None)."""
+        from ._common import FlatGroup
+
+        out = []
+        views: Dict[int, torch.Tensor] = {}
+        for members, report, flat_bytes, master_bytes, lay in loaded:
+            if report is None:  # an empty buffer, not loaded
+                continue
+            flat = None
+            if flat_bytes is not None and lay["flat_numel"]:
+                flat = flat_bytes[: lay["flat_bytes"]].view(self.dtype)
+                if self.offloaded and getattr(self.init, "pin_memory", False):
+                    from deepspeed.accelerator import get_accelerator
+
+                    flat = get_accelerator().pin_memory(flat)
+            for p, off, n in zip(members, lay["offsets"], lay["numels"]):
+                views[id(p)] = (flat[off: off + n] if flat is not None
+                                else torch.empty(0, dtype=self.dtype, device=self.target))
+            if members:
+                out.append((members, report, flat, master_bytes, lay))
+        # Buffers the checkpoint holds, and the others, on the device zero.Init keeps them on.
+        for name, value in prep.buffers:
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            module._buffers[attr] = value.to(self.local)
+        for module in model.modules():
+            for attr, b in list(module._buffers.items()):
+                if b is not None and b.device != self.local:
+                    module._buffers[attr] = b.to(self.local)
+        made = _zero_parameters(model, order_of(model), self.init, views, self.dtype, self.local)
+        groups = []
+        for members, report, flat, master_bytes, lay in out:
+            if flat is None:
+                flat = torch.empty(0, dtype=self.dtype, device=self.target)
+            master = None
+            if master_bytes is not None:
+                master = master_bytes[: flat.numel() * 4].view(torch.float32)
+            elif master_dtype is not None:
+                master = flat.detach().to(master_dtype, copy=True)
+            groups.append(FlatGroup(flat=flat, partition=flat, master=master,
+                                    tier=report["tier"], layout=lay, report=report,
+                                    params=[made[id(p)] for p in members], rank=rank, dp=dp))
+        return groups
+
+
+def _zero_parameters(model: torch.nn.Module, order: Optional[Order], init,
+                     views: Dict[int, torch.Tensor], dtype: torch.dtype,
+                     local: torch.device) -> Dict[int, torch.nn.Parameter]:
     """Every parameter of ``model`` replaced by a ZeRO-3 parameter made by DeepSpeed's own
     conversion (``init._convert_to_deepspeed_param``), in the order and with the ``ds_id`` that
-    ``zero.Init`` would have given it, ``ds_tensor`` its view, then partitioned by DeepSpeed
-    (``param.partition()``: the data an empty placeholder, NOT_AVAILABLE). Returns the new
-    parameters by the old ones' ids."""
+    ``zero.Init`` would have given it (the recorded construction order; without one, each
+    module's own parameters after its children's, as modules complete), ``ds_tensor`` its view,
+    then partitioned by DeepSpeed (``param.partition()``: the data an empty placeholder,
+    NOT_AVAILABLE). Returns the new parameters by the old ones' ids."""
     from deepspeed.runtime.zero.partition_parameters import Init, PartitionedParamStatus
 
+    if order is None:
+        order = Order()
+        for module in _post_order(model):
+            order.completed(module)
     aliases: Dict[int, List[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -448,3 +431,20 @@ def _zero_parameters(model: torch.nn.Module, order: _Order, init, views: Dict[in
         made[pid] = param
     Init.param_id = base + extra
     return made
+
+
+def _post_order(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules as their constructions would complete: children before their parent."""
+    out: List[torch.nn.Module] = []
+    seen = set()
+
+    def visit(m):
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for child in m.children():
+            visit(child)
+        out.append(m)
+
+    visit(model)
+    return out

@@ -19,7 +19,6 @@ fp32 master partitions are the ones that release would have built. See docs/deep
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from dataclasses import dataclass
 from typing import Callable, List, Optional
@@ -27,24 +26,22 @@ from typing import Callable, List, Optional
 import torch
 
 import zeroflat
-from . import _load, _stage3
+from . import _dropin, _load, _stage3
 from ._comm import collective
 from ._common import select
+from ._dropin import log, stats
+from ._dropin import state as _state
+from ._patches import Patch, apply, patched, restore
+from ._trainer import trainer_param_groups
 
 __all__ = ["SUPPORTED_VERSIONS", "install", "installed", "is_installed", "uninstall", "stats"]
-
-log = logging.getLogger("zeroflat.deepspeed")
 
 # The releases the test suite compares with DeepSpeed's own buffers, bit for bit: the last patch
 # of every line from 0.14 to 0.19, and 0.18.6, the last without the on-accelerator flatten.
 SUPPORTED_VERSIONS = zeroflat.TESTED_DEEPSPEED_RELEASES
 
 _lock = threading.Lock()
-_saved: Optional[dict] = None
-_state = threading.local()
-stats = {"release": None, "groups": 0, "fallbacks": 0, "tiers": [], "optimizers": [],
-         "fallback_reasons": [], "not_flattened": [], "adopted": 0, "not_adopted": [],
-         "stage3": [], "stage3_refused": None}
+_applied = None  # the drop-in's patches in place (_patches.Applied), while installed
 
 # How DeepSpeed fills a buffer when nothing else says otherwise: torch's concatenation. A group
 # whose optimizer fills it another way (ZenFlow stores 2-D parameters transposed) is DeepSpeed's.
@@ -90,9 +87,10 @@ def _independent(sources: List[torch.Tensor]) -> List[torch.Tensor]:
     return out
 
 
-def _why_not(opt, sources, alignment: int, world: int, offsets: List[int],
-             padding: List[int], flat_numel: int, palign: int, rules) -> Optional[str]:
-    """Why zeroflat's buffer would not be the one this optimizer builds, or None."""
+def _why_not(opt, sources, alignment: int, world: int) -> Optional[str]:
+    """Why zeroflat's buffer would not be the one this optimizer builds, or None (the layout
+    itself is checked by the library against the optimizer's own bookkeeping: flatten's
+    expected_offsets)."""
     if not any(opt.flatten is f for f in _STANDARD_FLATTEN):
         return (f"this optimizer fills its buffer with {getattr(opt.flatten, '__module__', '?')}."
                 f"{getattr(opt.flatten, '__name__', '?')} (ZenFlow stores 2-D parameters "
@@ -101,18 +99,6 @@ def _why_not(opt, sources, alignment: int, world: int, offsets: List[int],
         return f"alignment {alignment} is not a multiple of the group size {world}"
     if any(t.dtype != sources[0].dtype for t in sources):
         return "the group mixes dtypes"
-    try:
-        lay = zeroflat.layout([t.numel() for t in sources], world,
-                              alignment_factor=alignment // world, dtype=sources[0].dtype,
-                              param_align_bytes=palign, deepspeed=rules.release)
-    except (TypeError, ValueError) as e:
-        return str(e)
-    gaps = [lay["offsets"][k + 1] - lay["offsets"][k] - sources[k].numel()
-            for k in range(len(sources) - 1)] + [0]
-    if lay["offsets"] != offsets or lay["flat_numel"] != flat_numel or gaps != padding:
-        return ("zeroflat's layout differs from DeepSpeed's bookkeeping for this group "
-                f"(offsets {lay['offsets'][:4]}... vs {offsets[:4]}..., flat {lay['flat_numel']} "
-                f"vs {flat_numel})")
     return None
 
 
@@ -163,10 +149,9 @@ def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offse
     import torch.distributed as dist
 
     world = dist.get_world_size(group=process_group)
-    rules = _saved["rules"]
     padded = sum(t.numel() for t in sources) + sum(padding)
     flat_numel = padded + (-padded) % alignment
-    reason = _why_not(opt, sources, alignment, world, offsets, padding, flat_numel, palign, rules)
+    reason = _why_not(opt, sources, alignment, world)
     # A buffer zeroflat's loader already built in exactly this layout is the group's buffer as it
     # is: no copy, no allocation. Every rank must find one, or none adopts.
     adopted = _adoptable(sources, offsets, flat_numel) if reason is None else None
@@ -178,18 +163,18 @@ def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offse
         records.append(record)
     if _all_agree(adopted is not None, process_group, f"{kind}-{id(opt)}-{i}"):
         record.adopted = True
-        stats["groups"] += 1
-        stats["adopted"] += 1
-        stats["tiers"].append("adopted")
-        stats["optimizers"].append(kind)
+        _dropin.built(kind, "adopted")
         log.info("zeroflat: %s param group %d adopted the buffer zeroflat loaded", kind, i)
         return adopted
     if reason is None:
         try:
+            # The optimizer's own bookkeeping (offsets, the buffer's length) is what the library
+            # checks its layout against, before anything moves.
             fg = zeroflat.flatten_param_group(
                 _independent(sources), process_group, alignment_factor=alignment // world,
                 param_align_bytes=palign, master_dtype=None, trainable_only=False,
-                deepspeed=rules.release, _rebinds=True)
+                deepspeed=_dropin.rules.release, expected_offsets=offsets,
+                expected_flat_numel=flat_numel, _rebinds=True)
         except (TypeError, ValueError, zeroflat.NoFeasiblePlan) as e:  # nothing moved
             reason = str(e)
         except zeroflat.ExecutionError as e:
@@ -198,15 +183,11 @@ def _build(opt, kind: str, i: int, sources, alignment: int, process_group, offse
             fg = e.flat_group  # the values are safe in the completed buffer
             log.warning("zeroflat: %s group %d: %s", kind, i, e)
         if reason is None:
-            stats["groups"] += 1
-            stats["tiers"].append(fg.tier)
-            stats["optimizers"].append(kind)
+            _dropin.built(kind, fg.tier)
             log.info("zeroflat: %s param group %d flattened with the %s tier (%s)", kind, i,
                      fg.tier, fg.report.get("reason", ""))
             return fg.flat
-    stats["fallbacks"] += 1
-    stats["fallback_reasons"].append(f"{kind} group {i}: {reason}")
-    log.warning("zeroflat: %s param group %d flattened by DeepSpeed itself: %s", kind, i, reason)
+    _dropin.fallback(f"{kind} group {i}", reason)
     return original()
 
 
@@ -232,8 +213,6 @@ def _matching_param_groups(model, wanted: List[List[str]], rules) -> str:
     if as_release_forms([trainable]) == wanted:
         return "param_groups=None"
     try:
-        from .hf import trainer_param_groups
-
         if as_release_forms(trainer_param_groups(model)) == wanted:
             return 'param_groups="trainer"'
     except (ImportError, AttributeError, KeyError):
@@ -275,7 +254,7 @@ def _not_adopted(kind: str, groups: List[List[torch.Tensor]], records: List[_Rec
         else:
             differ = (f"the optimizer has {_names(wanted)}, the buffers were laid out for "
                       f"{_names(loaded)}")
-        how = (f"{differ}; load with {_matching_param_groups(model, wanted, _saved['rules'])} "
+        how = (f"{differ}; load with {_matching_param_groups(model, wanted, _dropin.rules)} "
                "to have them adopted")
     return f"{head}: {how}"
 
@@ -291,98 +270,76 @@ def _warn_not_adopted(kind: str, groups, round_robin: bool) -> None:
         log.warning("%s", message)
 
 
-def _zero_flatten_hook(original):
-    def flatten_dense_tensors_aligned(self, tensor_list, alignment, *args, **kwargs):
-        # (tensor_list, alignment, use_cpu_data=False[, param_padding=None]) in every release.
-        names = ("use_cpu_data", "param_padding")
-        given = dict(zip(names, args), **kwargs)
-        groups = getattr(self, "round_robin_bit16_groups", None)
-        flats = getattr(self, "bit16_groups_flat", None)
-        # Only the call that builds group i's buffer during __init__ is ours (step() and
-        # checkpoint loading call it too).
-        if (getattr(_state, "zero_init", None) is not self or not groups or flats is None
-                or len(flats) != len(groups) - 1 or tensor_list is not groups[-1]):
-            return original(self, tensor_list, alignment, *args, **kwargs)
-        i = len(flats)
-        # Releases up to 0.18.6 staged the parameters for the host: their values are in
-        # cpu_data (which the install kept on the device), their .data is a placeholder.
-        sources = ([p.cpu_data for p in tensor_list] if given.get("use_cpu_data")
-                   else list(tensor_list))
-        padding = list(given.get("param_padding") or [0] * len(sources))
-        offsets = getattr(self, "round_robin_bit16_offsets", None)
-        if offsets is not None and len(offsets) > i:  # 0.19.8 keeps them
-            offsets = list(offsets[i])
-        else:  # a plain concatenation in the round-robin order, as unflatten reads it back
-            offsets, at = [], 0
-            for t, pad in zip(sources, padding):
-                offsets.append(at)
-                at += t.numel() + pad
-        palign = 16 if getattr(self, "parameter_alignment", False) else 0
-        return _build(self, "DeepSpeedZeroOptimizer", i, sources, alignment,
-                      self.real_dp_process_group[i], offsets, padding, palign,
-                      lambda: original(self, tensor_list, alignment, *args, **kwargs))
+# --- the hooks (installed by _patches: hook(original, *args, **kwargs)) --------------------------
 
-    flatten_dense_tensors_aligned.__wrapped__ = original
-    flatten_dense_tensors_aligned.__zeroflat__ = True
-    return flatten_dense_tensors_aligned
-
-
-def _bf16_flatten_hook(original):
-    def _flatten_dense_tensors_aligned(self, tensor_list, alignment):
-        groups = getattr(self, "bf16_groups", None)
-        flats = getattr(self, "bf16_groups_flat", None)
-        if (getattr(_state, "bf16_init", None) is not self or not groups or flats is None
-                or len(flats) != len(groups) - 1 or tensor_list is not groups[-1]):
-            return original(self, tensor_list, alignment)
-        i = len(flats)
-        sources = list(tensor_list)
+def _zero_flatten(original, self, tensor_list, alignment, *args, **kwargs):
+    """DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned: group i's buffer from zeroflat."""
+    # (tensor_list, alignment, use_cpu_data=False[, param_padding=None]) in every release.
+    names = ("use_cpu_data", "param_padding")
+    given = dict(zip(names, args), **kwargs)
+    groups = getattr(self, "round_robin_bit16_groups", None)
+    flats = getattr(self, "bit16_groups_flat", None)
+    # Only the call that builds group i's buffer during __init__ is ours (step() and checkpoint
+    # loading call it too).
+    if (getattr(_state, "zero_init", None) is not self or not groups or flats is None
+            or len(flats) != len(groups) - 1 or tensor_list is not groups[-1]):
+        return original(self, tensor_list, alignment, *args, **kwargs)
+    i = len(flats)
+    # Releases up to 0.18.6 staged the parameters for the host: their values are in cpu_data
+    # (which the install kept on the device), their .data is a placeholder.
+    sources = ([p.cpu_data for p in tensor_list] if given.get("use_cpu_data")
+               else list(tensor_list))
+    padding = list(given.get("param_padding") or [0] * len(sources))
+    offsets = getattr(self, "round_robin_bit16_offsets", None)
+    if offsets is not None and len(offsets) > i:  # 0.19.8 keeps them
+        offsets = list(offsets[i])
+    else:  # a plain concatenation in the round-robin order, as unflatten reads it back
         offsets, at = [], 0
-        for t in sources:
+        for t, pad in zip(sources, padding):
             offsets.append(at)
-            at += t.numel()
-        return _build(self, "BF16_Optimizer", i, sources, alignment,
-                      self.real_dp_process_group[i], offsets, [0] * len(sources), 0,
-                      lambda: original(self, tensor_list, alignment))
-
-    _flatten_dense_tensors_aligned.__wrapped__ = original
-    _flatten_dense_tensors_aligned.__zeroflat__ = True
-    return _flatten_dense_tensors_aligned
+            at += t.numel() + pad
+    palign = 16 if getattr(self, "parameter_alignment", False) else 0
+    return _build(self, "DeepSpeedZeroOptimizer", i, sources, alignment,
+                  self.real_dp_process_group[i], offsets, padding, palign,
+                  lambda: original(self, tensor_list, alignment, *args, **kwargs))
 
 
-class _KeepOnDevice:
+def _bf16_flatten(original, self, tensor_list, alignment):
+    """BF16_Optimizer._flatten_dense_tensors_aligned: group i's buffer from zeroflat."""
+    groups = getattr(self, "bf16_groups", None)
+    flats = getattr(self, "bf16_groups_flat", None)
+    if (getattr(_state, "bf16_init", None) is not self or not groups or flats is None
+            or len(flats) != len(groups) - 1 or tensor_list is not groups[-1]):
+        return original(self, tensor_list, alignment)
+    i = len(flats)
+    sources = list(tensor_list)
+    offsets, at = [], 0
+    for t in sources:
+        offsets.append(at)
+        at += t.numel()
+    return _build(self, "BF16_Optimizer", i, sources, alignment, self.real_dp_process_group[i],
+                  offsets, [0] * len(sources), 0, lambda: original(self, tensor_list, alignment))
+
+
+def _keep_on_device(optimizer) -> List[Patch]:
     """While a ZeRO optimizer is constructed on this thread, ``.cpu()`` of a trainable
     parameter's data returns the data itself: releases without the memory check
     (ReleaseRules.checks_accelerator_memory), and any release whose accelerator is not
     available, stage every parameter to the host before flattening, and zeroflat plans that move
     instead. Any other ``.cpu()`` is torch's."""
+    ptrs = {p.data_ptr() for g in getattr(optimizer, "param_groups", []) for p in g["params"]
+            if isinstance(p, torch.Tensor) and p.requires_grad and p.numel() > 0
+            and p.device.type != "cpu"}
+    if not ptrs:
+        return []
 
-    def __init__(self, optimizer):
-        self.ptrs = {p.data_ptr() for g in getattr(optimizer, "param_groups", [])
-                     for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad
-                     and p.numel() > 0 and p.device.type != "cpu"}
-        self.saved = None
+    def cpu(original, t, *args, **kwargs):
+        if (getattr(_state, "zero_init", None) is not None and not args and not kwargs
+                and t.device.type != "cpu" and t.data_ptr() in ptrs):
+            return t
+        return original(t, *args, **kwargs)
 
-    def __enter__(self):
-        if not self.ptrs:
-            return self
-        torch_cpu = torch.Tensor.cpu
-        ptrs = self.ptrs
-
-        def cpu(t, *args, **kwargs):
-            if (getattr(_state, "keep_on_device", False) and not args and not kwargs
-                    and t.device.type != "cpu" and t.data_ptr() in ptrs):
-                return t
-            return torch_cpu(t, *args, **kwargs)
-
-        self.saved = torch_cpu
-        torch.Tensor.cpu = cpu
-        _state.keep_on_device = True
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            _state.keep_on_device = False
-            torch.Tensor.cpu = self.saved
+    return [Patch(torch.Tensor, "cpu", hook=cpu)]
 
 
 class _FastHostCopies:
@@ -399,7 +356,6 @@ class _FastHostCopies:
     kMinBytes = 8 << 20
 
     def __init__(self):
-        self.saved = None
         self.engine = None
         self.threads = zeroflat._C.default_threads(zeroflat._C.local_ranks() or 1)
 
@@ -416,146 +372,110 @@ class _FastHostCopies:
     def _upcast(self, t):
         return self._engine().upcast(t).view(torch.float32).view(t.shape)
 
-    def __enter__(self):
-        clone, to, to_float = torch.Tensor.clone, torch.Tensor.to, torch.Tensor.float
-        fast = self
+    def _clone(self, original, t, *args, **kwargs):
+        if not args and not kwargs and self._large(t):
+            return self._engine().clone(t).view(t.dtype).view(t.shape)
+        return original(t, *args, **kwargs)
 
-        def fast_clone(t, *args, **kwargs):
-            if not args and not kwargs and fast._large(t):
-                return fast._engine().clone(t).view(t.dtype).view(t.shape)
-            return clone(t, *args, **kwargs)
+    def _float(self, original, t, *args, **kwargs):
+        if not args and not kwargs and t.dtype in (torch.bfloat16, torch.float16) \
+                and self._large(t):
+            return self._upcast(t)
+        return original(t, *args, **kwargs)
 
-        def fast_float(t, *args, **kwargs):
-            if not args and not kwargs and t.dtype in (torch.bfloat16, torch.float16) \
-                    and fast._large(t):
-                return fast._upcast(t)
-            return to_float(t, *args, **kwargs)
+    def _to(self, original, t, *args, **kwargs):
+        # .to(torch.float32) and .to(device=<cpu>, dtype=torch.float32), as the optimizers build
+        # their fp32 master partitions.
+        positional = args[0] if len(args) == 1 and isinstance(args[0], torch.dtype) else None
+        dtype = kwargs.get("dtype", positional)
+        device = kwargs.get("device")
+        extra = (set(kwargs) - {"dtype", "device"}
+                 or (args and not isinstance(args[0], torch.dtype)))
+        if (dtype == torch.float32 and not extra and t.dtype in (torch.bfloat16, torch.float16)
+                and (device is None or torch.device(device).type == "cpu") and self._large(t)):
+            return self._upcast(t)
+        return original(t, *args, **kwargs)
 
-        def fast_to(t, *args, **kwargs):
-            # .to(torch.float32) and .to(device=<cpu>, dtype=torch.float32), as the optimizers
-            # build their fp32 master partitions.
-            positional = args[0] if len(args) == 1 and isinstance(args[0], torch.dtype) else None
-            dtype = kwargs.get("dtype", positional)
-            device = kwargs.get("device")
-            extra = (set(kwargs) - {"dtype", "device"}
-                     or (args and not isinstance(args[0], torch.dtype)))
-            if (dtype == torch.float32 and not extra and t.dtype in (torch.bfloat16, torch.float16)
-                    and (device is None or torch.device(device).type == "cpu") and fast._large(t)):
-                return fast._upcast(t)
-            return to(t, *args, **kwargs)
-
+    @contextlib.contextmanager
+    def on(self):
         if self.threads < 2:
-            return self
-        self.saved = (clone, to, to_float)
-        torch.Tensor.clone, torch.Tensor.to, torch.Tensor.float = fast_clone, fast_to, fast_float
-        _state.fast_host = True
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is None:
+            yield
             return
-        _state.fast_host = False
-        torch.Tensor.clone, torch.Tensor.to, torch.Tensor.float = self.saved
-        self.saved = None
+        with patched([Patch(torch.Tensor, "clone", hook=self._clone),
+                      Patch(torch.Tensor, "to", hook=self._to),
+                      Patch(torch.Tensor, "float", hook=self._float)]):
+            _state.fast_host = True
+            try:
+                yield
+            finally:
+                _state.fast_host = False
 
 
-def _zero_init_hook(original):
-    def __init__(self, init_optimizer, *args, **kwargs):
-        from deepspeed.accelerator import get_accelerator
+def _zero_init(original, self, init_optimizer, *args, **kwargs):
+    """DeepSpeedZeroOptimizer.__init__: the optimizer being built is marked on this thread."""
+    from deepspeed.accelerator import get_accelerator
 
-        # A release with the memory check (ReleaseRules.checks_accelerator_memory) would move a
-        # group to the host when its buffer does not fit beside the parameters; zeroflat plans
-        # that decision (and the other tiers) itself, so the check passes.
-        accel = get_accelerator()
-        patch_memory = _saved["rules"].checks_accelerator_memory
-        had_own = "available_memory" in vars(accel)
-        own = vars(accel).get("available_memory")
-        if patch_memory:
-            accel.available_memory = lambda *a, **k: 1 << 62
-        _state.zero_init = self
-        _state.records = []
-        try:
-            with _KeepOnDevice(init_optimizer), _FastHostCopies():
-                original(self, init_optimizer, *args, **kwargs)
-            _warn_not_adopted("DeepSpeedZeroOptimizer", getattr(self, "bit16_groups", None),
-                              bool(getattr(self, "round_robin_gradients", False)))
-        finally:
-            _state.zero_init = None
-            _state.records = None
-            if patch_memory:
-                if had_own:
-                    accel.available_memory = own
-                else:
-                    del accel.available_memory
-
-    __init__.__wrapped__ = original
-    __init__.__zeroflat__ = True
-    return __init__
+    # A release with the memory check (ReleaseRules.checks_accelerator_memory) would move a
+    # group to the host when its buffer does not fit beside the parameters; zeroflat plans that
+    # decision (and the other tiers) itself, so the check passes meanwhile.
+    while_init = _keep_on_device(init_optimizer)
+    if _dropin.rules.checks_accelerator_memory:
+        while_init.append(Patch(get_accelerator(), "available_memory",
+                                value=lambda *a, **k: 1 << 62))
+    _state.zero_init = self
+    _state.records = []
+    try:
+        with patched(while_init), _FastHostCopies().on():
+            original(self, init_optimizer, *args, **kwargs)
+        _warn_not_adopted("DeepSpeedZeroOptimizer", getattr(self, "bit16_groups", None),
+                          bool(getattr(self, "round_robin_gradients", False)))
+    finally:
+        _state.zero_init = None
+        _state.records = None
 
 
-def _bf16_init_hook(original):
-    def __init__(self, *args, **kwargs):
-        _state.bf16_init = self
-        _state.records = []
-        try:
-            with _FastHostCopies():
-                original(self, *args, **kwargs)
-            _warn_not_adopted("BF16_Optimizer", getattr(self, "bf16_groups", None), False)
-        finally:
-            _state.bf16_init = None
-            _state.records = None
-
-    __init__.__wrapped__ = original
-    __init__.__zeroflat__ = True
-    return __init__
+def _bf16_init(original, self, *args, **kwargs):
+    """BF16_Optimizer.__init__: the optimizer being built is marked on this thread."""
+    _state.bf16_init = self
+    _state.records = []
+    try:
+        with _FastHostCopies().on():
+            original(self, *args, **kwargs)
+        _warn_not_adopted("BF16_Optimizer", getattr(self, "bf16_groups", None), False)
+    finally:
+        _state.bf16_init = None
+        _state.records = None
 
 
-def _unfused_init_hook(original):
-    def __init__(self, init_optimizer, *args, **kwargs):
-        bf16 = any(p.dtype == torch.bfloat16 for g in init_optimizer.param_groups
-                   for p in g["params"])
-        if bf16:
-            # 0.17.x and 0.18.0-0.18.5 route bf16 + ZeRO-1 + fp32 gradient accumulation here (a
-            # DeepSpeed bug): no ZeRO partitioning, no flat buffer for zeroflat to build.
-            msg = (f"DeepSpeed {stats['release']} runs this bf16 model with "
-                   "FP16_UnfusedOptimizer (no ZeRO flat buffers): nothing for zeroflat to build")
-            stats["not_flattened"].append(msg)
-            log.warning("zeroflat: %s", msg)
-        original(self, init_optimizer, *args, **kwargs)
-
-    __init__.__wrapped__ = original
-    __init__.__zeroflat__ = True
-    return __init__
+def _unfused_init(original, self, init_optimizer, *args, **kwargs):
+    """FP16_UnfusedOptimizer.__init__: says so when a bf16 model lands here."""
+    bf16 = any(p.dtype == torch.bfloat16 for g in init_optimizer.param_groups
+               for p in g["params"])
+    if bf16:
+        # 0.17.x and 0.18.0-0.18.5 route bf16 + ZeRO-1 + fp32 gradient accumulation here (a
+        # DeepSpeed bug): no ZeRO partitioning, no flat buffer for zeroflat to build.
+        msg = (f"DeepSpeed {stats['release']} runs this bf16 model with "
+               "FP16_UnfusedOptimizer (no ZeRO flat buffers): nothing for zeroflat to build")
+        stats["not_flattened"].append(msg)
+        log.warning("zeroflat: %s", msg)
+    original(self, init_optimizer, *args, **kwargs)
 
 
-def _targets(stage_1_and_2):
-    """(class, attribute, hook) for every method the drop-in wraps, where the release has it."""
-    out = [(stage_1_and_2.DeepSpeedZeroOptimizer, "__init__", _zero_init_hook),
-           (stage_1_and_2.DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned",
-            _zero_flatten_hook)]
+def _patches(stage_1_and_2) -> List[Patch]:
+    """Every method the drop-in wraps for ZeRO-1/2, where the release has it."""
+    opt = stage_1_and_2.DeepSpeedZeroOptimizer
+    out = [Patch(opt, "__init__", hook=_zero_init),
+           Patch(opt, "flatten_dense_tensors_aligned", hook=_zero_flatten)]
     try:
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     except ImportError:
         BF16_Optimizer = None
     if BF16_Optimizer is not None and "_flatten_dense_tensors_aligned" in vars(BF16_Optimizer):
-        out += [(BF16_Optimizer, "__init__", _bf16_init_hook),
-                (BF16_Optimizer, "_flatten_dense_tensors_aligned", _bf16_flatten_hook)]
-    try:
-        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-        out.append((FP16_UnfusedOptimizer, "__init__", _unfused_init_hook))
-    except ImportError:
-        pass
+        out += [Patch(BF16_Optimizer, "__init__", hook=_bf16_init),
+                Patch(BF16_Optimizer, "_flatten_dense_tensors_aligned", hook=_bf16_flatten)]
+    out.append(Patch("deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer",
+                     "__init__", hook=_unfused_init, optional=True))
     return out
-
-
-def _stage3_targets(release: str):
-    """Stage 3's hooks, or none and a warning saying why this release's Stage 3 is left to
-    DeepSpeed (ZeRO-1/2 are served all the same)."""
-    out, why = _stage3.targets()
-    if why is None:
-        return out, None
-    return [], (f"DeepSpeed {release}: Stage 3 (DeepSpeedZeroOptimizer_Stage3) is left to "
-                f"DeepSpeed: {why}")
 
 
 def install(*, allow_untested: bool = False) -> None:
@@ -569,52 +489,48 @@ def install(*, allow_untested: bool = False) -> None:
     nothing changed). A release whose Stage 3 optimizer lacks the steps the drop-in takes over
     keeps its own Stage 3, with a warning naming the release and why
     (``stats["stage3_refused"]``); its ZeRO-1/2 are served. Installing twice is harmless. Either
-    every patch is in place or none is."""
-    global _saved
+    every patch is in place or none is (docs/patches.md lists them)."""
+    global _applied
     deepspeed, s12 = _deepspeed_modules()
     rules = _release_rules(deepspeed)
-    stage3_targets, stage3_refused = _stage3_targets(rules.release)
-    targets = _targets(s12) + stage3_targets
-    for cls, name, _ in targets:
-        if not callable(vars(cls).get(name)):
-            raise RuntimeError(f"zeroflat.deepspeed: DeepSpeed {rules.release} has no "
-                               f"{cls.__name__}.{name}; nothing was changed")
+    stage3, why = _stage3.patches()
+    stage3_refused = None
+    if why is not None:
+        stage3_refused = (f"DeepSpeed {rules.release}: Stage 3 (DeepSpeedZeroOptimizer_Stage3) "
+                          f"is left to DeepSpeed: {why}")
     with _lock:
-        if _saved is not None:
+        if _applied is not None:
             return
         if not rules.tested and not allow_untested:
             log.warning("zeroflat: DeepSpeed %s is not one of the releases the drop-in was "
                         "tested with (%s); its groups are checked against its own bookkeeping "
                         "and handed back where they differ", rules.release,
                         ", ".join(SUPPORTED_VERSIONS))
-        saved = [(cls, name, vars(cls)[name]) for cls, name, _ in targets]
+        _dropin.rules = rules
         try:
-            for (cls, name, hook), (_, _, fn) in zip(targets, saved):
-                setattr(cls, name, hook(fn))
+            _applied = apply(_patches(s12) + stage3)
         except BaseException:
-            for cls, name, fn in saved:
-                setattr(cls, name, fn)
+            _dropin.rules = None
             raise
         stats["release"] = rules.release
         stats["stage3_refused"] = stage3_refused
         if stage3_refused:
             log.warning("zeroflat: %s", stage3_refused)
-        _saved = {"targets": saved, "rules": rules}
 
 
 def uninstall() -> None:
     """Puts DeepSpeed back as it was. Harmless when not installed."""
-    global _saved
+    global _applied
     with _lock:
-        if _saved is None:
+        if _applied is None:
             return
-        for cls, name, fn in _saved["targets"]:
-            setattr(cls, name, fn)
-        _saved = None
+        restore(_applied)
+        _applied = None
+        _dropin.rules = None
 
 
 def is_installed() -> bool:
-    return _saved is not None
+    return _applied is not None
 
 
 @contextlib.contextmanager

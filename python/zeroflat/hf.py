@@ -16,8 +16,8 @@ is Transformers' own mapping (``_hf_names``).
 Under DeepSpeed ZeRO-3 (a live ``HfDeepSpeedConfig`` that says stage 3, as Transformers itself
 detects it, or ``zero3=<DeepSpeed config>``) each rank reads only its own partition of every
 parameter into one buffer laid out as the Stage 3 optimizer's flat partitions, and the
-parameters come out as the ZeRO-3 parameters ``zero.Init`` would have made (``_zero3``). See
-docs/python.md.
+parameters come out as the ZeRO-3 parameters ``zero.Init`` would have made. Either way the load
+is ``zeroflat.load_param_groups``, called as any other caller calls it. See docs/python.md.
 """
 
 from __future__ import annotations
@@ -25,48 +25,18 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from . import _zero3
-from ._load import load_param_groups, meta_parameters
+from ._load import check_load_options, load_param_groups, meta_parameters
+from ._trainer import trainer_param_groups
 
 __all__ = ["from_pretrained", "trainer_param_groups"]
 
 log = logging.getLogger("zeroflat")
-
-
-def _deepspeed_config_optimizer(config: Optional[dict] = None) -> bool:
-    """Whether ``config``, else the DeepSpeed config that Transformers holds now
-    (TrainingArguments(deepspeed=...) made one), has its own optimizer: the Trainer then hands
-    DeepSpeed one group."""
-    if config is None:
-        try:
-            from transformers.integrations.deepspeed import deepspeed_config
-        except ImportError:
-            return False
-        config = deepspeed_config()
-    return isinstance(config, dict) and "optimizer" in config
-
-
-def trainer_param_groups(model: torch.nn.Module,
-                         deepspeed_config: Optional[dict] = None) -> List[List[str]]:
-    """The groups the Transformers Trainer gives DeepSpeed's optimizer, as parameter names,
-    trainable ones only, in the model's order: its own optimizer's two groups, the parameters
-    with weight decay then those without (biases and normalization weights, as
-    ``Trainer.get_decay_parameter_names`` says); or, when a DeepSpeed config with its own
-    ``"optimizer"`` is already made (``TrainingArguments(deepspeed=...)`` before the load), the
-    one group of every trainable parameter the Trainer hands DeepSpeed then
-    (``deepspeed_config``: the DeepSpeed config to ask instead of the one Transformers holds)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    if _deepspeed_config_optimizer(deepspeed_config):
-        return [names]
-    from transformers import Trainer
-
-    decay = set(Trainer.get_decay_parameter_names(None, model))
-    return [[n for n in names if n in decay], [n for n in names if n not in decay]]
 
 
 def _default_group():
@@ -128,24 +98,28 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     the order ``zero.Init`` numbers them, ``ds_tensor`` its view of the buffer, the data an
     empty placeholder, NOT_AVAILABLE. The parameters take ``zero.Init``'s dtype (the DeepSpeed
     config's bf16 or fp16, else fp32), as under Transformers' ZeRO-3 loading; ``dtype`` only
-    builds the model. ``device``, ``round_robin``, ``read_plan`` and
-    ``storage_bytes_per_second`` do not apply (ValueError). ``process_group``: the group
-    the parameters are partitioned over (``zero.Init``'s ``data_parallel_group``; "default" or
-    None: DeepSpeed's, every rank); nothing is gathered over it, the ranks only agree. ``model.zeroflat_zero3`` holds the buffers, the parameters in each and
+    builds the model. ``device``, ``round_robin`` and the other options mean what they mean
+    for ``zeroflat.load_param_groups(zero3=...)``, which does the load (``device`` and
+    ``round_robin`` do not apply: ValueError). ``process_group``: the group the parameters are
+    partitioned over (``zero.Init``'s ``data_parallel_group``; "default" or None: DeepSpeed's,
+    every rank); nothing is gathered over it, the ranks only agree. ``model.zeroflat_groups``
+    holds a FlatGroup per buffer (the optimizer groups', then the others'), their parameters and
     the load reports. With the drop-in in place, the Stage 3 optimizer adopts the buffer as
-    its own. hpZ, ``offload_param`` to nvme and quantized weights are refused."""
+    its own. hpZ, ``offload_param`` to nvme and quantized weights are refused from the config,
+    before DeepSpeed makes anything (NotImplementedError)."""
     from transformers import AutoConfig
 
     path = os.fspath(path)
+    # The options the load takes, checked before anything is built (and before DeepSpeed's
+    # zero.Init is made).
+    check_load_options(cold=cold, round_robin=round_robin, strict=True, master_dtype=None,
+                       threads=threads, margin_bytes=None, alignment_factor=2,
+                       param_align_bytes=0, dtype=dtype, deepspeed=deepspeed,
+                       read_plan=read_plan, copies=copies,
+                       storage_bytes_per_second=storage_bytes_per_second)
     ds_config = _zero3.resolve(zero3)
-    if ds_config is not None:
-        for name, value, default in (("device", device, None), ("round_robin", round_robin, False),
-                                     ("read_plan", read_plan, None),
-                                     ("storage_bytes_per_second", storage_bytes_per_second, 0)):
-            if value != default:
-                raise ValueError(f"{name}={value!r} does not apply under ZeRO-3 (each rank "
-                                 "reads its own partitions onto DeepSpeed's device)")
     if process_group == "default":
+        # Under ZeRO-3 the partitions are zero.Init's group's (DeepSpeed's, every rank).
         process_group = _default_group() if ds_config is None else None
     config = AutoConfig.from_pretrained(path)
     if dtype is None:
@@ -165,37 +139,24 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
         if param_groups != "trainer":
             raise ValueError(f"param_groups {param_groups!r}: expected \"trainer\", None, a "
                              "list of groups or a function of the model")
-        param_groups = functools.partial(trainer_param_groups, deepspeed_config=ds_config)
-    if ds_config is not None:
-        # DeepSpeed's zero.Init (not entered) makes the parameters: its group, dtype, devices;
-        # the partitions are read for its group.
-        init = _zero3.init_object(ds_config, process_group)
-        process_group = init.ds_process_group
-        if dist.get_world_size(process_group) == 1:
-            process_group = None
-        model, order = _zero3.build_meta(build, init)
-        loaded = _zero3.load(model, order, path, init, process_group, param_groups=param_groups,
-                             dtype=init.dtype, cold=cold, threads=threads)
-        model.eval()
-        model.zeroflat_zero3 = loaded
-        if install_drop_in:
-            import zeroflat.deepspeed as zd
-
-            zd.install()
-        return model
-    with meta_parameters():
+        param_groups = functools.partial(
+            trainer_param_groups,
+            deepspeed_config=ds_config if isinstance(ds_config, dict) else None)
+    # Under ZeRO-3, DeepSpeed's zero.Init (made once, after the config's refusals; not entered)
+    # makes the model's tensors and then its ZeRO-3 parameters: its group, dtype, devices.
+    init = _zero3.init_object(ds_config, process_group) if ds_config is not None else None
+    with meta_parameters(zero3=init):
         model = build()
     # The groups are taken from the model as the loader finalizes it (tied weights that the
-    # checkpoint holds apart are untied first); no master partition here: DeepSpeed builds its
-    # own from the buffer.
-    fgs = load_param_groups(model, path, process_group, param_groups=param_groups, dtype=dtype,
-                            device=device, round_robin=round_robin, deepspeed=deepspeed,
-                            master_dtype=None, cold=cold, threads=threads, read_plan=read_plan,
-                            copies=copies, storage_bytes_per_second=storage_bytes_per_second)
+    # checkpoint holds apart are untied first); no master partition: DeepSpeed builds its own.
+    model.zeroflat_groups = load_param_groups(
+        model, path, process_group, param_groups=param_groups,
+        dtype=dtype if init is None else None, device=device, round_robin=round_robin,
+        deepspeed=deepspeed, master_dtype=None, cold=cold, threads=threads, read_plan=read_plan,
+        copies=copies, storage_bytes_per_second=storage_bytes_per_second, zero3=init)
     model.eval()
-    model.zeroflat_groups = fgs
     if install_drop_in:
-        import zeroflat.deepspeed as zd
+        from . import deepspeed as drop_in
 
-        zd.install()
+        drop_in.install()
     return model
