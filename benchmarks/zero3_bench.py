@@ -208,7 +208,6 @@ def rank_main(way):
     if way == "zeroflat":
         reports = [getattr(g, "report", None) or {}
                    for g in getattr(model, "zeroflat_groups", None) or []]
-        reports += list(getattr(getattr(model, "zeroflat_zero3", None), "reports", None) or [])
         if reports:
             loader = sum(r.get("bytes_read") or 0 for r in reports)
     partition_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
