@@ -506,16 +506,64 @@ TEST_F(LoaderTest, ReadPlansFillTheSameBufferAndAreChosenByTopology) {
   fs::remove_all(other);
 }
 
+// The front doors a test can load through.
+using LoadDoor = FlattenResult (*)(const CheckpointIndex&, std::span<const LoadParam>, Device&,
+                                   Communicator*, const FlattenOptions&);
+
 // Two ranks, each loading its own copy of the checkpoint (as on two nodes); the errors, or "".
 std::vector<std::string> load_two_copies(const std::string& a, const std::string& b,
-                                         CopyCheck copies, bool partitions = false) {
+                                         CopyCheck copies, LoadDoor door = &load_flat_group) {
   return errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
     const CheckpointIndex ck = open_checkpoint(r == 0 ? a : b);
     FlattenOptions o = load_options();
     o.layout.dp = 2;
     o.read.copies = copies;
-    (partitions ? load_partitions : load_flat_group)(ck, params_of(ck), dev, c, o);
+    door(ck, params_of(ck), dev, c, o);
   });
+}
+
+TEST_F(LoaderTest, ASliceIsTheRanksPartitionOfTheFlatBufferAndNothingMore) {
+  for (const std::string* dir : {bf16_dir_, fp32_dir_}) {
+    const CheckpointIndex ck = open_checkpoint(*dir);
+    const std::vector<LoadParam> params = params_of(ck);
+    for (int dp = 1; dp <= 3; ++dp) {
+      for (bool rr : {false, true}) {
+        for (bool ring : {false, true}) {
+          SCOPED_TRACE(*dir + " dp " + std::to_string(dp) + (rr ? " rr" : "") +
+                       (ring ? " ring" : ""));
+          FlattenOptions o = load_options();
+          o.layout.dp = static_cast<std::uint64_t>(dp);
+          o.layout.round_robin = rr;
+          o.layout.dtype = DType::kFP32;  // an optimizer's fp32 partition
+          o.read.through_ring = ring;
+          o.read.ring_chunk_bytes = 8192;
+          o.read.ring_depth = 2;
+          o.master = true;  // the slice's own, up-cast (here: the same bytes)
+          const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
+          on_ranks(dp, [&](int r, Communicator* comm) {
+            std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+            const FlattenResult res = load_slice(ck, params, *dev, comm, o);
+            ASSERT_TRUE(res.complete()) << res.plan.reason << res.execution.error;
+            EXPECT_EQ(res.chosen().tier, Tier::kLoadSlice);
+            for (const Step& s : res.chosen().steps) {
+              EXPECT_NE(s.op, Op::kAllGather);
+              EXPECT_NE(s.op, Op::kRepoint);
+            }
+            const Layout& l = res.group().layout;
+            const std::uint64_t sb = l.partition_bytes();
+            ASSERT_EQ(res.group().flat.num_bytes(), sb);
+            EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data() + r * sb, sb), 0);
+            ASSERT_TRUE(res.master);
+            EXPECT_EQ(std::memcmp(res.master.data(), want.data() + r * sb, sb), 0);
+            EXPECT_EQ(res.read->bytes, partition_read_bytes(ck, params, o.layout,
+                                                            static_cast<std::uint64_t>(r)));
+            EXPECT_EQ(res.execution.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+            EXPECT_EQ(res.predicted_peak_device_bytes, sb);  // the slice, never the whole buffer
+          });
+        }
+      }
+    }
+  }
 }
 
 TEST_F(LoaderTest, CopiesWhoseHeadersDifferAreRefusedOnEveryRankNamingTheTensor) {
@@ -578,12 +626,15 @@ TEST_F(LoaderTest, CopiesWhoseBytesDifferAreRefusedOnEveryRank) {
     f.seekp(at);
     f.write(&c, 1);
   }
-  // ZeRO-3's partitions (no rank holds another's bytes) are checked as well.
-  for (bool partitions : {false, true}) {
+  // ZeRO-3's partitions and a slice alone (no rank holds another's bytes) are checked as well.
+  for (LoadDoor door : {&load_flat_group, &load_partitions, &load_slice}) {
     for (const auto& [dir, check] :
          {std::pair{many, CopyCheck::kSampled}, std::pair{one, CopyCheck::kFull}}) {
-      SCOPED_TRACE(std::string(copy_check_name(check)) + (partitions ? " partitions" : ""));
-      const std::vector<std::string> e = load_two_copies(*bf16_dir_, dir, check, partitions);
+      SCOPED_TRACE(std::string(copy_check_name(check)) +
+                   (door == &load_partitions ? " partitions"
+                    : door == &load_slice    ? " slice"
+                                             : ""));
+      const std::vector<std::string> e = load_two_copies(*bf16_dir_, dir, check, door);
       for (int r = 0; r < 2; ++r) {
         EXPECT_NE(e[r].find("hold different bytes"), std::string::npos) << e[r];
         EXPECT_EQ(e[r].find("InvalidArgument"), std::string::npos) << e[r];
@@ -597,7 +648,7 @@ TEST_F(LoaderTest, CopiesWhoseBytesDifferAreRefusedOnEveryRank) {
     // Identical copies pass every check.
     for (CopyCheck check : {CopyCheck::kOff, CopyCheck::kSampled, CopyCheck::kFull}) {
       const std::string same = copy_checkpoint(*bf16_dir_, "same");
-      const std::vector<std::string> e = load_two_copies(*bf16_dir_, same, check, partitions);
+      const std::vector<std::string> e = load_two_copies(*bf16_dir_, same, check, door);
       EXPECT_EQ(e[0], "");
       EXPECT_EQ(e[1], "");
       fs::remove_all(same);

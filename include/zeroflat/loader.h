@@ -92,6 +92,16 @@ FlattenResult load_flat_group(const CheckpointIndex& checkpoint, std::span<const
 FlattenResult load_partitions(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
                               Device& device, Communicator* comm, const FlattenOptions& options);
 
+// ZeRO-1/2's optimizer partition alone: each rank reads only its slice [r * S, (r + 1) * S) of
+// the flat layout of params (options.layout) and keeps just that (read plan kLoadSlice, no
+// all-gather): what a rank's optimizer holds of a group, such as its fp32 master partition or an
+// optimizer state, read in the buffer's dtype. Collective with the rules of load_flat_group. The
+// result's group().layout is the whole flat layout, group().flat holds only this rank's slice
+// (partition_bytes: its partition(0)), the views are not re-pointed (a slice holds pieces of
+// parameters), and read->bytes is this rank's slice's file bytes (partition_read_bytes).
+FlattenResult load_slice(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
+                         Device& device, Communicator* comm, const FlattenOptions& options);
+
 // The read ceiling of the same files: `bytes` of the checkpoint's data (every file from its
 // first tensor on, in file order, as one sequence) from byte `skip` on (wrapping at the end;
 // ranks pass different skips so that they read different bytes), read sequentially by `threads`

@@ -23,14 +23,16 @@
 
 namespace zeroflat {
 
-// The ways of flattening a group that is on the device, and (not among kAllTiers) the checkpoint
-// loader's read plans, its ways of building the buffer from files (loader.h): kLoad, each rank
-// reads its own slice and an all-gather completes the buffers (each node reads 1/nodes of the
-// checkpoint from storage); kLoadWhole, each rank reads the whole buffer, which its node's page
-// cache serves after the first reader (each node reads the whole checkpoint from storage once,
-// no all-gather). ZeRO-3's placement (each rank keeps only its own partition of every parameter,
-// zero3.h) has one read plan, kLoadPartitions: each rank reads only its partitions into its
-// buffer, no all-gather (each node reads local_ranks / ranks of the checkpoint from storage).
+// The ways of flattening a group that is on the device (kAllTiers), and the loader's read plans,
+// its ways of building a buffer from files (loader.h):
+// - kLoad: each rank reads its own slice and an all-gather completes the buffers (each node
+//   reads 1/nodes of the checkpoint from storage);
+// - kLoadWhole: each rank reads the whole buffer, which its node's page cache serves after the
+//   first reader (each node reads the whole checkpoint once, no all-gather);
+// - kLoadPartitions: ZeRO-3's placement (zero3.h), each rank reads only its own partition of
+//   every parameter into its buffer, no all-gather;
+// - kLoadSlice: each rank reads only its own slice of the flat layout and keeps just that (an
+//   optimizer's partition of fp32 weights or states), no all-gather.
 enum class Tier : std::uint8_t {
   kDevice,
   kSharded,
@@ -38,14 +40,16 @@ enum class Tier : std::uint8_t {
   kHost,
   kLoad,
   kLoadWhole,
-  kLoadPartitions
+  kLoadPartitions,
+  kLoadSlice
 };
 inline constexpr Tier kAllTiers[] = {Tier::kDevice, Tier::kSharded, Tier::kStaged, Tier::kHost};
 inline constexpr Tier kReadPlans[] = {Tier::kLoad, Tier::kLoadWhole};
 inline constexpr Tier kPartitionReadPlans[] = {Tier::kLoadPartitions};
+inline constexpr Tier kSliceReadPlans[] = {Tier::kLoadSlice};
 
-// "device", "sharded", "staged", "host"; the read plans "load", "load-whole" and
-// "load-partitions".
+// "device", "sharded", "staged", "host"; the read plans "load", "load-whole",
+// "load-partitions" and "load-slice".
 std::string_view tier_name(Tier tier) noexcept;
 std::optional<Tier> try_parse_tier(std::string_view text) noexcept;
 // "auto" (none: the planner chooses) or a tier's name. Throws InvalidArgument naming `what`

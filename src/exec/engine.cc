@@ -246,7 +246,7 @@ FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communic
   if (options.master && res.complete()) {
     const auto t0 = Clock::now();
     try {
-      res.master = make_master_partition(device, res.execution.group, slot);
+      res.master = make_master_partition(device, res.execution.group, placement.buffer_slot(rank));
       res.master_seconds = seconds_since(t0);
     } catch (const OutOfMemory& e) {
       res.master_error = std::string("the fp32 master partition does not fit: ") + e.what();

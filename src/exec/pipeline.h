@@ -34,6 +34,10 @@ class Placement {
   virtual Layout layout(std::span<const std::uint64_t> numels,
                         const FlattenOptions& options) const = 0;
   virtual std::uint64_t slot(std::uint64_t rank) const = 0;
+  // Which partition of the buffer the steps leave is this rank's (its master partition): the
+  // buffer holds the whole layout (ZeRO-1/2: slot), the rank's own buffer (ZeRO-3: 0), or only
+  // its slice (0).
+  virtual std::uint64_t buffer_slot(std::uint64_t rank) const = 0;
   virtual std::vector<std::uint64_t> starts(std::span<const std::uint64_t> numels,
                                             std::uint64_t world, std::uint64_t rank) const = 0;
   virtual std::span<const Tier> tiers() const = 0;
@@ -53,12 +57,35 @@ class FlatPlacement final : public Placement {
   Layout layout(std::span<const std::uint64_t> numels,
                 const FlattenOptions& options) const override;
   std::uint64_t slot(std::uint64_t rank) const override { return rank; }
+  std::uint64_t buffer_slot(std::uint64_t rank) const override { return rank; }
   std::vector<std::uint64_t> starts(std::span<const std::uint64_t>, std::uint64_t,
                                     std::uint64_t) const override {
     return {};
   }
   std::span<const Tier> tiers() const override { return kAllTiers; }
   std::span<const Tier> read_plans() const override { return kReadPlans; }
+  std::span<TensorRef> views(std::span<TensorRef> params, const Layout&, Device&) override {
+    return params;
+  }
+};
+
+// A rank's slice of ZeRO-1/2's flat layout alone: what the optimizer keeps of a group (its fp32
+// master partition, its states), each rank reading [r * S, (r + 1) * S) and keeping only that,
+// no all-gather (read plan kLoadSlice). The buffer holds the slice; the parameters, whole, are
+// not re-pointed (a slice holds pieces of them).
+class SlicePlacement final : public Placement {
+ public:
+  std::string name() const override { return "flat slice"; }
+  Layout layout(std::span<const std::uint64_t> numels,
+                const FlattenOptions& options) const override;
+  std::uint64_t slot(std::uint64_t rank) const override { return rank; }
+  std::uint64_t buffer_slot(std::uint64_t) const override { return 0; }
+  std::vector<std::uint64_t> starts(std::span<const std::uint64_t>, std::uint64_t,
+                                    std::uint64_t) const override {
+    return {};
+  }
+  std::span<const Tier> tiers() const override { return {}; }
+  std::span<const Tier> read_plans() const override { return kSliceReadPlans; }
   std::span<TensorRef> views(std::span<TensorRef> params, const Layout&, Device&) override {
     return params;
   }
@@ -75,6 +102,7 @@ class PartitionsPlacement final : public Placement {
   Layout layout(std::span<const std::uint64_t> numels,
                 const FlattenOptions& options) const override;
   std::uint64_t slot(std::uint64_t) const override { return 0; }
+  std::uint64_t buffer_slot(std::uint64_t) const override { return 0; }
   std::vector<std::uint64_t> starts(std::span<const std::uint64_t> numels, std::uint64_t world,
                                     std::uint64_t rank) const override;
   std::span<const Tier> tiers() const override { return {}; }

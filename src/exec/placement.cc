@@ -11,6 +11,11 @@ Layout FlatPlacement::layout(std::span<const std::uint64_t> numels,
   return Layout::compute(numels, options.layout);
 }
 
+Layout SlicePlacement::layout(std::span<const std::uint64_t> numels,
+                              const FlattenOptions& options) const {
+  return FlatPlacement().layout(numels, options);
+}
+
 Layout PartitionsPlacement::layout(std::span<const std::uint64_t> numels,
                                    const FlattenOptions& options) const {
   return zero3_buffer_layout(numels, options.layout);

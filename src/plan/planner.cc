@@ -45,22 +45,36 @@ std::uint64_t group_ranks(const PlanInput& in) {
   return std::max<std::uint64_t>(in.ranks > 0 ? in.ranks : in.layout.options().dp, 1);
 }
 
-// A read plan's time (plan_load). Three resources: the storage (each node reads its share of
-// the checkpoint from it once: 1/nodes of the group under kLoad, all of it under kLoadWhole,
-// its ranks' own partitions under kLoadPartitions; at
+// A read plan's time (plan_load). Three resources: the storage (each node pulls from it its
+// ranks' reads, once where they read the same bytes: 1/nodes of the group under kLoad and
+// kLoadSlice, all of it under kLoadWhole, its ranks' own partitions under kLoadPartitions; at
 // `read` from a node's own storage, or its share of `storage` when the nodes share one), each
 // rank's memory copies (a read served by the node's page cache is a copy, and so is an
 // all-gather among the ranks of one node, through the host: a rank writes its slice and copies
 // the others'), at its share of the node's host_copy, and the network (the all-gather between
 // nodes, or between accelerators, at allgather_bus). Added up: a rank's copies out of the page
 // cache wait for the storage to fill it, and a cold read is both.
+// What a read plan does, for the plan's reason.
+std::string read_plan_words(Tier plan) {
+  switch (plan) {
+    case Tier::kLoad:
+      return "each rank reads its slice, one all-gather completes the buffers";
+    case Tier::kLoadWhole:
+      return "each rank reads the whole buffer from its node's page cache, no all-gather";
+    case Tier::kLoadPartitions:
+      return "each rank reads only its own partition of every parameter, no all-gather";
+    case Tier::kLoadSlice:
+      return "each rank reads only its own slice and keeps it, no all-gather";
+    default:
+      return "";
+  }
+}
+
 double load_seconds(const Candidate& c, const PlanInput& in, Tier plan) {
   const Bandwidths& bw = in.bandwidths;
   const std::uint64_t dp = group_ranks(in);
   const std::uint64_t local = std::min(std::max<std::uint64_t>(in.local_ranks, 1), dp);
   const double nodes = static_cast<double>((dp + local - 1) / local);
-  const double flat = static_cast<double>(in.layout.flat_bytes());  // the rank's own buffer
-                                                                     // under kLoadPartitions
   const double ranks = static_cast<double>(local);
   const double read = static_cast<double>(c.profile.read_bytes);
   const double comm = static_cast<double>(c.profile.comm_bytes);
@@ -71,11 +85,10 @@ double load_seconds(const Candidate& c, const PlanInput& in, Tier plan) {
   // Through a staging ring (a device the host cannot write) the reads also cross the host link,
   // each accelerator its own, and the all-gather runs between accelerators.
   const bool ring = c.profile.peak_host_bytes > 0;
-  const double node_share = plan == Tier::kLoad        ? flat / nodes
-                            : plan == Tier::kLoadWhole ? flat
-                                                       : flat * ranks;
-  const double all_nodes =
-      plan == Tier::kLoadPartitions ? flat * static_cast<double>(dp) : node_share * nodes;
+  // Under kLoadWhole every rank of a node reads the same bytes; under the others, its own.
+  const bool shared = plan == Tier::kLoadWhole;
+  const double node_share = shared ? read : read * ranks;
+  const double all_nodes = shared ? read * nodes : read * static_cast<double>(dp);
   const double storage = bw.storage > 0 ? over(all_nodes, bw.storage) : over(node_share, bw.read);
   double copies = over(read, cache);
   double network = 0;
@@ -323,13 +336,7 @@ Plan plan_reads(const PlanInput& in, std::uint64_t ring_bytes, std::optional<Tie
     plan.chosen = best->tier;
     plan.reason = std::string(tier_name(best->tier)) + (forced ? " (forced)" : "") + " on " +
                   topology + ": " +
-                  (best->tier == Tier::kLoad ? "each rank reads its slice, one all-gather "
-                                               "completes the buffers"
-                   : best->tier == Tier::kLoadWhole
-                       ? "each rank reads the whole buffer from its node's page cache, no "
-                         "all-gather"
-                       : "each rank reads only its own partition of every parameter, no "
-                         "all-gather") +
+                  read_plan_words(best->tier) +
                   ", predicted " + std::to_string(best->predicted_seconds) + " s";
   } else {
     const Candidate* c = &plan.candidates.front();

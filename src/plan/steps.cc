@@ -25,6 +25,8 @@ std::string_view tier_name(Tier tier) noexcept {
       return "load-whole";
     case Tier::kLoadPartitions:
       return "load-partitions";
+    case Tier::kLoadSlice:
+      return "load-slice";
   }
   return "?";
 }
@@ -194,6 +196,7 @@ std::vector<Step> tier_steps(Tier tier, const Layout& layout, std::uint64_t rank
     case Tier::kLoad:
     case Tier::kLoadWhole:
     case Tier::kLoadPartitions:
+    case Tier::kLoadSlice:
       throw InvalidArgument("the read plan '" + std::string(tier_name(tier)) +
                             "' reads a checkpoint: its steps are load_steps()");
   }
@@ -293,28 +296,31 @@ void StepMachine::apply(const Step& st) noexcept {
 
 std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint64_t ring_bytes,
                              Tier plan) {
-  if (plan != Tier::kLoad && plan != Tier::kLoadWhole && plan != Tier::kLoadPartitions) {
+  if (plan != Tier::kLoad && plan != Tier::kLoadWhole && plan != Tier::kLoadPartitions &&
+      plan != Tier::kLoadSlice) {
     throw InvalidArgument("'" + std::string(tier_name(plan)) + "' is not a read plan");
   }
-  // kLoadPartitions' layout is this rank's own buffer: every rank reads all of its own.
-  if (plan != Tier::kLoadPartitions && rank >= layout.options().dp) {
+  if (rank >= layout.options().dp) {
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside [0, " +
                           std::to_string(layout.options().dp) + ")");
   }
   const std::uint64_t sb = layout.partition_bytes();
-  std::vector<Step> s = {allocate(Buffer::kFlat, layout.flat_bytes())};
+  const std::uint64_t fb = layout.flat_bytes();
+  // What this rank reads: its slice (kLoad, kLoadSlice) or the whole layout (kLoadWhole;
+  // kLoadPartitions, whose layout is the rank's own buffer); the buffer it keeps: the whole
+  // layout, or only its slice (kLoadSlice).
+  const bool slice = plan == Tier::kLoad || plan == Tier::kLoadSlice;
+  const bool keeps_slice = plan == Tier::kLoadSlice;
+  std::vector<Step> s = {allocate(Buffer::kFlat, keeps_slice ? sb : fb)};
   if (ring_bytes > 0) s.push_back(allocate(Buffer::kHostStage, ring_bytes));
-  if (plan != Tier::kLoad) {
-    s.push_back(Step{Op::kRead, Buffer::kFlat, Buffer::kNone, layout.flat_bytes(), 0, 0, 0});
-  } else {
-    s.push_back(Step{Op::kRead, Buffer::kFlat, Buffer::kNone, sb, rank * sb, rank * sb, 0});
-  }
+  s.push_back(Step{Op::kRead, Buffer::kFlat, Buffer::kNone, slice ? sb : fb,
+                   slice ? rank * sb : 0, keeps_slice ? 0 : (slice ? rank * sb : 0), 0});
   if (ring_bytes > 0) s.push_back(release(Buffer::kHostStage));
   if (plan == Tier::kLoad) {
-    s.push_back(
-        Step{Op::kAllGather, Buffer::kFlat, Buffer::kFlat, layout.flat_bytes(), 0, 0, rank * sb});
+    s.push_back(Step{Op::kAllGather, Buffer::kFlat, Buffer::kFlat, fb, 0, 0, rank * sb});
   }
-  s.push_back(Step{Op::kRepoint});
+  // A slice is no whole parameter: nothing to re-point.
+  if (!keeps_slice) s.push_back(Step{Op::kRepoint});
   return s;
 }
 

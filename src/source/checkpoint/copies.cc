@@ -45,7 +45,7 @@ std::vector<std::pair<std::uint64_t, std::uint64_t>> CheckpointSource::check_win
   return out;
 }
 
-void CheckpointSource::after(const FlatGroup& group, Communicator* comm) {
+void CheckpointSource::after(const FlatGroup&, Communicator* comm) {
   if (comm == nullptr || comm->size() <= 1 || options_.read.copies == CopyCheck::kOff ||
       !device_.keeps_data()) {
     return;
@@ -54,10 +54,15 @@ void CheckpointSource::after(const FlatGroup& group, Communicator* comm) {
   const auto world = static_cast<std::uint64_t>(comm->size());
   const auto me = static_cast<std::uint64_t>(comm->rank());
   const Layout& layout = *layout_;
-  // Bytes [lo, hi) of this rank's buffer where the host can read them.
+  // Layout bytes [lo, hi), which this rank read itself, where the host can read them: in the
+  // buffer where its read put them (a slice-only buffer starts at its slice).
   std::vector<unsigned char> held;
   auto buffer = [&](std::uint64_t lo, std::uint64_t hi) -> const unsigned char* {
-    const auto* p = static_cast<const unsigned char*>(group.flat.data()) + lo;
+    const unsigned char* p = nullptr;
+    for (const ReadRange& r : read_) {
+      if (r.lo <= lo && hi <= r.hi) p = r.dst + (lo - r.lo);
+    }
+    if (p == nullptr) throw InternalError("layout bytes outside this rank's reads were asked for");
     if (device_.host_accessible()) return p;
     held.resize(hi - lo);
     device_.copy(held.data(), p, hi - lo);  // NOLINT: host staging of device bytes
@@ -86,8 +91,8 @@ void CheckpointSource::after(const FlatGroup& group, Communicator* comm) {
     Reader reader(files_, layout.options().dtype, threads_, std::nullopt);
     std::vector<unsigned char> mine;
     const auto covered = [&](std::uint64_t lo, std::uint64_t hi) {
-      for (const auto& [a, b] : read_) {
-        if (a <= lo && hi <= b) return true;
+      for (const ReadRange& r : read_) {
+        if (r.lo <= lo && hi <= r.hi) return true;
       }
       return false;
     };

@@ -73,6 +73,12 @@ FlattenResult load_partitions(const CheckpointIndex& ck, std::span<const LoadPar
   return load_group(ck, params, device, comm, options, placement);
 }
 
+FlattenResult load_slice(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                         Device& device, Communicator* comm, const FlattenOptions& options) {
+  detail::SlicePlacement placement;
+  return load_group(ck, params, device, comm, options, placement);
+}
+
 std::uint64_t partition_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
                                    const LayoutOptions& layout, std::uint64_t rank) {
   FlattenOptions o;

@@ -222,7 +222,7 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
   const std::uint64_t es = layout_->element_size();
   const std::vector<Read> reads =
       reads_for(*layout_, sources_, starts_, flat_offset, flat_offset + bytes);
-  read_.emplace_back(flat_offset, flat_offset + bytes);
+  read_.push_back(ReadRange{flat_offset, flat_offset + bytes, static_cast<unsigned char*>(dst)});
   report_.reads = reads.size();
   report_.bytes = source_bytes(reads);
   if (!device_.keeps_data()) return;

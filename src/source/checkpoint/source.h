@@ -94,7 +94,11 @@ class CheckpointSource final : public Source, public StepSource {
   Tier chosen_ = Tier::kLoad;
   unsigned threads_ = 1;
   // What this rank read.
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> read_;  // layout ranges
+  struct ReadRange {
+    std::uint64_t lo = 0, hi = 0;        // layout bytes
+    const unsigned char* dst = nullptr;  // where they landed (device memory)
+  };
+  std::vector<ReadRange> read_;
   ReadReport report_;
 };
 
