@@ -40,9 +40,11 @@
 #include <string_view>
 #include <vector>
 
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/dtype.h"
 #include "zeroflat/release.h"
 #include "zeroflat/tensor.h"
+#include "zeroflat/loader.h"
 #include "zeroflat/torch_file.h"
 
 namespace zeroflat {
@@ -246,5 +248,29 @@ struct DeepSpeedRankReads {
 DeepSpeedRankReads deepspeed_rank_reads(const DeepSpeedCheckpoint& checkpoint,
                                         std::uint64_t world, std::uint64_t rank,
                                         const DeepSpeedReshardOptions& options = {});
+
+// A kind of saved values as tensors the loader reads (loader.h), so that a resume is a load
+// of the one pipeline: every run of a saved partition that holds elements of a named parameter
+// is one tensor of `index` (its file's bytes, as saved), and each named parameter one LoadParam
+// whose sources are its runs in element order, shape [numel] (a resume reads elements; the new
+// layout places them). The targets:
+// - "fp32": the fp32 master weights (ZeRO-1/2, ZeRO-3 partitions; universal fp32.pt);
+// - an optimizer state's name ("exp_avg", "exp_avg_sq", ...): its partitioned tensors (a state
+//   that is not partitioned, such as step, is no target: read it whole);
+// - "frozen": a parameter the optimizer does not train (ZeRO-1/2: the module file's tensor;
+//   ZeRO-3: the saved ranks' partitions, frozen_param_fragments), and a buffer (the module
+//   file's tensor);
+// - "module": ZeRO-1/2's 16-bit weights of the module file (what DeepSpeed loads without
+//   load_from_fp32_weights).
+// A parameter the checkpoint does not hold, or holds with another element count, is
+// InvalidArgument naming it; so is a target the checkpoint lacks. Pure arithmetic on the
+// checkpoint's description: nothing is read.
+struct DeepSpeedSource {
+  CheckpointIndex index;          // path: the checkpoint's folder; files: all of its files
+  std::vector<LoadParam> params;  // one per name asked for, in that order
+};
+DeepSpeedSource deepspeed_source(const DeepSpeedCheckpoint& checkpoint, std::string_view target,
+                                 std::span<const std::string> params,
+                                 std::span<const std::uint64_t> numels);
 
 }  // namespace zeroflat

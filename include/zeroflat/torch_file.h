@@ -243,6 +243,14 @@ TorchFile parse_torch_file(std::span<const unsigned char> bytes, const std::stri
 // Reads at most 4 bytes; never blocks (files.h) and never throws.
 bool is_torch_file(const std::string& path) noexcept;
 
+// The elements of tensor t of file f (one of f.tensors), in row-major order, element_size bytes
+// each, read from f.path (a tensor that is not contiguous is gathered by its strides). For the
+// small values of a state (steps, a scheduler's numbers), not for partitions: more than
+// max_bytes of extent is InvalidArgument. Throws InvalidArgument naming the file and the
+// tensor's path when the file is shorter or the read fails.
+std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTensor& t,
+                                             std::uint64_t max_bytes = std::uint64_t{1} << 30);
+
 // The allow-list, one row per global: "module name: what it may do".
 std::vector<std::string> torch_allowed_globals();
 

@@ -23,6 +23,8 @@
 namespace py = pybind11;
 namespace zf = zeroflat;
 
+void bind_deepspeed(py::module_& m);  // bind_deepspeed.cc
+
 namespace {
 
 zf::DType dtype_of(const std::string& name) {
@@ -432,6 +434,14 @@ py::tuple load_partitions(TorchDevice& device, py::object comm_impl, py::object 
                       std::move(params), std::move(o));
 }
 
+// ZeRO-1/2's optimizer partition alone: this rank's slice of the flat layout (load_slice); the
+// buffer tensor holds partition_bytes.
+py::tuple load_slice(TorchDevice& device, py::object comm_impl, py::object checkpoint,
+                     std::vector<zf::LoadParam> params, zf::FlattenOptions o) {
+  return load_through(&zf::load_slice, device, std::move(comm_impl), std::move(checkpoint),
+                      std::move(params), std::move(o));
+}
+
 // The ZeRO-3 layout of optimizer groups (zero3.h) seen from `rank`: per parameter (flat over the
 // groups) its numel, partition_numel, padding (p * W - n) and offset in the rank buffer; the
 // buffer's elements; the sub-groups; this rank's groups_padding and elements of data.
@@ -741,6 +751,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("options"));
   m.def("load_partitions", &load_partitions, py::arg("device"), py::arg("comm"),
         py::arg("checkpoint"), py::arg("params"), py::arg("options"));
+  m.def("load_slice", &load_slice, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
+        py::arg("params"), py::arg("options"));
+  bind_deepspeed(m);
   // --- layouts and DeepSpeed's release rules (layout.h, release.h) -----------------------------
   m.def(
       "layout_json",

@@ -574,8 +574,12 @@ class Builder {
       sg.partition_numel = *part_numel;
       const std::uint64_t P = sg.partition_numel;
       // param_slice_mappings: each parameter's fragment (numel, start) in each rank's
-      // partition, as the flat layout above places it.
-      for (std::uint64_t r = 0; r < world; ++r) {
+      // partition, as the flat layout above places it. Not with round_robin_gradients: DeepSpeed
+      // (0.14 to 0.19.8) maps each parameter's fragment as if its group were flattened in group
+      // order, while the buffer holds them in round-robin order, so its mappings (and the
+      // universal checkpoints made from them) misplace the parameters; the data lies where
+      // param_shapes and the paddings say.
+      for (std::uint64_t r = 0; r < world && !ck_.round_robin; ++r) {
         const std::uint32_t f = optims[r];
         const std::string key = "optimizer_state_dict/param_slice_mappings/" + gs;
         const TorchValue* m = torch(f).find(key);

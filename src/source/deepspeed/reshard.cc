@@ -1,6 +1,7 @@
 // Which bytes of a DeepSpeed checkpoint a rank of a new world reads (deepspeed_rank_reads):
 // the new layout's fragments of each partition, mapped onto the saved ranks' files.
 #include <algorithm>
+#include <cstdio>
 #include <map>
 
 #include "zeroflat/deepspeed_checkpoint.h"
@@ -19,6 +20,44 @@ struct Piece {
   std::uint64_t element = 0;  // first element in the tensor
   std::uint64_t numel = 0;
 };
+
+// Where elements [a, a + n) of parameter p of saved group g lie: the pieces of the saved
+// fp32 partitions (target "fp32") or of a state, in order.
+std::vector<std::pair<Piece, const DeepSpeedPartition*>> locate(const DeepSpeedCheckpoint& ck_,
+                                                                 const DeepSpeedParam& p,
+                                                                 std::uint64_t a, std::uint64_t n) {
+  std::vector<std::pair<Piece, const DeepSpeedPartition*>> out;
+  const DeepSpeedSubGroup& sg = ck_.sub_groups[p.sub_group];
+  const std::uint64_t W = ck_.world;
+  while (n > 0) {
+    std::uint64_t q = 0, pos = 0, run = 0;
+    if (ck_.zero_stage == 3) {
+      const std::uint64_t part = zero3_partition_numel(p.numel, W);
+      q = a / part;
+      pos = p.offset + a % part;
+      run = std::min(n, part - a % part);
+    } else {
+      const std::uint64_t P = sg.partition_numel;
+      const std::uint64_t flat = p.offset + a;
+      q = flat / P;
+      pos = flat % P;
+      run = std::min(n, P - pos);
+    }
+    const DeepSpeedPartition& part = sg.ranks.at(q);
+    if (pos + run > part.fp32.numel) {
+      throw InvalidArgument(printable(ck_.files[part.fp32.file].path, 200) + ": entry '" +
+                            printable(part.fp32.path) + "': parameter '" + printable(p.name) +
+                            "' needs elements up to " + std::to_string(pos + run) +
+                            ", but the saved partition holds " +
+                            std::to_string(part.fp32.numel));
+    }
+    out.push_back({Piece{&part.fp32, pos, run}, &part});
+    a += run;
+    n -= run;
+  }
+  return out;
+}
+
 
 class Planner {
  public:
@@ -91,43 +130,6 @@ class Planner {
            (s.tensor.numel == partition_numel || s.tensor.numel == part.fp32.numel);
   }
 
-  // Where elements [a, a + n) of parameter p of saved group g lie: the pieces of the saved
-  // fp32 partitions (target "fp32") or of a state, in order.
-  std::vector<std::pair<Piece, const DeepSpeedPartition*>> locate(const DeepSpeedParam& p,
-                                                                   std::uint64_t a,
-                                                                   std::uint64_t n) const {
-    std::vector<std::pair<Piece, const DeepSpeedPartition*>> out;
-    const DeepSpeedSubGroup& sg = ck_.sub_groups[p.sub_group];
-    const std::uint64_t W = ck_.world;
-    while (n > 0) {
-      std::uint64_t q = 0, pos = 0, run = 0;
-      if (ck_.zero_stage == 3) {
-        const std::uint64_t part = zero3_partition_numel(p.numel, W);
-        q = a / part;
-        pos = p.offset + a % part;
-        run = std::min(n, part - a % part);
-      } else {
-        const std::uint64_t P = sg.partition_numel;
-        const std::uint64_t flat = p.offset + a;
-        q = flat / P;
-        pos = flat % P;
-        run = std::min(n, P - pos);
-      }
-      const DeepSpeedPartition& part = sg.ranks.at(q);
-      if (pos + run > part.fp32.numel) {
-        throw InvalidArgument(printable(ck_.files[part.fp32.file].path, 200) + ": entry '" +
-                              printable(part.fp32.path) + "': parameter '" + printable(p.name) +
-                              "' needs elements up to " + std::to_string(pos + run) +
-                              ", but the saved partition holds " +
-                              std::to_string(part.fp32.numel));
-      }
-      out.push_back({Piece{&part.fp32, pos, run}, &part});
-      a += run;
-      n -= run;
-    }
-    return out;
-  }
-
   // Elements [a, a + n) of parameter p, for dest of the new sub-group being planned.
   struct Want {
     const DeepSpeedParam* param;
@@ -168,7 +170,7 @@ class Planner {
     std::vector<std::vector<std::pair<Piece, const DeepSpeedPartition*>>> pieces;
     std::vector<std::string> names;
     for (const Want& w : wants) {
-      pieces.push_back(locate(*w.param, w.a, w.n));
+      pieces.push_back(locate(ck_, *w.param, w.a, w.n));
       const DeepSpeedSubGroup& sg = ck_.sub_groups[w.param->sub_group];
       for (const auto& [piece, part] : pieces.back()) {
         for (const DeepSpeedState& s : part->states) {
@@ -223,7 +225,7 @@ class Planner {
     }
     const DeepSpeedSubGroup& sg = ck_.sub_groups[p.sub_group];
     const DeepSpeedPartition* part = &sg.ranks.front();
-    if (element < p.numel) part = locate(p, element, 1).front().second;
+    if (element < p.numel) part = locate(ck_, p, element, 1).front().second;
     for (const DeepSpeedState& s : part->states) {
       if (!partitioned(s, *part, sg.partition_numel)) {
         emit(Piece{&s.tensor, 0, s.tensor.numel}, s.name, new_sub_group, "", 0);
@@ -378,6 +380,169 @@ DeepSpeedRankReads deepspeed_rank_reads(const DeepSpeedCheckpoint& checkpoint,
                           " outside a world of " + std::to_string(world));
   }
   return Planner(checkpoint, world, rank, options).run();
+}
+
+namespace {
+
+// The index being built: one tensor per run, named so that runs sort in the order they are made
+// (natural order: "T/#0000000012" before "T/#0000000100").
+class SourceBuilder {
+ public:
+  SourceBuilder(const DeepSpeedCheckpoint& ck, std::string_view target) : ck_(ck), target_(target) {
+    out_.index.path = ck.dir;
+    for (const DeepSpeedFile& f : ck.files) {
+      out_.index.files.push_back(f.path);
+      out_.index.file_bytes.push_back(f.torch.file_bytes);
+    }
+  }
+
+  // One run: elements [element, element + numel) of saved tensor t.
+  std::string add(const DeepSpeedTensor& t, std::uint64_t element, std::uint64_t numel) {
+    if (!t.type) {
+      throw InvalidArgument(printable(ck_.files[t.file].path, 200) + ": entry '" +
+                            printable(t.path) + "' is " + printable(t.dtype) +
+                            ": a resume reads bf16, fp16 and fp32 tensors");
+    }
+    char name[32];
+    std::snprintf(name, sizeof name, "#%012llu", static_cast<unsigned long long>(count_++));
+    CheckpointTensor c;
+    c.name = std::string(target_) + "/" + name;
+    c.dtype = t.dtype;
+    c.type = t.type;
+    c.shape = {static_cast<std::int64_t>(numel)};
+    c.numel = numel;
+    c.file = t.file;
+    c.offset = t.offset + element * t.element_size;
+    c.bytes = numel * t.element_size;
+    out_.index.tensors.push_back(std::move(c));
+    return out_.index.tensors.back().name;
+  }
+
+  DeepSpeedSource done() { return std::move(out_); }
+  DeepSpeedSource& out() { return out_; }
+
+ private:
+  const DeepSpeedCheckpoint& ck_;
+  std::string_view target_;
+  std::uint64_t count_ = 0;
+  DeepSpeedSource out_;
+};
+
+const DeepSpeedParam* saved_param(const DeepSpeedCheckpoint& ck, const std::string& name) {
+  for (const DeepSpeedGroup& g : ck.groups) {
+    for (const DeepSpeedParam& p : g.params) {
+      if (p.name == name) return &p;
+    }
+  }
+  return nullptr;
+}
+
+// The saved tensor of `target` that covers the same elements as the fp32 run `piece` of
+// partition `part` (a state as long as the partition, saved with or without its padding).
+const DeepSpeedTensor& state_of(const DeepSpeedCheckpoint& ck, const DeepSpeedPartition& part,
+                                const DeepSpeedSubGroup& sg, const Piece& piece,
+                                std::string_view target) {
+  if (target == "fp32") return part.fp32;
+  for (const DeepSpeedState& x : part.states) {
+    if (x.name == target && (x.tensor.numel == part.fp32.numel ||
+                             x.tensor.numel == sg.partition_numel) &&
+        piece.element + piece.numel <= x.tensor.numel) {
+      return x.tensor;
+    }
+  }
+  throw InvalidArgument(printable(ck.files[part.fp32.file].path, 200) +
+                        ": no partitioned optimizer state '" + printable(std::string(target)) +
+                        "' beside entry '" + printable(part.fp32.path) + "'");
+}
+
+}  // namespace
+
+DeepSpeedSource deepspeed_source(const DeepSpeedCheckpoint& ck, std::string_view target,
+                                 std::span<const std::string> params,
+                                 std::span<const std::uint64_t> numels) {
+  if (params.size() != numels.size()) {
+    throw InvalidArgument("deepspeed_source: " + std::to_string(params.size()) + " names for " +
+                          std::to_string(numels.size()) + " element counts");
+  }
+  SourceBuilder b(ck, target);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const std::string& name = params[i];
+    const std::uint64_t n = numels[i];
+    std::vector<std::string> runs;
+    auto has = [&](std::uint64_t saved) {
+      if (saved != n) {
+        throw InvalidArgument(printable(ck.dir, 200) + ": parameter '" + printable(name) +
+                              "' has " + std::to_string(saved) + " elements in the checkpoint, " +
+                              std::to_string(n) + " in the model");
+      }
+    };
+    if (target == "frozen" || target == "module") {
+      // The module file's tensor (ZeRO-1/2, universal; buffers), or the saved ranks' partitions
+      // of a frozen parameter (ZeRO-3).
+      const DeepSpeedFrozen* fz = nullptr;
+      for (const DeepSpeedFrozen& f : ck.frozen) {
+        if (f.name == name) fz = &f;
+      }
+      const DeepSpeedTensor* whole = ck.find_module(name);
+      if (target == "frozen" && fz != nullptr && ck.zero_stage == 3 && !fz->fragments.empty()) {
+        has(fz->numel);
+        // Each saved rank's partition holds ceil(numel / world) elements, the last one padded:
+        // the parameter is their first numel elements.
+        std::uint64_t left = fz->numel;
+        for (const DeepSpeedTensor& t : fz->fragments) {
+          const std::uint64_t take = std::min(left, t.numel);
+          if (take > 0 || runs.empty()) runs.push_back(b.add(t, 0, take));
+          left -= take;
+        }
+      } else if (whole != nullptr && whole->numel > 0) {
+        has(whole->numel);
+        runs.push_back(b.add(*whole, 0, whole->numel));
+      } else {
+        throw InvalidArgument(printable(ck.dir, 200) + ": the checkpoint holds no " +
+                              (target == "module" ? "16-bit weights" : "values") + " of '" +
+                              printable(name) + "' in its module file");
+      }
+    } else if (ck.format == DeepSpeedFormat::kUniversal) {
+      const DeepSpeedUniversalParam* u = nullptr;
+      for (const DeepSpeedUniversalParam& x : ck.universal) {
+        if (x.name == name) u = &x;
+      }
+      if (u == nullptr) {
+        throw InvalidArgument(printable(ck.dir, 200) + ": no universal files of parameter '" +
+                              printable(name) + "'");
+      }
+      has(u->numel);
+      const DeepSpeedState* s = nullptr;
+      for (const DeepSpeedState& x : u->tensors) {
+        if (x.name == target) s = &x;
+      }
+      if (s == nullptr) {
+        throw InvalidArgument(printable(ck.dir, 200) + ": parameter '" + printable(name) +
+                              "' has no " + printable(std::string(target)) + ".pt");
+      }
+      runs.push_back(b.add(s->tensor, 0, s->tensor.numel));
+    } else {
+      const DeepSpeedParam* p = saved_param(ck, name);
+      if (p == nullptr) {
+        throw InvalidArgument(printable(ck.dir, 200) + ": the checkpoint's optimizer holds no "
+                              "parameter '" + printable(name) + "'");
+      }
+      has(p->numel);
+      const DeepSpeedSubGroup& sg = ck.sub_groups[p->sub_group];
+      for (const auto& [piece, part] : locate(ck, *p, 0, p->numel)) {
+        runs.push_back(b.add(state_of(ck, *part, sg, piece, target), piece.element, piece.numel));
+      }
+      if (runs.empty() && !sg.ranks.empty()) {
+        // A parameter of no element: one empty run keeps its place (its name alone would be
+        // looked up as a tensor of its own).
+        const DeepSpeedPartition& part = sg.ranks.front();
+        runs.push_back(b.add(state_of(ck, part, sg, Piece{&part.fp32, 0, 0}, target), 0, 0));
+      }
+    }
+    LoadParam lp(name, Shape{static_cast<std::int64_t>(n)}, std::move(runs));
+    b.out().params.push_back(std::move(lp));
+  }
+  return b.done();
 }
 
 }  // namespace zeroflat

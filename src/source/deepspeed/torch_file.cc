@@ -738,4 +738,41 @@ std::vector<std::string> torch_allowed_globals() {
   return out;
 }
 
+std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTensor& t,
+                                             std::uint64_t max_bytes) {
+  const std::string where = printable(f.path, 200) + ": tensor '" + printable(t.path) + "'";
+  std::vector<unsigned char> out;
+  if (t.numel == 0) return out;
+  if (t.extent_bytes > max_bytes) {
+    throw InvalidArgument(where + " spans " + std::to_string(t.extent_bytes) +
+                          " bytes, more than the " + std::to_string(max_bytes) +
+                          " read whole here");
+  }
+  const detail::File file(f.path);
+  std::vector<unsigned char> extent(t.extent_bytes);
+  try {
+    file.read_at(extent.data(), extent.size(), t.offset);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(where + ": " + e.what());
+  }
+  if (t.contiguous) return extent;
+  // Gather by the strides: element (i_0, ..., i_k) lies at sum(i_d * stride[d]) elements from
+  // the first (every one inside the extent: the reader checked the tensor against its storage).
+  out.resize(t.numel * t.element_size);
+  std::vector<std::int64_t> index(t.shape.size(), 0);
+  for (std::uint64_t k = 0; k < t.numel; ++k) {
+    std::uint64_t at = 0;
+    for (std::size_t d = 0; d < index.size(); ++d) {
+      at += static_cast<std::uint64_t>(index[d]) * static_cast<std::uint64_t>(t.stride[d]);
+    }
+    std::copy_n(extent.data() + at * t.element_size, t.element_size,
+                out.data() + k * t.element_size);
+    for (std::size_t d = index.size(); d-- > 0;) {
+      if (++index[d] < t.shape[d]) break;
+      index[d] = 0;
+    }
+  }
+  return out;
+}
+
 }  // namespace zeroflat

@@ -1,0 +1,275 @@
+// zeroflat._C's DeepSpeed checkpoints: torch.save files read without running them (torch_file.h)
+// and DeepSpeed checkpoint folders (deepspeed_checkpoint.h), as Python values. A saved state's
+// small values (steps, a scheduler's numbers, a loss scaler) become Python objects here, tensors
+// among them read from their bytes; instances of the classes a checkpoint may name come as
+// dicts for the caller to rebuild from its own classes. Only the public API is used here.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "zeroflat/deepspeed_checkpoint.h"
+#include "zeroflat/error.h"
+#include "zeroflat/torch_file.h"
+
+namespace py = pybind11;
+namespace zf = zeroflat;
+
+namespace {
+
+at::ScalarType scalar_type_named(const std::string& name, const std::string& where) {
+  static const std::pair<const char*, at::ScalarType> kTypes[] = {
+      {"bf16", at::kBFloat16}, {"fp16", at::kHalf},     {"fp32", at::kFloat},
+      {"float64", at::kDouble}, {"int64", at::kLong},    {"int32", at::kInt},
+      {"int16", at::kShort},   {"int8", at::kChar},     {"uint8", at::kByte},
+      {"bool", at::kBool},     {"complex64", at::kComplexFloat},
+      {"complex128", at::kComplexDouble}};
+  for (const auto& [n, t] : kTypes) {
+    if (name == n) return t;
+  }
+  throw zf::InvalidArgument(where + ": a tensor of dtype " + name + " has no torch type here");
+}
+
+// One value of a saved state as a Python object: containers as Python's, tensors read from
+// their bytes, an instance of an allowed class as {"__zeroflat_object__": "module.Class",
+// "args": [...], "state": {...}}, an enum member as {"__zeroflat_enum__": "module.Class.member",
+// "value": int}, an allowed global used as a value as {"__zeroflat_global__": "module.name"}.
+py::object to_python(const zf::TorchFile& f, const zf::TorchValue& v) {
+  using K = zf::TorchKind;
+  switch (v.kind) {
+    case K::kNone:
+      return py::none();
+    case K::kBool:
+      return py::bool_(v.boolean);
+    case K::kInt:
+      return py::int_(v.integer);
+    case K::kFloat:
+      return py::float_(v.real);
+    case K::kString:
+      return py::str(v.text);
+    case K::kBytes:
+      return py::bytes(v.text);
+    case K::kList:
+    case K::kTuple: {
+      py::list items;
+      for (const zf::TorchValue& x : v.items) items.append(to_python(f, x));
+      if (v.text == "set") return py::set(items);
+      if (v.text == "frozenset") return py::module_::import("builtins").attr("frozenset")(items);
+      if (v.text == "torch.Size") return py::module_::import("torch").attr("Size")(items);
+      if (v.kind == K::kTuple) return py::tuple(items);
+      return std::move(items);
+    }
+    case K::kDict: {
+      py::object d = v.text == "collections.OrderedDict"
+                         ? py::module_::import("collections").attr("OrderedDict")()
+                         : py::dict();
+      for (const auto& [key, value] : v.entries) d[to_python(f, key)] = to_python(f, value);
+      return d;
+    }
+    case K::kTensor: {
+      const zf::TorchTensor& t = f.tensors.at(static_cast<std::size_t>(v.integer));
+      const std::vector<unsigned char> bytes = zf::read_torch_tensor(f, t);
+      std::vector<std::int64_t> shape(t.shape.begin(), t.shape.end());
+      at::Tensor out = at::empty(shape, at::TensorOptions().dtype(scalar_type_named(
+                                            t.dtype, f.path + ": tensor '" + t.path + "'")));
+      if (!bytes.empty()) std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
+      return py::cast(out);
+    }
+    case K::kObject: {
+      py::dict o;
+      o["__zeroflat_object__"] = v.text;
+      py::list args;
+      for (const zf::TorchValue& x : v.items) args.append(to_python(f, x));
+      o["args"] = args;
+      py::dict state;
+      for (const auto& [key, value] : v.entries) state[to_python(f, key)] = to_python(f, value);
+      o["state"] = state;
+      return std::move(o);
+    }
+    case K::kEnum: {
+      py::dict e;
+      e["__zeroflat_enum__"] = v.text;
+      e["value"] = v.integer;
+      return std::move(e);
+    }
+    case K::kGlobal: {
+      py::dict g;
+      g["__zeroflat_global__"] = v.text;
+      return std::move(g);
+    }
+    case K::kStorage:
+      break;
+  }
+  throw zf::InvalidArgument(f.path + ": a storage saved as a value is not read here");
+}
+
+py::list params_of(const zf::DeepSpeedGroup& g) {
+  py::list out;
+  for (const zf::DeepSpeedParam& p : g.params) {
+    out.append(py::make_tuple(p.name, p.shape, p.numel, p.offset));
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_deepspeed(py::module_& m) {
+  py::class_<zf::TorchFile>(m, "TorchFile")
+      .def(py::init([](const std::string& path) {
+             py::gil_scoped_release nogil;
+             return zf::read_torch_file(path);
+           }),
+           py::arg("path"))
+      .def_readonly("path", &zf::TorchFile::path)
+      .def_readonly("file_bytes", &zf::TorchFile::file_bytes)
+      .def_readonly("globals", &zf::TorchFile::globals)
+      .def("has", [](const zf::TorchFile& f, const std::string& path) {
+        return f.find(path) != nullptr;
+      })
+      // The value at `path` ("" the whole state) as a Python object (see to_python).
+      .def(
+          "value",
+          [](const zf::TorchFile& f, const std::string& path) { return to_python(f, f.at(path)); },
+          py::arg("path") = "");
+
+  py::class_<zf::DeepSpeedCheckpoint>(m, "DeepSpeedCheckpoint")
+      .def(py::init([](const std::string& dir, const std::optional<std::string>& tag) {
+             py::gil_scoped_release nogil;
+             return zf::open_deepspeed_checkpoint(dir, tag);
+           }),
+           py::arg("dir"), py::arg("tag") = std::nullopt)
+      .def_readonly("dir", &zf::DeepSpeedCheckpoint::dir)
+      .def_readonly("tag", &zf::DeepSpeedCheckpoint::tag)
+      .def_property_readonly("format",
+                             [](const zf::DeepSpeedCheckpoint& c) {
+                               return std::string(zf::deepspeed_format_name(c.format));
+                             })
+      .def_readonly("zero_stage", &zf::DeepSpeedCheckpoint::zero_stage)
+      .def_readonly("world", &zf::DeepSpeedCheckpoint::world)
+      .def_readonly("ds_version", &zf::DeepSpeedCheckpoint::ds_version)
+      .def_readonly("dtype", &zf::DeepSpeedCheckpoint::dtype)
+      .def_readonly("round_robin", &zf::DeepSpeedCheckpoint::round_robin)
+      .def_readonly("parameter_alignment", &zf::DeepSpeedCheckpoint::parameter_alignment)
+      .def_readonly("sub_group_size", &zf::DeepSpeedCheckpoint::sub_group_size)
+      .def_readonly("buffer_names", &zf::DeepSpeedCheckpoint::buffer_names)
+      .def_readonly("global_steps", &zf::DeepSpeedCheckpoint::global_steps)
+      // Each optimizer group's parameters, in group order: (name, shape, numel, offset).
+      .def_property_readonly("groups",
+                             [](const zf::DeepSpeedCheckpoint& c) {
+                               py::list out;
+                               for (const zf::DeepSpeedGroup& g : c.groups) out.append(params_of(g));
+                               return out;
+                             })
+      // The parameters the optimizer does not train: (name, shape, numel).
+      .def_property_readonly("frozen",
+                             [](const zf::DeepSpeedCheckpoint& c) {
+                               py::list out;
+                               for (const zf::DeepSpeedFrozen& f : c.frozen) {
+                                 out.append(py::make_tuple(f.name, f.shape, f.numel));
+                               }
+                               return out;
+                             })
+      // Every file: (path, role, saving rank or -1).
+      .def_property_readonly("files",
+                             [](const zf::DeepSpeedCheckpoint& c) {
+                               py::list out;
+                               for (const zf::DeepSpeedFile& f : c.files) {
+                                 out.append(py::make_tuple(f.path, f.role, f.rank));
+                               }
+                               return out;
+                             })
+      // The optimizer states saved per partition (the first saving rank's, every rank saves the
+      // same), by name: "exp_avg", "exp_avg_sq", "step", ... (universal: its files' stems).
+      .def("state_names",
+           [](const zf::DeepSpeedCheckpoint& c) {
+             std::vector<std::string> out;
+             if (!c.sub_groups.empty() && !c.sub_groups.front().ranks.empty()) {
+               for (const zf::DeepSpeedState& s : c.sub_groups.front().ranks.front().states) {
+                 out.push_back(s.name);
+               }
+             } else if (!c.universal.empty()) {
+               for (const zf::DeepSpeedState& s : c.universal.front().tensors) {
+                 if (s.name != "fp32") out.push_back(s.name);
+               }
+             }
+             return out;
+           })
+      // Of state_names(), those saved per element, partitioned as the fp32 master is (Adam's
+      // exp_avg and exp_avg_sq; not step): the targets source() takes. A name is one when every
+      // saved partition (universal: every parameter) holds it with the fp32 master's elements.
+      .def("partitioned_states",
+           [](const zf::DeepSpeedCheckpoint& c) {
+             std::vector<std::string> names;
+             if (!c.sub_groups.empty() && !c.sub_groups.front().ranks.empty()) {
+               for (const zf::DeepSpeedState& s : c.sub_groups.front().ranks.front().states) {
+                 names.push_back(s.name);
+               }
+             } else if (!c.universal.empty()) {
+               for (const zf::DeepSpeedState& s : c.universal.front().tensors) {
+                 if (s.name != "fp32") names.push_back(s.name);
+               }
+             }
+             std::vector<std::string> out;
+             for (const std::string& name : names) {
+               bool every = true;
+               for (const zf::DeepSpeedSubGroup& sg : c.sub_groups) {
+                 for (const zf::DeepSpeedPartition& part : sg.ranks) {
+                   bool found = false;
+                   for (const zf::DeepSpeedState& s : part.states) {
+                     found = found || (s.name == name && (s.tensor.numel == part.fp32.numel ||
+                                                          s.tensor.numel == sg.partition_numel));
+                   }
+                   every = every && found;
+                 }
+               }
+               for (const zf::DeepSpeedUniversalParam& u : c.universal) {
+                 bool found = false;
+                 for (const zf::DeepSpeedState& s : u.tensors) {
+                   found = found || (s.name == name && s.tensor.numel == u.numel);
+                 }
+                 every = every && found;
+               }
+               if (every) out.push_back(name);
+             }
+             return out;
+           })
+      // The value at `path` of file `file` (an index into files) as a Python object.
+      .def(
+          "value",
+          [](const zf::DeepSpeedCheckpoint& c, std::size_t file, const std::string& path) {
+            const zf::TorchFile& f = c.files.at(file).torch;
+            return to_python(f, f.at(path));
+          },
+          py::arg("file"), py::arg("path") = "")
+      // The keys of the dict (or an object's state) at `path` of file `file`, as path segments
+      // (torch_path_segment), in saved order; [] for a value of another kind.
+      .def(
+          "keys",
+          [](const zf::DeepSpeedCheckpoint& c, std::size_t file, const std::string& path) {
+            const zf::TorchValue& v = c.files.at(file).torch.at(path);
+            std::vector<std::string> out;
+            if (v.kind == zf::TorchKind::kDict || v.kind == zf::TorchKind::kObject) {
+              for (const auto& [key, value] : v.entries) out.push_back(zf::torch_path_segment(key));
+            }
+            return out;
+          },
+          py::arg("file"), py::arg("path") = "")
+      .def(
+          "has",
+          [](const zf::DeepSpeedCheckpoint& c, std::size_t file, const std::string& path) {
+            return c.files.at(file).torch.find(path) != nullptr;
+          },
+          py::arg("file"), py::arg("path"))
+      // A target's saved runs as a checkpoint the loader reads, and each named parameter's
+      // LoadParam (deepspeed_source).
+      .def(
+          "source",
+          [](const zf::DeepSpeedCheckpoint& c, const std::string& target,
+             const std::vector<std::string>& names, const std::vector<std::uint64_t>& numels) {
+            zf::DeepSpeedSource s = zf::deepspeed_source(c, target, names, numels);
+            return py::make_tuple(std::move(s.index), std::move(s.params));
+          },
+          py::arg("target"), py::arg("names"), py::arg("numels"));
+}
