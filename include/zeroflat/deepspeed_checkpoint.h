@@ -249,6 +249,14 @@ DeepSpeedRankReads deepspeed_rank_reads(const DeepSpeedCheckpoint& checkpoint,
                                         std::uint64_t world, std::uint64_t rank,
                                         const DeepSpeedReshardOptions& options = {});
 
+// The optimizer states saved per element, partitioned as the fp32 master is (Adam's exp_avg and
+// exp_avg_sq; not step), in the order the first saving rank's file (universal: the first trained
+// parameter's files) lists them: the state targets deepspeed_source takes. A name is one when
+// every saved partition (universal: every parameter of the optimizer's groups; frozen ones and
+// buffers keep fp32.pt alone) holds it with the fp32 master's elements (with or without the
+// partition's padding). Empty for a checkpoint without optimizer states.
+std::vector<std::string> deepspeed_partitioned_states(const DeepSpeedCheckpoint& checkpoint);
+
 // A kind of saved values as tensors the loader reads (loader.h), so that a resume is a load
 // of the one pipeline: every run of a saved partition that holds elements of a named parameter
 // is one tensor of `index` (its file's bytes, as saved), and each named parameter one LoadParam

@@ -198,43 +198,9 @@ void bind_deepspeed(py::module_& m) {
            })
       // Of state_names(), those saved per element, partitioned as the fp32 master is (Adam's
       // exp_avg and exp_avg_sq; not step): the targets source() takes. A name is one when every
-      // saved partition (universal: every parameter) holds it with the fp32 master's elements.
-      .def("partitioned_states",
-           [](const zf::DeepSpeedCheckpoint& c) {
-             std::vector<std::string> names;
-             if (!c.sub_groups.empty() && !c.sub_groups.front().ranks.empty()) {
-               for (const zf::DeepSpeedState& s : c.sub_groups.front().ranks.front().states) {
-                 names.push_back(s.name);
-               }
-             } else if (!c.universal.empty()) {
-               for (const zf::DeepSpeedState& s : c.universal.front().tensors) {
-                 if (s.name != "fp32") names.push_back(s.name);
-               }
-             }
-             std::vector<std::string> out;
-             for (const std::string& name : names) {
-               bool every = true;
-               for (const zf::DeepSpeedSubGroup& sg : c.sub_groups) {
-                 for (const zf::DeepSpeedPartition& part : sg.ranks) {
-                   bool found = false;
-                   for (const zf::DeepSpeedState& s : part.states) {
-                     found = found || (s.name == name && (s.tensor.numel == part.fp32.numel ||
-                                                          s.tensor.numel == sg.partition_numel));
-                   }
-                   every = every && found;
-                 }
-               }
-               for (const zf::DeepSpeedUniversalParam& u : c.universal) {
-                 bool found = false;
-                 for (const zf::DeepSpeedState& s : u.tensors) {
-                   found = found || (s.name == name && s.tensor.numel == u.numel);
-                 }
-                 every = every && found;
-               }
-               if (every) out.push_back(name);
-             }
-             return out;
-           })
+      // saved partition (universal: every parameter) holds it with the fp32 master's elements
+      // (deepspeed_partitioned_states).
+      .def("partitioned_states", &zf::deepspeed_partitioned_states)
       // The value at `path` of file `file` (an index into files) as a Python object.
       .def(
           "value",

@@ -38,6 +38,15 @@ bool ends(std::string_view s, std::string_view p) {
   return s.size() >= p.size() && s.substr(s.size() - p.size()) == p;
 }
 
+// Rank 0's file name (zero_pp_rank_0_...) as rank r's, for messages naming a missing file.
+std::string rank_file_name(const std::string& rank0, std::uint64_t r) {
+  constexpr std::string_view kRank0 = "zero_pp_rank_0_";
+  const std::size_t at = rank0.find(kRank0);
+  if (at == std::string::npos) return "rank " + std::to_string(r) + "'s file";
+  return printable(rank0.substr(0, at)) + "zero_pp_rank_" + std::to_string(r) + "_" +
+         printable(rank0.substr(at + kRank0.size()));
+}
+
 // What a file name of a tag folder is.
 struct Named {
   enum Kind { kOther, kModel, kZero3Model, kOptim, kExpert, kLayer } kind = kOther;
@@ -129,6 +138,21 @@ class Builder {
 
   InvalidArgument fail(std::uint32_t f, std::string_view entry, const std::string& why) const {
     return InvalidArgument(name(f) + ": entry '" + printable(entry, 200) + "': " + why);
+  }
+  // partition_count `c` in file f's entry against the folder's optimizer files (optims, of
+  // ranks 0, 1, ... in order): the files that are missing named, or the surplus said.
+  InvalidArgument world_mismatch(std::uint32_t f, std::string_view entry, std::uint64_t c,
+                                 const std::vector<std::uint32_t>& optims) const {
+    const std::uint64_t world = optims.size();
+    std::string why = "partition_count " + std::to_string(c) + ", but the folder holds " +
+                      std::to_string(world) + " ranks' optimizer files (";
+    if (c < world) return fail(f, entry, why + "files of more ranks than the run had)");
+    const std::string first = fs::path(ck_.files[optims.front()].path).filename().string();
+    why += c - world == 1 ? "a rank's file is missing: " : "ranks' files are missing: ";
+    for (std::uint64_t r = world; r < c && r < world + 3; ++r) {
+      why += (r > world ? ", " : "") + rank_file_name(first, r);
+    }
+    return fail(f, entry, why + (c > world + 3 ? ", ...)" : ")"));
   }
   InvalidArgument differ(std::uint32_t a, std::uint32_t b, std::string_view entry,
                          const std::string& va, const std::string& vb) const {
@@ -376,7 +400,8 @@ class Builder {
       fz.name = p.name;
       fz.shape = p.shape;
       fz.numel = p.numel;
-      if (ck_.format == DeepSpeedFormat::kZero3) {
+      if (ck_.format == DeepSpeedFormat::kZero3 ||
+          (ck_.format == DeepSpeedFormat::kUniversal && !per_rank_models.empty())) {
         const std::uint64_t part = zero3_partition_numel(p.numel, ck_.world);
         for (std::uint32_t f : per_rank_models) {
           const std::string entry = "frozen_param_fragments/" + torch_path_segment_of(p.name);
@@ -395,6 +420,12 @@ class Builder {
           fz.fragments.push_back(std::move(d));
         }
       } else if (const DeepSpeedTensor* t = ck_.find_module(p.name)) {
+        if (ck_.format == DeepSpeedFormat::kUniversal && t->numel == 0 && p.numel > 0) {
+          // Converted from ZeRO-3: the module file holds a placeholder; the values are the
+          // parameter's own universal files (zero/NAME/fp32.pt).
+          ck_.frozen.push_back(std::move(fz));
+          continue;
+        }
         if (t->numel != p.numel) {
           throw fail(t->file, t->path, "frozen parameter of shape " + shape_to_string(p.shape) +
                                            " is saved as " + shape_to_string(t->shape));
@@ -468,14 +499,7 @@ class Builder {
                                       ? "optimizer_state_dict/partition_count/" + std::to_string(g)
                                       : "optimizer_state_dict/partition_count";
         const std::uint64_t c = count(f, entry);
-        if (c != world) {
-          throw fail(f, entry,
-                     "partition_count " + std::to_string(c) + ", but the folder holds " +
-                         std::to_string(world) + " ranks' optimizer files (" +
-                         (c < world ? "files of more ranks than the run had"
-                                    : "a rank's file is missing") +
-                         ")");
-        }
+        if (c != world) throw world_mismatch(f, entry, c, optims);
       }
     }
     ck_.round_robin = config_flag("zero_optimization/round_robin_gradients");
@@ -673,14 +697,7 @@ class Builder {
     const std::uint64_t num_sub = ps.size();
     for (std::uint32_t f : optims) {
       const std::uint64_t c = count(f, "optimizer_state_dict/partition_count");
-      if (c != world) {
-        throw fail(f, "optimizer_state_dict/partition_count",
-                   "partition_count " + std::to_string(c) + ", but the folder holds " +
-                       std::to_string(world) + " ranks' optimizer files (" +
-                       (c < world ? "files of more ranks than the run had"
-                                  : "a rank's file is missing") +
-                       ")");
-      }
+      if (c != world) throw world_mismatch(f, "optimizer_state_dict/partition_count", c, optims);
       const auto& flat = torch(f).list_at("optimizer_state_dict/fp32_flat_groups");
       if (flat.size() != num_sub) {
         throw fail(f, "optimizer_state_dict/fp32_flat_groups",
@@ -1026,7 +1043,18 @@ DeepSpeedCheckpoint open_deepspeed_checkpoint(const std::string& dir,
       throw InvalidArgument(shown(ck.dir) + ": a universal checkpoint (it has zero/) without "
                             "mp_rank_00_model_states.pt beside it");
     }
-    const std::uint32_t m = add_file(ck, folder / model, "model", -1);
+    // Converted from ZeRO-3, it keeps every saving rank's model-states file (their frozen
+    // parameters' fragments).
+    std::vector<std::uint32_t> per_rank;
+    std::uint32_t m = 0;
+    if (model_name.empty()) {
+      for (const auto& [r, name] : zero3_model_names) {
+        per_rank.push_back(add_file(ck, folder / name, "model", static_cast<std::int64_t>(r)));
+      }
+      m = per_rank.front();
+    } else {
+      m = add_file(ck, folder / model, "model", -1);
+    }
     const fs::path zero = folder / "zero";
     for (const std::string& pname : list_folder(zero)) {
       const fs::path pdir = zero / pname;
@@ -1064,7 +1092,7 @@ DeepSpeedCheckpoint open_deepspeed_checkpoint(const std::string& dir,
     b.worlds(m, ck.world);
     b.module_of(m);
     b.universal(m, zero.string());
-    b.frozen_of(m, {});
+    b.frozen_of(m, per_rank);
     b.dtype_of(false);
     b.bookkeeping(m, m);
     return ck;
@@ -1093,9 +1121,14 @@ DeepSpeedCheckpoint open_deepspeed_checkpoint(const std::string& dir,
                           "(ZeRO-1/2) or zero_pp_rank_R_mp_rank_00_model_states.pt (ZeRO-3)");
   }
   if (zero3 && zero3_model_names.size() != optim_names.size()) {
+    // Both lists hold ranks 0, 1, ...: the shorter one lacks the next rank's file.
+    const auto& fewer = zero3_model_names.size() < optim_names.size() ? zero3_model_names
+                                                                      : optim_names;
     throw InvalidArgument(shown(ck.dir) + ": model-states files of " +
                           std::to_string(zero3_model_names.size()) + " ranks, optimizer files of " +
-                          std::to_string(optim_names.size()) + " (expected one of each per rank)");
+                          std::to_string(optim_names.size()) +
+                          " (expected one of each per rank): " +
+                          rank_file_name(fewer.front().second, fewer.size()) + " is missing");
   }
   ck.format = zero3 ? DeepSpeedFormat::kZero3 : DeepSpeedFormat::kZero12;
   ck.world = optim_names.size();

@@ -382,6 +382,51 @@ DeepSpeedRankReads deepspeed_rank_reads(const DeepSpeedCheckpoint& checkpoint,
   return Planner(checkpoint, world, rank, options).run();
 }
 
+std::vector<std::string> deepspeed_partitioned_states(const DeepSpeedCheckpoint& ck) {
+  // Universal: the trained parameters' files (a frozen parameter or a buffer has fp32.pt alone).
+  std::vector<const DeepSpeedUniversalParam*> trained;
+  for (const DeepSpeedUniversalParam& u : ck.universal) {
+    bool in_group = ck.groups.empty();
+    for (const DeepSpeedGroup& g : ck.groups) {
+      for (const DeepSpeedParam& p : g.params) in_group = in_group || p.name == u.name;
+    }
+    if (in_group) trained.push_back(&u);
+  }
+  std::vector<std::string> names;
+  if (!ck.sub_groups.empty() && !ck.sub_groups.front().ranks.empty()) {
+    for (const DeepSpeedState& s : ck.sub_groups.front().ranks.front().states) {
+      names.push_back(s.name);
+    }
+  } else if (!trained.empty()) {
+    for (const DeepSpeedState& s : trained.front()->tensors) {
+      if (s.name != "fp32") names.push_back(s.name);
+    }
+  }
+  std::vector<std::string> out;
+  for (const std::string& name : names) {
+    bool every = name != "step";  // one element per partition, whatever the partition's size
+    for (const DeepSpeedSubGroup& sg : ck.sub_groups) {
+      for (const DeepSpeedPartition& part : sg.ranks) {
+        bool found = false;
+        for (const DeepSpeedState& s : part.states) {
+          found = found || (s.name == name && (s.tensor.numel == part.fp32.numel ||
+                                               s.tensor.numel == sg.partition_numel));
+        }
+        every = every && found;
+      }
+    }
+    for (const DeepSpeedUniversalParam* u : trained) {
+      bool found = false;
+      for (const DeepSpeedState& s : u->tensors) {
+        found = found || (s.name == name && s.tensor.numel == u->numel);
+      }
+      every = every && found;
+    }
+    if (every) out.push_back(name);
+  }
+  return out;
+}
+
 namespace {
 
 // The index being built: one tensor per run, named so that runs sort in the order they are made
@@ -484,7 +529,20 @@ DeepSpeedSource deepspeed_source(const DeepSpeedCheckpoint& ck, std::string_view
         if (f.name == name) fz = &f;
       }
       const DeepSpeedTensor* whole = ck.find_module(name);
-      if (target == "frozen" && fz != nullptr && ck.zero_stage == 3 && !fz->fragments.empty()) {
+      const DeepSpeedUniversalParam* u = nullptr;
+      for (const DeepSpeedUniversalParam& x : ck.universal) {
+        if (x.name == name) u = &x;
+      }
+      const DeepSpeedState* u32 = nullptr;
+      for (std::size_t k = 0; u != nullptr && k < u->tensors.size(); ++k) {
+        if (u->tensors[k].name == "fp32") u32 = &u->tensors[k];
+      }
+      if (target == "frozen" && (whole == nullptr || whole->numel == 0) && u32 != nullptr) {
+        // A universal checkpoint converted from ZeRO-3: the parameter's own fp32.pt.
+        has(u->numel);
+        runs.push_back(b.add(u32->tensor, 0, u32->tensor.numel));
+      } else if (target == "frozen" && fz != nullptr && ck.zero_stage == 3 &&
+                 !fz->fragments.empty()) {
         has(fz->numel);
         // Each saved rank's partition holds ceil(numel / world) elements, the last one padded:
         // the parameter is their first numel elements.
