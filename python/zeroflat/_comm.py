@@ -95,6 +95,21 @@ def collective(what: str, group, tag: str, fn: Callable[[], Any]) -> Any:
         raise CommError(failure_words(what, group, tag, e)) from e
 
 
+def all_reduce_ints(values: List[int], group, op: str, what: str, tag: str) -> List[int]:
+    """The element-wise ``op`` ("min" or "max") of every rank's ``values`` over ``group`` (the
+    default group when None): one all-reduce on the device the backend needs (nccl: this rank's
+    GPU); alone, ``values`` itself. Its failure is a CommError saying ``what``."""
+    if not dist.is_initialized() or dist.get_world_size(group=group) == 1:
+        return list(values)
+    device = "cpu"
+    if str(dist.get_backend(group)) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+    collective(what, group, tag, lambda: dist.all_reduce(t, op=reduce_op, group=group))
+    return [int(x) for x in t.tolist()]
+
+
 class TorchComm:
     """The collectives the engine needs, over a torch.distributed group (called from C++).
     ``failure`` keeps the process group's own error of the first collective that failed, for the

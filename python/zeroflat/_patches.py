@@ -206,6 +206,10 @@ TABLE: Tuple[Entry, ...] = (
           "a ZeRO optimizer's __init__, more than one thread per rank",
           "the optimizer's large host copies of the buffer (its clone, its fp32 master) run on "
           "zeroflat's engine, bit for bit torch's"),
+    Entry(f"{_DS}.engine.DeepSpeedEngine.load_checkpoint", _ALL, "install()",
+          "resumes a ZeRO-1/2 or ZeRO-3 checkpoint with each rank reading only its own bytes, at "
+          "any world size, no pickle executed (what it does not serve is DeepSpeed's own call, "
+          "with a warning saying why)"),
     # Building a model for loading.
     Entry("torch.nn.Module.register_parameter", "torch", "zeroflat.meta_parameters()",
           "parameters are made on the meta device (no memory, no initialization)"),
@@ -235,6 +239,17 @@ READS: Tuple[Entry, ...] = (
     Entry("DeepSpeedZeroOptimizer_Stage3: fp16_groups, offload_param, dp_process_group, "
           "trainable_param_groups, param_groups_fp16_flat_cpu_memory, params_in_nvme_and_cpu, "
           "dtype", _ALL, "install()", "the partitions a Stage 3 buffer holds"),
+    Entry("DeepSpeedEngine: param_names, optimizer, lr_scheduler, zero_load_from_fp32_weights, "
+          "load_universal_checkpoint, _get_ckpt_name, global_steps, global_samples, "
+          "skipped_steps, loaded_checkpoint_dp_world_size, loaded_checkpoint_mp_world_size, "
+          "sparse_tensor_module_names (up to 0.18)", _ALL, "load_checkpoint()",
+          "what a resume restores, as DeepSpeed's _load_checkpoint does"),
+    Entry("DeepSpeedZeroOptimizer: bit16_groups, single_partition_of_fp32_groups, "
+          "round_robin_bit16_indices, groups_padding, partition_count, update_lp_params, "
+          "load_state_dict; Stage 3: fp16_groups, fp16_partitioned_groups_flat, "
+          "sub_group_to_group_id, persistent_parameters, checkpoint_event_prologue/epilogue, "
+          "_restore_from_bit16_weights, load_state_dict", _ALL, "load_checkpoint()",
+          "the partitions a resume fills, and the release's own restore of its state dict"),
     Entry("zero.Init: _convert_to_deepspeed_param, dtype, local_device, remote_device, "
           "pin_memory, ds_process_group, _keep_in_fp32, param_id (class), "
           "_add_tensor_creation_wrappers, tensor_overrides", _ALL, "ZeRO-3 loading",

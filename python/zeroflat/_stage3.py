@@ -24,7 +24,7 @@ import torch
 
 import zeroflat
 from . import _dropin
-from ._comm import collective
+from ._comm import all_reduce_ints
 from ._dropin import log, stats
 from ._dropin import state as _state
 from ._patches import Patch
@@ -82,20 +82,10 @@ def _why_not(tensors: List[torch.Tensor], dtype: Optional[torch.dtype] = None,
 
 def _agree(process_group, adopt: bool, build: bool, tag: str) -> Tuple[bool, bool]:
     """(every rank adopts, every rank can build): one all-reduce of two flags."""
-    import torch.distributed as dist
-
-    if process_group is None and not dist.is_initialized():
-        return adopt, build
-    if dist.get_world_size(group=process_group) == 1:
-        return adopt, build
-    device = "cpu"
-    if str(dist.get_backend(process_group)) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([int(adopt), int(build)], dtype=torch.int32, device=device)
-    collective("the ranks' agreement on how Stage 3's buffer is built (an all-reduce)",
-               process_group, tag, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN,
-                                                           group=process_group))
-    return bool(t[0].item()), bool(t[1].item())
+    a, b = all_reduce_ints([int(adopt), int(build)], process_group, "min",
+                           "the ranks' agreement on how Stage 3's buffer is built (an all-reduce)",
+                           tag)
+    return bool(a), bool(b)
 
 
 # --- the buffer ---------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from typing import Callable, List, Optional
 import torch
 
 import zeroflat
-from . import _dropin, _load, _stage3
-from ._comm import collective
+from . import _dropin, _load, _resume, _stage3
+from ._comm import all_reduce_ints
 from ._common import select
 from ._dropin import log, stats
 from ._dropin import state as _state
@@ -120,17 +120,9 @@ def _adoptable(sources, offsets: List[int], flat_numel: int) -> Optional[torch.T
 
 def _all_agree(ok: bool, process_group, tag: str) -> bool:
     """Whether every rank of the group says ok (one all-reduce)."""
-    import torch.distributed as dist
-
-    if dist.get_world_size(group=process_group) == 1:
-        return ok
-    device = "cpu"
-    if str(dist.get_backend(process_group)) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    collective("the ranks' agreement on adopting a loaded buffer (an all-reduce)", process_group,
-               tag, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=process_group))
-    return bool(t.item())
+    return bool(all_reduce_ints([int(ok)], process_group, "min",
+                                "the ranks' agreement on adopting a loaded buffer (an all-reduce)",
+                                tag)[0])
 
 
 @dataclass
@@ -270,6 +262,20 @@ def _warn_not_adopted(kind: str, groups, round_robin: bool) -> None:
         log.warning("%s", message)
 
 
+def round_robin_offsets(opt, i: int, numels: List[int], padding: List[int]) -> List[int]:
+    """Where DeepSpeedZeroOptimizer's group i puts its parameters (round-robin order, numels and
+    paddings in that order) in its flat buffer: the release's own offsets (0.19.8 keeps them),
+    else a concatenation with each parameter's padding after it, as unflatten reads it back."""
+    offsets = getattr(opt, "round_robin_bit16_offsets", None)
+    if offsets is not None and len(offsets) > i:
+        return list(offsets[i])
+    out, at = [], 0
+    for n, pad in zip(numels, padding):
+        out.append(at)
+        at += n + pad
+    return out
+
+
 # --- the hooks (installed by _patches: hook(original, *args, **kwargs)) --------------------------
 
 def _zero_flatten(original, self, tensor_list, alignment, *args, **kwargs):
@@ -290,14 +296,7 @@ def _zero_flatten(original, self, tensor_list, alignment, *args, **kwargs):
     sources = ([p.cpu_data for p in tensor_list] if given.get("use_cpu_data")
                else list(tensor_list))
     padding = list(given.get("param_padding") or [0] * len(sources))
-    offsets = getattr(self, "round_robin_bit16_offsets", None)
-    if offsets is not None and len(offsets) > i:  # 0.19.8 keeps them
-        offsets = list(offsets[i])
-    else:  # a plain concatenation in the round-robin order, as unflatten reads it back
-        offsets, at = [], 0
-        for t, pad in zip(sources, padding):
-            offsets.append(at)
-            at += t.numel() + pad
+    offsets = round_robin_offsets(self, i, [t.numel() for t in sources], padding)
     palign = 16 if getattr(self, "parameter_alignment", False) else 0
     return _build(self, "DeepSpeedZeroOptimizer", i, sources, alignment,
                   self.real_dp_process_group[i], offsets, padding, palign,
@@ -475,6 +474,8 @@ def _patches(stage_1_and_2) -> List[Patch]:
                 Patch(BF16_Optimizer, "_flatten_dense_tensors_aligned", hook=_bf16_flatten)]
     out.append(Patch("deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer",
                      "__init__", hook=_unfused_init, optional=True))
+    out.append(Patch("deepspeed.runtime.engine.DeepSpeedEngine", "load_checkpoint",
+                     hook=_resume.load_checkpoint))
     return out
 
 
