@@ -8,6 +8,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -564,6 +565,65 @@ TEST_F(LoaderTest, ASliceIsTheRanksPartitionOfTheFlatBufferAndNothingMore) {
       }
     }
   }
+}
+
+TEST_F(LoaderTest, VerifySliceChecksTheRanksSliceAgainstTheTensorsAndItsPaddingAgainstZero) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  std::atomic<int> paddings_changed{0};
+  for (int dp = 1; dp <= 3; ++dp) {
+    for (bool rr : {false, true}) {
+      SCOPED_TRACE("dp " + std::to_string(dp) + (rr ? " rr" : ""));
+      FlattenOptions o = load_options();
+      o.layout.dp = static_cast<std::uint64_t>(dp);
+      o.layout.round_robin = rr;
+      o.layout.dtype = DType::kFP32;
+      o.layout.param_align_bytes = 32;  // DeepSpeed's 16 bytes of bf16, in fp32
+      on_ranks(dp, [&](int r, Communicator* comm) {
+        const auto rank = static_cast<std::uint64_t>(r);
+        std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+        const FlattenResult res = load_slice(ck, params, *dev, comm, o);
+        ASSERT_TRUE(res.complete()) << res.plan.reason << res.execution.error;
+        const FlatGroup& g = res.group();
+        EXPECT_EQ(verify_slice(ck, params, *dev, g, rank), "");
+        auto* bytes = static_cast<unsigned char*>(g.flat.data());
+        // A data element of the slice: the parameter holding it is named.
+        const RankLayout mine = g.layout.rank(rank, false);
+        ASSERT_FALSE(mine.fragments.empty());
+        const Fragment& f = mine.fragments.back();
+        const std::uint64_t at = (f.partition_offset + f.numel - 1) * 4 + 1;
+        bytes[at] ^= 0x10;
+        const std::string m = verify_slice(ck, params, *dev, g, rank);
+        EXPECT_NE(m.find("'" + params[f.param].name + "'"), std::string::npos) << m;
+        bytes[at] ^= 0x10;
+        // A padding byte (the interior alignment gaps and the trailing padding).
+        std::vector<bool> data(g.layout.partition_numel(), false);
+        for (const Fragment& x : mine.fragments) {
+          for (std::uint64_t e = 0; e < x.numel; ++e) data[x.partition_offset + e] = true;
+        }
+        for (std::uint64_t e = 0; e < data.size(); ++e) {
+          if (data[e]) continue;
+          ASSERT_EQ(bytes[e * 4], 0);
+          bytes[e * 4 + 2] = 1;
+          const std::string pad = verify_slice(ck, params, *dev, g, rank);
+          EXPECT_EQ(pad, "padding byte " + std::to_string(e * 4 + 2) + " is not zero");
+          bytes[e * 4 + 2] = 0;
+          ++paddings_changed;
+          break;
+        }
+        EXPECT_EQ(verify_slice(ck, params, *dev, g, rank), "");
+        // Another rank's slice, another group, a rank outside the layout.
+        if (dp > 1) {
+          EXPECT_NE(verify_slice(ck, params, *dev, g, (rank + 1) % o.layout.dp), "");
+        }
+        EXPECT_NE(verify_slice(ck, std::span(params).first(params.size() - 1), *dev, g, rank),
+                  "");
+        EXPECT_NE(verify_slice(ck, params, *dev, g, o.layout.dp).find("outside"),
+                  std::string::npos);
+      });
+    }
+  }
+  EXPECT_GT(paddings_changed.load(), 0);
 }
 
 TEST_F(LoaderTest, CopiesWhoseHeadersDifferAreRefusedOnEveryRankNamingTheTensor) {

@@ -134,6 +134,14 @@ std::string verify_partitions(const CheckpointIndex& checkpoint, std::span<const
                               Device& device, const FlatGroup& group, std::uint64_t world,
                               std::uint64_t rank);
 
+// verify_loaded for load_slice's buffer of rank `rank` (group.layout: the whole flat layout of
+// params; group.flat: the slice [r * S, (r + 1) * S) alone): each parameter's elements in the
+// slice against the same elements of its tensors read whole and converted, every other byte of
+// the slice zero. The views are not checked (a slice re-points none); a parameter with no
+// element in the slice is not read. "" when all hold, else the first difference.
+std::string verify_slice(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
+                         Device& device, const FlatGroup& group, std::uint64_t rank);
+
 // The file bytes rank `rank` reads for its partition of `params` laid out with `layout`: what
 // load_flat_group reports as bytes_read, known before it runs. Throws InvalidArgument for a
 // parameter the checkpoint does not hold.

@@ -13,18 +13,29 @@ namespace {
 
 using detail::OpenFiles;
 
-// verify_loaded and verify_partitions: parameter i's elements [starts[i], +its layout numel) of
-// its tensors read whole (starts empty: all of them, from 0), the layout's elements past its
-// data zero, every byte no parameter covers zero, every view at its layout offset.
+// Where parameter i's data lies in a buffer: elements [first, first + numel) of the parameter
+// at element `at` of the buffer.
+struct Span {
+  std::uint64_t at = 0;
+  std::uint64_t first = 0;
+  std::uint64_t numel = 0;
+};
+
+// verify_loaded, verify_partitions and verify_slice: each parameter's span against the same
+// elements of its tensors read whole (a parameter of no span is not read), every byte of the
+// buffer's `buffer_bytes` no span covers zero, and (views) every view at its span.
 std::string verify_buffer(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                          Device& device, const FlatGroup& group,
-                          std::span<const std::uint64_t> starts) {
-  const Layout& layout = group.layout;
-  const DType dtype = layout.options().dtype;
+                          Device& device, const FlatGroup& group, std::span<const Span> spans_in,
+                          std::uint64_t buffer_bytes, bool views) {
+  const DType dtype = group.layout.options().dtype;
   const std::uint64_t es = element_size(dtype);
-  if (params.size() != layout.num_params() || group.views.size() != params.size()) {
+  if (spans_in.size() != params.size() || (views && group.views.size() != params.size())) {
     return "the group has " + std::to_string(group.views.size()) + " views for " +
            std::to_string(params.size()) + " parameters";
+  }
+  if (group.flat.num_bytes() < buffer_bytes) {
+    return "the buffer holds " + std::to_string(group.flat.num_bytes()) + " bytes, " +
+           std::to_string(buffer_bytes) + " expected";
   }
   if (!device.keeps_data()) return "";
   OpenFiles files(ck);
@@ -44,17 +55,25 @@ std::string verify_buffer(const CheckpointIndex& ck, std::span<const LoadParam> 
     device.synchronize();
     return static_cast<const unsigned char*>(stage);
   };
-  // The bytes of each parameter's data: [offset, offset + data) of the layout, in elements.
+  // The bytes of the buffer holding a parameter's data.
   std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
   std::vector<unsigned char> whole, want;
   for (std::size_t i = 0; i < params.size(); ++i) {
     const LoadParam& p = params[i];
+    const Span& span = spans_in[i];
+    const std::uint64_t at = span.at * es;
+    if (views && group.views[i].data != static_cast<const unsigned char*>(group.flat.data()) + at) {
+      return "parameter '" + printable(p.name) + "' is not a view at its layout offset";
+    }
+    if (span.numel == 0) continue;
     std::vector<std::string> missing;
     const std::vector<const CheckpointTensor*> src = detail::resolve(ck, p, missing);
     if (!missing.empty()) return "no tensor '" + missing.front() + "'";
     const std::uint64_t n = shape_numel(p.shape);
-    const std::uint64_t first = starts.empty() ? 0 : std::min(starts[i], n);
-    const std::uint64_t data = std::min(layout.numels()[i], n - first);
+    if (span.first + span.numel > n || at + span.numel * es > buffer_bytes) {
+      return "parameter '" + printable(p.name) + "': elements " + std::to_string(span.first) +
+             " to " + std::to_string(span.first + span.numel) + " are outside it or the buffer";
+    }
     // The tensors read whole, on their own, and converted on their own.
     want.assign(n * es, 0);
     std::uint64_t filled = 0;
@@ -66,7 +85,8 @@ std::string verify_buffer(const CheckpointIndex& ck, std::span<const LoadParam> 
     }
     const std::string name = src.empty() ? p.name : src.front()->name;
     const std::string file = src.empty() ? std::string("?") : files.path(src.front()->file);
-    const std::uint64_t at = layout.offsets()[i] * es;
+    const std::uint64_t data = span.numel;
+    const std::uint64_t first = span.first;
     for (std::uint64_t done = 0; done < data * es;) {
       const std::uint64_t m = std::min(kPiece, data * es - done);
       const unsigned char* got = held(at + done, m);
@@ -80,15 +100,12 @@ std::string verify_buffer(const CheckpointIndex& ck, std::span<const LoadParam> 
       }
       done += m;
     }
-    if (group.views[i].data != static_cast<const unsigned char*>(group.flat.data()) + at) {
-      return "parameter '" + printable(p.name) + "' is not a view at its layout offset";
-    }
     spans.emplace_back(at, at + data * es);
   }
   // Padding: every byte no parameter's data covers is zero.
   std::sort(spans.begin(), spans.end());
   std::uint64_t gap = 0;
-  spans.emplace_back(layout.flat_bytes(), layout.flat_bytes());
+  spans.emplace_back(buffer_bytes, buffer_bytes);
   for (const auto& [lo, hi] : spans) {
     for (std::uint64_t b = gap; b < lo;) {
       const std::uint64_t m = std::min(kPiece, lo - b);
@@ -103,11 +120,28 @@ std::string verify_buffer(const CheckpointIndex& ck, std::span<const LoadParam> 
   return "";
 }
 
+// Each parameter's data at its layout offset, from its element starts[i] (empty: 0) on.
+std::vector<Span> layout_spans(std::span<const LoadParam> params, const Layout& layout,
+                               std::span<const std::uint64_t> starts) {
+  std::vector<Span> out;
+  for (std::size_t i = 0; i < params.size() && i < layout.num_params(); ++i) {
+    const std::uint64_t n = shape_numel(params[i].shape);
+    const std::uint64_t first = starts.empty() ? 0 : std::min(starts[i], n);
+    out.push_back(Span{layout.offsets()[i], first, std::min(layout.numels()[i], n - first)});
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string verify_loaded(const CheckpointIndex& ck, std::span<const LoadParam> params,
                           Device& device, const FlatGroup& group) {
-  return verify_buffer(ck, params, device, group, {});
+  if (params.size() != group.layout.num_params()) {
+    return "the layout has " + std::to_string(group.layout.num_params()) + " parameters, " +
+           std::to_string(params.size()) + " given";
+  }
+  return verify_buffer(ck, params, device, group, layout_spans(params, group.layout, {}),
+                       group.layout.flat_bytes(), true);
 }
 
 std::string verify_partitions(const CheckpointIndex& ck, std::span<const LoadParam> params,
@@ -125,7 +159,35 @@ std::string verify_partitions(const CheckpointIndex& ck, std::span<const LoadPar
     return "the group is not the ZeRO-3 buffer of these " + std::to_string(params.size()) +
            " parameters on " + std::to_string(world) + " ranks";
   }
-  return verify_buffer(ck, params, device, group, zero3_partition_starts(numels, world, rank));
+  return verify_buffer(
+      ck, params, device, group,
+      layout_spans(params, group.layout, zero3_partition_starts(numels, world, rank)),
+      group.layout.flat_bytes(), true);
+}
+
+std::string verify_slice(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                         Device& device, const FlatGroup& group, std::uint64_t rank) {
+  const Layout& layout = group.layout;
+  if (rank >= layout.options().dp) {
+    return "rank " + std::to_string(rank) + " is outside the layout's " +
+           std::to_string(layout.options().dp) + " ranks";
+  }
+  std::vector<std::uint64_t> numels;
+  for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
+  if (layout.numels() != numels) {
+    return "the group is not the flat layout of these " + std::to_string(params.size()) +
+           " parameters";
+  }
+  // The slice [r * S, (r + 1) * S): each parameter's elements in it, at their place in it.
+  const std::uint64_t lo = rank * layout.partition_numel();
+  const std::uint64_t hi = lo + layout.partition_numel();
+  std::vector<Span> spans;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const std::uint64_t a = std::max(layout.offsets()[i], lo);
+    const std::uint64_t b = std::min(layout.offsets()[i] + numels[i], hi);
+    spans.push_back(b > a ? Span{a - lo, a - layout.offsets()[i], b - a} : Span{});
+  }
+  return verify_buffer(ck, params, device, group, spans, layout.partition_bytes(), false);
 }
 
 }  // namespace zeroflat
