@@ -988,6 +988,37 @@ TEST(CliLoad, BadCheckpointsExit2AndAFailedReadExits4OnEveryRank) {
   std::system(("rm -rf " + dir).c_str());
 }
 
+// --from deepspeed's options, checked before any file is opened (a resume of a real checkpoint
+// saved by DeepSpeed: python/tests/test_cli_resume.py).
+TEST(CliLoad, DeepSpeedOptionsAreCheckedAndAFolderOfDeepSpeedsNeedsFrom) {
+  const std::string dir = temp_path("ds_folder");
+  ASSERT_EQ(std::system(("mkdir -p '" + dir + "/step2' && echo step2 > '" + dir + "/latest'").c_str()),
+            0);
+  // A safetensors load of a DeepSpeed folder says how to resume it.
+  Result plain = run("load " + dir + " --dp 3 --quiet");
+  EXPECT_EQ(plain.code, 2);
+  EXPECT_NE(plain.err.find("--from deepspeed"), std::string::npos) << plain.err;
+  // The folder holds no checkpoint's files: named, exit 2.
+  Result empty = run("load " + dir + " --from deepspeed --dp 3 --quiet");
+  EXPECT_EQ(empty.code, 2);
+  EXPECT_NE(empty.err.find("no DeepSpeed checkpoint"), std::string::npos) << empty.err;
+  for (const std::string& bad :
+       {std::string("--from torch"), std::string("--tag step2"), std::string("--states none"),
+        std::string("--from deepspeed --dtype fp16"), std::string("--from deepspeed --round-robin"),
+        std::string("--from deepspeed --model tiny-moe"), std::string("--from deepspeed --dp 0")}) {
+    Result r = run("load " + dir + " " + bad + " --quiet");
+    EXPECT_EQ(r.code, 2) << bad << "\n" << r.err;
+    const std::string option = bad.substr(bad.rfind("--"), bad.find(' ', bad.rfind("--")) -
+                                                              bad.rfind("--"));
+    EXPECT_NE(r.err.find(option), std::string::npos) << bad << "\n" << r.err;
+  }
+  EXPECT_EQ(run("load --from deepspeed --quiet").code, 2);
+  Result help = run("load --help");
+  EXPECT_EQ(help.code, 0);
+  EXPECT_NE(help.out.find("--from deepspeed --dp"), std::string::npos) << help.out;
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
 TEST(CliLoad, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
   // The flat buffer on every rank, and ZeRO-3's partitions (each rank's own buffer).
   for (const std::string stage : {"", " --stage 3"}) {

@@ -1,7 +1,9 @@
 // `zeroflat load`: a safetensors checkpoint straight into every rank's flat buffer through the
 // library's loader (loader.h), each rank reading only its partition, one all-gather completing
-// the buffer; reported against a sequential read of the same files measured in the same run.
-// The parts live in load_options.cc, load_rank.cc and load_report.cc (cli/load.h).
+// the buffer; or (--from deepspeed) a DeepSpeed checkpoint's resume, each rank reading only its
+// share of the fp32 master and optimizer states; reported against a sequential read of the same
+// files measured in the same run. The parts live in load_options.cc, load_rank.cc,
+// load_report.cc, load_deepspeed.cc and load_deepspeed_report.cc (cli/load.h).
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -17,7 +19,10 @@
 namespace zeroflat::cli {
 
 int subcommand_load(const std::vector<std::string>& argv) {
-  Parser p("load", "CHECKPOINT [--dp P] [--device DEV] [--comm local|mpi|nccl] [options]",
+  Parser p("load",
+           "CHECKPOINT [--dp P] [--device DEV] [--comm local|mpi|nccl] [options]\n"
+           "       zeroflat load DIR --from deepspeed --dp N [--stage S] [--tag T] [--states LIST] "
+           "[options]",
            "Loads a safetensors checkpoint (a .safetensors file, a directory of them with or\n"
            "without model.safetensors.index.json, or a Hugging Face hub id org/name already in\n"
            "the local hub cache) straight into every rank's flat buffer: each rank\n"
@@ -32,7 +37,23 @@ int subcommand_load(const std::vector<std::string>& argv) {
            "(p = ceil(n / dp) elements, the last ranks' padding zero), back to back as\n"
            "DeepSpeed's Stage 3 optimizer holds them: it reads only those bytes, with no\n"
            "all-gather (read plan load-partitions), and --verify checks every partition\n"
-           "against its tensors read whole.");
+           "against its tensors read whole.\n\n"
+           "With --from deepspeed, DIR is a DeepSpeed ZeRO checkpoint folder (the one holding\n"
+           "'latest', or a tag folder) and the load is a resume at a new world of --dp ranks\n"
+           "(any N, the saved world or another): each rank reads only its share of the saved\n"
+           "fp32 master weights and of every optimizer state saved per element (--states),\n"
+           "from whichever saved rank's file holds each element, and keeps one fp32 buffer per\n"
+           "state and group: under ZeRO-1/2 its slice of each group's flat buffer as DeepSpeed\n"
+           "lays it out at N ranks (read plan load-slice), under ZeRO-3 its partition of every\n"
+           "parameter (load-partitions). Nothing of the files is executed (their pickles are\n"
+           "read by zeroflat's own reader). Each rank reports the bytes it read against its\n"
+           "exact share (the data bytes of its partitions), the device peaks predicted and\n"
+           "measured (counting the buffers it already keeps) and what it keeps; --verify\n"
+           "checks every buffer against the saved tensors read whole. --stage defaults to\n"
+           "the saved run's and must be of its kind (1 or 2 for a ZeRO-1/2 checkpoint, 3 for\n"
+           "ZeRO-3; a universal checkpoint takes either); --deepspeed V names the new run's\n"
+           "release (default: the saving one's); on a sim device with --no-data the resume is\n"
+           "rehearsed from the checkpoint's headers alone.");
   add_load_options(p);
   p.allow_positionals(1);
   p.epilog(
@@ -45,7 +66,13 @@ int subcommand_load(const std::vector<std::string>& argv) {
       "8\n"
       "  zeroflat load /tmp/ck --dp 3 --stage 3 --verify\n"
       "  zeroflat load --stage 3 --model qwen3-30b-a3b --layers 48 --device sim:h100-80gb "
-      "--no-data --dp 8\n\n"
+      "--no-data --dp 8\n"
+      "  zeroflat inspect /ckpt/run1 --dp 3    # what each new rank reads, without reading it\n"
+      "  zeroflat load /ckpt/run1 --from deepspeed --dp 3 --verify\n"
+      "  zeroflat load /ckpt/run1 --from deepspeed --dp 8 --tag global_step1000 --states none "
+      "--json\n"
+      "  zeroflat load /ckpt/run1 --from deepspeed --dp 64 --device sim:h100-80gb --no-data\n"
+      "  mpirun -n 4 zeroflat load /ckpt/run1 --from deepspeed --comm mpi --verify\n\n"
       "Exit codes: 0 loaded; 1 the buffer does not hold the checkpoint's values (--verify);\n"
       "2 bad arguments or a bad checkpoint (named before anything is read), or ranks that\n"
       "disagree; 3 the buffer does not fit (nothing read); 4 a read failed midway (every rank\n"
@@ -68,7 +95,9 @@ int subcommand_load(const std::vector<std::string>& argv) {
     return finish(kExitInfeasible);
   }
   Progress progress(!cfg.quiet && me == 0);
-  if (me == 0) {
+  if (me == 0 && cfg.deepspeed) {
+    progress.note(deepspeed_note(cfg));
+  } else if (me == 0) {
     progress.note(printable(cfg.source) + ": " + format_count(cfg.params.size()) + " tensors in " +
                   std::to_string(cfg.ck.files.size()) + " file(s), " +
                   format_bytes(cfg.checkpoint_bytes) + "; dp " +
@@ -79,7 +108,9 @@ int subcommand_load(const std::vector<std::string>& argv) {
   std::vector<LoadOutcome> outcomes(world ? 1 : cfg.library.layout.dp);
   run_ranks(cfg.library.layout.dp, world.get(), cfg.timeout, [&](std::uint64_t r, Communicator* c) {
     Progress silent(false);
-    outcomes[world ? 0 : r] = load_rank(cfg, r, c, r == 0 ? progress : silent);
+    Progress& mine = r == 0 ? progress : silent;
+    outcomes[world ? 0 : r] =
+        cfg.deepspeed ? load_deepspeed_rank(cfg, r, c, mine) : load_rank(cfg, r, c, mine);
   });
   const LoadOutcome& mine = outcomes.front();
   if (mine.exit == kExitInfeasible) {
@@ -101,7 +132,11 @@ int subcommand_load(const std::vector<std::string>& argv) {
   }
   std::string first_error;
   const int exit = load_exit_code(entries, first_error);
-  if (me == 0) print_load_report(cfg, entries, mine, exit, first_error);
+  if (me == 0 && cfg.deepspeed) {
+    print_deepspeed_report(cfg, entries, mine, exit, first_error);
+  } else if (me == 0) {
+    print_load_report(cfg, entries, mine, exit, first_error);
+  }
   return finish(exit);
 }
 

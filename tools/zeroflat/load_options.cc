@@ -8,6 +8,7 @@
 
 #include "cli/common.h"
 #include "cli/load.h"
+#include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/error.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
@@ -73,6 +74,7 @@ void group_from_checkpoint(LoadConfig& cfg, const Args& args) {
 }  // namespace
 
 void add_load_options(Parser& p) {
+  add_deepspeed_load_options(p);
   p.option("model", "NAME",
            "rehearse instead of reading: the checkpoint `zeroflat write-checkpoint` would write "
            "for this catalog model or config.json, accounted on a sim device with --no-data "
@@ -127,27 +129,43 @@ void add_load_options(Parser& p) {
   p.flag("quiet", "no progress on stderr");
 }
 
+namespace {
+
+// --read-plan for a safetensors load.
+std::optional<Tier> read_plan_from_args(const Args& args, bool zero3) {
+  auto v = args.get("read-plan");
+  if (!v || *v == "auto") return std::nullopt;
+  const std::span<const Tier> plans =
+      zero3 ? std::span<const Tier>(kPartitionReadPlans) : std::span<const Tier>(kReadPlans);
+  for (Tier plan : plans) {
+    if (*v == tier_name(plan)) return plan;
+  }
+  throw InvalidArgument(
+      "--read-plan '" + printable(*v) + "': expected " +
+      (zero3 ? std::string("auto or load-partitions (--stage 3 reads partitions)")
+             : std::string("auto, load or load-whole") +
+                   (*v == tier_name(Tier::kLoadPartitions)
+                        ? " (load-partitions is ZeRO-3's: add --stage 3)"
+                        : "")));
+}
+
+}  // namespace
+
 LoadConfig load_config_from_args(const Args& args) {
   LoadConfig cfg;
   cfg.library.master = false;  // DeepSpeed builds its own from the buffer; --verify reads the views
   cfg.setup = device_setup_from_args(args, args.get("dp") ? parse_u64(*args.get("dp"), "--dp") : 1);
   cfg.library.read.cold = args.has("cold");
-  cfg.stage = stage_from_args(args);
-  if (auto v = args.get("read-plan"); v && *v != "auto") {
-    const std::span<const Tier> plans = cfg.stage.zero3 ? std::span<const Tier>(kPartitionReadPlans)
-                                                        : std::span<const Tier>(kReadPlans);
-    for (Tier plan : plans) {
-      if (*v == tier_name(plan)) cfg.library.tier = plan;
+  const bool deepspeed = from_deepspeed(args);
+  if (!deepspeed) {
+    for (const char* o : {"tag", "states"}) {
+      if (args.has(o)) {
+        throw UsageError(std::string("--") + o +
+                         " is for DeepSpeed checkpoints: add --from deepspeed");
+      }
     }
-    if (!cfg.library.tier) {
-      throw InvalidArgument(
-          "--read-plan '" + printable(*v) + "': expected " +
-          (cfg.stage.zero3 ? std::string("auto or load-partitions (--stage 3 reads partitions)")
-                           : std::string("auto, load or load-whole") +
-                                 (*v == tier_name(Tier::kLoadPartitions)
-                                      ? " (load-partitions is ZeRO-3's: add --stage 3)"
-                                      : "")));
-    }
+    cfg.stage = stage_from_args(args);
+    cfg.library.tier = read_plan_from_args(args, cfg.stage.zero3);
   }
   if (auto v = args.get("storage")) {
     cfg.library.storage_bytes_per_second = static_cast<double>(parse_size(*v));
@@ -161,7 +179,9 @@ LoadConfig load_config_from_args(const Args& args) {
   cfg.quiet = args.has("quiet");
 
   const auto& pos = args.positionals();
-  if (auto m = args.get("model")) {
+  if (deepspeed) {
+    deepspeed_config(cfg, args);
+  } else if (auto m = args.get("model")) {
     if (!pos.empty()) {
       throw InvalidArgument(
           "give a checkpoint or --model, not both: --model rehearses the "
@@ -207,6 +227,11 @@ LoadConfig load_config_from_args(const Args& args) {
           "checkpoint");
     }
     cfg.source = pos.front();
+    if (is_deepspeed_checkpoint(cfg.source)) {
+      throw UsageError(printable(cfg.source) +
+                       " is a DeepSpeed checkpoint folder: resume from it with --from deepspeed "
+                       "(each rank reads its share of the fp32 master and optimizer states)");
+    }
     // A hub id is found where the model options find one (the local hub cache).
     cfg.ck = open_checkpoint(resolve_model_path(cfg.source));
     group_from_checkpoint(cfg, args);
@@ -256,27 +281,39 @@ void settle_load_ranks(LoadConfig& cfg, const Args& args, Communicator* world) {
 
 std::string load_memory_shortfall(const LoadConfig& cfg) {
   if (cfg.setup.no_data || cfg.setup.kind == DeviceKind::kCuda) return "";
-  std::vector<std::uint64_t> numels;
-  numels.reserve(cfg.params.size());
-  for (const LoadParam& p : cfg.params) numels.push_back(shape_numel(p.shape));
-  const Layout layout = cfg.stage.zero3 ? zero3_buffer_layout(numels, cfg.library.layout)
-                                        : Layout::compute(numels, cfg.library.layout);
-  // The buffer, the ceiling's scratch (about this rank's share of the files), a verify's
+  std::uint64_t kept = 0;
+  std::uint64_t largest = 0;  // a verify's largest tensor, read whole and converted
+  if (cfg.deepspeed) {
+    kept = deepspeed_kept_bytes(cfg);
+    for (const DeepSpeedBuffer& b : cfg.deepspeed->buffers) {
+      for (const LoadParam& p : b.source.params) {
+        largest = std::max(largest, shape_numel(p.shape) * 4 * 2);
+      }
+    }
+  } else {
+    std::vector<std::uint64_t> numels;
+    numels.reserve(cfg.params.size());
+    for (const LoadParam& p : cfg.params) numels.push_back(shape_numel(p.shape));
+    const Layout layout = cfg.stage.zero3 ? zero3_buffer_layout(numels, cfg.library.layout)
+                                          : Layout::compute(numels, cfg.library.layout);
+    kept = layout.flat_bytes();
+    for (const CheckpointTensor& t : cfg.ck.tensors) largest = std::max(largest, t.bytes * 2);
+  }
+  // The buffers, the ceiling's scratch (about this rank's share of the files), a verify's
   // largest tensor.
-  std::uint64_t largest = 0;
-  for (const CheckpointTensor& t : cfg.ck.tensors) largest = std::max(largest, t.bytes * 2);
   const std::uint64_t per_rank =
-      layout.flat_bytes() + (cfg.ceiling ? cfg.checkpoint_bytes / cfg.library.layout.dp + 1 : 0) +
+      kept + (cfg.ceiling ? cfg.checkpoint_bytes / cfg.library.layout.dp + 1 : 0) +
       (cfg.verify ? largest : 0);
   const std::optional<HostShortfall> s = host_shortfall(
       per_rank, cfg.setup.comm, cfg.library.layout.dp, cfg.library.probe.local_ranks);
   if (!s) return "";
   return "this load needs " + format_bytes(s->need) + " of this machine's memory (" +
          std::to_string(s->ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +
-         " for its flat buffer" + (cfg.ceiling ? ", the ceiling's scratch" : "") +
+         (cfg.deepspeed ? " for the buffers it keeps" : " for its flat buffer") +
+         (cfg.ceiling ? ", the ceiling's scratch" : "") +
          (cfg.verify ? " and verification" : "") + "), and " + format_bytes(s->usable) +
-         " is usable. Nothing was allocated. Try --no-ceiling, or rehearse with --model NAME "
-         "--device sim:SIZE --no-data";
+         " is usable. Nothing was allocated. Try --no-ceiling, or rehearse with " +
+         (cfg.deepspeed ? "" : "--model NAME ") + "--device sim:SIZE --no-data";
 }
 
 }  // namespace zeroflat::cli

@@ -14,19 +14,18 @@
 
 namespace zeroflat::cli {
 
-LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* control,
-                      Progress& progress) {
-  LoadOutcome out;
+RankContext rank_context(const LoadConfig& cfg, std::uint64_t rank, Communicator* control) {
+  RankContext ctx;
   const DeviceSetup& pl = cfg.setup;
-  std::unique_ptr<Device> device =
+  ctx.device =
       make_device(pl.device_spec, DeviceOptions{cfg.threads, pl.no_data, pl.node_host_bytes});
-  std::unique_ptr<Communicator> nccl;
-  Communicator* comm = control;
+  ctx.comm = control;
   if (pl.comm == "nccl") {
-    nccl = make_nccl_communicator(*control, *device, cfg.timeout);
-    comm = nccl.get();
+    ctx.nccl = make_nccl_communicator(*control, *ctx.device, cfg.timeout);
+    ctx.comm = ctx.nccl.get();
   }
-  FlattenOptions lo = cfg.library;
+  FlattenOptions& lo = ctx.options;
+  lo = cfg.library;
   lo.read.threads = cfg.threads;
   lo.must_match = {"source " + cfg.source,
                    "device " + pl.device_spec,
@@ -38,42 +37,81 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
     lo.must_match.push_back("sub-group size " + std::to_string(cfg.stage.sub_group_size));
   }
   if (cfg.fail_after && rank == cfg.fail_rank) lo.read.fail_after_bytes = cfg.fail_after;
+  return ctx;
+}
+
+void measure_ceiling(const LoadConfig& cfg, std::uint64_t rank, std::uint64_t bytes,
+                     Device& device, Communicator* control, Progress& progress,
+                     std::optional<ReadCeiling>& best) {
+  if (control != nullptr) control->barrier();  // the ranks read together, as they load
+  progress.begin("ceiling: read " + format_bytes(bytes) + " sequentially", 0);
+  const ReadCeiling c =
+      measure_read_ceiling(cfg.ck, rank * bytes, bytes, cfg.threads, cfg.library.read.cold, &device);
+  progress.end();
+  if (!best || c.seconds < best->seconds) best = c;
+}
+
+Json ceiling_json(const ReadCeiling& c) {
+  return {{"bytes", c.bytes},
+          {"seconds", c.seconds},
+          {"read_gbps", gbps(c.bytes, c.seconds)},
+          {"page_cache", c.page_cache},
+          {"cached_fraction", c.cached_fraction}};
+}
+
+void record_verification(const LoadConfig& cfg, const std::string& failure, LoadOutcome& out) {
+  Json& e = out.entry;
+  if (!cfg.verify) {
+    e["verified"] = false;
+    e["verify"] = cfg.setup.no_data ? "no data to verify (--no-data)" : "not requested";
+    return;
+  }
+  e["verified"] = failure.empty();
+  if (!failure.empty()) {
+    e["verify_error"] = failure;
+    out.exit = kExitOther;
+  }
+}
+
+LoadOutcome failed_load(std::uint64_t rank, const Error& err) {
+  LoadOutcome out;
+  out.exit = kExitExecFailed;
+  out.entry["rank"] = rank;
+  out.entry["error"] = err.what();
+  out.entry["buffer_kept"] = false;
+  return out;
+}
+
+LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* control,
+                      Progress& progress) {
+  LoadOutcome out;
+  const DeviceSetup& pl = cfg.setup;
+  RankContext ctx = rank_context(cfg, rank, control);
+  std::unique_ptr<Device>& device = ctx.device;
 
   // The ceiling: as many bytes of the same files read sequentially, before the load and again
   // after it (memory and cache conditions shift between the two); the faster is kept.
   std::optional<ReadCeiling> ceiling;
   std::uint64_t ceiling_bytes = 0;
-  auto measure_ceiling = [&] {
-    if (control != nullptr) control->barrier();  // the ranks read together, as they load
-    progress.begin("ceiling: read " + format_bytes(ceiling_bytes) + " sequentially", 0);
-    const ReadCeiling c = measure_read_ceiling(cfg.ck, rank * ceiling_bytes, ceiling_bytes,
-                                               cfg.threads, cfg.library.read.cold, device.get());
-    progress.end();
-    if (!ceiling || c.seconds < ceiling->seconds) ceiling = c;
-  };
   const bool with_ceiling = cfg.ceiling && !pl.no_data;
   if (with_ceiling) {
     ceiling_bytes = cfg.stage.zero3
                         ? partitions_read_bytes(cfg.ck, cfg.params, cfg.library.layout.dp, rank)
                         : partition_read_bytes(cfg.ck, cfg.params, cfg.library.layout, rank);
-    measure_ceiling();
+    measure_ceiling(cfg, rank, ceiling_bytes, *device, control, progress, ceiling);
   }
   FlattenResult res;
   progress.begin(std::string(pl.no_data ? "account for" : "load") + " this rank's reads of " +
                      format_bytes(cfg.checkpoint_bytes),
                  0);
   try {
-    res = (cfg.stage.zero3 ? load_partitions : load_flat_group)(cfg.ck, cfg.params, *device, comm,
-                                                                lo);
+    res = (cfg.stage.zero3 ? load_partitions : load_flat_group)(cfg.ck, cfg.params, *device,
+                                                                ctx.comm, ctx.options);
   } catch (const InvalidArgument&) {
     throw;  // bad input, the same verdict on every rank: exit 2
   } catch (const Error& err) {
     progress.end();
-    out.exit = kExitExecFailed;
-    out.entry["rank"] = rank;
-    out.entry["error"] = err.what();
-    out.entry["buffer_kept"] = false;
-    return out;
+    return failed_load(rank, err);
   }
   progress.end();
   // The library's account of this rank (report.h); the plan is the same on every rank and goes
@@ -91,12 +129,8 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   out.partition_bytes = res.group().layout.partition_bytes();
 
   if (with_ceiling) {
-    measure_ceiling();
-    e["ceiling"] = {{"bytes", ceiling->bytes},
-                    {"seconds", ceiling->seconds},
-                    {"read_gbps", gbps(ceiling->bytes, ceiling->seconds)},
-                    {"page_cache", ceiling->page_cache},
-                    {"cached_fraction", ceiling->cached_fraction}};
+    measure_ceiling(cfg, rank, ceiling_bytes, *device, control, progress, ceiling);
+    e["ceiling"] = ceiling_json(*ceiling);
   }
   if (cfg.verify) {
     progress.begin("verify against every tensor read whole", 0);
@@ -105,14 +139,9 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
                                                         cfg.library.layout.dp, rank)
                                     : verify_loaded(cfg.ck, cfg.params, *device, res.group());
     progress.end();
-    e["verified"] = failure.empty();
-    if (!failure.empty()) {
-      e["verify_error"] = failure;
-      out.exit = kExitOther;
-    }
+    record_verification(cfg, failure, out);
   } else {
-    e["verified"] = false;
-    e["verify"] = pl.no_data ? "no data to verify (--no-data)" : "not requested";
+    record_verification(cfg, "", out);
   }
   e["checksum"] =
       device->keeps_data()

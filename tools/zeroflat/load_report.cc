@@ -12,13 +12,14 @@
 #include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {
-namespace {
 
 std::string fixed(double v, int digits) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", digits, v);
   return buf;
 }
+
+namespace {
 
 // How many sub-groups Stage 3 cuts the loaded group into (one optimizer group).
 std::uint64_t zero3_sub_groups(const LoadConfig& cfg) {
@@ -54,43 +55,71 @@ int load_exit_code(const std::vector<Json>& entries, std::string& first_error) {
   return exit;
 }
 
+NodeFigures node_figures(const std::vector<Json>& entries, bool no_data) {
+  NodeFigures n;
+  n.no_data = no_data;
+  double cached = 0, ceiling_seconds = 0, ceiling_cached = 0;
+  for (const Json& e : entries) {
+    if (!e.contains("bytes_read")) continue;
+    n.bytes += e["bytes_read"].get<std::uint64_t>();
+    n.seconds = std::max(n.seconds, e["read_seconds"].get<double>());
+    if (e["cached_fraction"].is_number()) {
+      cached += e["cached_fraction"].get<double>() * e["bytes_read"].get<double>();
+    }
+    if (e.contains("ceiling")) {
+      const Json& c = e["ceiling"];
+      n.have_ceiling = true;
+      n.ceiling_bytes += c["bytes"].get<std::uint64_t>();
+      ceiling_seconds = std::max(ceiling_seconds, c["seconds"].get<double>());
+      ceiling_cached += c["cached_fraction"].get<double>() * c["bytes"].get<double>();
+    }
+  }
+  n.read_gbps = gbps(n.bytes, n.seconds);
+  n.ceiling_gbps = gbps(n.ceiling_bytes, ceiling_seconds);
+  if (!no_data && n.bytes > 0) n.cache = page_cache_word(cached / static_cast<double>(n.bytes));
+  if (n.ceiling_bytes > 0) {
+    n.ceiling_cache = page_cache_word(ceiling_cached / static_cast<double>(n.ceiling_bytes));
+  }
+  return n;
+}
+
+void NodeFigures::add_json(Json& doc) const {
+  doc["read_gbps"] = no_data ? Json() : Json(read_gbps);
+  doc["page_cache"] = cache.empty() ? Json() : Json(cache);
+  doc["ceiling"] = have_ceiling ? Json{{"bytes", ceiling_bytes},
+                                       {"read_gbps", ceiling_gbps},
+                                       {"page_cache", ceiling_cache}}
+                                : Json();
+  doc["vs_ceiling"] = have_ceiling && ceiling_gbps > 0 ? Json(read_gbps / ceiling_gbps) : Json();
+}
+
+void NodeFigures::print() const {
+  if (no_data || seconds <= 0) return;
+  std::printf("node: %.2f GB/s read", read_gbps);
+  if (have_ceiling) {
+    std::printf(" against a ceiling of %.2f GB/s (%s): %.2fx", ceiling_gbps, ceiling_cache.c_str(),
+                ceiling_gbps > 0 ? read_gbps / ceiling_gbps : 0.0);
+  }
+  std::printf("; page cache %s\n", cache.c_str());
+}
+
+void print_document(Json& doc, const Json& plan, const NodeFigures& node,
+                    const std::vector<Json>& entries, int exit, const std::string& first_error) {
+  doc["plan"] = plan;
+  node.add_json(doc);
+  doc["ranks"] = entries;
+  doc["exit"] = exit;
+  doc["error"] = first_error.empty() ? Json() : Json(first_error);
+  std::printf("%s\n", doc.dump(2).c_str());
+}
+
 void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
                        const LoadOutcome& first, int exit, const std::string& first_error) {
   const Json& plan = first.plan;
   const std::uint64_t flat_bytes = first.flat_bytes;
   const std::uint64_t partition_bytes = first.partition_bytes;
   const bool no_data = cfg.setup.no_data;
-  // The node's figures: all bytes over the slowest rank's time.
-  std::uint64_t bytes = 0, ceiling_bytes = 0;
-  double seconds = 0, ceiling_seconds = 0, cached = 0;
-  std::string ceiling_cache;
-  bool have_ceiling = false;
-  for (const Json& e : entries) {
-    if (!e.contains("bytes_read")) continue;
-    bytes += e["bytes_read"].get<std::uint64_t>();
-    seconds = std::max(seconds, e["read_seconds"].get<double>());
-    if (e["cached_fraction"].is_number()) {
-      cached += e["cached_fraction"].get<double>() * e["bytes_read"].get<double>();
-    }
-    if (e.contains("ceiling")) {
-      have_ceiling = true;
-      ceiling_bytes += e["ceiling"]["bytes"].get<std::uint64_t>();
-      ceiling_seconds = std::max(ceiling_seconds, e["ceiling"]["seconds"].get<double>());
-    }
-  }
-  const double load_gbps = gbps(bytes, seconds);
-  const double ceil_gbps = gbps(ceiling_bytes, ceiling_seconds);
-  const std::string cache =
-      no_data || bytes == 0 ? std::string() : page_cache_word(cached / static_cast<double>(bytes));
-  if (have_ceiling) {
-    double cc = 0;
-    for (const Json& e : entries) {
-      if (e.contains("ceiling")) {
-        cc += e["ceiling"]["cached_fraction"].get<double>() * e["ceiling"]["bytes"].get<double>();
-      }
-    }
-    ceiling_cache = ceiling_bytes ? page_cache_word(cc / static_cast<double>(ceiling_bytes)) : "";
-  }
+  const NodeFigures node = node_figures(entries, no_data);
   if (cfg.json) {
     Json doc;
     doc["checkpoint"] = cfg.rehearsal ? Json() : Json(cfg.source);
@@ -115,18 +144,7 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
     doc["cold"] = cfg.library.read.cold;
     doc["flat_bytes"] = flat_bytes;
     doc["partition_bytes"] = partition_bytes;
-    doc["plan"] = plan;
-    doc["read_gbps"] = no_data ? Json() : Json(load_gbps);
-    doc["page_cache"] = cache.empty() ? Json() : Json(cache);
-    doc["ceiling"] = have_ceiling ? Json{{"bytes", ceiling_bytes},
-                                         {"read_gbps", ceil_gbps},
-                                         {"page_cache", ceiling_cache}}
-                                  : Json();
-    doc["vs_ceiling"] = have_ceiling && ceil_gbps > 0 ? Json(load_gbps / ceil_gbps) : Json();
-    doc["ranks"] = entries;
-    doc["exit"] = exit;
-    doc["error"] = first_error.empty() ? Json() : Json(first_error);
-    std::printf("%s\n", doc.dump(2).c_str());
+    print_document(doc, plan, node, entries, exit, first_error);
     return;
   }
   std::printf(
@@ -177,14 +195,7 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
                 e["page_cache"].is_string() ? e["page_cache"].get<std::string>().c_str() : "-",
                 peaks.c_str());
   }
-  if (!no_data && seconds > 0) {
-    std::printf("node: %.2f GB/s read", load_gbps);
-    if (have_ceiling) {
-      std::printf(" against a ceiling of %.2f GB/s (%s): %.2fx", ceil_gbps, ceiling_cache.c_str(),
-                  ceil_gbps > 0 ? load_gbps / ceil_gbps : 0.0);
-    }
-    std::printf("; page cache %s\n", cache.c_str());
-  }
+  node.print();
   bool all_verified = !entries.empty();
   for (const Json& e : entries) all_verified = all_verified && e.value("verified", false);
   if (cfg.verify) std::printf("verified: %s\n", all_verified ? "yes, every rank" : "NO");

@@ -36,7 +36,8 @@ commands:
   probe    what each free-memory source says about a device (cpu, cuda:N)
   inspect  what a checkpoint, a .safetensors file or a config.json holds
   load     a safetensors checkpoint straight into the flat buffers, each rank reading only
-           its partition, one all-gather completing them
+           its partition, one all-gather completing them; or (--from deepspeed) a DeepSpeed
+           checkpoint resumed at any world size, each rank reading only its share
   write-checkpoint
            a deterministic test checkpoint of a model (sharded, with an index), no downloads
   help     show this text, or `zeroflat help COMMAND` for a command's options
