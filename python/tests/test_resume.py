@@ -566,6 +566,74 @@ def test_each_release_resumes_its_own_checkpoints(tmp_path_factory, release):
         assert all(r["buffers"]["scale"] == [1.0, 2.0, 3.0] for r in ranks)
 
 
+# ---- the Transformers Trainer ------------------------------------------------------------------
+
+def _trainer_main(out, mode, port):
+    """One Trainer run on one rank (DeepSpeed ZeRO-2, fp32: the Trainer asks a GPU for bf16):
+    "save" trains 4 steps and saves; "resume" trains to step 6 from checkpoint-4 twice, with
+    DeepSpeed's own load and with zeroflat's. Prints the losses as JSON."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import importlib
+
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(comm_torch, "build_shm_op"):
+        comm_torch.build_shm_op = lambda: None
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    import zeroflat.deepspeed as zd
+
+    def run(steps, resume):
+        config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        gen = torch.Generator().manual_seed(1)
+        data = [{"input_ids": torch.randint(0, 128, (16,), generator=gen),
+                 "labels": torch.randint(0, 128, (16,), generator=gen)} for _ in range(16)]
+        ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps,
+                                 save_steps=4, save_strategy="steps", deepspeed=ds,
+                                 report_to=[], logging_steps=1, seed=0, data_seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    result = {}
+    if mode == "save":
+        result["losses"] = run(4, None)
+    else:
+        ckpt = os.path.join(out, "checkpoint-4")
+        result["deepspeed"] = run(6, ckpt)
+        with zd.installed():
+            result["zeroflat"] = run(6, ckpt)
+        result["resumes"] = zd.stats["resumes"]
+        result["fallbacks"] = zd.stats["resume_fallbacks"]
+    print("TRAINER " + json.dumps(result), flush=True)
+
+
+def test_transformers_trainer_resumes_through_zeroflat(tmp_path):
+    """Trainer.train(resume_from_checkpoint=...) calls the engine's load_checkpoint: under the
+    drop-in zeroflat serves it, and the steps after the resume are DeepSpeed's own."""
+    from reference import free_port
+
+    def main(mode):
+        r = subprocess.run([sys.executable, str(HERE / "test_resume.py"), "trainer",
+                            str(tmp_path / "out"), mode, str(free_port())], env=_env(),
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        line = [x for x in r.stdout.splitlines() if x.startswith("TRAINER ")][-1]
+        return json.loads(line[len("TRAINER "):])
+
+    main("save")
+    got = main("resume")
+    assert len(got["resumes"]) == 1 and got["fallbacks"] == [], got
+    assert got["resumes"][0]["tag"] == "global_step4"
+    # The losses logged: the saved run's 4 (from trainer_state.json) and the 2 steps after.
+    assert got["zeroflat"] == got["deepspeed"] and len(got["zeroflat"]) == 6, got
+
+
 # ---- another world size ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage,saved_world,world", [
@@ -589,6 +657,8 @@ if __name__ == "__main__":
     if sys.argv[1] == "save":
         out, stage, world, opts = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
         _spawn(_save_worker, world, out, stage, json.loads(opts))
+    elif sys.argv[1] == "trainer":
+        _trainer_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif sys.argv[1] == "resume":
         ckpt, stage, world, opts, result = (sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                             sys.argv[5], sys.argv[6])

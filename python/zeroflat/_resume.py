@@ -417,7 +417,9 @@ class _Resume:
 
     def read(self, threads: Optional[int]) -> None:
         """Every partition this rank keeps, read into fresh tensors on the host: per target, per
-        partition (ZeRO-1/2 group, ZeRO-3 sub-group). Collective."""
+        partition (ZeRO-1/2 group, ZeRO-3 sub-group). Collective. The ranks compare their
+        checkpoint's headers in every load, not samples of its bytes (copies="off"): each reads
+        bytes no other rank reads."""
         from ._load import call_loader, engine_and_comm
         from ._common import layout_options
 
@@ -448,7 +450,7 @@ class _Resume:
                 if getattr(self.opt, "parameter_alignment", False):
                     # 16 bytes of the 16-bit buffer: the same elements in this target's buffer.
                     palign = 16 // flat.element_size() * esize
-                options = _C.FlattenOptions(threads=nthreads, master=False)
+                options = _C.FlattenOptions(threads=nthreads, master=False, copies="off")
                 options.layout = layout_options(
                     self.dp, bool(getattr(self.opt, "round_robin_gradients", False)),
                     int(getattr(self.opt, "nccl_start_alignment_factor", 2)), dtype, palign)
@@ -496,7 +498,7 @@ class _Resume:
         if target == "frozen":
             dtypes = {p.ds_tensor.dtype for p in params}
             dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        options = _C.FlattenOptions(threads=nthreads, master=False)
+        options = _C.FlattenOptions(threads=nthreads, master=False, copies="off")
         options.layout = layout_options(self.dp, False, 2, dtype, 0)
         options.must_match = plan + [f"target {target}", f"parameters {len(params)}"]
         report, buffer, _, lay = call_loader(
