@@ -299,6 +299,9 @@ TEST(Load, ZeRO3PartitionsAreReadIntoTheRanksOwnBufferWithNoAllGather) {
   EXPECT_THROW(plan_reads(in, kDefaultRingBytes, Tier::kLoad, kPartitionReadPlans),
                InvalidArgument);
   EXPECT_EQ(load_steps(in.layout, 5, 0, Tier::kLoadPartitions).size(), 3u);  // any rank
+  // A slice is the rank's: one past the last rank is an error, the last one is not.
+  EXPECT_EQ(load_steps(flat.layout, 7, 0, Tier::kLoadSlice).size(), 2u);
+  EXPECT_THROW(load_steps(flat.layout, 8, 0, Tier::kLoadSlice), InvalidArgument);
 }
 
 // Sizes past 64 bits: a flat buffer of 2^64 - 2 bytes (alignment factor 2^63 - 1, bf16) is a

@@ -300,16 +300,16 @@ std::vector<Step> load_steps(const Layout& layout, std::uint64_t rank, std::uint
       plan != Tier::kLoadSlice) {
     throw InvalidArgument("'" + std::string(tier_name(plan)) + "' is not a read plan");
   }
-  if (rank >= layout.options().dp) {
-    throw InvalidArgument("rank " + std::to_string(rank) + " is outside [0, " +
-                          std::to_string(layout.options().dp) + ")");
-  }
   const std::uint64_t sb = layout.partition_bytes();
   const std::uint64_t fb = layout.flat_bytes();
   // What this rank reads: its slice (kLoad, kLoadSlice) or the whole layout (kLoadWhole;
   // kLoadPartitions, whose layout is the rank's own buffer); the buffer it keeps: the whole
-  // layout, or only its slice (kLoadSlice).
+  // layout, or only its slice (kLoadSlice). Only a slice depends on the rank.
   const bool slice = plan == Tier::kLoad || plan == Tier::kLoadSlice;
+  if (slice && rank >= layout.options().dp) {
+    throw InvalidArgument("rank " + std::to_string(rank) + " is outside [0, " +
+                          std::to_string(layout.options().dp) + ")");
+  }
   const bool keeps_slice = plan == Tier::kLoadSlice;
   std::vector<Step> s = {allocate(Buffer::kFlat, keeps_slice ? sb : fb)};
   if (ring_bytes > 0) s.push_back(allocate(Buffer::kHostStage, ring_bytes));
