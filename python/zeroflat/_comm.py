@@ -142,13 +142,18 @@ class TorchComm:
             raise
 
     def all_gather_inplace(self, ptr: int, slice_bytes: int) -> None:
-        what = "the all-gather of the flat buffer's partitions"
+        self.all_gather_tensor(self.device.tensor(ptr), slice_bytes)
+
+    def all_gather_tensor(self, buf: torch.Tensor, slice_bytes: int,
+                          what: str = "the all-gather of the flat buffer's partitions") -> None:
+        """Every rank's slice ``[rank * slice_bytes, +slice_bytes)`` of the byte tensor ``buf``
+        into every rank's ``buf``, in place (ranks of one host meet in shared memory)."""
         # Every rank's byte count before anything is copied: a shorter peer would be overrun.
         most, least = self._all_reduce([slice_bytes, U64_MAX - slice_bytes], "max", what)
         if most != U64_MAX - least:
             raise ValueError(f"the ranks passed all-gather slices of {U64_MAX - least} to "
                              f"{most} bytes; nothing was copied")
-        buf = self.device.tensor(ptr)[: slice_bytes * self.size]
+        buf = buf[: slice_bytes * self.size]
         self._run(what, lambda: self._all_gather(buf, slice_bytes))
 
     def _all_gather(self, buf: torch.Tensor, slice_bytes: int) -> None:

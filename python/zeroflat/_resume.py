@@ -431,6 +431,7 @@ class _Resume:
                 f"world {self.dp}"]
         engine, nthreads, comm, _ = engine_and_comm(torch.device("cpu"), threads, self.dp,
                                                     self.group if self.dp > 1 else None)
+        self._comm = comm
         first = True
         for target in targets:
             if self.stage3:
@@ -617,6 +618,26 @@ class _Resume:
                     at += n
         opt._restore_from_bit16_weights()
 
+    def _update_16bit(self) -> None:
+        """DeepSpeed's update_lp_params: each rank's 16-bit partition from its fp32 master, then
+        one all-gather per group. Where the buffers are host memory, the all-gather is
+        zeroflat's (ranks of one host meet in shared memory; gloo's sockets took seconds for a
+        few hundred MB), else DeepSpeed's own."""
+        opt, comm = self.opt, getattr(self, "_comm", None)
+        flats = list(opt.bit16_groups_flat)
+        groups = list(opt.real_dp_process_group)
+        mine = dist.get_process_group_ranks(self.group) if comm is not None else None
+        if (comm is None or any(f.device.type != "cpu" or not f.is_contiguous() for f in flats)
+                or any(dist.get_process_group_ranks(g) != mine for g in groups)):
+            opt.update_lp_params()
+            return
+        for i, flat in enumerate(flats):
+            part = opt.parallel_partitioned_bit16_groups[i][self.rank]
+            part.data.copy_(opt.single_partition_of_fp32_groups[i].data)
+            comm.all_gather_tensor(flat.view(-1).view(torch.uint8),
+                                   part.numel() * flat.element_size(),
+                                   f"the all-gather of group {i}'s 16-bit weights")
+
     def write(self) -> None:
         """The engine takes what was read. Runs only after every rank has read everything."""
         opt = self.opt
@@ -651,7 +672,7 @@ class _Resume:
             # read (its fp32 copy rounds back to the same bits), and one all-gather.
             for k, part in enumerate(weights):
                 opt.single_partition_of_fp32_groups[k].data.copy_(part)
-            opt.update_lp_params()
+            self._update_16bit()
             if sd is not None:
                 self._load_optimizer(sd)
         if hasattr(opt, "checkpoint_event_epilogue"):
