@@ -19,6 +19,7 @@
 
 #include "cli_run.h"
 #include "zeroflat/hardware.h"
+#include "zeroflat/size.h"
 
 namespace {
 
@@ -948,6 +949,17 @@ TEST(CliLoad, EveryRankHoldsWhatRunFlattensAndReadsOnlyItsPartition) {
   EXPECT_EQ(human.code, 0) << human.err;
   EXPECT_NE(human.out.find("verified: yes, every rank"), std::string::npos) << human.out;
   EXPECT_NE(human.out.find("ceiling"), std::string::npos) << human.out;
+  // Progress: rank 0's reads in the library's words, while reading (a line every interval, off
+  // a terminal) and at the end, every byte it read.
+  Result shown = run("load " + bf16 + " --dp 2 --read-plan load --json",
+                     "ZEROFLAT_PROGRESS_SECONDS=0.0001");
+  ASSERT_EQ(shown.code, 0) << shown.err;
+  const std::uint64_t read0 = json::parse(shown.out)["ranks"][0]["bytes_read"];
+  const std::string all =
+      zeroflat::format_bytes(read0) + " of " + zeroflat::format_bytes(read0) + " (100%)";
+  EXPECT_NE(shown.err.find("[zeroflat] rank 0: load done in "), std::string::npos) << shown.err;
+  EXPECT_NE(shown.err.find(": read " + all), std::string::npos) << shown.err;
+  EXPECT_EQ(run("load " + bf16 + " --dp 2 --quiet", "ZEROFLAT_PROGRESS_SECONDS=0.0001").err, "");
   for (const std::string& d : {bf16, fp32_of_bf16, fp32_of_fp16})
     std::system(("rm -rf " + d).c_str());
 }

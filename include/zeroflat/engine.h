@@ -38,6 +38,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -49,6 +50,7 @@
 #include "zeroflat/executor.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
+#include "zeroflat/progress.h"
 #include "zeroflat/release.h"
 #include "zeroflat/tensor.h"
 
@@ -83,6 +85,9 @@ struct ReadOptions {
   CopyCheck copies = CopyCheck::kSampled;
   // Testing aid: this rank's reads fail once this many bytes have been read, as an I/O error.
   std::optional<std::uint64_t> fail_after_bytes;
+  // Counts this rank's planned and read bytes as the load runs, for a display on another
+  // thread (progress.h); none: not counted. May differ.
+  std::shared_ptr<ReadProgress> progress;
 };
 
 // The options of every front door: flatten_param_group here, load_flat_group and

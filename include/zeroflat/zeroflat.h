@@ -31,6 +31,7 @@
 #include "zeroflat/model_source.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
+#include "zeroflat/progress.h"
 #include "zeroflat/release.h"
 #include "zeroflat/report.h"
 #include "zeroflat/runtime.h"

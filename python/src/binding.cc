@@ -659,6 +659,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "dtype", [](const zf::LayoutOptions& o) { return std::string(zf::dtype_name(o.dtype)); },
           [](zf::LayoutOptions& o, const std::string& d) { o.dtype = zf::parse_dtype(d); })
       .def("validate", [](const zf::LayoutOptions& o) { zf::validate(o); });
+  // A rank's read progress (progress.h), shared with the loads that count it; its counts are
+  // read while a load runs on another thread (the loads release the GIL).
+  py::class_<zf::ReadProgress, std::shared_ptr<zf::ReadProgress>>(m, "ReadProgress")
+      .def(py::init<>())
+      .def_property(
+          "expected", [](const zf::ReadProgress& p) { return p.expected.load(); },
+          [](zf::ReadProgress& p, std::uint64_t v) { p.expected = v; })
+      .def_property_readonly("planned", [](const zf::ReadProgress& p) { return p.planned.load(); })
+      .def_property_readonly("done", [](const zf::ReadProgress& p) { return p.done.load(); })
+      .def_property_readonly("total", &zf::ReadProgress::total);
+  m.def("describe_progress", &zf::describe_progress, py::arg("done"), py::arg("total"),
+        py::arg("seconds"));
   // The probe's context and the fault injection are flattened into the options (the
   // framework's cache, the step that fails).
   py::class_<zf::FlattenOptions>(m, "FlattenOptions")
@@ -703,6 +715,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property(
           "through_ring", [](const zf::FlattenOptions& o) { return o.read.through_ring; },
           [](zf::FlattenOptions& o, bool v) { o.read.through_ring = v; })
+      .def_property(
+          "progress", [](const zf::FlattenOptions& o) { return o.read.progress; },
+          [](zf::FlattenOptions& o, std::shared_ptr<zf::ReadProgress> v) {
+            o.read.progress = std::move(v);
+          })
       .def_property(
           "fail_after_bytes", [](const zf::FlattenOptions& o) { return o.read.fail_after_bytes; },
           [](zf::FlattenOptions& o, std::optional<std::uint64_t> v) {

@@ -300,6 +300,61 @@ def test_release_rules_come_from_the_library(monkeypatch):
     assert fg.flat.numel() == 8
 
 
+def test_a_long_load_reports_bytes_rate_and_time_left(tmp_path, monkeypatch, caplog):
+    """Progress: the callback's reports only grow and end with every byte the rank read, and the
+    log's lines are the library's own words (the command line's)."""
+    import logging
+
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(1024, 4096, bias=False)
+            self.b = torch.nn.Linear(4096, 1024)
+
+    torch.manual_seed(0)
+    ref = Big()
+    path = save(tmp_path / "big.safetensors", ref.state_dict())
+    monkeypatch.setenv("ZEROFLAT_PROGRESS_SECONDS", "0.0005")
+    got = []
+    with zeroflat.meta_parameters():
+        model = Big()
+    with caplog.at_level(logging.INFO, logger="zeroflat"):
+        fgs = zeroflat.load_param_groups(model, path, device="cpu", deepspeed=None,
+                                         dtype=torch.float32, threads=1, progress=got.append)
+    assert torch.equal(model.a.weight, ref.a.weight)
+    read = sum(fg.report["bytes_read"] for fg in fgs)
+    assert read == sum(t.numel() * 4 for t in ref.state_dict().values())
+    last = got[-1]
+    assert isinstance(last, zeroflat.Progress) and last.finished and last.rank == 0
+    assert last.done == last.total == read and last.seconds_left == 0
+    assert last.what == f"load {path}" and "(100%)" in last.line and "done in" in last.line
+    assert [p.done for p in got] == sorted(p.done for p in got)
+    assert all(not p.finished for p in got[:-1])
+    for p in got[:-1]:
+        assert p.line == zeroflat._C.describe_progress(p.done, p.total, p.seconds)
+    lines = [r.getMessage() for r in caplog.records if r.name == "zeroflat"]
+    assert all(x.startswith(f"zeroflat: rank 0: load {path}: read ") for x in lines), lines
+    # The words, for any counts.
+    assert zeroflat._C.describe_progress(0, 0, 0) == "read 0 B"
+    assert zeroflat._C.describe_progress(2_000_000, 8_000_000, 2.0) == \
+        "read 2.00 MB of 8.00 MB (25%), 1.00 MB/s, about 6 s left"
+    assert zeroflat._C.describe_progress(3 << 30, 0, 0.5).endswith("GB/s")
+    assert "about 2 h 00 min left" in zeroflat._C.describe_progress(10**6, 7_201_000_000, 1.0)
+    # A bad callback is refused before anything is read; one that raises is dropped, logged.
+    with zeroflat.meta_parameters():
+        model = Big()
+    with pytest.raises(TypeError, match="progress"):
+        zeroflat.load_param_groups(model, path, device="cpu", deepspeed=None, progress=3)
+
+    def bad(p):
+        raise RuntimeError("no display")
+
+    with caplog.at_level(logging.INFO, logger="zeroflat"):
+        zeroflat.load_param_groups(model, path, device="cpu", deepspeed=None, progress=bad)
+    assert any("progress callback raised" in r.getMessage() for r in caplog.records)
+    assert torch.equal(model.b.bias, ref.b.bias)
+
+
 def test_library_errors_arrive_as_zeroflat_exception_classes(tmp_path):
     """C++ errors are zeroflat's classes, each also the built-in a caller would catch: an
     invalid argument is a ValueError, every one is a zeroflat.Error and a RuntimeError; the

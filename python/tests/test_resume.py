@@ -316,7 +316,8 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
     resumes = len(zd.stats["resumes"])
     fallbacks = len(zd.stats["resume_fallbacks"])
     real = zeroflat._C.DeepSpeedCheckpoint
-    with zd.installed():
+    progress = []
+    with zd.installed(progress=progress.append):
         engine = _engine(stage, dict(opts, universal=opts.get("our_universal", False)))
         before = snapshot(engine)
         error = None
@@ -341,6 +342,7 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
     report["error"] = error
     report["resumes"] = zd.stats["resumes"][resumes:]
     report["fallbacks"] = zd.stats["resume_fallbacks"][fallbacks:]
+    report["progress"] = [[p.rank, p.done, p.total, p.finished] for p in progress]
     if error is not None:
         # Nothing of the engine changed.
         same(before, snapshot(engine))
@@ -458,6 +460,12 @@ def served(reports):
         assert r["error"] is None, (r["name"], r["error"])
         assert r["fallbacks"] == [] and len(r["resumes"]) == 1, r
         assert r["losses"] == r["ref_losses"], r
+        # The progress callback's last report: the partitions' bytes (all the rank read but the
+        # few scalars read before them), every one it expected.
+        read = r["resumes"][0]["bytes_read"]
+        rank, done, total, finished = r["progress"][-1]
+        assert rank == r["rank"] and finished and done == total, r["progress"]
+        assert 0.9 * read <= done <= read, (read, r["progress"])
 
 
 # ---- the same world size -----------------------------------------------------------------------

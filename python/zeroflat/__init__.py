@@ -34,6 +34,7 @@ from ._errors import (CommError, Error, ExecutionError, InternalError, InvalidAr
                       NoFeasiblePlan, OutOfMemory, ResourceExhausted, Unsupported)
 from ._flatten import flatten_param_group, flatten_param_groups
 from ._load import load_param_groups, meta_parameters
+from ._progress import Progress
 
 __version__ = _C.__version__
 
@@ -46,6 +47,7 @@ __all__ = [
     "InvalidArgument",
     "NoFeasiblePlan",
     "OutOfMemory",
+    "Progress",
     "ResourceExhausted",
     "TESTED_DEEPSPEED_RELEASES",
     "Unsupported",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 log = logging.getLogger("zeroflat.deepspeed")
 
@@ -20,6 +20,9 @@ state = threading.local()
 
 # The installed release's layout rules (zeroflat._C.ReleaseRules), while installed.
 rules: Optional[object] = None
+
+# The caller's progress callback for the drop-in's long reads (a resume), while installed.
+progress: Optional[Callable[..., None]] = None
 
 
 def fallback(what: str, reason: str) -> None:

@@ -24,6 +24,7 @@ from ._common import (DTYPES, TORCH_DTYPES, FlatGroup, bool_option, check_option
                       release_rules, select)
 from ._errors import CommError, Error, InvalidArgument, NoFeasiblePlan
 from ._patches import Patch, patched
+from ._progress import Progress, Watch, check_callback
 
 log = logging.getLogger("zeroflat")
 
@@ -557,7 +558,8 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
                       margin_bytes: Optional[int] = None, threads: Optional[int] = None,
                       cold: bool = False, strict: bool = True,
                       read_plan: Optional[str] = None, copies: str = "sampled",
-                      storage_bytes_per_second: float = 0, zero3: Any = None) -> list:
+                      storage_bytes_per_second: float = 0, zero3: Any = None,
+                      progress: Optional[Callable[["Progress"], None]] = None) -> list:
     """Materializes every parameter of ``model`` from a safetensors checkpoint into the buffers
     DeepSpeed's optimizer keeps, and returns one FlatGroup per buffer that has parameters.
 
@@ -612,7 +614,12 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
     (world size over ``LOCAL_WORLD_SIZE``) and ``storage_bytes_per_second``, the bandwidth of
     storage the hosts share, 0 for storage of their own). ``copies``: after reading, how the
     ranks compare their copies of the checkpoint (``"sampled"``, ``"full"``, ``"off"``; their
-    headers are always compared)."""
+    headers are always compared).
+
+    Progress: a load that runs longer than 10 s (``ZEROFLAT_PROGRESS_SECONDS``) logs each rank's
+    bytes read, rate and time left at INFO on the ``zeroflat`` logger at that pace, and calls
+    ``progress`` (a callable) with a ``zeroflat.Progress`` each time, from a thread of its own,
+    and once more at the end (``finished``)."""
     placement = None
     local_error: Optional[BaseException] = None
     prep: Optional[_Prepared] = None
@@ -624,6 +631,7 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
                                    param_align_bytes=param_align_bytes, dtype=dtype,
                                    deepspeed=deepspeed, read_plan=read_plan, copies=copies,
                                    storage_bytes_per_second=storage_bytes_per_second)
+        check_callback(progress)
         zero3 = _zero3.resolve(zero3)
         if zero3 is not None:
             placement = _zero3.Partitions(zero3, process_group)
@@ -665,46 +673,49 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
     # the same empty buffers after it.
     loaded = []
     calls = max(1, len(prep.load_params)) if ok else 1
-    for k in range(calls):
-        members = prep.buffers_params[k] if ok and k < len(prep.buffers_params) else []
-        params = prep.load_params[k] if members else []
-        if k > 0 and not params:
-            loaded.append((members, None, None, None, None))
-            continue
-        options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=dp), threads=nthreads,
-                                    master=False)
-        try:
-            options.cold = bool(cold)
-            options.read_plan = read_plan
-            options.copies = copies
-            options.storage_bytes_per_second = float(storage_bytes_per_second)
-            if ok:
-                framework_memory(options, target)
-            if ok and k < len(prep.dtypes):
-                options.layout = placement.layout_options(dp, prep.dtypes[k])
-                options.margin_bytes = None if margin_bytes is None else int(margin_bytes)
-                options.master = bool(params) and master_dtype == torch.float32
-                if isinstance(placement, _Flat):
-                    options.release = rules
-        except Exception as e:  # noqa: BLE001 - a bad value is this rank's own error, agreed
-            local_error = local_error or e
-        if local_error is not None:
-            options.local_error = f"{type(local_error).__name__}: {local_error}"
-        options.must_match = [f"buffer {k} of {calls}", f"device {target.type}",
-                              f"master {master_dtype}",
-                              f"deepspeed rules {rules.rules if ok and rules else None}",
-                              f"placement {placement.door if placement is not None else None}"]
-        if k == 0 and ok:
-            options.must_match = options.must_match + prep.entries
-        report, flat_bytes, master_bytes, lay = call_loader(
-            door, engine, comm if dp > 1 else None, prep.ck if ok else None, params, options,
-            local_error, f"loading buffer {k} of {path}")
-        report["dp"] = dp
-        report["deepspeed"] = rules.to_dict() if ok and rules else None
-        if report["outcome"] == "infeasible":
-            raise NoFeasiblePlan(f"buffer {k} does not fit on {target}: {report['reason']}; "
-                                 "nothing was read", report)
-        loaded.append((members, report, flat_bytes, master_bytes, lay))
+    watch = Watch(f"load {path}", rank, dp, progress if ok else None)
+    with watch:
+        for k in range(calls):
+            members = prep.buffers_params[k] if ok and k < len(prep.buffers_params) else []
+            params = prep.load_params[k] if members else []
+            if k > 0 and not params:
+                loaded.append((members, None, None, None, None))
+                continue
+            options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=dp), threads=nthreads,
+                                        master=False)
+            options.progress = watch.counts
+            try:
+                options.cold = bool(cold)
+                options.read_plan = read_plan
+                options.copies = copies
+                options.storage_bytes_per_second = float(storage_bytes_per_second)
+                if ok:
+                    framework_memory(options, target)
+                if ok and k < len(prep.dtypes):
+                    options.layout = placement.layout_options(dp, prep.dtypes[k])
+                    options.margin_bytes = None if margin_bytes is None else int(margin_bytes)
+                    options.master = bool(params) and master_dtype == torch.float32
+                    if isinstance(placement, _Flat):
+                        options.release = rules
+            except Exception as e:  # noqa: BLE001 - a bad value is this rank's own error, agreed
+                local_error = local_error or e
+            if local_error is not None:
+                options.local_error = f"{type(local_error).__name__}: {local_error}"
+            options.must_match = [f"buffer {k} of {calls}", f"device {target.type}",
+                                  f"master {master_dtype}",
+                                  f"deepspeed rules {rules.rules if ok and rules else None}",
+                                  f"placement {getattr(placement, 'door', None)}"]
+            if k == 0 and ok:
+                options.must_match = options.must_match + prep.entries
+            report, flat_bytes, master_bytes, lay = call_loader(
+                door, engine, comm if dp > 1 else None, prep.ck if ok else None, params, options,
+                local_error, f"loading buffer {k} of {path}")
+            report["dp"] = dp
+            report["deepspeed"] = rules.to_dict() if ok and rules else None
+            if report["outcome"] == "infeasible":
+                raise NoFeasiblePlan(f"buffer {k} does not fit on {target}: "
+                                     f"{report['reason']}; nothing was read", report)
+            loaded.append((members, report, flat_bytes, master_bytes, lay))
     assert local_error is None and prep is not None
     # Every rank has its buffers: the model's parameters become their views.
     return placement.finish(model, loaded, prep, rank, dp, master_dtype)

@@ -34,10 +34,11 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _dropin
 from ._comm import all_reduce_ints
 from ._dropin import log, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
+from ._progress import Watch
 
 # The classes a checkpoint's small values may be revived as (the reader's allow-list names no
 # other class): their instances are rebuilt from their saved attributes, never by calling them.
@@ -420,8 +421,7 @@ class _Resume:
         partition (ZeRO-1/2 group, ZeRO-3 sub-group). Collective. The ranks compare their
         checkpoint's headers in every load, not samples of its bytes (copies="off"): each reads
         bytes no other rank reads."""
-        from ._load import call_loader, engine_and_comm
-        from ._common import layout_options
+        from ._load import engine_and_comm
 
         targets = self.targets()
         subs = self._sub_groups()
@@ -432,11 +432,37 @@ class _Resume:
         engine, nthreads, comm, _ = engine_and_comm(torch.device("cpu"), threads, self.dp,
                                                     self.group if self.dp > 1 else None)
         self._comm = comm
+        watch = Watch(f"resume from {self.ck.dir}", self.rank, self.dp, _dropin.progress,
+                      self._expected_bytes(targets, subs))
+        with watch:
+            self._read_all(targets, subs, plan, engine, nthreads, comm, watch.counts)
+
+    def _expected_bytes(self, targets, subs) -> int:
+        """About what this rank reads: its partition of every target (fp32 states; the module's
+        16-bit weights at their own size), and under ZeRO-3 its frozen parameters'."""
+        if self.stage3:
+            mine = sum(int(p.ds_tensor.numel()) for sub in subs for p in sub) * 4
+            frozen = sum(int(p.ds_tensor.numel()) * p.ds_tensor.element_size()
+                         for p in self.names if not any(p is q for sub in subs for q in sub))
+            return mine * len(targets) + frozen
+        total = 0
+        for target in targets:
+            for i in range(len(subs)):
+                n = self.opt.single_partition_of_fp32_groups[i].numel()
+                esize = (self.opt.bit16_groups_flat[i].element_size() if target == "module"
+                         else 4)
+                total += n * esize
+        return total
+
+    def _read_all(self, targets, subs, plan, engine, nthreads, comm, counts) -> None:
+        from ._load import call_loader
+        from ._common import layout_options
+
         first = True
         for target in targets:
             if self.stage3:
                 self.values[target] = self._read_partitions(target, subs, plan if first else [],
-                                                            engine, nthreads, comm, call_loader)
+                                                            engine, nthreads, comm, counts)
                 first = False
                 continue
             out = []
@@ -452,6 +478,7 @@ class _Resume:
                     # 16 bytes of the 16-bit buffer: the same elements in this target's buffer.
                     palign = 16 // flat.element_size() * esize
                 options = _C.FlattenOptions(threads=nthreads, master=False, copies="off")
+                options.progress = counts
                 options.layout = layout_options(
                     self.dp, bool(getattr(self.opt, "round_robin_gradients", False)),
                     int(getattr(self.opt, "nccl_start_alignment_factor", 2)), dtype, palign)
@@ -479,16 +506,17 @@ class _Resume:
                       if not any(p is q for params in subs for q in params)]
             if frozen:
                 parts = self._read_partitions("frozen", [frozen], [], engine, nthreads, comm,
-                                              call_loader)[0]
+                                              counts)[0]
                 at = 0
                 for p in frozen:
                     n = p.ds_tensor.numel()
                     self.frozen[self.names[p]] = parts[at:at + n]
                     at += n
 
-    def _read_partitions(self, target, subs, plan, engine, nthreads, comm, call_loader):
+    def _read_partitions(self, target, subs, plan, engine, nthreads, comm, counts):
         """ZeRO-3: this rank's partition of every parameter of ``subs``, cut per sub-group."""
         from ._common import layout_options
+        from ._load import call_loader
 
         params = [p for sub in subs for p in sub]
         if not params:
@@ -500,6 +528,7 @@ class _Resume:
             dtypes = {p.ds_tensor.dtype for p in params}
             dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         options = _C.FlattenOptions(threads=nthreads, master=False, copies="off")
+        options.progress = counts
         options.layout = layout_options(self.dp, False, 2, dtype, 0)
         options.must_match = plan + [f"target {target}", f"parameters {len(params)}"]
         report, buffer, _, lay = call_loader(

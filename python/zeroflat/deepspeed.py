@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -32,6 +32,7 @@ from ._common import select
 from ._dropin import log, stats
 from ._dropin import state as _state
 from ._patches import Patch, apply, patched, restore
+from ._progress import check_callback
 from ._trainer import trainer_param_groups
 
 __all__ = ["SUPPORTED_VERSIONS", "install", "installed", "is_installed", "uninstall", "stats"]
@@ -479,7 +480,8 @@ def _patches(stage_1_and_2) -> List[Patch]:
     return out
 
 
-def install(*, allow_untested: bool = False) -> None:
+def install(*, allow_untested: bool = False,
+            progress: Optional[Callable[[Any], None]] = None) -> None:
     """Makes DeepSpeed's ZeRO-1/2 and Stage 3 optimizers build their flat buffers through
     zeroflat.
 
@@ -490,8 +492,13 @@ def install(*, allow_untested: bool = False) -> None:
     nothing changed). A release whose Stage 3 optimizer lacks the steps the drop-in takes over
     keeps its own Stage 3, with a warning naming the release and why
     (``stats["stage3_refused"]``); its ZeRO-1/2 are served. Installing twice is harmless. Either
-    every patch is in place or none is (docs/patches.md lists them)."""
+    every patch is in place or none is (docs/patches.md lists them).
+
+    ``progress``: a callable given a ``zeroflat.Progress`` every 10 s of a long resume
+    (``engine.load_checkpoint``), as ``zeroflat.load_param_groups`` takes it; each rank logs the
+    same at INFO on the ``zeroflat`` logger, with or without it."""
     global _applied
+    check_callback(progress)
     deepspeed, s12 = _deepspeed_modules()
     rules = _release_rules(deepspeed)
     stage3, why = _stage3.patches()
@@ -500,6 +507,7 @@ def install(*, allow_untested: bool = False) -> None:
         stage3_refused = (f"DeepSpeed {rules.release}: Stage 3 (DeepSpeedZeroOptimizer_Stage3) "
                           f"is left to DeepSpeed: {why}")
     with _lock:
+        _dropin.progress = progress
         if _applied is not None:
             return
         if not rules.tested and not allow_untested:
@@ -528,6 +536,7 @@ def uninstall() -> None:
         restore(_applied)
         _applied = None
         _dropin.rules = None
+        _dropin.progress = None
 
 
 def is_installed() -> bool:
@@ -535,12 +544,15 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed(*, allow_untested: bool = False):
+def installed(*, allow_untested: bool = False,
+              progress: Optional[Callable[[Any], None]] = None):
     """``with zeroflat.deepspeed.installed(): deepspeed.initialize(...)``"""
-    was = is_installed()
-    install(allow_untested=allow_untested)
+    was, before = is_installed(), _dropin.progress
+    install(allow_untested=allow_untested, progress=progress)
     try:
         yield
     finally:
         if not was:
             uninstall()
+        else:
+            _dropin.progress = before

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from . import _zero3
 from ._load import check_load_options, load_param_groups, meta_parameters
+from ._progress import check_callback
 from ._trainer import trainer_param_groups
 
 __all__ = ["from_pretrained", "trainer_param_groups"]
@@ -54,6 +55,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                     threads: Optional[int] = None, install_drop_in: bool = False,
                     read_plan: Optional[str] = None, copies: str = "sampled",
                     storage_bytes_per_second: float = 0, zero3: Any = "auto",
+                    progress: Optional[Callable[[Any], None]] = None,
                     **from_config_kwargs) -> torch.nn.Module:
     """The model of checkpoint directory ``path`` (its ``config.json`` and safetensors files),
     every trainable parameter a view into the flat buffer DeepSpeed's ZeRO-1/2 will build for
@@ -70,7 +72,8 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     own optimizer builds), a list of groups of names or parameters, or a function of the model
     returning one. ``round_robin`` and ``deepspeed``: as DeepSpeed's config will have them.
     ``read_plan``, ``copies`` and ``storage_bytes_per_second``: who reads what and how the ranks
-    compare their copies, as ``zeroflat.load_param_groups`` takes them. Other keyword arguments
+    compare their copies, as ``zeroflat.load_param_groups`` takes them; ``progress``: a callable
+    given a ``zeroflat.Progress`` every 10 s of a long load, as there. Other keyword arguments
     go to ``from_config`` (``attn_implementation``, ...).
 
     DeepSpeed adopts the loaded buffers as they are only with the drop-in in place while it
@@ -117,6 +120,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                        param_align_bytes=0, dtype=dtype, deepspeed=deepspeed,
                        read_plan=read_plan, copies=copies,
                        storage_bytes_per_second=storage_bytes_per_second)
+    check_callback(progress)
     ds_config = _zero3.resolve(zero3)
     if process_group == "default":
         # Under ZeRO-3 the partitions are zero.Init's group's (DeepSpeed's, every rank).
@@ -153,7 +157,8 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
         model, path, process_group, param_groups=param_groups,
         dtype=dtype if init is None else None, device=device, round_robin=round_robin,
         deepspeed=deepspeed, master_dtype=None, cold=cold, threads=threads, read_plan=read_plan,
-        copies=copies, storage_bytes_per_second=storage_bytes_per_second, zero3=init)
+        copies=copies, storage_bytes_per_second=storage_bytes_per_second, zero3=init,
+        progress=progress)
     model.eval()
     if install_drop_in:
         from . import deepspeed as drop_in

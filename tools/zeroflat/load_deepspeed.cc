@@ -300,15 +300,17 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
   // The ceiling reads as many bytes of the same files as this rank's loads will, known before.
   std::optional<ReadCeiling> ceiling;
   std::uint64_t expected = 0;
+  for (const DeepSpeedBuffer& b : ds.buffers) {
+    expected += zero3 ? partitions_read_bytes(b.source.index, b.source.params, dp, rank)
+                      : partition_read_bytes(b.source.index, b.source.params,
+                                             buffer_options(cfg, b), rank);
+  }
   const bool with_ceiling = cfg.ceiling && !no_data;
   if (with_ceiling) {
-    for (const DeepSpeedBuffer& b : ds.buffers) {
-      expected += zero3 ? partitions_read_bytes(b.source.index, b.source.params, dp, rank)
-                        : partition_read_bytes(b.source.index, b.source.params,
-                                               buffer_options(cfg, b), rank);
-    }
     measure_ceiling(cfg, rank, expected, device, control, progress, ceiling);
   }
+  // One account of this rank's reads over every buffer, for the progress line.
+  ctx.options.read.progress->expected = no_data ? 0 : expected;
 
   // Every buffer in turn, each a collective; a resume keeps them all.
   std::vector<FlattenResult> results;
@@ -320,12 +322,14 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
   std::uint64_t predicted_peak = 0, measured_peak = 0;
   double read_seconds = 0, seconds = 0, total_seconds = 0, copy_seconds = 0, cached = 0;
   bool read_any = false;
+  progress.begin("rank " + std::to_string(rank) + ": " + (no_data ? "account for " : "load ") +
+                     std::to_string(ds.buffers.size()) + " buffer(s)",
+                 0, ctx.options.read.progress);
   for (const DeepSpeedBuffer& b : ds.buffers) {
     FlattenOptions lo = ctx.options;
     lo.layout = buffer_options(cfg, b);
     lo.must_match.push_back("load " + what(b) + ", " + std::to_string(b.source.params.size()) +
                             " parameters");
-    progress.begin(std::string(no_data ? "account for " : "load ") + what(b), 0);
     FlattenResult res;
     try {
       res = (zero3 ? load_partitions : load_slice)(b.source.index, b.source.params, device,
@@ -339,12 +343,12 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
       failed.plan = std::move(plans);
       return failed;
     }
-    progress.end();
     Json e = Json::parse(result_json(res));
     plans.push_back({{"target", b.target},
                      {"group", b.group ? Json(*b.group) : Json()},
                      {"plan", std::move(e["plan"])}});
     if (!res.feasible()) {
+      progress.end();
       out.exit = kExitInfeasible;
       out.message = "the loader's plan for " + what(b) + " does not fit: " + res.plan.reason +
                     (results.empty() ? ". Nothing was read."
@@ -383,6 +387,7 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
     loads.push_back(std::move(l));
     results.push_back(std::move(res));
   }
+  progress.end();
   if (with_ceiling) measure_ceiling(cfg, rank, expected, device, control, progress, ceiling);
 
   // Verification: every buffer against the saved tensors read whole.

@@ -37,6 +37,7 @@ RankContext rank_context(const LoadConfig& cfg, std::uint64_t rank, Communicator
     lo.must_match.push_back("sub-group size " + std::to_string(cfg.stage.sub_group_size));
   }
   if (cfg.fail_after && rank == cfg.fail_rank) lo.read.fail_after_bytes = cfg.fail_after;
+  lo.read.progress = std::make_shared<ReadProgress>();
   return ctx;
 }
 
@@ -101,9 +102,9 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
     measure_ceiling(cfg, rank, ceiling_bytes, *device, control, progress, ceiling);
   }
   FlattenResult res;
-  progress.begin(std::string(pl.no_data ? "account for" : "load") + " this rank's reads of " +
-                     format_bytes(cfg.checkpoint_bytes),
-                 0);
+  progress.begin("rank " + std::to_string(rank) + ": " +
+                     (pl.no_data ? "account for its reads" : "load"),
+                 0, ctx.options.read.progress);
   try {
     res = (cfg.stage.zero3 ? load_partitions : load_flat_group)(cfg.ck, cfg.params, *device,
                                                                 ctx.comm, ctx.options);

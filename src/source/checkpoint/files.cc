@@ -187,8 +187,13 @@ double cached_fraction_of(const CheckpointIndex& ck, const std::vector<Read>& re
 }
 
 Reader::Reader(OpenFiles& files, DType to, unsigned threads,
-               std::optional<std::uint64_t> fail_after)
-    : files_(files), to_(to), es_(element_size(to)), pool_(threads), fail_after_(fail_after) {}
+               std::optional<std::uint64_t> fail_after, ReadProgress* progress)
+    : files_(files),
+      to_(to),
+      es_(element_size(to)),
+      pool_(threads),
+      fail_after_(fail_after),
+      progress_(progress) {}
 
 void Reader::fill(unsigned char* dst, std::uint64_t n, const std::vector<Read>& reads) {
   // The gaps first (padding between and after parameters).
@@ -236,6 +241,7 @@ void Reader::fill(unsigned char* dst, std::uint64_t n, const std::vector<Read>& 
       if (!read_exactly(r.file, into, p.bytes, r.src + p.skip)) return;
       if (r.from != to_) convert_range(out, to_, into, r.from, p.bytes / fes);
       bytes_ += p.bytes;
+      if (progress_ != nullptr) progress_->done.fetch_add(p.bytes, std::memory_order_relaxed);
     }
   });
 }

@@ -18,6 +18,7 @@
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/device.h"
 #include "zeroflat/dtype.h"
+#include "zeroflat/progress.h"
 
 namespace zeroflat::detail {
 
@@ -91,7 +92,9 @@ double cached_fraction_of(const CheckpointIndex& ck, const std::vector<Read>& re
 // Reads and converts pieces on a team of threads. A failure stops the others and is kept.
 class Reader {
  public:
-  Reader(OpenFiles& files, DType to, unsigned threads, std::optional<std::uint64_t> fail_after);
+  // progress: counts each piece read into `done` (the caller counts what it plans); may be null.
+  Reader(OpenFiles& files, DType to, unsigned threads, std::optional<std::uint64_t> fail_after,
+         ReadProgress* progress = nullptr);
 
   // Fills dst[0, n) from the reads (dst offsets relative to dst): zeros where no read lands.
   // A failure is kept (failed(), rethrow()), not thrown.
@@ -120,6 +123,7 @@ class Reader {
   std::uint64_t es_;
   ThreadPool pool_;
   std::optional<std::uint64_t> fail_after_;
+  ReadProgress* progress_;
   std::atomic<std::uint64_t> read_so_far_{0};
   std::atomic<std::uint64_t> bytes_{0};
   std::atomic<bool> failed_{false};

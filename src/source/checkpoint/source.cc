@@ -232,7 +232,10 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
   report_.cached_fraction = cached_fraction_of(ck_, reads);
   report_.page_cache = page_cache_word(report_.cached_fraction);
   const auto t0 = Clock::now();
-  Reader reader(files_, layout_->options().dtype, threads_, options_.read.fail_after_bytes);
+  ReadProgress* progress = options_.read.progress.get();
+  if (progress != nullptr) progress->planned.fetch_add(report_.bytes, std::memory_order_relaxed);
+  Reader reader(files_, layout_->options().dtype, threads_, options_.read.fail_after_bytes,
+                progress);
   auto* out = static_cast<unsigned char*>(dst);
   if (stage == nullptr) {
     reader.fill(out, bytes, reads);
