@@ -123,13 +123,15 @@ def write_checkpoint(path, layers, experts, vocab, shape=QWEN3_30B_A3B, shard="2
 
 
 def drop_cache(path):
-    for name in os.listdir(path):
-        fd = os.open(os.path.join(path, name), os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    """Every file under `path` written back and dropped from the page cache."""
+    for top, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(top, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def timed_init_parts():
