@@ -439,7 +439,14 @@ class _Resume:
 
     def _expected_bytes(self, targets, subs) -> int:
         """About what this rank reads: its partition of every target (fp32 states; the module's
-        16-bit weights at their own size), and under ZeRO-3 its frozen parameters'."""
+        16-bit weights at their own size), and under ZeRO-3 its frozen parameters'. 0 (the
+        loads' own plans then give the total) where the optimizer does not say."""
+        try:
+            return self._partition_bytes(targets, subs)
+        except (AttributeError, IndexError, TypeError):
+            return 0
+
+    def _partition_bytes(self, targets, subs) -> int:
         if self.stage3:
             mine = sum(int(p.ds_tensor.numel()) for sub in subs for p in sub) * 4
             frozen = sum(int(p.ds_tensor.numel()) * p.ds_tensor.element_size()
