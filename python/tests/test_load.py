@@ -340,6 +340,8 @@ def test_a_long_load_reports_bytes_rate_and_time_left(tmp_path, monkeypatch, cap
         "read 2.00 MB of 8.00 MB (25%), 1.00 MB/s, about 6 s left"
     assert zeroflat._C.describe_progress(3 << 30, 0, 0.5).endswith("GB/s")
     assert "about 2 h 00 min left" in zeroflat._C.describe_progress(10**6, 7_201_000_000, 1.0)
+    # A read that has all but stalled: no overflowing estimate.
+    assert zeroflat._C.describe_progress(1, 2**64 - 1, 1e9).endswith(", over 100 h left")
     # A bad callback is refused before anything is read; one that raises is dropped, logged.
     with zeroflat.meta_parameters():
         model = Big()

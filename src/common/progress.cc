@@ -12,7 +12,7 @@ namespace zeroflat {
 namespace {
 
 // Coarse on purpose: a time left is an estimate.
-std::string about(double s) {
+std::string rounded(double s) {
   char buf[48];
   if (s < 60) {
     std::snprintf(buf, sizeof buf, "%.0f s", std::ceil(s));
@@ -24,6 +24,12 @@ std::string about(double s) {
     std::snprintf(buf, sizeof buf, "%ld h %02ld min", m / 60, m % 60);
   }
   return buf;
+}
+
+// "about 3 min"; "over 100 h" for a nearly stalled read (no overflowing estimate).
+std::string about(double s) {
+  if (!(s < 360000)) return "over 100 h";
+  return "about " + rounded(s);
 }
 
 }  // namespace
@@ -40,7 +46,7 @@ std::string describe_progress(std::uint64_t done, std::uint64_t total, double se
   if (done > 0 && seconds > 0) {
     const double rate = static_cast<double>(done) / seconds;
     out += ", " + format_bytes(static_cast<std::uint64_t>(rate)) + "/s";
-    if (total > done) out += ", about " + about(static_cast<double>(total - done) / rate) + " left";
+    if (total > done) out += ", " + about(static_cast<double>(total - done) / rate) + " left";
   }
   return out;
 }
