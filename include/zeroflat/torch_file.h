@@ -120,6 +120,8 @@ enum class TorchKind : std::uint8_t {
 // "storage", "object", "enum", "global".
 std::string_view torch_kind_name(TorchKind kind) noexcept;
 
+struct TorchEntry;
+
 // One value of the saved state: a tree (shared references are copied at each place).
 struct TorchValue {
   TorchKind kind = TorchKind::kNone;
@@ -133,7 +135,7 @@ struct TorchValue {
   // kList, kTuple: the items. kObject: its arguments. kDict: empty, or one dict, the
   // attributes an OrderedDict was saved with (torch's state dicts: _metadata).
   std::vector<TorchValue> items;
-  std::vector<std::pair<TorchValue, TorchValue>> entries;  // kDict, kObject: in saved order
+  std::vector<TorchEntry> entries;  // kDict, kObject: in saved order
 
   bool is_sequence() const noexcept {
     return kind == TorchKind::kList || kind == TorchKind::kTuple;
@@ -143,6 +145,13 @@ struct TorchValue {
   const TorchValue* get(std::string_view key) const noexcept;
   // kEnum: the member's name ("gradients"); else empty.
   std::string_view member() const noexcept;
+};
+
+// A key and its value (a struct of its own, not std::pair: a pair of the incomplete TorchValue
+// inside TorchValue is refused by some standard libraries' compilers).
+struct TorchEntry {
+  TorchValue first;
+  TorchValue second;
 };
 
 // One path segment for a dict key: a string as it is, with '%' and '/' written %25 and %2F;
