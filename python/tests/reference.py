@@ -58,11 +58,37 @@ def end_rank():
     os._exit(0)
 
 
-def train_steps(engine, rank, steps=3):
+class CheckpointModel(torch.nn.Module):
+    """Odd sizes (padding and partition edges fall inside parameters), two optimizer groups, a
+    frozen parameter and a buffer: the DeepSpeed checkpoints test_torch_file and test_resume
+    save."""
+
+    def __init__(self, hidden=17):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(37, 13)
+        self.norm = torch.nn.LayerNorm(13)
+        self.fc1 = torch.nn.Linear(13, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 5)
+        self.frozen = torch.nn.Parameter(torch.randn(7), requires_grad=False)
+        self.register_buffer("scale", torch.arange(3, dtype=torch.float32))
+
+    def forward(self, x):
+        h = self.norm(self.embed(x))
+        return self.fc2(torch.relu(self.fc1(h))).sum(-1) + self.frozen.sum() + self.scale.sum()
+
+    def groups(self):
+        return [{"params": [self.embed.weight, self.norm.weight, self.norm.bias]},
+                {"params": [self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias],
+                 "lr": 2e-3}]
+
+
+
+def train_steps(engine, rank, steps=3, seed=100):
     """``steps`` optimizer steps of a DeepSpeed engine over a model taking token ids below 37
-    (the same batches for the same rank); the losses."""
+    (the same batches for the same rank and seed); the losses."""
     losses = []
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(seed + rank)
     for _ in range(steps):
         x = torch.randint(0, 37, (2, 5), generator=gen)
         loss = engine(x).float().pow(2).mean()

@@ -29,32 +29,11 @@ import zipfile
 import pytest
 import torch
 
+from reference import CheckpointModel as Model
+from reference import train_steps
+
 HERE = pathlib.Path(__file__).resolve().parent
 TAG = "step2"
-
-
-class Model(torch.nn.Module):
-    """Odd sizes (padding and partition edges fall inside parameters), two optimizer groups, a
-    frozen parameter and a buffer."""
-
-    def __init__(self, hidden=17):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(37, 13)
-        self.norm = torch.nn.LayerNorm(13)
-        self.fc1 = torch.nn.Linear(13, hidden)
-        self.fc2 = torch.nn.Linear(hidden, 5)
-        self.frozen = torch.nn.Parameter(torch.randn(7), requires_grad=False)
-        self.register_buffer("scale", torch.arange(3, dtype=torch.float32))
-
-    def forward(self, x):
-        h = self.norm(self.embed(x))
-        return self.fc2(torch.relu(self.fc1(h))).sum(-1) + self.frozen.sum() + self.scale.sum()
-
-    def groups(self):
-        return [{"params": [self.embed.weight, self.norm.weight, self.norm.bias]},
-                {"params": [self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias],
-                 "lr": 2e-3}]
 
 
 def _config(stage, opts):
@@ -96,18 +75,6 @@ def _engine(stage, opts):
     return engine
 
 
-def _steps(engine, rank, seed, steps):
-    losses = []
-    gen = torch.Generator().manual_seed(seed + rank)
-    for _ in range(steps):
-        x = torch.randint(0, 37, (2, 5), generator=gen)
-        loss = engine(x).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 # ---- saving ------------------------------------------------------------------------------------
 
 def _save_worker(rank, world, port, out, stage, opts):
@@ -129,7 +96,7 @@ def _save_one(rank, out, stage, opts):
     import deepspeed
 
     engine = _engine(stage, opts)
-    _steps(engine, rank, 100, 2)
+    train_steps(engine, rank, 2, seed=100)
     if opts.get("touch"):
         # Frozen values and buffers the fresh model does not have: a load must restore them.
         engine.module.scale.add_(1)
@@ -296,7 +263,7 @@ def _reference(rank, ckpt, stage, opts):
                     st["step"] = st["step"].clone()
                 seen.add(id(st["step"]))
         ref = snapshot(ref_engine)
-    losses = _steps(ref_engine, rank, 200, 3) if ref_path is not None else None
+    losses = train_steps(ref_engine, rank, 3, seed=200) if ref_path is not None else None
     return {"loaded": ref, "path": ref_path, "client": ref_client, "losses": losses,
             "after": snapshot(ref_engine)}
 
@@ -365,7 +332,7 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
             report["client"] = sorted(client or {})
         if path is not None:
             report["ref_losses"] = ref["losses"]
-            report["losses"] = _steps(engine, rank, 200, 3)
+            report["losses"] = train_steps(engine, rank, 3, seed=200)
             after = snapshot(engine)
             if stage == 3 and opts.get("steps_unchecked"):
                 # Older releases' ZeRO-3 steps are no reference: NaN with DeepSpeed's own load

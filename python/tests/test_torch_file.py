@@ -27,6 +27,8 @@ import sys
 import pytest
 import torch
 
+from reference import CheckpointModel as Model
+
 HERE = pathlib.Path(__file__).resolve().parent
 TAG = "step2"
 # Releases besides the venv's own whose checkpoints the reader must list (an old and a middle
@@ -271,30 +273,6 @@ def test_foreign_globals_and_the_legacy_format_are_refused(tmp_path):
 
 
 # ---- DeepSpeed checkpoints -----------------------------------------------------------------------
-
-class Model(torch.nn.Module):
-    """Odd sizes (padding and partition edges fall inside parameters), two optimizer groups, a
-    frozen parameter and a buffer."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(37, 13)
-        self.norm = torch.nn.LayerNorm(13)
-        self.fc1 = torch.nn.Linear(13, 17)
-        self.fc2 = torch.nn.Linear(17, 5)
-        self.frozen = torch.nn.Parameter(torch.randn(7), requires_grad=False)
-        self.register_buffer("scale", torch.arange(3, dtype=torch.float32))
-
-    def forward(self, x):
-        h = self.norm(self.embed(x))
-        return self.fc2(torch.relu(self.fc1(h))).sum(-1) + self.frozen.sum() + self.scale.sum()
-
-    def groups(self):
-        return [{"params": [self.embed.weight, self.norm.weight, self.norm.bias]},
-                {"params": [self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias],
-                 "lr": 2e-3}]
-
 
 def _save_worker(rank, world, port, out, stage, dtype):
     from reference import end_rank, init_deepspeed_rank
