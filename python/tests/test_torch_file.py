@@ -10,8 +10,9 @@ and optimizer states (as DeepSpeed would lay them out at N ranks), frozen parame
 buffers. Foreign globals, the legacy format and inconsistent checkpoint folders are exit 2, the
 file and entry named.
 
-Run as a script, it saves one DeepSpeed checkpoint (the test runs it under each release):
-    test_torch_file.py save OUT STAGE WORLD DTYPE"""
+Run as a script, it saves DeepSpeed checkpoints, one per STAGE:DTYPE, into OUT/zSTAGE_DTYPE, by
+one set of WORLD ranks (the test runs it under each release):
+    test_torch_file.py save OUT WORLD STAGE:DTYPE..."""
 
 import collections
 import enum
@@ -152,7 +153,7 @@ def same_bits(a, b):
         return False
     if a.numel() == 0:
         return True
-    a, b = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
+    a, b = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
@@ -274,7 +275,7 @@ def test_foreign_globals_and_the_legacy_format_are_refused(tmp_path):
 
 # ---- DeepSpeed checkpoints -----------------------------------------------------------------------
 
-def _save_worker(rank, world, port, out, stage, dtype):
+def _save_worker(rank, world, port, out, kinds):
     from reference import end_rank, init_deepspeed_rank
 
     os.environ["LOCAL_SIZE"] = str(world)  # 0.14 and 0.15's CPU accelerator asks
@@ -282,32 +283,25 @@ def _save_worker(rank, world, port, out, stage, dtype):
     import deepspeed
 
     deepspeed.accelerator.get_accelerator().is_fp16_supported = lambda: True
-    model = Model()
-    optimizer = torch.optim.AdamW(model.groups(), lr=1e-3)
-    # fp16: a small first loss scale, so that the two steps do not both overflow (and skip).
-    precision = {"enabled": True, **({"initial_scale_power": 4} if dtype == "fp16" else {})}
-    config = {"train_micro_batch_size_per_gpu": 2, dtype: precision,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    gen = torch.Generator().manual_seed(100 + rank)
-    for _ in range(2):
-        x = torch.randint(0, 37, (2, 5), generator=gen)
-        loss = engine(x).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-    engine.save_checkpoint(out, tag=TAG)
-    torch.distributed.barrier()
+    for stage, dtype in kinds:
+        model = Model()
+        optimizer = torch.optim.AdamW(model.groups(), lr=1e-3)
+        # fp16: a small first loss scale, so that the two steps do not both overflow (and skip).
+        precision = {"enabled": True, **({"initial_scale_power": 4} if dtype == "fp16" else {})}
+        config = {"train_micro_batch_size_per_gpu": 2, dtype: precision,
+                  "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(2):
+            x = torch.randint(0, 37, (2, 5), generator=gen)
+            loss = engine(x).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+        engine.save_checkpoint(os.path.join(out, f"z{stage}_{dtype}"), tag=TAG)
+        torch.distributed.barrier()
+        del engine, optimizer, model
     torch.distributed.destroy_process_group()
     end_rank()
-
-
-def save_main(out, stage, world, dtype):
-    import torch.multiprocessing as mp
-
-    from reference import free_port
-
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    mp.spawn(_save_worker, args=(world, free_port(), out, stage, dtype), nprocs=world, join=True)
 
 
 _SAVED = {}
@@ -322,21 +316,31 @@ def release_path(release):
     return path
 
 
+def _kinds(release, world):
+    """What one save run writes for a release at a world size: every (stage, dtype) the tests
+    below read (one set of ranks, started once, saves them all)."""
+    if release is not None:
+        return [(2, "bf16"), (3, "bf16")]
+    return [(1, "bf16"), (2, "bf16"), (3, "bf16")] + ([(2, "fp16")] if world == 2 else [])
+
+
 def saved(tmp_path_factory, release, stage, world, dtype="bf16"):
     """A checkpoint saved by `release` (None: the venv's own), cached for the session."""
-    key = (release, stage, world, dtype)
+    key = (release, world)
+    kinds = _kinds(release, world)
+    assert (stage, dtype) in kinds, (stage, dtype, kinds)
     if key not in _SAVED:
-        out = tmp_path_factory.mktemp(f"ds_{release or 'own'}_z{stage}_w{world}_{dtype}")
+        out = tmp_path_factory.mktemp(f"ds_{release or 'own'}_w{world}")
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         rel = release_path(release)
         env["PYTHONPATH"] = os.pathsep.join(
             ([str(rel)] if rel else []) + [str(HERE)] + env.get("PYTHONPATH", "").split(os.pathsep))
         r = subprocess.run([sys.executable, str(HERE / "test_torch_file.py"), "save", str(out),
-                            str(stage), str(world), dtype], env=env, capture_output=True,
-                           text=True, timeout=600)
+                            str(world), *(f"{s}:{d}" for s, d in kinds)], env=env,
+                           capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-4000:]
         _SAVED[key] = out
-    return _SAVED[key]
+    return _SAVED[key] / f"z{stage}_{dtype}"
 
 
 def load(path):
@@ -454,10 +458,10 @@ def check_resume(ckpt, doc, world):
             elif x["target"] == "module":
                 module.setdefault(x["param"], []).append((x["dest"], data))
         for g, (w, h) in enumerate(zip(want, got)):
-            assert torch.equal(w[0], h[0]), (ckpt, world, r, g, "fp32")
-            assert torch.equal(w[1], h[1]), (ckpt, world, r, g, "exp_avg")
+            assert same_bits(w[0], h[0]), (ckpt, world, r, g, "fp32")
+            assert same_bits(w[1], h[1]), (ckpt, world, r, g, "exp_avg")
             if steps is not None:
-                assert torch.equal(seen_steps[g], steps[g].reshape(1)), (ckpt, world, r, g)
+                assert same_bits(seen_steps[g], steps[g].reshape(1)), (ckpt, world, r, g)
         assert set(module) == {"frozen", "scale"}, module.keys()
     assert total == sum(g["numel"] for g in doc["groups"])  # each element once, over all ranks
 
@@ -624,6 +628,8 @@ def test_inconsistent_checkpoint_folders_are_refused(tmp_path_factory, tmp_path)
     assert "'collections Counter'" in r.stderr and "mp_rank_00_model_states.pt" in r.stderr
 
 
-if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "save":
-    sys.path.insert(0, str(HERE))
-    save_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+if __name__ == "__main__" and len(sys.argv) >= 5 and sys.argv[1] == "save":
+    from reference import fork_deepspeed_ranks
+
+    fork_deepspeed_ranks(_save_worker, int(sys.argv[3]), sys.argv[2],
+                         [(int(k.split(":")[0]), k.split(":")[1]) for k in sys.argv[4:]])
