@@ -11,11 +11,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
-from reference import Tiny, deepspeed_flat, end_rank, free_port, tiny_model  # noqa: E402
+from reference import Tiny, deepspeed_flat, end_rank, start_ranks, tiny_model  # noqa: E402
 
 
 def check_layouts(rank, world, group):
@@ -245,4 +244,4 @@ def worker(rank, world, port):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_ranks(world):
-    mp.spawn(worker, args=(world, free_port()), nprocs=world, join=True)
+    start_ranks(worker, world)

@@ -22,7 +22,7 @@ import zeroflat  # noqa: E402
 import zeroflat.hf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from reference import end_rank, free_port, init_deepspeed_rank  # noqa: E402
+from reference import end_rank, free_port, init_deepspeed_rank, start_ranks  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -327,9 +327,8 @@ def worker(rank, world, port, path):
 @pytest.mark.parametrize("world", [1, 2])
 def test_deepspeed_adopts_the_loaded_buffers_and_trains_the_same(checkpoints, world):
     pytest.importorskip("deepspeed")
-    import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(world, free_port(), checkpoints["moe"]), nprocs=world, join=True)
+    start_ranks(worker, world, checkpoints["moe"], preload=("transformers",))
 
 
 TRAINER_SCRIPT = """

@@ -24,8 +24,8 @@ import zeroflat  # noqa: E402
 import zeroflat.hf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from reference import end_rank, init_deepspeed_rank  # noqa: E402
-from test_hf import (equal, free_port, optimizer_for, tiny_dense, tiny_moe, train,  # noqa: E402
+from reference import end_rank, init_deepspeed_rank, start_ranks  # noqa: E402
+from test_hf import (equal, optimizer_for, tiny_dense, tiny_moe, train,  # noqa: E402
                      write)
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -173,9 +173,7 @@ def equality_worker(rank, world, port, checkpoints):
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_zero3_parameters_equal_transformers_zero3(checkpoints, world):
-    import torch.multiprocessing as mp
-
-    mp.spawn(equality_worker, args=(world, free_port(), checkpoints), nprocs=world, join=True)
+    start_ranks(equality_worker, world, checkpoints, preload=("transformers",))
 
 
 # --- the Trainer, at 2 ranks ------------------------------------------------------------------
@@ -298,10 +296,7 @@ def trainer_worker(rank, world, port, checkpoints, out):
 
 
 def test_a_trainer_script_changes_one_line_under_zero3(checkpoints, tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(trainer_worker, args=(2, free_port(), checkpoints, str(tmp_path)), nprocs=2,
-             join=True)
+    start_ranks(trainer_worker, 2, checkpoints, str(tmp_path), preload=("transformers",))
 
 
 def test_zero3_argument():

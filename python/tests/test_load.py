@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zeroflat
-from reference import end_rank, free_port
+from reference import end_rank, start_ranks
 
 _ST = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 
@@ -421,9 +421,7 @@ def _rank_main(rank, world, port, fn, args):
 
 
 def run_ranks(fn, world=2, *args):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank_main, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    start_ranks(_rank_main, world, fn, args)
 
 
 class Frozen(Net):

@@ -21,7 +21,7 @@ import zeroflat  # noqa: E402
 import zeroflat.hf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from reference import end_rank, free_port, init_deepspeed_rank  # noqa: E402
+from reference import end_rank, free_port, init_deepspeed_rank, start_ranks  # noqa: E402
 from test_hf import tiny_moe, write  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -70,8 +70,6 @@ def test_copies_that_differ_are_refused_on_every_rank_under_every_stage(checkpoi
     import json
     import struct
 
-    import torch.multiprocessing as mp
-
     for rank in (0, 1):
         shutil.copytree(checkpoint, tmp_path / f"copy{rank}")
     # One byte in the middle of the largest tensor differs in rank 1's copy (its headers are the
@@ -91,7 +89,7 @@ def test_copies_that_differ_are_refused_on_every_rank_under_every_stage(checkpoi
         b = fh.read(1)
         fh.seek(at)
         fh.write(bytes([b[0] ^ 0x40]))
-    mp.spawn(copies_worker, args=(2, free_port(), str(tmp_path), None), nprocs=2, join=True)
+    start_ranks(copies_worker, 2, str(tmp_path), None, preload=("transformers",))
 
 
 def hpz_worker(rank, world, port, path):
@@ -115,9 +113,7 @@ def hpz_worker(rank, world, port, path):
 
 
 def test_refusals_come_before_deepspeed_makes_anything(checkpoint):
-    import torch.multiprocessing as mp
-
-    mp.spawn(hpz_worker, args=(2, free_port(), checkpoint), nprocs=2, join=True)
+    start_ranks(hpz_worker, 2, checkpoint, preload=("transformers",))
 
 
 def differ_worker(rank, world, port, paths):
@@ -145,8 +141,6 @@ def differ_worker(rank, world, port, paths):
 
 
 def test_ranks_that_differ_are_told_what_differs(checkpoint, tmp_path):
-    import torch.multiprocessing as mp
-
     three = write(tiny_moe().__class__(**{**tiny_moe().to_dict(), "num_hidden_layers": 3}),
                   str(tmp_path / "three"), torch.bfloat16)
-    mp.spawn(differ_worker, args=(2, free_port(), [three, checkpoint]), nprocs=2, join=True)
+    start_ranks(differ_worker, 2, [three, checkpoint], preload=("transformers",))

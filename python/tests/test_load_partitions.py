@@ -10,9 +10,8 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from reference import end_rank, free_port
+from reference import end_rank, start_ranks
 from test_load import save
 from zeroflat import _C
 from zeroflat._comm import TorchComm, comm_device
@@ -108,4 +107,4 @@ def worker(rank, world, port, path):
 
 def test_two_gloo_ranks_hold_torchs_own_slices(tmp_path):
     path = str(save(tmp_path / "model.safetensors", tensors()))
-    mp.spawn(worker, args=(2, free_port(), path), nprocs=2, join=True)
+    start_ranks(worker, 2, path)
