@@ -2,36 +2,76 @@
 # Sets up what is missing, builds, and runs every test: the Release build, then the same suite
 # built with AddressSanitizer and UndefinedBehaviorSanitizer (skip it with
 # ZEROFLAT_SKIP_SANITIZERS=1), then the model-file parsers under libFuzzer for
-# ZEROFLAT_FUZZ_SECONDS (default 60; 0 skips it).
+# ZEROFLAT_FUZZ_SECONDS (default 60; 0 skips it). ctest runs ZEROFLAT_TEST_JOBS tests at once
+# (default: twice the cores: most tests wait on processes they start as much as they compute).
+# The sanitizer and fuzzer builds compile while the Release suite runs, at the lowest CPU
+# priority, so that they take only the time its tests leave idle.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 jobs="${ZEROFLAT_JOBS:-$(nproc)}"
+test_jobs="${ZEROFLAT_TEST_JOBS:-$((2 * $(nproc)))}"
+fuzz_seconds="${ZEROFLAT_FUZZ_SECONDS:-60}"
+sanitize="$([[ "${ZEROFLAT_SKIP_SANITIZERS:-0}" != 1 ]] && echo 1 || echo 0)"
 start=$SECONDS
 
 "$here/scripts/setup.sh" "$here/build"
-echo "[test] Release build: ctest" >&2
-ctest --test-dir "$here/build" --output-on-failure --parallel "$jobs" --timeout 600
 
-if [[ "${ZEROFLAT_SKIP_SANITIZERS:-0}" != 1 ]]; then
+build_sanitize() {
   # The CUDA objects are not instrumented anyway and the Release build compiles them; their
   # host-side logic is in tests that build without CUDA. The Python binding is left out: an
-  # instrumented module cannot be loaded into an uninstrumented interpreter.
+  # instrumented module cannot be loaded into an uninstrumented interpreter. Line tables (-g1)
+  # are what the sanitizers' reports need, at a fraction of full debug information's cost.
   ZEROFLAT_BUILD_TYPE=Debug "$here/scripts/setup.sh" "$here/build-sanitize" \
     -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_WITH_CUDA=OFF -DZEROFLAT_WITH_NCCL=OFF \
-    -DZEROFLAT_WITH_PYTHON=OFF \
+    -DZEROFLAT_WITH_PYTHON=OFF -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
     "-DCMAKE_CXX_FLAGS=-O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-  echo "[test] ASan+UBSan build: ctest" >&2
-  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    ctest --test-dir "$here/build-sanitize" --output-on-failure --parallel "$jobs" --timeout 900
-fi
-fuzz_seconds="${ZEROFLAT_FUZZ_SECONDS:-60}"
-if ((fuzz_seconds > 0)); then
+}
+build_fuzz() {
   CXX=clang++ CC=clang ZEROFLAT_BUILD_TYPE=RelWithDebInfo ZEROFLAT_BUILD_TARGET=model_files_fuzz \
     "$here/scripts/setup.sh" "$here/build-fuzz" \
     -DZEROFLAT_BUILD_TESTS=OFF -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_BUILD_FUZZERS=ON \
     -DZEROFLAT_WITH_CUDA=OFF -DZEROFLAT_WITH_NCCL=OFF -DZEROFLAT_WITH_MPI=OFF \
     -DZEROFLAT_WITH_PYTHON=OFF \
     "-DCMAKE_CXX_FLAGS=-fsanitize=address,undefined,fuzzer-no-link -fno-sanitize-recover=undefined"
+}
+
+background_log="$(mktemp)"
+background=""
+if [[ "$sanitize" == 1 ]] || ((fuzz_seconds > 0)); then
+  echo "[test] the sanitizer and fuzzer builds compile in the background (nice 19)" >&2
+  set -m  # a process group of its own, so that a failure here stops its compilers too
+  (
+    renice -n 19 -p "$BASHPID" >/dev/null
+    if [[ "$sanitize" == 1 ]]; then build_sanitize; fi
+    if ((fuzz_seconds > 0)); then build_fuzz; fi
+  ) >"$background_log" 2>&1 &
+  background=$!
+  set +m
+fi
+finish_background() {
+  [[ -n "$background" ]] || return 0
+  local rc=0
+  wait "$background" || rc=$?
+  background=""
+  if ((rc != 0)); then
+    tail -60 "$background_log" >&2
+    echo "[test] the sanitizer or fuzzer build failed (exit $rc)" >&2
+    exit 1
+  fi
+}
+trap '[[ -z "$background" ]] || kill -- "-$background" 2>/dev/null; rm -f "$background_log"' EXIT
+
+echo "[test] Release build: ctest" >&2
+ctest --test-dir "$here/build" --output-on-failure --parallel "$test_jobs" --timeout 600
+echo "[test] Release suite done in $((SECONDS - start)) s; waiting for the background builds" >&2
+finish_background
+
+if [[ "$sanitize" == 1 ]]; then
+  echo "[test] ASan+UBSan build: ctest" >&2
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --test-dir "$here/build-sanitize" --output-on-failure --parallel "$test_jobs" --timeout 900
+fi
+if ((fuzz_seconds > 0)); then
   corpus="$here/build-fuzz/corpus"
   mkdir -p "$corpus"
   cp -n "$here"/tests/fuzz/corpus/* "$corpus"/
