@@ -31,14 +31,6 @@ void append(std::string& out, std::uint64_t v) {
   out.append(b, 8);
 }
 
-std::uint64_t param_signature(const TensorRef& t) {
-  std::string s;
-  append(s, t.shape.size());
-  for (std::int64_t d : t.shape) append(s, static_cast<std::uint64_t>(d));
-  append(s, static_cast<std::uint64_t>(t.dtype));
-  return checksum_serial(s.data(), s.size());
-}
-
 std::string name_of(const AgreementInput& in, std::size_t i) {
   if (i < in.names.size() && !in.names[i].empty()) return in.names[i];
   return "parameter " + std::to_string(i);
