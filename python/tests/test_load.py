@@ -98,6 +98,23 @@ class Net(torch.nn.Module):
         self.register_buffer("scratch", torch.ones(2), persistent=False)
 
 
+def test_meta_parameters_skip_random_fills_of_meta_tensors_only():
+    """Initializing a meta parameter changes nothing, so meta_parameters() skips its random
+    fills (torch's decompositions of them cost a millisecond each); a real tensor's fill runs."""
+    originals = (torch.Tensor.normal_, torch.Tensor.uniform_)
+    calls = []
+    with zeroflat.meta_parameters():
+        lin = torch.nn.Linear(4, 4)  # its reset_parameters() fills the meta weight and bias
+        torch.nn.init.normal_(lin.weight)
+        real = torch.zeros(64)
+        torch.nn.init.normal_(real, mean=5.0)
+        calls.append(torch.zeros(64).uniform_(1.0, 2.0))
+        skipping = torch.Tensor.normal_ is not originals[0]
+    assert skipping and lin.weight.is_meta and lin.bias.is_meta
+    assert bool((real != 0).all()) and bool((calls[0] >= 1.0).all())
+    assert (torch.Tensor.normal_, torch.Tensor.uniform_) == originals
+
+
 def test_load_param_groups_on_a_meta_module(tmp_path):
     torch.manual_seed(0)
     ref = Net()

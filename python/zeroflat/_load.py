@@ -106,8 +106,22 @@ def meta_parameters(zero3: Any = None):
             keep = stack.enter_context(_zero3.building(init))
         stack.enter_context(_zero3.construction_order(keep))
         stack.enter_context(patched([Patch(torch.nn.Module, "register_parameter",
-                                           hook=_register_on_meta)]))
+                                           hook=_register_on_meta)]
+                                    + [Patch(torch.Tensor, fill, hook=_skip_on_meta)
+                                       for fill in _RANDOM_FILLS]))
         yield init
+
+
+# The in-place random fills a model's initialization calls: on a meta tensor they change
+# nothing, yet torch runs them through its reference decompositions (about a millisecond each,
+# half a second for a 48-layer MoE); skipped there, as a fill of nothing.
+_RANDOM_FILLS = ("normal_", "uniform_")
+
+
+def _skip_on_meta(original, tensor, *args, **kwargs):
+    if tensor.device.type == "meta":
+        return tensor
+    return original(tensor, *args, **kwargs)
 
 
 def _register_on_meta(original, module, name, param):
@@ -291,20 +305,31 @@ def _groups_of(model: torch.nn.Module, param_groups) -> List[List[torch.nn.Param
     return out
 
 
-def _replace_everywhere(model: torch.nn.Module, old: torch.nn.Parameter,
-                        new: torch.Tensor) -> torch.nn.Parameter:
-    """Every module slot holding ``old`` now holds one new Parameter over ``new`` (so tied
-    weights stay tied). A parameter off the meta device keeps its object and takes the data."""
+def _parameter_slots(model: torch.nn.Module) -> Dict[int, List[Tuple[torch.nn.Module, str]]]:
+    """Every (module, name) slot of the model, by the id of the parameter it holds (a tied
+    parameter has several): found once for the whole model, not once per parameter."""
+    slots: Dict[int, List[Tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((module, key))
+    return slots
+
+
+def _replace_everywhere(slots: Dict[int, List[Tuple[torch.nn.Module, str]]],
+                        old: torch.nn.Parameter, new: torch.Tensor) -> torch.nn.Parameter:
+    """Every module slot holding ``old`` (``slots``: _parameter_slots of the model) now holds
+    one new Parameter over ``new`` (so tied weights stay tied). A parameter off the meta device
+    keeps its object and takes the data."""
     if old.device.type != "meta" and old.dtype == new.dtype:
         old.data = new
         return old
     param = torch.nn.Parameter(new, requires_grad=old.requires_grad)
     for k, v in vars(old).items():
         setattr(param, k, v)
-    for module in model.modules():
-        for key, p in list(module._parameters.items()):
-            if p is old:
-                module._parameters[key] = param
+    for module, key in slots.get(id(old), ()):
+        if module._parameters.get(key) is old:
+            module._parameters[key] = param
     return param
 
 
@@ -337,6 +362,7 @@ class _Flat:
 
     def finish(self, model, loaded, prep, rank: int, dp: int, master_dtype) -> list:
         out = []
+        slots = _parameter_slots(model)
         loaded_groups = [[prep.names[id(p)] for p in members]
                          for members, _, flat, _, _ in loaded if members]
         for members, report, flat_bytes, master_bytes, lay in loaded:
@@ -349,7 +375,7 @@ class _Flat:
                                          index=len(out), groups=loaded_groups,
                                          round_robin=bool(self.round_robin),
                                          model=weakref.ref(model)))
-            params = [_replace_everywhere(model, p, flat[off: off + p.numel()].view(p.shape))
+            params = [_replace_everywhere(slots, p, flat[off: off + p.numel()].view(p.shape))
                       for p, off in zip(members, lay["offsets"])]
             partition, master = partition_and_master(flat, lay, rank, master_bytes,
                                                      master_dtype)
@@ -357,7 +383,7 @@ class _Flat:
                                  tier=report["tier"], layout=lay, report=report, params=params,
                                  rank=rank, dp=dp))
         for name, p, value in prep.params:
-            _replace_everywhere(model, p, value.to(self.target))
+            _replace_everywhere(slots, p, value.to(self.target))
         for name, value in prep.buffers:
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name) if module_name else model
