@@ -4,8 +4,8 @@
 # ZEROFLAT_SKIP_SANITIZERS=1), then the model-file parsers under libFuzzer for
 # ZEROFLAT_FUZZ_SECONDS (default 60; 0 skips it). ctest runs ZEROFLAT_TEST_JOBS tests at once
 # (default: twice the cores: most tests wait on processes they start as much as they compute).
-# The sanitizer and fuzzer builds compile while the Release suite runs, at the lowest CPU
-# priority, so that they take only the time its tests leave idle.
+# The sanitizer build (Clang; the fuzz target is one of its targets) compiles while the Release
+# suite runs, at the lowest CPU priority, so that it takes only the time its tests leave idle.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 jobs="${ZEROFLAT_JOBS:-$(nproc)}"
@@ -17,33 +17,33 @@ start=$SECONDS
 "$here/scripts/setup.sh" "$here/build"
 
 build_sanitize() {
-  # The CUDA objects are not instrumented anyway and the Release build compiles them; their
-  # host-side logic is in tests that build without CUDA. The Python binding is left out: an
-  # instrumented module cannot be loaded into an uninstrumented interpreter. Line tables (-g1)
-  # are what the sanitizers' reports need, at a fraction of full debug information's cost.
-  ZEROFLAT_BUILD_TYPE=Debug "$here/scripts/setup.sh" "$here/build-sanitize" \
-    -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_WITH_CUDA=OFF -DZEROFLAT_WITH_NCCL=OFF \
-    -DZEROFLAT_WITH_PYTHON=OFF -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
-    "-DCMAKE_CXX_FLAGS=-O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-}
-build_fuzz() {
-  CXX=clang++ CC=clang ZEROFLAT_BUILD_TYPE=RelWithDebInfo ZEROFLAT_BUILD_TARGET=model_files_fuzz \
-    "$here/scripts/setup.sh" "$here/build-fuzz" \
-    -DZEROFLAT_BUILD_TESTS=OFF -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_BUILD_FUZZERS=ON \
-    -DZEROFLAT_WITH_CUDA=OFF -DZEROFLAT_WITH_NCCL=OFF -DZEROFLAT_WITH_MPI=OFF \
-    -DZEROFLAT_WITH_PYTHON=OFF \
-    "-DCMAKE_CXX_FLAGS=-fsanitize=address,undefined,fuzzer-no-link -fno-sanitize-recover=undefined"
+  # One Clang build for both: the suite under ASan and UBSan, every object also instrumented for
+  # libFuzzer's coverage (fuzzer-no-link), and the fuzz target linked with libFuzzer. The CUDA
+  # objects are not instrumented anyway and the Release build compiles them; their host-side
+  # logic is in tests that build without CUDA. The Python binding is left out: an instrumented
+  # module cannot be loaded into an uninstrumented interpreter. Line tables (-g1) are what the
+  # reports need, at a fraction of full debug information's cost. UBSan's `function` check is
+  # off: the test stubs of the CUDA libraries, which the library dlopens, declare the entry
+  # points with types of their own (the real libraries are not instrumented).
+  local cache="$here/build-sanitize/CMakeCache.txt"
+  if [[ -f "$cache" ]] && ! grep -q "^CMAKE_CXX_COMPILER:[A-Z]*=.*clang" "$cache"; then
+    rm -rf "$here/build-sanitize"  # configured with another compiler, which cannot change in place
+  fi
+  CXX=clang++ CC=clang ZEROFLAT_BUILD_TYPE=Debug ZEROFLAT_BUILD_TARGET="${1:-}" \
+    "$here/scripts/setup.sh" "$here/build-sanitize" \
+    -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_BUILD_FUZZERS=ON -DZEROFLAT_WITH_CUDA=OFF \
+    -DZEROFLAT_WITH_NCCL=OFF -DZEROFLAT_WITH_PYTHON=OFF -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
+    "-DCMAKE_CXX_FLAGS=-O1 -fsanitize=address,undefined,fuzzer-no-link -fno-sanitize=function -fno-sanitize-recover=all -fno-omit-frame-pointer"
 }
 
 background_log="$(mktemp)"
 background=""
 if [[ "$sanitize" == 1 ]] || ((fuzz_seconds > 0)); then
-  echo "[test] the sanitizer and fuzzer builds compile in the background (nice 19)" >&2
+  echo "[test] the sanitizer build (with the fuzz target) compiles in the background (nice 19)" >&2
   set -m  # a process group of its own, so that a failure here stops its compilers too
   (
     renice -n 19 -p "$BASHPID" >/dev/null
-    if [[ "$sanitize" == 1 ]]; then build_sanitize; fi
-    if ((fuzz_seconds > 0)); then build_fuzz; fi
+    if [[ "$sanitize" == 1 ]]; then build_sanitize; else build_sanitize model_files_fuzz; fi
   ) >"$background_log" 2>&1 &
   background=$!
   set +m
@@ -55,7 +55,7 @@ finish_background() {
   background=""
   if ((rc != 0)); then
     tail -60 "$background_log" >&2
-    echo "[test] the sanitizer or fuzzer build failed (exit $rc)" >&2
+    echo "[test] the sanitizer build failed (exit $rc)" >&2
     exit 1
   fi
 }
@@ -72,13 +72,14 @@ if [[ "$sanitize" == 1 ]]; then
     ctest --test-dir "$here/build-sanitize" --output-on-failure --parallel "$test_jobs" --timeout 900
 fi
 if ((fuzz_seconds > 0)); then
-  corpus="$here/build-fuzz/corpus"
+  corpus="$here/build-sanitize/corpus"
   mkdir -p "$corpus"
   cp -n "$here"/tests/fuzz/corpus/* "$corpus"/
   echo "[test] fuzzing the model-file parsers for ${fuzz_seconds} s" >&2
-  "$here/build-fuzz/model_files_fuzz" -max_total_time="$fuzz_seconds" -max_len=8192 \
-    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$corpus" 2>"$here/build-fuzz/fuzz.log" ||
-    { tail -40 "$here/build-fuzz/fuzz.log" >&2; echo "[test] the fuzzer found a problem" >&2; exit 1; }
-  grep -E "^(Done|stat::number_of_executed_units)" "$here/build-fuzz/fuzz.log" >&2 || true
+  fuzz_log="$here/build-sanitize/fuzz.log"
+  "$here/build-sanitize/model_files_fuzz" -max_total_time="$fuzz_seconds" -max_len=8192 \
+    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$corpus" 2>"$fuzz_log" ||
+    { tail -40 "$fuzz_log" >&2; echo "[test] the fuzzer found a problem" >&2; exit 1; }
+  grep -E "^(Done|stat::number_of_executed_units)" "$fuzz_log" >&2 || true
 fi
 echo "[test] all suites passed in $((SECONDS - start)) s" >&2

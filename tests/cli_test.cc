@@ -18,6 +18,7 @@
 #include <string>
 
 #include "cli_run.h"
+#include "sanitizers.h"
 #include "zeroflat/hardware.h"
 #include "zeroflat/size.h"
 
@@ -728,7 +729,7 @@ TEST(CliHostile, InspectPrintsNamesFromFilesAsPrintableText) {
             "evil\x1b[31mred\x07");
 }
 
-#if !defined(__SANITIZE_ADDRESS__)
+#if !ZEROFLAT_TEST_ASAN
 // (Builds nine million tensor specs: a minute under AddressSanitizer, which adds nothing here.)
 TEST(CliHostile, AConfigWhoseSizesOverflowIsRefused) {
   const std::string cfg =
@@ -803,7 +804,7 @@ TEST(CliHostile, ACorruptedBufferIsNeverASuccessEvenUnverified) {
   EXPECT_EQ(doc["ranks"][0]["verified"], false);
 }
 
-#if !defined(__SANITIZE_ADDRESS__)
+#if !ZEROFLAT_TEST_ASAN
 // A process whose threads the system refuses (an address-space limit here; a process limit in
 // containers): exit 1 with the reason, after the threads already started are joined: never a
 // hang, never an abort. (AddressSanitizer needs more address space than this limit leaves.)

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cli_run.h"
+#include "sanitizers.h"
 
 namespace {
 
@@ -122,7 +123,7 @@ TEST(MpiRun, RanksLaunchedWithDifferentOptionsAllRefuse) {
 // with exit 4 and a report of what it holds (rolled back, recovered, or the layout bytes it kept).
 // OpenMPI ends the whole job when a process dies unless told otherwise; a job that wants its
 // survivors to report says so (orte_abort_on_non_zero_status 0, orte_enable_recovery 1).
-#if !defined(__SANITIZE_ADDRESS__)
+#if !ZEROFLAT_TEST_ASAN
 // (Twenty-seven MPI jobs: the Release suite runs it; the sanitizers check the same code paths in
 // FaultsAtEveryStepRollBackOnEveryProcess.)
 TEST(MpiRun, ARankKilledAtAnyStepLeavesTheOthersReportingWithinTheTimeout) {

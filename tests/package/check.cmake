@@ -6,8 +6,8 @@
 #                      with add_subdirectory (the optional backends off: the core is what a
 #                      consumer builds on, and this keeps the check quick).
 # Other arguments: -DWORK_DIR= -DSOURCE_DIR= (this folder) -DCXX_FLAGS= (the build's own
-# flags, so that a sanitizer build's library links) -DLAUNCHER= (a compiler launcher, or empty)
-# -DGENERATOR= (the build's own).
+# flags, so that a sanitizer build's library links) -DCXX_COMPILER= (the build's own, which
+# those flags are for) -DLAUNCHER= (a compiler launcher, or empty) -DGENERATOR= (the build's own).
 file(REMOVE_RECURSE "${WORK_DIR}")
 function(run)
   execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -22,6 +22,9 @@ if(GENERATOR)
 endif()
 if(LAUNCHER)
   list(APPEND common_args "-DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER}")
+endif()
+if(CXX_COMPILER)
+  list(APPEND common_args "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
 endif()
 if(MODE STREQUAL "package")
   run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
