@@ -4,12 +4,14 @@ for a scaled-down Qwen3-30B-A3B-shaped model (random weights), at 1 and 2 ranks 
     PYTHONPATH=build/python .venv/bin/python benchmarks/deepspeed_init_bench.py [--layers 2]
         [--experts 8] [--vocab 32768] [--ranks 1,2] [--repeat 5] [--warm-gib 8] [--json]
 
-Each rank times deepspeed.initialize between barriers, and the flatten step inside it, plain
-DeepSpeed then the drop-in, in a fresh set of processes per round, the median (or --stat best)
-of --repeat; the script
-prints per rank count
-the slowest rank's times and their ratio (plain / drop-in: above 1 means the drop-in is faster). On the CPU, DeepSpeed's flatten is
+Each rank times deepspeed.initialize between barriers, and the flatten step inside it (entered
+by the ranks together, after an untimed barrier, so that neither way counts the ranks' skew),
+plain DeepSpeed then the drop-in, in a fresh set of processes per round, the median (or --stat
+best) of --repeat; the script prints per rank count the slowest rank's times and their ratio
+(plain / drop-in: above 1 means the drop-in is faster). On the CPU, DeepSpeed's flatten is
 torch.cat run by every rank with torch's threads; zeroflat splits the cores among the ranks.
+--vocab 151936 gives a shape whose bytes sit mostly in two large tensors (the embedding and the
+head).
 """
 
 import argparse
@@ -78,6 +80,11 @@ def worker(rank, world, port, args, out):
 
     def timed(fn):  # the flatten step inside initialize, whichever implementation is in place
         def wrapper(*a, **k):
+            # The ranks enter together (untimed, both ways): the drop-in's flatten starts with a
+            # collective, which would otherwise count the ranks' skew before it (DeepSpeed's own
+            # ranks wait for each other later, in its broadcast).
+            if world > 1:
+                dist.barrier()
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
