@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,17 +47,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PHASES = ("import", "config", "model", "open", "prepare", "library", "read", "allgather",
           "finish", "load")
-
-
-def drop_cache(path):
-    """Every file of the checkpoint written back and dropped from the page cache."""
-    for name in os.listdir(path):
-        fd = os.open(os.path.join(path, name), os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def sequential_read(path):
@@ -72,12 +60,6 @@ def sequential_read(path):
             while f.readinto(buf):
                 pass
     return time.perf_counter() - start
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_checkpoint(cli, path, args):
@@ -224,6 +206,9 @@ def main():
     ranks = [int(r) for r in args.ranks.split(",") if r]
 
     import torch.multiprocessing as mp
+
+    sys.path.insert(0, HERE)
+    from hf_load_bench import drop_cache, free_port
 
     tmp = None
     path = args.dir
