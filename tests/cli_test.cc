@@ -259,6 +259,9 @@ TEST(Cli, RunBadInputExits2BeforeAnyWork) {
   Result env = run("run --model tiny-moe", "ZEROFLAT_NUM_THREADS=lots");
   EXPECT_EQ(env.code, 2);
   EXPECT_NE(env.err.find("ZEROFLAT_NUM_THREADS='lots'"), std::string::npos) << env.err;
+  Result ahead = run("run --model tiny-moe", "ZEROFLAT_READ_AHEAD=some");
+  EXPECT_EQ(ahead.code, 2);
+  EXPECT_NE(ahead.err.find("ZEROFLAT_READ_AHEAD='some'"), std::string::npos) << ahead.err;
 }
 
 }  // namespace

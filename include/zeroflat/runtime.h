@@ -25,6 +25,13 @@ struct RuntimeEnv {
   // then allocates as "plain"). None: the default of each caller (HostMemory below).
   enum class HostMemory : std::uint8_t { kHuge, kPlain, kTorch };
   std::optional<HostMemory> host_memory;
+  // ZEROFLAT_READ_AHEAD: how a checkpoint's files are read ahead. "exact" (the default): the
+  // kernel's own read-ahead off (POSIX_FADV_RANDOM) and the reader asking ahead for exactly the
+  // pieces it will read next (POSIX_FADV_WILLNEED), so that a rank reads its bytes and no
+  // others; "kernel": the kernel's read-ahead, which reads past the end of each run of a rank's
+  // bytes into another rank's (off only for a rank's many short runs).
+  enum class ReadAhead : std::uint8_t { kExact, kKernel };
+  ReadAhead read_ahead = ReadAhead::kExact;
 };
 
 // The environment as read at first call. Throws InvalidArgument naming the variable when one is

@@ -56,9 +56,20 @@ std::optional<RuntimeEnv::HostMemory> host_memory_env() {
                         "': expected huge, plain or torch (unset it for the default)");
 }
 
+RuntimeEnv::ReadAhead read_ahead_env() {
+  const char* v = std::getenv("ZEROFLAT_READ_AHEAD");
+  if (v == nullptr || *v == '\0') return RuntimeEnv::ReadAhead::kExact;
+  const std::string s = v;
+  if (s == "exact") return RuntimeEnv::ReadAhead::kExact;
+  if (s == "kernel") return RuntimeEnv::ReadAhead::kKernel;
+  throw InvalidArgument("ZEROFLAT_READ_AHEAD='" + s +
+                        "': expected exact or kernel (unset it for the default, exact)");
+}
+
 RuntimeEnv read_env() {
   RuntimeEnv env;
   env.host_memory = host_memory_env();
+  env.read_ahead = read_ahead_env();
   env.num_threads = positive_env("ZEROFLAT_NUM_THREADS");
   env.local_ranks = positive_env("ZEROFLAT_LOCAL_RANKS");
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"}) {

@@ -1,4 +1,6 @@
 // safetensors headers: 8 bytes of little-endian length n, then n bytes of JSON, then the data.
+#include <fcntl.h>
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -9,6 +11,7 @@
 #include "model/strict_json.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
+#include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat {
@@ -200,6 +203,11 @@ SafetensorsHeader parse_safetensors_header(std::span<const unsigned char> head,
 SafetensorsHeader read_safetensors_header(const std::string& path) {
   const detail::File file(path);  // regular files only: a FIFO would block or never end
   const std::uint64_t file_size = file.size();
+  // The kernel's read-ahead would read the first megabytes of tensors with the header, which
+  // under ZeRO are mostly another rank's (ZEROFLAT_READ_AHEAD, runtime.h).
+  if (runtime_env().read_ahead == RuntimeEnv::ReadAhead::kExact) {
+    (void)posix_fadvise(file.fd(), 0, 0, POSIX_FADV_RANDOM);
+  }
   std::vector<unsigned char> head(std::min<std::uint64_t>(file_size, 8));
   file.read_at(head.data(), head.size(), 0);
   if (head.size() == 8) {

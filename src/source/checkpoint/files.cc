@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "common/convert.h"
+#include "zeroflat/runtime.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 
@@ -86,7 +87,10 @@ std::uint64_t source_bytes(const std::vector<Read>& reads) {
   return bytes;
 }
 
-OpenFiles::OpenFiles(const CheckpointIndex& ck) : ck_(ck), open_(ck.files.size()) {
+OpenFiles::OpenFiles(const CheckpointIndex& ck)
+    : ck_(ck),
+      open_(ck.files.size()),
+      exact_(runtime_env().read_ahead == RuntimeEnv::ReadAhead::kExact) {
   rlimit lim{};
   std::uint64_t budget = 1024;
   if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
@@ -95,12 +99,13 @@ OpenFiles::OpenFiles(const CheckpointIndex& ck) : ck_(ck), open_(ck.files.size()
   keep_ = static_cast<std::size_t>(std::clamp<std::uint64_t>(budget / 8, 4, 64));
 }
 
-void OpenFiles::advise_scattered(bool scattered) {
+void OpenFiles::advise_reads(bool scattered) {
+  const bool random = exact_ || scattered;
   std::lock_guard<std::mutex> lock(mutex_);
-  if (scattered == scattered_) return;
-  scattered_ = scattered;
+  if (random == random_) return;
+  random_ = random;
   for (const std::shared_ptr<const File>& f : open_) {
-    if (f) (void)posix_fadvise(f->fd(), 0, 0, scattered ? POSIX_FADV_RANDOM : POSIX_FADV_NORMAL);
+    if (f) (void)posix_fadvise(f->fd(), 0, 0, random ? POSIX_FADV_RANDOM : POSIX_FADV_NORMAL);
   }
 }
 
@@ -133,7 +138,7 @@ std::shared_ptr<const File> OpenFiles::get(std::uint32_t i) {
     throw;
   }
   if (f->size() < ck_.file_bytes[i]) throw truncated(ck_, i, f->size());
-  if (scattered_) (void)posix_fadvise(f->fd(), 0, 0, POSIX_FADV_RANDOM);
+  if (random_) (void)posix_fadvise(f->fd(), 0, 0, POSIX_FADV_RANDOM);
   open_[i] = f;
   lru_.push_back(i);
   return f;
@@ -219,10 +224,27 @@ void Reader::fill(unsigned char* dst, std::uint64_t n, const std::vector<Read>& 
       pieces.push_back(Piece{&r, s, std::min(step, r.src_bytes - s)});
     }
   }
+  // Exact read-ahead: with the kernel's own off, the pieces a thread will take next are asked
+  // for now (each thread one piece ahead of its current one), so the disk always has the next
+  // reads queued and never a byte outside them.
+  const std::size_t ahead = files_.exact() ? pool_.size() : 0;
+  const auto prefetch = [&](std::size_t k) {
+    if (k >= pieces.size()) return;
+    const Piece& p = pieces[k];
+    try {
+      (void)posix_fadvise(files_.get(p.read->file)->fd(),
+                          static_cast<off_t>(p.read->src + p.skip),
+                          static_cast<off_t>(p.bytes), POSIX_FADV_WILLNEED);
+    } catch (const std::exception&) {
+      // Only advice: the read itself reports what is wrong with the file.
+    }
+  };
+  for (std::size_t k = 0; k < ahead; ++k) prefetch(k);
   std::atomic<std::size_t> next{0};
   pool_.run([&](unsigned) {
     std::vector<unsigned char> scratch;
     for (std::size_t k = next++; k < pieces.size() && !failed_; k = next++) {
+      if (ahead > 0) prefetch(k + ahead);
       const Piece& p = pieces[k];
       const Read& r = *p.read;
       const std::uint64_t fes = element_size(r.from);

@@ -51,11 +51,15 @@ class OpenFiles {
  public:
   explicit OpenFiles(const CheckpointIndex& ck);
 
-  // scattered: the reads to come are many short ranges spread over each file (a range of every
-  // tensor), so the kernel's read-ahead is turned off (POSIX_FADV_RANDOM): past the end of each
-  // range it would read the start of another rank's, which that rank reads itself. Applies to
-  // the files open now and to those opened later.
-  void advise_scattered(bool scattered);
+  // How the reads to come are read ahead (ZEROFLAT_READ_AHEAD, runtime.h). Exact (the default):
+  // the kernel's read-ahead is off for every file (POSIX_FADV_RANDOM), and the Reader asks for
+  // exactly the pieces it reads next (POSIX_FADV_WILLNEED): past the end of a run of a rank's
+  // bytes the kernel would read the start of another rank's, which that rank reads itself.
+  // Kernel: the kernel's read-ahead, off only when `scattered` (many short ranges spread over
+  // each file, a range of every tensor). Applies to the files open now and to those opened later.
+  void advise_reads(bool scattered);
+  // Whether the Reader asks ahead for its pieces (exact read-ahead).
+  bool exact() const { return exact_; }
 
   // File i, open; it stays open at least while the returned pointer lives. Throws
   // ResourceExhausted when the system refuses a descriptor, InvalidArgument when the file is
@@ -70,7 +74,8 @@ class OpenFiles {
   std::vector<std::shared_ptr<const File>> open_;
   std::list<std::uint32_t> lru_;
   std::size_t keep_ = 64;
-  bool scattered_ = false;
+  bool random_ = false;
+  const bool exact_;
 };
 
 // Every file of the checkpoint is there and as long as its header says: checked without opening

@@ -226,9 +226,10 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
   report_.reads = reads.size();
   report_.bytes = source_bytes(reads);
   if (!device_.keeps_data()) return;
-  // Many short ranges (a slice of every tensor) would each pull the kernel's read-ahead past
-  // their end into bytes another rank reads.
-  files_.advise_scattered(reads.size() > 1 && report_.bytes / reads.size() < (8u << 20));
+  // The kernel's read-ahead would read past the end of each range into bytes another rank
+  // reads: off by default, and under ZEROFLAT_READ_AHEAD=kernel still off for many short ranges
+  // (a slice of every tensor).
+  files_.advise_reads(reads.size() > 1 && report_.bytes / reads.size() < (8u << 20));
   report_.cached_fraction = cached_fraction_of(ck_, reads);
   report_.page_cache = page_cache_word(report_.cached_fraction);
   const auto t0 = Clock::now();
