@@ -2,6 +2,8 @@
 #include "device/host_kernels.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -80,6 +82,76 @@ TEST(HostKernels, GatherRangeEqualsNaiveForAnySplit) {
       }
     }
   }
+}
+
+// Ordinary stores go in 64 KiB pieces: copies and gathers across many piece boundaries, at odd
+// offsets, still equal the obvious copy.
+TEST(HostKernels, OrdinaryCopiesAndGathersAcrossPieces) {
+  std::mt19937_64 rng(7);
+  std::vector<unsigned char> pool(1 << 20);
+  for (auto& b : pool) b = static_cast<unsigned char>(rng());
+  std::vector<unsigned char> dst((1 << 20) + 64, 0xEE);
+  copy_ordinary(dst.data() + 3, pool.data() + 5, (1 << 20) - 5);
+  ASSERT_EQ(0, std::memcmp(dst.data() + 3, pool.data() + 5, (1 << 20) - 5));
+  EXPECT_EQ(dst[2], 0xEE);
+  EXPECT_EQ(dst[3 + (1 << 20) - 5], 0xEE);
+  for (int iter = 0; iter < 20; ++iter) {
+    std::vector<Segment> segs;
+    std::uint64_t at = rng() % 5;
+    for (int k = 0; k < 12; ++k) {
+      const std::uint64_t len = rng() % 150000;
+      segs.push_back(Segment{pool.data() + rng() % 100000, at, len});
+      at += len + (rng() % 2 == 0 ? rng() % 70000 : 0);
+    }
+    const std::uint64_t n = at + rng() % 1000;
+    const std::vector<unsigned char> want = naive_gather(n, segs);
+    std::vector<unsigned char> got(n + 1, 0xCD);
+    const std::uint64_t cut = rng() % (n + 1);
+    gather_range(got.data(), segs, 0, cut, false);
+    gather_range(got.data(), segs, cut, n, false);
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), n)) << "iter " << iter;
+    ASSERT_EQ(got[n], 0xCD);
+  }
+}
+
+// Memory just mapped is told from memory written, which decides how a destination is written.
+TEST(HostKernels, UntouchedMemoryIsToldFromWrittenMemory) {
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  const std::size_t n = 256 * page;
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  EXPECT_TRUE(mostly_untouched(p, n));
+  std::memset(p, 1, n / 4);  // a quarter written: still mostly untouched
+  EXPECT_TRUE(mostly_untouched(p, n));
+  std::memset(p, 1, n);
+  EXPECT_FALSE(mostly_untouched(p, n));
+  EXPECT_FALSE(use_streaming_stores(p, 0));
+  munmap(p, n);
+  // Too short to sample, or not memory at all: not untouched.
+  std::vector<unsigned char> small(4 * page);
+  EXPECT_FALSE(mostly_untouched(small.data(), small.size()));
+  EXPECT_FALSE(mostly_untouched(p, n));  // unmapped now: mincore fails
+  // The device's gather into a fresh buffer larger than any cache writes every byte right.
+  CpuDevice dev(DeviceOptions{2});
+  const std::uint64_t big = std::uint64_t{300} << 20;
+  std::vector<unsigned char> src(std::uint64_t{1} << 20);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 13 + 5);
+  std::vector<Segment> segs;
+  for (std::uint64_t at = 0; at + src.size() <= big; at += src.size() + 4096) {
+    segs.push_back(Segment{src.data(), at, src.size()});
+  }
+  auto* out = static_cast<unsigned char*>(dev.allocate(big));
+  ASSERT_TRUE(mostly_untouched(out, big));
+  dev.gather(out, big, segs);
+  for (const Segment& sg : segs) {
+    ASSERT_EQ(0, std::memcmp(out + sg.dst_offset, src.data(), src.size())) << sg.dst_offset;
+    if (sg.dst_offset + sg.num_bytes < big) ASSERT_EQ(out[sg.dst_offset + sg.num_bytes], 0);
+  }
+  auto* copy = static_cast<unsigned char*>(dev.allocate(big));
+  dev.copy(copy, out, big);
+  EXPECT_EQ(0, std::memcmp(copy, out, big));
+  dev.release(copy, big);
+  dev.release(out, big);
 }
 
 TEST(HostKernels, SegmentContractIsChecked) {

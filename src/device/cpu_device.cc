@@ -116,7 +116,7 @@ void CpuDevice::parallel(const std::function<void(unsigned)>& fn) {
 void CpuDevice::gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) {
   check_gather_segments(dst, num_bytes, segments);
   auto* out = static_cast<unsigned char*>(dst);
-  const bool streaming = use_streaming_stores(num_bytes);
+  const bool streaming = use_streaming_stores(out, num_bytes);
   const unsigned parts = pool_.size();
   // Split by destination bytes, not by segment: one huge tensor and many tiny ones both keep
   // every thread busy, and each thread writes (and first-touches) one contiguous range.
@@ -129,10 +129,18 @@ void CpuDevice::gather(void* dst, std::uint64_t num_bytes, std::span<const Segme
 
 void CpuDevice::memcpy_parallel(void* dst, const void* src, std::uint64_t num_bytes) {
   const unsigned parts = pool_.size();
+  // Into memory never touched, ordinary stores (see use_streaming_stores); else memcpy's own
+  // choice.
+  const bool untouched = mostly_untouched(dst, num_bytes);
   parallel([&](unsigned t) {
     Range r = split_range(num_bytes, parts, t, kGrain);
-    std::memcpy(static_cast<unsigned char*>(dst) + r.begin,
-                static_cast<const unsigned char*>(src) + r.begin, r.end - r.begin);
+    auto* to = static_cast<unsigned char*>(dst) + r.begin;
+    const auto* from = static_cast<const unsigned char*>(src) + r.begin;
+    if (untouched) {
+      copy_ordinary(to, from, r.end - r.begin);
+    } else {
+      std::memcpy(to, from, r.end - r.begin);
+    }
   });
 }
 

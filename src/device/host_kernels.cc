@@ -1,6 +1,7 @@
 // Host memory kernels: streaming copies and fills, the per-thread gather.
 #include "device/host_kernels.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +19,9 @@ constexpr std::size_t kLine = 64;
 // Below this size a segment is copied with ordinary stores: the streaming body would be a few
 // lines at most, and the head and tail already use ordinary stores.
 constexpr std::size_t kStreamMin = 256;
+// Ordinary stores go in pieces of this many bytes: glibc's memcpy and memset switch to streaming
+// stores themselves for a single call past a share of the cache.
+constexpr std::uint64_t kPlainPiece = std::uint64_t{64} << 10;
 
 #if ZEROFLAT_X86
 void stream_copy_body(unsigned char* dst, const unsigned char* src, std::size_t n) noexcept {
@@ -83,6 +87,14 @@ void copy_bytes(void* dst_v, const void* src_v, std::size_t n, bool streaming) n
   (void)streaming;
 #endif
   std::memcpy(dst, src, n);
+}
+
+void copy_ordinary(void* dst_v, const void* src_v, std::size_t n) noexcept {
+  auto* dst = static_cast<unsigned char*>(dst_v);
+  const auto* src = static_cast<const unsigned char*>(src_v);
+  for (std::size_t at = 0; at < n; at += kPlainPiece) {
+    std::memcpy(dst + at, src + at, std::min<std::size_t>(kPlainPiece, n - at));
+  }
 }
 
 void zero_bytes(void* dst_v, std::size_t n, bool streaming) noexcept {
@@ -211,7 +223,13 @@ void gather_range(unsigned char* dst, std::span<const Segment> segments, std::ui
     }
   }
 #endif
-  gather_plain(dst, segments, begin, end, streaming);
+  if (streaming) {
+    gather_plain(dst, segments, begin, end, true);
+    return;
+  }
+  for (std::uint64_t lo = begin; lo < end; lo += kPlainPiece) {
+    gather_plain(dst, segments, lo, std::min(end, lo + kPlainPiece), false);
+  }
 }
 
 void check_gather_segments(const void* dst, std::uint64_t num_bytes,
@@ -249,7 +267,9 @@ void check_gather_segments(const void* dst, std::uint64_t num_bytes,
   }
 }
 
-bool use_streaming_stores(std::uint64_t num_bytes) noexcept {
+namespace {
+
+bool streaming_size(std::uint64_t num_bytes) noexcept {
   // Past the last-level cache, ordinary stores cost a read of every destination line as well
   // as the write; streaming stores skip that read.
   static const std::uint64_t threshold = [] {
@@ -261,5 +281,31 @@ bool use_streaming_stores(std::uint64_t num_bytes) noexcept {
   }();
   return num_bytes >= threshold;
 }
+
+}  // namespace
+
+bool mostly_untouched(const void* p, std::uint64_t n) noexcept {
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (page_size <= 0) return false;
+  const auto page = static_cast<std::uintptr_t>(page_size);
+  constexpr std::uintptr_t kSamples = 16;
+  const std::uintptr_t lo = (reinterpret_cast<std::uintptr_t>(p) + page - 1) / page * page;
+  const std::uintptr_t hi = (reinterpret_cast<std::uintptr_t>(p) + n) / page * page;
+  if (hi <= lo || (hi - lo) / page < kSamples) return false;
+  const std::uintptr_t pages = (hi - lo) / page;
+  std::uintptr_t untouched = 0;
+  for (std::uintptr_t i = 0; i < kSamples; ++i) {
+    unsigned char resident = 0;
+    const std::uintptr_t at = lo + (pages - 1) * i / (kSamples - 1) * page;
+    if (mincore(reinterpret_cast<void*>(at), page, &resident) != 0) return false;
+    if ((resident & 1) == 0) ++untouched;
+  }
+  return untouched * 2 > kSamples;
+}
+
+bool use_streaming_stores(const void* dst, std::uint64_t num_bytes) noexcept {
+  return streaming_size(num_bytes) && !mostly_untouched(dst, num_bytes);
+}
+
 
 }  // namespace zeroflat::detail
