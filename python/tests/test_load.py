@@ -569,6 +569,42 @@ def test_a_rank_that_dies_is_named_by_the_others(tmp_path):
     run_ranks(check_a_gone_peer_is_named, 2, save(tmp_path / "net.safetensors", state))
 
 
+def check_a_late_peer_is_named_with_its_progress(rank, world, group, path):
+    """A rank still working when the others' wait for it runs out (the process group's timeout,
+    3 s here): the others' CommError names it with the last progress it reported through the
+    store (each rank leaves one when its load starts and every 10 s after)."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from zeroflat import _comm
+
+    short = dist.new_group(ranks=[0, 1], timeout=datetime.timedelta(seconds=3), backend="gloo")
+    if rank == 1:
+        agree = _comm.TorchComm.all_reduce
+
+        def late(self, *args):
+            time.sleep(9)  # past the others' timeout and their 3 s look for marks
+            return agree(self, *args)
+        _comm.TorchComm.all_reduce = late
+    with zeroflat.meta_parameters():
+        model = Net()
+    with pytest.raises(zeroflat.CommError) as e:
+        zeroflat.load_param_groups(model, path, short, device="cpu", deepspeed=None)
+    if rank == 0:
+        text = str(e.value)
+        assert "rank 1 of the group is presumably gone" in text, text
+        assert "rank 1 last reported" in text and "net.safetensors: read 0 B" in text, text
+
+
+def test_a_late_rank_is_named_with_its_progress(tmp_path):
+    _, state = _state()
+    state = {k: v for k, v in state.items() if k != "extra"}
+    run_ranks(check_a_late_peer_is_named_with_its_progress, 2,
+              save(tmp_path / "net.safetensors", state))
+
+
 def _documented_fields(function):
     """The fields include/zeroflat/report.h lists for one of its result documents, and those of
     them it says are there "only when"."""

@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import _shm
+from . import _progress, _shm
 from ._errors import CommError
 
 U64_MAX = 2**64 - 1
@@ -78,6 +78,13 @@ def failure_words(what: str, group, tag: str, error: BaseException) -> str:
         who = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} of the group "
                f"{'are' if len(gone) > 1 else 'is'} presumably gone (no answer through the "
                f"process group's store within {_ALIVE_SECONDS:.0f} s; its log says why)")
+        # What each of them last said of its progress: a rank still reading when the others'
+        # wait ran out is late, not gone, and this says how far it had got.
+        ranks = dist.get_process_group_ranks(group)
+        said = [(r, _progress.last_beat(ranks[r])) for r in gone]
+        said = [f"rank {r} last reported {text}" for r, text in said if text]
+        if said:
+            who += "; " + "; ".join(said)
     else:
         who = "every other rank still answers through the process group's store"
     return (f"{what} over the {size} ranks of the process group failed on rank {rank}: {who}; "

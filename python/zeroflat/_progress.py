@@ -70,6 +70,40 @@ def check_callback(progress) -> None:
                         "zeroflat.Progress")
 
 
+def _progress_key(rank: int) -> str:
+    return f"zeroflat/progress/{rank}"
+
+
+def beat(text: str) -> None:
+    """This rank's last word on its progress, with the time, in the default process group's
+    store (nothing where there is none)."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        store = dist.distributed_c10d._get_default_store()
+        store.set(_progress_key(dist.get_rank()), f"{time.time():.3f} {text}")
+    except Exception:  # noqa: BLE001 - only a help for another rank's error message
+        pass
+
+
+def last_beat(rank: int) -> Optional[str]:
+    """Rank ``rank``'s (a rank of the job) last word on its progress and how long ago it said
+    it, or None when it left none."""
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        key = _progress_key(rank)
+        if not store.check([key]):
+            return None
+        when, _, text = store.get(key).decode("utf-8", "replace").partition(" ")
+        return f"{max(0.0, time.time() - float(when)):.0f} s before: {text}"
+    except Exception:  # noqa: BLE001
+        return None
+
+
 class Watch:
     """Reports the reads counted in ``counts`` (the ``_C.ReadProgress`` the loads are given)
     from a thread of its own while the ``with`` block runs."""
@@ -88,6 +122,7 @@ class Watch:
 
     def __enter__(self) -> "Watch":
         self._start = time.monotonic()
+        self._beat()
         self._thread = threading.Thread(target=self._run, name="zeroflat-progress", daemon=True)
         self._thread.start()
         return self
@@ -100,6 +135,8 @@ class Watch:
         # reported on.
         if kind is None and (self._reported or self.callback is not None):
             self._report(finished=True, log_it=self._reported)
+        if kind is None:
+            self._beat(finished=True)
 
     def report(self, finished: bool = False) -> Progress:
         done, total = int(self.counts.done), int(self.counts.total)
@@ -125,6 +162,16 @@ class Watch:
                 log.exception("zeroflat: the progress callback raised; it is not called again")
                 self.callback = None
 
+    def _beat(self, finished: bool = False) -> None:
+        """Leaves this rank's progress in the process group's store, where the other ranks read
+        it when a wait for this one fails (``_comm.failure_words``): a late rank is named with
+        what it was doing, not only as missing."""
+        if self.world <= 1:
+            return
+        p = self.report(finished)
+        beat(f"{p.what}: {p.line}")
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._report()
+            self._beat()
