@@ -5,17 +5,19 @@ for a scaled-down Qwen3-30B-A3B-shaped model (random weights), at 1 and 2 ranks 
         [--experts 8] [--vocab 32768] [--ranks 1,2] [--repeat 5] [--warm-gib 8] [--json]
 
 Each rank times deepspeed.initialize between barriers, and the flatten step inside it (entered
-by the ranks together, after an untimed barrier, so that neither way counts the ranks' skew),
-plain DeepSpeed then the drop-in, in a fresh set of processes per round, the median (or --stat
-best) of --repeat; the script prints per rank count the slowest rank's times and their ratio
-(plain / drop-in: above 1 means the drop-in is faster). On the CPU, DeepSpeed's flatten is
+by the ranks together, after an untimed barrier, so that neither way counts the ranks' skew):
+the flat buffer built and the parameters re-pointed into it, which frees their own memory
+(DeepSpeed does the second part apart, the drop-in in its flatten),
+plain DeepSpeed and the drop-in each in a fresh set of processes of its own, in alternating order,
+--repeat rounds; the script prints per rank count the slowest rank's times, their median (or
+--stat best) and ratio (plain / drop-in: above 1 means the drop-in is faster), and the range of
+the rounds' ratios. On the CPU, DeepSpeed's flatten is
 torch.cat run by every rank with torch's threads; zeroflat splits the cores among the ranks.
 --vocab 151936 gives a shape whose bytes sit mostly in two large tensors (the embedding and the
 head).
 """
 
 import argparse
-import gc
 import json
 import os
 import socket
@@ -25,6 +27,8 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+
+WAYS = ("deepspeed", "zeroflat")
 
 
 class Qwen3MoeShaped(torch.nn.Module):
@@ -56,7 +60,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def worker(rank, world, port, args, out):
+def worker(rank, world, port, args, way, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
@@ -71,19 +75,14 @@ def worker(rank, world, port, args, out):
               "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Opt
 
-    best = {"deepspeed": float("inf"), "zeroflat": float("inf")}
-    flatten_best = {"deepspeed": float("inf"), "zeroflat": float("inf")}
-    tiers = set()
-    # One round per process: DeepSpeed's engines keep global references (about 1.4 GB each
-    # here, with or without the drop-in), so the rounds run in fresh processes (main()).
     spent = [0.0]
 
-    def timed(fn):  # the flatten step inside initialize, whichever implementation is in place
+    def timed(fn, enter_together):  # a part of the flatten step, whichever implementation
         def wrapper(*a, **k):
             # The ranks enter together (untimed, both ways): the drop-in's flatten starts with a
             # collective, which would otherwise count the ranks' skew before it (DeepSpeed's own
             # ranks wait for each other later, in its broadcast).
-            if world > 1:
+            if enter_together and world > 1:
                 dist.barrier()
             t0 = time.perf_counter()
             try:
@@ -91,40 +90,29 @@ def worker(rank, world, port, args, out):
             finally:
                 spent[0] += time.perf_counter() - t0
         return wrapper
-    for _ in range(1):
-        for way in ("deepspeed", "zeroflat"):
-            torch.manual_seed(0)
-            model = Qwen3MoeShaped(args.layers, args.experts, args.vocab, torch.bfloat16)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            if way == "zeroflat":
-                zd.install()
-            current = Opt.flatten_dense_tensors_aligned
-            Opt.flatten_dense_tensors_aligned = timed(current)
-            spent[0] = 0.0
-            dist.barrier()
-            t0 = time.perf_counter()
-            try:
-                engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-            finally:
-                Opt.flatten_dense_tensors_aligned = current
-                zd.uninstall()
-            dist.barrier()
-            seconds = time.perf_counter() - t0
-            # The slowest rank is what a user waits for.
-            t = torch.tensor([seconds, spent[0]], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            best[way] = min(best[way], t[0].item())
-            flatten_best[way] = min(flatten_best[way], t[1].item())
-            del engine, model, opt
-            gc.collect()  # DeepSpeed's engines hold reference cycles: free them before the next
-    tiers.update(zd.stats["tiers"])
+
+    torch.manual_seed(0)
+    model = Qwen3MoeShaped(args.layers, args.experts, args.vocab, torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if way == "zeroflat":
+        zd.install()
+    # The step: the flat buffer built, then the parameters re-pointed into it, which frees
+    # their own memory (DeepSpeed's _update_model_bit16_weights; the drop-in has done both by
+    # the time it returns the buffer, so the second part is nearly free there).
+    Opt.flatten_dense_tensors_aligned = timed(Opt.flatten_dense_tensors_aligned, True)
+    if hasattr(Opt, "_update_model_bit16_weights"):
+        Opt._update_model_bit16_weights = timed(Opt._update_model_bit16_weights, False)
+    dist.barrier()
+    t0 = time.perf_counter()
+    deepspeed.initialize(model=model, optimizer=opt, config=config)
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    # The slowest rank is what a user waits for.
+    t = torch.tensor([seconds, spent[0]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
-        out.put({"ranks": world, "deepspeed_s": best["deepspeed"], "zeroflat_s": best["zeroflat"],
-                 "ratio": best["deepspeed"] / best["zeroflat"],
-                 "flatten_deepspeed_s": flatten_best["deepspeed"],
-                 "flatten_zeroflat_s": flatten_best["zeroflat"],
-                 "flatten_ratio": flatten_best["deepspeed"] / flatten_best["zeroflat"],
-                 "zeroflat_tiers": sorted(tiers)})
+        out.put({"init": t[0].item(), "flatten": t[1].item(),
+                 "tiers": sorted(zd.stats["tiers"]) if way == "zeroflat" else []})
     dist.destroy_process_group()
 
 
@@ -161,20 +149,29 @@ def main():
     ctx = mp.get_context("spawn")
     rows = []
     for world in [int(r) for r in args.ranks.split(",")]:
-        rounds = []
-        for _ in range(args.repeat):  # a fresh set of processes per round
-            out = ctx.SimpleQueue()
-            mp.spawn(worker, args=(world, free_port(), args, out), nprocs=world, join=True)
-            rounds.append(out.get())
+        runs = {"deepspeed": [], "zeroflat": []}
+        for i in range(args.repeat):
+            # Each way in a fresh set of processes of its own (DeepSpeed's engines keep global
+            # references, and a process's second engine meets memory its first one left), the
+            # order alternating from round to round.
+            for way in (WAYS if i % 2 == 0 else WAYS[::-1]):
+                out = ctx.SimpleQueue()
+                mp.spawn(worker, args=(world, free_port(), args, way, out), nprocs=world,
+                         join=True)
+                runs[way].append(out.get())
         pick = statistics.median if args.stat == "median" else min
-        best = dict(rounds[0])
-        for k in ("deepspeed_s", "zeroflat_s", "flatten_deepspeed_s", "flatten_zeroflat_s"):
-            best[k] = pick([r[k] for r in rounds])
-        best["zeroflat_tiers"] = sorted({t for r in rounds for t in r["zeroflat_tiers"]})
-        best["stat"] = args.stat
-        best["ratio"] = best["deepspeed_s"] / best["zeroflat_s"]
-        best["flatten_ratio"] = best["flatten_deepspeed_s"] / best["flatten_zeroflat_s"]
-        rows.append(best)
+        row = {"ranks": world, "stat": args.stat, "rounds": args.repeat}
+        for key, prefix in (("init", ""), ("flatten", "flatten_")):
+            for way in WAYS:
+                vals = [r[key] for r in runs[way]]
+                row[f"{prefix}{way}_s"] = pick(vals)
+                row[f"{prefix}{way}_range"] = [min(vals), max(vals)]
+            row[f"{prefix}ratio"] = row[f"{prefix}deepspeed_s"] / row[f"{prefix}zeroflat_s"]
+            # Each round's pair of runs, for the spread.
+            pairs = [d[key] / z[key] for d, z in zip(runs["deepspeed"], runs["zeroflat"])]
+            row[f"{prefix}ratio_range"] = [min(pairs), max(pairs)]
+        row["zeroflat_tiers"] = sorted({t for r in runs["zeroflat"] for t in r["tiers"]})
+        rows.append(row)
     if args.json:
         print(json.dumps({"tensors": tensors, "parameters": n, "bytes": 2 * n, "rows": rows}))
         return
@@ -185,12 +182,15 @@ def main():
     print(f"{'':>5}  {'DeepSpeed':>10} {'drop-in':>9} {'ratio':>7}  "
           f"{'DeepSpeed':>10} {'drop-in':>9} {'ratio':>7}")
     for r in rows:
+        lo, hi = r["ratio_range"]
+        flo, fhi = r["flatten_ratio_range"]
         print(f"{r['ranks']:>5}  {r['deepspeed_s']:>9.2f}s {r['zeroflat_s']:>8.2f}s "
-              f"{r['ratio']:>7.2f}  {r['flatten_deepspeed_s']:>9.3f}s "
-              f"{r['flatten_zeroflat_s']:>8.3f}s {r['flatten_ratio']:>7.2f}  "
-              f"{','.join(r['zeroflat_tiers'])}")
+              f"{r['ratio']:>7.2f} ({lo:.2f}-{hi:.2f})  {r['flatten_deepspeed_s']:>9.3f}s "
+              f"{r['flatten_zeroflat_s']:>8.3f}s {r['flatten_ratio']:>7.2f} ({flo:.2f}-{fhi:.2f})"
+              f"  {','.join(r['zeroflat_tiers'])}")
     print("ratio: DeepSpeed / drop-in (above 1: the drop-in is faster); slowest rank, "
-          f"{args.stat} of {args.repeat} rounds")
+          f"{args.stat} of {args.repeat} rounds, each way in processes of its own; in brackets "
+          "the range of the rounds' ratios")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,13 @@ loaded buffers).
 
 The checkpoint: Qwen3-30B-A3B's shapes (hidden 2048, 32 heads, 4 KV heads, experts of 768)
 with --layers layers, --experts experts and a --vocab vocabulary (the full 151,936 makes the
-embeddings dwarf the layers at this scale), bf16, deterministic values, written once by
+embeddings dwarf the layers at this scale), or with --experts 0 a dense Qwen3-1.7B-shaped model
+(hidden 2048, MLP 6144, 16 heads, 8 KV heads, tied embeddings: with --vocab 151936 most of its
+bytes are the embedding), bf16, deterministic values, written once by
 Transformers' own save_pretrained in 200 MB shards with an index. Each row runs every rank as a
 fresh process (torch.multiprocessing, gloo, the CPU accelerator), the two ways alternately,
---repeat times, and keeps each way's best; every figure is the slowest rank's:
+--repeat times (at least 3 for a median), and reports each way's median, with the range of the
+rounds' ratios beside it; every figure is the slowest rank's:
   load      from the model's config (its code already imported: a one-time Python cost of
             seconds, the same both ways, shown apart) to every parameter holding the
             checkpoint's values. Transformers maps the safetensors files and leaves a parameter
@@ -99,12 +102,22 @@ QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_
                     num_attention_heads=32, num_key_value_heads=4, head_dim=128)
 
 
-def write_checkpoint(path, layers, experts, vocab, shape=QWEN3_30B_A3B, shard="200MB"):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+# Qwen3-1.7B's: a dense model whose bytes sit mostly in its embedding (tied to the head).
+QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128)
 
-    config = Qwen3MoeConfig(vocab_size=vocab, num_hidden_layers=layers, num_experts=experts,
-                            num_experts_per_tok=min(8, experts), tie_word_embeddings=False,
-                            dtype="bfloat16", **shape)
+
+def write_checkpoint(path, layers, experts, vocab, shape=QWEN3_30B_A3B, shard="200MB"):
+    """experts 0: a dense Qwen3 (Qwen3-1.7B's shapes, tied embeddings) instead of the MoE."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    if experts == 0:
+        config = Qwen3Config(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=True,
+                             dtype="bfloat16", **QWEN3_1_7B)
+    else:
+        config = Qwen3MoeConfig(vocab_size=vocab, num_hidden_layers=layers, num_experts=experts,
+                                num_experts_per_tok=min(8, experts), tie_word_embeddings=False,
+                                dtype="bfloat16", **shape)
     import zeroflat
 
     # Built without memory, then filled with deterministic values tensor by tensor.
@@ -117,6 +130,8 @@ def write_checkpoint(path, layers, experts, vocab, shape=QWEN3_30B_A3B, shard="2
                 continue
             t = torch.empty(p.shape, dtype=torch.float32).normal_(0, 0.02, generator=gen)
             module._parameters[name] = torch.nn.Parameter(t.to(torch.bfloat16))
+    if config.tie_word_embeddings:
+        model.tie_weights()  # the head is the embedding again, saved once
     model.save_pretrained(path, max_shard_size=shard)
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
         return len(json.load(f)["weight_map"])
@@ -213,6 +228,12 @@ def worker(rank, world, port, path, way, cold, out):
     t0 = time.perf_counter()
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    # And the module DeepSpeed's optimizer check imports once per process (its Muon optimizer,
+    # torch.compile with it): 1 to 2 s the same both ways, as in nodes_bench.py.
+    try:
+        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
+    except ImportError:
+        pass
     t_import = time.perf_counter() - t0
     if cold and rank == 0:
         drop_cache(path)
@@ -267,7 +288,7 @@ def run(way, world, path, cold, tmp):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=16, help="experts per layer; 0: a dense model")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--ranks", default="1,2")
     ap.add_argument("--repeat", type=int, default=3)
@@ -276,8 +297,8 @@ def main():
                     help="GiB of memory to touch once before measuring (0: none)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.repeat < 1 or args.layers < 1 or args.experts < 1:
-        ap.error("--repeat, --layers and --experts must be at least 1")
+    if args.repeat < 1 or args.layers < 1 or args.experts < 0:
+        ap.error("--repeat and --layers must be at least 1, --experts at least 0 (dense)")
     tmp = tempfile.mkdtemp(prefix="zeroflat-hf-bench-")
     path = os.path.join(args.dir or tmp, "checkpoint")
     rows = []
@@ -296,29 +317,35 @@ def main():
                 for _ in range(args.repeat):
                     for way in ("transformers", "zeroflat"):
                         runs[way].append(run(way, world, path, cold, tmp))
-                best = {w: {k: min(r[k] for r in rs)
+                med = {w: {k: statistics.median(r[k] for r in rs)
                             for k in ("load", "init", "ready", "rss", "import")}
                         for w, rs in runs.items()}
+                pairs = list(zip(runs["transformers"], runs["zeroflat"]))
                 # Where initialize goes: the run with the best time to ready, each way.
                 fastest = {w: min(rs, key=lambda r: r["ready"]) for w, rs in runs.items()}
                 z = runs["zeroflat"][0]
                 rows.append({"ranks": world, "cache": "cold" if cold else "warm",
-                             "transformers": best["transformers"], "zeroflat": best["zeroflat"],
+                             "transformers": med["transformers"], "zeroflat": med["zeroflat"],
                              "flat_bytes": z["flat_bytes"], "adopted": z["adopted"],
                              "hf_mapped_bytes": runs["transformers"][0]["mapped"],
                              "parts": {w: dict(r["parts"], total=r["init"])
                                        for w, r in fastest.items()},
-                             "load_x": best["transformers"]["load"] / best["zeroflat"]["load"],
-                             "ready_x": best["transformers"]["ready"] / best["zeroflat"]["ready"],
-                             "rss_x": best["zeroflat"]["rss"] / z["flat_bytes"]})
+                             "load_x": med["transformers"]["load"] / med["zeroflat"]["load"],
+                             "ready_x": med["transformers"]["ready"] / med["zeroflat"]["ready"],
+                             "load_x_runs": [t["load"] / z["load"] for t, z in pairs],
+                             "ready_x_runs": [t["ready"] / z["ready"] for t, z in pairs],
+                             "rss_x": med["zeroflat"]["rss"] / z["flat_bytes"]})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         print(json.dumps({"checkpoint_bytes": size, "rows": rows}, indent=2))
         return 0
-    print(f"Qwen3-30B-A3B shapes, {args.layers} layers, {args.experts} experts, vocab "
+    model = (f"Qwen3-30B-A3B shapes, {args.experts} experts" if args.experts else
+             "Qwen3-1.7B shapes (dense, tied embeddings)")
+    print(f"{model}, {args.layers} layers, vocab "
           f"{args.vocab}: {size / 1e9:.2f} GB bf16" + (f", {tensors} tensors" if tensors else "")
-          + f"; best of {args.repeat}, slowest rank; Transformers, then zeroflat")
+          + f"; median of {args.repeat}, slowest rank; Transformers, then zeroflat; the "
+          "range of the rounds' ratios in brackets")
     print(f"{'ranks':>5} {'cache':>5} | {'load s':>11} {'x':>5} | {'rss / flat':>10} | "
           f"{'init s':>11} | {'ready s':>11} {'x':>5} | targets (2 ranks): load >= 3, "
           "rss <= 1.1, ready >= 1.4")
@@ -329,8 +356,10 @@ def main():
         if r["ranks"] == 2:
             met = met and ok
         print(f"{r['ranks']:>5} {r['cache']:>5} | {t['load']:5.2f} {z['load']:5.2f} "
-              f"{r['load_x']:5.2f} | {r['rss_x']:10.2f} | {t['init']:5.2f} {z['init']:5.2f} | "
-              f"{t['ready']:5.2f} {z['ready']:5.2f} {r['ready_x']:5.2f} | "
+              f"{r['load_x']:5.2f} ({min(r['load_x_runs']):.2f}-{max(r['load_x_runs']):.2f}) | "
+              f"{r['rss_x']:10.2f} | {t['init']:5.2f} {z['init']:5.2f} | "
+              f"{t['ready']:5.2f} {z['ready']:5.2f} {r['ready_x']:5.2f} "
+              f"({min(r['ready_x_runs']):.2f}-{max(r['ready_x_runs']):.2f}) | "
               f"{'met' if ok else 'NOT met'} (adopted {r['adopted']}; Transformers: rss "
               f"{t['rss'] / r['flat_bytes']:.2f} x flat, "
               f"{r['hf_mapped_bytes'] / r['flat_bytes']:.0%} of the bytes still file mappings)")

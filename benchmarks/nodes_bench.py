@@ -377,7 +377,7 @@ def main():
         return rank_main(sys.argv[2], "--no-step" not in sys.argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=16, help="experts per layer; 0: a dense model")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--topologies", default="1x1,2x1,4x1,2x2", help="nodes x ranks per node")
     ap.add_argument("--bandwidths", default="100MB/s,400MB/s",
