@@ -307,5 +307,4 @@ bool use_streaming_stores(const void* dst, std::uint64_t num_bytes) noexcept {
   return streaming_size(num_bytes) && !mostly_untouched(dst, num_bytes);
 }
 
-
 }  // namespace zeroflat::detail

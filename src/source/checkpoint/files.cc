@@ -16,8 +16,8 @@
 #include <thread>
 
 #include "common/convert.h"
-#include "zeroflat/runtime.h"
 #include "zeroflat/error.h"
+#include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat::detail {
