@@ -21,13 +21,15 @@ head).
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_load_bench import free_port, import_once  # noqa: E402
 
 WAYS = ("deepspeed", "zeroflat")
 
@@ -55,12 +57,6 @@ class Qwen3MoeShaped(torch.nn.Module):
         return x
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker(rank, world, port, args, way, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -72,15 +68,7 @@ def worker(rank, world, port, args, way, out):
 
     # torch's default: every rank takes all the cores, as DeepSpeed's ranks do.
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    # The module DeepSpeed's optimizer check imports once per process (its Muon optimizer, and
-    # torch.compile with it): 1 to 2 s that would land in whichever initialize meets it, the
-    # same both ways, kept out of the timing as in the other benchmarks.
-    try:
-        import importlib
-
-        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
-    except ImportError:
-        pass
+    import_once()  # kept out of the timing, as in the other benchmarks
     config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Opt

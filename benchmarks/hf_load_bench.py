@@ -133,8 +133,14 @@ def write_checkpoint(path, layers, experts, vocab, shape=QWEN3_30B_A3B, shard="2
     if config.tie_word_embeddings:
         model.tie_weights()  # the head is the embedding again, saved once
     model.save_pretrained(path, max_shard_size=shard)
-    with open(os.path.join(path, "model.safetensors.index.json")) as f:
-        return len(json.load(f)["weight_map"])
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return len(json.load(f)["weight_map"])
+    from safetensors import safe_open  # a model small enough for one file has no index
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        return len(list(f.keys()))
 
 
 def drop_cache(path):
@@ -189,6 +195,20 @@ def timed_calls(targets):
     return parts
 
 
+def import_once(*extra):
+    """Imports now what a timed call would import on first use, once per process, the same both
+    ways: the module DeepSpeed's optimizer check imports (its Muon optimizer, and torch.compile
+    with it: 1 to 2 s in whichever initialize meets it first), and the modules named in
+    `extra`."""
+    import importlib
+
+    for name in ("deepspeed.runtime.zero.muon.muon_optimizer", *extra):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
 def file_backed_bytes(model):
     """Bytes of the parameters that are still mappings of the checkpoint's files (read lazily,
     on first touch) rather than memory of their own."""
@@ -228,12 +248,7 @@ def worker(rank, world, port, path, way, cold, out):
     t0 = time.perf_counter()
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    # And the module DeepSpeed's optimizer check imports once per process (its Muon optimizer,
-    # torch.compile with it): 1 to 2 s the same both ways, as in nodes_bench.py.
-    try:
-        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
-    except ImportError:
-        pass
+    import_once()
     t_import = time.perf_counter() - t0
     if cold and rank == 0:
         drop_cache(path)
@@ -304,7 +319,7 @@ def main():
     rows = []
     try:
         tensors = None
-        if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        if not os.path.exists(os.path.join(path, "config.json")):
             tensors = write_checkpoint(path, args.layers, args.experts, args.vocab)
         size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
                    if n.endswith(".safetensors"))

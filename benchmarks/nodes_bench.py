@@ -82,7 +82,7 @@ def rank_main(way, step):
     import torch
 
     sys.path.insert(0, HERE)
-    from hf_load_bench import PeakRss, file_backed_bytes, timed_init_parts
+    from hf_load_bench import PeakRss, file_backed_bytes, import_once, timed_init_parts
 
     nodes = load_harness()
     env = os.environ
@@ -109,10 +109,7 @@ def rank_main(way, step):
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(config)
-    try:
-        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
-    except ImportError:
-        pass
+    import_once()
     t_imports = time.perf_counter() - t0
     dist.barrier()
     disk0, io0 = nodes.node_read_bytes(), proc_read_bytes()
@@ -425,7 +422,7 @@ def main():
     rows, warm, cli_rows = [], [], []
     log = (lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     try:
-        if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        if not os.path.exists(os.path.join(path, "config.json")):
             log("writing the checkpoint")
             write_checkpoint(path, args.layers, args.experts, args.vocab)
         size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)

@@ -68,8 +68,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_load_bench import (QWEN3_30B_A3B, drop_cache, free_port, timed_calls,  # noqa: E402
-                           warm_memory, write_checkpoint)
+from hf_load_bench import (QWEN3_30B_A3B, drop_cache, free_port, import_once,  # noqa: E402
+                           timed_calls, warm_memory, write_checkpoint)
 RESULT = "ZERO3_BENCH "
 WAYS = ("transformers", "zeroflat")
 MB = 1_000_000
@@ -178,12 +178,7 @@ def rank_main(way):
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(config)
-    for name in ("deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.partition_parameters",
-                 "deepspeed.runtime.zero.muon.muon_optimizer"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    import_once("deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.partition_parameters")
     t_imports = time.perf_counter() - t0
 
     ds = ds_config(world)
