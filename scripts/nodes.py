@@ -3,7 +3,7 @@
 (docs/performance.md, "Many nodes on one machine"). Python 3 standard library only; run as root.
 
     scripts/nodes.py --nodes 4 [--ranks-per-node 1] [--bandwidth 100MB/s] [--cold | --warm]
-        --checkpoint DIR [--copies-in DIR] [--mount PATH] [--cpus-per-node X]
+        --checkpoint DIR [--copies-in DIR] [--mount PATH] [--cpus-per-node X] [--link 10Gbit/s]
         [--launcher direct|mpirun] [--timeout 600] [--json] -- COMMAND [ARGS...]
 
 Each node gets its own copy of the checkpoint, bind-mounted at one common path (--mount;
@@ -14,7 +14,11 @@ so ranks of different nodes cannot meet through shared memory, as on separate ma
 share one storage bandwidth: each node's processes run in a block-I/O cgroup that may read the
 disk under the copies at --bandwidth / K (and, with --cpus-per-node, a CPU cgroup with that many
 cores). --cold writes back and drops every copy from the page cache before the run; --warm reads
-every copy once. The kernel counts each node's bytes read from that disk
+every copy once. With --link each node also gets a network namespace of its own, joined to the
+others by a bridge over a veth pair whose two ends are shaped (a token bucket each way) to the
+link's rate: the network between nodes is a bandwidth, as between machines, where without it the
+nodes share the machine's loopback and the network costs only CPU. The kernel counts each
+node's bytes sent and received over its link, and each node's bytes read from that disk
 (blkio.throttle.io_service_bytes; io.stat on cgroup v2) and each rank's (its rusage, the
 read_bytes of /proc/<pid>/io). Those counts include anything else a rank reads from that disk
 that is not cached (its Python packages, say): import them once before, as the tests and
@@ -24,8 +28,11 @@ io.max, io.stat and cpu.max under a cgroup of its own, where the io controller c
 Every rank gets MASTER_ADDR=127.0.0.1, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, NODE_RANK (and GROUP_RANK), NNODES, ZEROFLAT_LOCAL_RANKS=R, NODES_CHECKPOINT
 (the common path), NODES_CGROUP (its node's block-I/O cgroup directory), NODES_DEVICE
-(MAJOR:MINOR of the disk) and NODES_STORAGE_BYTES_PER_S (--bandwidth, 0 unthrottled); with --cpus-per-node also OMP_NUM_THREADS and ZEROFLAT_NUM_THREADS
-(that many cores over R ranks). --launcher mpirun starts the K*R ranks with one mpirun (TCP on
+(MAJOR:MINOR of the disk) and NODES_STORAGE_BYTES_PER_S (--bandwidth, 0 unthrottled); with
+--cpus-per-node also OMP_NUM_THREADS and ZEROFLAT_NUM_THREADS (that many cores over R ranks) and
+NODES_CPU_CGROUP (its cpu.stat counts the quota periods the node waited in); with --link,
+MASTER_ADDR is node 0's address, NODES_ADDR the node's own, GLOO_SOCKET_IFNAME and
+NCCL_SOCKET_IFNAME eth0, NODES_LINK_BYTES_PER_S the link's rate. --launcher mpirun starts the K*R ranks with one mpirun (TCP on
 the loopback between ranks: the nodes have private /dev/shm), each entering its node first.
 
 Cgroups, namespaces (and their mounts) and copies are removed on every exit path: the command
@@ -63,6 +70,7 @@ EXIT_TIMEOUT = 124
 
 PREFIX = "zeroflat-nodes-"
 CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
 HERE = os.path.abspath(__file__)
 
@@ -72,6 +80,8 @@ MAX_RANKS_PER_NODE = 256
 MIN_CPUS, MAX_CPUS = 0.01, 1024.0  # --cpus-per-node: the CFS quota's 1 ms per 100 ms period
 MAX_BANDWIDTH = 10 ** 18  # bytes/s (1 EB/s): the kernel's throttles take 64-bit values
 MAX_TIMEOUT = 7 * 86400  # --timeout: a week
+MIN_LINK = 1 << 16  # --link: 64 KiB/s, below which a token bucket holds no full-sized packet
+LINK_SUBNET = "10.250"  # the nodes' addresses, 10.250.0.1 up: only inside their namespaces
 
 
 class Unsupported(Exception):
@@ -162,6 +172,34 @@ def bandwidth_arg(text):
     """--bandwidth through parse_bandwidth, its ValueError as argparse's."""
     try:
         return parse_bandwidth(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_link(text):
+    """--link: a node's network bandwidth each way. Bits as networks are sold ('10Gbit/s',
+    '25gbit', '800mbit') or bytes as parse_bandwidth reads them ('1.25GB/s'); 'none' -> None
+    (no network namespaces: the nodes share the machine's loopback)."""
+    t = str(text).strip().replace(" ", "")
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)(k|m|g|t)?(?:bits?(?:/s|ps)?|bps)", t, re.IGNORECASE)
+    if m:
+        value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()] / 8
+    else:
+        try:
+            value = parse_bandwidth(text)
+        except ValueError:
+            raise ValueError(f"bad link {text!r}: bits per second (10Gbit/s, 800mbit, 25gbps) "
+                             "or bytes per second (1.25GB/s), or none") from None
+        if value is None:
+            return None
+    if not MIN_LINK <= value <= MAX_BANDWIDTH:
+        raise ValueError(f"link {text!r} must be {MIN_LINK} bytes/s (512kbit/s) to 1 EB/s")
+    return int(value)
+
+
+def link_arg(text):
+    try:
+        return parse_link(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -448,6 +486,45 @@ def node_read_bytes(cgroup_dir=None, device=None):
     return (CgroupV1 if v1 else CgroupV2).read_bytes([cgroup_dir], device)
 
 
+def node_cpu_periods(cgroup_dir=None):
+    """From inside a rank: (quota periods its node has run in, periods in which it used up its
+    CPU quota and waited) so far, from the node's cpu cgroup (NODES_CPU_CGROUP by default); None
+    without a quota. Their ratio over a phase is how much of it the CPU quota bounded."""
+    cgroup_dir = cgroup_dir or os.environ.get("NODES_CPU_CGROUP")
+    if not cgroup_dir:
+        return None
+    stat = {}
+    try:
+        with open(os.path.join(cgroup_dir, "cpu.stat")) as f:
+            for line in f:
+                k, _, v = line.partition(" ")
+                stat[k] = int(v)
+    except (OSError, ValueError):
+        return None
+    if "nr_periods" not in stat:
+        return None
+    return stat["nr_periods"], stat.get("nr_throttled", 0)
+
+
+def node_link_bytes():
+    """From inside a rank of a run with a link: (bytes its node has sent, bytes it has received)
+    over its link so far (eth0's counters in the node's network namespace); None without one."""
+    if not os.environ.get("NODES_LINK_BYTES_PER_S"):
+        return None
+    # /proc/net/dev is the reader's network namespace (/sys/class/net is that of whoever
+    # mounted /sys: the machine's, in a node's mount namespace).
+    try:
+        with open("/proc/self/net/dev") as f:
+            for line in f:
+                name, _, counts = line.partition(":")
+                if name.strip() == "eth0":
+                    fields = counts.split()
+                    return int(fields[8]), int(fields[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def cgroup_backend(want_cpu, name):
     if CgroupV1.available():
         return CgroupV1(want_cpu)
@@ -496,11 +573,14 @@ def remove_cgroup(backend, dirs):
 
 # --- the node's mount namespace: held by an agent, entered by its ranks --------------------------
 
-def node_agent(mount, copy, private_shm):
+def node_agent(mount, copy, private_shm, private_net=False):
     """Runs in a child of the harness: a new mount namespace with the node's copy bind-mounted at
-    the common path (and a private /dev/shm), held until the harness closes our stdin."""
+    the common path (and a private /dev/shm; with private_net a network namespace of its own,
+    which the harness wires), held until the harness closes our stdin."""
     try:
         _checked(libc().unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+        if private_net:
+            _checked(libc().unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
         sys_mount(None, "/", None, MS_REC | MS_PRIVATE)
         sys_mount(copy, mount, None, MS_BIND)
         if private_shm:
@@ -531,6 +611,12 @@ def enter_rank(spec_path, command):
     node, local = divmod(rank, per_node)
     for d in spec["cgroups"][node]:
         _write(os.path.join(d, "cgroup.procs"), str(os.getpid()))
+    if spec.get("net"):  # the node's network first: the mount namespace below hides /proc's view
+        fd = os.open(f"/proc/{spec['agents'][node]}/ns/net", os.O_RDONLY)
+        try:
+            _checked(libc().setns(fd, CLONE_NEWNET), "setns(network namespace)")
+        finally:
+            os.close(fd)
     fd = os.open(f"/proc/{spec['agents'][node]}/ns/mnt", os.O_RDONLY)
     try:
         _checked(libc().setns(fd, CLONE_NEWNS), "setns(mount namespace)")
@@ -542,6 +628,10 @@ def enter_rank(spec_path, command):
     env.update(spec["env"])
     env.update(RANK=str(rank), LOCAL_RANK=str(local), NODE_RANK=str(node),
                GROUP_RANK=str(node), NODES_CGROUP=spec["cgroups"][node][0])
+    if spec.get("cpu_quota"):
+        env["NODES_CPU_CGROUP"] = spec["cgroups"][node][-1]
+    if spec.get("net"):
+        env["NODES_ADDR"] = node_address(node)
     base = os.path.join(spec["dir"], f"rank{rank}")
     with open(base + ".out", "wb") as out, open(base + ".err", "wb") as err:
         t0 = time.monotonic()
@@ -570,6 +660,96 @@ def enter_rank(spec_path, command):
         json.dump(result, f)
     os.rename(base + ".json.tmp", base + ".json")
     return code if code >= 0 else 128 - code
+
+
+# --- the network between nodes -----------------------------------------------------------------
+
+LINK_PREFIX = "zfn"  # interface names: at most 15 characters, zfn<pid>br, zfn<pid>n<node>
+
+
+def node_address(node):
+    """Node i's address on the simulated network (inside its namespace only)."""
+    return f"{LINK_SUBNET}.{node // 250}.{node % 250 + 1}"
+
+
+def _net(args, pid=None):
+    """Runs an ip or tc command, in the network namespace of process pid when given."""
+    cmd = (["nsenter", f"--net=/proc/{pid}/ns/net"] if pid else []) + args
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise Unsupported(f"{cmd[0]} is not installed (it comes with iproute2 or util-linux)")
+    if r.returncode != 0:
+        raise OSError(f"{' '.join(args)}: {r.stderr.strip() or f'exit {r.returncode}'}")
+
+
+class Links:
+    """The network of a run with --link: a bridge in the harness's own network namespace and,
+    for each node, a veth pair from it into the node's namespace (eth0 there, address
+    node_address(i)). Both ends are shaped by a token bucket to bps: eth0's egress is what the
+    node sends, the bridge side's egress what it receives, so each node has a full-duplex link
+    of bps each way, as a NIC has. The harness's namespace gets no address and no route, so
+    nothing of the machine's own network changes. The bridge side's counters are the kernel's
+    count of what each node sent and received."""
+
+    def __init__(self, tag, bps):
+        self.tag = tag
+        self.bps = bps
+        self.bridge = None
+        self.ends = []
+
+    def open(self, agent_pids):
+        bridge = f"{self.tag}br"
+        _net(["ip", "link", "add", bridge, "type", "bridge"])
+        self.bridge = bridge
+        _net(["ip", "link", "set", bridge, "up"])
+        for i, pid in enumerate(agent_pids):
+            end, peer = f"{self.tag}n{i}", f"{self.tag}p{i}"
+            _net(["ip", "link", "add", end, "type", "veth", "peer", "name", peer])
+            self.ends.append(end)
+            _net(["ip", "link", "set", peer, "netns", str(pid)])
+            _net(["ip", "link", "set", peer, "name", "eth0"], pid)
+            _net(["ip", "addr", "add", f"{node_address(i)}/16", "dev", "eth0"], pid)
+            _net(["ip", "link", "set", "eth0", "up"], pid)
+            _net(["ip", "link", "set", "lo", "up"], pid)
+            _net(["ip", "link", "set", end, "master", bridge, "up"])
+            self._shape("eth0", pid)
+            self._shape(end)
+
+    def _shape(self, dev, pid=None):
+        # The bucket holds 10 ms at the rate, and never less than a few 64 KiB segments (veth
+        # passes segmentation-offloaded packets that large; a smaller bucket drops them).
+        burst = max(self.bps // 100, 256 << 10)
+        _net(["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.bps * 8}bit",
+              "burst", str(burst), "latency", "200ms"], pid)
+
+    def counts(self):
+        """Per node, (bytes it sent, bytes it received) over its link; None where unreadable."""
+        out = []
+        for end in self.ends:
+            try:
+                stats = f"/sys/class/net/{end}/statistics/"
+                with open(stats + "rx_bytes") as f:
+                    sent = int(f.read())
+                with open(stats + "tx_bytes") as f:
+                    received = int(f.read())
+                out.append((sent, received))
+            except (OSError, ValueError):
+                out.append(None)
+        return out
+
+    def close(self):
+        """Removes the bridge and the bridge side of every pair (which takes the other end with
+        it); returns the errors, if any."""
+        errors = []
+        for name in self.ends + ([self.bridge] if self.bridge else []):
+            if os.path.exists(f"/sys/class/net/{name}"):
+                try:
+                    _net(["ip", "link", "del", name])
+                except (OSError, Unsupported) as e:
+                    errors.append(str(e))
+        self.ends, self.bridge = [], None
+        return errors
 
 
 # --- the rehearsal -----------------------------------------------------------------------------
@@ -683,10 +863,10 @@ class Rehearsal:
 
     # agents: one per node, holding its mount namespace
 
-    def _start_agent(self, copy):
+    def _start_agent(self, copy, net=False):
         agent = subprocess.Popen(
             [sys.executable, HERE, "--_node", self.mount, copy,
-             "1" if self.private_shm else "0"],
+             "1" if self.private_shm else "0", "1" if net else "0"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         line = agent.stdout.readline().decode().strip()
         if line != "ready":
@@ -714,10 +894,12 @@ class Rehearsal:
     # one run
 
     def run(self, command, *, nodes=None, ranks_per_node=1, bandwidth=None, cold=True,
-            cpus_per_node=None, timeout=None, launcher="direct", mpirun_args=(), env=None):
+            cpus_per_node=None, timeout=None, launcher="direct", mpirun_args=(), env=None,
+            link=None):
         """Runs command as nodes x ranks_per_node ranks and returns the result (a dict; see
         the module's --json). bandwidth: total bytes/s of the disk shared by the nodes (None:
-        unthrottled)."""
+        unthrottled). link: each node's network bytes/s each way (None: no network namespaces,
+        the nodes share the machine's loopback)."""
         nodes = self.nodes if nodes is None else nodes
         if not 1 <= nodes <= self.nodes:
             raise ValueError(f"nodes must be 1 to {self.nodes} (the copies made)")
@@ -737,6 +919,13 @@ class Rehearsal:
             raise ValueError("cpus_per_node needs Rehearsal(..., cpus=True)")
         if launcher not in ("direct", "mpirun"):
             raise ValueError(f"unknown launcher {launcher!r}")
+        if link is not None and not MIN_LINK <= link <= MAX_BANDWIDTH:
+            raise ValueError(f"link must be {MIN_LINK} to {MAX_BANDWIDTH} bytes/s, or None, "
+                             f"not {link}")
+        if link is not None and launcher != "direct":
+            # mpirun's ranks reach it over the harness's loopback, which a node's own network
+            # namespace does not have.
+            raise ValueError("a link between nodes needs the direct launcher, not mpirun")
         world = nodes * ranks_per_node
         per_node_bps = bandwidth // nodes if bandwidth else None
         command = [str(a).replace("{checkpoint}", self.mount) for a in command]
@@ -752,30 +941,42 @@ class Rehearsal:
             "checkpoint_bytes": self.checkpoint_bytes, "mount": self.mount,
             "copies": self.workdir, "device": self.device, "read_ahead_kb": self.read_ahead_kb,
             "cgroup_version": self.cg.version, "private_shm": self.private_shm,
-            "cgroups": [], "timed_out": False}
+            "link_bytes_per_s": link, "cgroups": [], "timed_out": False}
         timed_out = False
+        links = Links(f"{LINK_PREFIX}{os.getpid()}", link) if link else None
         try:
             for i in range(nodes):
                 name = f"{self.name}r{self.runs}-node{i}"
                 cgroups.append(self.cg.make(name, self.device, per_node_bps, cpus_per_node))
                 result["cgroups"].extend(cgroups[-1])
             for i in range(nodes):
-                agents.append(self._start_agent(self.copies[i]))
+                agents.append(self._start_agent(self.copies[i], net=links is not None))
+            if links:
+                try:
+                    links.open([a.pid for a in agents])
+                except OSError as e:
+                    raise Unsupported(f"cannot wire the nodes' network: {e}") from None
             for copy in self.copies[:nodes]:
                 (drop_from_cache if cold else read_through)(copy)
             port = free_port()
-            common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            common = {"MASTER_ADDR": node_address(0) if links else "127.0.0.1",
+                      "MASTER_PORT": str(port),
                       "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(ranks_per_node),
                       "NNODES": str(nodes), "ZEROFLAT_LOCAL_RANKS": str(ranks_per_node),
                       "NODES_CHECKPOINT": self.mount, "NODES_DEVICE": self.device,
                       "NODES_STORAGE_BYTES_PER_S": str(bandwidth or 0)}
+            if links:
+                # Gloo would pick the address of the host's name, which no other node reaches.
+                common.update(GLOO_SOCKET_IFNAME="eth0", NCCL_SOCKET_IFNAME="eth0",
+                              NODES_LINK_BYTES_PER_S=str(link))
             if cpus_per_node:
                 threads = str(max(1, int(cpus_per_node / ranks_per_node + 0.5)))
                 common.update(OMP_NUM_THREADS=threads, ZEROFLAT_NUM_THREADS=threads)
             common.update(env or {})
             spec = {"world_size": world, "ranks_per_node": ranks_per_node, "cwd": os.getcwd(),
                     "cgroups": cgroups, "agents": [a.pid for a in agents], "dir": rundir,
-                    "env": common}
+                    "env": common, "net": links is not None,
+                    "cpu_quota": bool(cpus_per_node)}
             spec_path = os.path.join(rundir, "spec.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
@@ -799,7 +1000,7 @@ class Rehearsal:
             result["seconds"] = time.monotonic() - t0
         finally:
             with blocked_signals():
-                self._end_run(procs, agents, cgroups, result, timed_out)
+                self._end_run(procs, agents, cgroups, result, timed_out, links)
         result["timed_out"] = timed_out
         self._collect(result, rundir, procs, launcher)
         shutil.rmtree(rundir, ignore_errors=True)
@@ -818,7 +1019,7 @@ class Rehearsal:
                 env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=unblocked_in_child)
 
-    def _end_run(self, procs, agents, cgroups, result, timed_out):
+    def _end_run(self, procs, agents, cgroups, result, timed_out, links=None):
         """Every process of the run stopped (SIGTERM first when they were still running, then
         SIGKILL), the kernel's counts read, the cgroups and namespaces removed."""
         running = [p for p in procs if p.poll() is None]
@@ -853,6 +1054,9 @@ class Rehearsal:
                 remove_cgroup(self.cg, dirs)
             except OSError as e:
                 errors.append(f"{dirs[0]}: {e}")
+        result["link_bytes"] = links.counts() if links else None
+        if links:
+            errors.extend(links.close())
         self._stop_agents(agents)
         result["disk_read_bytes"] = read
         result["leftover_processes"] = leftovers
@@ -886,8 +1090,11 @@ class Rehearsal:
             result["launcher_exit"] = procs[0].returncode if procs else None
         size = self.checkpoint_bytes
         k = result["nodes"]
+        net = result.get("link_bytes") or [None] * k
         result["per_node"] = [
             {"node": i, "disk_read_bytes": result["disk_read_bytes"][i],
+             "link_sent_bytes": net[i][0] if net[i] else None,
+             "link_received_bytes": net[i][1] if net[i] else None,
              "x_share": (result["disk_read_bytes"][i] / (size / k)
                          if size and result["disk_read_bytes"][i] is not None else None),
              "ranks": [e for e in ranks if e["node"] == i]}
@@ -921,6 +1128,18 @@ def clean_stale(copies_in=None, log=print):
                 removed.append(d)
             except OSError as e:
                 log(f"cannot remove {d}: {e}")
+    try:
+        interfaces = os.listdir("/sys/class/net")
+    except OSError:
+        interfaces = []
+    for n in interfaces:
+        m = re.fullmatch(re.escape(LINK_PREFIX) + r"(\d+)(br|n\d+)", n)
+        if m and not pid_alive(int(m.group(1))):
+            try:
+                _net(["ip", "link", "del", n])
+                removed.append(f"network interface {n}")
+            except (OSError, Unsupported) as e:
+                log(f"cannot remove the network interface {n}: {e}")
     tmp = copies_in or tempfile.gettempdir()
     for n in os.listdir(tmp):
         m = re.match(re.escape(PREFIX) + r"(\d+)-", n)
@@ -963,6 +1182,86 @@ def check_throttle(copies_in, size=200 << 20, bps=50 << 20):
             shutil.rmtree(work, ignore_errors=True)
 
 
+def net_holder():
+    """Runs in a child of check_link: a network namespace of its own, held until stdin closes."""
+    try:
+        _checked(libc().unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
+    except OSError as e:
+        print(f"error: {e.strerror if e.strerror else e}", flush=True)
+        return EXIT_UNSUPPORTED
+    print("ready", flush=True)
+    sys.stdin.read()
+    return 0
+
+
+_SINK = """import socket, sys, time
+s = socket.socket()
+s.bind(("0.0.0.0", 0))
+s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+buf = bytearray(1 << 20)
+n, t0 = 0, None
+while True:
+    k = c.recv_into(buf)
+    if not k:
+        break
+    t0 = t0 or time.monotonic()
+    n += k
+print(n, time.monotonic() - t0, flush=True)
+"""
+
+_SOURCE = """import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+block = bytes(1 << 20)
+for _ in range(int(sys.argv[3])):
+    s.sendall(block)
+s.close()
+"""
+
+
+def check_link(bps=50 * 10 ** 6, size=100 << 20):
+    """Sends size bytes over TCP from one simulated node to another through links of bps each
+    way and returns (seconds, bytes received, the kernel's count at the sender's link): 100 MiB
+    at 400 Mbit/s should take about 2.1 s where the shaping works."""
+    holders, links = [], Links(f"{LINK_PREFIX}{os.getpid()}", bps)
+    sink = None
+    try:
+        for _ in range(2):
+            h = subprocess.Popen([sys.executable, HERE, "--_net"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, start_new_session=True)
+            holders.append(h)
+            line = h.stdout.readline().decode().strip()
+            if line != "ready":
+                raise Unsupported("cannot give a node its own network namespace: "
+                                  + (line[len("error: "):] if line.startswith("error: ")
+                                     else line or f"exit {h.wait()}"))
+        try:
+            links.open([h.pid for h in holders])
+        except OSError as e:
+            raise Unsupported(f"cannot wire the nodes' network: {e}") from None
+        into = ["nsenter", f"--net=/proc/{holders[0].pid}/ns/net", sys.executable, "-c"]
+        sink = subprocess.Popen(into + [_SINK], stdout=subprocess.PIPE, text=True)
+        port = sink.stdout.readline().strip()
+        subprocess.run(["nsenter", f"--net=/proc/{holders[1].pid}/ns/net", sys.executable, "-c",
+                        _SOURCE, node_address(0), port, str(size >> 20)], check=True,
+                       timeout=600)
+        received, seconds = sink.stdout.readline().split()
+        sink.wait(timeout=60)
+        counted = links.counts()[1]
+        return float(seconds), int(received), counted[0] if counted else None
+    finally:
+        with blocked_signals():
+            if sink and sink.poll() is None:
+                sink.kill()
+                sink.wait()
+            links.close()
+            for h in holders:
+                h.stdin.close()
+                h.wait()
+                h.stdout.close()
+
+
 # --- the command line --------------------------------------------------------------------------
 
 def print_summary(res, quiet=False, out=sys.stdout):
@@ -973,6 +1272,8 @@ def print_summary(res, quiet=False, out=sys.stdout):
           + (f"{human(bw)}/s shared ({human(res['per_node_bytes_per_s'])}/s per node)"
              if bw else "unthrottled")
           + (f", {res['cpus_per_node']} cores per node" if res["cpus_per_node"] else "")
+          + (f", links of {human(res['link_bytes_per_s'])}/s each way"
+             if res.get("link_bytes_per_s") else "")
           + f", {res['cache']}; checkpoint {human(size)}; disk {res['device']} (read-ahead "
           f"{res['read_ahead_kb']} KiB), cgroup v{res['cgroup_version']}; "
           f"{res.get('seconds', 0):.2f} s", file=out)
@@ -984,7 +1285,11 @@ def print_summary(res, quiet=False, out=sys.stdout):
             + (f"{e['seconds']:.2f} s" if e.get("seconds") is not None else "-")
             + f", {human(e.get('read_bytes'))}" for e in n["ranks"])
         xs = f"{n['x_share']:.2f}" if n["x_share"] is not None else "-"
-        print(f"{n['node']:>4} {human(n['disk_read_bytes']):>11} {xs:>6}  {ranks}", file=out)
+        net = (f"  network sent {human(n['link_sent_bytes'])}, received "
+               f"{human(n['link_received_bytes'])}" if n.get("link_sent_bytes") is not None
+               else "")
+        print(f"{n['node']:>4} {human(n['disk_read_bytes']):>11} {xs:>6}  {ranks}{net}",
+              file=out)
     print(f"all nodes: {human(res['disk_read_bytes_total'])} read from the disk, "
           + (f"{res['x_checkpoint']:.2f} x the checkpoint" if res["x_checkpoint"] is not None
              else "") + (f"; leftover processes killed: {sum(res['leftover_processes'])}"
@@ -1010,7 +1315,9 @@ def print_summary(res, quiet=False, out=sys.stdout):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--_node"]:
-        return node_agent(argv[1], argv[2], argv[3] == "1")
+        return node_agent(argv[1], argv[2], argv[3] == "1", argv[4:5] == ["1"])
+    if argv[:1] == ["--_net"]:
+        return net_holder()
     if argv[:1] == ["--_enter"]:
         return enter_rank(argv[1], argv[3:])
     if "--" in argv:
@@ -1044,6 +1351,11 @@ def main(argv=None):
                          f"{MAX_CPUS:g}")
     ap.add_argument("--shared-shm", action="store_true",
                     help="keep the machine's /dev/shm in every node (default: one per node)")
+    ap.add_argument("--link", type=link_arg, default="none",
+                    help="each node's network, each way, e.g. 10Gbit/s, 800mbit, 1.25GB/s: every "
+                         "node gets a network namespace of its own, wired to the others through "
+                         "a bridge over links shaped to that rate (default none: the nodes "
+                         "share the machine's loopback, and the network costs only CPU)")
     ap.add_argument("--launcher", choices=("direct", "mpirun"), default="direct")
     ap.add_argument("--mpirun-arg", action="append", default=[],
                     help="one more argument for mpirun (repeatable)")
@@ -1054,6 +1366,9 @@ def main(argv=None):
     ap.add_argument("--quiet", action="store_true", help="no output of ranks that succeeded")
     ap.add_argument("--check-throttle", action="store_true",
                     help="only measure: 200 MiB read cold through a 50 MiB/s cap (about 4 s)")
+    ap.add_argument("--check-link", action="store_true",
+                    help="only measure: 100 MiB over TCP between two nodes through a 400 Mbit/s "
+                         "link (about 2.1 s)")
     ap.add_argument("--clean-stale", action="store_true",
                     help="only remove what a harness killed with SIGKILL left behind")
     args = ap.parse_args(argv)
@@ -1081,12 +1396,23 @@ def main(argv=None):
             print(f"disk {device}: 200 MiB read cold through a 50 MiB/s cap in {seconds:.2f} s "
                   f"(expected about 4 s); the kernel counted {counted / (1 << 20):.1f} MiB")
             return 0 if 3.0 <= seconds <= 6.0 else EXIT_FAILED
+        if args.check_link:
+            if os.geteuid() != 0:
+                return refuse("not root")
+            seconds, received, counted = check_link()
+            print(f"100 MiB over TCP between two nodes through 400 Mbit/s links in {seconds:.2f} s "
+                  f"(expected about 2.1 s); received {received / (1 << 20):.1f} MiB, the kernel "
+                  f"counted {(counted or 0) / (1 << 20):.1f} MiB on the sender's link")
+            return 0 if 1.6 <= seconds <= 3.0 and received == 100 << 20 else EXIT_FAILED
         if args.nodes is None:
             ap.error("--nodes K is required")
         if not args.checkpoint:
             ap.error("--checkpoint DIR is required")
         if not command:
             ap.error("the command to run goes after --")
+        if args.link is not None and args.launcher != "direct":
+            ap.error("argument --link: needs --launcher direct (mpirun reaches its ranks over "
+                     "the machine's loopback, which a node's own network does not have)")
         bandwidth = args.bandwidth
         if bandwidth is not None and bandwidth < args.nodes:
             # Each node's throttle is its share: under 1 byte/s it would be none at all.
@@ -1101,7 +1427,7 @@ def main(argv=None):
                                 bandwidth=bandwidth, cold=args.cold,
                                 cpus_per_node=args.cpus_per_node,
                                 timeout=args.timeout or None, launcher=args.launcher,
-                                mpirun_args=args.mpirun_arg)
+                                mpirun_args=args.mpirun_arg, link=args.link)
         if args.json:
             print(json.dumps(res, indent=2))
         else:

@@ -24,6 +24,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin
+  iproute2
   python3-venv python3-dev
   clang libclang-rt-14-dev
 )

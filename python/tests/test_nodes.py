@@ -148,15 +148,16 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
         model.save_pretrained(path, max_shard_size="30MB")
         return path
 
-    def run_nodes(checkpoint, way, tmp_path):
-        r = harness("--nodes", "2", "--cold", "--checkpoint", checkpoint, "--copies-in",
-                    str(tmp_path), "--timeout", "100", "--json", "--",
+    def run_nodes(checkpoint, way, tmp_path, *extra, ranks_per_node=1):
+        r = harness("--nodes", "2", "--ranks-per-node", str(ranks_per_node), "--cold",
+                    "--checkpoint", checkpoint, "--copies-in", str(tmp_path), "--timeout", "100",
+                    "--json", *extra, "--",
                     sys.executable, os.path.abspath(__file__), "--rank", way, timeout=150)
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
         res = json.loads(r.stdout)
         ranks = [json.loads(ln[len(RESULT):]) for n in res["per_node"] for e in n["ranks"]
                  for ln in e["stdout"].splitlines() if ln.startswith(RESULT)]
-        assert len(ranks) == 2, res
+        assert len(ranks) == 2 * ranks_per_node, res
         return res, ranks
 
     def test_each_node_reads_its_share_with_zeroflat_and_all_of_it_with_transformers(
@@ -190,6 +191,29 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
         assert res_t["x_checkpoint"] >= 1.8
         assert res["x_checkpoint"] <= 1.0 + 2 * (slack + 8 * MiB) / size
 
+    def interfaces(pid):
+        """The network interfaces a harness of process pid made that are still there."""
+        return [n for n in os.listdir("/sys/class/net") if re.fullmatch(rf"zfn{pid}\D.*", n)]
+
+    def test_only_other_nodes_bytes_cross_the_shaped_link(checkpoint, tmp_path):
+        """2 nodes x 2 ranks, each node in a network namespace of its own behind a 1 Gbit/s link:
+        the ranks of a node read its half (a quarter each), and each node receives the other
+        node's half over its link once; the ranks of a node complete one another's buffers in
+        shared memory. A flat all-gather of the four ranks would bring each node 3/4 of it."""
+        r = harness("--check-link", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        size = sum(os.path.getsize(os.path.join(checkpoint, n)) for n in os.listdir(checkpoint))
+        res, ranks = run_nodes(checkpoint, "zeroflat", tmp_path, "--link", "1Gbit/s",
+                               ranks_per_node=2)
+        assert res["link_bytes_per_s"] == 125_000_000
+        for node in res["per_node"]:
+            got = node["link_received_bytes"]
+            # The other node's half, and TCP's and the agreements' bytes besides (a few %).
+            assert 0.49 * size <= got <= 0.58 * size, (node["node"], got, size)
+            assert node["disk_read_bytes"] <= size / 2 + 2 * MiB + 8 * MiB, node
+        assert len({rank["checksum"] for rank in ranks}) == 1, ranks
+        assert not [n for n in os.listdir("/sys/class/net") if n.startswith("zfn")]
+
     def sleepers():
         """The processes running the tests' `sleep 97.125`."""
         found = []
@@ -221,6 +245,7 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
                         found.append(f"a mount seen by process {proc}")
             except OSError:
                 pass
+        found += [f"network interface {n}" for n in interfaces(pid)]
         return found + [f"process {p} still sleeping" for p in sleepers()]
 
     def test_nothing_is_left_behind(rehearsable, tmp_path):
@@ -256,8 +281,8 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
         res = run(["sh", "-c", "sleep 97.125 & exit 3"], expect=1)
         assert [e["exit"] for n in res["per_node"] for e in n["ranks"]] == [3] * 4
         assert sum(res["leftover_processes"]) == 4
-        # Times out: every process stopped.
-        res = run(["sleep", "97.125"], "--timeout", "1", expect=124)
+        # Times out: every process stopped (with a network of its own: taken down too).
+        res = run(["sleep", "97.125"], "--timeout", "1", "--link", "1Gbit/s", expect=124)
         assert res["timed_out"] and all(
             e["exit"] == -signal.SIGTERM for n in res["per_node"] for e in n["ranks"])
         # Stopped by SIGTERM while its ranks run.
@@ -330,6 +355,9 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
         (["--bandwidth", "0.5"], "--bandwidth", "under 1 byte/s"),
         (["--bandwidth", "2000000000T"], "--bandwidth", "over 1 EB/s"),
         (["--nodes", "4", "--bandwidth", "3"], "--bandwidth", "at least 1 byte/s per node"),
+        (["--link", "fast"], "--link", "bits per second"),
+        (["--link", "100kbit"], "--link", "512kbit/s"),
+        (["--link", "10Gbit/s", "--launcher", "mpirun"], "--link", "needs --launcher direct"),
     ])
     def test_options_out_of_range_are_usage_errors_before_any_set_up(tmp_path, args, option,
                                                                       says):
@@ -365,6 +393,12 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
         assert nodes.parse_bandwidth("none") is None
         with pytest.raises(ValueError):
             nodes.parse_bandwidth("fast")
+        # Links in bits, as networks are sold, or in bytes.
+        assert nodes.parse_link("10Gbit/s") == 1_250_000_000
+        assert nodes.parse_link("800mbit") == 100_000_000
+        assert nodes.parse_link("25gbps") == 3_125_000_000
+        assert nodes.parse_link("1.25GB/s") == 1_250_000_000
+        assert nodes.parse_link("none") is None
 
 
 if __name__ == "__main__":
