@@ -143,6 +143,14 @@ def check_shared_memory_all_gather(rank, world, group):
         mine = f"zeroflat-{os.getpid()}-"
         return [n for n in os.listdir("/dev/shm") if n.startswith(mine)] if rank == 0 else []
 
+    # Ranks of one host see each other's files: one host, and the two-step all-gather of ranks
+    # on several hosts does not apply; the files are gone once every rank has looked.
+    assert _shm.hosts(group, rank, world) == [0] * world
+    dist.barrier()
+    assert not [n for n in os.listdir("/dev/shm")
+                if n.startswith(f"zeroflat-host-{os.getpid():08x}")]
+    assert zeroflat._comm.hosts_of(group, rank, world) is False
+
     win = _shm.SharedWindow.open(group, rank, world, 1 << 20)
     assert win is not None and win.slot_bytes == 1 << 20
     gathered(win, 1 << 20)  # one round

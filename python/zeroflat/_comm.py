@@ -31,6 +31,89 @@ _instances = itertools.count()
 # How long a rank that saw a failure waits for the others' marks in the store.
 _ALIVE_SECONDS = 3.0
 
+# The hosts of each group this process gathered over, found once: the group's global ranks ->
+# a _Hosts, or False where the host all-gather does not apply (one host, hosts of unequal rank
+# counts, no /dev/shm).
+_hosts_of_group: dict = {}
+
+
+class _Hosts:
+    """A group's ranks on M hosts of R ranks each (M, R > 1): this rank's host-mates (a process
+    group of R), the ranks of the same local index on every host (a process group of M), and
+    the window it shares with its host-mates once opened."""
+
+    def __init__(self, members: List[List[int]], host: int, local: int, host_group, across):
+        self.members = members  # group ranks of each host, ascending
+        self.host = host
+        self.local = local
+        self.host_group = host_group
+        self.across = across
+        self.window: Any = None
+
+    def all_gather(self, buf: torch.Tensor, slice_bytes: int) -> None:
+        """The group's all-gather in two steps, so that only other hosts' bytes cross between
+        hosts, once each: first the ranks of local index c on every host gather their slices
+        through the process group; then each host's ranks complete one another's buffers in
+        shared memory, host by host."""
+        def at(r: int) -> torch.Tensor:
+            return buf[r * slice_bytes: (r + 1) * slice_bytes]
+        me = self.members[self.host][self.local]
+        peers = [at(m[self.local]) for m in self.members]
+        dist.all_gather(peers, at(me).clone(), group=self.across)
+        if self.window is None or self.window.slot_bytes < _shm.slot_bytes(
+                len(self.members[0]), slice_bytes):
+            self.window = None
+            self.window = _shm.SharedWindow.open(self.host_group, self.local,
+                                                 len(self.members[0]), slice_bytes)
+            if self.window is None:
+                raise RuntimeError("the ranks of a host could not all map a shared-memory "
+                                   "window, though they see each other's files in /dev/shm")
+        for m in self.members:
+            self.window.exchange(buf, [r * slice_bytes for r in m], slice_bytes)
+
+
+def _new_group(ranks: List[int], everyone: bool):
+    """A gloo group of these global ranks: made by every rank of the job (``everyone``) or only
+    by its members."""
+    if everyone:
+        return dist.new_group(ranks, backend="gloo")
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+
+
+def hosts_of(group, rank: int, size: int):
+    """The group's _Hosts, False where the ranks are on one host or the two-step all-gather does
+    not apply. Collective over ``group`` the first time for each group."""
+    ranks = dist.get_process_group_ranks(group)
+    key = tuple(ranks)
+    if key in _hosts_of_group:
+        return _hosts_of_group[key]
+    host_of = _shm.hosts(group, rank, size) if _shm.enabled() else None
+    found: Any = False
+    if host_of is not None:
+        members = [[r for r in range(size) if host_of[r] == h] for h in range(max(host_of) + 1)]
+        per_host = len(members[0])
+        if len(members) > 1 and per_host > 1 and all(len(m) == per_host for m in members):
+            everyone = dist.get_world_size() == size
+            mine = host_of[rank]
+            local = members[mine].index(rank)
+            host_group = across = None
+            try:
+                # Every rank makes the groups in the same order (all of them when the group is
+                # the whole job, as new_group then requires; else its own two).
+                for h, m in enumerate(members):
+                    if everyone or h == mine:
+                        g = _new_group([ranks[r] for r in m], everyone)
+                        host_group = g if h == mine else host_group
+                for c in range(per_host):
+                    if everyone or c == local:
+                        g = _new_group([ranks[m[c]] for m in members], everyone)
+                        across = g if c == local else across
+                found = _Hosts(members, mine, local, host_group, across)
+            except TypeError:
+                pass  # a torch whose new_group cannot synchronize only its members
+    _hosts_of_group[key] = found
+    return found
+
 
 def comm_device(group, device: torch.device) -> torch.device:
     """Where a group's collectives take their tensors: a CUDA device for NCCL (``device``, or
@@ -165,6 +248,12 @@ class TorchComm:
 
     def _all_gather(self, buf: torch.Tensor, slice_bytes: int) -> None:
         if buf.device.type == "cpu" and self.comm_device.type == "cpu" and _shm.enabled():
+            # Ranks on several hosts, several on each: only other hosts' bytes cross between
+            # hosts, then the ranks of each host meet in shared memory.
+            hosts = hosts_of(self.group, self.rank, self.size)
+            if hosts:
+                hosts.all_gather(buf, slice_bytes)
+                return
             # Ranks on one host meet in shared memory rather than in gloo's sockets.
             # Opened at the first gather, again for a larger one (every rank sees the same
             # slice_bytes, checked above); never again once some rank could not map it.

@@ -6,6 +6,10 @@ shared memory (``/dev/shm``) and copy their slices through it at memory speed. T
 ring of two slot sets, ``2 x ranks`` slots of ``slot_bytes`` each, so a buffer of any size goes
 through in rounds with one barrier each and the extra memory stays a few tens of megabytes.
 
+Which ranks share a host is found the same way (``hosts``): each rank makes a file of its own in
+``/dev/shm`` and looks for the others'; ranks that see each other's files share the host's
+memory. Within a host the ranks then meet in a window; between hosts they use the process group.
+
 Whether every rank of the group can map the same window is found by trying: rank 0 creates a
 file of a random name and reserves its pages (``posix_fallocate``, so that a full ``/dev/shm``
 is a clean error here rather than a SIGBUS later), every other rank opens it by name without
@@ -90,6 +94,11 @@ class SharedWindow:
     def all_gather(self, buf: torch.Tensor, slice_bytes: int) -> None:
         """Rank r's ``buf[r * slice_bytes, (r + 1) * slice_bytes)`` into every rank's ``buf``
         (uint8, on the host), in place."""
+        self.exchange(buf, [j * slice_bytes for j in range(self.size)], slice_bytes)
+
+    def exchange(self, buf: torch.Tensor, starts, slice_bytes: int) -> None:
+        """Rank j's ``buf[starts[j], starts[j] + slice_bytes)`` into every rank's ``buf`` at the
+        same place (uint8, on the host), in place; ``starts`` the same on every rank."""
         n_ranks, slot, me = self.size, self.slot_bytes, self.rank
         for k, off in enumerate(range(0, slice_bytes, slot)):
             n = min(slot, slice_bytes - off)
@@ -97,16 +106,62 @@ class SharedWindow:
             # round k - 2, so it is free to overwrite.
             base = (k % 2) * n_ranks * slot
             mine = base + me * slot
-            own = me * slice_bytes + off
+            own = starts[me] + off
             self.window[mine: mine + n].copy_(buf[own: own + n])
             dist.barrier(group=self.group)
             for j in range(n_ranks):
                 if j != me:
                     at = base + j * slot
-                    buf[j * slice_bytes + off: j * slice_bytes + off + n].copy_(
-                        self.window[at: at + n])
+                    buf[starts[j] + off: starts[j] + off + n].copy_(self.window[at: at + n])
         # Nobody reuses the window before every rank has read the last round.
         dist.barrier(group=self.group)
+
+
+def hosts(group, rank: int, size: int) -> Optional[list]:
+    """For each rank of ``group``, the number of its host (0, 1, ... in the order of each host's
+    first rank), where a host is the ranks that see each other's files in /dev/shm; None when
+    that is not a partition of the group (a rank without /dev/shm, a view that is not mutual).
+    Collective over ``group``."""
+    token = f"{os.getpid() & 0xFFFFFFFF:08x}{secrets.token_hex(4)}"  # 16 characters
+    name = os.path.join(_DIR, f"zeroflat-host-{token}")
+    made = False
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        made = True
+    except OSError:
+        pass
+    try:
+        mine = torch.tensor(list(token.encode()) if made else [0] * 16, dtype=torch.uint8)
+        tokens = torch.zeros(size * 16, dtype=torch.uint8)
+        dist.all_gather_into_tensor(tokens, mine, group=group)
+        names = [bytes(tokens[j * 16:(j + 1) * 16].tolist()) for j in range(size)]
+        seen = torch.tensor([1 if made and n != bytes(16) and os.path.exists(
+            os.path.join(_DIR, f"zeroflat-host-{n.decode(errors='replace')}")) else 0
+            for n in names], dtype=torch.uint8)
+        rows = torch.zeros(size * size, dtype=torch.uint8)
+        dist.all_gather_into_tensor(rows, seen, group=group)
+    finally:
+        # Every rank has looked (the all-gather above is past only once every rank looked).
+        if made:
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
+    see = rows.view(size, size).tolist()
+    host_of = [-1] * size
+    count = 0
+    for i in range(size):
+        if host_of[i] >= 0:
+            continue
+        members = [j for j in range(size) if see[i][j]]
+        # A host: every member sees exactly the same ranks, itself among them.
+        if i not in members or any(see[j] != see[i] or host_of[j] >= 0 for j in members):
+            return None
+        for j in members:
+            host_of[j] = count
+        count += 1
+    return host_of
 
 
 def _create(total: int) -> str:
