@@ -307,6 +307,8 @@ def worker(rank, world, port, path):
             zd.uninstall()
         groups = len(po.bit16_groups_flat)
         assert zd.stats["adopted"] == before["adopted"] + groups, (where, zd.stats)
+        # Every rank loaded the same bytes: DeepSpeed's broadcast of the model was left out.
+        assert zd.stats["broadcasts_skipped"] == before["broadcasts_skipped"] + (world > 1), where
         assert zd.stats["fallbacks"] == before["fallbacks"], (where, zd.stats["fallback_reasons"])
         # Adopted as they are: the engine's buffers are the loaded ones.
         assert [f.data_ptr() for f in oo.bit16_groups_flat] == [f.data_ptr() for f in loaded]
@@ -319,6 +321,21 @@ def worker(rank, world, port, path):
         assert equal(po.single_partition_of_fp32_groups, oo.single_partition_of_fp32_groups), where
         assert equal([p.detach() for p in plain.module.parameters()],
                      [p.detach() for p in ours.module.parameters()]), where
+    if world == 2:
+        # One rank's parameters differ: the checksums disagree, DeepSpeed's broadcast runs, and
+        # every rank starts from rank 0's values, as without the drop-in.
+        model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
+                                            device="cpu")
+        first = next(model.parameters())
+        want = first.detach().clone()
+        if rank == 1:
+            with torch.no_grad():
+                first.add_(1)
+        skipped = zd.stats["broadcasts_skipped"]
+        with zd.installed():
+            engine_of(model, 2, False, False)
+        assert zd.stats["broadcasts_skipped"] == skipped
+        assert torch.equal(first.detach(), want), rank
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     end_rank()

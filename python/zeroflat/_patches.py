@@ -210,6 +210,11 @@ TABLE: Tuple[Entry, ...] = (
           "resumes a ZeRO-1/2 or ZeRO-3 checkpoint with each rank reading only its own bytes, at "
           "any world size, no pickle executed (what it does not serve is DeepSpeed's own call, "
           "with a warning saying why)"),
+    Entry(f"{_DS}.engine.DeepSpeedEngine._broadcast_model", _ALL, "install()",
+          "the ranks first compare a checksum of their parameters; where every rank's agrees "
+          "(one checkpoint, one seed) the broadcast of the whole model from the first rank is "
+          "left out, else it runs as DeepSpeed's; DeepSpeed's MoE and ZeRO-3 parameters are "
+          "always DeepSpeed's"),
     # Building a model for loading.
     Entry("torch.nn.Module.register_parameter", "torch", "zeroflat.meta_parameters()",
           "parameters are made on the meta device (no memory, no initialization)"),

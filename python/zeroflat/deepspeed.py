@@ -28,7 +28,7 @@ import torch
 import zeroflat
 from . import _dropin, _load, _resume, _stage3
 from ._comm import all_reduce_ints
-from ._common import select
+from ._common import engine_threads, select
 from ._dropin import log, stats
 from ._dropin import state as _state
 from ._patches import Patch, apply, patched, restore
@@ -461,6 +461,57 @@ def _unfused_init(original, self, init_optimizer, *args, **kwargs):
     original(self, init_optimizer, *args, **kwargs)
 
 
+def _broadcast_model(original, engine):
+    """DeepSpeedEngine._broadcast_model: every parameter sent from the group's first rank to the
+    others, so that all start alike. Where they already are alike (loaded from one checkpoint, or
+    made from one seed), that moves the whole model over the network for nothing (seconds between
+    nodes). The ranks first compare a checksum of their parameters (names, shapes, dtypes and
+    bytes); only where every rank's is the same is the broadcast left out, else it runs as
+    DeepSpeed's. Expert-parallel parameters (DeepSpeed's MoE) and partitioned ones (ZeRO-3) are
+    always left to DeepSpeed."""
+    import hashlib
+
+    import torch.distributed as dist
+    from deepspeed.moe.utils import is_moe_param
+
+    group = getattr(engine, "seq_data_parallel_group", None)
+    if group is None or not dist.is_initialized() or dist.get_world_size(group=group) <= 1:
+        return original(engine)
+    params = [(n, p) for n, p in engine.module.named_parameters() if torch.is_tensor(p)]
+    if any(is_moe_param(p) or hasattr(p, "ds_status") or hasattr(p, "ds_optim_param")
+           for _, p in params):
+        return original(engine)
+    # Every rank takes part in the comparison, whatever happens here: a rank that cannot sum
+    # its parameters says a value of its own (its rank), which no other rank's equals.
+    rank = dist.get_rank(group=group)
+    try:
+        digest = hashlib.blake2b(digest_size=8)
+        engines = {}
+        for name, p in params:
+            t = p.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            key = str(t.device)
+            if key not in engines:
+                engines[key] = zeroflat._C.TorchDevice(key, engine_threads(None, dist.get_world_size(
+                    group=group)))
+            total = engines[key].checksum(t.data_ptr(), t.numel() * t.element_size()) \
+                if t.numel() else 0
+            digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{total};".encode())
+        mine = int.from_bytes(digest.digest(), "little") >> 1  # below 2**63: an int64
+    except Exception as e:  # noqa: BLE001 - then DeepSpeed's broadcast, as always
+        log.debug("zeroflat: the parameters' checksum failed on this rank (%s)", e)
+        mine = -1 - rank
+    low, high = all_reduce_ints([mine, -mine], group, "min", "the ranks' parameter checksums",
+                                "broadcast")
+    if mine >= 0 and low == -high:
+        stats["broadcasts_skipped"] += 1
+        log.info("zeroflat: every rank already holds the same parameters (checksums agree); "
+                 "DeepSpeed's broadcast of the model left out")
+        return None
+    return original(engine)
+
+
 def _patches(stage_1_and_2) -> List[Patch]:
     """Every method the drop-in wraps for ZeRO-1/2, where the release has it."""
     opt = stage_1_and_2.DeepSpeedZeroOptimizer
@@ -477,6 +528,8 @@ def _patches(stage_1_and_2) -> List[Patch]:
                      "__init__", hook=_unfused_init, optional=True))
     out.append(Patch("deepspeed.runtime.engine.DeepSpeedEngine", "load_checkpoint",
                      hook=_resume.load_checkpoint))
+    out.append(Patch("deepspeed.runtime.engine.DeepSpeedEngine", "_broadcast_model",
+                     hook=_broadcast_model, optional=True))
     return out
 
 
