@@ -253,3 +253,38 @@ def worker(rank, world, port):
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_ranks(world):
     start_ranks(worker, world)
+
+
+def hosts_worker(rank, world, port):
+    """Four ranks as two pretended hosts whose ranks interleave ({0, 3} and {1, 2}): the
+    two-step all-gather puts every slice in its place whatever the order of the hosts."""
+    from zeroflat import _comm
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        members = [[0, 3], [1, 2]]
+        host = 0 if rank in (0, 3) else 1
+        local = members[host].index(rank)
+        host_groups = [dist.new_group(m, backend="gloo") for m in members]
+        across = [dist.new_group(sorted(m[c] for m in members), backend="gloo")
+                  for c in range(2)]
+        hosts = _comm._Hosts(members, host, local, host_groups[host], across[local])
+        for n in (4096, 5 << 20):
+            buf = torch.zeros(n * world, dtype=torch.uint8)
+            mine = ((torch.arange(n, dtype=torch.int64) * 7 + rank * 13) % 251).to(torch.uint8)
+            buf[rank * n: (rank + 1) * n] = mine
+            hosts.all_gather(buf, n)
+            for r in range(world):
+                want = ((torch.arange(n, dtype=torch.int64) * 7 + r * 13) % 251).to(torch.uint8)
+                assert torch.equal(buf[r * n: (r + 1) * n], want), f"rank {rank}: slice {r}"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    end_rank()
+
+
+def test_two_step_all_gather_puts_every_slice_in_place_whatever_the_host_order():
+    start_ranks(hosts_worker, 4)

@@ -42,34 +42,53 @@ class _Hosts:
     group of R), the ranks of the same local index on every host (a process group of M), and
     the window it shares with its host-mates once opened."""
 
-    def __init__(self, members: List[List[int]], host: int, local: int, host_group, across):
+    def __init__(self, members: List[List[int]], host: int, local: int, host_group, across,
+                 global_ranks: Optional[List[int]] = None):
         self.members = members  # group ranks of each host, ascending
         self.host = host
         self.local = local
         self.host_group = host_group
         self.across = across
+        # The job's rank of each group rank (point-to-point operations name their peer so).
+        self.global_ranks = global_ranks or list(range(sum(len(m) for m in members)))
         self.window: Any = None
 
     def all_gather(self, buf: torch.Tensor, slice_bytes: int) -> None:
         """The group's all-gather in two steps, so that only other hosts' bytes cross between
-        hosts, once each: first the ranks of local index c on every host gather their slices
-        through the process group; then each host's ranks complete one another's buffers in
-        shared memory, host by host."""
+        hosts, once each: the ranks of local index c on every host pass their slices around a
+        ring (point to point, straight into their places in ``buf``), while each host's ranks
+        exchange their own slices in shared memory; then they complete one another's buffers
+        with the other hosts' slices, host by host."""
         def at(r: int) -> torch.Tensor:
             return buf[r * slice_bytes: (r + 1) * slice_bytes]
-        me = self.members[self.host][self.local]
-        peers = [at(m[self.local]) for m in self.members]
-        dist.all_gather(peers, at(me).clone(), group=self.across)
-        if self.window is None or self.window.slot_bytes < _shm.slot_bytes(
-                len(self.members[0]), slice_bytes):
+        per_host = len(self.members[0])
+        if self.window is None or self.window.slot_bytes < _shm.slot_bytes(per_host,
+                                                                            slice_bytes):
             self.window = None
-            self.window = _shm.SharedWindow.open(self.host_group, self.local,
-                                                 len(self.members[0]), slice_bytes)
+            self.window = _shm.SharedWindow.open(self.host_group, self.local, per_host,
+                                                 slice_bytes)
             if self.window is None:
                 raise RuntimeError("the ranks of a host could not all map a shared-memory "
                                    "window, though they see each other's files in /dev/shm")
+        ring = sorted(m[self.local] for m in self.members)  # the group of local index c
+        me = ring.index(self.members[self.host][self.local])
+        n = len(ring)
+        send_to = self.global_ranks[ring[(me + 1) % n]]
+        recv_from = self.global_ranks[ring[(me - 1) % n]]
+        own = self.members[self.host]
+        for step in range(n - 1):
+            # Step k passes on the slice received at step k - 1 (this rank's own at first).
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, at(ring[(me - step) % n]), send_to, group=self.across),
+                dist.P2POp(dist.irecv, at(ring[(me - step - 1) % n]), recv_from,
+                           group=self.across)])
+            if step == 0:  # meanwhile, the host's own slices through shared memory
+                self.window.exchange(buf, [r * slice_bytes for r in own], slice_bytes)
+            for w in works:
+                w.wait()
         for m in self.members:
-            self.window.exchange(buf, [r * slice_bytes for r in m], slice_bytes)
+            if m is not own:
+                self.window.exchange(buf, [r * slice_bytes for r in m], slice_bytes)
 
 
 def _new_group(ranks: List[int], everyone: bool):
@@ -108,7 +127,7 @@ def hosts_of(group, rank: int, size: int):
                     if everyone or c == local:
                         g = _new_group([ranks[m[c]] for m in members], everyone)
                         across = g if c == local else across
-                found = _Hosts(members, mine, local, host_group, across)
+                found = _Hosts(members, mine, local, host_group, across, list(ranks))
             except TypeError:
                 pass  # a torch whose new_group cannot synchronize only its members
     _hosts_of_group[key] = found
