@@ -280,6 +280,22 @@ def hosts_worker(rank, world, port):
             for r in range(world):
                 want = ((torch.arange(n, dtype=torch.int64) * 7 + r * 13) % 251).to(torch.uint8)
                 assert torch.equal(buf[r * n: (r + 1) * n], want), f"rank {rank}: slice {r}"
+        # A rank of one host cannot map the window: every rank learns it, nothing moves (the
+        # caller then takes the group's own all-gather).
+        from zeroflat import _shm
+
+        real_map = _shm._map
+        if rank == 3:
+            def refuse(name, total):
+                raise OSError("no room")
+            _shm._map = refuse
+        try:
+            buf = torch.zeros(4096 * world, dtype=torch.uint8)
+            buf[rank * 4096: (rank + 1) * 4096] = 1
+            assert hosts.all_gather(buf, 4096) is False
+            assert int(buf.sum()) == 4096, rank
+        finally:
+            _shm._map = real_map
         dist.barrier()
     finally:
         dist.destroy_process_group()

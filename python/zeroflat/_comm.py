@@ -32,15 +32,15 @@ _instances = itertools.count()
 _ALIVE_SECONDS = 3.0
 
 # The hosts of each group this process gathered over, found once: the group's global ranks ->
-# a _Hosts, or False where the host all-gather does not apply (one host, hosts of unequal rank
-# counts, no /dev/shm).
+# (the group, its _Hosts or False where the two-step all-gather does not apply: one host, hosts
+# of unequal rank counts, no /dev/shm). A group made anew (a process group destroyed and
+# initialized again) is looked at anew.
 _hosts_of_group: dict = {}
 
 
 class _Hosts:
     """A group's ranks on M hosts of R ranks each (M, R > 1): this rank's host-mates (a process
-    group of R), the ranks of the same local index on every host (a process group of M), and
-    the window it shares with its host-mates once opened."""
+    group of R) and the ranks of the same local index on every host (a process group of M)."""
 
     def __init__(self, members: List[List[int]], host: int, local: int, host_group, across,
                  global_ranks: Optional[List[int]] = None):
@@ -51,25 +51,24 @@ class _Hosts:
         self.across = across
         # The job's rank of each group rank (point-to-point operations name their peer so).
         self.global_ranks = global_ranks or list(range(sum(len(m) for m in members)))
-        self.window: Any = None
 
-    def all_gather(self, buf: torch.Tensor, slice_bytes: int) -> None:
+    def all_gather(self, buf: torch.Tensor, slice_bytes: int) -> bool:
         """The group's all-gather in two steps, so that only other hosts' bytes cross between
         hosts, once each: the ranks of local index c on every host pass their slices around a
         ring (point to point, straight into their places in ``buf``), while each host's ranks
         exchange their own slices in shared memory; then they complete one another's buffers
-        with the other hosts' slices, host by host."""
+        with the other hosts' slices, host by host. False, with nothing moved, where the ranks of
+        some host cannot map a window (a full /dev/shm): every rank then learns it alike. The
+        window (32 MiB) is this call's only."""
         def at(r: int) -> torch.Tensor:
             return buf[r * slice_bytes: (r + 1) * slice_bytes]
-        per_host = len(self.members[0])
-        if self.window is None or self.window.slot_bytes < _shm.slot_bytes(per_host,
-                                                                            slice_bytes):
-            self.window = None
-            self.window = _shm.SharedWindow.open(self.host_group, self.local, per_host,
-                                                 slice_bytes)
-            if self.window is None:
-                raise RuntimeError("the ranks of a host could not all map a shared-memory "
-                                   "window, though they see each other's files in /dev/shm")
+        window = _shm.SharedWindow.open(self.host_group, self.local, len(self.members[0]),
+                                        slice_bytes)
+        # Every host's answer, so that all ranks take the same way.
+        ok = torch.tensor([1 if window is not None else 0], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.across)
+        if not ok.item():
+            return False
         ring = sorted(m[self.local] for m in self.members)  # the group of local index c
         me = ring.index(self.members[self.host][self.local])
         n = len(ring)
@@ -83,12 +82,13 @@ class _Hosts:
                 dist.P2POp(dist.irecv, at(ring[(me - step - 1) % n]), recv_from,
                            group=self.across)])
             if step == 0:  # meanwhile, the host's own slices through shared memory
-                self.window.exchange(buf, [r * slice_bytes for r in own], slice_bytes)
+                window.exchange(buf, [r * slice_bytes for r in own], slice_bytes)
             for w in works:
                 w.wait()
         for m in self.members:
             if m is not own:
-                self.window.exchange(buf, [r * slice_bytes for r in m], slice_bytes)
+                window.exchange(buf, [r * slice_bytes for r in m], slice_bytes)
+        return True
 
 
 def _new_group(ranks: List[int], everyone: bool):
@@ -104,8 +104,9 @@ def hosts_of(group, rank: int, size: int):
     not apply. Collective over ``group`` the first time for each group."""
     ranks = dist.get_process_group_ranks(group)
     key = tuple(ranks)
-    if key in _hosts_of_group:
-        return _hosts_of_group[key]
+    known = _hosts_of_group.get(key)
+    if known is not None and known[0] is group:
+        return known[1]
     host_of = _shm.hosts(group, rank, size) if _shm.enabled() else None
     found: Any = False
     if host_of is not None:
@@ -130,7 +131,7 @@ def hosts_of(group, rank: int, size: int):
                 found = _Hosts(members, mine, local, host_group, across, list(ranks))
             except TypeError:
                 pass  # a torch whose new_group cannot synchronize only its members
-    _hosts_of_group[key] = found
+    _hosts_of_group[key] = (group, found)
     return found
 
 
@@ -270,8 +271,7 @@ class TorchComm:
             # Ranks on several hosts, several on each: only other hosts' bytes cross between
             # hosts, then the ranks of each host meet in shared memory.
             hosts = hosts_of(self.group, self.rank, self.size)
-            if hosts:
-                hosts.all_gather(buf, slice_bytes)
+            if hosts and hosts.all_gather(buf, slice_bytes):
                 return
             # Ranks on one host meet in shared memory rather than in gloo's sockets.
             # Opened at the first gather, again for a larger one (every rank sees the same

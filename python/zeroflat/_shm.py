@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 from typing import Optional
 
@@ -135,10 +136,12 @@ def hosts(group, rank: int, size: int) -> Optional[list]:
         mine = torch.tensor(list(token.encode()) if made else [0] * 16, dtype=torch.uint8)
         tokens = torch.zeros(size * 16, dtype=torch.uint8)
         dist.all_gather_into_tensor(tokens, mine, group=group)
-        names = [bytes(tokens[j * 16:(j + 1) * 16].tolist()) for j in range(size)]
-        seen = torch.tensor([1 if made and n != bytes(16) and os.path.exists(
-            os.path.join(_DIR, f"zeroflat-host-{n.decode(errors='replace')}")) else 0
-            for n in names], dtype=torch.uint8)
+        names = [bytes(tokens[j * 16:(j + 1) * 16].tolist()).decode("ascii", "replace")
+                 for j in range(size)]
+        # Only names of the form made above are looked for (16 hex digits): nothing a peer
+        # sends can name another path.
+        seen = torch.tensor([1 if made and re.fullmatch(r"[0-9a-f]{16}", n) and os.path.exists(
+            os.path.join(_DIR, f"zeroflat-host-{n}")) else 0 for n in names], dtype=torch.uint8)
         rows = torch.zeros(size * size, dtype=torch.uint8)
         dist.all_gather_into_tensor(rows, seen, group=group)
     finally:
