@@ -9,9 +9,10 @@ the checkpoint's files in the page cache (warm) and dropped from it first (cold)
         [--json]
 
 --model is a catalog model or a Hugging Face config.json (a smaller vocabulary, say), as
-`zeroflat write-checkpoint --model` takes it. It writes the checkpoint once (`zeroflat write-checkpoint`, into --dir or a temporary
-directory removed at the end), then runs `zeroflat load CHECKPOINT --dp P [--cold] --json`
---repeat times per row, each a fresh process. Every figure is bytes read per second, summed
+`zeroflat write-checkpoint --model` takes it. It writes the checkpoint once (`zeroflat
+write-checkpoint`, into --dir or a temporary directory removed at the end), then runs
+`zeroflat load CHECKPOINT --dp P --stage S [--cold] --json` --repeat times per row, each a fresh
+process. Every figure is bytes read per second, summed
 over the ranks, over the slowest rank's time (GB = 1e9 bytes):
   load      the loader: each rank reads its partition's bytes straight into its slice of the
             flat buffer (fresh memory), conversion and padding included, all-gather excluded

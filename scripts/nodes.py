@@ -32,8 +32,9 @@ LOCAL_WORLD_SIZE, NODE_RANK (and GROUP_RANK), NNODES, ZEROFLAT_LOCAL_RANKS=R, NO
 --cpus-per-node also OMP_NUM_THREADS and ZEROFLAT_NUM_THREADS (that many cores over R ranks) and
 NODES_CPU_CGROUP (its cpu.stat counts the quota periods the node waited in); with --link,
 MASTER_ADDR is node 0's address, NODES_ADDR the node's own, GLOO_SOCKET_IFNAME and
-NCCL_SOCKET_IFNAME eth0, NODES_LINK_BYTES_PER_S the link's rate. --launcher mpirun starts the K*R ranks with one mpirun (TCP on
-the loopback between ranks: the nodes have private /dev/shm), each entering its node first.
+NCCL_SOCKET_IFNAME eth0, NODES_LINK_BYTES_PER_S the link's rate. --launcher mpirun starts the
+K*R ranks with one mpirun (TCP on the loopback between ranks: the nodes have private /dev/shm),
+each entering its node first.
 
 Cgroups, namespaces (and their mounts) and copies are removed on every exit path: the command
 finishing or failing, the timeout (its processes get SIGTERM, then SIGKILL), Ctrl-C, SIGTERM,

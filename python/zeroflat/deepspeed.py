@@ -485,16 +485,18 @@ def _broadcast_model(original, engine):
     # its parameters says a value of its own (its rank), which no other rank's equals.
     rank = dist.get_rank(group=group)
     try:
+        if any(p.is_cuda for _, p in params):
+            torch.cuda.synchronize()  # the sums read what torch's queued work leaves there
         digest = hashlib.blake2b(digest_size=8)
         engines = {}
+        threads = engine_threads(None, dist.get_world_size(group=group))
         for name, p in params:
             t = p.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
             key = str(t.device)
             if key not in engines:
-                engines[key] = zeroflat._C.TorchDevice(key, engine_threads(None, dist.get_world_size(
-                    group=group)))
+                engines[key] = zeroflat._C.TorchDevice(key, threads)
             total = engines[key].checksum(t.data_ptr(), t.numel() * t.element_size()) \
                 if t.numel() else 0
             digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{total};".encode())
