@@ -1242,8 +1242,13 @@ def check_link(bps=50 * 10 ** 6, size=100 << 20):
         except OSError as e:
             raise Unsupported(f"cannot wire the nodes' network: {e}") from None
         into = ["nsenter", f"--net=/proc/{holders[0].pid}/ns/net", sys.executable, "-c"]
-        sink = subprocess.Popen(into + [_SINK], stdout=subprocess.PIPE, text=True)
+        try:
+            sink = subprocess.Popen(into + [_SINK], stdout=subprocess.PIPE, text=True)
+        except FileNotFoundError:
+            raise Unsupported("nsenter is not installed (it comes with util-linux)") from None
         port = sink.stdout.readline().strip()
+        if not port.isdigit():
+            raise SetupError("the receiving end of the link check did not start")
         subprocess.run(["nsenter", f"--net=/proc/{holders[1].pid}/ns/net", sys.executable, "-c",
                         _SOURCE, node_address(0), port, str(size >> 20)], check=True,
                        timeout=600)
