@@ -34,6 +34,14 @@ RESULT = "NODES_TEST "
 MiB = 1 << 20
 
 
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def harness(*args, timeout=120, **kw):
     return subprocess.run([sys.executable, HARNESS, *args], capture_output=True, text=True,
                           timeout=timeout, **kw)
@@ -101,6 +109,17 @@ def rank_main(way):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     path = os.environ["NODES_CHECKPOINT"]
+    if way == "warm":
+        # Both ways once, alone, on the original checkpoint: every library the ranks read is in
+        # the page cache before the nodes' disk reads are counted (a node's count is of the whole
+        # disk, so a library read from it would count as the checkpoint's).
+        zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
+                                    device="cpu", param_groups=None)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        sum(float(p.detach().float().sum()) for p in model.parameters())
+        resident_bytes(path)
+        dist.destroy_process_group()
+        return 0
     if way == "zeroflat":
         model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
                                             device="cpu", param_groups=None)
@@ -146,6 +165,10 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(path, max_shard_size="30MB")
+        env = dict(os.environ, NODES_CHECKPOINT=path, MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--rank", "warm"], env=env,
+                       check=True, timeout=300)
         return path
 
     def run_nodes(checkpoint, way, tmp_path, *extra, ranks_per_node=1):
