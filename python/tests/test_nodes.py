@@ -34,14 +34,6 @@ RESULT = "NODES_TEST "
 MiB = 1 << 20
 
 
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def harness(*args, timeout=120, **kw):
     return subprocess.run([sys.executable, HARNESS, *args], capture_output=True, text=True,
                           timeout=timeout, **kw)
@@ -166,7 +158,7 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(path, max_shard_size="30MB")
         env = dict(os.environ, NODES_CHECKPOINT=path, MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+                   MASTER_PORT=str(harness_module().free_port()), RANK="0", WORLD_SIZE="1")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--rank", "warm"], env=env,
                        check=True, timeout=300)
         return path
