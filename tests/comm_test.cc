@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -61,6 +62,51 @@ TEST(LocalComm, AllGatherInPlaceAcrossOneToFiveRanks) {
       }
     }
   }
+}
+
+TEST(LocalComm, AllGatherOfAPartMovesOnlyThatPartOfEverySlice) {
+  auto dev = make_device("cpu", DeviceOptions{1});
+  const int n = 3;
+  const std::uint64_t slice = 1001, offset = 300, part = 401;
+  std::vector<std::vector<unsigned char>> buffers(n, std::vector<unsigned char>(slice * n, 0xEE));
+  std::vector<std::string> errors = on_ranks(n, 10s, [&](Communicator& c) {
+    ASSERT_TRUE(c.gathers_parts(*dev));
+    auto& mine = buffers[static_cast<std::size_t>(c.rank())];
+    for (std::uint64_t i = 0; i < slice; ++i) {
+      mine[c.rank() * slice + i] = static_cast<unsigned char>(c.rank() * 37 + i);
+    }
+    c.all_gather_part(mine.data(), slice, offset, part, *dev);
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_EQ(errors[static_cast<std::size_t>(r)], "");
+    for (int owner = 0; owner < n; ++owner) {
+      for (std::uint64_t i = 0; i < slice; ++i) {
+        const bool moved = owner == r || (i >= offset && i < offset + part);
+        ASSERT_EQ(buffers[static_cast<std::size_t>(r)][owner * slice + i],
+                  moved ? static_cast<unsigned char>(owner * 37 + i) : 0xEE)
+            << "rank " << r << " slice " << owner << " byte " << i;
+      }
+    }
+  }
+  // Ranks that name different parts, or a part past the slice, are refused with nothing copied.
+  std::vector<std::vector<unsigned char>> b(2, std::vector<unsigned char>(2 * slice, 0));
+  errors = on_ranks(2, 10s, [&](Communicator& c) {
+    auto& mine = b[static_cast<std::size_t>(c.rank())];
+    mine.assign(mine.size(), static_cast<unsigned char>(c.rank() + 1));
+    c.all_gather_part(mine.data(), slice, c.rank() == 0 ? 0 : 8, 100, *dev);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("different parts"), std::string::npos)
+        << errors[static_cast<std::size_t>(r)];
+    EXPECT_EQ(std::count(b[static_cast<std::size_t>(r)].begin(),
+                         b[static_cast<std::size_t>(r)].end(), static_cast<unsigned char>(r + 1)),
+              static_cast<std::ptrdiff_t>(2 * slice));
+  }
+  errors = on_ranks(1, 10s, [&](Communicator& c) {
+    std::vector<unsigned char> one(slice);
+    c.all_gather_part(one.data(), slice, slice - 10, 11, *dev);
+  });
+  EXPECT_NE(errors[0].find("outside a slice"), std::string::npos) << errors[0];
 }
 
 TEST(LocalComm, AllReduceAgreesOnTheMinimumAndMaximum) {

@@ -4,7 +4,9 @@
 //
 // Threads: a Communicator belongs to one rank and is not for concurrent use: its collectives
 // must be called from one thread at a time (they are ordered, and every rank must call them in
-// the same order). abort() is the exception: any thread may call it at any time.
+// the same order), though not always the same thread (the executor's overlapped read gathers
+// from a thread of its own while the rank's own thread reads). abort() is the exception: any
+// thread may call it at any time.
 //
 // Backends: `local` (ranks as threads in one process, for tests and rehearsals), `mpi` (rank and
 // size from the MPI launcher; host memory), `nccl` (device memory of a cuda device; the unique
@@ -36,6 +38,14 @@ class Communicator {
   // memory the host cannot touch (a sim device without data) moves no bytes. Throws CommError
   // on a timeout or a failed peer, naming the ranks.
   virtual void all_gather_inplace(void* buffer, std::uint64_t slice_bytes, Device& device) = 0;
+
+  // The same for one part of every slice: bytes [r * slice_bytes + offset, +bytes) of rank r's
+  // slice into every rank's buffer at the same place, offset + bytes <= slice_bytes. Every rank
+  // passes the same three numbers. Only where gathers_parts() is true for `device` (the executor
+  // then gathers what a rank has read while it reads the rest); the default throws Unsupported.
+  virtual bool gathers_parts(const Device& device) const noexcept;
+  virtual void all_gather_part(void* buffer, std::uint64_t slice_bytes, std::uint64_t offset,
+                               std::uint64_t bytes, Device& device);
 
   // values[i] becomes the minimum (maximum) of values[i] over all ranks. Every rank passes the
   // same number of values. Throws CommError.

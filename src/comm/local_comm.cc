@@ -1,5 +1,6 @@
 // The `local` communicator: ranks as threads of one process, meeting at generation barriers.
 #include <algorithm>
+#include <array>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -9,6 +10,14 @@
 #include "zeroflat/error.h"
 
 namespace zeroflat {
+
+bool Communicator::gathers_parts(const Device&) const noexcept {
+  return false;
+}
+
+void Communicator::all_gather_part(void*, std::uint64_t, std::uint64_t, std::uint64_t, Device&) {
+  throw Unsupported(name() + ": no all-gather of a part of each slice");
+}
 
 struct LocalGroup::State {
   int size;
@@ -21,6 +30,7 @@ struct LocalGroup::State {
   // Exchange slots, one per rank, valid between the two barriers of a collective.
   std::vector<void*> buffers;
   std::vector<std::uint64_t> slice_bytes;  // each rank's all-gather slice, 0 when it keeps no data
+  std::vector<std::array<std::uint64_t, 2>> parts;  // the part of it gathered: offset, bytes
   std::vector<std::vector<std::uint64_t>> values;
   // Failure: set once, seen by everyone.
   bool failed = false;
@@ -68,40 +78,21 @@ class LocalCommunicator final : public Communicator {
   int size() const noexcept override { return state_->size; }
 
   void all_gather_inplace(void* buffer, std::uint64_t slice_bytes, Device& device) override {
-    if (device.keeps_data() && !device.host_accessible()) {
-      throw InvalidArgument("local: the all-gather copies host memory, and " + device.name() +
-                            " memory is not; use the nccl communicator for it");
+    gather(buffer, slice_bytes, 0, slice_bytes, device, "all-gather");
+  }
+
+  bool gathers_parts(const Device& device) const noexcept override {
+    return device.keeps_data() && device.host_accessible();
+  }
+
+  void all_gather_part(void* buffer, std::uint64_t slice_bytes, std::uint64_t offset,
+                       std::uint64_t bytes, Device& device) override {
+    if (offset > slice_bytes || bytes > slice_bytes - offset) {
+      throw InvalidArgument("local all-gather of a part: bytes [" + std::to_string(offset) + ", +" +
+                            std::to_string(bytes) + ") are outside a slice of " +
+                            std::to_string(slice_bytes));
     }
-    State& s = *state_;
-    std::unique_lock<std::mutex> lock(s.mutex);
-    s.buffers[static_cast<std::size_t>(rank_)] = buffer;
-    s.slice_bytes[static_cast<std::size_t>(rank_)] = device.keeps_data() ? slice_bytes : 0;
-    s.meet(lock, rank_, "all-gather");
-    // Every rank's byte count, before anyone copies: a peer with a shorter buffer would be read
-    // past its end. Every rank sees the same counts, so all refuse together.
-    const auto [lo, hi] = std::minmax_element(s.slice_bytes.begin(), s.slice_bytes.end());
-    if (*lo != *hi) {
-      throw InvalidArgument("local all-gather: the ranks passed slices of " + std::to_string(*lo) +
-                            " to " + std::to_string(*hi) + " bytes (this rank " +
-                            std::to_string(rank_) + ": " +
-                            std::to_string(s.slice_bytes[static_cast<std::size_t>(rank_)]) +
-                            "); nothing was copied");
-    }
-    // Every buffer is registered; read the peers' slices into this rank's buffer. Nobody writes
-    // a slice it does not own, so the copies need no lock.
-    std::vector<void*> peers = s.buffers;
-    lock.unlock();
-    if (device.keeps_data()) {
-      for (int r = 0; r < s.size; ++r) {
-        if (r == rank_) continue;
-        const std::uint64_t off = static_cast<std::uint64_t>(r) * slice_bytes;
-        std::memcpy(static_cast<unsigned char*>(buffer) + off,
-                    static_cast<const unsigned char*>(peers[static_cast<std::size_t>(r)]) + off,
-                    slice_bytes);
-      }
-    }
-    lock.lock();
-    s.meet(lock, rank_, "all-gather");  // nobody leaves while a peer still reads its buffer
+    gather(buffer, slice_bytes, offset, bytes, device, "all-gather of a part");
   }
 
   void all_reduce_min(std::span<std::uint64_t> values) override { reduce(values, true); }
@@ -125,6 +116,53 @@ class LocalCommunicator final : public Communicator {
   }
 
  private:
+  // Bytes [r * slice_bytes + offset, +bytes) of every rank r's buffer into this rank's.
+  void gather(void* buffer, std::uint64_t slice_bytes, std::uint64_t offset, std::uint64_t bytes,
+              Device& device, const char* what) {
+    if (device.keeps_data() && !device.host_accessible()) {
+      throw InvalidArgument("local: the all-gather copies host memory, and " + device.name() +
+                            " memory is not; use the nccl communicator for it");
+    }
+    State& s = *state_;
+    std::unique_lock<std::mutex> lock(s.mutex);
+    const auto me = static_cast<std::size_t>(rank_);
+    s.buffers[me] = buffer;
+    s.slice_bytes[me] = device.keeps_data() ? slice_bytes : 0;
+    s.parts[me] = device.keeps_data() ? std::array<std::uint64_t, 2>{offset, bytes}
+                                      : std::array<std::uint64_t, 2>{0, 0};
+    s.meet(lock, rank_, what);
+    // Every rank's byte counts, before anyone copies: a peer with a shorter buffer would be read
+    // past its end. Every rank sees the same counts, so all refuse together.
+    const auto [lo, hi] = std::minmax_element(s.slice_bytes.begin(), s.slice_bytes.end());
+    if (*lo != *hi) {
+      throw InvalidArgument(std::string("local ") + what + ": the ranks passed slices of " +
+                            std::to_string(*lo) + " to " + std::to_string(*hi) +
+                            " bytes (this rank " + std::to_string(rank_) + ": " +
+                            std::to_string(s.slice_bytes[me]) + "); nothing was copied");
+    }
+    if (std::any_of(s.parts.begin(), s.parts.end(),
+                    [&](const auto& p) { return p != s.parts[me]; })) {
+      throw InvalidArgument(std::string("local ") + what +
+                            ": the ranks passed different parts of their slices; nothing was "
+                            "copied");
+    }
+    // Every buffer is registered; read the peers' parts into this rank's buffer. Nobody writes
+    // a part it does not own, so the copies need no lock.
+    std::vector<void*> peers = s.buffers;
+    lock.unlock();
+    if (device.keeps_data()) {
+      for (int r = 0; r < s.size; ++r) {
+        if (r == rank_) continue;
+        const std::uint64_t off = static_cast<std::uint64_t>(r) * slice_bytes + offset;
+        std::memcpy(static_cast<unsigned char*>(buffer) + off,
+                    static_cast<const unsigned char*>(peers[static_cast<std::size_t>(r)]) + off,
+                    bytes);
+      }
+    }
+    lock.lock();
+    s.meet(lock, rank_, what);  // nobody leaves while a peer still reads its buffer
+  }
+
   using State = LocalGroup::State;
 
   void reduce(std::span<std::uint64_t> values, bool min) {
@@ -164,6 +202,7 @@ LocalGroup::LocalGroup(int size, std::chrono::milliseconds timeout)
   state_->arrived.assign(static_cast<std::size_t>(size), false);
   state_->buffers.assign(static_cast<std::size_t>(size), nullptr);
   state_->slice_bytes.assign(static_cast<std::size_t>(size), 0);
+  state_->parts.assign(static_cast<std::size_t>(size), {0, 0});
   state_->values.resize(static_cast<std::size_t>(size));
 }
 
