@@ -776,28 +776,88 @@ TEST(Loader, ManyShardsLoadUnderALowOpenFileLimit) {
   fs::remove_all(dir);
 }
 
+TEST_F(LoaderTest, AReadInPartsGatheredAsTheyArriveFillsTheSameBuffer) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  for (int dp : {2, 3}) {
+    for (bool ring : {false, true}) {
+      for (std::uint32_t parts : {1u, 3u, 7u}) {
+        SCOPED_TRACE("dp " + std::to_string(dp) + (ring ? " ring" : "") + ", " +
+                     std::to_string(parts) + " parts");
+        FlattenOptions o = load_options();
+        o.layout.dp = static_cast<std::uint64_t>(dp);
+        o.read.through_ring = ring;
+        o.read.ring_chunk_bytes = 16384;
+        o.tier = Tier::kLoad;
+        const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
+        on_ranks(dp, [&](int r, Communicator* comm) {
+          FlattenOptions mine = o;
+          // The ranks take the fewest parts any of them asks for.
+          mine.execute.gather_parts = parts + (parts > 1 ? static_cast<std::uint32_t>(r) : 0);
+          std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+          const FlattenResult res = load_flat_group(ck, params, *dev, comm, mine);
+          ASSERT_TRUE(res.complete()) << res.execution.error;
+          ASSERT_GE(res.input.layout.partition_bytes(), parts * (64u << 10));
+          EXPECT_EQ(res.execution.gather_parts, parts);
+          EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
+          if (parts == 1) EXPECT_EQ(res.execution.overlapped_gather_seconds, 0.0);
+        });
+      }
+    }
+  }
+  // A fault injected at the read: every rank rolls back, none waits for a part.
+  const std::vector<std::string> errors =
+      errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
+        FlattenOptions o = load_options();
+        o.layout.dp = 2;
+        o.tier = Tier::kLoad;
+        o.execute.gather_parts = 4;
+        const std::vector<Step> steps = load_steps(Layout::compute(
+                                                       [&] {
+                                                         std::vector<std::uint64_t> n;
+                                                         for (const LoadParam& p : params)
+                                                           n.push_back(shape_numel(p.shape));
+                                                         return n;
+                                                       }(),
+                                                       o.layout),
+                                                   static_cast<std::uint64_t>(r), 0, Tier::kLoad);
+        for (std::size_t k = 0; k < steps.size(); ++k) {
+          if (steps[k].op == Op::kRead && r == 1) o.execute.fault_step = k;
+        }
+        const FlattenResult res = load_flat_group(ck, params, dev, c, o);
+        if (!res.complete()) throw Error(res.execution.error);
+      });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("failed on rank 1"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("rolled back"), std::string::npos) << errors[r];
+  }
+}
+
 TEST_F(LoaderTest, AReadThatFailsMidwayFailsEveryRankAndKeepsNothing) {
   const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
   const std::vector<LoadParam> params = params_of(ck);
   for (bool ring : {false, true}) {
-    SCOPED_TRACE(ring ? "ring" : "direct");
-    const std::vector<std::string> errors =
-        errors_on_ranks(3, [&](int r, Communicator* c, Device& dev) {
-          FlattenOptions o = load_options();
-          o.layout.dp = 3;
-          o.read.through_ring = ring;
-          o.read.ring_chunk_bytes = 16384;
-          o.tier = Tier::kLoad;  // the other ranks learn of the failure at the all-gather
-          if (r == 1) o.read.fail_after_bytes = 100'000;
-          load_flat_group(ck, params, dev, c, o);
-        });
-    // The failing rank names the file, the tensor and the byte range; the others name it.
-    EXPECT_NE(errors[1].find(".safetensors"), std::string::npos) << errors[1];
-    EXPECT_NE(errors[1].find("tensor '"), std::string::npos) << errors[1];
-    EXPECT_NE(errors[1].find("bytes ["), std::string::npos) << errors[1];
-    for (int r : {0, 2}) {
-      EXPECT_NE(errors[r].find("rank 1"), std::string::npos) << errors[r];
-      EXPECT_EQ(errors[r].find("InvalidArgument"), std::string::npos) << errors[r];
+    for (std::uint32_t parts : {1u, 4u}) {
+      SCOPED_TRACE(std::string(ring ? "ring" : "direct") + ", " + std::to_string(parts) + " parts");
+      const std::vector<std::string> errors =
+          errors_on_ranks(3, [&](int r, Communicator* c, Device& dev) {
+            FlattenOptions o = load_options();
+            o.layout.dp = 3;
+            o.read.through_ring = ring;
+            o.read.ring_chunk_bytes = 16384;
+            o.tier = Tier::kLoad;  // the other ranks learn of the failure at the all-gather
+            o.execute.gather_parts = parts;
+            if (r == 1) o.read.fail_after_bytes = 100'000;
+            load_flat_group(ck, params, dev, c, o);
+          });
+      // The failing rank names the file, the tensor and the byte range; the others name it.
+      EXPECT_NE(errors[1].find(".safetensors"), std::string::npos) << errors[1];
+      EXPECT_NE(errors[1].find("tensor '"), std::string::npos) << errors[1];
+      EXPECT_NE(errors[1].find("bytes ["), std::string::npos) << errors[1];
+      for (int r : {0, 2}) {
+        EXPECT_NE(errors[r].find("rank 1"), std::string::npos) << errors[r];
+        EXPECT_EQ(errors[r].find("InvalidArgument"), std::string::npos) << errors[r];
+      }
     }
   }
 }

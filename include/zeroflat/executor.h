@@ -38,6 +38,12 @@ struct ExecuteOptions {
   std::optional<std::size_t> fault_step;
   // Called before each step runs (for progress); index into the step list.
   std::function<void(std::size_t, const Step&)> on_step;
+  // A read of this rank's slice followed by the all-gather of the buffer (the `load` plan) is
+  // split into parts, each gathered while the next is read, where the communicator gathers parts
+  // on this device (Communicator::gathers_parts): at most this many parts (0: ZEROFLAT_GATHER_PARTS
+  // where set, else the executor's choice, one per 8 MiB up to 8; 1: read, then gather). The
+  // ranks take the smallest count any of them asks for.
+  std::uint32_t gather_parts = 0;
 };
 
 enum class Outcome : std::uint8_t {
@@ -64,6 +70,11 @@ struct Execution {
   std::uint64_t measured_peak_host_bytes = 0;
   double seconds = 0;                // the whole step list on this rank, agreement included
   std::vector<double> step_seconds;  // per step of the list (the last run of each)
+  // The parts of an overlapped read and all-gather (1 where there was none), and the seconds the
+  // all-gather of all but the last part took while the read went on (inside the read step's
+  // time; the all-gather step's time is the last part's).
+  std::uint32_t gather_parts = 1;
+  double overlapped_gather_seconds = 0;
 };
 
 // How the caller frees the originals' storage (the parameters as they are before flattening):

@@ -44,7 +44,10 @@ std::string plan_json(const Plan& plan, const PlanInput& input);
 //   total_seconds                the whole call on this rank: checks, probe, agreement, plan,
 //                                steps, the checks after them and the master partition
 //   step_seconds                 each step's time
-//   allgather_seconds            the all-gather steps' (0 without one)
+//   allgather_seconds            the all-gather's (0 without one): its step and the parts
+//                                gathered while the read went on
+//   allgather_overlapped_seconds  of those, the parts gathered during the read (0: none)
+//   gather_parts                 the parts the read and the all-gather were split into (1: none)
 //   predicted_peak_device_bytes  the memory model on the chosen steps, from what this rank's
 //                                device held before them
 //   measured_peak_device_bytes   the device's own high-water mark over the steps

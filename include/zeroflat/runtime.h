@@ -32,6 +32,9 @@ struct RuntimeEnv {
   // bytes into another rank's (off only for a rank's many short runs).
   enum class ReadAhead : std::uint8_t { kExact, kKernel };
   ReadAhead read_ahead = ReadAhead::kExact;
+  // ZEROFLAT_GATHER_PARTS: the most parts a rank's read of its slice is split into, each
+  // all-gathered while the next is read (ExecuteOptions::gather_parts; 1: read, then gather).
+  std::optional<unsigned> gather_parts;
 };
 
 // The environment as read at first call. Throws InvalidArgument naming the variable when one is

@@ -71,6 +71,7 @@ RuntimeEnv read_env() {
   env.host_memory = host_memory_env();
   env.read_ahead = read_ahead_env();
   env.num_threads = positive_env("ZEROFLAT_NUM_THREADS");
+  env.gather_parts = positive_env("ZEROFLAT_GATHER_PARTS");
   env.local_ranks = positive_env("ZEROFLAT_LOCAL_RANKS");
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"}) {
     if (env.local_ranks) break;

@@ -4,10 +4,16 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <condition_variable>
 #include <exception>
+#include <mutex>
+#include <system_error>
+#include <thread>
 
 #include "common/clock.h"
 #include "zeroflat/error.h"
+#include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat {
@@ -49,6 +55,36 @@ bool is_agreement_point(const Step& step) {
   return step.op == Op::kAllGather || step.op == Op::kReleaseOriginals;
 }
 
+// An overlapped read's parts: the executor's choice is one per 8 MiB, up to 8 (the last part's
+// all-gather is what the overlap leaves to wait for); none smaller than 64 KiB on request (the
+// last, a quarter of the others, no smaller than 16 KiB).
+constexpr std::uint64_t kAutoPartBytes = std::uint64_t{8} << 20;
+constexpr std::uint32_t kAutoParts = 8;
+constexpr std::uint64_t kMinPartBytes = std::uint64_t{64} << 10;
+constexpr std::uint32_t kMaxParts = 256;
+
+// The read step whose parts can be gathered while the rest is read: a read of this rank's slice
+// in place into the flat buffer, followed later by the in-place all-gather of that buffer. The
+// same on every rank (it depends on the list's shape only), so that every rank agrees there.
+std::optional<std::size_t> overlap_candidate(const std::vector<Step>& steps, std::uint64_t sb) {
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    const Step& r = steps[k];
+    if (r.op != Op::kRead || r.buffer != Buffer::kFlat || r.bytes != sb || sb == 0 ||
+        r.flat_offset != r.dst_offset) {
+      continue;
+    }
+    for (std::size_t j = k + 1; j < steps.size(); ++j) {
+      const Step& g = steps[j];
+      if (g.op == Op::kAllGather) {
+        if (g.buffer == Buffer::kFlat && g.source == Buffer::kFlat) return k;
+        break;
+      }
+      if (g.op != Op::kRelease || g.buffer != Buffer::kHostStage) break;
+    }
+  }
+  return std::nullopt;
+}
+
 // How one pass over the list ended.
 struct PassEnd {
   std::uint64_t agreed = 0;                 // 0: every rank reached the end without failure
@@ -75,7 +111,9 @@ class Run {
         options_(options),
         machine_(std::max(device.memory_info().allocated_bytes, source.resident_bytes()),
                  source.resident_bytes()),
-        step_seconds_(steps.size(), 0.0) {
+        step_seconds_(steps.size(), 0.0),
+        overlap_read_(comm_ != nullptr ? overlap_candidate(steps, layout.partition_bytes())
+                                       : std::nullopt) {
     originals_.reserve(params.size());
     for (const TensorRef& t : params) originals_.push_back(t.data);
   }
@@ -141,6 +179,8 @@ class Run {
     out.measured_peak_host_bytes = mem.peak_host_allocated_bytes;
     out.seconds = detail::seconds_since(t0);
     out.step_seconds = step_seconds_;
+    out.gather_parts = parts_;
+    out.overlapped_gather_seconds = overlapped_seconds_;
     return out;
   }
 
@@ -149,21 +189,26 @@ class Run {
   PassEnd pass(std::size_t from, bool inject) {
     PassEnd end;
     const std::uint64_t severity = inject ? kFailed : kGone;
+    gathered_ = 0;  // a pass that gathers runs the read before it (the recovery pass as well)
     for (std::size_t k = from; k <= steps_.size(); ++k) {
       const bool last = k == steps_.size();
       if (!last && inject && options_.fault_step == k && !end.local_failed) {
         end.local_failed = k;
         end.local_error = "injected fault (--inject-fault " + std::to_string(k) + ")";
       }
-      if (last || is_agreement_point(steps_[k])) {
+      // Before an overlapped read the ranks also agree on its parts: the fewest any asks for.
+      const bool parts_point = !last && overlap_read_ == k;
+      if (last || parts_point || is_agreement_point(steps_[k])) {
         const std::uint64_t mine =
             end.local_failed ? encode(severity, *end.local_failed, rank_) : 0;
         std::uint64_t agreed = mine;
+        if (parts_point) parts_ = 1;
         if (comm_ != nullptr) {
           try {
-            std::array<std::uint64_t, 1> v{mine};
-            comm_->all_reduce_max(v);
+            std::array<std::uint64_t, 2> v{mine, parts_point ? kMaxParts - wanted_parts() : 0};
+            comm_->all_reduce_max(std::span<std::uint64_t>(v.data(), parts_point ? 2 : 1));
             agreed = v[0];
+            if (parts_point) parts_ = static_cast<std::uint32_t>(kMaxParts - v[1]);
           } catch (const std::exception& e) {
             end.comm_broken = true;
             end.comm_error = e.what();
@@ -206,6 +251,10 @@ class Run {
         break;
       case Op::kGather:
       case Op::kRead:
+        if (parts_ > 1 && overlap_read_ && &s == &steps_[*overlap_read_]) {
+          read_overlapped(s);
+          break;
+        }
         source_.read(at(s.buffer, s.dst_offset), s.flat_offset, s.bytes,
                      machine_.live(Buffer::kHostStage) ? ptr(Buffer::kHostStage) : nullptr,
                      machine_.size(Buffer::kHostStage));
@@ -226,7 +275,13 @@ class Run {
           // This rank's contribution moves into its own slot first; the all-gather is in place.
           device_.copy(flat + slot_ * sb, at(s.source, 0), sb);
         }
-        if (comm_ != nullptr) comm_->all_gather_inplace(flat, sb, device_);
+        if (comm_ != nullptr && gathered_ > 0) {
+          // The parts before gathered_ were gathered while the read went on.
+          comm_->all_gather_part(flat, sb, gathered_, sb - gathered_, device_);
+        } else if (comm_ != nullptr) {
+          comm_->all_gather_inplace(flat, sb, device_);
+        }
+        gathered_ = 0;
         break;
       }
       case Op::kRepoint: {
@@ -242,6 +297,100 @@ class Run {
         break;
     }
     machine_.apply(s);
+  }
+
+  // The parts this rank asks for at the overlapped read: 1 where the communicator cannot gather
+  // parts on this device.
+  std::uint64_t wanted_parts() const {
+    const std::uint64_t sb = layout_.partition_bytes();
+    if (!comm_->gathers_parts(device_)) return 1;
+    std::uint64_t n = options_.gather_parts;
+    if (n == 0) {
+      try {
+        n = runtime_env().gather_parts.value_or(0);
+      } catch (const InvalidArgument&) {
+        n = 0;  // a bad variable is refused where the call began, before any rank moved
+      }
+    }
+    if (n == 0) n = std::min<std::uint64_t>(kAutoParts, sb / kAutoPartBytes);
+    n = std::min<std::uint64_t>({n, sb / kMinPartBytes, kMaxParts - 1});
+    return std::max<std::uint64_t>(n, 1);
+  }
+
+  // The read of this rank's slice in parts_ parts, each gathered from a thread of its own while
+  // the next is read; the all-gather step gathers the last. Every rank gathers parts_ - 1 parts
+  // whatever happens to its reads (a rank whose read failed sends what it has, and the
+  // agreement at the all-gather step stops every rank before the buffer is used), so that the
+  // collectives stay matched; a failed gather stops the reading.
+  void read_overlapped(const Step& s) {
+    const std::uint64_t sb = s.bytes;
+    const std::uint32_t n = parts_;
+    // Parts of one size but the last, a quarter of the others: its all-gather is the one the
+    // read does not hide.
+    std::vector<std::uint64_t> at(n + 1, sb);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      at[i] = static_cast<std::uint64_t>(static_cast<double>(sb) * i / (n - 0.75)) &
+              ~std::uint64_t{4095};
+    }
+    auto* flat = static_cast<unsigned char*>(ptr(Buffer::kFlat));
+    void* stage = machine_.live(Buffer::kHostStage) ? ptr(Buffer::kHostStage) : nullptr;
+    const std::uint64_t stage_bytes = machine_.size(Buffer::kHostStage);
+    std::mutex m;
+    std::condition_variable cv;
+    std::uint32_t read = 0;  // parts read (all of them once a read failed)
+    std::atomic<bool> gather_failed{false};
+    std::exception_ptr gather_error;
+    std::exception_ptr read_error;
+    double gather_seconds = 0;
+    auto gather = [&] {
+      try {
+        for (std::uint32_t i = 0; i + 1 < n; ++i) {
+          {
+            std::unique_lock<std::mutex> lock(m);
+            cv.wait(lock, [&] { return read > i; });
+          }
+          const auto t0 = Clock::now();
+          comm_->all_gather_part(flat, sb, at[i], at[i + 1] - at[i], device_);
+          gather_seconds += detail::seconds_since(t0);
+        }
+      } catch (...) {
+        gather_error = std::current_exception();
+        gather_failed = true;
+      }
+    };
+    std::thread gatherer;
+    try {
+      gatherer = std::thread(gather);
+    } catch (const std::system_error&) {
+      // No thread to be had: the same collectives, one after the other.
+    }
+    for (std::uint32_t i = 0; i < n && !gather_failed; ++i) {
+      try {
+        source_.read(flat + s.dst_offset + at[i], s.flat_offset + at[i], at[i + 1] - at[i], stage,
+                     stage_bytes);
+      } catch (...) {
+        read_error = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lock(m);
+        read = read_error ? n : i + 1;
+      }
+      cv.notify_one();
+      if (read_error) break;
+    }
+    if (gatherer.joinable()) {
+      gatherer.join();
+    } else {
+      {
+        std::lock_guard<std::mutex> lock(m);
+        read = n;
+      }
+      gather();
+    }
+    overlapped_seconds_ = gather_seconds;
+    if (gather_error) std::rethrow_exception(gather_error);
+    if (read_error) std::rethrow_exception(read_error);
+    gathered_ = at[n - 1];
   }
 
   void*& ptr(Buffer b) { return ptrs_[static_cast<std::size_t>(b)]; }
@@ -338,6 +487,12 @@ class Run {
   StepMachine machine_;
   std::array<void*, 5> ptrs_{};
   std::vector<double> step_seconds_;
+  // The read whose parts are gathered as they arrive, if the list has one; its agreed parts
+  // (1: none), how much of every slice they gathered, and how long that took.
+  std::optional<std::size_t> overlap_read_;
+  std::uint32_t parts_ = 1;
+  std::uint64_t gathered_ = 0;
+  double overlapped_seconds_ = 0;
 };
 
 }  // namespace

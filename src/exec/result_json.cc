@@ -56,7 +56,11 @@ std::string result_json(const FlattenResult& r) {
       if (chosen->steps[k].op == Op::kAllGather) allgather += ex.step_seconds[k];
     }
   }
-  j["allgather_seconds"] = allgather;
+  // The all-gather's whole time: its step (the last part where the read was overlapped) and the
+  // parts gathered while the read went on.
+  j["allgather_seconds"] = allgather + ex.overlapped_gather_seconds;
+  j["allgather_overlapped_seconds"] = ex.overlapped_gather_seconds;
+  j["gather_parts"] = ex.gather_parts;
   j["predicted_peak_device_bytes"] = r.predicted_peak_device_bytes;
   j["measured_peak_device_bytes"] = ex.measured_peak_device_bytes;
   j["predicted_host_bytes"] = chosen != nullptr ? chosen->profile.peak_host_bytes : 0;

@@ -222,19 +222,47 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
   const std::uint64_t es = layout_->element_size();
   const std::vector<Read> reads =
       reads_for(*layout_, sources_, starts_, flat_offset, flat_offset + bytes);
-  read_.push_back(ReadRange{flat_offset, flat_offset + bytes, static_cast<unsigned char*>(dst)});
-  report_.reads = reads.size();
-  report_.bytes = source_bytes(reads);
+  auto* at = static_cast<unsigned char*>(dst);
+  // A read that continues the one before it, in the buffer as in the layout (the executor reads
+  // a slice in parts while it gathers the parts read), is the same read: one range, one report.
+  const bool continues = !read_.empty() && read_.back().hi == flat_offset &&
+                         read_.back().dst + (read_.back().hi - read_.back().lo) == at;
+  if (continues) {
+    read_.back().hi += bytes;
+  } else {
+    read_.push_back(ReadRange{flat_offset, flat_offset + bytes, at});
+    report_.reads = 0;
+    report_.bytes = 0;
+    report_.seconds = 0;
+  }
+  const std::uint64_t part_bytes = source_bytes(reads);
+  if (!continues || flat_offset + bytes > planned_to_) {
+    // The first part of a step plans the step: what the page cache holds of it, what progress
+    // counts on.
+    std::uint64_t hi = flat_offset + bytes;
+    for (const auto& [lo, end] : read_ranges(rank_)) {
+      if (lo <= flat_offset && flat_offset < end) hi = std::max(hi, end);
+    }
+    const std::vector<Read> step =
+        hi == flat_offset + bytes ? reads : reads_for(*layout_, sources_, starts_, flat_offset, hi);
+    planned_to_ = hi;
+    if (device_.keeps_data()) {
+      report_.cached_fraction = cached_fraction_of(ck_, step);
+      report_.page_cache = page_cache_word(report_.cached_fraction);
+      if (options_.read.progress) {
+        options_.read.progress->planned.fetch_add(source_bytes(step), std::memory_order_relaxed);
+      }
+    }
+  }
+  report_.reads += reads.size();
+  report_.bytes += part_bytes;
   if (!device_.keeps_data()) return;
   // The kernel's read-ahead would read past the end of each range into bytes another rank
   // reads: off by default, and under ZEROFLAT_READ_AHEAD=kernel still off for many short ranges
   // (a slice of every tensor).
-  files_.advise_reads(reads.size() > 1 && report_.bytes / reads.size() < (8u << 20));
-  report_.cached_fraction = cached_fraction_of(ck_, reads);
-  report_.page_cache = page_cache_word(report_.cached_fraction);
+  files_.advise_reads(reads.size() > 1 && part_bytes / reads.size() < (8u << 20));
   const auto t0 = Clock::now();
   ReadProgress* progress = options_.read.progress.get();
-  if (progress != nullptr) progress->planned.fetch_add(report_.bytes, std::memory_order_relaxed);
   Reader reader(files_, layout_->options().dtype, threads_, options_.read.fail_after_bytes,
                 progress);
   auto* out = static_cast<unsigned char*>(dst);
@@ -245,7 +273,7 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
                       stage_bytes, options_.read.ring_depth, es);
   }
   reader.rethrow();
-  report_.seconds = seconds_since(t0);
+  report_.seconds += seconds_since(t0);
 }
 
 void CheckpointSource::report(FlattenResult& result) const {

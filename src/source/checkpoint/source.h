@@ -99,6 +99,9 @@ class CheckpointSource final : public Source, public StepSource {
     const unsigned char* dst = nullptr;  // where they landed (device memory)
   };
   std::vector<ReadRange> read_;
+  // The end of the read step whose bytes progress has planned (the executor may read a step's
+  // range in parts: the first plans the whole step).
+  std::uint64_t planned_to_ = 0;
   ReadReport report_;
 };
 
