@@ -202,6 +202,14 @@ class PyCommunicator final : public zf::Communicator {
   void all_gather_inplace(void* buffer, std::uint64_t slice_bytes, zf::Device&) override {
     call("all_gather_inplace", reinterpret_cast<std::uintptr_t>(buffer), slice_bytes);
   }
+  // Host memory only: the parts of a buffer on a cuda device are gathered whole, as before.
+  bool gathers_parts(const zf::Device& device) const noexcept override {
+    return device.keeps_data() && device.host_accessible();
+  }
+  void all_gather_part(void* buffer, std::uint64_t slice_bytes, std::uint64_t offset,
+                       std::uint64_t bytes, zf::Device&) override {
+    call("all_gather_part", reinterpret_cast<std::uintptr_t>(buffer), slice_bytes, offset, bytes);
+  }
   void all_reduce_min(std::span<std::uint64_t> values) override { reduce("min", values); }
   void all_reduce_max(std::span<std::uint64_t> values) override { reduce("max", values); }
   void barrier() override { call("barrier"); }

@@ -188,7 +188,29 @@ def check_shared_memory_all_gather(rank, world, group):
         assert comm._window and comm._window.slot_bytes == _shm.slot_bytes(world, n)
         for r in range(world):
             assert torch.equal(buf[r * n: (r + 1) * n], pattern(r, n))
-    del comm
+    # A part of every slice, through the window and through the process group: only that part
+    # moves.
+    n, offset, part = 3 << 20, 5000, (1 << 20) + 7
+    for shm in (True, False):
+        comm = zeroflat._comm.TorchComm(group, Buffers(), torch.device("cpu"))
+        real_enabled = _shm.enabled
+        _shm.enabled = lambda: shm
+        try:
+            buf = torch.zeros(n * world, dtype=torch.uint8)
+            buf[rank * n: (rank + 1) * n] = pattern(rank, n)
+            buffers[buf.data_ptr()] = buf
+            comm.all_gather_part(buf.data_ptr(), n, offset, part)
+        finally:
+            _shm.enabled = real_enabled
+        assert bool(comm._window) == shm
+        for r in range(world):
+            got = buf[r * n: (r + 1) * n]
+            if r == rank:
+                assert torch.equal(got, pattern(r, n))
+                continue
+            assert torch.equal(got[offset: offset + part], pattern(r, n)[offset: offset + part])
+            assert not got[:offset].any() and not got[offset + part:].any(), f"slice {r}"
+        del comm
     assert not left_behind()
 
     # Through the engine: the sharded tier's all-gather, with the window and without it, gives
@@ -280,6 +302,16 @@ def hosts_worker(rank, world, port):
             for r in range(world):
                 want = ((torch.arange(n, dtype=torch.int64) * 7 + r * 13) % 251).to(torch.uint8)
                 assert torch.equal(buf[r * n: (r + 1) * n], want), f"rank {rank}: slice {r}"
+        # A part of every slice: only those bytes move, each into its place.
+        n, offset, part = 1 << 20, 4096 * 3, 70000
+        buf = torch.zeros(n * world, dtype=torch.uint8)
+        buf[rank * n: (rank + 1) * n] = 1 + rank
+        assert hosts.all_gather(buf, n, offset, part)
+        for r in range(world):
+            got = buf[r * n: (r + 1) * n]
+            if r != rank:
+                assert bool((got[offset: offset + part] == 1 + r).all()), f"rank {rank}: {r}"
+                assert int(got.count_nonzero()) == part, f"rank {rank}: slice {r}"
         # A rank of one host cannot map the window: every rank learns it, nothing moves (the
         # caller then takes the group's own all-gather).
         from zeroflat import _shm

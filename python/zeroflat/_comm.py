@@ -52,18 +52,22 @@ class _Hosts:
         # The job's rank of each group rank (point-to-point operations name their peer so).
         self.global_ranks = global_ranks or list(range(sum(len(m) for m in members)))
 
-    def all_gather(self, buf: torch.Tensor, slice_bytes: int) -> bool:
+    def all_gather(self, buf: torch.Tensor, slice_bytes: int, offset: int = 0,
+                   nbytes: Optional[int] = None) -> bool:
         """The group's all-gather in two steps, so that only other hosts' bytes cross between
         hosts, once each: the ranks of local index c on every host pass their slices around a
         ring (point to point, straight into their places in ``buf``), while each host's ranks
         exchange their own slices in shared memory; then they complete one another's buffers
-        with the other hosts' slices, host by host. False, with nothing moved, where the ranks of
-        some host cannot map a window (a full /dev/shm): every rank then learns it alike. The
-        window (32 MiB) is this call's only."""
+        with the other hosts' slices, host by host. Only bytes ``[offset, +nbytes)`` of each
+        slice where they are given. False, with nothing moved, where the ranks of some host
+        cannot map a window (a full /dev/shm): every rank then learns it alike. The window (32
+        MiB) is this call's only."""
+        part = slice_bytes - offset if nbytes is None else nbytes
+
         def at(r: int) -> torch.Tensor:
-            return buf[r * slice_bytes: (r + 1) * slice_bytes]
+            return buf[r * slice_bytes + offset: r * slice_bytes + offset + part]
         window = _shm.SharedWindow.open(self.host_group, self.local, len(self.members[0]),
-                                        slice_bytes)
+                                        part)
         # Every host's answer, so that all ranks take the same way.
         ok = torch.tensor([1 if window is not None else 0], dtype=torch.int64)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.across)
@@ -82,12 +86,12 @@ class _Hosts:
                 dist.P2POp(dist.irecv, at(ring[(me - step - 1) % n]), recv_from,
                            group=self.across)])
             if step == 0:  # meanwhile, the host's own slices through shared memory
-                window.exchange(buf, [r * slice_bytes for r in own], slice_bytes)
+                window.exchange(buf, [r * slice_bytes + offset for r in own], part)
             for w in works:
                 w.wait()
         for m in self.members:
             if m is not own:
-                window.exchange(buf, [r * slice_bytes for r in m], slice_bytes)
+                window.exchange(buf, [r * slice_bytes + offset for r in m], part)
         return True
 
 
@@ -254,6 +258,18 @@ class TorchComm:
     def all_gather_inplace(self, ptr: int, slice_bytes: int) -> None:
         self.all_gather_tensor(self.device.tensor(ptr), slice_bytes)
 
+    def all_gather_part(self, ptr: int, slice_bytes: int, offset: int, nbytes: int) -> None:
+        """Bytes ``[r * slice_bytes + offset, +nbytes)`` of every rank r's slice into every
+        rank's buffer (the engine gathers a slice part by part while it reads the rest)."""
+        what = "the all-gather of a part of the flat buffer's partitions"
+        values = [slice_bytes, offset, nbytes]
+        agreed = self._all_reduce(values + [U64_MAX - v for v in values], "max", what)
+        if agreed[:3] != [U64_MAX - v for v in agreed[3:]]:
+            raise ValueError("the ranks passed different parts of their all-gather slices; "
+                             "nothing was copied")
+        buf = self.device.tensor(ptr)[: slice_bytes * self.size]
+        self._run(what, lambda: self._all_gather(buf, slice_bytes, offset, nbytes))
+
     def all_gather_tensor(self, buf: torch.Tensor, slice_bytes: int,
                           what: str = "the all-gather of the flat buffer's partitions") -> None:
         """Every rank's slice ``[rank * slice_bytes, +slice_bytes)`` of the byte tensor ``buf``
@@ -266,12 +282,17 @@ class TorchComm:
         buf = buf[: slice_bytes * self.size]
         self._run(what, lambda: self._all_gather(buf, slice_bytes))
 
-    def _all_gather(self, buf: torch.Tensor, slice_bytes: int) -> None:
+    def _all_gather(self, buf: torch.Tensor, slice_bytes: int, offset: int = 0,
+                    nbytes: Optional[int] = None) -> None:
+        """Bytes ``[r * slice_bytes + offset, +nbytes)`` of every rank r (its whole slice by
+        default) into ``buf``, in place."""
+        n = slice_bytes - offset if nbytes is None else nbytes
+        starts = [r * slice_bytes + offset for r in range(self.size)]
         if buf.device.type == "cpu" and self.comm_device.type == "cpu" and _shm.enabled():
             # Ranks on several hosts, several on each: only other hosts' bytes cross between
             # hosts, then the ranks of each host meet in shared memory.
             hosts = hosts_of(self.group, self.rank, self.size)
-            if hosts and hosts.all_gather(buf, slice_bytes):
+            if hosts and hosts.all_gather(buf, slice_bytes, offset, n):
                 return
             # Ranks on one host meet in shared memory rather than in gloo's sockets.
             # Opened at the first gather, again for a larger one (every rank sees the same
@@ -282,9 +303,16 @@ class TorchComm:
                 self._window = _shm.SharedWindow.open(self.group, self.rank, self.size,
                                                       slice_bytes) or False
             if self._window:
-                self._window.all_gather(buf, slice_bytes)
+                if n == slice_bytes:
+                    self._window.all_gather(buf, slice_bytes)
+                else:
+                    self._window.exchange(buf, starts, n)
                 return
-        mine = buf[self.rank * slice_bytes: (self.rank + 1) * slice_bytes]
+        mine = buf[starts[self.rank]: starts[self.rank] + n]
+        if n != slice_bytes:
+            # A part of each slice: the peers' parts straight into their places.
+            dist.all_gather([buf[s: s + n] for s in starts], mine.clone(), group=self.group)
+            return
         try:
             dist.all_gather_into_tensor(buf, mine, group=self.group)
         except (RuntimeError, NotImplementedError, AttributeError) as e:
