@@ -136,7 +136,10 @@ def rank_main(way, step):
                 flat_bytes = sum(fg.flat.numel() * fg.flat.element_size()
                                  for fg in model.zeroflat_groups)
                 loader = {k: sum(fg.report.get(k) or 0 for fg in model.zeroflat_groups)
-                          for k in ("bytes_read", "reads", "read_seconds", "allgather_seconds")}
+                          for k in ("bytes_read", "reads", "read_seconds", "allgather_seconds",
+                                    "allgather_overlapped_seconds", "total_seconds")}
+                loader["gather_parts"] = max(fg.report.get("gather_parts") or 1
+                                             for fg in model.zeroflat_groups)
                 loader["plan"] = ",".join(sorted({str(fg.tier) for fg in model.zeroflat_groups}))
             else:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
@@ -602,9 +605,14 @@ def report(args, describe, size, cpus, rows, cli_rows, warm, verdicts, link=None
             words = [f"read {z['loader']['read_seconds']:.2f} s (the node's disk bytes at its "
                      f"storage share: {share:.2f} s)"]
             if z.get("link_received_load") is not None and link:
-                words.append(f"all-gather {z['loader']['allgather_seconds']:.2f} s (the "
+                zl = z["loader"]
+                during = zl.get("allgather_overlapped_seconds") or 0
+                words.append(f"all-gather {zl['allgather_seconds']:.2f} s (the "
                              f"{z['link_received_load'] / 1e6:.0f} MB a node received at the "
-                             f"link's rate: {z['link_received_load'] / link:.2f} s)")
+                             f"link's rate: {z['link_received_load'] / link:.2f} s)"
+                             + (f", in {zl.get('gather_parts')} parts, {during:.2f} s of it "
+                                f"while the read went on, {zl['allgather_seconds'] - during:.2f}"
+                                " s after it" if during else ""))
             for way in WAYS:
                 w = row[way]
                 if w.get("quota_waited_load") is not None:
