@@ -137,7 +137,8 @@ def rank_main(way, step):
                                  for fg in model.zeroflat_groups)
                 loader = {k: sum(fg.report.get(k) or 0 for fg in model.zeroflat_groups)
                           for k in ("bytes_read", "reads", "read_seconds", "allgather_seconds",
-                                    "allgather_overlapped_seconds", "total_seconds")}
+                                    "allgather_overlapped_seconds", "copy_check_seconds",
+                                    "seconds", "total_seconds")}
                 loader["gather_parts"] = max(fg.report.get("gather_parts") or 1
                                              for fg in model.zeroflat_groups)
                 loader["plan"] = ",".join(sorted({str(fg.tier) for fg in model.zeroflat_groups}))
