@@ -116,15 +116,17 @@ def rank_main(way):
         model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
                                             device="cpu", param_groups=None)
         loader_bytes = sum(fg.report["bytes_read"] for fg in model.zeroflat_groups)
+        parts = max(fg.report["gather_parts"] for fg in model.zeroflat_groups)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        loader_bytes = None
+        loader_bytes = parts = None
     # Every parameter touched, as DeepSpeed's flatten would: Transformers leaves parameters as
     # mappings of the files, read when first touched.
     total = sum(float(p.detach().float().sum()) for p in model.parameters())
     dist.barrier()
     print(RESULT + json.dumps({"rank": dist.get_rank(), "loader_bytes": loader_bytes,
-                               "checksum": total, "resident": resident_bytes(path)}), flush=True)
+                               "gather_parts": parts, "checksum": total,
+                               "resident": resident_bytes(path)}), flush=True)
     dist.destroy_process_group()
     return 0
 
@@ -214,7 +216,8 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
         """2 nodes x 2 ranks, each node in a network namespace of its own behind a 1 Gbit/s link:
         the ranks of a node read its half (a quarter each), and each node receives the other
         node's half over its link once; the ranks of a node complete one another's buffers in
-        shared memory. A flat all-gather of the four ranks would bring each node 3/4 of it."""
+        shared memory, part by part while they read. A flat all-gather of the four ranks would
+        bring each node 3/4 of it."""
         r = harness("--check-link", timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
         size = sum(os.path.getsize(os.path.join(checkpoint, n)) for n in os.listdir(checkpoint))
@@ -227,6 +230,8 @@ if __name__ != "__main__" or sys.argv[1:2] != ["--rank"]:
             assert 0.49 * size <= got <= 0.58 * size, (node["node"], got, size)
             assert node["disk_read_bytes"] <= size / 2 + 2 * MiB + 8 * MiB, node
         assert len({rank["checksum"] for rank in ranks}) == 1, ranks
+        # Each rank's 26 MB slice read in parts, each gathered while the next was read.
+        assert all(rank["gather_parts"] == 3 for rank in ranks), ranks
         assert not [n for n in os.listdir("/sys/class/net") if n.startswith("zfn")]
 
     def sleepers():
