@@ -204,10 +204,31 @@ TEST(MpiLoad, ProcessesHoldWhatThreadsHoldAndReadOnlyTheirPartition) {
         }
       }
     }
-    json fail = run_json("load " + dir + " --comm mpi --inject-read-error 5000@2", 4, mpirun(3));
-    ASSERT_EQ(fail["ranks"].size(), 3u);
-    for (const json& e : fail["ranks"]) EXPECT_FALSE(e["error"].get<std::string>().empty());
-    EXPECT_NE(fail["ranks"][2]["error"].get<std::string>().find("bytes ["), std::string::npos);
+    // The slices read in parts, each all-gathered while the next is read: the same buffer.
+    {
+      json local = run_json("load " + dir + " --read-plan load --dp 3", 0);
+      Result r = run("load " + dir + " --read-plan load --comm mpi --verify --json --quiet",
+                     kRoot + " ZEROFLAT_GATHER_PARTS=4", mpirun(3));
+      ASSERT_EQ(r.code, 0) << r.err;
+      const json mpi = json::parse(r.out);
+      ASSERT_EQ(mpi["ranks"].size(), 3u) << mpi.dump();
+      for (const json& e : mpi["ranks"]) {
+        EXPECT_EQ(e["gather_parts"], 4) << e.dump();
+        EXPECT_EQ(e["checksum"], local["ranks"][0]["checksum"]);
+        EXPECT_EQ(e["verified"], true);
+      }
+    }
+    for (const char* parts : {"1", "4"}) {
+      Result r = run("load " + dir +
+                         " --comm mpi --read-plan load --inject-read-error 5000@2 "
+                         "--json --quiet",
+                     kRoot + " ZEROFLAT_GATHER_PARTS=" + parts, mpirun(3));
+      EXPECT_EQ(r.code, 4) << parts << " parts\n" << r.err;
+      const json fail = json::parse(r.out);
+      ASSERT_EQ(fail["ranks"].size(), 3u);
+      for (const json& e : fail["ranks"]) EXPECT_FALSE(e["error"].get<std::string>().empty());
+      EXPECT_NE(fail["ranks"][2]["error"].get<std::string>().find("bytes ["), std::string::npos);
+    }
     std::system(("rm -rf " + dir).c_str());
   }
 }

@@ -67,10 +67,11 @@ void ensure_mpi() {
 }
 
 // One rank's slice of an all-gather as a single MPI datatype, however large (MPI counts are
-// int): whole MiB blocks, then the remainder, resized so that consecutive slices tile.
+// int): whole MiB blocks, then the remainder, resized so that consecutive slices tile (every
+// `extent` bytes: the slice's own size, or the slice's where the type is a part of it).
 class SliceType {
  public:
-  explicit SliceType(std::uint64_t bytes) {
+  explicit SliceType(std::uint64_t bytes, std::uint64_t extent = 0) {
     constexpr std::uint64_t kBlock = std::uint64_t{1} << 20;
     const std::uint64_t blocks = bytes / kBlock;
     const std::uint64_t rest = bytes % kBlock;
@@ -84,7 +85,7 @@ class SliceType {
     MPI_Datatype types[2] = {block, MPI_BYTE};
     MPI_Datatype joined = MPI_DATATYPE_NULL;
     MPI_Type_create_struct(2, lengths, displs, types, &joined);
-    MPI_Type_create_resized(joined, 0, static_cast<MPI_Aint>(bytes), &type_);
+    MPI_Type_create_resized(joined, 0, static_cast<MPI_Aint>(extent > 0 ? extent : bytes), &type_);
     MPI_Type_commit(&type_);
     MPI_Type_free(&joined);
     MPI_Type_free(&block);
@@ -135,6 +136,47 @@ class MpiCommunicator final : public Communicator {
                          &req),
           "MPI_Iallgather");
     wait(req, "all-gather of " + format_bytes(slice_bytes * static_cast<std::uint64_t>(size_)));
+  }
+
+  // A part is gathered from the executor's own thread while this rank's thread reads: only
+  // where MPI allows calls from any thread, one at a time (MPI_THREAD_SERIALIZED or better).
+  bool gathers_parts(const Device& device) const noexcept override {
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    return level >= MPI_THREAD_SERIALIZED && device.keeps_data() && device.host_accessible();
+  }
+
+  void all_gather_part(void* buffer, std::uint64_t slice_bytes, std::uint64_t offset,
+                       std::uint64_t bytes, Device& device) override {
+    check_usable();
+    if (offset > slice_bytes || bytes > slice_bytes - offset) {
+      throw InvalidArgument("mpi all-gather of a part: bytes [" + std::to_string(offset) + ", +" +
+                            std::to_string(bytes) + ") are outside a slice of " +
+                            std::to_string(slice_bytes));
+    }
+    // The same three numbers on every rank, before anyone copies.
+    const bool data = device.keeps_data();
+    std::uint64_t v[6] = {data ? slice_bytes : 0, data ? offset : 0, data ? bytes : 0};
+    for (int i = 0; i < 3; ++i) v[3 + i] = ~v[i];
+    reduce(v, MPI_MAX);
+    if (v[0] != ~v[3] || v[1] != ~v[4] || v[2] != ~v[5]) {
+      throw InvalidArgument(
+          "mpi all-gather of a part: the ranks passed different parts of their "
+          "slices; nothing was copied");
+    }
+    if (!data || bytes == 0) return;
+    if (!device.host_accessible()) {
+      throw InvalidArgument("mpi: the all-gather moves host memory, and " + device.name() +
+                            " memory is not; use the nccl communicator for it");
+    }
+    // Rank r's part lies at offset + r * slice_bytes: a part-sized type whose extent is a slice.
+    SliceType part(bytes, slice_bytes);
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL,
+                         static_cast<unsigned char*>(buffer) + offset, 1, part.get(),
+                         MPI_COMM_WORLD, &req),
+          "MPI_Iallgather");
+    wait(req, "all-gather of a part of " + format_bytes(bytes * static_cast<std::uint64_t>(size_)));
   }
 
   void all_reduce_min(std::span<std::uint64_t> values) override { reduce(values, MPI_MIN); }
