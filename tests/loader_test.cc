@@ -831,6 +831,21 @@ TEST_F(LoaderTest, AReadInPartsGatheredAsTheyArriveFillsTheSameBuffer) {
     EXPECT_NE(errors[r].find("failed on rank 1"), std::string::npos) << errors[r];
     EXPECT_NE(errors[r].find("rolled back"), std::string::npos) << errors[r];
   }
+  // A read that fails in its third part, after more bytes than any one part holds: the count is
+  // the step's, and every rank fails, none waiting for a part.
+  const std::vector<std::string> late = errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
+    FlattenOptions o = load_options();
+    o.layout.dp = 2;
+    o.tier = Tier::kLoad;
+    o.execute.gather_parts = 4;
+    std::vector<std::uint64_t> numels;
+    for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
+    const std::uint64_t slice = Layout::compute(numels, o.layout).partition_bytes();
+    if (r == 1) o.read.fail_after_bytes = slice * 3 / 4;
+    load_flat_group(ck, params, dev, c, o);
+  });
+  EXPECT_NE(late[1].find("bytes ["), std::string::npos) << late[1];
+  EXPECT_NE(late[0].find("rank 1"), std::string::npos) << late[0];
 }
 
 TEST_F(LoaderTest, AReadThatFailsMidwayFailsEveryRankAndKeepsNothing) {

@@ -8,7 +8,6 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
-#include <system_error>
 #include <thread>
 
 #include "common/clock.h"
@@ -66,7 +65,12 @@ constexpr std::uint32_t kMaxParts = 256;
 // The read step whose parts can be gathered while the rest is read: a read of this rank's slice
 // in place into the flat buffer, followed later by the in-place all-gather of that buffer. The
 // same on every rank (it depends on the list's shape only), so that every rank agrees there.
+// Lists that release the originals are left alone: their recovery pass may start on either side
+// of the read on different ranks (a load's list never releases them: it rolls back).
 std::optional<std::size_t> overlap_candidate(const std::vector<Step>& steps, std::uint64_t sb) {
+  for (const Step& s : steps) {
+    if (s.op == Op::kReleaseOriginals) return std::nullopt;
+  }
   for (std::size_t k = 0; k < steps.size(); ++k) {
     const Step& r = steps[k];
     if (r.op != Op::kRead || r.buffer != Buffer::kFlat || r.bytes != sb || sb == 0 ||
@@ -327,11 +331,12 @@ class Run {
     const std::uint32_t n = parts_;
     // Parts of one size but the last, a quarter of the others: its all-gather is the one the
     // read does not hide.
-    std::vector<std::uint64_t> at(n + 1, sb);
-    for (std::uint32_t i = 0; i < n; ++i) {
-      at[i] = static_cast<std::uint64_t>(static_cast<double>(sb) * i / (n - 0.75)) &
-              ~std::uint64_t{4095};
-    }
+    // (Computed, not stored: nothing here may fail before the parts' collectives are made.)
+    auto at = [sb, n](std::uint32_t i) -> std::uint64_t {
+      if (i >= n) return sb;
+      return static_cast<std::uint64_t>(static_cast<double>(sb) * i / (n - 0.75)) &
+             ~std::uint64_t{4095};
+    };
     auto* flat = static_cast<unsigned char*>(ptr(Buffer::kFlat));
     void* stage = machine_.live(Buffer::kHostStage) ? ptr(Buffer::kHostStage) : nullptr;
     const std::uint64_t stage_bytes = machine_.size(Buffer::kHostStage);
@@ -350,7 +355,7 @@ class Run {
             cv.wait(lock, [&] { return read > i; });
           }
           const auto t0 = Clock::now();
-          comm_->all_gather_part(flat, sb, at[i], at[i + 1] - at[i], device_);
+          comm_->all_gather_part(flat, sb, at(i), at(i + 1) - at(i), device_);
           gather_seconds += detail::seconds_since(t0);
         }
       } catch (...) {
@@ -361,12 +366,12 @@ class Run {
     std::thread gatherer;
     try {
       gatherer = std::thread(gather);
-    } catch (const std::system_error&) {
-      // No thread to be had: the same collectives, one after the other.
+    } catch (...) {
+      // No thread to be had: the same collectives, one after the other, after the read.
     }
     for (std::uint32_t i = 0; i < n && !gather_failed; ++i) {
       try {
-        source_.read(flat + s.dst_offset + at[i], s.flat_offset + at[i], at[i + 1] - at[i], stage,
+        source_.read(flat + s.dst_offset + at(i), s.flat_offset + at(i), at(i + 1) - at(i), stage,
                      stage_bytes);
       } catch (...) {
         read_error = std::current_exception();
@@ -378,7 +383,8 @@ class Run {
       cv.notify_one();
       if (read_error) break;
     }
-    if (gatherer.joinable()) {
+    const bool overlapped = gatherer.joinable();
+    if (overlapped) {
       gatherer.join();
     } else {
       {
@@ -387,10 +393,10 @@ class Run {
       }
       gather();
     }
-    overlapped_seconds_ = gather_seconds;
+    overlapped_seconds_ = overlapped ? gather_seconds : 0;
     if (gather_error) std::rethrow_exception(gather_error);
     if (read_error) std::rethrow_exception(read_error);
-    gathered_ = at[n - 1];
+    gathered_ = at(n - 1);
   }
 
   void*& ptr(Buffer b) { return ptrs_[static_cast<std::size_t>(b)]; }

@@ -254,6 +254,9 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
       }
     }
   }
+  // An injected read error counts the step's bytes, not the part's.
+  std::optional<std::uint64_t> fail_after = options_.read.fail_after_bytes;
+  if (fail_after) *fail_after -= std::min(*fail_after, report_.bytes);
   report_.reads += reads.size();
   report_.bytes += part_bytes;
   if (!device_.keeps_data()) return;
@@ -263,8 +266,7 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
   files_.advise_reads(reads.size() > 1 && part_bytes / reads.size() < (8u << 20));
   const auto t0 = Clock::now();
   ReadProgress* progress = options_.read.progress.get();
-  Reader reader(files_, layout_->options().dtype, threads_, options_.read.fail_after_bytes,
-                progress);
+  Reader reader(files_, layout_->options().dtype, threads_, fail_after, progress);
   auto* out = static_cast<unsigned char*>(dst);
   if (stage == nullptr) {
     reader.fill(out, bytes, reads);
