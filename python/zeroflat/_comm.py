@@ -262,9 +262,8 @@ class TorchComm:
         """Bytes ``[r * slice_bytes + offset, +nbytes)`` of every rank r's slice into every
         rank's buffer (the engine gathers a slice part by part while it reads the rest)."""
         what = "the all-gather of a part of the flat buffer's partitions"
-        values = [slice_bytes, offset, nbytes]
-        agreed = self._all_reduce(values + [U64_MAX - v for v in values], "max", what)
-        if agreed[:3] != [U64_MAX - v for v in agreed[3:]]:
+        least, most = self._range([slice_bytes, offset, nbytes], what)
+        if least != most:
             raise ValueError("the ranks passed different parts of their all-gather slices; "
                              "nothing was copied")
         buf = self.device.tensor(ptr)[: slice_bytes * self.size]
@@ -275,12 +274,18 @@ class TorchComm:
         """Every rank's slice ``[rank * slice_bytes, +slice_bytes)`` of the byte tensor ``buf``
         into every rank's ``buf``, in place (ranks of one host meet in shared memory)."""
         # Every rank's byte count before anything is copied: a shorter peer would be overrun.
-        most, least = self._all_reduce([slice_bytes, U64_MAX - slice_bytes], "max", what)
-        if most != U64_MAX - least:
-            raise ValueError(f"the ranks passed all-gather slices of {U64_MAX - least} to "
-                             f"{most} bytes; nothing was copied")
+        (least,), (most,) = self._range([slice_bytes], what)
+        if most != least:
+            raise ValueError(f"the ranks passed all-gather slices of {least} to {most} bytes; "
+                             "nothing was copied")
         buf = buf[: slice_bytes * self.size]
         self._run(what, lambda: self._all_gather(buf, slice_bytes))
+
+    def _range(self, values: List[int], what: str):
+        """Each value's least and greatest over the ranks, in one all-reduce."""
+        agreed = self._all_reduce(values + [U64_MAX - v for v in values], "max", what)
+        n = len(values)
+        return [U64_MAX - v for v in agreed[n:]], agreed[:n]
 
     def _all_gather(self, buf: torch.Tensor, slice_bytes: int, offset: int = 0,
                     nbytes: Optional[int] = None) -> None:
@@ -303,10 +308,7 @@ class TorchComm:
                 self._window = _shm.SharedWindow.open(self.group, self.rank, self.size,
                                                       slice_bytes) or False
             if self._window:
-                if n == slice_bytes:
-                    self._window.all_gather(buf, slice_bytes)
-                else:
-                    self._window.exchange(buf, starts, n)
+                self._window.all_gather(buf, slice_bytes, offset, n)
                 return
         mine = buf[starts[self.rank]: starts[self.rank] + n]
         if n != slice_bytes:

@@ -92,10 +92,13 @@ class SharedWindow:
             return None
         return cls(group, rank, size, slot, window)
 
-    def all_gather(self, buf: torch.Tensor, slice_bytes: int) -> None:
+    def all_gather(self, buf: torch.Tensor, slice_bytes: int, offset: int = 0,
+                   nbytes: Optional[int] = None) -> None:
         """Rank r's ``buf[r * slice_bytes, (r + 1) * slice_bytes)`` into every rank's ``buf``
-        (uint8, on the host), in place."""
-        self.exchange(buf, [j * slice_bytes for j in range(self.size)], slice_bytes)
+        (uint8, on the host), in place; only bytes ``[offset, +nbytes)`` of each slice where
+        they are given."""
+        n = slice_bytes - offset if nbytes is None else nbytes
+        self.exchange(buf, [j * slice_bytes + offset for j in range(self.size)], n)
 
     def exchange(self, buf: torch.Tensor, starts, slice_bytes: int) -> None:
         """Rank j's ``buf[starts[j], starts[j] + slice_bytes)`` into every rank's ``buf`` at the
