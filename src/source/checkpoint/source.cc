@@ -267,11 +267,10 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
   const auto t0 = Clock::now();
   ReadProgress* progress = options_.read.progress.get();
   Reader reader(files_, layout_->options().dtype, threads_, fail_after, progress);
-  auto* out = static_cast<unsigned char*>(dst);
   if (stage == nullptr) {
-    reader.fill(out, bytes, reads);
+    reader.fill(at, bytes, reads);
   } else {
-    fill_through_ring(reader, device_, out, bytes, reads, static_cast<unsigned char*>(stage),
+    fill_through_ring(reader, device_, at, bytes, reads, static_cast<unsigned char*>(stage),
                       stage_bytes, options_.read.ring_depth, es);
   }
   reader.rethrow();
