@@ -86,13 +86,18 @@ std::vector<unsigned char> values_of(const CheckpointIndex& ck, const LoadParam&
   return out;
 }
 
+// The layout of the parameters' buffer.
+Layout layout_of(const std::vector<LoadParam>& params, const LayoutOptions& options) {
+  std::vector<std::uint64_t> numels;
+  for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
+  return Layout::compute(numels, options);
+}
+
 // What the buffer must hold: every parameter's values at its layout offset; zeros elsewhere.
 std::vector<unsigned char> expected_flat(const CheckpointIndex& ck,
                                          const std::vector<LoadParam>& params,
                                          const LayoutOptions& options) {
-  std::vector<std::uint64_t> numels;
-  for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
-  const Layout layout = Layout::compute(numels, options);
+  const Layout layout = layout_of(params, options);
   const std::uint64_t es = element_size(options.dtype);
   std::vector<unsigned char> flat(layout.flat_bytes(), 0);
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -812,15 +817,8 @@ TEST_F(LoaderTest, AReadInPartsGatheredAsTheyArriveFillsTheSameBuffer) {
         o.layout.dp = 2;
         o.tier = Tier::kLoad;
         o.execute.gather_parts = 4;
-        const std::vector<Step> steps = load_steps(Layout::compute(
-                                                       [&] {
-                                                         std::vector<std::uint64_t> n;
-                                                         for (const LoadParam& p : params)
-                                                           n.push_back(shape_numel(p.shape));
-                                                         return n;
-                                                       }(),
-                                                       o.layout),
-                                                   static_cast<std::uint64_t>(r), 0, Tier::kLoad);
+        const std::vector<Step> steps =
+            load_steps(layout_of(params, o.layout), static_cast<std::uint64_t>(r), 0, Tier::kLoad);
         for (std::size_t k = 0; k < steps.size(); ++k) {
           if (steps[k].op == Op::kRead && r == 1) o.execute.fault_step = k;
         }
@@ -833,17 +831,16 @@ TEST_F(LoaderTest, AReadInPartsGatheredAsTheyArriveFillsTheSameBuffer) {
   }
   // A read that fails in its third part, after more bytes than any one part holds: the count is
   // the step's, and every rank fails, none waiting for a part.
-  const std::vector<std::string> late = errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
-    FlattenOptions o = load_options();
-    o.layout.dp = 2;
-    o.tier = Tier::kLoad;
-    o.execute.gather_parts = 4;
-    std::vector<std::uint64_t> numels;
-    for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
-    const std::uint64_t slice = Layout::compute(numels, o.layout).partition_bytes();
-    if (r == 1) o.read.fail_after_bytes = slice * 3 / 4;
-    load_flat_group(ck, params, dev, c, o);
-  });
+  const std::vector<std::string> late =
+      errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
+        FlattenOptions o = load_options();
+        o.layout.dp = 2;
+        o.tier = Tier::kLoad;
+        o.execute.gather_parts = 4;
+        const std::uint64_t slice = layout_of(params, o.layout).partition_bytes();
+        if (r == 1) o.read.fail_after_bytes = slice * 3 / 4;
+        load_flat_group(ck, params, dev, c, o);
+      });
   EXPECT_NE(late[1].find("bytes ["), std::string::npos) << late[1];
   EXPECT_NE(late[0].find("rank 1"), std::string::npos) << late[0];
 }
