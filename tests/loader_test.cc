@@ -845,6 +845,71 @@ TEST_F(LoaderTest, AReadInPartsGatheredAsTheyArriveFillsTheSameBuffer) {
   EXPECT_NE(late[0].find("rank 1"), std::string::npos) << late[0];
 }
 
+// Passes every collective on to a rank's communicator; each part all-gather first waits a
+// while (a slow network), then notes how many bytes the rank had read by its end.
+class SlowPartGathers : public Communicator {
+ public:
+  SlowPartGathers(Communicator* inner, const ReadProgress* progress)
+      : inner_(inner), progress_(progress) {}
+  std::string name() const override { return inner_->name(); }
+  int rank() const noexcept override { return inner_->rank(); }
+  int size() const noexcept override { return inner_->size(); }
+  void all_gather_inplace(void* b, std::uint64_t sb, Device& d) override {
+    inner_->all_gather_inplace(b, sb, d);
+  }
+  bool gathers_parts(const Device& d) const noexcept override { return inner_->gathers_parts(d); }
+  void all_gather_part(void* b, std::uint64_t sb, std::uint64_t offset, std::uint64_t bytes,
+                       Device& d) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    inner_->all_gather_part(b, sb, offset, bytes, d);
+    parts.push_back({offset, progress_->done.load()});
+  }
+  void all_reduce_min(std::span<std::uint64_t> v) override { inner_->all_reduce_min(v); }
+  void all_reduce_max(std::span<std::uint64_t> v) override { inner_->all_reduce_max(v); }
+  void barrier() override { inner_->barrier(); }
+  void abort(const std::string& why) noexcept override { inner_->abort(why); }
+
+  // Each part all-gather's offset in the slice, and the bytes read when it ended.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> parts;
+
+ private:
+  Communicator* inner_;
+  const ReadProgress* progress_;
+};
+
+TEST_F(LoaderTest, AReadRunsAtMostTwoPartsAheadOfTheirAllGathers) {
+  // Ranks that share a storage then read at one pace: a rank that is ahead waits for the
+  // others' parts to be gathered instead of taking the storage from them.
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  FlattenOptions o = load_options();
+  o.layout.dp = 2;
+  o.tier = Tier::kLoad;
+  o.execute.gather_parts = 6;
+  const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
+  on_ranks(2, [&](int, Communicator* comm) {
+    FlattenOptions mine = o;
+    mine.read.progress = std::make_shared<ReadProgress>();
+    SlowPartGathers slow(comm, mine.read.progress.get());
+    std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+    const FlattenResult res = load_flat_group(ck, params, *dev, &slow, mine);
+    ASSERT_TRUE(res.complete()) << res.execution.error;
+    EXPECT_EQ(res.execution.gather_parts, 6u);
+    EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
+    // Five parts gathered during the read, the last by the all-gather step: when part i's
+    // gather ended, nothing of part i + 2 had been read.
+    ASSERT_EQ(slow.parts.size(), 6u);
+    const std::uint64_t slice = res.input.layout.partition_bytes();
+    for (std::size_t i = 0; i < slow.parts.size(); ++i) {
+      const std::uint64_t part_after_next = i + 2 < slow.parts.size() ? slow.parts[i + 2].first
+                                                                       : slice;
+      EXPECT_LE(slow.parts[i].second, part_after_next) << "part " << i;
+      EXPECT_GE(slow.parts[i].second, i + 1 < slow.parts.size() ? slow.parts[i + 1].first : slice)
+          << "part " << i;
+    }
+  });
+}
+
 TEST_F(LoaderTest, AReadThatFailsMidwayFailsEveryRankAndKeepsNothing) {
   const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
   const std::vector<LoadParam> params = params_of(ck);

@@ -61,6 +61,11 @@ constexpr std::uint64_t kAutoPartBytes = std::uint64_t{8} << 20;
 constexpr std::uint32_t kAutoParts = 8;
 constexpr std::uint64_t kMinPartBytes = std::uint64_t{64} << 10;
 constexpr std::uint32_t kMaxParts = 256;
+// How far a rank's read runs ahead of the parts' all-gathers: part i is read once part
+// i - kReadAhead is gathered (every rank has read it). Ranks that share a storage then read at one
+// pace, rather than one finishing early and the gathers, each held by the slowest rank's part,
+// piling up after the last read.
+constexpr std::uint32_t kReadAhead = 2;
 
 // The read step whose parts can be gathered while the rest is read: a read of this rank's slice
 // in place into the flat buffer, followed later by the in-place all-gather of that buffer. The
@@ -342,7 +347,8 @@ class Run {
     const std::uint64_t stage_bytes = machine_.size(Buffer::kHostStage);
     std::mutex m;
     std::condition_variable cv;
-    std::uint32_t read = 0;  // parts read (all of them once a read failed)
+    std::uint32_t read = 0;      // parts read (all of them once a read failed)
+    std::uint32_t gathered = 0;  // parts gathered (all of them once a gather failed)
     std::atomic<bool> gather_failed{false};
     std::exception_ptr gather_error;
     std::exception_ptr read_error;
@@ -357,11 +363,21 @@ class Run {
           const auto t0 = Clock::now();
           comm_->all_gather_part(flat, sb, at(i), at(i + 1) - at(i), device_);
           gather_seconds += detail::seconds_since(t0);
+          {
+            std::lock_guard<std::mutex> lock(m);
+            gathered = i + 1;
+          }
+          cv.notify_all();
         }
       } catch (...) {
         gather_error = std::current_exception();
         gather_failed = true;
       }
+      {
+        std::lock_guard<std::mutex> lock(m);
+        gathered = n;
+      }
+      cv.notify_all();
     };
     std::thread gatherer;
     try {
@@ -369,7 +385,12 @@ class Run {
     } catch (...) {
       // No thread to be had: the same collectives, one after the other, after the read.
     }
+    const bool paced = gatherer.joinable();
     for (std::uint32_t i = 0; i < n && !gather_failed; ++i) {
+      if (paced && i >= kReadAhead) {
+        std::unique_lock<std::mutex> lock(m);
+        cv.wait(lock, [&] { return gathered + kReadAhead > i; });
+      }
       try {
         source_.read(flat + s.dst_offset + at(i), s.flat_offset + at(i), at(i + 1) - at(i), stage,
                      stage_bytes);
@@ -380,10 +401,10 @@ class Run {
         std::lock_guard<std::mutex> lock(m);
         read = read_error ? n : i + 1;
       }
-      cv.notify_one();
+      cv.notify_all();
       if (read_error) break;
     }
-    const bool overlapped = gatherer.joinable();
+    const bool overlapped = paced;
     if (overlapped) {
       gatherer.join();
     } else {
