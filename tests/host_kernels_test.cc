@@ -114,6 +114,59 @@ TEST(HostKernels, OrdinaryCopiesAndGathersAcrossPieces) {
   }
 }
 
+// Faulting fresh memory in ahead of its writes keeps what is there and leaves it resident; a
+// range the kernel cannot populate (unmapped, read-only) is left alone, without a fault.
+TEST(HostKernels, PrefaultKeepsValuesAndFaultsTheRangeIn) {
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  const std::size_t n = 512 * page;
+  auto* p = static_cast<unsigned char*>(
+      mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(static_cast<void*>(p), MAP_FAILED);
+  p[3 * page + 5] = 42;
+  p[n - 1] = 7;
+  ASSERT_TRUE(mostly_untouched(p, n));
+  prefault_for_write(p + 1, n - 2);  // not page-aligned: the whole pages inside it
+  EXPECT_EQ(p[3 * page + 5], 42);
+  EXPECT_EQ(p[n - 1], 7);
+  EXPECT_EQ(p[100 * page], 0);
+#ifdef MADV_POPULATE_WRITE
+  unsigned char probe = 0;
+  if (madvise(&probe - reinterpret_cast<std::uintptr_t>(&probe) % page, page,
+              MADV_POPULATE_WRITE) == 0) {
+    EXPECT_FALSE(mostly_untouched(p, n));  // a kernel that populates: every page is there
+  }
+#endif
+  prefault_for_write(p, 0);
+  munmap(p, n);
+  prefault_for_write(p, n);  // unmapped now: nothing happens
+  void* ro = mmap(nullptr, n, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(ro, MAP_FAILED);
+  prefault_for_write(ro, n);
+  EXPECT_EQ(static_cast<unsigned char*>(ro)[n / 2], 0);
+  munmap(ro, n);
+  // The device's up-cast into a fresh buffer, chunk by chunk, gives every value.
+  CpuDevice dev(DeviceOptions{2});
+  const std::uint64_t numel = (std::uint64_t{3} << 20) + 17;
+  std::vector<std::uint16_t> src(numel);
+  for (std::uint64_t i = 0; i < numel; ++i) src[i] = static_cast<std::uint16_t>(0x3F80 + i % 97);
+  auto* out = static_cast<float*>(dev.allocate(numel * 4));
+  ASSERT_TRUE(mostly_untouched(out, numel * 4));
+  dev.upcast_to_fp32(out, src.data(), DType::kBF16, numel);
+  for (std::uint64_t i = 0; i < numel; i += 4099) {
+    const std::uint32_t bits = std::uint32_t{src[i]} << 16;
+    float want;
+    std::memcpy(&want, &bits, 4);
+    ASSERT_EQ(out[i], want) << i;
+  }
+  ASSERT_EQ(out[numel - 1], [&] {
+    const std::uint32_t bits = std::uint32_t{src[numel - 1]} << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }());
+  dev.release(out, numel * 4);
+}
+
 // Memory just mapped is told from memory written, which decides how a destination is written.
 TEST(HostKernels, UntouchedMemoryIsToldFromWrittenMemory) {
   const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));

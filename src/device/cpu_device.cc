@@ -120,9 +120,20 @@ void CpuDevice::gather(void* dst, std::uint64_t num_bytes, std::span<const Segme
   const unsigned parts = pool_.size();
   // Split by destination bytes, not by segment: one huge tensor and many tiny ones both keep
   // every thread busy, and each thread writes (and first-touches) one contiguous range.
+  // Into memory never touched, each thread faults its range in a chunk at a time, just before
+  // writing it (prefault_for_write).
+  const bool fresh = !streaming && mostly_untouched(out, num_bytes);
   parallel([&](unsigned t) {
     Range r = split_range(num_bytes, parts, t, kGrain);
-    gather_range(out, segments, r.begin, r.end, streaming);
+    if (fresh) {
+      for (std::uint64_t lo = r.begin; lo < r.end; lo += kPrefaultChunk) {
+        const std::uint64_t hi = std::min(r.end, lo + kPrefaultChunk);
+        prefault_for_write(out + lo, hi - lo);
+        gather_range(out, segments, lo, hi, false);
+      }
+    } else {
+      gather_range(out, segments, r.begin, r.end, streaming);
+    }
     store_fence();
   });
 }
@@ -137,7 +148,7 @@ void CpuDevice::memcpy_parallel(void* dst, const void* src, std::uint64_t num_by
     auto* to = static_cast<unsigned char*>(dst) + r.begin;
     const auto* from = static_cast<const unsigned char*>(src) + r.begin;
     if (untouched) {
-      copy_ordinary(to, from, r.end - r.begin);
+      copy_fresh(to, from, r.end - r.begin);
     } else {
       std::memcpy(to, from, r.end - r.begin);
     }
@@ -155,10 +166,15 @@ void CpuDevice::zero_parallel(void* dst, std::uint64_t num_bytes) {
 void CpuDevice::upcast_to_fp32(float* dst, const void* src, DType dtype, std::uint64_t numel) {
   const unsigned parts = pool_.size();
   const std::uint64_t esize = element_size(dtype);
+  const bool fresh = mostly_untouched(dst, numel * 4);
+  constexpr std::uint64_t kChunk = kPrefaultChunk / 4;  // elements of fp32
   parallel([&](unsigned t) {
     Range r = split_range(numel, parts, t, 16);
-    upcast_range(dst + r.begin, static_cast<const unsigned char*>(src) + r.begin * esize, dtype,
-                 r.end - r.begin);
+    for (std::uint64_t lo = r.begin; lo < r.end; lo += kChunk) {
+      const std::uint64_t hi = std::min(r.end, lo + kChunk);
+      if (fresh) prefault_for_write(dst + lo, (hi - lo) * 4);
+      upcast_range(dst + lo, static_cast<const unsigned char*>(src) + lo * esize, dtype, hi - lo);
+    }
   });
 }
 

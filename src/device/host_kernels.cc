@@ -97,6 +97,16 @@ void copy_ordinary(void* dst_v, const void* src_v, std::size_t n) noexcept {
   }
 }
 
+void copy_fresh(void* dst_v, const void* src_v, std::size_t n) noexcept {
+  auto* dst = static_cast<unsigned char*>(dst_v);
+  const auto* src = static_cast<const unsigned char*>(src_v);
+  for (std::size_t at = 0; at < n; at += kPrefaultChunk) {
+    const std::size_t k = std::min<std::size_t>(kPrefaultChunk, n - at);
+    prefault_for_write(dst + at, k);
+    copy_ordinary(dst + at, src + at, k);
+  }
+}
+
 void zero_bytes(void* dst_v, std::size_t n, bool streaming) noexcept {
   auto* dst = static_cast<unsigned char*>(dst_v);
 #if ZEROFLAT_X86

@@ -8,6 +8,7 @@
 // The dtype conversions (upcast_range, convert_range, ...) live in common, below the devices,
 // because the model's checkpoint writer uses them too; the kernels' users get them from here.
 #include "common/convert.h"
+#include "common/prefault.h"
 #include "zeroflat/device.h"
 #include "zeroflat/dtype.h"
 
@@ -22,6 +23,13 @@ void copy_bytes(void* dst, const void* src, std::size_t n, bool streaming) noexc
 // Copies n bytes with ordinary stores only, in pieces small enough that memcpy does not stream
 // them: for a destination never touched (see use_streaming_stores).
 void copy_ordinary(void* dst, const void* src, std::size_t n) noexcept;
+
+// Into memory never touched: pages are faulted in kPrefaultChunk at a time, each chunk just
+// before it is written (still in the cache when the stores land).
+inline constexpr std::uint64_t kPrefaultChunk = std::uint64_t{1} << 20;
+
+// copy_ordinary into memory never touched, a chunk's pages faulted in before it is written.
+void copy_fresh(void* dst, const void* src, std::size_t n) noexcept;
 
 // Writes n zero bytes, with the same streaming rule.
 void zero_bytes(void* dst, std::size_t n, bool streaming) noexcept;

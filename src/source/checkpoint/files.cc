@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "common/convert.h"
+#include "common/prefault.h"
 #include "zeroflat/error.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
@@ -260,6 +261,9 @@ void Reader::fill(unsigned char* dst, std::uint64_t n, const std::vector<Read>& 
         }
         into = scratch.data();
       }
+      // The kernel copies into pages it faults in one by one; faulted in first, in one call,
+      // they cost less (prefault_for_write; pages already there stay as they are).
+      prefault_for_write(into, p.bytes);
       if (!read_exactly(r.file, into, p.bytes, r.src + p.skip)) return;
       if (r.from != to_) convert_range(out, to_, into, r.from, p.bytes / fes);
       bytes_ += p.bytes;
