@@ -294,11 +294,16 @@ def hosts_worker(rank, world, port):
         across = [dist.new_group(sorted(m[c] for m in members), backend="gloo")
                   for c in range(2)]
         hosts = _comm._Hosts(members, host, local, host_groups[host], across[local])
+        from zeroflat import _shm
+
+        # One window, opened for the largest slice, serves every gather after it.
+        window = hosts.open_window(5 << 20)
+        assert window is not None
         for n in (4096, 5 << 20):
             buf = torch.zeros(n * world, dtype=torch.uint8)
             mine = ((torch.arange(n, dtype=torch.int64) * 7 + rank * 13) % 251).to(torch.uint8)
             buf[rank * n: (rank + 1) * n] = mine
-            hosts.all_gather(buf, n)
+            hosts.all_gather(buf, n, window)
             for r in range(world):
                 want = ((torch.arange(n, dtype=torch.int64) * 7 + r * 13) % 251).to(torch.uint8)
                 assert torch.equal(buf[r * n: (r + 1) * n], want), f"rank {rank}: slice {r}"
@@ -306,26 +311,61 @@ def hosts_worker(rank, world, port):
         n, offset, part = 1 << 20, 4096 * 3, 70000
         buf = torch.zeros(n * world, dtype=torch.uint8)
         buf[rank * n: (rank + 1) * n] = 1 + rank
-        assert hosts.all_gather(buf, n, offset, part)
+        hosts.all_gather(buf, n, window, offset, part)
         for r in range(world):
             got = buf[r * n: (r + 1) * n]
             if r != rank:
                 assert bool((got[offset: offset + part] == 1 + r).all()), f"rank {rank}: {r}"
                 assert int(got.count_nonzero()) == part, f"rank {rank}: slice {r}"
+        del window
+
+        # Through a communicator over the world, whose hosts are these: a load's parts, one
+        # after the other, go through one window, opened at the first.
+        buffers = {}
+
+        class Buffers:
+            def tensor(self, ptr):
+                return buffers[ptr]
+
+        key = tuple(range(world))
+        _comm._hosts_of_group[key] = (dist.group.WORLD, _comm._Hosts(
+            members, host, local, host_groups[host], across[local]))
+        opened = []
+        real_open = _shm.SharedWindow.open
+
+        def counted(*a, **k):
+            opened.append(a[-1])
+            return real_open(*a, **k)
+
+        _shm.SharedWindow.open = counted
+        try:
+            comm = _comm.TorchComm(dist.group.WORLD, Buffers(), torch.device("cpu"))
+            n = 3 << 20
+            buf = torch.zeros(n * world, dtype=torch.uint8)
+            buf[rank * n: (rank + 1) * n] = (
+                (torch.arange(n, dtype=torch.int64) + rank * 31) % 253).to(torch.uint8)
+            buffers[buf.data_ptr()] = buf
+            bounds = [0, 1 << 20, 2 << 20, (2 << 20) + 300000, n]
+            for a, b in zip(bounds, bounds[1:]):
+                comm.all_gather_part(buf.data_ptr(), n, a, b - a)
+            assert len(opened) == 1, opened
+            for r in range(world):
+                want = ((torch.arange(n, dtype=torch.int64) + r * 31) % 253).to(torch.uint8)
+                assert torch.equal(buf[r * n: (r + 1) * n], want), f"rank {rank}: slice {r}"
+            del comm
+        finally:
+            _shm.SharedWindow.open = real_open
+            _comm._hosts_of_group.pop(key, None)
+
         # A rank of one host cannot map the window: every rank learns it, nothing moves (the
         # caller then takes the group's own all-gather).
-        from zeroflat import _shm
-
         real_map = _shm._map
         if rank == 3:
             def refuse(name, total):
                 raise OSError("no room")
             _shm._map = refuse
         try:
-            buf = torch.zeros(4096 * world, dtype=torch.uint8)
-            buf[rank * 4096: (rank + 1) * 4096] = 1
-            assert hosts.all_gather(buf, 4096) is False
-            assert int(buf.sum()) == 4096, rank
+            assert hosts.open_window(4096) is None
         finally:
             _shm._map = real_map
         dist.barrier()

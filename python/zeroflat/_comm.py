@@ -52,27 +52,29 @@ class _Hosts:
         # The job's rank of each group rank (point-to-point operations name their peer so).
         self.global_ranks = global_ranks or list(range(sum(len(m) for m in members)))
 
-    def all_gather(self, buf: torch.Tensor, slice_bytes: int, offset: int = 0,
-                   nbytes: Optional[int] = None) -> bool:
-        """The group's all-gather in two steps, so that only other hosts' bytes cross between
-        hosts, once each: the ranks of local index c on every host pass their slices around a
-        ring (point to point, straight into their places in ``buf``), while each host's ranks
-        exchange their own slices in shared memory; then they complete one another's buffers
-        with the other hosts' slices, host by host. Only bytes ``[offset, +nbytes)`` of each
-        slice where they are given. False, with nothing moved, where the ranks of some host
-        cannot map a window (a full /dev/shm): every rank then learns it alike. The window (32
-        MiB) is this call's only."""
-        part = slice_bytes - offset if nbytes is None else nbytes
-
-        def at(r: int) -> torch.Tensor:
-            return buf[r * slice_bytes + offset: r * slice_bytes + offset + part]
+    def open_window(self, part: int) -> Optional[_shm.SharedWindow]:
+        """A window for this host's ranks to exchange parts of ``part`` bytes (collective over
+        the group), or None for every rank where the ranks of some host cannot map one (a full
+        /dev/shm): every rank learns it alike."""
         window = _shm.SharedWindow.open(self.host_group, self.local, len(self.members[0]),
                                         part)
         # Every host's answer, so that all ranks take the same way.
         ok = torch.tensor([1 if window is not None else 0], dtype=torch.int64)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.across)
-        if not ok.item():
-            return False
+        return window if ok.item() else None
+
+    def all_gather(self, buf: torch.Tensor, slice_bytes: int, window: _shm.SharedWindow,
+                   offset: int = 0, nbytes: Optional[int] = None) -> None:
+        """The group's all-gather in two steps, so that only other hosts' bytes cross between
+        hosts, once each: the ranks of local index c on every host pass their slices around a
+        ring (point to point, straight into their places in ``buf``), while each host's ranks
+        exchange their own slices through ``window`` (``open_window``); then they complete one
+        another's buffers with the other hosts' slices, host by host. Only bytes ``[offset,
+        +nbytes)`` of each slice where they are given."""
+        part = slice_bytes - offset if nbytes is None else nbytes
+
+        def at(r: int) -> torch.Tensor:
+            return buf[r * slice_bytes + offset: r * slice_bytes + offset + part]
         ring = sorted(m[self.local] for m in self.members)  # the group of local index c
         me = ring.index(self.members[self.host][self.local])
         n = len(ring)
@@ -92,7 +94,6 @@ class _Hosts:
         for m in self.members:
             if m is not own:
                 window.exchange(buf, [r * slice_bytes + offset for r in m], part)
-        return True
 
 
 def _new_group(ranks: List[int], everyone: bool):
@@ -238,7 +239,11 @@ class TorchComm:
         self.aborted: Optional[str] = None
         self.failure: Optional[BaseException] = None
         self._tag = f"{'-'.join(map(str, dist.get_process_group_ranks(group)))}/{next(_instances)}"
-        self._window: Any = None  # the shared-memory window of ranks on one host, once tried
+        # The shared-memory windows, once tried (False: some rank could not map one): of the
+        # group's ranks on one host, and of this rank's host-mates where the group spans hosts.
+        # Kept for the comm's later all-gathers (a load's parts), mapped until it goes.
+        self._window: Any = None
+        self._host_window: Any = None
 
     def _check(self) -> None:
         if self.aborted is not None:
@@ -297,8 +302,16 @@ class TorchComm:
             # Ranks on several hosts, several on each: only other hosts' bytes cross between
             # hosts, then the ranks of each host meet in shared memory.
             hosts = hosts_of(self.group, self.rank, self.size)
-            if hosts and hosts.all_gather(buf, slice_bytes, offset, n):
-                return
+            if hosts and self._host_window is not False:
+                # The same part size on every rank (checked by the caller), so every rank
+                # either keeps its window or opens the next with the others.
+                if self._host_window is None or (self._host_window.slot_bytes < _shm.slot_bytes(
+                        len(hosts.members[0]), n)):
+                    self._host_window = None  # the smaller window unmapped first
+                    self._host_window = hosts.open_window(n) or False
+                if self._host_window:
+                    hosts.all_gather(buf, slice_bytes, self._host_window, offset, n)
+                    return
             # Ranks on one host meet in shared memory rather than in gloo's sockets.
             # Opened at the first gather, again for a larger one (every rank sees the same
             # slice_bytes, checked above); never again once some rank could not map it.
