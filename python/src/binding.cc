@@ -37,6 +37,9 @@ zf::DType dtype_of(const std::string& name) {
 // fresh processes under DeepSpeed (benchmarks/deepspeed_init_bench.py, docs/performance.md)
 // the advice made initialize slower than DeepSpeed's own at one rank, where the kernel compacts
 // memory on the advised buffer's faults; ZEROFLAT_HOST_MEMORY=torch takes torch's allocator.
+// zeroflat's host memory is a fresh mapping of its own from this size up (zeros until written).
+constexpr std::uint64_t kFreshMappingBytes = std::uint64_t{2} << 20;
+
 at::Tensor host_tensor(std::uint64_t num_bytes) {
   const std::uint64_t n = num_bytes == 0 ? 1 : num_bytes;
   const std::optional<zf::RuntimeEnv::HostMemory> m = zf::runtime_env().host_memory;
@@ -582,6 +585,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                d.upcast_to_fp32(static_cast<float*>(out.data_ptr()), src.data_ptr(), dtype, n);
              }
              return out.narrow(0, 0, static_cast<std::int64_t>(n * 4));
+           })
+      // n bytes of zeros that no page of has been touched: a fresh mapping of zeroflat's host
+      // memory reads as zeros, and its pages are faulted in only where something writes them
+      // (torch.zeros writes every byte first). torch's zeros where the memory is torch's or
+      // too small for a mapping of its own.
+      .def("zeros",
+           [](TorchDevice&, std::uint64_t n) {
+             if (n < kFreshMappingBytes ||
+                 zf::runtime_env().host_memory == zf::RuntimeEnv::HostMemory::kTorch) {
+               return at::zeros({static_cast<std::int64_t>(n)},
+                                at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+             }
+             return host_tensor(n).narrow(0, 0, static_cast<std::int64_t>(n));
            })
       .def("clone", [](TorchDevice& d, const at::Tensor& src) {
         check_host_source(src, "clone");

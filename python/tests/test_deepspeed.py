@@ -392,18 +392,31 @@ def test_other_releases_warn_and_older_ones_are_refused(monkeypatch, caplog):
     assert Opt.__init__ is init and Opt.flatten_dense_tensors_aligned is flatten
 
 
-def test_host_copies_run_on_the_engine_only_with_threads_to_split_them(monkeypatch):
-    """While an optimizer is built, a large bf16 -> fp32 up-cast runs on the engine (a fresh
-    2 MiB-aligned buffer, the same values) when it has two or more threads per rank; with one
-    it is torch's own."""
+def test_host_copies_and_zeros_run_on_the_engine_while_an_optimizer_is_built(monkeypatch):
+    """While an optimizer is built, a large bf16 -> fp32 up-cast and a clone run on the engine
+    (a fresh 2 MiB-aligned buffer, the same values), with one thread per rank or more; large
+    zeros are a fresh mapping, zeros to the last byte; anything else is torch's."""
     big = torch.randn(4 << 20).to(torch.bfloat16)  # 8 MiB: the smallest the engine takes
-    for threads, engine in ((2, True), (1, False)):
+    for threads in (2, 1):
         monkeypatch.setattr(zeroflat._C, "default_threads", lambda local, t=threads: t)
-        float_before = torch.Tensor.float
+        float_before, zeros_before = torch.Tensor.float, torch.zeros
         with zd._FastHostCopies().on():
-            assert (torch.Tensor.float is not float_before) == engine
+            assert torch.Tensor.float is not float_before and torch.zeros is not zeros_before
             up = big.float()
-        assert torch.Tensor.float is float_before
-        assert torch.equal(up, big.to(torch.float32))
-        if engine:
-            assert up.data_ptr() % (2 << 20) == 0
+            copy = big.clone()
+            zeros = torch.zeros(3 << 20, dtype=torch.float32, device="cpu")
+            square = torch.zeros((2048, 2048), dtype=torch.bfloat16)
+            small = torch.zeros(1000)
+            grad = torch.zeros(4 << 20, requires_grad=True)
+            meta = torch.zeros(4 << 20, device="meta")
+        assert torch.Tensor.float is float_before and torch.zeros is zeros_before
+        assert torch.equal(up, big.to(torch.float32)) and torch.equal(copy, big)
+        for t in (up, copy, zeros, square):
+            assert t.data_ptr() % (2 << 20) == 0  # the engine's
+        assert zeros.shape == (3 << 20,) and zeros.dtype == torch.float32
+        assert square.shape == (2048, 2048) and square.dtype == torch.bfloat16
+        assert not zeros.any() and not square.any()
+        zeros[-1] = 1.0  # its own memory, writable
+        assert zeros.sum().item() == 1.0
+        assert small.shape == (1000,) and not small.any()
+        assert grad.requires_grad and meta.device.type == "meta"

@@ -19,6 +19,7 @@ fp32 master partitions are the ones that release would have built. See docs/deep
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -343,15 +344,14 @@ def _keep_on_device(optimizer) -> List[Patch]:
 
 
 class _FastHostCopies:
-    """While an optimizer is constructed on this thread, the large host copies it makes of
-    zeroflat's buffer (the bf16 partition's clone, its fp32 up-cast: the master partition) run on
-    zeroflat's engine: a fresh buffer of huge pages, first touched by the threads that write it,
-    split by bytes, where torch would fault in 4 KiB pages on one thread. The values are torch's
-    to the bit (clone copies, and bf16 or fp16 to fp32 is exact); anything else is torch's.
-
-    Only where the engine has more than one thread per rank: with one, the copy cannot be
-    split, and fresh huge pages faulted in by a single thread measured slower than torch's own
-    copies (docs/deepspeed.md)."""
+    """While an optimizer is constructed on this thread, the large host buffers it makes from
+    zeroflat's buffer (the bf16 partition's clone, its fp32 up-cast: the master partition) come
+    from zeroflat's engine: a fresh mapping whose pages each thread of the engine faults in for
+    its share, a chunk at a time in one call to the kernel (``prefault_for_write``), where torch
+    takes a fault per 4 KiB page on one thread; and its large zeros (the gradient partitions
+    the optimizer makes to initialize its state, and drops) are a fresh mapping left untouched,
+    which reads as zeros, where torch writes every byte. The values are torch's to the bit
+    (clone copies, bf16 or fp16 to fp32 is exact, zeros are zeros); anything else is torch's."""
 
     kMinBytes = 8 << 20
 
@@ -396,14 +396,31 @@ class _FastHostCopies:
             return self._upcast(t)
         return original(t, *args, **kwargs)
 
+    def _zeros(self, original, *args, **kwargs):
+        # torch.zeros(n) or torch.zeros((n, m)), with at most dtype and device, on the host.
+        shape = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) \
+            else args
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        device = kwargs.get("device")
+        if device is None:
+            get_default = getattr(torch, "get_default_device", None)
+            device = get_default() if get_default is not None else "cpu"
+        if (getattr(_state, "fast_host", False) and shape
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                and not set(kwargs) - {"dtype", "device"} and isinstance(dtype, torch.dtype)
+                and torch.device(device).type == "cpu"):
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * itemsize
+            if nbytes >= self.kMinBytes:
+                return self._engine().zeros(nbytes).view(dtype).view(tuple(shape))
+        return original(*args, **kwargs)
+
     @contextlib.contextmanager
     def on(self):
-        if self.threads < 2:
-            yield
-            return
         with patched([Patch(torch.Tensor, "clone", hook=self._clone),
                       Patch(torch.Tensor, "to", hook=self._to),
-                      Patch(torch.Tensor, "float", hook=self._float)]):
+                      Patch(torch.Tensor, "float", hook=self._float),
+                      Patch(torch, "zeros", hook=self._zeros)]):
             _state.fast_host = True
             try:
                 yield
