@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/clock.h"
+#include "common/prefault.h"
 #include "zeroflat/error.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
@@ -284,6 +285,9 @@ class Run {
           // This rank's contribution moves into its own slot first; the all-gather is in place.
           device_.copy(flat + slot_ * sb, at(s.source, 0), sb);
         }
+        // The other ranks' bytes land in memory never touched: faulted in first, in one call
+        // each (prefault_for_write), rather than a fault per page inside the collective.
+        if (comm_ != nullptr) prefault_others(flat, sb, gathered_, sb);
         if (comm_ != nullptr && gathered_ > 0) {
           // The parts before gathered_ were gathered while the read went on.
           comm_->all_gather_part(flat, sb, gathered_, sb - gathered_, device_);
@@ -306,6 +310,17 @@ class Run {
         break;
     }
     machine_.apply(s);
+  }
+
+  // Faults in bytes [lo, hi) of every other rank's slice of a host buffer, where an all-gather
+  // is about to write them.
+  void prefault_others(unsigned char* flat, std::uint64_t sb, std::uint64_t lo,
+                       std::uint64_t hi) const {
+    if (!device_.host_accessible() || hi <= lo) return;
+    const auto ranks = static_cast<std::uint64_t>(comm_->size());
+    for (std::uint64_t r = 0; r < ranks; ++r) {
+      if (r != slot_) detail::prefault_for_write(flat + r * sb + lo, hi - lo);
+    }
   }
 
   // The parts this rank asks for at the overlapped read: 1 where the communicator cannot gather
@@ -355,7 +370,11 @@ class Run {
     double gather_seconds = 0;
     auto gather = [&] {
       try {
-        for (std::uint32_t i = 0; i + 1 < n; ++i) {
+        for (std::uint32_t i = 0; i < n; ++i) {
+          // While this rank reads part i, the other ranks' part i is faulted in here (the last
+          // part's too, which the all-gather step gathers).
+          prefault_others(flat, sb, at(i), at(i + 1));
+          if (i + 1 == n) break;
           {
             std::unique_lock<std::mutex> lock(m);
             cv.wait(lock, [&] { return read > i; });
