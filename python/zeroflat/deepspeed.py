@@ -409,9 +409,9 @@ class _FastHostCopies:
                 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
                 and not set(kwargs) - {"dtype", "device"} and isinstance(dtype, torch.dtype)
                 and torch.device(device).type == "cpu"):
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = getattr(dtype, "itemsize", 0)  # torch 2.1 on; else torch's zeros
             nbytes = math.prod(shape) * itemsize
-            if nbytes >= self.kMinBytes:
+            if itemsize and nbytes >= self.kMinBytes:
                 return self._engine().zeros(nbytes).view(dtype).view(tuple(shape))
         return original(*args, **kwargs)
 
