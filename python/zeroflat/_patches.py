@@ -203,9 +203,12 @@ TABLE: Tuple[Entry, ...] = (
           "a trainable parameter's data stays on the device where a release would stage it to "
           "the host (zeroflat plans that move)"),
     Entry("torch.Tensor.clone, torch.Tensor.to, torch.Tensor.float", "torch",
-          "a ZeRO optimizer's __init__, more than one thread per rank",
+          "a ZeRO optimizer's __init__",
           "the optimizer's large host copies of the buffer (its clone, its fp32 master) run on "
           "zeroflat's engine, bit for bit torch's"),
+    Entry("torch.zeros", "torch", "a ZeRO optimizer's __init__",
+          "large host zeros (the gradient partitions it makes to initialize its state) are a "
+          "fresh mapping, left untouched until written"),
     Entry(f"{_DS}.engine.DeepSpeedEngine.load_checkpoint", _ALL, "install()",
           "resumes a ZeRO-1/2 or ZeRO-3 checkpoint with each rank reading only its own bytes, at "
           "any world size, no pickle executed (what it does not serve is DeepSpeed's own call, "
