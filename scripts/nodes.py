@@ -214,10 +214,46 @@ def human(n):
     return f"{int(n)} B"
 
 
+_reserved_ports = []  # lock files held for this process's life, one per port handed out
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port for a process group's store, free now and still free when the store listens.
+
+    A port the kernel picks (bind to 0) lies in its ephemeral range, which every outgoing
+    connection and every gloo pair of every other process on the machine also draws from: in
+    the gap before the store listens, one of them can take it (EADDRINUSE). So the port is taken
+    from outside that range, where the kernel never assigns one on its own, and an exclusive
+    lock on a file named after it keeps every other caller of this function on the machine (a
+    concurrent test, another harness) off it for the rest of this process."""
+    import fcntl
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    ports = range(10000, low) if low - 10000 >= 4096 else range(high + 1, 65536)
+    if len(ports) < 256:
+        ports = range(1024, 65536)
+    folder = os.path.join(tempfile.gettempdir(), "zeroflat-ports")
+    os.makedirs(folder, exist_ok=True)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(ports)
+        fd = os.open(os.path.join(folder, str(port)), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            os.close(fd)
+            continue
+        _reserved_ports.append(fd)
+        return port
+    raise OSError("no free TCP port found outside the ephemeral range after 200 tries")
 
 
 def files_under(root):

@@ -26,12 +26,18 @@ def init_deepspeed_rank(rank, world, port):
 
 
 def free_port():
-    """A TCP port on the loopback nobody listens on now, for a process group's rendezvous."""
-    import socket
+    """A TCP port for a process group's store that no concurrent test takes before the store
+    listens: the nodes harness's reservation (outside the ephemeral range, locked)."""
+    import importlib.util
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if "zeroflat_nodes_harness" not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts",
+                            "nodes.py")
+        spec = importlib.util.spec_from_file_location("zeroflat_nodes_harness", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["zeroflat_nodes_harness"] = module
+    return sys.modules["zeroflat_nodes_harness"].free_port()
 
 
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "zeroflat", "zeroflat.deepspeed")
