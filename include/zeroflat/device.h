@@ -167,14 +167,16 @@ struct DeviceOptions {
 using DeviceFactory =
     std::function<std::unique_ptr<Device>(std::string_view spec, const DeviceOptions& options)>;
 
-// Host memory as the cpu device allocates it: sizes of 2 MiB and more are fresh anonymous
-// mappings, 2 MiB-aligned and, when huge_pages (none: unless ZEROFLAT_HOST_MEMORY says "plain"
-// or "torch", runtime.h), advised for transparent huge pages (a first touch then costs one fault
-// per 2 MiB, not per 4 KiB; but where the kernel's THP defrag is "madvise", every fault of an
-// advised buffer may compact memory first), smaller ones cache-line-aligned heap memory.
-// Nothing is touched: the first writer faults the pages in (the cpu device's gather does, split
-// by bytes over its threads). A framework can hand it out as its own tensor's storage,
-// releasing it with release_host_memory. Throws OutOfMemory.
+// Host memory as the cpu device allocates it: sizes of kFreshMappingBytes (2 MiB) and more are
+// fresh anonymous mappings, 2 MiB-aligned and, when huge_pages (none: unless ZEROFLAT_HOST_MEMORY
+// says "plain" or "torch", runtime.h), advised for transparent huge pages (a first touch then
+// costs one fault per 2 MiB, not per 4 KiB; but where the kernel's THP defrag is "madvise",
+// every fault of an advised buffer may compact memory first), smaller ones cache-line-aligned
+// heap memory. Nothing is touched: the first writer faults the pages in (the cpu device's gather
+// does, split by bytes over its threads), and a fresh mapping reads as zeros until then. A
+// framework can hand it out as its own tensor's storage, releasing it with release_host_memory.
+// Throws OutOfMemory.
+inline constexpr std::uint64_t kFreshMappingBytes = std::uint64_t{2} << 20;
 void* allocate_host_memory(std::uint64_t num_bytes, std::optional<bool> huge_pages = std::nullopt);
 // Releases memory from allocate_host_memory; num_bytes must be the size that was asked for.
 void release_host_memory(void* ptr, std::uint64_t num_bytes) noexcept;

@@ -37,8 +37,6 @@ zf::DType dtype_of(const std::string& name) {
 // fresh processes under DeepSpeed (benchmarks/deepspeed_init_bench.py, docs/performance.md)
 // the advice made initialize slower than DeepSpeed's own at one rank, where the kernel compacts
 // memory on the advised buffer's faults; ZEROFLAT_HOST_MEMORY=torch takes torch's allocator.
-// zeroflat's host memory is a fresh mapping of its own from this size up (zeros until written).
-constexpr std::uint64_t kFreshMappingBytes = std::uint64_t{2} << 20;
 
 at::Tensor host_tensor(std::uint64_t num_bytes) {
   const std::uint64_t n = num_bytes == 0 ? 1 : num_bytes;
@@ -592,7 +590,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // too small for a mapping of its own.
       .def("zeros",
            [](TorchDevice&, std::uint64_t n) {
-             if (n < kFreshMappingBytes ||
+             if (n < zf::kFreshMappingBytes ||
                  zf::runtime_env().host_memory == zf::RuntimeEnv::HostMemory::kTorch) {
                return at::zeros({static_cast<std::int64_t>(n)},
                                 at::TensorOptions().dtype(at::kByte).device(at::kCPU));

@@ -21,7 +21,6 @@ namespace zeroflat::detail {
 namespace {
 
 constexpr std::uint64_t kHugePage = std::uint64_t{2} << 20;
-constexpr std::uint64_t kMapThreshold = kHugePage;
 constexpr std::uint64_t kGrain = 64;  // thread ranges start on cache lines
 
 std::uint64_t round_up(std::uint64_t x, std::uint64_t m) {
@@ -43,7 +42,7 @@ void* host_allocate(std::uint64_t num_bytes, std::optional<bool> huge_pages) {
     return OutOfMemory("cpu: cannot allocate " + format_bytes(num_bytes) + " (" +
                        std::to_string(num_bytes) + " bytes) of host memory");
   };
-  if (num_bytes < kMapThreshold) {
+  if (num_bytes < kFreshMappingBytes) {
     // (Small sizes cannot overflow the rounding below.)
     void* p = std::aligned_alloc(kGrain, round_up(num_bytes == 0 ? 1 : num_bytes, kGrain));
     if (p == nullptr) throw oom();
@@ -70,7 +69,7 @@ void* host_allocate(std::uint64_t num_bytes, std::optional<bool> huge_pages) {
 
 void host_release(void* ptr, std::uint64_t num_bytes) noexcept {
   if (ptr == nullptr) return;
-  if (num_bytes < kMapThreshold) {
+  if (num_bytes < kFreshMappingBytes) {
     std::free(ptr);
   } else {
     munmap(ptr, round_up(num_bytes, kHugePage));
@@ -126,11 +125,9 @@ void CpuDevice::gather(void* dst, std::uint64_t num_bytes, std::span<const Segme
   parallel([&](unsigned t) {
     Range r = split_range(num_bytes, parts, t, kGrain);
     if (fresh) {
-      for (std::uint64_t lo = r.begin; lo < r.end; lo += kPrefaultChunk) {
-        const std::uint64_t hi = std::min(r.end, lo + kPrefaultChunk);
-        prefault_for_write(out + lo, hi - lo);
-        gather_range(out, segments, lo, hi, false);
-      }
+      prefault_then_write(out + r.begin, r.end - r.begin, [&](std::uint64_t at, std::uint64_t k) {
+        gather_range(out, segments, r.begin + at, r.begin + at + k, false);
+      });
     } else {
       gather_range(out, segments, r.begin, r.end, streaming);
     }
@@ -167,13 +164,17 @@ void CpuDevice::upcast_to_fp32(float* dst, const void* src, DType dtype, std::ui
   const unsigned parts = pool_.size();
   const std::uint64_t esize = element_size(dtype);
   const bool fresh = mostly_untouched(dst, numel * 4);
-  constexpr std::uint64_t kChunk = kPrefaultChunk / 4;  // elements of fp32
+  const auto* from = static_cast<const unsigned char*>(src);
   parallel([&](unsigned t) {
     Range r = split_range(numel, parts, t, 16);
-    for (std::uint64_t lo = r.begin; lo < r.end; lo += kChunk) {
-      const std::uint64_t hi = std::min(r.end, lo + kChunk);
-      if (fresh) prefault_for_write(dst + lo, (hi - lo) * 4);
-      upcast_range(dst + lo, static_cast<const unsigned char*>(src) + lo * esize, dtype, hi - lo);
+    auto upcast = [&](std::uint64_t at, std::uint64_t n) {  // elements from r.begin
+      upcast_range(dst + r.begin + at, from + (r.begin + at) * esize, dtype, n);
+    };
+    if (fresh) {
+      prefault_then_write(dst + r.begin, (r.end - r.begin) * 4,
+                          [&](std::uint64_t at, std::uint64_t k) { upcast(at / 4, k / 4); });
+    } else {
+      upcast(0, r.end - r.begin);
     }
   });
 }
