@@ -152,19 +152,35 @@ TEST(HostKernels, PrefaultKeepsValuesAndFaultsTheRangeIn) {
   auto* out = static_cast<float*>(dev.allocate(numel * 4));
   ASSERT_TRUE(mostly_untouched(out, numel * 4));
   dev.upcast_to_fp32(out, src.data(), DType::kBF16, numel);
-  for (std::uint64_t i = 0; i < numel; i += 4099) {
+  for (std::uint64_t i = 0; i < numel; ++i) {  // every element: chunk edges are where it breaks
     const std::uint32_t bits = std::uint32_t{src[i]} << 16;
     float want;
     std::memcpy(&want, &bits, 4);
     ASSERT_EQ(out[i], want) << i;
   }
-  ASSERT_EQ(out[numel - 1], [&] {
-    const std::uint32_t bits = std::uint32_t{src[numel - 1]} << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }());
   dev.release(out, numel * 4);
+}
+
+// The chunked writer hands out [0, n) once, in order, in chunks of kPrefaultChunk bytes but the
+// last, each faulted in before its write.
+TEST(HostKernels, PrefaultThenWriteCoversTheRangeOnceInChunks) {
+  for (const std::uint64_t n : {std::uint64_t{0}, std::uint64_t{5}, kPrefaultChunk,
+                                3 * kPrefaultChunk + 4100}) {
+    std::vector<unsigned char> buf(n + 1, 0);
+    std::uint64_t next = 0;
+    std::uint64_t calls = 0;
+    prefault_then_write(buf.data(), n, [&](std::uint64_t at, std::uint64_t k) {
+      EXPECT_EQ(at, next);
+      EXPECT_GT(k, 0u);
+      EXPECT_TRUE(k == kPrefaultChunk || at + k == n) << at << " " << k;
+      std::memset(buf.data() + at, 1, k);
+      next = at + k;
+      ++calls;
+    });
+    EXPECT_EQ(next, n);
+    EXPECT_EQ(calls, (n + kPrefaultChunk - 1) / kPrefaultChunk);
+    EXPECT_EQ(std::count(buf.begin(), buf.end(), 1), static_cast<std::ptrdiff_t>(n));
+  }
 }
 
 // Memory just mapped is told from memory written, which decides how a destination is written.
@@ -174,10 +190,16 @@ TEST(HostKernels, UntouchedMemoryIsToldFromWrittenMemory) {
   void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(p, MAP_FAILED);
   EXPECT_TRUE(mostly_untouched(p, n));
+  EXPECT_TRUE(mostly_untouched(p, n, 3));
   std::memset(p, 1, n / 4);  // a quarter written: still mostly untouched
   EXPECT_TRUE(mostly_untouched(p, n));
+  EXPECT_TRUE(mostly_untouched(p, n, 3));  // first page written, middle and last not
+  std::memset(p, 1, n * 3 / 4);  // the middle sample written too
+  EXPECT_FALSE(mostly_untouched(p, n, 3));
+  EXPECT_FALSE(mostly_untouched(p, n));  // 12 of 16 samples written
   std::memset(p, 1, n);
   EXPECT_FALSE(mostly_untouched(p, n));
+  EXPECT_FALSE(mostly_untouched(p, 2 * page, 3));  // fewer whole pages than samples
   EXPECT_FALSE(use_streaming_stores(p, 0));
   munmap(p, n);
   // Too short to sample, or not memory at all: not untouched.

@@ -34,4 +34,23 @@ void prefault_for_write(void* p, std::uint64_t n) noexcept {
 #endif
 }
 
+bool mostly_untouched(const void* p, std::uint64_t n, unsigned samples) noexcept {
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (page_size <= 0) return false;
+  const auto page = static_cast<std::uintptr_t>(page_size);
+  if (samples < 2) samples = 2;
+  const std::uintptr_t lo = (reinterpret_cast<std::uintptr_t>(p) + page - 1) / page * page;
+  const std::uintptr_t hi = (reinterpret_cast<std::uintptr_t>(p) + n) / page * page;
+  if (hi <= lo || (hi - lo) / page < samples) return false;
+  const std::uintptr_t pages = (hi - lo) / page;
+  std::uintptr_t untouched = 0;
+  for (std::uintptr_t i = 0; i < samples; ++i) {
+    unsigned char resident = 0;
+    const std::uintptr_t at = lo + (pages - 1) * i / (samples - 1) * page;
+    if (mincore(reinterpret_cast<void*>(at), page, &resident) != 0) return false;
+    if ((resident & 1) == 0) ++untouched;
+  }
+  return untouched * 2 > samples;
+}
+
 }  // namespace zeroflat::detail

@@ -100,11 +100,9 @@ void copy_ordinary(void* dst_v, const void* src_v, std::size_t n) noexcept {
 void copy_fresh(void* dst_v, const void* src_v, std::size_t n) noexcept {
   auto* dst = static_cast<unsigned char*>(dst_v);
   const auto* src = static_cast<const unsigned char*>(src_v);
-  for (std::size_t at = 0; at < n; at += kPrefaultChunk) {
-    const std::size_t k = std::min<std::size_t>(kPrefaultChunk, n - at);
-    prefault_for_write(dst + at, k);
+  prefault_then_write(dst, n, [&](std::uint64_t at, std::uint64_t k) {
     copy_ordinary(dst + at, src + at, k);
-  }
+  });
 }
 
 void zero_bytes(void* dst_v, std::size_t n, bool streaming) noexcept {
@@ -293,25 +291,6 @@ bool streaming_size(std::uint64_t num_bytes) noexcept {
 }
 
 }  // namespace
-
-bool mostly_untouched(const void* p, std::uint64_t n) noexcept {
-  const long page_size = sysconf(_SC_PAGESIZE);
-  if (page_size <= 0) return false;
-  const auto page = static_cast<std::uintptr_t>(page_size);
-  constexpr std::uintptr_t kSamples = 16;
-  const std::uintptr_t lo = (reinterpret_cast<std::uintptr_t>(p) + page - 1) / page * page;
-  const std::uintptr_t hi = (reinterpret_cast<std::uintptr_t>(p) + n) / page * page;
-  if (hi <= lo || (hi - lo) / page < kSamples) return false;
-  const std::uintptr_t pages = (hi - lo) / page;
-  std::uintptr_t untouched = 0;
-  for (std::uintptr_t i = 0; i < kSamples; ++i) {
-    unsigned char resident = 0;
-    const std::uintptr_t at = lo + (pages - 1) * i / (kSamples - 1) * page;
-    if (mincore(reinterpret_cast<void*>(at), page, &resident) != 0) return false;
-    if ((resident & 1) == 0) ++untouched;
-  }
-  return untouched * 2 > kSamples;
-}
 
 bool use_streaming_stores(const void* dst, std::uint64_t num_bytes) noexcept {
   return streaming_size(num_bytes) && !mostly_untouched(dst, num_bytes);

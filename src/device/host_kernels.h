@@ -24,10 +24,6 @@ void copy_bytes(void* dst, const void* src, std::size_t n, bool streaming) noexc
 // them: for a destination never touched (see use_streaming_stores).
 void copy_ordinary(void* dst, const void* src, std::size_t n) noexcept;
 
-// Into memory never touched: pages are faulted in kPrefaultChunk at a time, each chunk just
-// before it is written (still in the cache when the stores land).
-inline constexpr std::uint64_t kPrefaultChunk = std::uint64_t{1} << 20;
-
 // copy_ordinary into memory never touched, a chunk's pages faulted in before it is written.
 void copy_fresh(void* dst, const void* src, std::size_t n) noexcept;
 
@@ -55,9 +51,5 @@ void check_gather_segments(const void* dst, std::uint64_t num_bytes,
 // streaming store has to evict it (measured: a 1.5 GB gather into a fresh mapping 0.52 s with
 // ordinary stores against 0.61 s streamed).
 bool use_streaming_stores(const void* dst, std::uint64_t num_bytes) noexcept;
-
-// Whether most of [p, p + n) is memory never touched since it was mapped (pages the kernel
-// reports as not resident, sampled). False when it cannot tell.
-bool mostly_untouched(const void* p, std::uint64_t n) noexcept;
 
 }  // namespace zeroflat::detail
