@@ -887,7 +887,18 @@ TEST_F(LoaderTest, AReadRunsAtMostTwoPartsAheadOfTheirAllGathers) {
   o.tier = Tier::kLoad;
   o.execute.gather_parts = 6;
   const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
-  on_ranks(2, [&](int, Communicator* comm) {
+  // The same slice read in one part: its reads, which parts do not change (a tensor cut by a
+  // parts' edge is still one read).
+  std::vector<std::uint64_t> whole_reads(2, 0);
+  on_ranks(2, [&](int r, Communicator* comm) {
+    FlattenOptions one = o;
+    one.execute.gather_parts = 1;
+    std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+    const FlattenResult res = load_flat_group(ck, params, *dev, comm, one);
+    ASSERT_TRUE(res.complete()) << res.execution.error;
+    whole_reads[r] = res.read->reads;
+  });
+  on_ranks(2, [&](int r, Communicator* comm) {
     FlattenOptions mine = o;
     mine.read.progress = std::make_shared<ReadProgress>();
     SlowPartGathers slow(comm, mine.read.progress.get());
@@ -896,6 +907,7 @@ TEST_F(LoaderTest, AReadRunsAtMostTwoPartsAheadOfTheirAllGathers) {
     ASSERT_TRUE(res.complete()) << res.execution.error;
     EXPECT_EQ(res.execution.gather_parts, 6u);
     EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
+    EXPECT_EQ(res.read->reads, whole_reads[r]);
     // Five parts gathered during the read, the last by the all-gather step: when part i's
     // gather ended, nothing of part i + 2 had been read.
     ASSERT_EQ(slow.parts.size(), 6u);

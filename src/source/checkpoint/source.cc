@@ -257,7 +257,20 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
   // An injected read error counts the step's bytes, not the part's.
   std::optional<std::uint64_t> fail_after = options_.read.fail_after_bytes;
   if (fail_after) *fail_after -= std::min(*fail_after, report_.bytes);
-  report_.reads += reads.size();
+  // A tensor cut by the parts' edge is one read of the step, not one per part.
+  std::uint64_t cut = 0;
+  if (continues) {
+    for (const Read& r : reads) {
+      cut += std::binary_search(read_ends_.begin(), read_ends_.end(),
+                                std::make_tuple(r.file, r.src, flat_offset + r.dst));
+    }
+  }
+  read_ends_.clear();
+  for (const Read& r : reads) {
+    read_ends_.emplace_back(r.file, r.src + r.src_bytes, flat_offset + r.dst + dst_bytes(r, es));
+  }
+  std::sort(read_ends_.begin(), read_ends_.end());
+  report_.reads += reads.size() - cut;
   report_.bytes += part_bytes;
   if (!device_.keeps_data()) return;
   // The kernel's read-ahead would read past the end of each range into bytes another rank

@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <tuple>
 #include <vector>
 
 #include "exec/pipeline.h"
@@ -102,6 +103,10 @@ class CheckpointSource final : public Source, public StepSource {
   // The end of the read step whose bytes progress has planned (the executor may read a step's
   // range in parts: the first plans the whole step).
   std::uint64_t planned_to_ = 0;
+  // Where the last part's reads ended (file, file offset, layout byte), sorted: a read of the
+  // next part that starts there continues one of them (a tensor cut by the parts' edge) and
+  // is not counted again.
+  std::vector<std::tuple<std::uint32_t, std::uint64_t, std::uint64_t>> read_ends_;
   ReadReport report_;
 };
 
