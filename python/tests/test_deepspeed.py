@@ -131,6 +131,10 @@ def compare(rank, stage, round_robin, offload=False, odd=False):
     before = dict(zd.stats)
     dropped, do = build(stage, round_robin, True, offload=offload, odd=odd)
     expect_zeroflat_built(before, where, len(po.bit16_groups_flat))
+    # Each fp32 master partition up-cast from the bf16 partition, whose clone was never made
+    # (worker: every size goes through the engine here).
+    masters = sum(1 for m in do.single_partition_of_fp32_groups if m.numel())
+    assert zd.stats["clones_skipped"] == before["clones_skipped"] + masters, (where, masters)
     assert same(po.bit16_groups_flat, do.bit16_groups_flat), where
     for a, b in zip(po.parallel_partitioned_bit16_groups, do.parallel_partitioned_bit16_groups):
         assert same(a, b), where
@@ -161,6 +165,8 @@ def compare_bf16_zero1(rank):
     dropped, do = build(1, False, True, bf16_zero1=True)
     if hasattr(po, "bf16_groups_flat"):
         expect_zeroflat_built(before, where, len(po.bf16_groups_flat))
+        masters = sum(1 for m in do.fp32_groups_flat_partition if m.numel())
+        assert zd.stats["clones_skipped"] == before["clones_skipped"] + masters, (where, masters)
         assert type(do).__name__ == "BF16_Optimizer", where
         assert same(po.bf16_groups_flat, do.bf16_groups_flat), where
         assert same(po.fp32_groups_flat_partition, do.fp32_groups_flat_partition), where
@@ -317,6 +323,9 @@ def check_adoption(rank, world, tmpdir):
 
 def worker(rank, world, port, ckpt_dir):
     init_deepspeed_rank(rank, world, port)
+    # The optimizers' host copies (clones, up-casts, zeros) through zeroflat's engine at every
+    # size, not only from 8 MiB: every master and state below is compared with DeepSpeed's own.
+    zd._FastHostCopies.kMinBytes = 1
     # Every case at 2 ranks; at 1 and 3 the ones whose partitions differ most.
     cases = {1: [(2, False, False, False), (1, True, False, True)],
              2: [(1, False, False, False), (1, True, False, False), (2, False, False, False),
@@ -395,15 +404,22 @@ def test_other_releases_warn_and_older_ones_are_refused(monkeypatch, caplog):
 def test_host_copies_and_zeros_run_on_the_engine_while_an_optimizer_is_built(monkeypatch):
     """While an optimizer is built, a large bf16 -> fp32 up-cast and a clone run on the engine
     (a fresh 2 MiB-aligned buffer, the same values), with one thread per rank or more; large
-    zeros are a fresh mapping, zeros to the last byte; anything else is torch's."""
+    zeros are a fresh mapping, zeros to the last byte; anything else is torch's. A clone
+    up-cast in the same expression, as DeepSpeed makes its fp32 masters, is not made; one
+    converted to its own dtype is."""
     big = torch.randn(4 << 20).to(torch.bfloat16)  # 8 MiB: the smallest the engine takes
     for threads in (2, 1):
         monkeypatch.setattr(zeroflat._C, "default_threads", lambda local, t=threads: t)
         float_before, zeros_before = torch.Tensor.float, torch.zeros
+        skipped = zd.stats["clones_skipped"]
         with zd._FastHostCopies().on():
             assert torch.Tensor.float is not float_before and torch.zeros is not zeros_before
             up = big.float()
             copy = big.clone()
+            master = big.clone().float()  # as BF16_Optimizer and 0.14-0.17's ZeRO-1/2
+            master_to = big.detach().clone().to(  # as 0.18's ZeRO-1/2
+                device="cpu", dtype=torch.float32)
+            kept = big.clone().to(dtype=torch.bfloat16)  # .to returns the clone itself
             zeros = torch.zeros(3 << 20, dtype=torch.float32, device="cpu")
             square = torch.zeros((2048, 2048), dtype=torch.bfloat16)
             small = torch.zeros(1000)
@@ -411,6 +427,11 @@ def test_host_copies_and_zeros_run_on_the_engine_while_an_optimizer_is_built(mon
             meta = torch.zeros(4 << 20, device="meta")
         assert torch.Tensor.float is float_before and torch.zeros is zeros_before
         assert torch.equal(up, big.to(torch.float32)) and torch.equal(copy, big)
+        assert zd.stats["clones_skipped"] == skipped + 2
+        assert torch.equal(master, big.float()) and torch.equal(master_to, big.float())
+        assert torch.equal(kept, big) and kept.data_ptr() not in (big.data_ptr(), copy.data_ptr())
+        kept[0] += 1  # its own memory
+        assert not torch.equal(kept, big)
         for t in (up, copy, zeros, square):
             assert t.data_ptr() % (2 << 20) == 0  # the engine's
         assert zeros.shape == (3 << 20,) and zeros.dtype == torch.float32

@@ -19,7 +19,10 @@ fp32 master partitions are the ones that release would have built. See docs/deep
 from __future__ import annotations
 
 import contextlib
+import linecache
 import math
+import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -351,13 +354,22 @@ class _FastHostCopies:
     takes a fault per 4 KiB page on one thread; and its large zeros (the gradient partitions
     the optimizer makes to initialize its state, and drops) are a fresh mapping left untouched,
     which reads as zeros, where torch writes every byte. The values are torch's to the bit
-    (clone copies, bf16 or fp16 to fp32 is exact, zeros are zeros); anything else is torch's."""
+    (clone copies, bf16 or fp16 to fp32 is exact, zeros are zeros); anything else is torch's.
+
+    A clone converted in the same expression (``x.clone().float()``, ``x.clone().to(...)``: how
+    DeepSpeed's ZeRO-1/2 and bf16 optimizers make their fp32 master partition) is not made: the
+    conversion is the only thing that ever sees it, and reads the same values from ``x``. Its
+    bytes would be a fresh buffer of the partition's size, faulted in and dropped at once. The
+    call's own source position says so (Python 3.11 on); a conversion that would not copy (to
+    the clone's own dtype) gets a real clone first."""
 
     kMinBytes = 8 << 20
+    _CONVERSIONS = (".float()", ".to(")
 
     def __init__(self):
         self.engine = None
         self.threads = zeroflat._C.default_threads(zeroflat._C.local_ranks() or 1)
+        self.pending = []  # clones not made: views of their source, awaiting their conversion
 
     def _large(self, t):
         return (getattr(_state, "fast_host", False) and t.device.type == "cpu" and not t.is_sparse
@@ -372,16 +384,33 @@ class _FastHostCopies:
     def _upcast(self, t):
         return self._engine().upcast(t).view(torch.float32).view(t.shape)
 
+    def _copy(self, t):
+        return self._engine().clone(t).view(t.dtype).view(t.shape)
+
     def _clone(self, original, t, *args, **kwargs):
         if not args and not kwargs and self._large(t):
-            return self._engine().clone(t).view(t.dtype).view(t.shape)
+            if t.dtype in (torch.bfloat16, torch.float16) and _converted_at_once():
+                view = t.view(t.shape)
+                self.pending.append(view)
+                return view
+            return self._copy(t)
         return original(t, *args, **kwargs)
 
+    def _skipped(self, t):
+        """Whether t is a clone not made, now meeting its conversion (no longer pending)."""
+        for i, view in enumerate(self.pending):
+            if view is t:
+                del self.pending[i]
+                return True
+        return False
+
     def _float(self, original, t, *args, **kwargs):
+        skipped = self._skipped(t)
         if not args and not kwargs and t.dtype in (torch.bfloat16, torch.float16) \
                 and self._large(t):
+            stats["clones_skipped"] += skipped
             return self._upcast(t)
-        return original(t, *args, **kwargs)
+        return original(self._copy(t) if skipped else t, *args, **kwargs)
 
     def _to(self, original, t, *args, **kwargs):
         # .to(torch.float32) and .to(device=<cpu>, dtype=torch.float32), as the optimizers build
@@ -391,10 +420,12 @@ class _FastHostCopies:
         device = kwargs.get("device")
         extra = (set(kwargs) - {"dtype", "device"}
                  or (args and not isinstance(args[0], torch.dtype)))
+        skipped = self._skipped(t)
         if (dtype == torch.float32 and not extra and t.dtype in (torch.bfloat16, torch.float16)
                 and (device is None or torch.device(device).type == "cpu") and self._large(t)):
+            stats["clones_skipped"] += skipped
             return self._upcast(t)
-        return original(t, *args, **kwargs)
+        return original(self._copy(t) if skipped else t, *args, **kwargs)
 
     def _zeros(self, original, *args, **kwargs):
         # torch.zeros(n) or torch.zeros((n, m)), with at most dtype and device, on the host.
@@ -426,6 +457,37 @@ class _FastHostCopies:
                 yield
             finally:
                 _state.fast_host = False
+                self.pending.clear()
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _converted_at_once():
+    """Whether the call of Tensor.clone being made (its caller: the first frame outside this
+    package) is followed in its source by ``.float()`` or ``.to(`` on its result, from the
+    call's end position (Python 3.11's code positions). False wherever that cannot be told."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    positions = getattr(frame.f_code, "co_positions", None) if frame is not None else None
+    if positions is None or frame.f_lasti < 0:
+        return False
+    try:
+        for i, position in enumerate(positions()):
+            if i == frame.f_lasti // 2:
+                break
+        else:
+            return False
+    except (TypeError, ValueError):
+        return False
+    _, end_line, _, end_col = position
+    if end_line is None or end_col is None:
+        return False
+    line = linecache.getline(frame.f_code.co_filename, end_line)
+    # Columns count UTF-8 bytes.
+    rest = line.encode()[end_col:].decode(errors="replace")
+    return rest.startswith(_FastHostCopies._CONVERSIONS)
 
 
 def _zero_init(original, self, init_optimizer, *args, **kwargs):
