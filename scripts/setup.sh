@@ -2,6 +2,7 @@
 # Installs what zeroflat needs and is missing (Debian 12: apt), then configures and builds.
 #
 #   scripts/setup.sh [BUILD_DIR] [extra cmake arguments...]
+#   scripts/setup.sh --packages-only     the system packages, nothing else
 #
 # Idempotent: packages already installed are left alone, and a configured build directory is
 # reused, so running it again only rebuilds what changed. Environment:
@@ -51,6 +52,7 @@ if ((${#missing[@]} > 0)); then
 else
   log "system packages: all present"
 fi
+[[ "$build_dir" == --packages-only ]] && exit 0
 
 # --- the Python environment -------------------------------------------------------------------
 # A project virtual environment with torch from PyPI (the binding is built against it),

@@ -4,8 +4,10 @@
 # ZEROFLAT_SKIP_SANITIZERS=1), then the model-file parsers under libFuzzer for
 # ZEROFLAT_FUZZ_SECONDS (default 60; 0 skips it). ctest runs ZEROFLAT_TEST_JOBS tests at once
 # (default: twice the cores: most tests wait on processes they start as much as they compute).
-# The sanitizer build (Clang; the fuzz target is one of its targets) compiles while the Release
-# suite runs, at the lowest CPU priority, so that it takes only the time its tests leave idle.
+# The sanitizer build (Clang; the fuzz target is one of its targets) compiles from the moment
+# the system packages are there, at the lowest CPU priority: through the Python environment's
+# downloads and the Release suite it takes only the time they leave idle. The fuzzer runs beside
+# the sanitizer suite.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 jobs="${ZEROFLAT_JOBS:-$(nproc)}"
@@ -14,7 +16,7 @@ fuzz_seconds="${ZEROFLAT_FUZZ_SECONDS:-60}"
 sanitize="$([[ "${ZEROFLAT_SKIP_SANITIZERS:-0}" != 1 ]] && echo 1 || echo 0)"
 start=$SECONDS
 
-"$here/scripts/setup.sh" "$here/build"
+"$here/scripts/setup.sh" --packages-only
 
 build_sanitize() {
   # One Clang build for both: the suite under ASan and UBSan, every object also instrumented for
@@ -29,7 +31,7 @@ build_sanitize() {
   if [[ -f "$cache" ]] && ! grep -q "^CMAKE_CXX_COMPILER:[A-Z]*=.*clang" "$cache"; then
     rm -rf "$here/build-sanitize"  # configured with another compiler, which cannot change in place
   fi
-  CXX=clang++ CC=clang ZEROFLAT_BUILD_TYPE=Debug ZEROFLAT_BUILD_TARGET="${1:-}" \
+  CXX=clang++ CC=clang ZEROFLAT_BUILD_TYPE=Debug ZEROFLAT_BUILD_TARGET="${1:-}" ZEROFLAT_NO_PYTHON=1 \
     "$here/scripts/setup.sh" "$here/build-sanitize" \
     -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_BUILD_FUZZERS=ON -DZEROFLAT_WITH_CUDA=OFF \
     -DZEROFLAT_WITH_NCCL=OFF -DZEROFLAT_WITH_PYTHON=OFF -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
@@ -59,18 +61,16 @@ finish_background() {
     exit 1
   fi
 }
-trap '[[ -z "$background" ]] || kill -- "-$background" 2>/dev/null; rm -f "$background_log"' EXIT
+fuzz_pid=""
+trap '[[ -z "$background" ]] || kill -- "-$background" 2>/dev/null
+      [[ -z "$fuzz_pid" ]] || kill "$fuzz_pid" 2>/dev/null; rm -f "$background_log"' EXIT
 
+"$here/scripts/setup.sh" "$here/build"
 echo "[test] Release build: ctest" >&2
 ctest --test-dir "$here/build" --output-on-failure --parallel "$test_jobs" --timeout 600
 echo "[test] Release suite done in $((SECONDS - start)) s; waiting for the background builds" >&2
 finish_background
 
-if [[ "$sanitize" == 1 ]]; then
-  echo "[test] ASan+UBSan build: ctest" >&2
-  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    ctest --test-dir "$here/build-sanitize" --output-on-failure --parallel "$test_jobs" --timeout 900
-fi
 if ((fuzz_seconds > 0)); then
   corpus="$here/build-sanitize/corpus"
   mkdir -p "$corpus"
@@ -78,8 +78,23 @@ if ((fuzz_seconds > 0)); then
   echo "[test] fuzzing the model-file parsers for ${fuzz_seconds} s" >&2
   fuzz_log="$here/build-sanitize/fuzz.log"
   "$here/build-sanitize/model_files_fuzz" -max_total_time="$fuzz_seconds" -max_len=8192 \
-    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$corpus" 2>"$fuzz_log" ||
-    { tail -40 "$fuzz_log" >&2; echo "[test] the fuzzer found a problem" >&2; exit 1; }
+    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$corpus" 2>"$fuzz_log" &
+  fuzz_pid=$!
+fi
+if [[ "$sanitize" == 1 ]]; then
+  echo "[test] ASan+UBSan build: ctest" >&2
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --test-dir "$here/build-sanitize" --output-on-failure --parallel "$test_jobs" --timeout 900
+fi
+if [[ -n "$fuzz_pid" ]]; then
+  rc=0
+  wait "$fuzz_pid" || rc=$?
+  fuzz_pid=""
+  if ((rc != 0)); then
+    tail -40 "$fuzz_log" >&2
+    echo "[test] the fuzzer found a problem" >&2
+    exit 1
+  fi
   grep -E "^(Done|stat::number_of_executed_units)" "$fuzz_log" >&2 || true
 fi
 echo "[test] all suites passed in $((SECONDS - start)) s" >&2
