@@ -205,7 +205,8 @@ TABLE: Tuple[Entry, ...] = (
     Entry("torch.Tensor.clone, torch.Tensor.to, torch.Tensor.float", "torch",
           "a ZeRO optimizer's __init__",
           "the optimizer's large host copies of the buffer (its clone, its fp32 master) run on "
-          "zeroflat's engine, bit for bit torch's"),
+          "zeroflat's engine, bit for bit torch's; a clone up-cast in the same expression is "
+          "not made (the up-cast reads the partition)"),
     Entry("torch.zeros", "torch", "a ZeRO optimizer's __init__",
           "large host zeros (the gradient partitions it makes to initialize its state) are a "
           "fresh mapping, left untouched until written"),
