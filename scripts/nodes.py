@@ -238,11 +238,19 @@ def free_port():
     if len(ports) < 256:
         ports = range(1024, 65536)
     folder = os.path.join(tempfile.gettempdir(), "zeroflat-ports")
-    os.makedirs(folder, exist_ok=True)
+    if not os.path.isdir(folder):
+        os.makedirs(folder, exist_ok=True)
+        try:
+            os.chmod(folder, 0o1777)  # every user's tests share it, as they share the ports
+        except OSError:
+            pass
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.choice(ports)
-        fd = os.open(os.path.join(folder, str(port)), os.O_RDWR | os.O_CREAT, 0o666)
+        try:  # a lock file another user made is readable, and flock needs no more
+            fd = os.open(os.path.join(folder, str(port)), os.O_RDONLY | os.O_CREAT, 0o644)
+        except OSError:
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             with socket.socket() as s:
