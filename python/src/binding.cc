@@ -229,8 +229,18 @@ class PyCommunicator final : public zf::Communicator {
     try {
       return impl_.attr(method)(args...);
     } catch (py::error_already_set& e) {
-      throw zf::CommError(message(method, e));
+      rethrow(method, e);
     }
+  }
+  // A collective the ranks called with arguments that do not agree (the Python side checked,
+  // on every rank, before anything moved) is the caller's InvalidArgument, as from the library's
+  // own communicators; anything else a CommError.
+  [[noreturn]] static void rethrow(const char* method, py::error_already_set& e) {
+    if (errors.invalid_argument != nullptr && e.matches(errors.invalid_argument)) {
+      throw zf::InvalidArgument(std::string("torch.distributed ") + method + ": " +
+                                std::string(py::str(e.value())));
+    }
+    throw zf::CommError(message(method, e));
   }
   void reduce(const char* op, std::span<std::uint64_t> values) {
     std::vector<std::uint64_t> in(values.begin(), values.end());
@@ -240,7 +250,7 @@ class PyCommunicator final : public zf::Communicator {
       try {
         out = impl_.attr("all_reduce")(in, op).cast<std::vector<std::uint64_t>>();
       } catch (py::error_already_set& e) {
-        throw zf::CommError(message("all_reduce", e));
+        rethrow("all_reduce", e);
       }
     }
     if (out.size() != values.size()) {

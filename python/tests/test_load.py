@@ -580,6 +580,36 @@ def test_a_slice_read_in_parts_is_gathered_as_they_arrive(tmp_path):
     run_ranks(check_parts_gathered_while_reading, 2, save(tmp_path / "wide.safetensors", state))
 
 
+def check_parts_that_differ_are_refused(rank, world, group, path):
+    """Ranks that pass the package's all-gather different parts of their slices: the package's
+    communicator refuses them on every rank with an InvalidArgument, as the library's own
+    communicators do, and the load fails as a step that failed everywhere (rolled back), not as
+    a broken process group."""
+    from zeroflat import _comm
+
+    real = _comm.TorchComm.all_gather_part
+
+    def skewed(self, ptr, slice_bytes, offset, nbytes):
+        return real(self, ptr, slice_bytes, offset, max(0, nbytes - 64 * rank))
+
+    _comm.TorchComm.all_gather_part = skewed
+    with zeroflat.meta_parameters():
+        model = Wide()
+    with pytest.raises(zeroflat.Error, match="different parts") as e:
+        zeroflat.load_param_groups(model, path, group, device="cpu", deepspeed=None,
+                                   read_plan="load")
+    # A step that failed on every rank alike, rolled back: not a broken process group.
+    text = str(e.value)
+    assert not isinstance(e.value, zeroflat.CommError), repr(e.value)
+    assert "rolled back" in text and "could not agree" not in text, text
+
+
+def test_parts_that_differ_between_ranks_are_an_invalid_argument(tmp_path):
+    torch.manual_seed(0)
+    state = Wide().state_dict()
+    run_ranks(check_parts_that_differ_are_refused, 2, save(tmp_path / "wide.safetensors", state))
+
+
 def check_a_gone_peer_is_named(rank, world, group, path):
     """A rank that dies in the middle of a load (at its first collective, the ranks'
     agreement): the others raise zeroflat.CommError saying which collective failed, for what,

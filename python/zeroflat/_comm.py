@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _progress, _shm
-from ._errors import CommError
+from ._errors import CommError, InvalidArgument
 
 U64_MAX = 2**64 - 1
 
@@ -269,8 +269,8 @@ class TorchComm:
         what = "the all-gather of a part of the flat buffer's partitions"
         least, most = self._range([slice_bytes, offset, nbytes], what)
         if least != most:
-            raise ValueError("the ranks passed different parts of their all-gather slices; "
-                             "nothing was copied")
+            raise InvalidArgument("the ranks passed different parts of their all-gather "
+                                  "slices; nothing was copied")
         buf = self.device.tensor(ptr)[: slice_bytes * self.size]
         self._run(what, lambda: self._all_gather(buf, slice_bytes, offset, nbytes))
 
@@ -281,8 +281,8 @@ class TorchComm:
         # Every rank's byte count before anything is copied: a shorter peer would be overrun.
         (least,), (most,) = self._range([slice_bytes], what)
         if most != least:
-            raise ValueError(f"the ranks passed all-gather slices of {least} to {most} bytes; "
-                             "nothing was copied")
+            raise InvalidArgument(f"the ranks passed all-gather slices of {least} to {most} "
+                                  "bytes; nothing was copied")
         buf = buf[: slice_bytes * self.size]
         self._run(what, lambda: self._all_gather(buf, slice_bytes))
 
