@@ -50,16 +50,22 @@ if [[ "$sanitize" == 1 ]] || ((fuzz_seconds > 0)); then
   background=$!
   set +m
 fi
-finish_background() {
-  [[ -n "$background" ]] || return 0
+# wait_job VAR LOG LINES WHAT: waits for the background job whose pid VAR holds, then empties VAR
+# (the exit trap kills what is still in it); when the job failed, the last LINES of LOG and
+# "WHAT (exit N)", and the run stops.
+wait_job() {
+  local -n job="$1"
   local rc=0
-  wait "$background" || rc=$?
-  background=""
+  wait "$job" || rc=$?
+  job=""
   if ((rc != 0)); then
-    tail -60 "$background_log" >&2
-    echo "[test] the sanitizer build failed (exit $rc)" >&2
+    tail -"$3" "$2" >&2
+    echo "[test] $4 (exit $rc)" >&2
     exit 1
   fi
+}
+finish_background() {
+  [[ -z "$background" ]] || wait_job background "$background_log" 60 "the sanitizer build failed"
 }
 fuzz_pid=""
 trap '[[ -z "$background" ]] || kill -- "-$background" 2>/dev/null
@@ -87,14 +93,7 @@ if [[ "$sanitize" == 1 ]]; then
     ctest --test-dir "$here/build-sanitize" --output-on-failure --parallel "$test_jobs" --timeout 900
 fi
 if [[ -n "$fuzz_pid" ]]; then
-  rc=0
-  wait "$fuzz_pid" || rc=$?
-  fuzz_pid=""
-  if ((rc != 0)); then
-    tail -40 "$fuzz_log" >&2
-    echo "[test] the fuzzer found a problem" >&2
-    exit 1
-  fi
+  wait_job fuzz_pid "$fuzz_log" 40 "the fuzzer found a problem"
   grep -E "^(Done|stat::number_of_executed_units)" "$fuzz_log" >&2 || true
 fi
 echo "[test] all suites passed in $((SECONDS - start)) s" >&2
