@@ -564,7 +564,8 @@ TEST_F(LoaderTest, ASliceIsTheRanksPartitionOfTheFlatBufferAndNothingMore) {
             EXPECT_EQ(res.read->bytes, partition_read_bytes(ck, params, o.layout,
                                                             static_cast<std::uint64_t>(r)));
             EXPECT_EQ(res.execution.measured_peak_device_bytes, res.predicted_peak_device_bytes);
-            EXPECT_EQ(res.predicted_peak_device_bytes, sb);  // the slice, never the whole buffer
+            // The slice, never the whole buffer; and the master, built as the slice is read.
+            EXPECT_EQ(res.predicted_peak_device_bytes, sb + res.master.num_bytes());
           });
         }
       }
@@ -843,6 +844,60 @@ TEST_F(LoaderTest, AReadInPartsGatheredAsTheyArriveFillsTheSameBuffer) {
       });
   EXPECT_NE(late[1].find("bytes ["), std::string::npos) << late[1];
   EXPECT_NE(late[0].find("rank 1"), std::string::npos) << late[0];
+}
+
+TEST_F(LoaderTest, TheMasterPartitionIsBuiltAsTheSliceIsRead) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  for (int dp : {1, 2, 3}) {
+    for (std::uint32_t parts : {1u, 4u}) {
+      SCOPED_TRACE("dp " + std::to_string(dp) + ", " + std::to_string(parts) + " parts");
+      FlattenOptions o = load_options();
+      o.layout.dp = static_cast<std::uint64_t>(dp);
+      o.tier = Tier::kLoad;
+      o.master = true;
+      o.execute.gather_parts = parts;
+      const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
+      on_ranks(dp, [&](int r, Communicator* comm) {
+        std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+        const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+        ASSERT_TRUE(res.complete()) << res.execution.error;
+        const Layout& l = res.group().layout;
+        ASSERT_GE(l.partition_bytes(), parts * (64u << 10));
+        EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
+        // The partition's elements up-cast, padding included.
+        std::vector<float> master(l.partition_numel());
+        detail::upcast_range(master.data(), want.data() + r * l.partition_bytes(), DType::kBF16,
+                             master.size());
+        ASSERT_TRUE(res.master);
+        ASSERT_EQ(res.master.num_bytes(), master.size() * 4);
+        EXPECT_EQ(std::memcmp(res.master.data(), master.data(), master.size() * 4), 0);
+        // Built inside the run, beside the buffer, as predicted.
+        EXPECT_EQ(res.execution.measured_peak_device_bytes, res.predicted_peak_device_bytes);
+        EXPECT_GE(res.execution.measured_peak_device_bytes,
+                  l.flat_bytes() + res.master.num_bytes());
+      });
+    }
+  }
+  // A read that fails in its third part: every rank rolls back, and nothing of the master is
+  // left held.
+  const std::vector<std::string> errors =
+      errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
+        FlattenOptions o = load_options();
+        o.layout.dp = 2;
+        o.tier = Tier::kLoad;
+        o.master = true;
+        o.execute.gather_parts = 4;
+        const std::uint64_t slice = layout_of(params, o.layout).partition_bytes();
+        if (r == 1) o.read.fail_after_bytes = slice * 3 / 4;
+        const FlattenResult res = load_flat_group(ck, params, dev, c, o);
+        EXPECT_FALSE(res.master);
+        EXPECT_EQ(dev.memory_info().allocated_bytes, 0u);
+        if (!res.complete()) throw Error(res.execution.error);
+      });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rolled back"), std::string::npos) << errors[r];
+  }
 }
 
 // Passes every collective on to a rank's communicator; each part all-gather first waits a

@@ -42,8 +42,16 @@ struct ExecuteOptions {
   // split into parts, each gathered while the next is read, where the communicator gathers parts
   // on this device (Communicator::gathers_parts): at most this many parts (0: ZEROFLAT_GATHER_PARTS
   // where set, else the executor's choice, one per 8 MiB up to 8; 1: read, then gather). The
-  // ranks take the smallest count any of them asks for.
+  // ranks take the smallest count any of them asks for. A read up-cast into the master partition
+  // as it arrives (master, below) without such a gather is read in as many parts.
   std::uint32_t gather_parts = 0;
+  // This rank's fp32 master partition (partition master_slot of the flat buffer up-cast) is built
+  // as the step list reads it: each part up-cast on a thread of its own while the next is read,
+  // in memory the device allocates at the read step (Execution::master). Only on a device whose
+  // memory is the host's and keeps data, for a list that reads this rank's slot of the layout
+  // into that partition in one step (builds_master); otherwise nothing.
+  bool master = false;
+  std::uint64_t master_slot = 0;
 };
 
 enum class Outcome : std::uint8_t {
@@ -75,6 +83,11 @@ struct Execution {
   // time; the all-gather step's time is the last part's).
   std::uint32_t gather_parts = 1;
   double overlapped_gather_seconds = 0;
+  // When done or recovered and ExecuteOptions::master was met: this rank's fp32 master partition
+  // (the partition's elements, padding included), and the seconds its up-casts took (on their
+  // own thread, inside the read step's time). Empty otherwise.
+  DeviceBuffer master;
+  double master_seconds = 0;
 };
 
 // How the caller frees the originals' storage (the parameters as they are before flattening):
@@ -141,6 +154,13 @@ class Originals final : public StepSource {
 //   alone); a kAllGather step needs it to be the layout's dp ranks with this rank at `slot`.
 // - Throws InvalidArgument for views, a source or a step list that do not fit the layout, before
 //   any step runs; every other failure is reported in the result, never thrown.
+// Whether execute() with options.master builds the master partition as it reads (the list has
+// one read of this rank's slot of the layout into partition master_slot of the flat buffer, on
+// a device whose memory is the host's and keeps data): the master's bytes are then held from
+// that step to the end, which the caller's prediction of the peak must add.
+bool builds_master(const std::vector<Step>& steps, const Layout& layout, std::uint64_t slot,
+                   std::uint64_t master_slot, const Device& device);
+
 Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t slot,
                   std::span<TensorRef> views, Device& device, Communicator* comm,
                   StepSource& source, const ExecuteOptions& options = {});

@@ -235,15 +235,28 @@ FlattenResult run_pipeline(std::span<TensorRef> params, Device& device, Communic
   const std::uint64_t resident =
       std::max(device.memory_info().allocated_bytes, source.resident_bytes());
   res.predicted_peak_device_bytes = chosen->profile.peak_from(resident);
+  // Where this rank's master partition is built as its slice is read (a host device's load), its
+  // memory is held from the read on, beside the step list's peak (which the read's stage is).
+  ExecuteOptions execute_options = options.execute;
+  execute_options.master_slot = placement.buffer_slot(rank);
+  execute_options.master =
+      options.master &&
+      builds_master(chosen->steps, *layout, slot, execute_options.master_slot, device);
+  if (execute_options.master) {
+    res.predicted_peak_device_bytes += layout->partition_numel() * 4;
+  }
   res.execution = execute(chosen->steps, *layout, slot, placement.views(params, *layout, device),
-                          device, group, source.steps(), options.execute);
+                          device, group, source.steps(), execute_options);
   // The after-check runs on every rank whose execution completed; the executor's last agreement
   // made that every rank or none.
   if (res.complete()) source.after(res.execution.group, group);
   source.report(res);
 
   // --- the fp32 master partition: it may not fit where the buffer just did ----------------------
-  if (options.master && res.complete()) {
+  if (options.master && res.complete() && res.execution.master) {
+    res.master = std::move(res.execution.master);
+    res.master_seconds = res.execution.master_seconds;
+  } else if (options.master && res.complete()) {
     const auto t0 = Clock::now();
     try {
       res.master = make_master_partition(device, res.execution.group, placement.buffer_slot(rank));

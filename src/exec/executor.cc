@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/clock.h"
+#include "common/convert.h"
 #include "common/prefault.h"
 #include "zeroflat/error.h"
 #include "zeroflat/runtime.h"
@@ -95,6 +96,26 @@ std::optional<std::size_t> overlap_candidate(const std::vector<Step>& steps, std
   return std::nullopt;
 }
 
+// The read of this rank's slot of the layout into partition master_slot of the flat buffer: what
+// ExecuteOptions::master up-casts as its parts arrive. None in a list that releases the
+// originals (as overlap_candidate).
+std::optional<std::size_t> slot_read(const std::vector<Step>& steps, const Layout& layout,
+                                     std::uint64_t slot, std::uint64_t master_slot) {
+  const std::uint64_t sb = layout.partition_bytes();
+  if (sb == 0) return std::nullopt;
+  for (const Step& s : steps) {
+    if (s.op == Op::kReleaseOriginals) return std::nullopt;
+  }
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    const Step& r = steps[k];
+    if (r.op == Op::kRead && r.buffer == Buffer::kFlat && r.bytes == sb &&
+        r.flat_offset == slot * sb && r.dst_offset == master_slot * sb) {
+      return k;
+    }
+  }
+  return std::nullopt;
+}
+
 // How one pass over the list ended.
 struct PassEnd {
   std::uint64_t agreed = 0;                 // 0: every rank reached the end without failure
@@ -123,7 +144,11 @@ class Run {
                  source.resident_bytes()),
         step_seconds_(steps.size(), 0.0),
         overlap_read_(comm_ != nullptr ? overlap_candidate(steps, layout.partition_bytes())
-                                       : std::nullopt) {
+                                       : std::nullopt),
+        master_read_(options.master &&
+                             builds_master(steps, layout, slot, options.master_slot, device)
+                         ? slot_read(steps, layout, slot, options.master_slot)
+                         : std::nullopt) {
     originals_.reserve(params.size());
     for (const TensorRef& t : params) originals_.push_back(t.data);
   }
@@ -191,6 +216,12 @@ class Run {
     out.step_seconds = step_seconds_;
     out.gather_parts = parts_;
     out.overlapped_gather_seconds = overlapped_seconds_;
+    if (master_filled_ &&
+        (out.outcome == Outcome::kDone || out.outcome == Outcome::kRecovered)) {
+      out.master = std::move(master_);
+      out.master_seconds = master_seconds_;
+    }
+    master_.reset();
     return out;
   }
 
@@ -260,15 +291,17 @@ class Run {
             on_host(s.buffer) ? device_.allocate_host(s.bytes) : device_.allocate(s.bytes);
         break;
       case Op::kGather:
-      case Op::kRead:
-        if (parts_ > 1 && overlap_read_ && &s == &steps_[*overlap_read_]) {
-          read_overlapped(s);
+      case Op::kRead: {
+        const bool gathers = parts_ > 1 && overlap_read_ && &s == &steps_[*overlap_read_];
+        if (gathers || (master_read_ && &s == &steps_[*master_read_])) {
+          read_overlapped(s, gathers);
           break;
         }
         source_.read(at(s.buffer, s.dst_offset), s.flat_offset, s.bytes,
                      machine_.live(Buffer::kHostStage) ? ptr(Buffer::kHostStage) : nullptr,
                      machine_.size(Buffer::kHostStage));
         break;
+      }
       case Op::kCopy:
         device_.copy(at(s.buffer, s.dst_offset), at(s.source, s.src_offset), s.bytes);
         break;
@@ -326,8 +359,12 @@ class Run {
   // The parts this rank asks for at the overlapped read: 1 where the communicator cannot gather
   // parts on this device.
   std::uint64_t wanted_parts() const {
+    return comm_->gathers_parts(device_) ? chosen_parts() : 1;
+  }
+
+  // The parts of this rank's slice as options, the environment or the executor's rule choose.
+  std::uint64_t chosen_parts() const {
     const std::uint64_t sb = layout_.partition_bytes();
-    if (!comm_->gathers_parts(device_)) return 1;
     std::uint64_t n = options_.gather_parts;
     if (n == 0) {
       try {
@@ -341,33 +378,58 @@ class Run {
     return std::max<std::uint64_t>(n, 1);
   }
 
-  // The read of this rank's slice in parts_ parts, each gathered from a thread of its own while
-  // the next is read; the all-gather step gathers the last. Every rank gathers parts_ - 1 parts
-  // whatever happens to its reads (a rank whose read failed sends what it has, and the
-  // agreement at the all-gather step stops every rank before the buffer is used), so that the
-  // collectives stay matched; a failed gather stops the reading.
-  void read_overlapped(const Step& s) {
+  // The read of this rank's slice in parts, each gathered from a thread of its own while the
+  // next is read (gathers: parts_ parts, the all-gather step gathers the last), and, for the
+  // master read, each up-cast into the master partition from another thread as it arrives (the
+  // parts the read leaves undone are up-cast after it on the device's threads). Every rank
+  // gathers parts_ - 1 parts whatever happens to its reads (a rank whose read failed sends what
+  // it has, and the agreement at the all-gather step stops every rank before the buffer is
+  // used), so that the collectives stay matched; a failed gather stops the reading.
+  void read_overlapped(const Step& s, bool gathers) {
     const std::uint64_t sb = s.bytes;
-    const std::uint32_t n = parts_;
+    const std::uint32_t n = gathers ? parts_ : static_cast<std::uint32_t>(chosen_parts());
     // Parts of one size but the last, a quarter of the others: its all-gather is the one the
     // read does not hide.
     // (Computed, not stored: nothing here may fail before the parts' collectives are made.)
     auto at = [sb, n](std::uint32_t i) -> std::uint64_t {
       if (i >= n) return sb;
+      if (n == 1) return 0;
       return static_cast<std::uint64_t>(static_cast<double>(sb) * i / (n - 0.75)) &
              ~std::uint64_t{4095};
     };
     auto* flat = static_cast<unsigned char*>(ptr(Buffer::kFlat));
     void* stage = machine_.live(Buffer::kHostStage) ? ptr(Buffer::kHostStage) : nullptr;
     const std::uint64_t stage_bytes = machine_.size(Buffer::kHostStage);
+    const unsigned char* mine = flat + s.dst_offset;
+    // The master partition's memory, held to the end of the run (a recovery pass that reads
+    // again fills the same); none when the device cannot give it (the engine then up-casts
+    // after the run, or says why not).
+    float* master = nullptr;
+    const DType dtype = layout_.options().dtype;
+    const std::uint64_t es = layout_.element_size();
+    if (master_read_ && &s == &steps_[*master_read_]) {
+      master_filled_ = false;
+      if (!master_) {
+        try {
+          master_ = DeviceBuffer(device_, layout_.partition_numel() * 4);
+        } catch (const OutOfMemory&) {
+          master_.reset();
+        }
+      }
+      if (master_) master = static_cast<float*>(master_.data());
+    }
     std::mutex m;
     std::condition_variable cv;
     std::uint32_t read = 0;      // parts read (all of them once a read failed)
     std::uint32_t gathered = 0;  // parts gathered (all of them once a gather failed)
+    std::uint32_t next_upcast = 0;  // the first part no thread has taken to up-cast
+    bool reading = true;
+    bool read_failed = false;
     std::atomic<bool> gather_failed{false};
     std::exception_ptr gather_error;
     std::exception_ptr read_error;
     double gather_seconds = 0;
+    double upcast_seconds = 0;
     auto gather = [&] {
       try {
         for (std::uint32_t i = 0; i < n; ++i) {
@@ -398,11 +460,45 @@ class Run {
       }
       cv.notify_all();
     };
+    // One part into memory never touched: faulted in a chunk at a time, each just before its
+    // values land (one thread; the read and the gathers have the others).
+    auto upcast_part = [&](std::uint32_t i) {
+      const std::uint64_t e0 = at(i) / es;
+      const std::uint64_t count = (at(i + 1) - at(i)) / es;
+      detail::prefault_then_write(master + e0, count * 4, [&](std::uint64_t off, std::uint64_t k) {
+        detail::upcast_range(master + e0 + off / 4, mine + (e0 + off / 4) * es, dtype, k / 4);
+      });
+    };
+    auto upcaster = [&] {
+      for (;;) {
+        std::uint32_t i = 0;
+        {
+          std::unique_lock<std::mutex> lock(m);
+          cv.wait(lock, [&] { return read > next_upcast || !reading; });
+          if (!reading || read_failed || next_upcast >= n) return;
+          i = next_upcast++;
+        }
+        const auto t0 = Clock::now();
+        upcast_part(i);
+        std::lock_guard<std::mutex> lock(m);
+        upcast_seconds += detail::seconds_since(t0);
+      }
+    };
     std::thread gatherer;
-    try {
-      gatherer = std::thread(gather);
-    } catch (...) {
-      // No thread to be had: the same collectives, one after the other, after the read.
+    std::thread upcasting;
+    if (gathers) {
+      try {
+        gatherer = std::thread(gather);
+      } catch (...) {
+        // No thread to be had: the same collectives, one after the other, after the read.
+      }
+    }
+    if (master != nullptr) {
+      try {
+        upcasting = std::thread(upcaster);
+      } catch (...) {
+        // No thread to be had: every part is up-cast after the read.
+      }
     }
     const bool paced = gatherer.joinable();
     for (std::uint32_t i = 0; i < n && !gather_failed; ++i) {
@@ -418,25 +514,52 @@ class Run {
       }
       {
         std::lock_guard<std::mutex> lock(m);
-        read = read_error ? n : i + 1;
+        read_failed = read_error != nullptr;
+        read = read_failed ? n : i + 1;
       }
       cv.notify_all();
       if (read_error) break;
     }
-    const bool overlapped = paced;
-    if (overlapped) {
-      gatherer.join();
-    } else {
-      {
-        std::lock_guard<std::mutex> lock(m);
-        read = n;
-      }
-      gather();
+    // The parts no thread has taken yet are up-cast here, on the device's threads.
+    std::uint32_t rest = n;
+    {
+      std::lock_guard<std::mutex> lock(m);
+      reading = false;
+      if (read == n && !read_error && !gather_failed) rest = next_upcast;
+      next_upcast = n;
     }
-    overlapped_seconds_ = overlapped ? gather_seconds : 0;
+    cv.notify_all();
+    double tail_seconds = 0;
+    if (master != nullptr && rest < n) {
+      const auto t0 = Clock::now();
+      try {
+        device_.upcast_to_fp32(master + at(rest) / es, mine + at(rest), dtype,
+                               (sb - at(rest)) / es);
+      } catch (...) {
+        rest = n + 1;  // not built: the engine up-casts after the run
+      }
+      tail_seconds = detail::seconds_since(t0);
+    }
+    if (upcasting.joinable()) upcasting.join();
+    if (master != nullptr && rest <= n && !read_error && !gather_failed) {
+      master_filled_ = true;
+      master_seconds_ = upcast_seconds + tail_seconds;
+    }
+    if (gathers) {
+      if (paced) {
+        gatherer.join();
+      } else {
+        {
+          std::lock_guard<std::mutex> lock(m);
+          read = n;
+        }
+        gather();
+      }
+      overlapped_seconds_ = paced ? gather_seconds : 0;
+    }
     if (gather_error) std::rethrow_exception(gather_error);
     if (read_error) std::rethrow_exception(read_error);
-    gathered_ = at(n - 1);
+    if (gathers) gathered_ = at(n - 1);
   }
 
   void*& ptr(Buffer b) { return ptrs_[static_cast<std::size_t>(b)]; }
@@ -537,6 +660,13 @@ class Run {
   // (1: none), how much of every slice they gathered, and how long that took.
   std::optional<std::size_t> overlap_read_;
   std::uint32_t parts_ = 1;
+  // The read whose parts are up-cast into this rank's master partition as they arrive, if the
+  // run builds it (ExecuteOptions::master); the partition, once every part of the last read of
+  // it is in.
+  std::optional<std::size_t> master_read_;
+  DeviceBuffer master_;
+  bool master_filled_ = false;
+  double master_seconds_ = 0;
   std::uint64_t gathered_ = 0;
   double overlapped_seconds_ = 0;
 };
@@ -564,6 +694,12 @@ void Originals::read(void* dst, std::uint64_t flat_offset, std::uint64_t bytes, 
 
 void Originals::release() noexcept {
   if (release_) release_();
+}
+
+bool builds_master(const std::vector<Step>& steps, const Layout& layout, std::uint64_t slot,
+                   std::uint64_t master_slot, const Device& device) {
+  return device.host_accessible() && device.keeps_data() &&
+         slot_read(steps, layout, slot, master_slot).has_value();
 }
 
 Execution execute(const std::vector<Step>& steps, const Layout& layout, std::uint64_t slot,
