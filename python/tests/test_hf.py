@@ -289,17 +289,28 @@ def worker(rank, world, port, path):
     import deepspeed
     import zeroflat.deepspeed as zd
 
+    # The test's partitions are small: the drop-in's host copies take them all.
+    zd._FastHostCopies.kMinBytes = 1
     cases = [(2, False, False), (1, True, True), (2, True, True)] if world == 2 else \
         [(1, False, False), (2, True, True)]
-    for stage, rr, trainer_groups in cases:
+    for k, (stage, rr, trainer_groups) in enumerate(cases):
         where = f"world {world} rank {rank} stage {stage} rr {rr} trainer {trainer_groups}"
         plain_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         plain, po = engine_of(plain_model, stage, rr, trainer_groups)
         before = dict(zd.stats)
-        model = zeroflat.hf.from_pretrained(
-            AutoModelForCausalLM, path, dtype=torch.bfloat16, device="cpu", round_robin=rr,
-            param_groups="trainer" if trainer_groups else None)
+        # The first case loads with the drop-in in place, which builds the fp32 master partitions
+        # during the load ("auto"); the others ask for them, or (the last) not.
+        if k == 0:
+            zd.install()
+        master = {0: "auto", len(cases) - 1: None}.get(k, torch.float32)
+        try:
+            model = zeroflat.hf.from_pretrained(
+                AutoModelForCausalLM, path, dtype=torch.bfloat16, device="cpu", round_robin=rr,
+                param_groups="trainer" if trainer_groups else None, master_dtype=master)
+        finally:
+            zd.uninstall()
         loaded = [fg.flat for fg in model.zeroflat_groups]
+        assert all(fg.master is None for fg in model.zeroflat_groups)
         zd.install()
         try:
             ours, oo = engine_of(model, stage, rr, trainer_groups)
@@ -307,6 +318,9 @@ def worker(rank, world, port, path):
             zd.uninstall()
         groups = len(po.bit16_groups_flat)
         assert zd.stats["adopted"] == before["adopted"] + groups, (where, zd.stats)
+        # The optimizer took the masters the load built, or made them where none was built.
+        taken = zd.stats["masters_taken"] - before["masters_taken"]
+        assert taken == (groups if master is not None else 0), (where, taken)
         # Every rank loaded the same bytes: DeepSpeed's broadcast of the model was left out.
         assert zd.stats["broadcasts_skipped"] == before["broadcasts_skipped"] + (world > 1), where
         assert zd.stats["fallbacks"] == before["fallbacks"], (where, zd.stats["fallback_reasons"])
@@ -321,6 +335,22 @@ def worker(rank, world, port, path):
         assert equal(po.single_partition_of_fp32_groups, oo.single_partition_of_fp32_groups), where
         assert equal([p.detach() for p in plain.module.parameters()],
                      [p.detach() for p in ours.module.parameters()]), where
+    if world == 1:
+        # A partition changed after the load (through .data, which torch's version counters do
+        # not see): its master is made again from it, not taken.
+        model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
+                                            device="cpu", master_dtype=torch.float32,
+                                            param_groups=None)
+        last = list(model.parameters())[-1]
+        last.data.view(-1)[-1] += 1
+        taken, adopted = zd.stats["masters_taken"], zd.stats["adopted"]
+        with zd.installed():
+            _, opt = engine_of(model, 2, False, False)
+        assert zd.stats["adopted"] == adopted + 1
+        assert zd.stats["masters_taken"] == taken
+        (fp32,) = opt.single_partition_of_fp32_groups
+        (bit16,) = opt.parallel_partitioned_bit16_groups
+        assert torch.equal(fp32, bit16[0].float())
     if world == 2:
         # One rank's parameters differ: the checksums disagree, DeepSpeed's broadcast runs, and
         # every rank starts from rank 0's values, as without the drop-in.

@@ -46,6 +46,13 @@ class LoadedBuffer:
     groups: List[List[str]]   # every group of that load, as parameter names (trainable, kept)
     round_robin: bool
     model: "weakref.ref[torch.nn.Module]"
+    # This rank's fp32 master partition as the load built it, offered to DeepSpeed's optimizer:
+    # the drop-in hands it over where the optimizer up-casts this very partition with its bytes
+    # as the load left them (master_sum, their checksum then), and forgets it once that
+    # optimizer is built, handed over or not.
+    master: Optional[torch.Tensor] = None
+    master_offset: int = 0  # the partition's first element in the buffer
+    master_sum: int = 0
 
 
 # By the buffer storage's address.
@@ -75,6 +82,34 @@ def loaded_buffer(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         return None
     entry = loaded_entry(tensors[0])
     return entry.flat() if entry is not None else None
+
+
+def take_master(t: torch.Tensor, engine) -> Optional[torch.Tensor]:
+    """The fp32 master partition the load built from exactly ``t`` (a loaded buffer's partition,
+    contiguous), handed over once, when ``t``'s bytes are still the ones it was built from
+    (``engine``'s checksum of them); else None. A master whose partition changed since the load
+    is dropped."""
+    entry = loaded_entry(t)
+    if entry is None or entry.master is None:
+        return None
+    flat, master = entry.flat(), entry.master
+    if (flat is None or t.dtype != flat.dtype or t.device != flat.device
+            or not t.is_contiguous() or t.numel() != master.numel()
+            or t.storage_offset() - flat.storage_offset() != entry.master_offset):
+        return None
+    entry.master = None
+    if engine.checksum(t.data_ptr(), t.numel() * t.element_size()) != entry.master_sum:
+        log.info("zeroflat: the buffer's partition changed since the load; its master partition "
+                 "is made again from it")
+        return None
+    return master
+
+
+def forget_masters(entries: Iterable[Optional[LoadedBuffer]]) -> None:
+    """The master partitions the loads offered with these buffers are no longer offered."""
+    for entry in entries:
+        if entry is not None:
+            entry.master = None
 
 
 def _register(flat: torch.Tensor, entry: LoadedBuffer) -> None:
@@ -360,7 +395,7 @@ class _Flat:
         return layout_options(dp, self.round_robin, self.alignment_factor, dtype,
                               self.param_align_bytes)
 
-    def finish(self, model, loaded, prep, rank: int, dp: int, master_dtype) -> list:
+    def finish(self, model, loaded, prep, rank: int, dp: int, master_dtype, engine=None) -> list:
         out = []
         slots = _parameter_slots(model)
         loaded_groups = [[prep.names[id(p)] for p in members]
@@ -370,15 +405,20 @@ class _Flat:
                 continue
             dtype = TORCH_DTYPES[lay["dtype"]]
             flat = flat_bytes[: lay["flat_bytes"]].view(dtype)
-            _register(flat, LoadedBuffer(flat=weakref.ref(flat), numel=flat.numel(),
-                                         names=[prep.names[id(p)] for p in members],
-                                         index=len(out), groups=loaded_groups,
-                                         round_robin=bool(self.round_robin),
-                                         model=weakref.ref(model)))
-            params = [_replace_everywhere(slots, p, flat[off: off + p.numel()].view(p.shape))
-                      for p, off in zip(members, lay["offsets"])]
             partition, master = partition_and_master(flat, lay, rank, master_bytes,
                                                      master_dtype)
+            entry = LoadedBuffer(flat=weakref.ref(flat), numel=flat.numel(),
+                                 names=[prep.names[id(p)] for p in members],
+                                 index=len(out), groups=loaded_groups,
+                                 round_robin=bool(self.round_robin), model=weakref.ref(model))
+            if master_bytes is not None and engine is not None and partition.numel():
+                entry.master = master
+                entry.master_offset = partition.storage_offset() - flat.storage_offset()
+                entry.master_sum = engine.checksum(partition.data_ptr(),
+                                                   partition.numel() * partition.element_size())
+            _register(flat, entry)
+            params = [_replace_everywhere(slots, p, flat[off: off + p.numel()].view(p.shape))
+                      for p, off in zip(members, lay["offsets"])]
             out.append(FlatGroup(flat=flat, partition=partition, master=master,
                                  tier=report["tier"], layout=lay, report=report, params=params,
                                  rank=rank, dp=dp))
@@ -744,4 +784,4 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
             loaded.append((members, report, flat_bytes, master_bytes, lay))
     assert local_error is None and prep is not None
     # Every rank has its buffers: the model's parameters become their views.
-    return placement.finish(model, loaded, prep, rank, dp, master_dtype)
+    return placement.finish(model, loaded, prep, rank, dp, master_dtype, engine)

@@ -206,7 +206,8 @@ TABLE: Tuple[Entry, ...] = (
           "a ZeRO optimizer's __init__",
           "the optimizer's large host copies of the buffer (its clone, its fp32 master) run on "
           "zeroflat's engine, bit for bit torch's; a clone up-cast in the same expression is "
-          "not made (the up-cast reads the partition)"),
+          "not made (the up-cast reads the partition); an up-cast of a partition whose master "
+          "zeroflat's load built, its bytes unchanged since, is that master"),
     Entry("torch.zeros", "torch", "a ZeRO optimizer's __init__",
           "large host zeros (the gradient partitions it makes to initialize its state) are a "
           "fresh mapping, left untouched until written"),

@@ -324,7 +324,7 @@ class Partitions:
         return layout_options(dp, False, 2, dtype, 0)
 
     def finish(self, model: torch.nn.Module, loaded: List[tuple], prep, rank: int, dp: int,
-               master_dtype: Optional[torch.dtype]) -> list:
+               master_dtype: Optional[torch.dtype], engine=None) -> list:
         """The loaded partitions as the parameters' ds_tensors (each buffer's views at the
         offsets its layout gives), the buffers on zero.Init's device, every parameter a ZeRO-3
         parameter. Returns a FlatGroup per non-empty buffer: its flat and partition are the

@@ -361,7 +361,13 @@ class _FastHostCopies:
     conversion is the only thing that ever sees it, and reads the same values from ``x``. Its
     bytes would be a fresh buffer of the partition's size, faulted in and dropped at once. The
     call's own source position says so (Python 3.11 on); a conversion that would not copy (to
-    the clone's own dtype) gets a real clone first."""
+    the clone's own dtype) gets a real clone first.
+
+    Where zeroflat's load built this rank's fp32 master partition from the very partition being
+    up-cast (``zeroflat.hf.from_pretrained``, or ``load_param_groups`` with its master), and the
+    partition's bytes are still the ones it was built from (their checksum then and now), that
+    master is the up-cast's result: no copy at all. Whatever the optimizer did not take is
+    forgotten when it is built."""
 
     kMinBytes = 8 << 20
     _CONVERSIONS = (".float()", ".to(")
@@ -382,6 +388,12 @@ class _FastHostCopies:
         return self.engine
 
     def _upcast(self, t):
+        # The master partition zeroflat's load built from this very partition, when its bytes
+        # are still the ones it was built from: no copy at all.
+        taken = _load.take_master(t, self._engine())
+        if taken is not None:
+            stats["masters_taken"] += 1
+            return taken.view(t.shape)
         return self._engine().upcast(t).view(torch.float32).view(t.shape)
 
     def _copy(self, t):
@@ -509,6 +521,7 @@ def _zero_init(original, self, init_optimizer, *args, **kwargs):
         _warn_not_adopted("DeepSpeedZeroOptimizer", getattr(self, "bit16_groups", None),
                           bool(getattr(self, "round_robin_gradients", False)))
     finally:
+        _load.forget_masters(r.loaded for r in _state.records or [])
         _state.zero_init = None
         _state.records = None
 
@@ -522,6 +535,7 @@ def _bf16_init(original, self, *args, **kwargs):
             original(self, *args, **kwargs)
         _warn_not_adopted("BF16_Optimizer", getattr(self, "bf16_groups", None), False)
     finally:
+        _load.forget_masters(r.loaded for r in _state.records or [])
         _state.bf16_init = None
         _state.records = None
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import _zero3
-from ._load import check_load_options, load_param_groups, meta_parameters
+from ._load import _target, check_load_options, load_param_groups, meta_parameters
 from ._progress import check_callback
 from ._trainer import trainer_param_groups
 
@@ -46,6 +46,16 @@ def _default_group():
     return None
 
 
+def _wants_master(dtype: Optional[torch.dtype], device: Any, install_drop_in: bool) -> bool:
+    """master_dtype="auto": whether a DeepSpeed ZeRO-1/2 optimizer built through the drop-in
+    may take the host buffers' master partitions (see from_pretrained)."""
+    if dtype not in (torch.bfloat16, torch.float16) or _target(device).type != "cpu":
+        return False
+    from . import deepspeed as drop_in
+
+    return install_drop_in or drop_in.is_installed()
+
+
 def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_group: Any = "default",
                     dtype: Optional[torch.dtype] = None, *,
                     param_groups: Union[None, str, Sequence[Any],
@@ -56,6 +66,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                     read_plan: Optional[str] = None, copies: str = "sampled",
                     storage_bytes_per_second: float = 0, zero3: Any = "auto",
                     progress: Optional[Callable[[Any], None]] = None,
+                    master_dtype: Any = "auto",
                     **from_config_kwargs) -> torch.nn.Module:
     """The model of checkpoint directory ``path`` (its ``config.json`` and safetensors files),
     every trainable parameter a view into the flat buffer DeepSpeed's ZeRO-1/2 will build for
@@ -82,8 +93,17 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     ``zeroflat.deepspeed.install()`` after the load, for the whole process.
 
     The model is returned in eval mode, as Transformers returns it; ``model.zeroflat_groups``
-    holds the FlatGroups (buffers, partitions, reports; no fp32 master partition: DeepSpeed
-    builds its own).
+    holds the FlatGroups (buffers, partitions, reports; their ``master`` is None).
+
+    ``master_dtype``: ``torch.float32`` builds this rank's fp32 master partition of each ZeRO-1/2
+    buffer on the host during the load, each part up-cast as it is read (while the storage is
+    the limit, the up-cast costs no time), for DeepSpeed's optimizer to take through the drop-in
+    in place of the up-cast it makes at ``initialize`` (the same values: taken only where the
+    partition's bytes are still the ones it was built from; forgotten once the optimizer is
+    built). ``"auto"`` (the default) does so when the buffers are on the host and 16-bit and
+    the drop-in is installed when the load begins (or ``install_drop_in``): DeepSpeed's ZeRO-1/2
+    and bf16 optimizers then make such a master. None never does. The master takes twice the
+    partition's bytes from the load on.
 
     ``zero3``: DeepSpeed ZeRO-3. ``"auto"`` (the default) loads for ZeRO-3 when Transformers
     would build the model inside ``zero.Init``: a live ``HfDeepSpeedConfig`` whose config says
@@ -121,7 +141,14 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                        read_plan=read_plan, copies=copies,
                        storage_bytes_per_second=storage_bytes_per_second)
     check_callback(progress)
+    if not (master_dtype is None or master_dtype is torch.float32
+            or (isinstance(master_dtype, str) and master_dtype == "auto")):
+        raise TypeError(f"master_dtype is {master_dtype!r}: expected \"auto\", torch.float32 or "
+                        "None")
     ds_config = _zero3.resolve(zero3)
+    if ds_config is not None and master_dtype is torch.float32:
+        raise ValueError("master_dtype=torch.float32 builds ZeRO-1/2's master partition; under "
+                         "ZeRO-3 the optimizer builds its own from the partitions")
     if process_group == "default":
         # Under ZeRO-3 the partitions are zero.Init's group's (DeepSpeed's, every rank).
         process_group = _default_group() if ds_config is None else None
@@ -151,14 +178,23 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     init = _zero3.init_object(ds_config, process_group) if ds_config is not None else None
     with meta_parameters(zero3=init):
         model = build()
+    if init is not None or master_dtype is None:
+        master = None
+    elif master_dtype is torch.float32:
+        master = torch.float32
+    else:
+        master = torch.float32 if _wants_master(dtype, device, install_drop_in) else None
     # The groups are taken from the model as the loader finalizes it (tied weights that the
-    # checkpoint holds apart are untied first); no master partition: DeepSpeed builds its own.
+    # checkpoint holds apart are untied first); the master partition, if any, is offered to
+    # DeepSpeed's optimizer alone.
     model.zeroflat_groups = load_param_groups(
         model, path, process_group, param_groups=param_groups,
         dtype=dtype if init is None else None, device=device, round_robin=round_robin,
-        deepspeed=deepspeed, master_dtype=None, cold=cold, threads=threads, read_plan=read_plan,
-        copies=copies, storage_bytes_per_second=storage_bytes_per_second, zero3=init,
-        progress=progress)
+        deepspeed=deepspeed, master_dtype=master, cold=cold, threads=threads,
+        read_plan=read_plan, copies=copies, storage_bytes_per_second=storage_bytes_per_second,
+        zero3=init, progress=progress)
+    for group in model.zeroflat_groups:
+        group.master = None
     model.eval()
     if install_drop_in:
         from . import deepspeed as drop_in
