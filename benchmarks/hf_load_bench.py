@@ -279,6 +279,7 @@ def worker(rank, world, port, path, way, cold, out):
     import zeroflat.deepspeed as zd
 
     adopted = zd.stats["adopted"] if zd.is_installed() else 0
+    masters = zd.stats.get("masters_taken", 0) if zd.is_installed() else 0
     # The slowest rank's figures.
     vals = torch.tensor([t_load, t_init, t_load + t_init, float(rss.growth), t_import],
                         dtype=torch.float64)
@@ -288,7 +289,7 @@ def worker(rank, world, port, path, way, cold, out):
             json.dump({"load": vals[0].item(), "init": vals[1].item(), "ready": vals[2].item(),
                        "rss": vals[3].item(), "import": vals[4].item(), "mapped": mapped,
                        "flat_bytes": flat_bytes, "adopted": adopted,
-                       "parts": parts}, f)
+                       "masters_taken": masters, "parts": parts}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -342,6 +343,7 @@ def main():
                 rows.append({"ranks": world, "cache": "cold" if cold else "warm",
                              "transformers": med["transformers"], "zeroflat": med["zeroflat"],
                              "flat_bytes": z["flat_bytes"], "adopted": z["adopted"],
+                             "masters_taken": z.get("masters_taken", 0),
                              "hf_mapped_bytes": runs["transformers"][0]["mapped"],
                              "parts": {w: dict(r["parts"], total=r["init"])
                                        for w, r in fastest.items()},
@@ -375,7 +377,8 @@ def main():
               f"{r['rss_x']:10.2f} | {t['init']:5.2f} {z['init']:5.2f} | "
               f"{t['ready']:5.2f} {z['ready']:5.2f} {r['ready_x']:5.2f} "
               f"({min(r['ready_x_runs']):.2f}-{max(r['ready_x_runs']):.2f}) | "
-              f"{'met' if ok else 'NOT met'} (adopted {r['adopted']}; Transformers: rss "
+              f"{'met' if ok else 'NOT met'} (adopted {r['adopted']}, masters taken "
+              f"{r['masters_taken']}; Transformers: rss "
               f"{t['rss'] / r['flat_bytes']:.2f} x flat, "
               f"{r['hf_mapped_bytes'] / r['flat_bytes']:.0%} of the bytes still file mappings)")
     imports = max(max(r["transformers"]["import"], r["zeroflat"]["import"]) for r in rows)

@@ -114,6 +114,12 @@ def rank_main(way, step):
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(config)
     import_once()
+    import zeroflat.deepspeed as zd
+
+    if way == "zeroflat":
+        # The drop-in in place before the load, as a training script has it: DeepSpeed adopts the
+        # loaded buffers as they are, and the fp32 master partitions the load builds.
+        zd.install()
     t_imports = time.perf_counter() - t0
     dist.barrier()
     disk0, io0 = nodes.node_read_bytes(), proc_read_bytes()
@@ -157,17 +163,14 @@ def rank_main(way, step):
                      "zero_optimization": {"stage": 2, "reduce_bucket_size": 50_000_000,
                                            "allgather_bucket_size": 50_000_000},
                      "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}}
-        import zeroflat.deepspeed as zd
-
         t1 = time.perf_counter()
-        if way == "zeroflat":
-            zd.install()  # DeepSpeed adopts the loaded buffers as they are
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=ds_config)
         t_init = time.perf_counter() - t1
         net2, cpu2 = nodes.node_link_bytes(), nodes.node_cpu_periods()
 
     adopted = zd.stats["adopted"] if zd.is_installed() else 0
+    masters = zd.stats.get("masters_taken", 0) if zd.is_installed() else 0
     not_adopted = (zd.stats["not_adopted"] + zd.stats["fallback_reasons"]) if zd.is_installed() \
         else []
     t_step = None
@@ -199,7 +202,7 @@ def rank_main(way, step):
         "rss_ready": rss_ready.growth, "flat_bytes": flat_bytes, "mapped_bytes": mapped,
         "rank_read_bytes_load": io_load, "rank_read_bytes": proc_read_bytes() - io0,
         "node_disk_bytes_load": disk_load, "node_disk_bytes": disk_end, "adopted": adopted,
-        "not_adopted": not_adopted, "loader": loader, "parts": parts}), flush=True)
+        "masters_taken": masters, "not_adopted": not_adopted, "loader": loader, "parts": parts}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -245,6 +248,7 @@ def summarize(res, ranks):
             "disk_x_share": max(per_node) / (size / k), "disk_x_checkpoint": sum(per_node) / size,
             "rank_read_bytes": [r["rank_read_bytes"] for r in ranks],
             "mapped_bytes": ranks[0]["mapped_bytes"], "adopted": ranks[0]["adopted"],
+            "masters_taken": min(r.get("masters_taken", 0) for r in ranks),
             "parts": max(ranks, key=lambda r: r["ready"])["parts"], "wall": res["seconds"],
             "loader": ({k: max(r["loader"][k] for r in ranks) for k in ranks[0]["loader"]}
                        if ranks[0].get("loader") else None)}  # ("plan": the same on every rank)
@@ -593,7 +597,8 @@ def report(args, describe, size, cpus, rows, cli_rows, warm, verdicts, link=None
               f"Transformers' nodes had read {min(share):.2f} to {max(share):.2f} x the "
               f"checkpoint by the end of load ({t['mapped_bytes'] / t['flat_bytes']:.0%} of the "
               "bytes still file mappings, read inside initialize); zeroflat adopted "
-              f"{row['zeroflat']['adopted']} buffer(s)"
+              f"{row['zeroflat']['adopted']} buffer(s) and "
+              f"{row['zeroflat'].get('masters_taken', 0)} master partition(s) per rank"
               + (f", its load ({z_loader.get('plan', 'load')}) read for "
                  f"{z_loader['read_seconds']:.2f} s and all-gathered for "
                  f"{z_loader['allgather_seconds']:.2f} s (slowest rank)"
