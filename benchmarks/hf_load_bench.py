@@ -23,7 +23,9 @@ rounds' ratios beside it; every figure is the slowest rank's:
             the disk when first touched (by DeepSpeed's flatten, inside initialize): the table
             says what share of the bytes that is
   rss       the load's growth in resident memory (peak, sampled every 2 ms), against the flat
-            buffers' bytes (the floor: the parameters themselves)
+            buffers' bytes (the floor: the parameters themselves); the fp32 master partitions
+            the load builds for the optimizer (with the drop-in in place), which DeepSpeed's
+            optimizer takes and would otherwise allocate in initialize, are not counted
   init      deepspeed.initialize (ZeRO-2, bf16, AdamW), and where it goes: the ZeRO optimizer's
             constructor (its flatten, its optimizer state; the fp32 master partition is in the
             constructor too), the broadcast of the parameters from rank 0, the optimizer check
@@ -280,8 +282,11 @@ def worker(rank, world, port, path, way, cold, out):
 
     adopted = zd.stats["adopted"] if zd.is_installed() else 0
     masters = zd.stats.get("masters_taken", 0) if zd.is_installed() else 0
+    master_bytes = sum(m.numel() * m.element_size()
+                       for m in opt.single_partition_of_fp32_groups) if masters else 0
     # The slowest rank's figures.
-    vals = torch.tensor([t_load, t_init, t_load + t_init, float(rss.growth), t_import],
+    vals = torch.tensor([t_load, t_init, t_load + t_init, float(rss.growth - master_bytes),
+                         t_import],
                         dtype=torch.float64)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     if rank == 0:
