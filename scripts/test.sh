@@ -26,7 +26,9 @@ build_sanitize() {
   # module cannot be loaded into an uninstrumented interpreter. Line tables (-g1) are what the
   # reports need, at a fraction of full debug information's cost. UBSan's `function` check is
   # off: the test stubs of the CUDA libraries, which the library dlopens, declare the entry
-  # points with types of their own (the real libraries are not instrumented).
+  # points with types of their own (the real libraries are not instrumented). A unity build
+  # (each target's sources compiled in a few batches): a quarter less compiler time, and the
+  # Release build still compiles every source on its own.
   local cache="$here/build-sanitize/CMakeCache.txt"
   if [[ -f "$cache" ]] && ! grep -q "^CMAKE_CXX_COMPILER:[A-Z]*=.*clang" "$cache"; then
     rm -rf "$here/build-sanitize"  # configured with another compiler, which cannot change in place
@@ -35,6 +37,7 @@ build_sanitize() {
     "$here/scripts/setup.sh" "$here/build-sanitize" \
     -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_BUILD_FUZZERS=ON -DZEROFLAT_WITH_CUDA=OFF \
     -DZEROFLAT_WITH_NCCL=OFF -DZEROFLAT_WITH_PYTHON=OFF -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
+    -DCMAKE_UNITY_BUILD=ON \
     "-DCMAKE_CXX_FLAGS=-O1 -fsanitize=address,undefined,fuzzer-no-link -fno-sanitize=function -fno-sanitize-recover=all -fno-omit-frame-pointer"
 }
 
