@@ -33,8 +33,11 @@ rounds' ratios beside it; every figure is the slowest rank's:
             process), and the rest
   ready     load + init: time to the first training step
 cold: the checkpoint's files dropped from the page cache before each run (written back, then
-posix_fadvise(DONTNEED)). The targets (2 ranks, warm and cold): load >= 3x faster, rss <= 1.1x
-the flat buffers, ready >= 1.4x faster.
+posix_fadvise(DONTNEED)). The targets: ready >= 1.0x Transformers' in every round, at every rank
+count, warm and cold; at 2 ranks also rss <= 1.1x the flat buffers and ready >= 1.4x (median).
+The load alone is shown but not a target: with the drop-in in place zeroflat's load also builds
+the fp32 master partition that Transformers' way builds inside initialize, so only time to
+ready holds the same work on both sides.
 """
 
 import argparse
@@ -369,14 +372,15 @@ def main():
           + f"; median of {args.repeat}, slowest rank; Transformers, then zeroflat; the "
           "range of the rounds' ratios in brackets")
     print(f"{'ranks':>5} {'cache':>5} | {'load s':>11} {'x':>5} | {'rss / flat':>10} | "
-          f"{'init s':>11} | {'ready s':>11} {'x':>5} | targets (2 ranks): load >= 3, "
-          "rss <= 1.1, ready >= 1.4")
+          f"{'init s':>11} | {'ready s':>11} {'x':>5} | targets: ready >= 1.0 every round; "
+          "at 2 ranks rss <= 1.1, ready >= 1.4")
     met = True
     for r in rows:
         t, z = r["transformers"], r["zeroflat"]
-        ok = r["load_x"] >= 3 and r["rss_x"] <= 1.1 and r["ready_x"] >= 1.4
+        ok = min(r["ready_x_runs"]) >= 1.0
         if r["ranks"] == 2:
-            met = met and ok
+            ok = ok and r["rss_x"] <= 1.1 and r["ready_x"] >= 1.4
+        met = met and ok
         print(f"{r['ranks']:>5} {r['cache']:>5} | {t['load']:5.2f} {z['load']:5.2f} "
               f"{r['load_x']:5.2f} ({min(r['load_x_runs']):.2f}-{max(r['load_x_runs']):.2f}) | "
               f"{r['rss_x']:10.2f} | {t['init']:5.2f} {z['init']:5.2f} | "
