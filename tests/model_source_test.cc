@@ -456,6 +456,11 @@ TEST_F(Configs, ArchitecturesParseToTheCatalogShapes) {
   EXPECT_EQ(m.numel(), 20'562'192'384u);
   EXPECT_EQ(m.tensors.size(), 12'579u);
   EXPECT_EQ(load_model(dir_.string()).numel(), 30'532'122'624u);  // the directory works too
+  // Transformers 5 writes the expert count as 'num_local_experts': the same model.
+  std::string renamed = qwen;
+  renamed.replace(renamed.find("\"num_experts\""), 13, "\"num_local_experts\"");
+  ASSERT_NE(renamed.find("num_local_experts"), std::string::npos);
+  EXPECT_EQ(build_transformer("q", parse_hf_config(renamed, "c")).numel(), 30'532'122'624u);
   const std::string llama = R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
     "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": false})";

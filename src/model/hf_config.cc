@@ -94,7 +94,15 @@ TransformerConfig parse_hf_config(std::string_view text, const std::string& sour
   c.o_bias = !qwen2 && attention_bias;
   c.mlp_bias = llama && r.flag("mlp_bias", false);
   if (qwen3_moe) {
-    c.num_experts = r.count("num_experts", 0, true);
+    // Transformers 5 writes Qwen3-MoE's expert count as 'num_local_experts' (Mixtral's name);
+    // earlier releases and the published checkpoints write 'num_experts'.
+    if (!r.has("num_experts") && r.has("num_local_experts")) {
+      c.num_experts = r.count("num_local_experts", 0, true);
+    } else if (!r.has("num_experts")) {
+      throw r.fail("num_experts", "is missing (nor is 'num_local_experts', Transformers 5's name)");
+    } else {
+      c.num_experts = r.count("num_experts", 0, true);
+    }
     c.moe_intermediate_size = r.count("moe_intermediate_size", 0, true);
     c.intermediate_size = r.count("intermediate_size", 0, false);
     c.decoder_sparse_step = r.count("decoder_sparse_step", 1, false);
