@@ -461,6 +461,19 @@ TEST_F(Configs, ArchitecturesParseToTheCatalogShapes) {
   renamed.replace(renamed.find("\"num_experts\""), 13, "\"num_local_experts\"");
   ASSERT_NE(renamed.find("num_local_experts"), std::string::npos);
   EXPECT_EQ(build_transformer("q", parse_hf_config(renamed, "c")).numel(), 30'532'122'624u);
+  // Nor does it write a head_dim for Qwen3-MoE, whose attention then takes hidden / heads (64
+  // here, not Qwen3Config's 128).
+  renamed.replace(renamed.find("\"head_dim\": 128,"), 17, "");
+  ASSERT_EQ(renamed.find("head_dim"), std::string::npos);
+  ModelSpec t5 = build_transformer("q", parse_hf_config(renamed, "c"));
+  bool found = false;
+  for (const auto& t : t5.tensors) {
+    if (t.name == "model.layers.0.self_attn.q_proj.weight") {
+      EXPECT_EQ(t.shape, (Shape{32 * 64, 2048}));
+      found = true;
+    }
+  }
+  EXPECT_TRUE(found);
   const std::string llama = R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
     "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": false})";

@@ -633,3 +633,27 @@ if __name__ == "__main__" and len(sys.argv) >= 5 and sys.argv[1] == "save":
 
     fork_deepspeed_ranks(_save_worker, int(sys.argv[3]), sys.argv[2],
                          [(int(k.split(":")[0]), k.split(":")[1]) for k in sys.argv[4:]])
+
+
+# ---- config.json as the installed Transformers writes it ---------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3", "qwen2", "llama", "mistral"])
+def test_a_config_written_by_transformers_has_its_models_parameters(tmp_path, arch):
+    """`zeroflat inspect config.json` of a config the installed Transformers saved (its own
+    defaults: no head_dim for Qwen3-MoE, the expert count under Transformers 5's name) counts
+    exactly the parameters of the model Transformers builds from it."""
+    import transformers
+
+    shape = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        shape.update(moe_intermediate_size=16, num_experts_per_tok=2)
+        shape["num_local_experts" if "num_local_experts" in
+              transformers.Qwen3MoeConfig().to_dict() else "num_experts"] = 3
+    config = transformers.AutoConfig.for_model(arch, **shape)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    want = sum(p.numel() for p in model.parameters())
+    got = inspect(tmp_path / "config.json", "--json")
+    assert got["source"] == "config" and got["numel"] == want, (arch, got["numel"], want)

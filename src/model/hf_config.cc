@@ -85,7 +85,9 @@ TransformerConfig parse_hf_config(std::string_view text, const std::string& sour
   c.num_kv_heads = r.count("num_key_value_heads", c.num_heads, false);
   c.vocab_size = r.count("vocab_size", 0, true);
   if (c.num_heads == 0) throw r.fail("num_attention_heads", "must be at least 1");
-  const std::uint64_t default_head = (qwen3 || qwen3_moe) ? 128 : c.hidden_size / c.num_heads;
+  // Without a head_dim: Qwen3Config's default is 128; Qwen3-MoE's config has none and its
+  // attention takes hidden_size / num_attention_heads, as the other architectures do.
+  const std::uint64_t default_head = qwen3 ? 128 : c.hidden_size / c.num_heads;
   c.head_dim = r.count("head_dim", default_head, false);
   c.tie_word_embeddings = r.flag("tie_word_embeddings", false);
   c.qk_norm = qwen3 || qwen3_moe;
