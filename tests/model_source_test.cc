@@ -457,13 +457,16 @@ TEST_F(Configs, ArchitecturesParseToTheCatalogShapes) {
   EXPECT_EQ(m.tensors.size(), 12'579u);
   EXPECT_EQ(load_model(dir_.string()).numel(), 30'532'122'624u);  // the directory works too
   // Transformers 5 writes the expert count as 'num_local_experts': the same model.
-  std::string renamed = qwen;
-  renamed.replace(renamed.find("\"num_experts\""), 13, "\"num_local_experts\"");
-  ASSERT_NE(renamed.find("num_local_experts"), std::string::npos);
+  const auto without = [](std::string text, const std::string& part, const std::string& with) {
+    const std::size_t at = text.find(part);
+    EXPECT_NE(at, std::string::npos) << part;
+    return at == std::string::npos ? text : text.replace(at, part.size(), with);
+  };
+  std::string renamed = without(qwen, "\"num_experts\"", "\"num_local_experts\"");
   EXPECT_EQ(build_transformer("q", parse_hf_config(renamed, "c")).numel(), 30'532'122'624u);
   // Nor does it write a head_dim for Qwen3-MoE, whose attention then takes hidden / heads (64
   // here, not Qwen3Config's 128).
-  renamed.replace(renamed.find("\"head_dim\": 128,"), 17, "");
+  renamed = without(renamed, "\"head_dim\": 128,", "");
   ASSERT_EQ(renamed.find("head_dim"), std::string::npos);
   ModelSpec t5 = build_transformer("q", parse_hf_config(renamed, "c"));
   bool found = false;
