@@ -1089,6 +1089,10 @@ DeepSpeedCheckpoint open_deepspeed_checkpoint(const std::string& dir,
     const TorchValue* stage = b.config("zero_optimization/stage");
     ck.zero_stage = stage && stage->kind == TorchKind::kInt ? static_cast<int>(stage->integer) : 2;
     ck.world = ck.files[m].torch.find("dp_world_size") ? b.count(m, "dp_world_size") : 1;
+    if (ck.world == 0 || ck.world > kMaxRanks) {
+      throw b.fail(m, "dp_world_size", std::to_string(ck.world) + " ranks (expected 1 to " +
+                                           std::to_string(kMaxRanks) + ")");
+    }
     b.worlds(m, ck.world);
     b.module_of(m);
     b.universal(m, zero.string());

@@ -99,6 +99,17 @@ ZipArchive read_zip(const ByteSource& src) {
     }
   }
   if (end_at == UINT64_MAX) throw fail("not a torch.save archive: " + not_zip_reason(src));
+  // Another end record's signature after the one taken (inside its comment) is one that other
+  // readers (torch's among them take the last signature in the file) would follow instead: two
+  // readers would see two archives, so the file is refused.
+  for (std::uint64_t i = end_at - (size - tail_bytes) + 1; i + 4 <= tail_bytes; ++i) {
+    if (le(tail.data() + i, 4) == kEndSig) {
+      throw fail("a second end-of-central-directory signature at offset " +
+                 std::to_string(size - tail_bytes + i) + ", inside the comment of the end " +
+                 "record at " + std::to_string(end_at) +
+                 ": zip readers disagree on which archive this is");
+    }
+  }
   const unsigned char* end = tail.data() + (end_at - (size - tail_bytes));
   std::uint64_t disk = le(end + 4, 2), cd_disk = le(end + 6, 2);
   std::uint64_t count_here = le(end + 8, 2), count = le(end + 10, 2);
