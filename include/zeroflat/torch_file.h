@@ -69,8 +69,15 @@
 //                                        an object (NEWOBJ + BUILD): numel, start
 //   deepspeed.runtime.fp16.loss_scaler LossScaler, DynamicLossScaler
 //                                        an object (NEWOBJ + BUILD): the loss scaler's state
-// An allowed global that is used as a value without being called (a class named in the state)
-// reads as a value of kind kGlobal.
+// Only the rows whose role is "only as values" (the dtypes) may stand in the state as a global
+// itself (kind kGlobal); a class or function of the list named there without being called is
+// InvalidArgument, as is any global off the list.
+//
+// What a checkpoint can make a caller build (torch_global_of, TorchMake): the globals of kind
+// kGlobal above as they are, members of an allowed enum by a name checked against the enum's
+// members, torch.device from a checked type string and index, and instances of the three
+// DeepSpeed classes made without calling their code (cls.__new__, then the saved attributes
+// set). A dict from the file is only ever a dict: no key or value of it names code.
 #pragma once
 
 #include <cstdint>
@@ -116,6 +123,30 @@ enum class TorchKind : std::uint8_t {
   kGlobal,   // an allowed global used as a value: text "module.name"
 };
 
+// How a value of kind kObject, kEnum or kGlobal is made into a live object by a caller that
+// makes one (the Python binding); nothing else may be made. One per row of the allow-list.
+enum class TorchMake : std::uint8_t {
+  kNever,     // never a value of the state (tensor rebuilders, storage types, containers' types:
+              // the reader turns them into plain values itself)
+  kGlobal,    // the global as it is (a dtype)
+  kMember,    // a member of the enum class, by its name (TorchValue::member(), checked)
+  kCall,      // the class called with the value's arguments, which the reader checked (torch.device)
+  kInstance,  // cls.__new__(cls, *arguments), then the saved state set as attributes: no
+              // constructor, __setstate__ or other code of the class runs
+};
+
+// One row of the allow-list.
+struct TorchGlobal {
+  std::string module;
+  std::string name;
+  TorchMake make = TorchMake::kNever;
+  std::string does;    // what the reader lets it do
+  std::string reason;  // why it is on the list
+};
+
+// The allow-list, in the reader's order: the one list of what a file may name, with reasons.
+const std::vector<TorchGlobal>& torch_globals();
+
 // "none", "bool", "int", "float", "string", "bytes", "list", "tuple", "dict", "tensor",
 // "storage", "object", "enum", "global".
 std::string_view torch_kind_name(TorchKind kind) noexcept;
@@ -136,6 +167,8 @@ struct TorchValue {
   // attributes an OrderedDict was saved with (torch's state dicts: _metadata).
   std::vector<TorchValue> items;
   std::vector<TorchEntry> entries;  // kDict, kObject: in saved order
+  // kObject, kEnum, kGlobal: its row of torch_globals() (the reader's; never text of the file).
+  std::uint32_t global = UINT32_MAX;
 
   bool is_sequence() const noexcept {
     return kind == TorchKind::kList || kind == TorchKind::kTuple;
@@ -260,7 +293,12 @@ bool is_torch_file(const std::string& path) noexcept;
 std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTensor& t,
                                              std::uint64_t max_bytes = std::uint64_t{1} << 30);
 
-// The allow-list, one row per global: "module name: what it may do".
+// The allow-list, one row per global: "module name: why it is on the list".
 std::vector<std::string> torch_allowed_globals();
+
+// The row of torch_globals() that a value of kind kObject, kEnum or kGlobal names, checked
+// against its kind (a kGlobal's row makes kGlobal, a kEnum's kMember, a kObject's kCall or
+// kInstance); null for any other value, or one whose row does not fit its kind.
+const TorchGlobal* torch_global_of(const TorchValue& v) noexcept;
 
 }  // namespace zeroflat

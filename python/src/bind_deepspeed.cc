@@ -33,9 +33,11 @@ at::ScalarType scalar_type_named(const std::string& name, const std::string& whe
 }
 
 // One value of a saved state as a Python object: containers as Python's, tensors read from
-// their bytes, an instance of an allowed class as {"__zeroflat_object__": "module.Class",
-// "args": [...], "state": {...}}, an enum member as {"__zeroflat_enum__": "module.Class.member",
-// "value": int}, an allowed global used as a value as {"__zeroflat_global__": "module.name"}.
+// their bytes, and the few values that name code made here, each only as its row of the
+// reader's allow-list says (torch_global_of: the row the reader resolved, never text of the
+// file): a dtype as itself, an enum member by its checked name, torch.device from its checked
+// arguments, an instance of an allowed class by __new__ and its saved attributes (none of the
+// class's code runs). A dict of the file is a dict, whatever its keys.
 py::object to_python(const zf::TorchFile& f, const zf::TorchValue& v) {
   using K = zf::TorchKind;
   switch (v.kind) {
@@ -77,27 +79,47 @@ py::object to_python(const zf::TorchFile& f, const zf::TorchValue& v) {
       if (!bytes.empty()) std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
       return py::cast(out);
     }
-    case K::kObject: {
-      py::dict o;
-      o["__zeroflat_object__"] = v.text;
-      py::list args;
-      for (const zf::TorchValue& x : v.items) args.append(to_python(f, x));
-      o["args"] = args;
-      py::dict state;
-      for (const auto& [key, value] : v.entries) state[to_python(f, key)] = to_python(f, value);
-      o["state"] = state;
-      return std::move(o);
-    }
-    case K::kEnum: {
-      py::dict e;
-      e["__zeroflat_enum__"] = v.text;
-      e["value"] = v.integer;
-      return std::move(e);
-    }
+    case K::kObject:
+    case K::kEnum:
     case K::kGlobal: {
-      py::dict g;
-      g["__zeroflat_global__"] = v.text;
-      return std::move(g);
+      const zf::TorchGlobal* g = zf::torch_global_of(v);
+      if (g == nullptr) {
+        throw zf::InvalidArgument(f.path + ": a " + std::string(zf::torch_kind_name(v.kind)) +
+                                  " '" + v.text + "' that names no row of the allow-list");
+      }
+      py::object named = py::module_::import(g->module.c_str()).attr(g->name.c_str());
+      switch (g->make) {
+        case zf::TorchMake::kGlobal:
+          return named;
+        case zf::TorchMake::kMember:
+          return named.attr(std::string(v.member()).c_str());
+        case zf::TorchMake::kCall: {
+          py::list args;
+          for (const zf::TorchValue& x : v.items) args.append(to_python(f, x));
+          return named(*py::tuple(args));
+        }
+        case zf::TorchMake::kInstance: {
+          py::list args;
+          for (const zf::TorchValue& x : v.items) args.append(to_python(f, x));
+          py::object obj = named.attr("__new__")(named, *py::tuple(args));
+          if (!v.entries.empty()) {
+            py::dict state;
+            for (const auto& [key, value] : v.entries) {
+              if (key.kind != K::kString) {
+                throw zf::InvalidArgument(f.path + ": an attribute of a saved " + g->name +
+                                          " is named by a " +
+                                          std::string(zf::torch_kind_name(key.kind)));
+              }
+              state[py::str(key.text)] = to_python(f, value);
+            }
+            obj.attr("__dict__").attr("update")(state);
+          }
+          return obj;
+        }
+        case zf::TorchMake::kNever:
+          break;
+      }
+      throw zf::InvalidArgument(f.path + ": '" + v.text + "' is never made as a value");
     }
     case K::kStorage:
       break;
@@ -116,6 +138,20 @@ py::list params_of(const zf::DeepSpeedGroup& g) {
 }  // namespace
 
 void bind_deepspeed(py::module_& m) {
+  // The reader's allow-list, the one list of what a file may name (torch_file.h), as
+  // (module, name, how a value of it is made, what the reader lets it do, why it is listed).
+  m.def("allowed_globals", [] {
+    py::list out;
+    for (const zf::TorchGlobal& g : zf::torch_globals()) {
+      const char* make = g.make == zf::TorchMake::kGlobal     ? "global"
+                         : g.make == zf::TorchMake::kMember   ? "member"
+                         : g.make == zf::TorchMake::kCall     ? "call"
+                         : g.make == zf::TorchMake::kInstance ? "instance"
+                                                              : "never";
+      out.append(py::make_tuple(g.module, g.name, make, g.does, g.reason));
+    }
+    return out;
+  });
   py::class_<zf::TorchFile>(m, "TorchFile")
       .def(py::init([](const std::string& path) {
              py::gil_scoped_release nogil;

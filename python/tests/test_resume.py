@@ -322,6 +322,8 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
         report["unchanged"] = True
         return report
     report["path"] = path
+    if opts.get("client_keys"):
+        report["client_values"] = {k: client.get(k) for k in opts["client_keys"]}
     ours = snapshot(engine)
     if ref is not None:
         skip = set(opts.get("skip", []))

@@ -24,9 +24,7 @@ function, elastic checkpoints, an optimizer other than DeepSpeed's ZeRO ones) is
 
 from __future__ import annotations
 
-import collections
 import copy
-import importlib
 import os
 import time
 from typing import Any, Dict, List, Optional
@@ -39,13 +37,6 @@ from ._comm import all_reduce_ints
 from ._dropin import log, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._progress import Watch
-
-# The classes a checkpoint's small values may be revived as (the reader's allow-list names no
-# other class): their instances are rebuilt from their saved attributes, never by calling them.
-_REVIVE = {"deepspeed.runtime.fp16.loss_scaler.LossScaler",
-           "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-           "deepspeed.utils.tensor_fragment.fragment_address"}
-
 
 # --- which calls zeroflat serves ----------------------------------------------------------------
 
@@ -111,41 +102,6 @@ def _agree(error: Optional[BaseException], group, what: str) -> None:
 
 # --- the checkpoint's small values --------------------------------------------------------------
 
-def revive(value: Any) -> Any:
-    """A value the binding read (``DeepSpeedCheckpoint.value``) as torch.load would give it: an
-    allowed class's instance rebuilt from its attributes, an enum member, a global."""
-    if isinstance(value, dict):
-        if "__zeroflat_object__" in value:
-            name = value["__zeroflat_object__"]
-            if name not in _REVIVE:
-                raise InvalidArgument(f"a saved instance of {name}, which zeroflat does not revive")
-            module, _, cls_name = name.rpartition(".")
-            cls = getattr(importlib.import_module(module), cls_name)
-            args = [revive(a) for a in value["args"]]
-            if name.endswith("fragment_address"):
-                return cls(*args)  # a namedtuple: its fields are its arguments
-            obj = cls.__new__(cls)
-            obj.__dict__.update({k: revive(v) for k, v in value["state"].items()})
-            return obj
-        if "__zeroflat_enum__" in value:
-            module, _, rest = value["__zeroflat_enum__"].rpartition(".")
-            module, _, cls_name = module.rpartition(".")
-            cls = getattr(importlib.import_module(module), cls_name)
-            return cls(value["value"])
-        if "__zeroflat_global__" in value and len(value) == 1:
-            module, _, name = value["__zeroflat_global__"].rpartition(".")
-            return getattr(importlib.import_module(module), name)
-        out = type(value)() if isinstance(value, collections.OrderedDict) else {}
-        for k, v in value.items():
-            out[revive(k)] = revive(v)
-        return out
-    if isinstance(value, list):
-        return [revive(v) for v in value]
-    if isinstance(value, tuple) and not isinstance(value, torch.Size):
-        return tuple(revive(v) for v in value)
-    return value
-
-
 def _segment(key: Any) -> str:
     """A dict key as a path segment (torch_file.h's torch_path_segment, for str and int keys)."""
     if isinstance(key, str):
@@ -186,7 +142,9 @@ class _Files:
         self.stage3 = stage3
 
     def value(self, file: int, path: str) -> Any:
-        return revive(self.ck.value(file, path))
+        # The binding makes every value: plain data, tensors, and what the reader's allow-list
+        # lets a file name, made as its row says (python/src/bind_deepspeed.cc).
+        return self.ck.value(file, path)
 
     def has(self, file: int, path: str) -> bool:
         return bool(self.ck.has(file, path))

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <map>
+#include <unordered_set>
 
 #include "model/files.h"
 #include "source/deepspeed/pickle.h"
@@ -14,6 +15,40 @@
 
 namespace zeroflat {
 namespace {
+
+TorchMake make_of(detail::GlobalRole role) noexcept {
+  using R = detail::GlobalRole;
+  switch (role) {
+    case R::kValue: return TorchMake::kGlobal;
+    case R::kEnum: return TorchMake::kMember;
+    case R::kDevice: return TorchMake::kCall;
+    case R::kObject: return TorchMake::kInstance;
+    default: return TorchMake::kNever;
+  }
+}
+
+const char* does_of(detail::GlobalRole role) noexcept {
+  using R = detail::GlobalRole;
+  switch (role) {
+    case R::kRebuildTensorV2:
+    case R::kRebuildTensor: return "called: a tensor (its bytes stay in the file)";
+    case R::kRebuildFromType: return "called with _rebuild_tensor_v2 and torch.Tensor: the tensor";
+    case R::kTensorType: return "only as _rebuild_from_type_v2's type";
+    case R::kRebuildParameter: return "called with a tensor: that tensor";
+    case R::kStorage: return "only inside a storage's persistent id: its dtype";
+    case R::kSize: return "called with a tuple of ints: a tuple";
+    case R::kDevice: return "called with a type string and an index: a device";
+    case R::kOrderedDict: return "called with nothing or (key, value) pairs: a dict";
+    case R::kGetattr: return "only getattr(<an allowed enum>, '<one of its members>')";
+    case R::kEnum: return "an enum: a member by name, or by value";
+    case R::kObject: return "an instance made without its code: __new__, then its saved attributes";
+    case R::kSet: return "called with nothing or a list: a set";
+    case R::kValue: return "only as a value, never called";
+    case R::kEncode: return "only bytes: encode(text, 'latin1') or bytes()";
+  }
+  return "";
+}
+
 
 using detail::Node;
 using detail::NodeKind;
@@ -247,6 +282,13 @@ class Converter {
     } catch (const InvalidArgument&) {
       throw fail(path, "shape " + shape_to_string(t.shape) + " has more elements than 64 bits hold");
     }
+    // Its elements' bytes, which a read of it yields: an expanded tensor (stride 0) has more
+    // of them than its storage, and may have more than 64 bits count.
+    std::uint64_t element_bytes = 0;
+    if (__builtin_mul_overflow(t.numel, t.element_size, &element_bytes)) {
+      throw fail(path, "shape " + shape_to_string(t.shape) + " of " + t.dtype +
+                           " elements is more bytes than 64 bits hold");
+    }
     // The last element it reaches: storage_offset + sum((size - 1) * stride).
     std::uint64_t last = t.storage_offset;
     bool overflow = false;
@@ -317,8 +359,16 @@ class Converter {
         return;
       case NodeKind::kGlobal: {
         const detail::AllowedGlobal& a = detail::allowed_globals()[n.ref];
+        if (a.role != detail::GlobalRole::kValue) {
+          // A class or function standing in the state uncalled: nothing DeepSpeed or torch
+          // saves, and a caller handed it could call it.
+          throw fail(path, "names the global '" + std::string(a.module) + " " + a.name +
+                               "' as a value; the allow-list has it only for one use (" +
+                               does_of(a.role) + "), and only the dtypes may stand as values");
+        }
         v.kind = TorchKind::kGlobal;
         v.text = std::string(a.module) + "." + a.name;
+        v.global = n.ref;
         break;
       }
       case NodeKind::kEnum: {
@@ -326,6 +376,7 @@ class Converter {
         v.kind = TorchKind::kEnum;
         v.text = std::string(a.module) + "." + a.name + "." + n.text;
         v.integer = n.integer;
+        v.global = n.ref;
         break;
       }
       case NodeKind::kStorage:
@@ -361,6 +412,7 @@ class Converter {
         const detail::AllowedGlobal& a = detail::allowed_globals()[n.ref];
         v.kind = TorchKind::kObject;
         v.text = std::string(a.module) + "." + a.name;
+        v.global = n.ref;
         count(path, 0);
         v.items.resize(n.items.size());
         for (std::size_t k = 0; k < n.items.size(); ++k) {
@@ -375,10 +427,19 @@ class Converter {
 
   void entries(const Node& d, std::uint64_t depth, std::string& path, TorchValue& v) {
     v.entries.resize(d.items.size() / 2);
+    // Two keys Python tells apart but a path does not (the int 0 and the string '0') would make
+    // a lookup by path pick one of them: the state is ambiguous, and refused.
+    std::unordered_set<std::string> segments;
     for (std::size_t k = 0; k < v.entries.size(); ++k) {
       auto& [key, value] = v.entries[k];
       convert(d.items[2 * k], depth + 1, path, key);
-      child(d.items[2 * k + 1], depth, path, torch_path_segment(key), value);
+      std::string segment = torch_path_segment(key);
+      if (!segments.insert(segment).second) {
+        throw fail(path, "two keys of one dict are both '" + printable(segment) +
+                             "' as a path (such as the int 0 and the string '0'): which one a "
+                             "lookup means is ambiguous");
+      }
+      child(d.items[2 * k + 1], depth, path, segment, value);
     }
   }
 
@@ -730,12 +791,33 @@ bool is_torch_file(const std::string& path) noexcept {
   }
 }
 
+
+const std::vector<TorchGlobal>& torch_globals() {
+  static const std::vector<TorchGlobal> rows = [] {
+    std::vector<TorchGlobal> out;
+    for (const detail::AllowedGlobal& g : detail::allowed_globals()) {
+      out.push_back({g.module, g.name, make_of(g.role), does_of(g.role), g.reason});
+    }
+    return out;
+  }();
+  return rows;
+}
+
 std::vector<std::string> torch_allowed_globals() {
   std::vector<std::string> out;
-  for (const detail::AllowedGlobal& g : detail::allowed_globals()) {
-    out.push_back(std::string(g.module) + " " + g.name + ": " + g.reason);
-  }
+  for (const TorchGlobal& g : torch_globals()) out.push_back(g.module + " " + g.name + ": " + g.reason);
   return out;
+}
+
+const TorchGlobal* torch_global_of(const TorchValue& v) noexcept {
+  const std::vector<TorchGlobal>& rows = torch_globals();
+  if (v.global >= rows.size()) return nullptr;
+  const TorchGlobal& g = rows[v.global];
+  const bool fits = (v.kind == TorchKind::kGlobal && g.make == TorchMake::kGlobal) ||
+                    (v.kind == TorchKind::kEnum && g.make == TorchMake::kMember) ||
+                    (v.kind == TorchKind::kObject &&
+                     (g.make == TorchMake::kCall || g.make == TorchMake::kInstance));
+  return fits ? &g : nullptr;
 }
 
 std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTensor& t,
@@ -743,10 +825,25 @@ std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTens
   const std::string where = printable(f.path, 200) + ": tensor '" + printable(t.path) + "'";
   std::vector<unsigned char> out;
   if (t.numel == 0) return out;
-  if (t.extent_bytes > max_bytes) {
-    throw InvalidArgument(where + " spans " + std::to_string(t.extent_bytes) +
-                          " bytes, more than the " + std::to_string(max_bytes) +
-                          " read whole here");
+  // The bytes it reads and the bytes it yields (more than it reads when expanded), each bounded
+  // and counted without wrapping: a hand-made TorchTensor is checked as the reader's are.
+  std::uint64_t yields = 0;
+  if (__builtin_mul_overflow(t.numel, t.element_size, &yields) || t.element_size == 0) {
+    throw InvalidArgument(where + ": " + std::to_string(t.numel) + " elements of " +
+                          std::to_string(t.element_size) + " bytes cannot be counted in 64 bits");
+  }
+  if (t.extent_bytes > max_bytes || yields > max_bytes) {
+    throw InvalidArgument(where + " holds " + std::to_string(yields) + " bytes over a span of " +
+                          std::to_string(t.extent_bytes) + ", more than the " +
+                          std::to_string(max_bytes) + " read whole here");
+  }
+  if (t.contiguous && t.extent_bytes != yields) {
+    throw InvalidArgument(where + ": contiguous, yet spans " + std::to_string(t.extent_bytes) +
+                          " bytes for " + std::to_string(yields));
+  }
+  if (t.shape.size() != t.stride.size()) {
+    throw InvalidArgument(where + ": " + std::to_string(t.shape.size()) + " sizes but " +
+                          std::to_string(t.stride.size()) + " strides");
   }
   const detail::File file(f.path);
   std::vector<unsigned char> extent(t.extent_bytes);
@@ -758,12 +855,16 @@ std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTens
   if (t.contiguous) return extent;
   // Gather by the strides: element (i_0, ..., i_k) lies at sum(i_d * stride[d]) elements from
   // the first (every one inside the extent: the reader checked the tensor against its storage).
-  out.resize(t.numel * t.element_size);
+  out.resize(yields);
   std::vector<std::int64_t> index(t.shape.size(), 0);
   for (std::uint64_t k = 0; k < t.numel; ++k) {
     std::uint64_t at = 0;
     for (std::size_t d = 0; d < index.size(); ++d) {
       at += static_cast<std::uint64_t>(index[d]) * static_cast<std::uint64_t>(t.stride[d]);
+    }
+    if (at >= extent.size() / t.element_size) {
+      throw InvalidArgument(where + ": its strides reach past its " +
+                            std::to_string(t.extent_bytes) + " bytes");
     }
     std::copy_n(extent.data() + at * t.element_size, t.element_size,
                 out.data() + k * t.element_size);

@@ -1,0 +1,307 @@
+"""Checkpoints that try to make zeroflat run code. Each payload below would run `touch MARKER` if
+anything executed it (torch.load with weights_only=False does); every entry point must either
+give the plain value back or refuse the file naming what it names, and the marker must never
+appear:
+
+- the low-level reader (`_C.TorchFile(path).value()`),
+- `zeroflat inspect` (a file and a checkpoint folder),
+- `zeroflat load DIR --from deepspeed`,
+- `engine.load_checkpoint` under `zeroflat.deepspeed.install()` (ZeRO-2 and ZeRO-3), where the
+  engine must also be left as it was when the load is refused.
+
+The payloads cover every way a pickle can name code: GLOBAL, STACK_GLOBAL, INST, OBJ, NEWOBJ,
+NEWOBJ_EX, REDUCE of a global off the list, a name of the list asked for from another module,
+a listed global used as a value, an extension code, a text persistent id, getattr on something
+other than an allowed enum, and dicts carrying the keys an earlier binding read as instructions
+(`__zeroflat_enum__`, `__zeroflat_global__`, `__zeroflat_object__`), which are only data. They
+are placed at the top of a state, inside lists, tuples and dict keys, in an optimizer state, in
+the client state and in `ds_config`."""
+
+import json
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+PLACEHOLDER = "zeroflat-hostile-payload-0x7f3a"
+
+
+def _text(s):
+    """A pickle fragment pushing the str `s` (BINUNICODE)."""
+    data = s.encode()
+    return b"X" + struct.pack("<I", len(data)) + data
+
+
+def payloads(marker):
+    """name -> (pickle fragment that pushes one value, text the refusal names). Each fragment,
+    unpickled by Python, would create `marker`."""
+    cmd = _text(f"touch {marker}")
+    code = _text(f"open({str(marker)!r}, 'w').close()")
+    return {
+        "GLOBAL+REDUCE": (b"cos\nsystem\n" + cmd + b"\x85R", "os system"),
+        "STACK_GLOBAL+REDUCE": (_text("os") + _text("system") + b"\x93" + cmd + b"\x85R",
+                                "os system"),
+        "INST": (b"(" + cmd + b"ios\nsystem\n", "INST"),
+        "OBJ": (b"(cos\nsystem\n" + cmd + b"o", "os system"),
+        "NEWOBJ": (b"cos\nsystem\n" + cmd + b"\x85\x81", "os system"),
+        "NEWOBJ_EX": (b"cos\nsystem\n" + cmd + b"\x85}\x92", "os system"),
+        "builtins exec": (b"cbuiltins\nexec\n" + code + b"\x85R", "builtins exec"),
+        "__builtin__ eval": (b"c__builtin__\neval\n" + code + b"\x85R", "__builtin__ eval"),
+        "listed name, other module": (b"cos\nLossScaler\n)R", "os LossScaler"),
+        "listed module, other name": (b"cdeepspeed.runtime.fp16.loss_scaler\nsystem\n" + cmd +
+                                      b"\x85R", "deepspeed.runtime.fp16.loss_scaler system"),
+        "torch.load": (b"ctorch\nload\n" + _text(str(marker)) + b"\x85R", "torch load"),
+        "listed global as a value": (b"cbuiltins\ngetattr\n", "builtins getattr"),
+        "listed class as a value": (b"cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\n",
+                                    "LossScaler"),
+        "getattr off an enum": (b"cbuiltins\ngetattr\nctorch\nTensor\n" + _text("__init__") +
+                                b"\x86R", "getattr"),
+        "getattr, no such member": (b"cbuiltins\ngetattr\n"
+                                    b"cdeepspeed.runtime.zero.config\nZeroStageEnum\n" +
+                                    _text("__class__") + b"\x86R", "__class__"),
+        "EXT1": (b"\x82\x01", "EXT1"),
+        "PERSID": (b"Pfoo\n", "PERSID"),
+        "a tensor subclass": (b"ctorch._tensor\n_rebuild_from_type_v2\n(ctorch._utils\n"
+                              b"_rebuild_tensor_v2\nctorch.nn\nParameter\n)}tR",
+                              "torch.nn Parameter"),
+    }
+
+
+def tag_dicts(marker):
+    """Dicts whose keys an earlier binding took as instructions: data, restored as they are."""
+    return {
+        "__zeroflat_enum__": {"__zeroflat_enum__": "os.system.x", "value": f"touch {marker}"},
+        "__zeroflat_global__": {"__zeroflat_global__": "os.system"},
+        "__zeroflat_object__": {"__zeroflat_object__": "os.system", "args": [f"touch {marker}"],
+                                "state": {}},
+    }
+
+
+def rewrite(path, fragment):
+    """Replaces the first pickled PLACEHOLDER string in `path`'s data.pkl with `fragment` (which
+    pushes one value, so that the memo and the stack stay as torch.save left them)."""
+    with zipfile.ZipFile(path) as z:
+        entries = [(i.filename, z.read(i)) for i in z.infolist()]
+    out = []
+    for name, data in entries:
+        if name.endswith("/data.pkl"):
+            needle = _text(PLACEHOLDER)
+            assert data.count(needle) >= 1, "the placeholder was not pickled as BINUNICODE"
+            data = data.replace(needle, fragment, 1)
+        out.append((name, data))
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in out:
+            z.writestr(name, data)
+
+
+def placed(where):
+    """The placeholder at one of the places a payload may hide: name -> a function of a state."""
+    def at(state):
+        if where == "top":
+            state["payload"] = PLACEHOLDER
+        elif where == "list":
+            state["payload"] = [1, [2, PLACEHOLDER]]
+        elif where == "tuple":
+            state["payload"] = (1, (PLACEHOLDER, 3))
+        elif where == "dict key":
+            state["payload"] = {PLACEHOLDER: 1}
+        elif where == "client state":
+            state["notes"] = {"epoch": [3, {"x": PLACEHOLDER}]}
+        elif where == "ds_config":
+            state.setdefault("ds_config", {})["payload"] = PLACEHOLDER
+        elif where == "optimizer state":
+            state["optimizer_state_dict"]["payload"] = {"exp_avg": [PLACEHOLDER]}
+        else:
+            raise AssertionError(where)
+        return state
+    return at
+
+
+def hostile_file(src, dst, where, fragment):
+    state = torch.load(src, weights_only=False)  # a file this test saved: trusted
+    torch.save(placed(where)(state), dst)
+    rewrite(dst, fragment)
+
+
+def cli(*args):
+    from test_torch_file import cli_path
+
+    return subprocess.run([str(cli_path()), *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture()
+def marker(tmp_path):
+    m = tmp_path / "MARKER"
+    yield m
+    assert not m.exists(), "a payload ran"
+
+
+# ---- the low-level reader and inspect, on single files ---------------------------------------
+
+@pytest.mark.parametrize("where", ["top", "list", "tuple", "dict key"])
+def test_every_payload_is_refused_by_the_reader_and_inspect(tmp_path, marker, where):
+    from zeroflat import _C, InvalidArgument
+
+    base = tmp_path / "base.pt"
+    torch.save({"w": torch.arange(4.0)}, base)
+    for name, (fragment, named) in payloads(marker).items():
+        path = tmp_path / f"{name.replace(' ', '_')}.pt"
+        hostile_file(base, path, where, fragment)
+        # What Python's own unpickler would do with it: the payload really is one.
+        with pytest.raises(InvalidArgument) as e:
+            _C.TorchFile(str(path)).value()
+        assert named in str(e.value) and path.name in str(e.value), (name, str(e.value))
+        r = cli("inspect", path, "--json")
+        assert r.returncode == 2, (name, r.stdout[-500:], r.stderr[-500:])
+        assert named in r.stderr, (name, r.stderr)
+        assert not marker.exists(), name
+
+
+def test_the_payloads_are_real(tmp_path):
+    """Python's own unpickler runs them (so the tests above test something): the GLOBAL one,
+    through torch.load with weights_only=False, creates the marker."""
+    marker = tmp_path / "MARKER"
+    base = tmp_path / "base.pt"
+    torch.save({"w": torch.arange(4.0)}, base)
+    path = tmp_path / "real.pt"
+    hostile_file(base, path, "list", payloads(marker)["GLOBAL+REDUCE"][0])
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+def test_tag_dicts_are_plain_dicts(tmp_path, marker):
+    from zeroflat import _C
+
+    path = tmp_path / "tags.pt"
+    tags = tag_dicts(marker)
+    state = {"w": torch.arange(4.0), "tags": tags, "nested": [tags, (tags,)]}
+    torch.save(state, path)
+    value = _C.TorchFile(str(path)).value()
+    assert value["tags"] == tags and value["nested"] == [tags, (tags,)]
+    assert type(value["tags"]["__zeroflat_global__"]) is dict
+    r = cli("inspect", path, "--json")
+    assert r.returncode == 0, r.stderr
+
+
+def test_allowed_values_are_made_from_the_one_list(tmp_path, marker):
+    """The values that name code are made by the binding as the reader's allow-list row says:
+    a dtype as itself, an enum member, a device, an instance by __new__ (its __init__ not run)."""
+    import deepspeed  # noqa: F401 - the classes the list names
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from zeroflat import _C
+
+    rows = {(m, n): (make, does, reason) for m, n, make, does, reason in _C.allowed_globals()}
+    assert rows[("torch", "float16")][0] == "global"
+    assert rows[("deepspeed.runtime.zero.config", "ZeroStageEnum")][0] == "member"
+    assert rows[("deepspeed.runtime.fp16.loss_scaler", "LossScaler")][0] == "instance"
+    assert rows[("torch._utils", "_rebuild_tensor_v2")][0] == "never"
+    assert all(reason for _, _, reason in rows.values())
+
+    scaler = DynamicLossScaler(init_scale=2.0 ** 4, scale_window=7, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    state = {"dtype": torch.bfloat16, "stage": ZeroStageEnum.gradients,
+             "frag": fragment_address(numel=5, start=3), "scaler": scaler,
+             "device": torch.device("cpu")}
+    path = tmp_path / "allowed.pt"
+    torch.save(state, path)
+    value = _C.TorchFile(str(path)).value()
+    assert value["dtype"] is torch.bfloat16
+    assert value["stage"] is ZeroStageEnum.gradients
+    assert value["frag"] == fragment_address(5, 3) and type(value["frag"]) is fragment_address
+    assert type(value["scaler"]) is DynamicLossScaler
+    assert vars(value["scaler"]) == vars(scaler)
+    assert value["device"] == torch.device("cpu")
+
+
+# ---- DeepSpeed checkpoints through inspect, load --from deepspeed and load_checkpoint ----------
+
+ENGINE_CASES = [
+    # (payload, where): every payload once, every place at least once.
+    ("GLOBAL+REDUCE", "client state"),
+    ("STACK_GLOBAL+REDUCE", "ds_config"),
+    ("INST", "top"),
+    ("OBJ", "optimizer state"),
+    ("NEWOBJ", "list"),
+    ("NEWOBJ_EX", "dict key"),
+    ("builtins exec", "optimizer state"),
+    ("__builtin__ eval", "client state"),
+    ("listed name, other module", "tuple"),
+    ("listed module, other name", "client state"),
+    ("torch.load", "optimizer state"),
+    ("listed global as a value", "client state"),
+    ("listed class as a value", "optimizer state"),
+    ("getattr off an enum", "ds_config"),
+    ("getattr, no such member", "client state"),
+    ("EXT1", "top"),
+    ("PERSID", "optimizer state"),
+    ("a tensor subclass", "client state"),
+]
+
+
+def _hostile_checkpoints(ckpt, marker):
+    """Copies of a 1-rank checkpoint, one per ENGINE_CASES row and one with the tag dicts in its
+    client state: variants for test_resume.resume."""
+    from test_resume import TAG, _copy
+
+    ckpt = pathlib.Path(ckpt)
+    model = next(p.name for p in (ckpt / TAG).iterdir() if p.name.endswith("model_states.pt"))
+    optim = next(p.name for p in (ckpt / TAG).iterdir() if p.name.endswith("optim_states.pt"))
+    table = payloads(marker)
+    variants = []
+    for i, (name, where) in enumerate(ENGINE_CASES):
+        d = _copy(ckpt, f"hostile{i}")
+        target = optim if where == "optimizer state" else model
+        hostile_file(ckpt / TAG / target, d / target, where, table[name][0])
+        variants.append({"name": f"{name} in {where}", "dir": f"bad/hostile{i}",
+                         "expect": table[name][1], "file": str(d / target)})
+    d = _copy(ckpt, "tags")
+    state = torch.load(d / model, weights_only=False)
+    state["tags"] = tag_dicts(marker)
+    state["nested"] = [tag_dicts(marker)]
+    torch.save(state, d / model)
+    variants.append({"name": "tag dicts", "dir": "bad/tags", "client_keys": ["tags", "nested"]})
+    return variants
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hostile_deepspeed_checkpoints(tmp_path_factory, tmp_path, marker, stage):
+    from test_resume import TAG, resume, saved
+
+    ckpt = saved(tmp_path_factory, stage, 1)
+    variants = _hostile_checkpoints(ckpt, marker)
+    # The CLI: inspect of the folder, and the resume through the command.
+    for v in variants:
+        folder = pathlib.Path(ckpt) / v["dir"] / TAG
+        for args in (("inspect", folder, "--json"),
+                     ("load", folder, "--from", "deepspeed", "--dp", 1, "--json", "--quiet")):
+            r = cli(*args)
+            if "expect" in v:
+                assert r.returncode == 2, (v["name"], args[0], r.stdout[-800:], r.stderr[-800:])
+                assert v["expect"] in r.stderr, (v["name"], args[0], r.stderr[-800:])
+                assert pathlib.Path(v["file"]).name in r.stderr, (v["name"], r.stderr[-800:])
+            else:
+                assert r.returncode == 0, (v["name"], args[0], r.stderr[-800:])
+            assert not marker.exists(), v["name"]
+    # engine.load_checkpoint under the drop-in: refused with the engine unchanged, or the plain
+    # values restored.
+    reports = resume(ckpt, stage, 1, variants=[{k: x for k, x in v.items() if k != "file"}
+                                               for v in variants])
+    for v, (r,) in zip(variants, reports):
+        if "expect" in v:
+            assert r["error"] is not None and v["expect"] in r["error"], (v["name"], r["error"])
+            assert r["unchanged"] and r["resumes"] == [] and r["fallbacks"] == [], r
+        else:
+            assert r["error"] is None, (v["name"], r["error"])
+            assert r["client_values"] == {"tags": tag_dicts(marker),
+                                          "nested": [tag_dicts(marker)]}, r["client_values"]
+    assert not marker.exists()
