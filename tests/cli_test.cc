@@ -691,13 +691,19 @@ TEST(CliHostile, NumelsFilesAreBoundedAndNeverBlock) {
 TEST(CliHostile, LayoutDocumentsAreBounded) {
   Result huge = run("layout --numels 5,7,3 --dp 4294967296 --json");
   EXPECT_EQ(huge.code, 2);
-  EXPECT_LT(huge.out.size(), 100u);
+  // The error document of --json, and nothing more.
+  EXPECT_LT(huge.out.size(), 400u);
+  const json err = json::parse(huge.out);
+  EXPECT_EQ(err["exit"], 2);
+  EXPECT_EQ(err["command"], "layout");
+  EXPECT_NE(err["error"].get<std::string>().find("1 to 1048576"), std::string::npos) << huge.out;
   EXPECT_NE(huge.err.find("1 to 1048576"), std::string::npos) << huge.err;
   // 65,536 ranks x 18,867 tensors: too many entries for one document; one rank's is fine.
   const std::string model = "layout --model qwen3-30b-a3b --dp 65536 --json";
   Result all = run(model);
   EXPECT_EQ(all.code, 2);
-  EXPECT_TRUE(all.out.empty());
+  EXPECT_LT(all.out.size(), 1000u);
+  EXPECT_EQ(json::parse(all.out)["error_kind"], "invalid input") << all.out;
   EXPECT_NE(all.err.find("--rank"), std::string::npos) << all.err;
   Result one = run(model + " --rank 65535");
   ASSERT_EQ(one.code, 0) << one.err;

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "cli/common.h"
 #include "zeroflat/config.h"
 #include "zeroflat/device.h"
@@ -22,6 +24,29 @@ std::string shown(const char* what) {
   if (w.size() <= kMax) return std::string(w);
   return std::string(w.substr(0, kMax)) + "... (" + std::to_string(w.size() - kMax) +
          " more characters)";
+}
+
+// With --json, a failure is a document too, with the same keys every time: the command, the
+// exit code, the kind of error ("usage", "invalid input", "not supported", "error") and its
+// message; the message goes to stderr as well.
+bool wants_json(const std::vector<std::string>& args) {
+  for (const std::string& a : args) {
+    if (a == "--") return false;
+    if (a == "--json") return true;
+  }
+  return false;
+}
+
+int failed(const std::string& command, const std::vector<std::string>& args, int code,
+           const char* kind, const std::string& message) {
+  if (wants_json(args)) {
+    nlohmann::json doc = {{"command", command}, {"exit", code}, {"error_kind", kind},
+                          {"error", message}};
+    std::fputs((doc.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n").c_str(),
+               stdout);
+    std::fflush(stdout);
+  }
+  return code;
 }
 
 constexpr const char* kUsage = R"(usage: zeroflat <command> [options]
@@ -115,17 +140,17 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::fprintf(stderr, "zeroflat %s: %s\n(see `zeroflat %s --help`)\n", command.c_str(),
                  shown(e.what()).c_str(), command.c_str());
-    return kExitInvalid;
+    return failed(command, args, kExitInvalid, "usage", shown(e.what()));
   } catch (const InvalidArgument& e) {
     std::fprintf(stderr, "zeroflat %s: invalid input: %s\n", command.c_str(),
                  shown(e.what()).c_str());
-    return kExitInvalid;
+    return failed(command, args, kExitInvalid, "invalid input", shown(e.what()));
   } catch (const Unsupported& e) {
     std::fprintf(stderr, "zeroflat %s: not supported: %s\n", command.c_str(),
                  shown(e.what()).c_str());
-    return kExitInvalid;
+    return failed(command, args, kExitInvalid, "not supported", shown(e.what()));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zeroflat %s: error: %s\n", command.c_str(), shown(e.what()).c_str());
-    return kExitOther;
+    return failed(command, args, kExitOther, "error", shown(e.what()));
   }
 }
