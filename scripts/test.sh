@@ -86,7 +86,7 @@ if ((fuzz_seconds > 0)); then
   cp -n "$here"/tests/fuzz/corpus/* "$corpus"/
   echo "[test] fuzzing the model-file parsers for ${fuzz_seconds} s" >&2
   fuzz_log="$here/build-sanitize/fuzz.log"
-  "$here/build-sanitize/model_files_fuzz" -max_total_time="$fuzz_seconds" -max_len=8192 \
+  "$here/build-sanitize/model_files_fuzz" -max_total_time="$fuzz_seconds" -max_len=32768 \
     -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$corpus" 2>"$fuzz_log" &
   fuzz_pid=$!
 fi

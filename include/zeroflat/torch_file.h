@@ -288,9 +288,14 @@ bool is_torch_file(const std::string& path) noexcept;
 // The elements of tensor t of file f (one of f.tensors), in row-major order, element_size bytes
 // each, read from f.path (a tensor that is not contiguous is gathered by its strides). For the
 // small values of a state (steps, a scheduler's numbers), not for partitions: more than
-// max_bytes of extent is InvalidArgument. Throws InvalidArgument naming the file and the
+// max_bytes of extent, or of elements (an expanded tensor yields more than it spans), is
+// InvalidArgument. Throws InvalidArgument naming the file and the
 // tensor's path when the file is shorter or the read fails.
 std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTensor& t,
+                                             std::uint64_t max_bytes = std::uint64_t{1} << 30);
+// The same from the whole file held in memory (parse_torch_file's bytes).
+std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTensor& t,
+                                             std::span<const unsigned char> file_bytes,
                                              std::uint64_t max_bytes = std::uint64_t{1} << 30);
 
 // The allow-list, one row per global: "module name: why it is on the list".

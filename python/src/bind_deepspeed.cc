@@ -38,7 +38,15 @@ at::ScalarType scalar_type_named(const std::string& name, const std::string& whe
 // file): a dtype as itself, an enum member by its checked name, torch.device from its checked
 // arguments, an instance of an allowed class by __new__ and its saved attributes (none of the
 // class's code runs). A dict of the file is a dict, whatever its keys.
-py::object to_python(const zf::TorchFile& f, const zf::TorchValue& v) {
+// The bytes the tensors of one value may take in memory: the file's own size and 64 MiB more.
+// An expanded tensor (stride 0) yields more elements than its file holds; a state of many of
+// them could otherwise ask for any amount of memory.
+struct Budget {
+  std::uint64_t left;
+  explicit Budget(const zf::TorchFile& f) : left(f.file_bytes + (std::uint64_t{64} << 20)) {}
+};
+
+py::object to_python(const zf::TorchFile& f, const zf::TorchValue& v, Budget& budget) {
   using K = zf::TorchKind;
   switch (v.kind) {
     case K::kNone:
@@ -56,7 +64,7 @@ py::object to_python(const zf::TorchFile& f, const zf::TorchValue& v) {
     case K::kList:
     case K::kTuple: {
       py::list items;
-      for (const zf::TorchValue& x : v.items) items.append(to_python(f, x));
+      for (const zf::TorchValue& x : v.items) items.append(to_python(f, x, budget));
       if (v.text == "set") return py::set(items);
       if (v.text == "frozenset") return py::module_::import("builtins").attr("frozenset")(items);
       if (v.text == "torch.Size") return py::module_::import("torch").attr("Size")(items);
@@ -67,12 +75,13 @@ py::object to_python(const zf::TorchFile& f, const zf::TorchValue& v) {
       py::object d = v.text == "collections.OrderedDict"
                          ? py::module_::import("collections").attr("OrderedDict")()
                          : py::dict();
-      for (const auto& [key, value] : v.entries) d[to_python(f, key)] = to_python(f, value);
+      for (const auto& [key, value] : v.entries) d[to_python(f, key, budget)] = to_python(f, value, budget);
       return d;
     }
     case K::kTensor: {
       const zf::TorchTensor& t = f.tensors.at(static_cast<std::size_t>(v.integer));
-      const std::vector<unsigned char> bytes = zf::read_torch_tensor(f, t);
+      const std::vector<unsigned char> bytes = zf::read_torch_tensor(f, t, budget.left);
+      budget.left -= bytes.size();
       std::vector<std::int64_t> shape(t.shape.begin(), t.shape.end());
       at::Tensor out = at::empty(shape, at::TensorOptions().dtype(scalar_type_named(
                                             t.dtype, f.path + ": tensor '" + t.path + "'")));
@@ -95,12 +104,12 @@ py::object to_python(const zf::TorchFile& f, const zf::TorchValue& v) {
           return named.attr(std::string(v.member()).c_str());
         case zf::TorchMake::kCall: {
           py::list args;
-          for (const zf::TorchValue& x : v.items) args.append(to_python(f, x));
+          for (const zf::TorchValue& x : v.items) args.append(to_python(f, x, budget));
           return named(*py::tuple(args));
         }
         case zf::TorchMake::kInstance: {
           py::list args;
-          for (const zf::TorchValue& x : v.items) args.append(to_python(f, x));
+          for (const zf::TorchValue& x : v.items) args.append(to_python(f, x, budget));
           py::object obj = named.attr("__new__")(named, *py::tuple(args));
           if (!v.entries.empty()) {
             py::dict state;
@@ -110,7 +119,7 @@ py::object to_python(const zf::TorchFile& f, const zf::TorchValue& v) {
                                           " is named by a " +
                                           std::string(zf::torch_kind_name(key.kind)));
               }
-              state[py::str(key.text)] = to_python(f, value);
+              state[py::str(key.text)] = to_python(f, value, budget);
             }
             obj.attr("__dict__").attr("update")(state);
           }
@@ -167,7 +176,10 @@ void bind_deepspeed(py::module_& m) {
       // The value at `path` ("" the whole state) as a Python object (see to_python).
       .def(
           "value",
-          [](const zf::TorchFile& f, const std::string& path) { return to_python(f, f.at(path)); },
+          [](const zf::TorchFile& f, const std::string& path) {
+            Budget budget(f);
+            return to_python(f, f.at(path), budget);
+          },
           py::arg("path") = "");
 
   py::class_<zf::DeepSpeedCheckpoint>(m, "DeepSpeedCheckpoint")
@@ -242,7 +254,8 @@ void bind_deepspeed(py::module_& m) {
           "value",
           [](const zf::DeepSpeedCheckpoint& c, std::size_t file, const std::string& path) {
             const zf::TorchFile& f = c.files.at(file).torch;
-            return to_python(f, f.at(path));
+            Budget budget(f);
+            return to_python(f, f.at(path), budget);
           },
           py::arg("file"), py::arg("path") = "")
       // The keys of the dict (or an object's state) at `path` of file `file`, as path segments

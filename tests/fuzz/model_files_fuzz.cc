@@ -1,28 +1,110 @@
 // Fuzz target for the parsers of untrusted model files: the first byte picks the safetensors
-// header parser, the config.json parser, the parser of `--numels @FILE` lists or the torch.save
-// reader (zip directory and pickle), the rest is the file. Any exception other than
-// InvalidArgument, any crash, leak or undefined behaviour is a finding.
+// header parser, the config.json parser, the parser of `--numels @FILE` lists, the torch.save
+// reader (zip directory and pickle, then every value as the Python binding takes it: the
+// allow-list row of each value that names code, each tensor's bytes) or a DeepSpeed checkpoint
+// folder (the rest of the input split into a module file and one rank's optimizer file, then
+// the folder's checks, the reads each rank of a new world would issue, and every target's
+// source as a resume plans it). Any exception other than InvalidArgument or Unsupported, any
+// crash, hang, leak or undefined behaviour is a finding.
+#include <unistd.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
+#include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/torch_file.h"
 
+namespace {
+
+// What the binding does with a value, less Python: the row of every value that names code
+// (and the enum member's name), the bytes of every tensor.
+void walk(const zeroflat::TorchFile& f, const zeroflat::TorchValue& v,
+          std::span<const unsigned char> bytes, std::uint64_t& budget) {
+  using K = zeroflat::TorchKind;
+  if (v.kind == K::kObject || v.kind == K::kEnum || v.kind == K::kGlobal) {
+    if (zeroflat::torch_global_of(v) == nullptr) __builtin_trap();  // the reader made it: a row
+    (void)v.member();
+  }
+  if (v.kind == K::kTensor) {
+    const zeroflat::TorchTensor& t = f.tensors.at(static_cast<std::size_t>(v.integer));
+    budget -= zeroflat::read_torch_tensor(f, t, bytes, budget).size();
+  }
+  for (const zeroflat::TorchValue& x : v.items) walk(f, x, bytes, budget);
+  for (const auto& [key, value] : v.entries) {
+    walk(f, key, bytes, budget);
+    walk(f, value, bytes, budget);
+  }
+}
+
+void write(const std::filesystem::path& path, std::span<const unsigned char> bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+// A folder of one module file and one rank's optimizer file (ZeRO-1/2's names, or ZeRO-3's
+// when `zero3`), written fresh for each input.
+void folder(std::span<const unsigned char> in) {
+  if (in.size() < 3) return;
+  const bool zero3 = (in[0] & 1) != 0;
+  const std::size_t split = std::min<std::size_t>(in.size() - 3, (std::size_t{in[1]} << 8) | in[2]);
+  const std::span<const unsigned char> model = in.subspan(3, split);
+  const std::span<const unsigned char> optim = in.subspan(3 + split);
+  static const std::filesystem::path dir = [] {
+    std::filesystem::path d = std::filesystem::temp_directory_path() /
+                              ("zeroflat-fuzz-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(d);
+    return d;
+  }();
+  std::filesystem::remove(dir / "mp_rank_00_model_states.pt");
+  std::filesystem::remove(dir / "zero_pp_rank_0_mp_rank_00_model_states.pt");
+  write(dir / (zero3 ? "zero_pp_rank_0_mp_rank_00_model_states.pt" : "mp_rank_00_model_states.pt"),
+        model);
+  write(dir / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", optim);
+  const zeroflat::DeepSpeedCheckpoint ck = zeroflat::open_deepspeed_checkpoint(dir.string());
+  for (std::uint64_t world : {std::uint64_t{1}, std::uint64_t{3}}) {
+    for (std::uint64_t rank = 0; rank < world; ++rank) {
+      (void)zeroflat::deepspeed_rank_reads(ck, world, rank);
+    }
+  }
+  std::vector<std::string> names;
+  std::vector<std::uint64_t> numels;
+  for (const zeroflat::DeepSpeedGroup& g : ck.groups) {
+    for (const zeroflat::DeepSpeedParam& p : g.params) {
+      names.push_back(p.name);
+      numels.push_back(p.numel);
+    }
+  }
+  std::vector<std::string> targets = zeroflat::deepspeed_partitioned_states(ck);
+  targets.insert(targets.begin(), "fp32");
+  for (const std::string& t : targets) (void)zeroflat::deepspeed_source(ck, t, names, numels);
+}
+
+}  // namespace
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
-  const int parser = data[0] % 4;
+  const int parser = data[0] % 5;
   const std::span<const unsigned char> file(data + 1, size - 1);
   const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
   try {
-    if (parser == 3) {
+    if (parser == 4) {
+      folder(file);
+    } else if (parser == 3) {
       const zeroflat::TorchFile f = zeroflat::parse_torch_file(file, "fuzz");
-      // The lookups walk what the reader built.
+      // The lookups walk what the reader built; the values go as they go to Python.
       for (const zeroflat::TorchTensor& t : f.tensors) (void)f.find(t.path);
       (void)f.find("a/0/b");
+      std::uint64_t budget = f.file_bytes + (std::uint64_t{1} << 20);
+      walk(f, f.root, file, budget);
     } else if (parser == 2) {
       (void)zeroflat::parse_numels_file_text(text, "fuzz");
     } else if (parser == 1) {
@@ -36,6 +118,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
   } catch (const zeroflat::InvalidArgument&) {
     // The expected answer to malformed input.
+  } catch (const zeroflat::Unsupported&) {
+    // A checkpoint of a kind the resume does not serve (model parallelism, ...).
   }
   return 0;
 }

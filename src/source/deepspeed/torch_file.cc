@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstring>
+#include <optional>
 #include <map>
 #include <unordered_set>
 
@@ -820,8 +822,12 @@ const TorchGlobal* torch_global_of(const TorchValue& v) noexcept {
   return fits ? &g : nullptr;
 }
 
-std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTensor& t,
-                                             std::uint64_t max_bytes) {
+namespace {
+
+// read_torch_tensor with `read(out, n, offset)` for the file's bytes.
+template <typename Read>
+std::vector<unsigned char> read_tensor_with(const TorchFile& f, const TorchTensor& t,
+                                            std::uint64_t max_bytes, const Read& read) {
   const std::string where = printable(f.path, 200) + ": tensor '" + printable(t.path) + "'";
   std::vector<unsigned char> out;
   if (t.numel == 0) return out;
@@ -845,10 +851,9 @@ std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTens
     throw InvalidArgument(where + ": " + std::to_string(t.shape.size()) + " sizes but " +
                           std::to_string(t.stride.size()) + " strides");
   }
-  const detail::File file(f.path);
   std::vector<unsigned char> extent(t.extent_bytes);
   try {
-    file.read_at(extent.data(), extent.size(), t.offset);
+    read(extent.data(), extent.size(), t.offset);
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(where + ": " + e.what());
   }
@@ -874,6 +879,30 @@ std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTens
     }
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTensor& t,
+                                             std::uint64_t max_bytes) {
+  std::optional<detail::File> file;  // opened only when there are bytes to read
+  return read_tensor_with(f, t, max_bytes, [&](void* out, std::uint64_t n, std::uint64_t at) {
+    if (!file) file.emplace(f.path);
+    file->read_at(out, n, at);
+  });
+}
+
+std::vector<unsigned char> read_torch_tensor(const TorchFile& f, const TorchTensor& t,
+                                             std::span<const unsigned char> file_bytes,
+                                             std::uint64_t max_bytes) {
+  return read_tensor_with(f, t, max_bytes, [&](void* out, std::uint64_t n, std::uint64_t at) {
+    if (at > file_bytes.size() || n > file_bytes.size() - at) {
+      throw InvalidArgument("bytes [" + std::to_string(at) + ", +" + std::to_string(n) +
+                            ") lie past the end of its " + std::to_string(file_bytes.size()) +
+                            " bytes");
+    }
+    if (n > 0) std::memcpy(out, file_bytes.data() + at, n);
+  });
 }
 
 }  // namespace zeroflat
