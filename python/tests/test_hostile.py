@@ -136,6 +136,14 @@ def cli(*args):
                           timeout=300)
 
 
+def error_document(r, command, expect):
+    """A failure under --json is one JSON document on stdout, with the same keys every time."""
+    doc = json.loads(r.stdout)
+    assert set(doc) == {"command", "exit", "error_kind", "error"}, doc
+    assert doc["command"] == command and doc["exit"] == r.returncode, doc
+    assert doc["error_kind"] == "invalid input" and expect in doc["error"], doc
+
+
 @pytest.fixture()
 def marker(tmp_path):
     m = tmp_path / "MARKER"
@@ -289,6 +297,7 @@ def test_hostile_deepspeed_checkpoints(tmp_path_factory, tmp_path, marker, stage
                 assert r.returncode == 2, (v["name"], args[0], r.stdout[-800:], r.stderr[-800:])
                 assert v["expect"] in r.stderr, (v["name"], args[0], r.stderr[-800:])
                 assert pathlib.Path(v["file"]).name in r.stderr, (v["name"], r.stderr[-800:])
+                error_document(r, args[0], v["expect"])
             else:
                 assert r.returncode == 0, (v["name"], args[0], r.stderr[-800:])
             assert not marker.exists(), v["name"]
@@ -305,3 +314,160 @@ def test_hostile_deepspeed_checkpoints(tmp_path_factory, tmp_path, marker, stage
             assert r["client_values"] == {"tags": tag_dicts(marker),
                                           "nested": [tag_dicts(marker)]}, r["client_values"]
     assert not marker.exists()
+
+
+# ---- files that crashed, hung or were read two ways --------------------------------------------
+
+def _zip_with_second_end_record(src, dst, fake):
+    """`src` with a comment on its end record that holds the end record of `fake` (an archive
+    of the same entries at the same offsets but other bytes): torch's reader takes the last end
+    record it finds, zeroflat's took the one whose comment reaches the end of the file."""
+    data = bytearray(pathlib.Path(src).read_bytes())
+    fake_end = bytearray(pathlib.Path(fake).read_bytes()[-22:])
+    # Its own comment length reaches past the end of the file: a reader that checks it skips
+    # this record, one that takes the last signature does not.
+    fake_end[-2:] = struct.pack("<H", 7)
+    comment = bytes(fake_end)
+    data[-2:] = struct.pack("<H", len(comment))
+    pathlib.Path(dst).write_bytes(bytes(data) + comment)
+
+
+def test_files_that_crashed_or_were_ambiguous_are_refused(tmp_path, marker):
+    from zeroflat import _C, InvalidArgument
+
+    cases = {}
+    # A tensor expanded past 64 bits of bytes: 4 bytes in the file, 2^64 + 4 when read.
+    path = tmp_path / "expanded.pt"
+    torch.save({"x": torch.zeros(1).expand(2 ** 62 + 1)}, path)
+    cases[path] = "more bytes than 64 bits hold"
+    # One expanded within 64 bits but past what a value may take in memory.
+    path = tmp_path / "expanded_large.pt"
+    torch.save({"x": torch.zeros(1).expand(2 ** 40)}, path)
+    cases[path] = "read whole here"
+    listed = {path}  # inspect lists it (its place in the file), reading none of its elements
+    # The int key 0 and the string key '0' in one dict: a lookup by path cannot tell them apart.
+    path = tmp_path / "keys.pt"
+    torch.save({"state": {0: torch.ones(2), "0": torch.zeros(2)}}, path)
+    cases[path] = "ambiguous"
+    # A second end record inside the comment of the last one.
+    path = tmp_path / "two_ends.pt"
+    torch.save({"w": torch.tensor([1.0, 2.0])}, tmp_path / "a.pt")
+    _zip_with_second_end_record(tmp_path / "a.pt", path, tmp_path / "a.pt")
+    cases[path] = "second end-of-central-directory"
+    for path, expect in cases.items():
+        with pytest.raises(InvalidArgument) as e:
+            _C.TorchFile(str(path)).value()
+        assert expect in str(e.value) and path.name in str(e.value), (path.name, str(e.value))
+        r = cli("inspect", path, "--json")
+        if path in listed:
+            assert r.returncode == 0, (path.name, r.stderr[-500:])
+        else:
+            assert r.returncode == 2 and expect in r.stderr, (path.name, r.stderr[-500:])
+
+
+@pytest.mark.parametrize("world", [0, 2 ** 40])
+def test_universal_folder_with_a_bad_world_size(tmp_path_factory, world):
+    from test_resume import TAG, saved, universal
+
+    ckpt = pathlib.Path(saved(tmp_path_factory, 2, 1))
+    universal([ckpt])
+    src = ckpt / f"{TAG}_universal"
+    d = tmp_path_factory.mktemp(f"universal_world_{world}") / "u"
+    import shutil
+
+    shutil.copytree(src, d)
+    model = d / "mp_rank_00_model_states.pt"
+    state = torch.load(model, weights_only=False)
+    state["dp_world_size"] = world
+    state["ds_config"].setdefault("zero_optimization", {})["round_robin_gradients"] = True
+    torch.save(state, model)
+    for args in (("inspect", d, "--json"), ("inspect", d, "--json", "--dp", 2),
+                 ("load", d, "--from", "deepspeed", "--dp", 1, "--json", "--quiet")):
+        r = cli(*args)
+        assert r.returncode == 2, (args, r.returncode, r.stderr[-500:])
+        assert "dp_world_size" in r.stderr and model.name in r.stderr, r.stderr[-500:]
+        error_document(r, args[0], "dp_world_size")
+
+
+# ---- a checkpoint the engine cannot take: refused before anything is written ------------------
+
+def _base_state(optim_state):
+    inner = optim_state["optimizer_state_dict"]
+    return inner["base_optimizer_state"] if "base_optimizer_state" in inner else \
+        inner["optimizer_state_dict"]
+
+
+def _sgd(state):
+    for entry in _base_state(state)["state"].values():
+        entry["momentum_buffer"] = entry.pop("exp_avg")
+        entry.pop("exp_avg_sq")
+
+
+def _step_text(state):
+    for entry in _base_state(state)["state"].values():
+        entry["step"] = "3"
+
+
+def _one_more_group(state):
+    groups = _base_state(state)["param_groups"]
+    groups.append(dict(groups[-1], params=[]))
+
+
+def _buffer(state):
+    state["module"]["scale"] = torch.arange(5.0)
+
+
+EDITS = {
+    # name: (file, edit, what the refusal names)
+    "an SGD checkpoint into AdamW": ("optim", _sgd, "another optimizer"),
+    "step saved as a string": ("optim", _step_text, "step"),
+    "one more parameter group": ("optim", _one_more_group, "param_groups"),
+    "no global_steps": ("model", lambda s: s.pop("global_steps"), "global_steps"),
+    "no mp_world_size": ("model", lambda s: s.pop("mp_world_size"), "mp_world_size"),
+    "lr_scheduler None": ("model", lambda s: s.update(lr_scheduler=None), "lr_scheduler"),
+    "lr_scheduler a list": ("model", lambda s: s.update(lr_scheduler=[1, 2]), "lr_scheduler"),
+    "a buffer of another size": ("model", _buffer, "scale"),
+}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_what_the_engine_cannot_take_is_refused_before_any_write(tmp_path_factory, stage):
+    from test_resume import TAG, _copy, resume, saved
+
+    ckpt = pathlib.Path(saved(tmp_path_factory, stage, 1))
+    files = {"model": next(p.name for p in (ckpt / TAG).iterdir()
+                           if p.name.endswith("model_states.pt")),
+             "optim": next(p.name for p in (ckpt / TAG).iterdir()
+                           if p.name.endswith("optim_states.pt"))}
+    variants = []
+    for i, (name, (which, edit, expect)) in enumerate(EDITS.items()):
+        d = _copy(ckpt, f"edit{i}")
+        state = torch.load(d / files[which], weights_only=False)
+        edit(state)
+        torch.save(state, d / files[which])
+        variants.append({"name": name, "dir": f"bad/edit{i}", "expect": expect,
+                         "file": files[which]})
+    reports = resume(ckpt, stage, 1, variants=[{k: x for k, x in v.items() if k != "file"}
+                                               for v in variants])
+    for v, (r,) in zip(variants, reports):
+        assert r["error"] is not None, (v["name"], r)
+        assert v["expect"] in r["error"] and v["file"] in r["error"], (v["name"], r["error"])
+        assert r["unchanged"] and r["resumes"] == [], (v["name"], r)
+
+
+def test_a_universal_folder_missing_one_state_file_is_refused(tmp_path_factory):
+    import shutil
+
+    from test_resume import TAG, saved, universal
+
+    ckpt = pathlib.Path(saved(tmp_path_factory, 2, 1))
+    universal([ckpt])
+    d = tmp_path_factory.mktemp("universal_missing") / "u"
+    shutil.copytree(ckpt / f"{TAG}_universal", d)
+    victim = [p for p in sorted((d / "zero").iterdir()) if (p / "exp_avg.pt").exists()][-1]
+    (victim / "exp_avg.pt").unlink()
+    for args in (("inspect", d, "--json", "--dp", 2),
+                 ("load", d, "--from", "deepspeed", "--dp", 1, "--json", "--quiet")):
+        r = cli(*args)
+        assert r.returncode == 2, (args, r.stdout[-500:], r.stderr[-500:])
+        assert "exp_avg.pt" in r.stderr and victim.name in r.stderr, r.stderr[-500:]

@@ -342,6 +342,138 @@ class _Resume:
         # The optimizer's scalars.
         if self.with_states:
             self.small["optimizer"] = self._optimizer_small()
+        self._check_small()
+
+    # - what write() takes, checked before anything is written ----------------------------------
+
+    def _where(self, file: Optional[int], entry: str) -> str:
+        path = self.ck.files[file][0] if file is not None else self.ck.dir
+        return f"{path}: entry '{entry}'"
+
+    def _check_small(self) -> None:
+        """Everything write() will hand the engine, checked against what the engine holds, so
+        that a checkpoint it cannot take is refused before the first write (DeepSpeed's own load
+        fails on each of these midway, the engine half written)."""
+        f, small = self.files, self.small
+        if not self.module_only:
+            # DeepSpeed's _load_checkpoint reads these with [] (a KeyError there).
+            for key in ("global_steps", "skipped_steps", "mp_world_size"):
+                value = small.get(key)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    found = "nothing" if key not in small else type(value).__name__
+                    raise InvalidArgument(f"{self._where(f.model, key)}: expected a count "
+                                          f"(an int >= 0), found {found}")
+            scheduler = getattr(self.engine, "lr_scheduler", None)
+            if self.with_scheduler and scheduler is not None:
+                saved = small.get("lr_scheduler")
+                if not isinstance(saved, dict):
+                    raise InvalidArgument(
+                        f"{self._where(f.model, 'lr_scheduler')}: expected the scheduler's state "
+                        f"(a dict), found {type(saved).__name__}; load_lr_scheduler_states=False "
+                        "keeps the engine's own scheduler")
+                # DeepSpeed's schedulers read each key of their state back (a KeyError midway);
+                # torch's take whatever dict they are given.
+                want = getattr(scheduler, "state_dict", None)
+                ours = type(scheduler).__module__.startswith("deepspeed.") and callable(want)
+                missing = sorted(set(want()) - set(saved)) if ours else []
+                if missing:
+                    raise InvalidArgument(
+                        f"{self._where(f.model, 'lr_scheduler')}: no {', '.join(missing[:5])} "
+                        f"(the engine's {type(scheduler).__name__} keeps them): a checkpoint of "
+                        "another scheduler")
+        # Frozen parameters and buffers: their element counts.
+        for p, name in self.names.items():
+            value = self.frozen.get(name)
+            if value is not None and value.numel() != p.numel():
+                raise InvalidArgument(f"{self._where(f.model, 'module/' + name)}: "
+                                      f"{value.numel()} elements, the model's {name!r} "
+                                      f"{p.numel()}")
+        for name, buf in self._persistent_buffers().items():
+            value = self.buffers.get(name)
+            if value is not None and (not torch.is_tensor(value) or value.numel() != buf.numel()):
+                found = f"{value.numel()} elements" if torch.is_tensor(value) else \
+                    type(value).__name__
+                raise InvalidArgument(f"{self._where(f.model, 'module/' + name)}: {found}, the "
+                                      f"model's buffer {name!r} {buf.numel()} elements")
+        if self.with_states:
+            self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        """The saved optimizer against the running one: its group count, the states it keeps per
+        element, the types of its other values."""
+        f, small = self.files, self.small["optimizer"]
+        base = f.base_state_path()
+        own_groups = self.opt.optimizer.param_groups
+        groups = small["param_groups"]
+        where_groups = self._where(f.optim, (base or "optimizer_state") + "/param_groups")
+        if groups is not None:
+            if not isinstance(groups, (list, tuple)) or \
+                    not all(isinstance(g, dict) for g in groups):
+                raise InvalidArgument(f"{where_groups}: expected a list of dicts, found "
+                                      f"{type(groups).__name__}")
+            if len(groups) != len(own_groups):
+                raise InvalidArgument(f"{where_groups}: {len(groups)} parameter groups, the "
+                                      f"engine's optimizer has {len(own_groups)}")
+        # The states the running optimizer keeps per element of a partition (Adam's exp_avg and
+        # exp_avg_sq), from its state of the first partition, when it has one yet.
+        saved = set(self.ck.partitioned_states())
+        inner = self.opt.optimizer
+        kept = self._kept_states()
+        if kept is not None:
+            running, others = kept
+            if running != saved:
+                raise InvalidArgument(
+                    f"{self._where(f.optim, (base or 'zero') + '/state')}: the optimizer states "
+                    f"saved per element are {sorted(saved) or 'none'}, the engine's "
+                    f"{type(inner).__name__} keeps {sorted(running) or 'none'}: a checkpoint of "
+                    "another optimizer")
+            for index, values in small["state_scalars"].items():
+                for key, value in values.items():
+                    if key not in others:
+                        continue
+                    numeric = torch.is_tensor(value) or (isinstance(value, (int, float)) and
+                                                         not isinstance(value, bool))
+                    if not numeric:
+                        raise InvalidArgument(
+                            f"{self._where(f.optim, f'{base}/state/{index}/{key}')}: expected a "
+                            f"number or a tensor, as the engine's optimizer keeps it; found "
+                            f"{type(value).__name__}")
+            step = small.get("step")
+            if step is not None and not (torch.is_tensor(step) or isinstance(step, (int, float))):
+                raise InvalidArgument(f"{self._where(f.optim, 'step')}: expected a number or a "
+                                      f"tensor, found {type(step).__name__}")
+
+    def _kept_states(self):
+        """The state the running optimizer keeps for a partition: (the names it keeps per
+        element, the names of its other values); None where that cannot be told. From its
+        state where it has stepped, else from one step of a copy of its class, with its first
+        group's options, on two elements (DeepSpeed builds the optimizer's state lazily)."""
+        inner = self.opt.optimizer
+        for t in self._partition_tensors():
+            state = inner.state.get(t) if hasattr(inner.state, "get") else None
+            if state:
+                return self._split_state(state, t.numel())
+        try:
+            options = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+            probe = torch.zeros(2, dtype=torch.float32, requires_grad=True)
+            probe.grad = torch.zeros(2, dtype=torch.float32)
+            copy_of = type(inner)([dict(options, params=[probe])])
+            copy_of.step()
+            return self._split_state(copy_of.state[probe], probe.numel())
+        except Exception:  # noqa: BLE001 - an optimizer that cannot be copied so: not checked
+            return None
+
+    @staticmethod
+    def _split_state(state, numel: int):
+        per_element = {k for k, v in state.items()
+                       if torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel}
+        return per_element, {k for k in state if k not in per_element}
+
+    def _partition_tensors(self) -> List[torch.Tensor]:
+        """The fp32 partitions the inner optimizer steps (its state's keys)."""
+        if self.stage3:
+            return list(getattr(self.opt, "fp32_partitioned_groups_flat", []))
+        return list(self.opt.single_partition_of_fp32_groups)
 
     def _optimizer_small(self) -> Dict[str, Any]:
         f = self.files
@@ -534,8 +666,8 @@ class _Resume:
         states = [s for s in self.targets()[1:]]
         own = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
         groups = small["param_groups"]
-        if groups is None or len(groups) != len(own):
-            groups = own  # elastic checkpoints keep none: the engine's own
+        if groups is None:
+            groups = own  # elastic checkpoints keep none: the engine's own (count checked before)
         # Which new partition belongs to which group, and each group's saved state values.
         if self.stage3:
             owner = [int(opt.sub_group_to_group_id[k]) for k in range(len(weights))]
@@ -741,8 +873,17 @@ def _tag(engine, load_dir) -> Optional[str]:
     name = "latest_universal" if universal else "latest"
     path = os.path.join(os.fspath(load_dir), name)
     if os.path.isfile(path):
-        with open(path, "r") as fd:
-            return fd.read().strip()
+        with open(path, "rb") as fd:
+            data = fd.read(4097)
+        try:
+            text = data.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            raise InvalidArgument(f"{path}: the tag it names is not UTF-8 text (byte "
+                                  f"{e.start})") from None
+        if len(data) > 4096 or not text or "\0" in text:
+            raise InvalidArgument(f"{path}: expected the name of a tag folder, found "
+                                  f"{'more than 4 KiB' if len(data) > 4096 else repr(text[:80])}")
+        return text
     if universal:
         raise ValueError(f"Invalid for universal checkpoint: {path} does not exist")
     return None

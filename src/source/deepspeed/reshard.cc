@@ -392,27 +392,44 @@ std::vector<std::string> deepspeed_partitioned_states(const DeepSpeedCheckpoint&
     }
     if (in_group) trained.push_back(&u);
   }
+  // Every state name any partition (universal: any trained parameter) saves, first seen first.
   std::vector<std::string> names;
-  if (!ck.sub_groups.empty() && !ck.sub_groups.front().ranks.empty()) {
-    for (const DeepSpeedState& s : ck.sub_groups.front().ranks.front().states) {
-      names.push_back(s.name);
+  auto note = [&](const std::string& name) {
+    if (name != "fp32" && std::find(names.begin(), names.end(), name) == names.end()) {
+      names.push_back(name);
     }
-  } else if (!trained.empty()) {
-    for (const DeepSpeedState& s : trained.front()->tensors) {
-      if (s.name != "fp32") names.push_back(s.name);
+  };
+  for (const DeepSpeedSubGroup& sg : ck.sub_groups) {
+    for (const DeepSpeedPartition& part : sg.ranks) {
+      for (const DeepSpeedState& s : part.states) note(s.name);
     }
   }
+  for (const DeepSpeedUniversalParam* u : trained) {
+    for (const DeepSpeedState& s : u->tensors) note(s.name);
+  }
+  // A name is partitioned where a partition holds it with the partition's elements. Held so by
+  // some partitions and missing from (or of another size in) others, the checkpoint is
+  // incomplete: refused, naming where it is missing (a resume that skipped the state would
+  // leave it unrestored everywhere).
   std::vector<std::string> out;
   for (const std::string& name : names) {
-    bool every = name != "step";  // one element per partition, whatever the partition's size
+    if (name == "step") continue;  // one element per partition, whatever the partition's size
+    std::uint64_t held = 0;
+    std::string missing;
     for (const DeepSpeedSubGroup& sg : ck.sub_groups) {
-      for (const DeepSpeedPartition& part : sg.ranks) {
+      for (std::size_t r = 0; r < sg.ranks.size(); ++r) {
+        const DeepSpeedPartition& part = sg.ranks[r];
         bool found = false;
         for (const DeepSpeedState& s : part.states) {
           found = found || (s.name == name && (s.tensor.numel == part.fp32.numel ||
                                                s.tensor.numel == sg.partition_numel));
         }
-        every = every && found;
+        held += found ? 1 : 0;
+        if (!found && missing.empty()) {
+          missing = printable(ck.files.at(part.fp32.file).path, 200) + ": no '" + printable(name) + "' of " +
+                    std::to_string(part.fp32.numel) + " elements for the partition of " +
+                    "sub-group " + std::to_string(&sg - ck.sub_groups.data());
+        }
       }
     }
     for (const DeepSpeedUniversalParam* u : trained) {
@@ -420,9 +437,20 @@ std::vector<std::string> deepspeed_partitioned_states(const DeepSpeedCheckpoint&
       for (const DeepSpeedState& s : u->tensors) {
         found = found || (s.name == name && s.tensor.numel == u->numel);
       }
-      every = every && found;
+      held += found ? 1 : 0;
+      if (!found && missing.empty()) {
+        missing = printable(ck.dir) + "/zero/" + printable(u->name) + "/" + printable(name) +
+                  ".pt: missing or not of the parameter's " + std::to_string(u->numel) +
+                  " elements";
+      }
     }
-    if (every) out.push_back(name);
+    if (held == 0) continue;  // saved whole (a scalar state)
+    if (!missing.empty()) {
+      throw InvalidArgument(missing + ", while other " +
+                            (trained.empty() ? "partitions" : "parameters") +
+                            " hold it: an incomplete checkpoint");
+    }
+    out.push_back(name);
   }
   return out;
 }
