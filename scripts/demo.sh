@@ -6,7 +6,10 @@
 # 48-layer scenarios at full size on eight simulated H100s; then writes the same layer as a
 # safetensors checkpoint (into a temporary directory, removed at the end) and loads it straight
 # into the flat buffers at one and two ranks, each reading only its partition, and rehearses the
-# 48-layer load. Needs about 15 GB of free memory and 1.5 GB of disk.
+# 48-layer load; last, DeepSpeed itself saves a small ZeRO-2 checkpoint at two ranks (about 20M
+# parameters, on the CPU) and zeroflat resumes it at two and at three ranks, each rank reading
+# its share of the fp32 master and Adam's states (the table shows its bytes read against its
+# share). Needs about 15 GB of free memory and 1.7 GB of disk.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$here/scripts/setup.sh" "$here/build"
@@ -28,3 +31,17 @@ show write-checkpoint "$ckpt/qwen3-1-layer" --model qwen3-30b-a3b --layers 1 --e
 show load "$ckpt/qwen3-1-layer" --verify
 show load "$ckpt/qwen3-1-layer" --dp 2 --verify
 show load --model qwen3-30b-a3b --layers 48 --device sim:h100-80gb --no-data --dp 8
+python="${ZEROFLAT_VENV:-$here/.venv}/bin/python"
+if [[ "${ZEROFLAT_NO_PYTHON:-0}" == 1 || ! -x "$python" ]]; then
+  echo
+  echo "(the resume of a DeepSpeed checkpoint is left out: it needs the Python environment," \
+       "which ZEROFLAT_NO_PYTHON=1 skips)"
+  exit 0
+fi
+echo
+echo "\$ python scripts/demo_checkpoint.py \$CKPT --world 2 --stage 2   # DeepSpeed's own save"
+PYTHONPATH="$here/build/python" OMP_NUM_THREADS=1 "$python" "$here/scripts/demo_checkpoint.py" \
+  "$ckpt/deepspeed-zero2" --world 2 --stage 2 2>&1 | grep -v "WARNING" || true
+test -f "$ckpt/deepspeed-zero2/latest" || { echo "demo: DeepSpeed did not save the checkpoint" >&2; exit 1; }
+show load "$ckpt/deepspeed-zero2" --from deepspeed --dp 2 --verify
+show load "$ckpt/deepspeed-zero2" --from deepspeed --dp 3 --verify

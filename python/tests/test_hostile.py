@@ -471,3 +471,30 @@ def test_a_universal_folder_missing_one_state_file_is_refused(tmp_path_factory):
         r = cli(*args)
         assert r.returncode == 2, (args, r.stdout[-500:], r.stderr[-500:])
         assert "exp_avg.pt" in r.stderr and victim.name in r.stderr, r.stderr[-500:]
+
+
+def test_universal_step_as_a_number_loads_and_a_missing_fp32_is_named(tmp_path_factory):
+    """ds_to_universal writes step.pt as the optimizer kept the step: a tensor or, for
+    BF16_Optimizer and ZeRO-1, a Python int; both are a universal checkpoint. A trained
+    parameter's folder without fp32.pt is named as such."""
+    import shutil
+
+    from test_resume import TAG, saved, universal
+
+    ckpt = pathlib.Path(saved(tmp_path_factory, 2, 1))
+    universal([ckpt])
+    d = tmp_path_factory.mktemp("universal_step") / "u"
+    shutil.copytree(ckpt / f"{TAG}_universal", d)
+    steps = sorted((d / "zero").glob("*/step.pt"))
+    assert steps, "ds_to_universal wrote no step.pt"
+    for i, s in enumerate(steps):
+        torch.save(2 if i % 2 == 0 else {"param": 2}, s)
+    r = cli("inspect", d, "--json", "--dp", 2)
+    assert r.returncode == 0, r.stderr[-800:]
+    r = cli("load", d, "--from", "deepspeed", "--dp", 2, "--json", "--quiet")
+    assert r.returncode == 0, r.stderr[-800:]
+    victim = steps[0].parent
+    (victim / "fp32.pt").unlink()
+    r = cli("inspect", d, "--json")
+    assert r.returncode == 2 and "fp32.pt: missing" in r.stderr and victim.name in r.stderr, \
+        r.stderr[-800:]

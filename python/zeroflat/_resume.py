@@ -503,7 +503,9 @@ class _Resume:
             first = self.names[self._sub_groups()[0][0]] if self._sub_groups() else None
             at = f.universal_file(first, "step") if first is not None else None
             if at is not None:
-                out["step"] = f.value(at, "")
+                # ds_to_universal saves the step as itself or under 'param' (as the tensors).
+                path = "param" if f.has(at, "param") else ""
+                out["step"] = f.value(at, path)
         return out
 
     def read(self, threads: Optional[int]) -> None:

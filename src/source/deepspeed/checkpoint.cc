@@ -829,6 +829,13 @@ class Builder {
                                 "'s param_shapes lists it)");
         }
         const DeepSpeedUniversalParam& u = ck_.universal[it->second];
+        bool has_fp32 = false;
+        for (const DeepSpeedState& s : u.tensors) has_fp32 = has_fp32 || s.name == "fp32";
+        if (!has_fp32) {
+          throw InvalidArgument(shown(zero_dir) + "/" + printable(p.name) +
+                                "/fp32.pt: missing (every trained parameter's folder holds its "
+                                "fp32 master weights)");
+        }
         for (const DeepSpeedState& s : u.tensors) {
           if (s.name == "step") continue;
           if (s.tensor.numel != p.numel) {
@@ -1072,9 +1079,19 @@ DeepSpeedCheckpoint open_deepspeed_checkpoint(const std::string& dir,
         const TorchFile& t = ck.files[f].torch;
         const TorchTensor* tensor = t.find_tensor("param");
         if (tensor == nullptr) tensor = t.find_tensor("");
+        if (tensor == nullptr && ck.files[f].state == "step") {
+          // ds_to_universal saves the step as the optimizer kept it: a tensor, or a number
+          // (BF16_Optimizer and ZeRO-1 keep a Python int), as itself or under 'param'.
+          const TorchValue* v = t.find("param");
+          if (v == nullptr) v = t.find("");
+          if (v != nullptr && (v->kind == TorchKind::kInt || v->kind == TorchKind::kFloat)) {
+            continue;  // a value the resume reads whole, not a tensor of the parameter
+          }
+        }
         if (tensor == nullptr) {
           throw InvalidArgument(shown(ck.files[f].path) +
-                                ": expected a tensor, or a dict with the tensor under 'param'");
+                                ": expected a tensor, or a dict with the tensor under 'param'" +
+                                (ck.files[f].state == "step" ? " (or, for step.pt, a number)" : ""));
         }
         u.tensors.push_back({ck.files[f].state, b.from(f, *tensor)});
         if (ck.files[f].state == "fp32") {

@@ -1,0 +1,108 @@
+"""Saves a small ZeRO checkpoint with DeepSpeed itself, for the main job's resume (scripts/demo.sh):
+a model of a few decoder-like blocks (about 20M parameters, two optimizer groups, a frozen
+parameter and a buffer), trained two AdamW steps in bf16 at WORLD ranks on the CPU (gloo), then
+saved by `engine.save_checkpoint(OUT, tag="step2")`.
+
+    python scripts/demo_checkpoint.py OUT [--world 2] [--stage 2] [--hidden 512] [--layers 4]"""
+
+import argparse
+import os
+import socket
+import sys
+
+
+class Blocks:
+    """Built inside the rank (torch is imported there)."""
+
+    @staticmethod
+    def make(hidden, layers, vocab):
+        import torch
+
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.embed = torch.nn.Embedding(vocab, hidden)
+                self.blocks = torch.nn.ModuleList(
+                    torch.nn.Sequential(torch.nn.LayerNorm(hidden),
+                                        torch.nn.Linear(hidden, 4 * hidden),
+                                        torch.nn.GELU(),
+                                        torch.nn.Linear(4 * hidden, hidden))
+                    for _ in range(layers))
+                self.head = torch.nn.Linear(hidden, 7)
+                self.frozen = torch.nn.Parameter(torch.randn(11), requires_grad=False)
+                self.register_buffer("scale", torch.arange(3, dtype=torch.float32))
+
+            def forward(self, x):
+                h = self.embed(x)
+                for b in self.blocks:
+                    h = h + b(h)
+                return self.head(h).float().pow(2).mean() + self.frozen.sum() * 0
+
+            def groups(self):
+                decay = [p for n, p in self.named_parameters() if p.requires_grad and p.dim() > 1]
+                other = [p for n, p in self.named_parameters() if p.requires_grad and p.dim() <= 1]
+                return [{"params": decay, "weight_decay": 0.01},
+                        {"params": other, "weight_decay": 0.0}]
+
+        return Model()
+
+
+def rank_main(rank, world, port, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import logging
+
+    import torch
+
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    # The CPU accelerator would compile a shared-memory all-reduce on first use; gloo does.
+    import importlib
+
+    importlib.import_module("deepspeed.comm")
+    comm_torch = sys.modules["deepspeed.comm.torch"]
+    if hasattr(comm_torch, "build_shm_op"):
+        comm_torch.build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    model = Blocks.make(args.hidden, args.layers, args.vocab)
+    optimizer = torch.optim.AdamW(model.groups(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": args.stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 1 << 30}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        loss = engine(torch.randint(0, args.vocab, (2, 8), generator=gen))
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(args.out, tag="step2")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    args = p.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import torch.multiprocessing as mp
+
+    mp.start_processes(rank_main, args=(args.world, port, args), nprocs=args.world, join=True,
+                       start_method="fork")
+
+
+if __name__ == "__main__":
+    main()
