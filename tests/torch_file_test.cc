@@ -17,6 +17,7 @@
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/error.h"
 #include "zeroflat/layout.h"
+#include "zeroflat/resume.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat {
@@ -654,6 +655,7 @@ TEST(TorchFile, RealTorchSaveArchive) {
 
 // ---- the reads of a resume at a new world size, on a described checkpoint --------------------
 
+
 // A ZeRO-1/2 checkpoint of one group saved by `world` ranks: each rank's fp32 partition in file
 // `rank` at offset 1000 * (rank + 1), exp_avg after it, step elsewhere.
 DeepSpeedCheckpoint zero12(const std::vector<std::uint64_t>& numels, std::uint64_t world) {
@@ -706,7 +708,7 @@ DeepSpeedCheckpoint zero12(const std::vector<std::uint64_t>& numels, std::uint64
   return ck;
 }
 
-TEST(DeepSpeedRankReads, Zero12EveryElementOnceFromTheRankThatSavedIt) {
+TEST(ResumePlan, Zero12EveryElementOnceFromTheRankThatSavedIt) {
   const std::vector<std::uint64_t> numels{481, 13, 13, 7, 100, 1};
   for (std::uint64_t saved : {1, 2, 3}) {
     const DeepSpeedCheckpoint ck = zero12(numels, saved);
@@ -715,47 +717,66 @@ TEST(DeepSpeedRankReads, Zero12EveryElementOnceFromTheRankThatSavedIt) {
     const Layout old_layout = Layout::compute(numels, oo);
     const std::uint64_t P = old_layout.partition_numel();
     for (std::uint64_t world : {1, 2, 3, 4, 7}) {
-      LayoutOptions no;
-      no.dp = world;
-      const Layout nl = Layout::compute(numels, no);
+      ResumeOptions ro;
+      ro.world = world;
+      const ResumePlan plan = plan_resume(ck, ro);
+      ASSERT_EQ(plan.targets, (std::vector<std::string>{"fp32", "exp_avg"}));
+      ASSERT_EQ(plan.buffers.size(), 2u);
+      // The step, read whole once: from the first saving rank's file.
+      ASSERT_EQ(plan.small.size(), 1u);
+      EXPECT_EQ(plan.small[0].target, "step");
+      EXPECT_EQ(plan.small[0].tensor.file, 0u);
+      const Layout nl = Layout::compute(numels, plan.buffers[0].layout);
       std::uint64_t total = 0;
       for (std::uint64_t r = 0; r < world; ++r) {
-        const DeepSpeedRankReads rr = deepspeed_rank_reads(ck, world, r);
-        ASSERT_EQ(rr.partition_numel, std::vector<std::uint64_t>{nl.partition_numel()});
+        const ResumeRank rr = resume_rank(plan, r);
         // The flat element each destination must hold, and the flat element each read brings.
-        std::vector<std::int64_t> want(nl.partition_numel(), -1), got_fp32(want), got_avg(want);
+        std::vector<std::int64_t> want(nl.partition_numel(), -1);
         for (const Fragment& f : nl.rank(r).fragments) {
           for (std::uint64_t k = 0; k < f.numel; ++k) {
             want[f.partition_offset + k] =
                 static_cast<std::int64_t>(old_layout.offsets()[f.param] + f.param_offset + k);
           }
         }
-        int steps = 0;
-        for (const DeepSpeedRead& x : rr.reads) {
-          total += x.target == "fp32" ? x.numel : 0;
-          if (x.target == "step") {
-            ++steps;
-            continue;
+        for (std::size_t i = 0; i < plan.buffers.size(); ++i) {
+          const ResumeRankBuffer& b = rr.buffers[i];
+          const bool fp32 = plan.buffers[i].target == "fp32";
+          ASSERT_EQ(b.partition_numel, nl.partition_numel());
+          EXPECT_EQ(b.kept_bytes, 4 * nl.partition_numel());
+          EXPECT_EQ(b.data_numel, nl.partition_numel() - nl.rank(r).padding);
+          EXPECT_EQ(b.share_bytes, 4 * b.data_numel);
+          std::vector<std::int64_t> got(want.size(), -1);
+          std::uint64_t bytes = 0;
+          for (const PlannedRead& x : b.reads) {
+            const std::uint64_t q = x.file;
+            const std::uint64_t base = 1000 * (q + 1) + (fp32 ? 0 : 500);
+            ASSERT_EQ(x.bytes, 4 * x.numel);
+            bytes += x.bytes;
+            total += fp32 ? x.numel : 0;
+            for (std::uint64_t k = 0; k < x.numel; ++k) {
+              ASSERT_LT(x.dest + k, got.size());
+              EXPECT_EQ(got[x.dest + k], -1) << "read twice";
+              got[x.dest + k] = static_cast<std::int64_t>(q * P + (x.offset - base) / 4 + k);
+            }
           }
-          const std::uint64_t q = x.file;
-          const std::uint64_t base = 1000 * (q + 1) + (x.target == "exp_avg" ? 500 : 0);
-          ASSERT_EQ(x.bytes, 4 * x.numel);
-          for (std::uint64_t k = 0; k < x.numel; ++k) {
-            auto& slot = (x.target == "fp32" ? got_fp32 : got_avg)[x.dest + k];
-            EXPECT_EQ(slot, -1) << "read twice";
-            slot = static_cast<std::int64_t>(q * P + (x.offset - base) / 4 + k);
-          }
+          EXPECT_EQ(b.read_bytes, bytes);
+          EXPECT_EQ(got, want) << saved << " -> " << world << " rank " << r << " "
+                               << plan.buffers[i].target;
         }
-        EXPECT_EQ(got_fp32, want) << saved << " -> " << world << " rank " << r;
-        EXPECT_EQ(got_avg, want) << saved << " -> " << world << " rank " << r;
-        EXPECT_EQ(steps, 1);
-        EXPECT_EQ(rr.data_numel[0], nl.partition_numel() - nl.rank(r).padding);
       }
       EXPECT_EQ(total, 615u);  // every parameter element, once over all new ranks
     }
   }
-  EXPECT_THROW((void)deepspeed_rank_reads(zero12(numels, 2), 0, 0), InvalidArgument);
-  EXPECT_THROW((void)deepspeed_rank_reads(zero12(numels, 2), 2, 2), InvalidArgument);
+  ResumeOptions bad;
+  bad.world = 0;
+  EXPECT_THROW((void)plan_resume(zero12(numels, 2), bad), InvalidArgument);
+  bad.world = 2;
+  EXPECT_THROW((void)resume_rank(plan_resume(zero12(numels, 2), bad), 2), InvalidArgument);
+  bad.states = std::vector<std::string>{"momentum_buffer"};
+  EXPECT_THROW((void)plan_resume(zero12(numels, 2), bad), InvalidArgument);
+  bad.states.reset();
+  bad.stage = 3;  // a ZeRO-2 checkpoint under ZeRO-3
+  EXPECT_THROW((void)plan_resume(zero12(numels, 2), bad), InvalidArgument);
 }
 
 }  // namespace

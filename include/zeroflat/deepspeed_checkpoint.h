@@ -192,69 +192,20 @@ bool is_deepspeed_checkpoint(const std::string& dir) noexcept;
 DeepSpeedCheckpoint open_deepspeed_checkpoint(const std::string& dir,
                                               const std::optional<std::string>& tag = {});
 
-// One read of a new rank's resume: bytes [offset, offset + bytes) of a file, holding elements
-// [dest, dest + numel) of a target.
-struct DeepSpeedRead {
-  std::uint32_t file = 0;      // index into DeepSpeedCheckpoint::files
-  std::uint64_t offset = 0;
-  std::uint64_t bytes = 0;
-  // "fp32" (the master partition), an optimizer state's name ("exp_avg"), or "module" (a
-  // frozen parameter or a buffer: param names it).
-  std::string target;
-  // fp32 and states: the new rank's sub-group (ZeRO-1/2: group) whose partition it fills, and
-  // dest counts from that partition's first element. A state that is not partitioned (step,
-  // one element) is read whole, once per sub-group, dest 0. module: dest counts from the
-  // tensor's first element (ZeRO-3: of the new rank's partition of a frozen parameter).
-  std::uint64_t sub_group = 0;
-  std::string param;
-  std::uint64_t dest = 0;
-  std::uint64_t numel = 0;
-};
-
-struct DeepSpeedReshardOptions {
-  // The new run's release rules (which parameters enter its groups); default: the saving
-  // release's (DeepSpeedCheckpoint::ds_version).
-  std::optional<ReleaseRules> rules;
-  // ZeRO-3: the new run's sub_group_size; default: the saved configuration's.
-  std::optional<std::uint64_t> sub_group_size;
-  bool states = true;  // read the optimizer states too
-  bool module = true;  // read frozen parameters and buffers too
-};
-
-// What one new rank reads.
-struct DeepSpeedRankReads {
-  std::uint64_t world = 0;
-  std::uint64_t rank = 0;
-  // Per new sub-group (ZeRO-1/2: group), the rank's partition: elements, and how many of them
-  // hold data (the rest is padding, which nothing is read for).
-  std::vector<std::uint64_t> partition_numel;
-  std::vector<std::uint64_t> data_numel;
-  std::vector<DeepSpeedRead> reads;  // by target, sub-group, destination; adjacent ranges merged
-  std::uint64_t bytes = 0;           // their sum
-};
-
-// The reads that give rank `rank` of a new data-parallel world of `world` ranks its share of
-// the checkpoint: its partition of every group's fp32 master and optimizer states (ZeRO-1/2:
-// the new flat layout is layout_for_release over each group's parameters with the saved
-// round-robin and parameter alignment, alignment factor 2, dp `world`; ZeRO-3: each parameter
-// partitioned over `world` (zero3.h), sub-groups recut with the sub_group_size), and the frozen
-// parameters and buffers it holds (ZeRO-1/2: all of them, whole; ZeRO-3: its partition of each
-// frozen parameter, every buffer). Each data element of the new partition is read exactly once,
-// from whichever saved rank's file holds it; padding is never read. The 16-bit weights are not
-// read: DeepSpeed rebuilds them from the fp32 master. Pure arithmetic on the checkpoint's
-// description: nothing is read here. Requires 1 <= world <= kMaxDp and rank < world, else
-// InvalidArgument; InvalidArgument when the checkpoint lacks what is needed (no optimizer
-// states: a module-only checkpoint) or the rules refuse the saved options.
-DeepSpeedRankReads deepspeed_rank_reads(const DeepSpeedCheckpoint& checkpoint,
-                                        std::uint64_t world, std::uint64_t rank,
-                                        const DeepSpeedReshardOptions& options = {});
+// Whether state s of a saved partition is saved per element of it: as long as the partition's
+// fp32 master, with or without its padding (Adam's exp_avg), never step (one element, whatever
+// the partition's size). The one test of it; the rest of a state is read whole.
+bool deepspeed_state_partitioned(const DeepSpeedState& s, const DeepSpeedPartition& part,
+                                 const DeepSpeedSubGroup& sub_group) noexcept;
 
 // The optimizer states saved per element, partitioned as the fp32 master is (Adam's exp_avg and
 // exp_avg_sq; not step), in the order the first saving rank's file (universal: the first trained
 // parameter's files) lists them: the state targets deepspeed_source takes. A name is one when
 // every saved partition (universal: every parameter of the optimizer's groups; frozen ones and
 // buffers keep fp32.pt alone) holds it with the fp32 master's elements (with or without the
-// partition's padding). Empty for a checkpoint without optimizer states.
+// partition's padding). Empty for a checkpoint without optimizer states. A state that some
+// partitions (parameters) hold so and others lack, or hold with another size, is an incomplete
+// checkpoint: InvalidArgument naming the file (folder) where it is missing.
 std::vector<std::string> deepspeed_partitioned_states(const DeepSpeedCheckpoint& checkpoint);
 
 // A kind of saved values as tensors the loader reads (loader.h), so that a resume is a load

@@ -155,6 +155,30 @@ std::uint64_t partitions_read_bytes(const CheckpointIndex& checkpoint,
                                     std::span<const LoadParam> params, std::uint64_t world,
                                     std::uint64_t rank);
 
+// Where a load places a group: ZeRO-1/2's slice of the flat layout (load_slice), or ZeRO-3's
+// partitions back to back (load_partitions).
+enum class LoadPlacement : std::uint8_t { kSlice, kPartitions };
+
+// One file read a load issues: `bytes` of file `file` (an index into checkpoint.files) from
+// `offset`, `numel` elements that land at element `dest` of the rank's buffer (its slice; its
+// partitions back to back).
+struct PlannedRead {
+  std::uint32_t file = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t dest = 0;
+  std::uint64_t numel = 0;
+};
+
+// The reads rank `rank` issues for its buffer of `params` laid out with `layout` (layout.dp: the
+// world) under `placement`: the kRead steps of the loader's read plan for that placement, in
+// order, known before anything is read. Their bytes are what the load reports as bytes_read.
+// Throws InvalidArgument as partition_read_bytes does, and for a rank outside the world.
+std::vector<PlannedRead> planned_reads(const CheckpointIndex& checkpoint,
+                                       std::span<const LoadParam> params,
+                                       const LayoutOptions& layout, LoadPlacement placement,
+                                       std::uint64_t rank);
+
 // Tensor `name` of the checkpoint read whole into dst (host memory, t->numel elements of `to`):
 // converted to `to` as torch rounds, or, when to is none, its bytes as stored (any dtype, for a
 // model's integer buffers). Throws InvalidArgument for a tensor the checkpoint does not hold or

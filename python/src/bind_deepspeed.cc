@@ -12,6 +12,7 @@
 
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/error.h"
+#include "zeroflat/resume.h"
 #include "zeroflat/torch_file.h"
 
 namespace py = pybind11;
@@ -146,7 +147,89 @@ py::list params_of(const zf::DeepSpeedGroup& g) {
 
 }  // namespace
 
+namespace {
+
+std::optional<zf::DType> dtype_or_none(const std::optional<std::string>& name, const char* what) {
+  if (!name) return std::nullopt;
+  const std::optional<zf::DType> t = zf::try_parse_dtype(*name);
+  if (!t) throw zf::InvalidArgument(std::string(what) + " '" + *name + "': expected bf16, fp16 or fp32");
+  return t;
+}
+
+const char* placement_name(zf::LoadPlacement p) {
+  return p == zf::LoadPlacement::kSlice ? "slice" : "partitions";
+}
+
+}  // namespace
+
 void bind_deepspeed(py::module_& m) {
+  // The resume's plan (resume.h): what every rank keeps and where it comes from. The caller hands
+  // in the running engine's groups and layout choices; Python computes no layout of its own.
+  py::class_<zf::ResumeBuffer>(m, "ResumeBuffer")
+      .def_readonly("target", &zf::ResumeBuffer::target)
+      .def_readonly("group", &zf::ResumeBuffer::group)
+      .def_property_readonly("placement",
+                             [](const zf::ResumeBuffer& b) { return placement_name(b.placement); })
+      .def_readonly("layout", &zf::ResumeBuffer::layout)
+      .def_readonly("numels", &zf::ResumeBuffer::numels)
+      .def_property_readonly(
+          "index", [](const zf::ResumeBuffer& b) -> const zf::CheckpointIndex& { return b.source.index; },
+          py::return_value_policy::reference_internal)
+      .def_property_readonly("params",
+                             [](const zf::ResumeBuffer& b) { return b.source.params; });
+  py::class_<zf::ResumePlan>(m, "ResumePlan")
+      .def_readonly("stage", &zf::ResumePlan::stage)
+      .def_readonly("world", &zf::ResumePlan::world)
+      .def_readonly("targets", &zf::ResumePlan::targets)
+      .def_readonly("buffers", &zf::ResumePlan::buffers, py::return_value_policy::reference_internal)
+      .def_readonly("left_out", &zf::ResumePlan::left_out)
+      .def_readonly("params", &zf::ResumePlan::params)
+      // This rank's figures: (kept_bytes, share_bytes, read_bytes) over its buffers, from the
+      // reads the loader issues.
+      .def("rank_bytes", [](const zf::ResumePlan& plan, std::uint64_t rank) {
+        zf::ResumeRank r;
+        {
+          py::gil_scoped_release nogil;
+          r = zf::resume_rank(plan, rank);
+        }
+        return py::make_tuple(r.kept_bytes, r.share_bytes, r.read_bytes);
+      });
+  m.def(
+      "plan_resume",
+      [](const zf::DeepSpeedCheckpoint& ck, std::uint64_t world, int stage,
+         std::optional<std::vector<std::string>> states, bool module_weights,
+         std::vector<std::vector<std::string>> groups,
+         std::vector<std::vector<std::uint64_t>> group_numels, std::vector<std::string> frozen,
+         std::vector<std::uint64_t> frozen_numels, std::optional<std::string> frozen_dtype,
+         std::optional<bool> round_robin, std::optional<bool> parameter_alignment,
+         std::uint64_t alignment_factor, std::optional<std::string> weights_dtype) {
+        zf::ResumeOptions o;
+        o.world = world;
+        o.stage = stage;
+        o.states = std::move(states);
+        o.module_weights = module_weights;
+        o.groups = std::move(groups);
+        o.group_numels = std::move(group_numels);
+        o.frozen = std::move(frozen);
+        o.frozen_numels = std::move(frozen_numels);
+        o.frozen_dtype = dtype_or_none(frozen_dtype, "frozen_dtype");
+        o.round_robin = round_robin;
+        o.parameter_alignment = parameter_alignment;
+        o.alignment_factor = alignment_factor;
+        o.weights_dtype = dtype_or_none(weights_dtype, "weights_dtype");
+        py::gil_scoped_release nogil;
+        return zf::plan_resume(ck, o);
+      },
+      py::arg("checkpoint"), py::kw_only(), py::arg("world"), py::arg("stage") = 0,
+      py::arg("states") = py::none(), py::arg("module_weights") = false,
+      py::arg("groups") = std::vector<std::vector<std::string>>{},
+      py::arg("group_numels") = std::vector<std::vector<std::uint64_t>>{},
+      py::arg("frozen") = std::vector<std::string>{},
+      py::arg("frozen_numels") = std::vector<std::uint64_t>{},
+      py::arg("frozen_dtype") = py::none(), py::arg("round_robin") = py::none(),
+      py::arg("parameter_alignment") = py::none(), py::arg("alignment_factor") = 2,
+      py::arg("weights_dtype") = py::none());
+
   // The reader's allow-list, the one list of what a file may name (torch_file.h), as
   // (module, name, how a value of it is made, what the reader lets it do, why it is listed).
   m.def("allowed_globals", [] {

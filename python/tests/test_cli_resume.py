@@ -103,3 +103,28 @@ def test_bad_stages_and_missing_files_are_exit_2_naming_them(tmp_path_factory, t
         (dst / TAG / missing).unlink()
         r = zeroflat("load", dst, "--from", "deepspeed", "--dp", 3, expect_rc=2)
         assert missing in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("stage,saved_world", [(1, 2), (2, 2), (3, 2), (2, 1), (3, 1),
+                                               ("universal", 2)])
+def test_inspect_plans_the_bytes_the_loader_reads(tmp_path_factory, stage, saved_world):
+    """inspect --dp W and `load --from deepspeed --dp W` take their plan from the same library
+    operation: every rank's bytes in inspect's plan are the bytes the loader counted reading,
+    for every format and world the resume tests use."""
+    if stage == "universal":
+        from test_torch_file import universal_of
+        ckpt = universal_of(tmp_path_factory)
+    else:
+        ckpt = saved(tmp_path_factory, None, stage, saved_world)
+    for world in (1, 2, 3, 4):
+        plan = inspect_checkpoint(ckpt, "--json", "--dp", world)["resume"]
+        doc = resume(ckpt, "--dp", world)
+        assert doc["exit"] == 0, doc["error"]
+        for r, (rank, planned) in enumerate(zip(doc["ranks"], plan["ranks"])):
+            loader = {(x["target"], x["group"]): x["bytes_read"] for x in rank["loads"]}
+            mine = {(b["target"], b["group"]): b["read_bytes"] for b in planned["buffers"]
+                    if b["target"] != "frozen"}
+            assert loader == mine, (stage, saved_world, world, r, loader, mine)
+            assert rank["bytes_read"] == sum(mine.values())
+            assert rank["share_bytes"] == sum(b["share_bytes"] for b in planned["buffers"]
+                                              if b["target"] != "frozen")

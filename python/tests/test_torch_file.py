@@ -421,9 +421,12 @@ def new_partitions(doc, values, world, rank):
 
 
 def check_resume(ckpt, doc, world):
-    """`inspect --dp world`: every rank's reads rebuild its share exactly."""
+    """`inspect --dp world`: every rank's reads (the loader's own, buffer by buffer) rebuild its
+    share exactly, and the small tensors it reads whole are the steps, frozen parameters and
+    buffers."""
     plan = inspect(ckpt, "--json", "--dp", world, *(["--tag", doc["tag"]]))["resume"]
     assert plan["world"] == world and len(plan["ranks"]) == world
+    zero3 = doc["zero_stage"] == 3
     if doc["format"] == "universal":
         values = {}
         for u in doc["universal"]:
@@ -437,32 +440,45 @@ def check_resume(ckpt, doc, world):
     else:
         values, steps = saved_values(ckpt, doc)
     files = [f["path"] for f in doc["files"]]
+    # The steps and the module file's tensors: read whole, the same for every rank.
+    small = {(s["target"], s["group"], s["name"]): read_range(files[s["file"]], s["offset"],
+                                                              s["bytes"])
+             for s in plan["small"]}
+    if steps is not None:
+        for g, step in enumerate(steps):
+            got = torch.frombuffer(bytearray(small[("step", g, "")]), dtype=torch.float32)
+            assert same_bits(got, step.reshape(1)), (ckpt, g)
+    module = {name for target, _, name in small if target == "module"}
+    if zero3:
+        assert any(b["target"] == "frozen" for b in plan["buffers"])
+        module.add("frozen")
+    assert module == {"frozen", "scale"}, module
     total = 0
     for r, rank in enumerate(plan["ranks"]):
         want = new_partitions(doc, values, world, r)
-        assert rank["partition_numel"] == [w[0].numel() for w in want]
-        got = [[torch.zeros(w[0].numel()), torch.zeros(w[0].numel())] for w in want]
-        seen_steps = {}
-        module = {}
+        if zero3:  # one buffer per target: every group's partitions back to back
+            want = [[torch.cat([w[0] for w in want]), torch.cat([w[1] for w in want])]]
+        keys = [(b["target"], b["group"]) for b in rank["buffers"]]
+        numel = {k: b["partition_numel"] for k, b in zip(keys, rank["buffers"])}
+        got = {k: torch.zeros(n) for k, n in numel.items() if k[0] in ("fp32", "exp_avg")}
         for x in rank["reads"]:
+            key = (x["target"], x["group"])
+            if key not in got:
+                continue
             data = read_range(files[x["file"]], x["offset"], x["bytes"])
-            if x["target"] in ("fp32", "exp_avg"):
-                v = torch.frombuffer(bytearray(data), dtype=torch.float32)
-                assert v.numel() == x["numel"]
-                got[x["sub_group"]][0 if x["target"] == "fp32" else 1][
-                    x["dest"]:x["dest"] + x["numel"]] = v
-                if x["target"] == "fp32":
-                    total += x["numel"]
-            elif x["target"] == "step":
-                seen_steps[x["sub_group"]] = torch.frombuffer(bytearray(data), dtype=torch.float32)
-            elif x["target"] == "module":
-                module.setdefault(x["param"], []).append((x["dest"], data))
-        for g, (w, h) in enumerate(zip(want, got)):
-            assert same_bits(w[0], h[0]), (ckpt, world, r, g, "fp32")
-            assert same_bits(w[1], h[1]), (ckpt, world, r, g, "exp_avg")
-            if steps is not None:
-                assert same_bits(seen_steps[g], steps[g].reshape(1)), (ckpt, world, r, g)
-        assert set(module) == {"frozen", "scale"}, module.keys()
+            v = torch.frombuffer(bytearray(data), dtype=torch.float32)
+            assert v.numel() == x["numel"]
+            got[key][x["dest"]:x["dest"] + x["numel"]] = v
+            if x["target"] == "fp32":
+                total += x["numel"]
+        groups = [None] if zero3 else [g for g in range(len(want))]
+        for g, w in zip(groups, want):
+            assert numel[("fp32", g)] == w[0].numel(), (r, g)
+            assert same_bits(w[0], got[("fp32", g)]), (ckpt, world, r, g, "fp32")
+            assert same_bits(w[1], got[("exp_avg", g)]), (ckpt, world, r, g, "exp_avg")
+        # The bytes each rank reads are its buffers' reads and the small tensors'.
+        assert rank["read_bytes"] == sum(x["bytes"] for x in rank["reads"])
+        assert rank["bytes"] == rank["read_bytes"] + sum(s["bytes"] for s in plan["small"])
     assert total == sum(g["numel"] for g in doc["groups"])  # each element once, over all ranks
 
 
@@ -528,7 +544,9 @@ def test_fp16_checkpoint_with_a_dynamic_loss_scaler(tmp_path_factory):
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in names  # no bf16_ prefix
 
 
-def test_universal_checkpoint(tmp_path_factory):
+def universal_of(tmp_path_factory):
+    """The ZeRO-2 checkpoint saved at 2 ranks, converted by ds_to_universal (once): its tag
+    folder."""
     ckpt = saved(tmp_path_factory, None, 2, 2)
     out = ckpt / f"{TAG}_universal"
     if not out.exists():
@@ -538,6 +556,12 @@ def test_universal_checkpoint(tmp_path_factory):
                            env=dict(os.environ, DS_ACCELERATOR="cpu"), capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-4000:]
+    return out
+
+
+def test_universal_checkpoint(tmp_path_factory):
+    ckpt = saved(tmp_path_factory, None, 2, 2)
+    universal_of(tmp_path_factory)
     doc = inspect(ckpt, "--json", "--tag", f"{TAG}_universal")
     assert doc["format"] == "universal" and doc["world"] == 2
     names = {u["name"] for u in doc["universal"]}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 log = logging.getLogger("zeroflat.deepspeed")
 
@@ -40,3 +40,17 @@ def built(kind: str, tier: str) -> None:
     stats["optimizers"].append(kind)
     if tier == "adopted":
         stats["adopted"] += 1
+
+
+def round_robin_offsets(opt, i: int, numels: List[int], padding: List[int]) -> List[int]:
+    """Where DeepSpeedZeroOptimizer's group i puts its parameters (round-robin order, numels and
+    paddings in that order) in its flat buffer: the release's own offsets (0.19.8 keeps them),
+    else a concatenation with each parameter's padding after it, as unflatten reads it back."""
+    offsets = getattr(opt, "round_robin_bit16_offsets", None)
+    if offsets is not None and len(offsets) > i:
+        return list(offsets[i])
+    out, at = [], 0
+    for n, pad in zip(numels, padding):
+        out.append(at)
+        at += n + pad
+    return out

@@ -15,12 +15,9 @@ two the Python package adds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 from . import _C
-
-if TYPE_CHECKING:
-    from ._common import FlatGroup
 
 Error = _C.Error
 InvalidArgument = _C.InvalidArgument
@@ -45,12 +42,12 @@ class ExecutionError(Error):
 
     ``outcome`` says what the parameters hold now: ``"rolled back"`` (their original storage,
     untouched), ``"recovered"`` (their original values, as views into a completed flat buffer,
-    which ``flat_group`` then holds) or ``"lost"`` (recovery failed too; the message says what
+    which ``flat_group``, a ``zeroflat.FlatGroup``, then holds) or ``"lost"`` (recovery failed too; the message says what
     this rank still had).
     """
 
     def __init__(self, message: str, outcome: str, report: dict,
-                 flat_group: Optional["FlatGroup"] = None):
+                 flat_group: Optional[Any] = None):
         super().__init__(message)
         self.outcome = outcome
         self.report = report

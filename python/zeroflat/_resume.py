@@ -34,9 +34,14 @@ import torch.distributed as dist
 
 from . import _C, _dropin
 from ._comm import all_reduce_ints
-from ._dropin import log, stats
+from ._common import TORCH_DTYPES, dtype_name
+from ._dropin import log, round_robin_offsets, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._progress import Watch
+
+# The loader's door for each placement a resume plan names (zeroflat/resume.h).
+_LOADS = {"slice": _C.load_slice, "partitions": _C.load_partitions}
+
 
 # --- which calls zeroflat serves ----------------------------------------------------------------
 
@@ -283,8 +288,6 @@ class _Resume:
 
     def _offsets(self, i: int) -> List[int]:
         """ZeRO-1/2 group i's parameters' offsets in its flat buffer, in group order."""
-        from .deepspeed import round_robin_offsets
-
         opt = self.opt
         rr = list(opt.round_robin_bit16_groups[i])
         paddings = getattr(opt, "round_robin_bit16_padding", None)
@@ -508,136 +511,92 @@ class _Resume:
                 out["step"] = f.value(at, path)
         return out
 
+    def plan(self):
+        """The library's plan of this resume (zeroflat/resume.h): this rank's buffers, their
+        sources, layouts and placements, for the running engine's groups and layout choices."""
+        opt, subs = self.opt, self._sub_groups()
+        targets = self.targets()
+        trained = {p for params in subs for p in params}
+        kw = dict(world=self.dp, stage=3 if self.stage3 else 2, states=targets[1:],
+                  module_weights=targets[0] == "module",
+                  groups=[[self.names[p] for p in params] for params in subs])
+        if self.stage3:
+            kw["group_numels"] = [[int(p.ds_numel) for p in params] for params in subs]
+            frozen = [p for p in self.names if p not in trained]
+            if frozen:
+                dtypes = {p.ds_tensor.dtype for p in frozen}
+                kw["frozen"] = [self.names[p] for p in frozen]
+                kw["frozen_numels"] = [int(p.ds_numel) for p in frozen]
+                kw["frozen_dtype"] = (dtype_name(dtypes.pop(), "frozen dtype")
+                                      if len(dtypes) == 1 else "fp32")
+            self._frozen_params = frozen
+        else:
+            kw["group_numels"] = [[p.numel() for p in params] for params in subs]
+            kw["round_robin"] = bool(getattr(opt, "round_robin_gradients", False))
+            kw["parameter_alignment"] = bool(getattr(opt, "parameter_alignment", False))
+            kw["alignment_factor"] = int(getattr(opt, "nccl_start_alignment_factor", 2))
+            kw["weights_dtype"] = dtype_name(opt.bit16_groups_flat[0].dtype, "16-bit dtype")
+        return _C.plan_resume(self.ck, **kw)
+
     def read(self, threads: Optional[int]) -> None:
-        """Every partition this rank keeps, read into fresh tensors on the host: per target, per
-        partition (ZeRO-1/2 group, ZeRO-3 sub-group). Collective. The ranks compare their
+        """Every buffer this rank keeps, read into fresh tensors on the host, as the library's
+        plan says (one load per buffer: its placement's). Collective. The ranks compare their
         checkpoint's headers in every load, not samples of its bytes (copies="off"): each reads
         bytes no other rank reads."""
         from ._load import engine_and_comm
 
-        targets = self.targets()
+        plan = self.plan()
         subs = self._sub_groups()
-        plan = [f"resume {self.ck.dir} tag {self.ck.tag}", f"format {self.ck.format}",
-                f"saved world {self.ck.world} release {self.ck.ds_version}",
-                f"targets {targets}", f"partitions {len(subs)}", f"stage3 {self.stage3}",
-                f"world {self.dp}"]
+        must_match = [f"resume {self.ck.dir} tag {self.ck.tag}", f"format {self.ck.format}",
+                      f"saved world {self.ck.world} release {self.ck.ds_version}",
+                      f"targets {plan.targets}", f"partitions {len(subs)}",
+                      f"stage3 {self.stage3}", f"world {self.dp}"]
         engine, nthreads, comm, _ = engine_and_comm(torch.device("cpu"), threads, self.dp,
                                                     self.group if self.dp > 1 else None)
         self._comm = comm
+        _, _, expected = plan.rank_bytes(self.rank)
         watch = Watch(f"resume from {self.ck.dir}", self.rank, self.dp, _dropin.progress,
-                      self._expected_bytes(targets, subs))
+                      expected)
         with watch:
-            self._read_all(targets, subs, plan, engine, nthreads, comm, watch.counts)
+            for i, b in enumerate(plan.buffers):
+                self._read_buffer(b, must_match if i == 0 else [], engine, nthreads, comm,
+                                  watch.counts)
 
-    def _expected_bytes(self, targets, subs) -> int:
-        """About what this rank reads: its partition of every target (fp32 states; the module's
-        16-bit weights at their own size), and under ZeRO-3 its frozen parameters'. 0 (the
-        loads' own plans then give the total) where the optimizer does not say."""
-        try:
-            return self._partition_bytes(targets, subs)
-        except (AttributeError, IndexError, TypeError):
-            return 0
-
-    def _partition_bytes(self, targets, subs) -> int:
-        if self.stage3:
-            mine = sum(int(p.ds_tensor.numel()) for sub in subs for p in sub) * 4
-            frozen = sum(int(p.ds_tensor.numel()) * p.ds_tensor.element_size()
-                         for p in self.names if not any(p is q for sub in subs for q in sub))
-            return mine * len(targets) + frozen
-        total = 0
-        for target in targets:
-            for i in range(len(subs)):
-                n = self.opt.single_partition_of_fp32_groups[i].numel()
-                esize = (self.opt.bit16_groups_flat[i].element_size() if target == "module"
-                         else 4)
-                total += n * esize
-        return total
-
-    def _read_all(self, targets, subs, plan, engine, nthreads, comm, counts) -> None:
-        from ._load import call_loader
-        from ._common import layout_options
-
-        first = True
-        for target in targets:
-            if self.stage3:
-                self.values[target] = self._read_partitions(target, subs, plan if first else [],
-                                                            engine, nthreads, comm, counts)
-                first = False
-                continue
-            out = []
-            for i, params in enumerate(subs):
-                names = [self.names[p] for p in params]
-                index, load_params = self.ck.source(target, names, [p.numel() for p in params])
-                bit16 = target == "module"
-                flat = self.opt.bit16_groups_flat[i]
-                dtype = flat.dtype if bit16 else torch.float32
-                esize = torch.tensor([], dtype=dtype).element_size()
-                palign = 0
-                if getattr(self.opt, "parameter_alignment", False):
-                    # 16 bytes of the 16-bit buffer: the same elements in this target's buffer.
-                    palign = 16 // flat.element_size() * esize
-                options = _C.FlattenOptions(threads=nthreads, master=False, copies="off")
-                options.progress = counts
-                options.layout = layout_options(
-                    self.dp, bool(getattr(self.opt, "round_robin_gradients", False)),
-                    int(getattr(self.opt, "nccl_start_alignment_factor", 2)), dtype, palign)
-                options.expected_offsets = self._offsets(i)
-                options.expected_flat_numel = flat.numel()
-                options.must_match = (plan if first else []) + [f"target {target}", f"group {i}"]
-                first = False
-                report, buffer, _, lay = call_loader(
-                    _C.load_slice, engine, comm if self.dp > 1 else None, index, load_params,
-                    options, None, f"resuming {target} of group {i} from {self.ck.dir}")
-                if report["outcome"] == "infeasible":
-                    raise NoFeasiblePlan(f"resuming {target} of group {i}: {report['reason']}",
-                                         report)
-                n = lay["partition_numel"]
-                want = self.opt.single_partition_of_fp32_groups[i].numel()
-                if n != want:
-                    raise InvalidArgument(f"resuming group {i}: zeroflat's partition holds {n} "
-                                          f"elements, DeepSpeed's {want}")
-                self.bytes_read += int(report.get("bytes_read") or 0)
-                out.append(buffer[: n * esize].view(dtype))
-            self.values[target] = out
-        # ZeRO-3's frozen parameters: this rank's partition of each.
-        if self.stage3:
-            frozen = [p for p, name in self.names.items()
-                      if not any(p is q for params in subs for q in params)]
-            if frozen:
-                parts = self._read_partitions("frozen", [frozen], [], engine, nthreads, comm,
-                                              counts)[0]
-                at = 0
-                for p in frozen:
-                    n = p.ds_tensor.numel()
-                    self.frozen[self.names[p]] = parts[at:at + n]
-                    at += n
-
-    def _read_partitions(self, target, subs, plan, engine, nthreads, comm, counts):
-        """ZeRO-3: this rank's partition of every parameter of ``subs``, cut per sub-group."""
-        from ._common import layout_options
+    def _read_buffer(self, b, must_match, engine, nthreads, comm, counts) -> None:
+        """One buffer of the plan: its load, then its partitions as the optimizer keeps them
+        (ZeRO-1/2: the group's slice; ZeRO-3: each sub-group's partitions, or the frozen
+        parameters')."""
         from ._load import call_loader
 
-        params = [p for sub in subs for p in sub]
-        if not params:
-            return [torch.empty(0, dtype=torch.float32) for _ in subs]
-        names = [self.names[p] for p in params]
-        index, load_params = self.ck.source(target, names, [int(p.ds_numel) for p in params])
-        dtype = torch.float32 if target != "frozen" else params[0].ds_tensor.dtype
-        if target == "frozen":
-            dtypes = {p.ds_tensor.dtype for p in params}
-            dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        what = b.target if b.group is None else f"{b.target} of group {b.group}"
         options = _C.FlattenOptions(threads=nthreads, master=False, copies="off")
         options.progress = counts
-        options.layout = layout_options(self.dp, False, 2, dtype, 0)
-        options.must_match = plan + [f"target {target}", f"parameters {len(params)}"]
+        options.layout = b.layout
+        options.must_match = must_match + [f"target {b.target}", f"group {b.group}",
+                                           f"parameters {len(b.numels)}"]
+        if b.placement == "slice":
+            # Checked against the optimizer's own bookkeeping: the offsets of its flat buffer.
+            options.expected_offsets = self._offsets(b.group)
+            options.expected_flat_numel = self.opt.bit16_groups_flat[b.group].numel()
         report, buffer, _, lay = call_loader(
-            _C.load_partitions, engine, comm if self.dp > 1 else None, index, load_params,
-            options, None, f"resuming {target} from {self.ck.dir}")
+            _LOADS[b.placement], engine, comm if self.dp > 1 else None, b.index, b.params,
+            options, None, f"resuming {what} from {self.ck.dir}")
         if report["outcome"] == "infeasible":
-            raise NoFeasiblePlan(f"resuming {target}: {report['reason']}", report)
+            raise NoFeasiblePlan(f"resuming {what}: {report['reason']}", report)
         self.bytes_read += int(report.get("bytes_read") or 0)
+        dtype = TORCH_DTYPES[b.layout.dtype]
+        if b.placement == "slice":
+            n = lay["partition_numel"]
+            want = self.opt.single_partition_of_fp32_groups[b.group].numel()
+            if n != want:
+                raise InvalidArgument(f"resuming group {b.group}: zeroflat's partition holds {n} "
+                                      f"elements, DeepSpeed's {want}")
+            esize = torch.tensor([], dtype=dtype).element_size()
+            self.values.setdefault(b.target, []).append(buffer[: n * esize].view(dtype))
+            return
         flat = buffer[: lay["flat_bytes"]].view(dtype)
-        out, k = [], 0
+        subs = [self._frozen_params] if b.target == "frozen" else self._sub_groups()
+        parts, k = [], 0
         for sub in subs:
             pieces = []
             for p in sub:
@@ -650,13 +609,20 @@ class _Resume:
             # The buffer packs the partitions back to back: a sub-group is a view of it (a copy
             # into fresh memory cost seconds of page faults at a few hundred MB).
             start = pieces[0][0] if pieces else 0
-            packed = all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))
+            packed = all(a + n == c for (a, n), (c, _) in zip(pieces, pieces[1:]))
             if packed:
                 end = pieces[-1][0] + pieces[-1][1] if pieces else 0
-                out.append(flat[start:end])
+                parts.append(flat[start:end])
             else:
-                out.append(torch.cat([flat[a:a + n] for a, n in pieces]))
-        return out
+                parts.append(torch.cat([flat[a:a + n] for a, n in pieces]))
+        if b.target != "frozen":
+            self.values[b.target] = parts
+            return
+        at = 0
+        for p in self._frozen_params:
+            n = p.ds_tensor.numel()
+            self.frozen[self.names[p]] = parts[0][at:at + n]
+            at += n
 
     # - writing ----------------------------------------------------------------------------------
 

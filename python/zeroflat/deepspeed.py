@@ -33,7 +33,7 @@ import zeroflat
 from . import _dropin, _load, _resume, _stage3
 from ._comm import all_reduce_ints
 from ._common import engine_threads, select
-from ._dropin import log, stats
+from ._dropin import log, round_robin_offsets, stats
 from ._dropin import state as _state
 from ._patches import Patch, apply, patched, restore
 from ._progress import check_callback
@@ -265,20 +265,6 @@ def _warn_not_adopted(kind: str, groups, round_robin: bool) -> None:
     if message is not None:
         stats["not_adopted"].append(message)
         log.warning("%s", message)
-
-
-def round_robin_offsets(opt, i: int, numels: List[int], padding: List[int]) -> List[int]:
-    """Where DeepSpeedZeroOptimizer's group i puts its parameters (round-robin order, numels and
-    paddings in that order) in its flat buffer: the release's own offsets (0.19.8 keeps them),
-    else a concatenation with each parameter's padding after it, as unflatten reads it back."""
-    offsets = getattr(opt, "round_robin_bit16_offsets", None)
-    if offsets is not None and len(offsets) > i:
-        return list(offsets[i])
-    out, at = [], 0
-    for n, pad in zip(numels, padding):
-        out.append(at)
-        at += n + pad
-    return out
 
 
 # --- the hooks (installed by _patches: hook(original, *args, **kwargs)) --------------------------

@@ -8,7 +8,7 @@
 #include "common/clock.h"
 #include "common/saturate.h"
 #include "exec/pipeline.h"
-#include "zeroflat/cli/agree.h"
+#include "zeroflat/agree.h"
 #include "zeroflat/error.h"
 #include "zeroflat/flatten.h"
 #include "zeroflat/runtime.h"

@@ -1,6 +1,6 @@
 // Agreement over the ranks of a group: one all-reduce for options, shapes, local verdicts and
 // the planner's facts; the values check before a tier hands slices between ranks.
-#include "zeroflat/cli/agree.h"
+#include "zeroflat/agree.h"
 
 #include <array>
 #include <cstring>

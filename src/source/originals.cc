@@ -2,7 +2,7 @@
 // own storage as the pipeline's source (pipeline.h): the tiers gather from it, and release it
 // when the plan says.
 #include "exec/pipeline.h"
-#include "zeroflat/cli/agree.h"
+#include "zeroflat/agree.h"
 #include "zeroflat/engine.h"
 #include "zeroflat/error.h"
 #include "zeroflat/flatten.h"

@@ -3,8 +3,8 @@
 // reader (zip directory and pickle, then every value as the Python binding takes it: the
 // allow-list row of each value that names code, each tensor's bytes) or a DeepSpeed checkpoint
 // folder (the rest of the input split into a module file and one rank's optimizer file, then
-// the folder's checks, the reads each rank of a new world would issue, and every target's
-// source as a resume plans it). Any exception other than InvalidArgument or Unsupported, any
+// the folder's checks, the resume's plan at new worlds and each rank's reads in it, and every
+// target's source). Any exception other than InvalidArgument or Unsupported, any
 // crash, hang, leak or undefined behaviour is a finding.
 #include <unistd.h>
 
@@ -21,6 +21,7 @@
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
+#include "zeroflat/resume.h"
 #include "zeroflat/torch_file.h"
 
 namespace {
@@ -71,9 +72,10 @@ void folder(std::span<const unsigned char> in) {
   write(dir / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", optim);
   const zeroflat::DeepSpeedCheckpoint ck = zeroflat::open_deepspeed_checkpoint(dir.string());
   for (std::uint64_t world : {std::uint64_t{1}, std::uint64_t{3}}) {
-    for (std::uint64_t rank = 0; rank < world; ++rank) {
-      (void)zeroflat::deepspeed_rank_reads(ck, world, rank);
-    }
+    zeroflat::ResumeOptions o;
+    o.world = world;
+    const zeroflat::ResumePlan plan = zeroflat::plan_resume(ck, o);
+    for (std::uint64_t rank = 0; rank < world; ++rank) (void)zeroflat::resume_rank(plan, rank);
   }
   std::vector<std::string> names;
   std::vector<std::uint64_t> numels;

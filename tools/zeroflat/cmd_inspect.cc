@@ -9,6 +9,7 @@
 #include "cli/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/model_source.h"
+#include "zeroflat/resume.h"
 #include "zeroflat/size.h"
 #include "zeroflat/torch_file.h"
 
@@ -176,19 +177,59 @@ std::string below(const std::string& path, const std::string& dir) {
   return path.compare(0, prefix.size(), prefix) == 0 ? path.substr(prefix.size()) : path;
 }
 
-// One rank's reads per file: (file, bytes), by file index.
-std::map<std::uint32_t, std::uint64_t> bytes_per_file(const DeepSpeedRankReads& r) {
-  std::map<std::uint32_t, std::uint64_t> out;
-  for (const DeepSpeedRead& x : r.reads) out[x.file] += x.bytes;
-  return out;
-}
+// One rank of a resume, as inspect shows it: the reads the loader issues for each buffer, the
+// small tensors read whole, and their bytes per file.
+struct RankView {
+  ResumeRank figures;
+  std::map<std::uint32_t, std::uint64_t> files;  // file index -> bytes
+  std::uint64_t bytes = 0;                        // buffers' reads and small tensors
+};
+
+// The most (ranks shown x parameters of every buffer) one inspect lays out: past it, name one
+// rank with --rank (the work and the document grow with both).
+constexpr std::uint64_t kMaxInspectRankParams = std::uint64_t{1} << 24;
 
 int inspect_deepspeed(const std::string& path, const std::optional<std::string>& tag, bool json,
-                      std::optional<std::uint64_t> dp) {
+                      std::optional<std::uint64_t> dp, std::optional<std::uint64_t> only_rank) {
   const DeepSpeedCheckpoint ck = open_deepspeed_checkpoint(path, tag);
-  std::vector<DeepSpeedRankReads> plans;
+  // The resume at dp ranks, as load --from deepspeed and the drop-in plan it (resume.h).
+  std::optional<ResumePlan> plan;
+  std::vector<RankView> views;
   if (dp) {
-    for (std::uint64_t r = 0; r < *dp; ++r) plans.push_back(deepspeed_rank_reads(ck, *dp, r));
+    ResumeOptions ro;
+    ro.world = *dp;
+    if (ck.zero_stage == 3) {
+      for (const DeepSpeedFrozen& fz : ck.frozen) {
+        ro.frozen.push_back(fz.name);
+        ro.frozen_numels.push_back(fz.numel);
+      }
+    }
+    plan = plan_resume(ck, ro);
+    if (only_rank && *only_rank >= *dp) {
+      throw UsageError("--rank " + std::to_string(*only_rank) + ": outside --dp " +
+                       std::to_string(*dp));
+    }
+    std::uint64_t params = 0;
+    for (const ResumeBuffer& b : plan->buffers) params += b.numels.size();
+    const std::uint64_t shown = only_rank ? 1 : *dp;
+    if (shown > kMaxInspectRankParams / std::max<std::uint64_t>(params, 1)) {
+      throw UsageError("--dp " + std::to_string(*dp) + " without --rank lays out " +
+                       std::to_string(*dp) + " ranks x " + std::to_string(params) +
+                       " parameters, more than the " + format_count(kMaxInspectRankParams) +
+                       " one inspect takes: name one rank with --rank R");
+    }
+    const std::uint64_t first = only_rank.value_or(0);
+    const std::uint64_t end = only_rank ? *only_rank + 1 : *dp;
+    for (std::uint64_t r = first; r < end; ++r) {
+      RankView v;
+      v.figures = resume_rank(*plan, r);
+      for (const ResumeRankBuffer& b : v.figures.buffers) {
+        for (const PlannedRead& x : b.reads) v.files[x.file] += x.bytes;
+      }
+      for (const ResumeSmall& sm : plan->small) v.files[sm.tensor.file] += sm.tensor.bytes;
+      v.bytes = v.figures.read_bytes + v.figures.small_bytes;
+      views.push_back(std::move(v));
+    }
   }
   std::uint64_t file_bytes = 0;
   for (const DeepSpeedFile& f : ck.files) file_bytes += f.torch.file_bytes;
@@ -197,8 +238,7 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
   for (const DeepSpeedSubGroup& sg : ck.sub_groups) {
     for (const DeepSpeedPartition& p : sg.ranks) {
       for (const DeepSpeedState& s : p.states) {
-        states[s.name] = {s.tensor.dtype,
-                          s.tensor.numel == p.fp32.numel || s.tensor.numel == sg.partition_numel};
+        states[s.name] = {s.tensor.dtype, deepspeed_state_partitioned(s, p, sg)};
       }
     }
   }
@@ -293,32 +333,75 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
                               {"dynamic_loss_scale", ck.dynamic_loss_scale},
                               {"clip_grad", ck.clip_grad},
                               {"lr_scheduler", ck.has_lr_scheduler}};
-    if (dp) {
+    if (plan) {
+      auto group_json = [](const std::optional<std::uint64_t>& g) { return g ? Json(*g) : Json(); };
+      Json buffers = Json::array();
+      for (const ResumeBuffer& b : plan->buffers) {
+        buffers.push_back(Json{{"target", b.target},
+                               {"group", group_json(b.group)},
+                               {"placement", b.placement == LoadPlacement::kSlice
+                                                 ? "load-slice"
+                                                 : "load-partitions"},
+                               {"dtype", std::string(dtype_name(b.layout.dtype))},
+                               {"params", b.numels.size()}});
+      }
+      Json small = Json::array();
+      for (const ResumeSmall& sm : plan->small) {
+        small.push_back(Json{{"target", sm.target},
+                             {"group", group_json(sm.group)},
+                             {"name", sm.name},
+                             {"file", sm.tensor.file},
+                             {"offset", sm.tensor.offset},
+                             {"bytes", sm.tensor.bytes},
+                             {"numel", sm.tensor.numel}});
+      }
       Json ranks = Json::array();
-      for (const DeepSpeedRankReads& r : plans) {
+      for (const RankView& v : views) {
         Json files = Json::array();
-        for (const auto& [f, b] : bytes_per_file(r)) {
+        for (const auto& [f, b] : v.files) {
           files.push_back(Json{{"file", f}, {"path", ck.files[f].path}, {"bytes", b}});
         }
         Json reads = Json::array();
-        for (const DeepSpeedRead& x : r.reads) {
-          reads.push_back(Json{{"file", x.file},
-                               {"offset", x.offset},
-                               {"bytes", x.bytes},
-                               {"target", x.target},
-                               {"sub_group", x.sub_group},
-                               {"param", x.param},
-                               {"dest", x.dest},
-                               {"numel", x.numel}});
+        Json per_buffer = Json::array();
+        for (std::size_t i = 0; i < plan->buffers.size(); ++i) {
+          const ResumeBuffer& b = plan->buffers[i];
+          const ResumeRankBuffer& f = v.figures.buffers[i];
+          per_buffer.push_back(Json{{"target", b.target},
+                                    {"group", group_json(b.group)},
+                                    {"partition_numel", f.partition_numel},
+                                    {"data_numel", f.data_numel},
+                                    {"kept_bytes", f.kept_bytes},
+                                    {"share_bytes", f.share_bytes},
+                                    {"read_bytes", f.read_bytes}});
+          for (const PlannedRead& x : f.reads) {
+            reads.push_back(Json{{"file", x.file},
+                                 {"offset", x.offset},
+                                 {"bytes", x.bytes},
+                                 {"target", b.target},
+                                 {"group", group_json(b.group)},
+                                 {"dest", x.dest},
+                                 {"numel", x.numel}});
+          }
         }
-        ranks.push_back(Json{{"rank", r.rank},
-                             {"bytes", r.bytes},
-                             {"partition_numel", r.partition_numel},
-                             {"data_numel", r.data_numel},
+        ranks.push_back(Json{{"rank", v.figures.rank},
+                             {"bytes", v.bytes},
+                             {"read_bytes", v.figures.read_bytes},
+                             {"small_bytes", v.figures.small_bytes},
+                             {"share_bytes", v.figures.share_bytes},
+                             {"kept_bytes", v.figures.kept_bytes},
                              {"files", files},
+                             {"buffers", per_buffer},
                              {"reads", reads}});
       }
-      doc["resume"] = Json{{"world", *dp}, {"ranks", ranks}};
+      Json left = Json::array();
+      for (const std::string& l : plan->left_out) left.push_back(l);
+      doc["resume"] = Json{{"world", *dp},
+                           {"stage", plan->stage},
+                           {"targets", plan->targets},
+                           {"left_out", left},
+                           {"buffers", buffers},
+                           {"small", small},
+                           {"ranks", ranks}};
     }
     print_json(doc);
     return kExitOk;
@@ -386,14 +469,17 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
     std::printf("%s%s", i ? ", " : "", printable(ck.buffer_names[i]).c_str());
   }
   std::printf("\n");
-  if (dp) {
-    std::printf("resumed by %llu ranks (fp32 master%s%s):\n", static_cast<unsigned long long>(*dp),
-                states.empty() ? "" : ", optimizer states",
-                ck.frozen.empty() && ck.buffer_names.empty() ? "" : ", frozen parameters, buffers");
-    for (const DeepSpeedRankReads& r : plans) {
-      const auto files = bytes_per_file(r);
-      std::printf("  rank %llu reads %s from %zu file%s:", static_cast<unsigned long long>(r.rank),
-                  format_bytes(r.bytes).c_str(), files.size(), files.size() == 1 ? "" : "s");
+  if (plan) {
+    std::printf("resumed by %llu ranks (%s%s, ZeRO-%d):\n", static_cast<unsigned long long>(*dp),
+                join(plan->targets).c_str(),
+                ck.frozen.empty() && ck.buffer_names.empty() ? "" : ", frozen parameters, buffers",
+                plan->stage);
+    for (const RankView& v : views) {
+      const auto& files = v.files;
+      std::printf("  rank %llu reads %s from %zu file%s (its share %s):",
+                  static_cast<unsigned long long>(v.figures.rank), format_bytes(v.bytes).c_str(),
+                  files.size(), files.size() == 1 ? "" : "s",
+                  format_bytes(v.figures.share_bytes).c_str());
       std::size_t shown = 0;
       for (const auto& [f, b] : files) {
         if (shown++ == 4) {
@@ -412,7 +498,7 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
 }  // namespace
 
 int subcommand_inspect(const std::vector<std::string>& argv) {
-  Parser p("inspect", "PATH [--json] [--largest N] [--tag TAG] [--dp N]",
+  Parser p("inspect", "PATH [--json] [--largest N] [--tag TAG] [--dp N [--rank R]]",
            "Reads a checkpoint directory (*.safetensors, optionally with\n"
            "model.safetensors.index.json), a single .safetensors file, or a Hugging Face\n"
            "config.json, headers only, and reports the tensor count, parameter count, bytes per\n"
@@ -425,7 +511,9 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
            "and the problem named.");
   p.option("largest", "N", "how many of the largest tensors to list", "5");
   p.option("tag", "TAG", "DeepSpeed: the tag folder to read (default: the one 'latest' names)");
-  p.option("dp", "N", "DeepSpeed: the reads of each rank of a new world of N ranks");
+  p.option("dp", "N", "DeepSpeed: the reads of each rank of a new world of N ranks, as the "
+           "resume issues them");
+  p.option("rank", "R", "DeepSpeed, with --dp: only rank R's reads (a large world's)");
   p.flag("json", "print one JSON document");
   p.allow_positionals(1);
   p.epilog(
@@ -448,7 +536,14 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
     }
   }
   std::optional<std::string> tag = args.get("tag");
-  if (is_deepspeed_checkpoint(path)) return inspect_deepspeed(path, tag, args.has("json"), dp);
+  std::optional<std::uint64_t> rank;
+  if (auto v = args.get("rank")) {
+    if (!dp) throw UsageError("--rank " + printable(*v) + " needs --dp");
+    rank = parse_u64(*v, "--rank");
+  }
+  if (is_deepspeed_checkpoint(path)) {
+    return inspect_deepspeed(path, tag, args.has("json"), dp, rank);
+  }
   if (dp || tag) {
     throw UsageError("--dp and --tag apply to DeepSpeed checkpoint folders; " +
                      printable(path, 200) + " is not one");

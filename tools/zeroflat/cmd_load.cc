@@ -11,7 +11,7 @@
 
 #include "cli/common.h"
 #include "cli/load.h"
-#include "zeroflat/cli/agree.h"
+#include "zeroflat/agree.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"

@@ -8,7 +8,7 @@
 
 #include "cli/common.h"
 #include "cli/svg.h"
-#include "zeroflat/cli/agree.h"
+#include "zeroflat/agree.h"
 #include "zeroflat/error.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/report.h"

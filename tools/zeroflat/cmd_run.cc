@@ -7,7 +7,7 @@
 
 #include "cli/common.h"
 #include "cli/run.h"
-#include "zeroflat/cli/agree.h"
+#include "zeroflat/agree.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"

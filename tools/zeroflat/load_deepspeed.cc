@@ -29,54 +29,10 @@ std::string what(const DeepSpeedBuffer& b) {
   return b.group ? b.target + " of group " + std::to_string(*b.group) : b.target;
 }
 
-// The buffer's layout options at the settled world.
-LayoutOptions buffer_options(const LoadConfig& cfg, const DeepSpeedBuffer& b) {
-  LayoutOptions o = b.layout;
-  o.dp = cfg.library.layout.dp;
-  return o;
-}
-
-std::vector<std::uint64_t> numels_of(const DeepSpeedBuffer& b) {
-  std::vector<std::uint64_t> out;
-  for (const LoadParam& p : b.source.params) out.push_back(shape_numel(p.shape));
-  return out;
-}
-
-// The bytes a rank keeps of buffer b: its slice of the flat layout (ZeRO-1/2), its partitions of
-// every parameter (ZeRO-3).
-std::uint64_t kept_bytes(const LoadConfig& cfg, const DeepSpeedBuffer& b) {
-  const std::vector<std::uint64_t> numels = numels_of(b);
-  const LayoutOptions o = buffer_options(cfg, b);
-  return zero3_of(cfg) ? zero3_buffer_layout(numels, o).flat_bytes()
-                       : Layout::compute(numels, o).partition_bytes();
-}
-
-// The saved element size of parameter p's values (its first run's).
-std::uint64_t saved_element_size(const DeepSpeedSource& s, const LoadParam& p) {
-  for (const std::string& name : p.sources) {
-    const CheckpointTensor* t = s.index.find(name);
-    if (t != nullptr && t->type) return element_size(*t->type);
-  }
-  return 4;
-}
-
-// Rank `rank`'s exact share of buffer b: the data elements of its part (no padding), at their
-// saved size.
-std::uint64_t share_bytes(const LoadConfig& cfg, const DeepSpeedBuffer& b, std::uint64_t rank) {
-  const std::vector<std::uint64_t> numels = numels_of(b);
-  const LayoutOptions o = buffer_options(cfg, b);
-  std::uint64_t bytes = 0;
-  if (zero3_of(cfg)) {
-    for (std::size_t i = 0; i < numels.size(); ++i) {
-      bytes += zero3_data_numel(numels[i], o.dp, rank) *
-               saved_element_size(b.source, b.source.params[i]);
-    }
-    return bytes;
-  }
-  for (const Fragment& f : Layout::compute(numels, o).rank(rank, false).fragments) {
-    bytes += f.numel * saved_element_size(b.source, b.source.params[f.param]);
-  }
-  return bytes;
+// Rank `rank`'s figures for buffer b (its layout's dp: the settled world), from the plan's own
+// account of the loader's reads.
+ResumeRankBuffer figures(const DeepSpeedBuffer& b, std::uint64_t rank) {
+  return resume_rank_buffer(b, rank);
 }
 
 // --states: the partitioned states to read besides the fp32 master.
@@ -199,63 +155,20 @@ void deepspeed_config(LoadConfig& cfg, const Args& args) {
     }
     cfg.library.tier = plan;
   }
-  ds.rules = rules_from_args(args, ck);
-  ds.targets = {"fp32"};
-  for (const std::string& s : states_from_args(args, ck)) ds.targets.push_back(s);
-  ds.sub_group_size = ck.sub_group_size != 0 ? ck.sub_group_size : kDefaultSubGroupSize;
-
-  // Each group's parameters as the new run's release keeps them, in group order.
-  std::vector<std::vector<std::string>> names(ck.groups.size());
-  std::vector<std::vector<std::uint64_t>> numels(ck.groups.size());
-  for (std::size_t g = 0; g < ck.groups.size(); ++g) {
-    std::vector<std::uint64_t> all;
-    for (const DeepSpeedParam& p : ck.groups[g].params) all.push_back(p.numel);
-    std::vector<std::uint64_t> kept;
-    if (ds.rules) {
-      const ReleaseSelection sel = select_for_release(all, {}, *ds.rules);
-      kept = sel.kept;
-      for (const auto& [i, why] : sel.left_out) {
-        cfg.left_out.push_back(ck.groups[g].params[i].name + " (" +
-                               std::string(left_out_name(why)) + ", DeepSpeed " +
-                               ds.rules->release + ")");
-      }
-    } else {
-      for (std::uint64_t i = 0; i < all.size(); ++i) kept.push_back(i);
-    }
-    for (std::uint64_t i : kept) {
-      names[g].push_back(ck.groups[g].params[i].name);
-      numels[g].push_back(all[i]);
-    }
-    ds.params += kept.size();
-  }
-  if (ds.params == 0) throw InvalidArgument(dir + ": no trainable parameter to resume");
-
-  // One buffer per target and group (ZeRO-1/2), or per target (ZeRO-3: every group's
-  // parameters back to back, as the Stage 3 optimizer's partitions).
-  LayoutOptions flat = base;
-  flat.alignment_factor = 2;
-  flat.round_robin = ck.round_robin;
-  if (ck.parameter_alignment) {
-    // 16 bytes of the 16-bit buffer: the same elements in fp32.
-    flat.param_align_bytes = 16 / element_size(try_parse_dtype(ck.dtype).value_or(DType::kBF16)) *
-                             element_size(DType::kFP32);
-  }
-  for (const std::string& target : ds.targets) {
-    if (zero3) {
-      std::vector<std::string> n;
-      std::vector<std::uint64_t> e;
-      for (std::size_t g = 0; g < names.size(); ++g) {
-        n.insert(n.end(), names[g].begin(), names[g].end());
-        e.insert(e.end(), numels[g].begin(), numels[g].end());
-      }
-      ds.buffers.push_back({target, std::nullopt, deepspeed_source(ck, target, n, e), base});
-      continue;
-    }
-    for (std::size_t g = 0; g < names.size(); ++g) {
-      if (names[g].empty()) continue;  // nothing of the group is trained
-      ds.buffers.push_back({target, g, deepspeed_source(ck, target, names[g], numels[g]), flat});
-    }
-  }
+  ResumeOptions ro;
+  ro.world = base.dp;
+  ro.stage = ds.stage;
+  ro.rules = rules_from_args(args, ck);
+  ro.select = ro.rules.has_value();
+  ro.states = states_from_args(args, ck);
+  ds.plan = plan_resume(ck, ro);
+  ds.rules = ds.plan.rules;
+  ds.targets = ds.plan.targets;
+  ds.params = ds.plan.params;
+  ds.sub_group_size = ds.plan.sub_group_size;
+  ds.groups = ds.plan.group_numels;
+  ds.buffers = ds.plan.buffers;
+  for (const std::string& l : ds.plan.left_out) cfg.left_out.push_back(l);
   cfg.checkpoint_bytes = 0;
   for (const DeepSpeedBuffer& b : ds.buffers) {
     for (const CheckpointTensor& t : b.source.index.tensors) cfg.checkpoint_bytes += t.bytes;
@@ -265,13 +178,12 @@ void deepspeed_config(LoadConfig& cfg, const Args& args) {
   cfg.library.layout = base;
   cfg.stage.zero3 = zero3;
   cfg.stage.sub_group_size = ds.sub_group_size;
-  ds.groups = std::move(numels);
   cfg.deepspeed = std::move(ds);
 }
 
 std::uint64_t deepspeed_kept_bytes(const LoadConfig& cfg) {
   std::uint64_t bytes = 0;
-  for (const DeepSpeedBuffer& b : cfg.deepspeed->buffers) bytes = sat_add(bytes, kept_bytes(cfg, b));
+  for (const DeepSpeedBuffer& b : cfg.deepspeed->buffers) bytes = sat_add(bytes, figures(b, 0).kept_bytes);
   return bytes;
 }
 
@@ -300,10 +212,10 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
   // The ceiling reads as many bytes of the same files as this rank's loads will, known before.
   std::optional<ReadCeiling> ceiling;
   std::uint64_t expected = 0;
+  std::vector<ResumeRankBuffer> mine;
   for (const DeepSpeedBuffer& b : ds.buffers) {
-    expected += zero3 ? partitions_read_bytes(b.source.index, b.source.params, dp, rank)
-                      : partition_read_bytes(b.source.index, b.source.params,
-                                             buffer_options(cfg, b), rank);
+    mine.push_back(figures(b, rank));
+    expected += mine.back().read_bytes;
   }
   const bool with_ceiling = cfg.ceiling && !no_data;
   if (with_ceiling) {
@@ -325,15 +237,14 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
   progress.begin("rank " + std::to_string(rank) + ": " + (no_data ? "account for " : "load ") +
                      std::to_string(ds.buffers.size()) + " buffer(s)",
                  0, ctx.options.read.progress);
-  for (const DeepSpeedBuffer& b : ds.buffers) {
+  for (std::size_t bi = 0; bi < ds.buffers.size(); ++bi) {
+    const DeepSpeedBuffer& b = ds.buffers[bi];
     FlattenOptions lo = ctx.options;
-    lo.layout = buffer_options(cfg, b);
     lo.must_match.push_back("load " + what(b) + ", " + std::to_string(b.source.params.size()) +
                             " parameters");
     FlattenResult res;
     try {
-      res = (zero3 ? load_partitions : load_slice)(b.source.index, b.source.params, device,
-                                                   ctx.comm, lo);
+      res = load_resume_buffer(b, device, ctx.comm, lo);
     } catch (const InvalidArgument&) {
       throw;  // bad input, the same verdict on every rank: exit 2
     } catch (const Error& err) {
@@ -355,8 +266,8 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
                                      : ". The buffers read before it were released.");
       return out;
     }
-    const std::uint64_t b_kept = kept_bytes(cfg, b);
-    const std::uint64_t b_share = share_bytes(cfg, b, rank);
+    const std::uint64_t b_kept = mine[bi].kept_bytes;
+    const std::uint64_t b_share = mine[bi].share_bytes;
     Json l;
     l["target"] = b.target;
     l["group"] = b.group ? Json(*b.group) : Json();

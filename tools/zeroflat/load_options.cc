@@ -178,6 +178,12 @@ LoadConfig load_config_from_args(const Args& args) {
   cfg.json = args.has("json");
   cfg.quiet = args.has("quiet");
 
+  // One limit for --dp, said before anything is laid out for it (the layout's own, far larger,
+  // would answer first otherwise).
+  if (auto v = args.get("dp"); v && parse_u64(*v, "--dp") > kMaxRanks) {
+    throw InvalidArgument("--dp " + printable(*v) + ": at most " + std::to_string(kMaxRanks) +
+                          " ranks");
+  }
   const auto& pos = args.positionals();
   if (deepspeed) {
     deepspeed_config(cfg, args);
@@ -272,6 +278,11 @@ LoadConfig load_config_from_args(const Args& args) {
 
 void settle_load_ranks(LoadConfig& cfg, const Args& args, Communicator* world) {
   settle_world(cfg.library.layout, cfg.library.probe.local_ranks, args, world);
+  if (cfg.deepspeed) {
+    // The resume's buffers are laid out for the world the ranks settled on.
+    cfg.deepspeed->plan.world = cfg.library.layout.dp;
+    for (DeepSpeedBuffer& b : cfg.deepspeed->buffers) b.layout.dp = cfg.library.layout.dp;
+  }
   if (cfg.fail_after && cfg.fail_rank >= cfg.library.layout.dp) {
     throw InvalidArgument("--inject-read-error: rank " + std::to_string(cfg.fail_rank) +
                           " is outside dp " + std::to_string(cfg.library.layout.dp));

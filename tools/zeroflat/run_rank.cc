@@ -9,7 +9,7 @@
 #include "cli/common.h"
 #include "cli/run.h"
 #include "zeroflat/checksum.h"
-#include "zeroflat/cli/agree.h"
+#include "zeroflat/agree.h"
 #include "zeroflat/cli/rehearsal.h"
 #include "zeroflat/device.h"
 #include "zeroflat/engine.h"

@@ -13,7 +13,7 @@
 #include "common/clock.h"
 #include "source/checkpoint/source.h"
 #include "zeroflat/checksum.h"
-#include "zeroflat/cli/agree.h"
+#include "zeroflat/agree.h"
 #include "zeroflat/error.h"
 
 namespace zeroflat::detail {

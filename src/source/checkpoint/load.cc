@@ -93,6 +93,45 @@ std::uint64_t partitions_read_bytes(const CheckpointIndex& ck, std::span<const L
   return read_bytes(ck, params, o, detail::PartitionsPlacement(), world, rank);
 }
 
+std::vector<PlannedRead> planned_reads(const CheckpointIndex& ck,
+                                       std::span<const LoadParam> params,
+                                       const LayoutOptions& layout, LoadPlacement where,
+                                       std::uint64_t rank) {
+  const std::uint64_t world = layout.dp;
+  if (rank >= world) {
+    throw InvalidArgument("rank " + std::to_string(rank) + " of " + std::to_string(world));
+  }
+  const detail::SlicePlacement slice;
+  const detail::PartitionsPlacement partitions;
+  const detail::Placement& placement =
+      where == LoadPlacement::kSlice ? static_cast<const detail::Placement&>(slice) : partitions;
+  FlattenOptions o;
+  o.layout = layout;
+  const detail::Sources sources = detail::resolve_all(ck, params);
+  std::vector<std::uint64_t> numels;
+  for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
+  const Layout l = placement.layout(numels, o);
+  const std::vector<std::uint64_t> starts = placement.starts(numels, world, rank);
+  const std::uint64_t es = l.element_size();
+  // The buffer holds the rank's slot (a slice: [slot * S, (slot + 1) * S) of the layout).
+  const std::uint64_t base = placement.slot(rank) * l.partition_bytes();
+  std::vector<PlannedRead> out;
+  for (const Step& s : load_steps(l, placement.slot(rank), 0, placement.read_plans()[0])) {
+    if (s.op != Op::kRead) continue;
+    for (const detail::Read& r :
+         detail::reads_for(l, sources, starts, s.flat_offset, s.flat_offset + s.bytes)) {
+      PlannedRead x;
+      x.file = r.file;
+      x.offset = r.src;
+      x.bytes = r.src_bytes;
+      x.numel = r.src_bytes / element_size(r.from);
+      x.dest = (s.flat_offset + r.dst - base) / es;
+      out.push_back(x);
+    }
+  }
+  return out;
+}
+
 std::string_view copy_check_name(CopyCheck check) noexcept {
   switch (check) {
     case CopyCheck::kOff:

@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "common/clock.h"
-#include "zeroflat/cli/agree.h"
+#include "zeroflat/agree.h"
 #include "zeroflat/error.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"

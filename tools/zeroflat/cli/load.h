@@ -25,20 +25,16 @@
 #include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
 #include "zeroflat/release.h"
+#include "zeroflat/resume.h"
 
 namespace zeroflat::cli {
 
-// `--from deepspeed`: what a resuming rank keeps, one buffer per load call.
-struct DeepSpeedBuffer {
-  std::string target;                  // "fp32", or an optimizer state's name ("exp_avg")
-  std::optional<std::uint64_t> group;  // ZeRO-1/2: the optimizer group; ZeRO-3: none (every one)
-  DeepSpeedSource source;              // the saved runs as a checkpoint, and the parameters
-  // The buffer's layout but its dp (the world, settled with the ranks): fp32; ZeRO-1/2's
-  // alignment factor 2, round-robin and parameter alignment as the checkpoint was saved.
-  LayoutOptions layout;
-};
+// `--from deepspeed`: what a resuming rank keeps, one buffer per load call (resume.h). Each
+// buffer's layout.dp is the world, settled with the ranks (settle_load_ranks).
+using DeepSpeedBuffer = ResumeBuffer;
 struct DeepSpeedLoad {
   DeepSpeedCheckpoint ck;
+  ResumePlan plan;                       // the library's plan (its buffers copied below)
   int stage = 2;                         // the new run's (--stage; by default the saved one)
   std::vector<std::string> targets;      // "fp32", then the optimizer states read (--states)
   std::vector<DeepSpeedBuffer> buffers;  // in the order every rank loads them
