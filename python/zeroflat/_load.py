@@ -2,7 +2,11 @@
 into DeepSpeed's buffers by the library's loader (loader.h), in one loop for every placement:
 ZeRO-1/2's flat buffers (each rank reads its partition and one all-gather completes the buffer,
 or, for ranks of one host, each reads the whole buffer from the host's page cache), or ZeRO-3's
-partitions (``_zero3``: each rank reads only its own partition of every parameter)."""
+partitions (``_zero3``: each rank reads only its own partition of every parameter).
+
+Past 700 lines on purpose: the one loop serves every placement, and its options, their checks
+and the errors every rank must agree on are read together; the ZeRO-3 specifics are in
+``_zero3``."""
 
 from __future__ import annotations
 

@@ -24,7 +24,6 @@ function, elastic checkpoints, an optimizer other than DeepSpeed's ZeRO ones) is
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from typing import Any, Dict, List, Optional
@@ -38,24 +37,13 @@ from ._common import TORCH_DTYPES, dtype_name
 from ._dropin import log, round_robin_offsets, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._progress import Watch
+from ._resume_write import EngineWriter, _is_true, _optimizer_kind
 
 # The loader's door for each placement a resume plan names (zeroflat/resume.h).
 _LOADS = {"slice": _C.load_slice, "partitions": _C.load_partitions}
 
 
 # --- which calls zeroflat serves ----------------------------------------------------------------
-
-def _optimizer_kind(engine) -> Optional[str]:
-    name = type(getattr(engine, "optimizer", None)).__name__
-    if name in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
-        return name
-    return None
-
-
-def _is_true(engine, method: str) -> bool:
-    fn = getattr(engine, method, None)
-    return bool(fn()) if callable(fn) else False
-
 
 def why_not(engine, load_dir, custom_load_fn) -> Optional[str]:
     """Why this call is DeepSpeed's own, or None when zeroflat serves it (this rank's view)."""
@@ -187,7 +175,7 @@ class _Files:
 
 # --- one rank's resume --------------------------------------------------------------------------
 
-class _Resume:
+class _Resume(EngineWriter):
     """One rank's resume of one checkpoint: what it reads (``read``), then what it writes
     (``write``); nothing of the engine changes before ``write``."""
 
@@ -347,137 +335,6 @@ class _Resume:
             self.small["optimizer"] = self._optimizer_small()
         self._check_small()
 
-    # - what write() takes, checked before anything is written ----------------------------------
-
-    def _where(self, file: Optional[int], entry: str) -> str:
-        path = self.ck.files[file][0] if file is not None else self.ck.dir
-        return f"{path}: entry '{entry}'"
-
-    def _check_small(self) -> None:
-        """Everything write() will hand the engine, checked against what the engine holds, so
-        that a checkpoint it cannot take is refused before the first write (DeepSpeed's own load
-        fails on each of these midway, the engine half written)."""
-        f, small = self.files, self.small
-        if not self.module_only:
-            # DeepSpeed's _load_checkpoint reads these with [] (a KeyError there).
-            for key in ("global_steps", "skipped_steps", "mp_world_size"):
-                value = small.get(key)
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    found = "nothing" if key not in small else type(value).__name__
-                    raise InvalidArgument(f"{self._where(f.model, key)}: expected a count "
-                                          f"(an int >= 0), found {found}")
-            scheduler = getattr(self.engine, "lr_scheduler", None)
-            if self.with_scheduler and scheduler is not None:
-                saved = small.get("lr_scheduler")
-                if not isinstance(saved, dict):
-                    raise InvalidArgument(
-                        f"{self._where(f.model, 'lr_scheduler')}: expected the scheduler's state "
-                        f"(a dict), found {type(saved).__name__}; load_lr_scheduler_states=False "
-                        "keeps the engine's own scheduler")
-                # DeepSpeed's schedulers read each key of their state back (a KeyError midway);
-                # torch's take whatever dict they are given.
-                want = getattr(scheduler, "state_dict", None)
-                ours = type(scheduler).__module__.startswith("deepspeed.") and callable(want)
-                missing = sorted(set(want()) - set(saved)) if ours else []
-                if missing:
-                    raise InvalidArgument(
-                        f"{self._where(f.model, 'lr_scheduler')}: no {', '.join(missing[:5])} "
-                        f"(the engine's {type(scheduler).__name__} keeps them): a checkpoint of "
-                        "another scheduler")
-        # Frozen parameters and buffers: their element counts.
-        for p, name in self.names.items():
-            value = self.frozen.get(name)
-            if value is not None and value.numel() != p.numel():
-                raise InvalidArgument(f"{self._where(f.model, 'module/' + name)}: "
-                                      f"{value.numel()} elements, the model's {name!r} "
-                                      f"{p.numel()}")
-        for name, buf in self._persistent_buffers().items():
-            value = self.buffers.get(name)
-            if value is not None and (not torch.is_tensor(value) or value.numel() != buf.numel()):
-                found = f"{value.numel()} elements" if torch.is_tensor(value) else \
-                    type(value).__name__
-                raise InvalidArgument(f"{self._where(f.model, 'module/' + name)}: {found}, the "
-                                      f"model's buffer {name!r} {buf.numel()} elements")
-        if self.with_states:
-            self._check_optimizer()
-
-    def _check_optimizer(self) -> None:
-        """The saved optimizer against the running one: its group count, the states it keeps per
-        element, the types of its other values."""
-        f, small = self.files, self.small["optimizer"]
-        base = f.base_state_path()
-        own_groups = self.opt.optimizer.param_groups
-        groups = small["param_groups"]
-        where_groups = self._where(f.optim, (base or "optimizer_state") + "/param_groups")
-        if groups is not None:
-            if not isinstance(groups, (list, tuple)) or \
-                    not all(isinstance(g, dict) for g in groups):
-                raise InvalidArgument(f"{where_groups}: expected a list of dicts, found "
-                                      f"{type(groups).__name__}")
-            if len(groups) != len(own_groups):
-                raise InvalidArgument(f"{where_groups}: {len(groups)} parameter groups, the "
-                                      f"engine's optimizer has {len(own_groups)}")
-        # The states the running optimizer keeps per element of a partition (Adam's exp_avg and
-        # exp_avg_sq), from its state of the first partition, when it has one yet.
-        saved = set(self.ck.partitioned_states())
-        inner = self.opt.optimizer
-        kept = self._kept_states()
-        if kept is not None:
-            running, others = kept
-            if running != saved:
-                raise InvalidArgument(
-                    f"{self._where(f.optim, (base or 'zero') + '/state')}: the optimizer states "
-                    f"saved per element are {sorted(saved) or 'none'}, the engine's "
-                    f"{type(inner).__name__} keeps {sorted(running) or 'none'}: a checkpoint of "
-                    "another optimizer")
-            for index, values in small["state_scalars"].items():
-                for key, value in values.items():
-                    if key not in others:
-                        continue
-                    numeric = torch.is_tensor(value) or (isinstance(value, (int, float)) and
-                                                         not isinstance(value, bool))
-                    if not numeric:
-                        raise InvalidArgument(
-                            f"{self._where(f.optim, f'{base}/state/{index}/{key}')}: expected a "
-                            f"number or a tensor, as the engine's optimizer keeps it; found "
-                            f"{type(value).__name__}")
-            step = small.get("step")
-            if step is not None and not (torch.is_tensor(step) or isinstance(step, (int, float))):
-                raise InvalidArgument(f"{self._where(f.optim, 'step')}: expected a number or a "
-                                      f"tensor, found {type(step).__name__}")
-
-    def _kept_states(self):
-        """The state the running optimizer keeps for a partition: (the names it keeps per
-        element, the names of its other values); None where that cannot be told. From its
-        state where it has stepped, else from one step of a copy of its class, with its first
-        group's options, on two elements (DeepSpeed builds the optimizer's state lazily)."""
-        inner = self.opt.optimizer
-        for t in self._partition_tensors():
-            state = inner.state.get(t) if hasattr(inner.state, "get") else None
-            if state:
-                return self._split_state(state, t.numel())
-        try:
-            options = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
-            probe = torch.zeros(2, dtype=torch.float32, requires_grad=True)
-            probe.grad = torch.zeros(2, dtype=torch.float32)
-            copy_of = type(inner)([dict(options, params=[probe])])
-            copy_of.step()
-            return self._split_state(copy_of.state[probe], probe.numel())
-        except Exception:  # noqa: BLE001 - an optimizer that cannot be copied so: not checked
-            return None
-
-    @staticmethod
-    def _split_state(state, numel: int):
-        per_element = {k for k, v in state.items()
-                       if torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel}
-        return per_element, {k for k in state if k not in per_element}
-
-    def _partition_tensors(self) -> List[torch.Tensor]:
-        """The fp32 partitions the inner optimizer steps (its state's keys)."""
-        if self.stage3:
-            return list(getattr(self.opt, "fp32_partitioned_groups_flat", []))
-        return list(self.opt.single_partition_of_fp32_groups)
-
     def _optimizer_small(self) -> Dict[str, Any]:
         f = self.files
         out = {}
@@ -623,216 +480,6 @@ class _Resume:
             n = p.ds_tensor.numel()
             self.frozen[self.names[p]] = parts[0][at:at + n]
             at += n
-
-    # - writing ----------------------------------------------------------------------------------
-
-    def _state_dict(self) -> Dict[str, Any]:
-        """This rank's optimizer state as the running release's own state_dict() would have
-        saved it at this world size (its rigid form), from what was read."""
-        opt, small = self.opt, self.small["optimizer"]
-        weights = self.values[self.targets()[0]]
-        states = [s for s in self.targets()[1:]]
-        own = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
-        groups = small["param_groups"]
-        if groups is None:
-            groups = own  # elastic checkpoints keep none: the engine's own (count checked before)
-        # Which new partition belongs to which group, and each group's saved state values.
-        if self.stage3:
-            owner = [int(opt.sub_group_to_group_id[k]) for k in range(len(weights))]
-        else:
-            owner = list(range(len(weights)))
-        state, new_groups = {}, []
-        for g, group in enumerate(groups):
-            entry = {k: v for k, v in group.items() if k != "params"}
-            members = [k for k in range(len(weights)) if owner[k] == g]
-            entry["params"] = members
-            new_groups.append(entry)
-        scalars = small["state_scalars"]
-        for k in range(len(weights)):
-            # Its own saved values where the partitions are the saved ones, else its group's
-            # first partition's (Adam's step is the same in every partition of a group). Each
-            # partition gets its own copy: the optimizer steps them in place.
-            saved_ids = groups[owner[k]].get("params") or [owner[k]]
-            index = k if (len(scalars) == len(weights) and k in scalars) else int(saved_ids[0])
-            values = {key: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v))
-                      for key, v in scalars.get(index, {}).items()}
-            if not values and small["step"] is not None:
-                step = small["step"]
-                values["step"] = step.clone() if torch.is_tensor(step) else step
-            for s in states:
-                values[s] = self.values[s][k]
-            state[k] = values
-        base = {"state": state, "param_groups": new_groups}
-        sd: Dict[str, Any] = {}
-        for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad"):
-            if small.get(key) is not None:
-                sd[key] = small[key]
-        sd.setdefault("loss_scaler", opt.loss_scaler)
-        sd.setdefault("dynamic_loss_scale", opt.dynamic_loss_scale)
-        sd.setdefault("overflow", opt.overflow)
-        sd["ds_version"] = small.get("ds_version") or self.ck.ds_version
-        sd["partition_count"] = opt.partition_count
-        if self.stage3:
-            from deepspeed.runtime.zero.config import ZeroStageEnum
-
-            sd["zero_stage"] = ZeroStageEnum.weights
-            sd["optimizer_state_dict"] = base
-            sd["fp32_flat_groups"] = weights
-        else:
-            sd.setdefault("clip_grad", opt.clip_grad)
-            sd["zero_stage"] = small.get("zero_stage") or (
-                2 if getattr(opt, "partition_gradients", False) else 1)
-            sd["base_optimizer_state"] = base
-            sd["single_partition_of_fp32_groups"] = weights
-            sd["group_paddings"] = list(opt.groups_padding)
-            if hasattr(opt, "round_robin_bit16_padding"):
-                sd["param_alignment_paddings"] = opt.round_robin_bit16_padding
-            if hasattr(opt, "_param_slice_mappings"):
-                sd["param_slice_mappings"] = opt._param_slice_mappings
-        return sd
-
-    def _load_optimizer(self, sd: Dict[str, Any]) -> None:
-        import inspect
-
-        opt = self.opt
-        states = [None] * self.dp
-        states[self.rank] = sd
-        kwargs = {"load_optimizer_states": True, "load_from_fp32_weights": self.from_fp32}
-        accepted = inspect.signature(opt.load_state_dict).parameters
-        opt.load_state_dict(states, **{k: v for k, v in kwargs.items() if k in accepted})
-
-    def _set_weights_zero3(self, fp32: List[torch.Tensor]) -> None:
-        """ZeRO-3 without the optimizer's states: the 16-bit partitions from the fp32 master read,
-        then the master from them (DeepSpeed's _restore_from_bit16_weights)."""
-        opt = self.opt
-        for k, part in enumerate(fp32):
-            flat = opt.fp16_partitioned_groups_flat[k]
-            if flat is not None and flat.numel() == part.numel():
-                flat.data.copy_(part)
-                for p, q in zip(opt.fp16_partitioned_groups[k],
-                                opt.unflatten(flat, opt.fp16_partitioned_groups[k])):
-                    p.data = q.data
-            else:
-                at = 0
-                for p in opt.fp16_groups[k]:
-                    n = p.ds_tensor.numel()
-                    p.ds_tensor.data.copy_(part[at:at + n])
-                    at += n
-        opt._restore_from_bit16_weights()
-
-    def _update_16bit(self) -> None:
-        """DeepSpeed's update_lp_params: each rank's 16-bit partition from its fp32 master, then
-        one all-gather per group. Where the buffers are host memory, the all-gather is
-        zeroflat's (ranks of one host meet in shared memory; gloo's sockets took seconds for a
-        few hundred MB), else DeepSpeed's own."""
-        opt, comm = self.opt, getattr(self, "_comm", None)
-        flats = list(opt.bit16_groups_flat)
-        groups = list(opt.real_dp_process_group)
-        mine = dist.get_process_group_ranks(self.group) if comm is not None else None
-        if (comm is None or any(f.device.type != "cpu" or not f.is_contiguous() for f in flats)
-                or any(dist.get_process_group_ranks(g) != mine for g in groups)):
-            opt.update_lp_params()
-            return
-        for i, flat in enumerate(flats):
-            part = opt.parallel_partitioned_bit16_groups[i][self.rank]
-            part.data.copy_(opt.single_partition_of_fp32_groups[i].data)
-            comm.all_gather_tensor(flat.view(-1).view(torch.uint8),
-                                   part.numel() * flat.element_size(),
-                                   f"the all-gather of group {i}'s 16-bit weights")
-
-    def write(self) -> None:
-        """The engine takes what was read. Runs only after every rank has read everything."""
-        opt = self.opt
-        # The optimizer's state dict first: whatever could fail, fails before the first write.
-        sd = self._state_dict() if self.with_states else None
-        if hasattr(opt, "checkpoint_event_prologue"):
-            opt.checkpoint_event_prologue()
-        # Frozen parameters and buffers.
-        for p, name in self.names.items():
-            value = self.frozen.get(name)
-            if value is None:
-                continue
-            target = p.ds_tensor if self.stage3 else p
-            with torch.no_grad():
-                target.data.copy_(value.reshape(target.shape))
-        for name, buf in self._persistent_buffers().items():
-            value = self.buffers.get(name)
-            if value is not None:
-                with torch.no_grad():
-                    buf.copy_(value.reshape(buf.shape))
-        weights = self.values[self.targets()[0]]
-        if self.stage3:
-            if sd is not None:
-                self._load_optimizer(sd)
-            else:
-                self._set_weights_zero3(weights)
-                persistent = getattr(opt, "persistent_parameters", None)
-                if persistent:
-                    persistent[0].partition(persistent)
-        else:
-            # The 16-bit buffers first: from the fp32 master read, or from the 16-bit slice
-            # read (its fp32 copy rounds back to the same bits), and one all-gather.
-            for k, part in enumerate(weights):
-                opt.single_partition_of_fp32_groups[k].data.copy_(part)
-            self._update_16bit()
-            if sd is not None:
-                self._load_optimizer(sd)
-        if hasattr(opt, "checkpoint_event_epilogue"):
-            opt.checkpoint_event_epilogue()
-        self._write_engine()
-
-    def _write_engine(self) -> None:
-        """The engine's bookkeeping, as DeepSpeed's _load_checkpoint restores it."""
-        engine, small = self.engine, self.small
-        engine.loaded_checkpoint_dp_world_size = small.get("dp_world_size", self.ck.world)
-        if self.module_only:
-            return
-        if self.with_scheduler and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(small["lr_scheduler"])
-        if (_is_true(engine, "random_ltd_enabled") and
-                getattr(engine, "random_ltd_scheduler", None) is not None and
-                "random_ltd" in small):
-            engine.random_ltd_scheduler.load_state_dict(small["random_ltd"])
-        if (getattr(engine, "training_dataloader", None) is not None and
-                _is_true(engine, "curriculum_learning_enabled") and "data_sampler" in small):
-            engine.training_dataloader.data_sampler.load_state_dict(small["data_sampler"])
-        if hasattr(engine, "sparse_tensor_module_names"):
-            names = small.get("sparse_tensor_module_names", small.get("csr_tensor_module_names"))
-            if names is not None:
-                if self.strict:
-                    engine.sparse_tensor_module_names = names
-                else:
-                    params = dict(engine.module.named_parameters())
-                    kept = {n for n in engine.sparse_tensor_module_names
-                            if not (n in self.module_keys and n not in names)}
-                    engine.sparse_tensor_module_names = kept | {n for n in names if n in params}
-        engine.global_steps = small["global_steps"]
-        engine.global_samples = small.get("global_samples",
-                                          engine.global_steps * engine.train_batch_size())
-        engine.skipped_steps = small["skipped_steps"]
-        engine.loaded_checkpoint_mp_world_size = small["mp_world_size"]
-
-    def client_state(self) -> Dict[str, Any]:
-        """What DeepSpeed's load_checkpoint returns as client_state: the module file's keys it
-        does not restore itself."""
-        if self.module_only:
-            skip = {"module"}
-        else:
-            skip = {"module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size",
-                    "data_sampler", "random_ltd"}
-            if hasattr(self.engine, "sparse_tensor_module_names"):
-                skip.add("sparse_tensor_module_names")
-        if self.with_scheduler:
-            skip.add("lr_scheduler")
-        if self.load_optimizer_states:
-            skip.add("optimizer")
-        out = {}
-        for key in self.files.module_keys():
-            if key in skip:
-                continue
-            out[key] = None if key == "optimizer" else self.small.get(key)
-        return out
-
 
 def _tag(engine, load_dir) -> Optional[str]:
     """The tag DeepSpeed's load_checkpoint would take without one: the 'latest' file's (or

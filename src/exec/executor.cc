@@ -1,5 +1,7 @@
 // The executor: runs a step list, agrees with the other ranks at the points of no return, and
-// rolls back or recovers forward on failure (see executor.h).
+// rolls back or recovers forward on failure (see executor.h). Past 700 lines on purpose: the
+// steps, the agreements between them and the rollback of each are one state machine; what a
+// failure at step k must undo is read beside step k.
 #include "zeroflat/executor.h"
 
 #include <algorithm>

@@ -1,5 +1,8 @@
 // torch.save archives (torch_file.h): the zip directory, data.pkl through the restricted pickle
 // machine, and the state as a tree of values with every tensor's and storage's bytes located.
+// Past 700 lines on purpose: the conversion of the pickle's graph into values is where every
+// bound and every check of a tensor against its storage is made, and the reads of a value's
+// bytes (read_torch_tensor) recheck the same geometry; one file keeps the two in step.
 #include "zeroflat/torch_file.h"
 
 #include <algorithm>
