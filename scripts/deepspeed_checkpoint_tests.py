@@ -43,7 +43,7 @@ How it runs
 - The table: test id, plain outcome, drop-in outcome, ``load_checkpoint`` calls in the plain run,
   and in the drop-in run the calls zeroflat served / handed back to DeepSpeed (and raised, if any);
   a call counts once, as rank 0 (or the one process without torch.distributed) saw it. Every
-  collected test is listed; those pytest.ini's ``-m`` deselects are counted below the table.
+  collected test is listed; those ``-k`` or pytest.ini's ``-m`` deselect are counted below it.
   Exit status 1 when any test's outcome differs between the two runs, 2 when the run could not
   be made.
 
@@ -66,7 +66,14 @@ is reported and the run goes on without it.
    ...). An ``__init_subclass__`` also registers each subclass, in its module, as a plain
    function-scoped ``pytest.fixture`` of the class's name that runs it the way the hook did
    (``cls()(request)``); with an older pytest it does nothing.
-3. ``tests/unit/checkpoint/common.py``, ``compare_deepspeed_states``: compares the engines'
+3. ``tests/unit/common.py``, ``DistributedExec._dist_run``: a rank whose test fails through
+   pytest's ``Failed`` (``pytest.fail``, or ``pytest.raises(...)`` that saw nothing raised) raises
+   a BaseException, which ``multiprocessing.Pool``'s worker does not catch: the worker process
+   ends, the pool starts another in its place, the task's result never comes, and the test hangs
+   in ``starmap_async(...).get`` until DeepSpeed's exec_timeout, whose ``pytest.exit`` ends the
+   whole session. In the daemonic (pool) launch it is raised again as a RuntimeError naming it
+   (the original chained), which the pool hands to pytest as the test's failure.
+4. ``tests/unit/checkpoint/common.py``, ``compare_deepspeed_states``: compares the engines'
    ``sparse_tensor_module_names``, an attribute the installed DeepSpeed (0.19.8) no longer has
    (its sparse-gradient support was removed after 0.19.5, the newest tag whose tests were at
    hand), so every ``checkpoint_correctness_verification`` failed with AttributeError after the
@@ -142,6 +149,22 @@ FIXES = [
                 'name=self.__name__)\n'),
         "new": ('        _pytestfixturefunction = FixtureFunctionMarker(scope="function", params=None, '
                 'name=self.__name__)\n' + _FIXTURE_REGISTRATION),
+    },
+    {
+        "name": "rank-failure-not-a-hang",
+        "file": "unit/common.py",
+        "old": ("                else:\n"
+                "                    skip_msg = e.msg\n"
+                "            else:\n"
+                "                raise e\n"),
+        "new": ("                else:\n"
+                "                    skip_msg = e.msg\n"
+                "            elif not isinstance(e, Exception) and not self.non_daemonic_procs:\n"
+                "                # zeroflat's runner: a pool worker dies of a BaseException (pytest's\n"
+                "                # Failed) and its result never comes: raise one the pool passes on.\n"
+                "                raise RuntimeError(f'{type(e).__module__}.{type(e).__name__}: {e}') from e\n"
+                "            else:\n"
+                "                raise e\n"),
     },
     {
         "name": "sparse-tensor-module-names",
@@ -566,6 +589,23 @@ def _tail(text: Optional[str], lines: int) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
+def _excerpt(text: Optional[str], lines: int) -> str:
+    """A failure's text, short: the ranks' own traceback (the pool's RemoteTraceback block) where
+    there is one, its last ``lines`` lines, then the last lines of pytest's report."""
+    if not text:
+        return ""
+    all_lines = text.rstrip().splitlines()
+    start = next((i for i, line in enumerate(all_lines) if "RemoteTraceback" in line), None)
+    if start is None:
+        return "\n".join(all_lines[-lines:])
+    end = next((i for i in range(start + 2, len(all_lines)) if all_lines[i].strip() == '"""'),
+               len(all_lines) - 1)
+    block = all_lines[start:end + 1]
+    if len(block) > lines:
+        block = [all_lines[start], "    ..."] + block[-lines:]
+    return "\n".join(block + ["    ..."] + all_lines[-6:])
+
+
 def print_report(args, work: Path, order: List[str], deselected: List[str], results: dict,
                  notes: List[str]) -> int:
     counts = load_counts(work)
@@ -602,7 +642,7 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
                 for m in MODES}
     print()
     print(f"{len(order)} tests (ids relative to tests/unit/checkpoint/ where they lie there); "
-          f"{len(deselected)} more deselected by tests/pytest.ini's -m addopts")
+          f"{len(deselected)} more deselected (-k, or tests/pytest.ini's -m addopts)")
     for m in MODES:
         print(f"  {m}: " + ", ".join(f"{v} {k}" for k, v in sorted(per_mode[m].items())))
     print(f"  load_checkpoint calls: plain {totals['plain_calls']}; drop-in: {totals['served']} "
@@ -620,7 +660,7 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
                 print(f"--- {m}: {rec.get('outcome')} ({rec.get('seconds', 0):.0f} s)")
                 for p in rec.get("phases", []):
                     if p["outcome"] == "failed":
-                        print(f"[{p['when']}]\n{_tail(p.get('text'), args.tail)}")
+                        print(f"[{p['when']}]\n{_excerpt(p.get('text'), args.tail)}")
                 if rec.get("hang"):
                     print(f"(where each process was: {rec['hang']})")
             for why in reasons.get(nodeid, []):

@@ -30,10 +30,23 @@ struct CheckpointTensor {
   std::uint64_t bytes = 0;
 };
 
+// What a file was when its headers were read: a file replaced since (another run's file of the
+// same size renamed over it, or rewritten in place) has another identity or time, and is refused
+// rather than read.
+struct FileStamp {
+  bool known = false;  // false: not recorded (a description, not files read); sizes alone checked
+  std::uint64_t device = 0;
+  std::uint64_t inode = 0;
+  std::uint64_t size = 0;
+  std::int64_t mtime_ns = 0;
+};
+
 struct CheckpointIndex {
   std::string path;                // as given
   std::vector<std::string> files;  // full paths
   std::vector<std::uint64_t> file_bytes;
+  // Per file, as it was when read (empty, or a stamp not known: sizes alone are checked).
+  std::vector<FileStamp> stamps;
   std::vector<CheckpointTensor> tensors;  // in natural name order (layers.2 before layers.10)
   // The tensor of that name, or null. O(log n).
   const CheckpointTensor* find(const std::string& name) const;

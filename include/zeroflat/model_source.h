@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/model.h"
 
 namespace zeroflat {
@@ -33,6 +34,7 @@ struct SafetensorsHeader {
   std::map<std::string, std::string> metadata;
   std::uint64_t header_bytes = 0;  // n, the JSON's length
   std::uint64_t data_bytes = 0;    // file size - 8 - n
+  FileStamp stamp;                 // read_safetensors_header: the file as it was read
 };
 
 // Bytes per element of a safetensors dtype name; 0 when zeroflat does not know it.

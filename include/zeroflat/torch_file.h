@@ -88,6 +88,7 @@
 #include <utility>
 #include <vector>
 
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/dtype.h"
 #include "zeroflat/tensor.h"
 
@@ -240,6 +241,7 @@ struct TorchStorage {
 struct TorchFile {
   std::string path;              // as given (for bytes in memory: the source name)
   std::uint64_t file_bytes = 0;
+  FileStamp stamp;               // read_torch_file: the file as it was read (parse: not known)
   std::string archive;           // the folder every entry lies in
   std::string byteorder;         // "little" (a file without the entry is taken as little)
   std::string version;           // ARCHIVE/version, trimmed; empty when absent

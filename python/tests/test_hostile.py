@@ -447,6 +447,11 @@ def test_what_the_engine_cannot_take_is_refused_before_any_write(tmp_path_factor
         torch.save(state, d / files[which])
         variants.append({"name": name, "dir": f"bad/edit{i}", "expect": expect,
                          "file": files[which]})
+    # Rank 0's optimizer file replaced by another of the same size after the checkpoint was
+    # opened: its headers describe another file, which is refused, not read.
+    _copy(ckpt, "replaced")
+    variants.append({"name": "replaced after opening", "dir": "bad/replaced", "fault": "replace",
+                     "expect": "replaced since it was opened", "file": files["optim"]})
     reports = resume(ckpt, stage, 1, variants=[{k: x for k, x in v.items() if k != "file"}
                                                for v in variants])
     for v, (r,) in zip(variants, reports):

@@ -294,15 +294,24 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
         engine = _engine(stage, dict(opts, universal=opts.get("our_universal", False)))
         before = snapshot(engine)
         error = None
-        if opts.get("fault") == "truncate" and rank == world - 1:
+        if opts.get("fault") in ("truncate", "replace") and rank == world - 1:
             # A read that fails midway: saved rank 0's optimizer file is cut short after this
-            # rank opened the checkpoint.
+            # rank opened the checkpoint, or replaced by a file of the same size and other bytes
+            # (another run's), renamed over it.
+            fault = opts["fault"]
+
             class Cut(real):
                 def __init__(self, *a, **k):
                     super().__init__(*a, **k)
                     for path, role, r in self.files:
                         if role == "optim" and r == 0:
-                            os.truncate(path, os.path.getsize(path) // 2)
+                            if fault == "truncate":
+                                os.truncate(path, os.path.getsize(path) // 2)
+                                continue
+                            data = bytearray(pathlib.Path(path).read_bytes())
+                            data[-4096:-1024] = bytes(3072)
+                            pathlib.Path(path + ".other").write_bytes(bytes(data))
+                            os.replace(path + ".other", path)
 
             zeroflat._C.DeepSpeedCheckpoint = Cut
         try:

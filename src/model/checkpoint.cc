@@ -168,6 +168,7 @@ CheckpointIndex open_checkpoint(const std::string& path_text) {
     const auto file = static_cast<std::uint32_t>(out.files.size());
     out.files.push_back(f.string());
     out.file_bytes.push_back(8 + h.header_bytes + h.data_bytes);
+    out.stamps.push_back(h.stamp);
     for (const SafetensorsTensor& t : h.tensors) {
       auto [it, fresh] = seen.emplace(t.name, f.filename().string());
       if (!fresh) {

@@ -6,6 +6,8 @@
 #include <string>
 #include <string_view>
 
+#include "zeroflat/checkpoint.h"
+
 namespace zeroflat::detail {
 
 // Refuses a path holding a NUL byte, which no file name can: the system would see only the
@@ -25,6 +27,8 @@ class File {
   File& operator=(const File&) = delete;
 
   int fd() const noexcept { return fd_; }
+  // What the open file is now (fstat of its descriptor).
+  FileStamp stamp() const;
   std::uint64_t size() const noexcept { return size_; }
   const std::string& path() const noexcept { return path_; }
   // Reads exactly n bytes at offset into out. Throws InvalidArgument naming the file and the

@@ -219,7 +219,9 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
       file.read_at(head.data() + 8, n, 8);
     }
   }
-  return parse_safetensors_header(head, file_size, path);
+  SafetensorsHeader out = parse_safetensors_header(head, file_size, path);
+  out.stamp = file.stamp();
+  return out;
 }
 
 }  // namespace zeroflat

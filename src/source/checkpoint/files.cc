@@ -31,6 +31,26 @@ InvalidArgument truncated(const CheckpointIndex& ck, std::size_t file, std::uint
                          ": truncated since it was opened");
 }
 
+// A file that is not the one whose headers were read: another identity, size or time.
+void check_stamp(const CheckpointIndex& ck, std::size_t file, const FileStamp& now) {
+  if (file >= ck.stamps.size() || !ck.stamps[file].known || !now.known) return;
+  const FileStamp& then = ck.stamps[file];
+  if (then.device == now.device && then.inode == now.inode && then.size == now.size &&
+      then.mtime_ns == now.mtime_ns) {
+    return;
+  }
+  const std::string what =
+      then.device != now.device || then.inode != now.inode
+          ? "another file now (replaced since it was opened)"
+      : then.size != now.size
+          ? std::string(now.size > then.size ? "grown" : "truncated") +
+                " since it was opened (now " + std::to_string(now.size) + " bytes, " +
+                std::to_string(then.size) + " then)"
+          : "modified since it was opened";
+  throw InvalidArgument(ck.files[file] + " is " + what +
+                        ": its headers describe another file; nothing of it is read");
+}
+
 // The tensor whose bytes hold file offset `at` (for messages).
 std::string tensor_at(const CheckpointIndex& ck, std::uint32_t file, std::uint64_t at) {
   for (const CheckpointTensor& t : ck.tensors) {
@@ -138,6 +158,7 @@ std::shared_ptr<const File> OpenFiles::get(std::uint32_t i) {
     }
     throw;
   }
+  check_stamp(ck_, i, f->stamp());
   if (f->size() < ck_.file_bytes[i]) throw truncated(ck_, i, f->size());
   if (random_) (void)posix_fadvise(f->fd(), 0, 0, POSIX_FADV_RANDOM);
   open_[i] = f;
@@ -158,6 +179,13 @@ void check_files_present(const CheckpointIndex& ck) {
     if (!S_ISREG(st.st_mode)) {
       throw InvalidArgument(ck.files[i] + " is not a regular file");
     }
+    FileStamp now;
+    now.known = true;
+    now.device = static_cast<std::uint64_t>(st.st_dev);
+    now.inode = static_cast<std::uint64_t>(st.st_ino);
+    now.size = static_cast<std::uint64_t>(st.st_size);
+    now.mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
+    check_stamp(ck, i, now);
     if (static_cast<std::uint64_t>(st.st_size) < ck.file_bytes[i]) {
       throw truncated(ck, i, static_cast<std::uint64_t>(st.st_size));
     }

@@ -152,6 +152,7 @@ class SourceBuilder {
     for (const DeepSpeedFile& f : ck.files) {
       out_.index.files.push_back(f.path);
       out_.index.file_bytes.push_back(f.torch.file_bytes);
+      out_.index.stamps.push_back(f.torch.stamp);
     }
   }
 

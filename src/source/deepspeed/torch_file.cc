@@ -773,7 +773,9 @@ const TorchTensor* TorchFile::find_tensor(std::string_view entry) const {
 
 TorchFile read_torch_file(const std::string& path) {
   const detail::FileSource src(path);
-  return parse(src, path);
+  TorchFile out = parse(src, path);
+  out.stamp = src.stamp();
+  return out;
 }
 
 TorchFile parse_torch_file(std::span<const unsigned char> bytes, const std::string& source) {

@@ -46,6 +46,7 @@ class FileSource final : public ByteSource {
     file_.read_at(out, n, offset);
   }
   const std::string& name() const override { return file_.path(); }
+  FileStamp stamp() const { return file_.stamp(); }
 
  private:
   File file_;
