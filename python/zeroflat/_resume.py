@@ -355,6 +355,18 @@ class _Resume(EngineWriter):
                 per_state[int(index)] = entries
         elif f.universal:
             groups = f.optim_value("param_groups")
+        elif f.optim is not None:
+            # An elastic checkpoint: base_optimizer_state is a list, one state per group (no
+            # param_groups); its values that are not partitioned are restored as they are.
+            partitioned = set(self.ck.partitioned_states())
+            elastic = f.optim_prefix + "base_optimizer_state"
+            index = 0
+            while f.has(f.optim, f"{elastic}/{index}"):
+                per_state[index] = {
+                    key: f.value(f.optim, f"{elastic}/{index}/{key}")
+                    for key in self.ck.keys(f.optim, f"{elastic}/{index}")
+                    if key not in partitioned}
+                index += 1
         out["param_groups"] = groups
         out["state_scalars"] = per_state
         # Elastic checkpoints keep one step for all groups; universal ones a step per parameter.

@@ -181,6 +181,9 @@ class EngineWriter:
         state, new_groups = {}, []
         for g, group in enumerate(groups):
             entry = {k: v for k, v in group.items() if k != "params"}
+            if small["param_groups"] is None and small["step"] is not None:
+                # An elastic checkpoint's one step, which DeepSpeed puts in every group.
+                entry["step"] = small["step"]
             members = [k for k in range(len(weights)) if owner[k] == g]
             entry["params"] = members
             new_groups.append(entry)
