@@ -743,6 +743,9 @@ def main() -> int:
     base_env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(args.threads),
                     MKL_NUM_THREADS=str(args.threads), PYTHONDONTWRITEBYTECODE="1",
                     DS_UNITTEST_TIMEOUT=str(int(args.timeout) + 600), PYTHONUNBUFFERED="1")
+    # pytest's temporary folders of this run, apart from any other pytest on the machine.
+    (work / "tmp").mkdir(exist_ok=True)
+    base_env["PYTEST_DEBUG_TEMPROOT"] = str(work / "tmp")
     old_pp = base_env.get("PYTHONPATH")
 
     def env_for(mode: Optional[str], events: Path) -> dict:

@@ -47,6 +47,7 @@ set(room_of_engine exec)
 set(room_of_loader source)
 set(room_of_torch_file source)
 set(room_of_deepspeed_checkpoint source)
+set(room_of_resume source)
 set(room_of_flatten exec)
 set(room_of_rehearsal exec)
 

@@ -7,11 +7,14 @@
 //   ZeRO-1/2 flat buffer; FlattenOptions and FlattenResult, the options and result of every door.
 // - loader.h: load_flat_group() and load_partitions(), a group straight from a checkpoint into
 //   ZeRO-1/2's flat buffer or ZeRO-3's partitions, each rank reading only its share.
+// - resume.h: plan_resume(), a DeepSpeed checkpoint resumed at any world size: the buffers each
+//   rank keeps, their sources and placements, and each rank's reads.
 // The other headers are their parts, usable alone: the layouts (layout.h, zero3.h, release.h),
 // the planner (plan.h), the probe (probe.h), devices (device.h), communicators (comm.h), the
 // executor (executor.h), checkpoints and model sources (checkpoint.h, model.h,
 // model_source.h, torch_file.h, deepspeed_checkpoint.h) and the JSON reports (report.h).
-// Headers under zeroflat/cli/ serve the command line and are not part of this API.
+// agree.h is the ranks' agreement the doors run. Headers under zeroflat/cli/ serve the command
+// line and are not part of this API.
 #pragma once
 
 #include "zeroflat/checkpoint.h"
@@ -34,6 +37,7 @@
 #include "zeroflat/progress.h"
 #include "zeroflat/release.h"
 #include "zeroflat/report.h"
+#include "zeroflat/resume.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 #include "zeroflat/tensor.h"

@@ -187,7 +187,7 @@ struct RankView {
 
 // The most (ranks shown x parameters of every buffer) one inspect lays out: past it, name one
 // rank with --rank (the work and the document grow with both).
-constexpr std::uint64_t kMaxInspectRankParams = std::uint64_t{1} << 24;
+constexpr std::uint64_t kMaxInspectRankParams = std::uint64_t{1} << 20;
 
 int inspect_deepspeed(const std::string& path, const std::optional<std::string>& tag, bool json,
                       std::optional<std::uint64_t> dp, std::optional<std::uint64_t> only_rank) {
