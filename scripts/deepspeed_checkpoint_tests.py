@@ -80,13 +80,23 @@ is reported and the run goes on without it.
    load, before any of its comparisons. The attribute is compared only where the engines have
    it (``getattr(..., None)`` on both sides).
 
-Tests DeepSpeed itself skips on this machine (no fused or CPU Adam op built, fp16 without
-hardware support, the "CPU accelerator does not support this test" ones) stay skipped both ways.
+What stays skipped or failing the same way both ways on a CPU with DeepSpeed 0.19.8 and the
+v0.19.5 tests (the newest 0.19.x tag at hand): the bf16 variants of TestZeROUniversalCheckpointDP
+skip (``bf16_required_version_check`` wants CUDA and NCCL); every fp16 variant errors or fails
+with "Type fp16 is not supported on your device" (this CPU's oneDNN has no fp16); test_sparse.py
+fails at ``deepspeed.initialize`` (0.19.8 removed the ``sparse_gradients`` option:
+DeepSpeedConfigError); the tests that say "CPU accelerator does not support this test", lamb's
+and the other ops' that need a built op skip.
+
+A killed run goes on with ``--workdir DIR --resume`` (the tests that finished are kept, from the
+events files); pytest's temporary folders are under the work folder (PYTEST_DEBUG_TEMPROOT), the
+logs, each hang's dump (logs/hang-*.txt), results.json and summary.json too.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -105,6 +115,12 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = REPO / "scripts" / "deepspeed_tests"
 MODES = ("plain", "dropin")
+
+
+def die(message: str) -> None:
+    """The run could not be made: exit status 2."""
+    print(message, file=sys.stderr)
+    sys.exit(2)
 
 
 # --- the fixes to DeepSpeed's test helpers (see the docstring) -----------------------------------
@@ -221,7 +237,7 @@ def _installed_deepspeed(python: str) -> str:
     out = subprocess.run([python, "-c", "import importlib.metadata as m; "
                           "print(m.version('deepspeed'))"], capture_output=True, text=True)
     if out.returncode != 0:
-        sys.exit(f"error: deepspeed is not installed for {python}: {out.stderr.strip()}")
+        die(f"error: deepspeed is not installed for {python}: {out.stderr.strip()}")
     return out.stdout.strip()
 
 
@@ -233,7 +249,7 @@ def resolve_source(args, python: str) -> Path:
             src = _extract(src, cache / ("archive-" + src.name.split(".")[0]))
         found = _tests_dir(src) if src.is_dir() else None
         if found is None:
-            sys.exit(f"error: {args.source} holds no DeepSpeed tests/ folder "
+            die(f"error: {args.source} holds no DeepSpeed tests/ folder "
                      "(tests/conftest.py and tests/unit/checkpoint)")
         return found
     if args.git:
@@ -244,10 +260,13 @@ def resolve_source(args, python: str) -> Path:
             archive = subprocess.run(["git", "-C", args.git, "archive", args.ref, "tests"],
                                      capture_output=True)
             if archive.returncode != 0:
-                sys.exit(f"error: git archive {args.ref} tests: {archive.stderr.decode().strip()}")
-            with tarfile.open(fileobj=__import__("io").BytesIO(archive.stdout)) as t:
+                die(f"error: git archive {args.ref} tests: {archive.stderr.decode().strip()}")
+            with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as t:
                 t.extractall(dest)
-        return _tests_dir(dest)
+        found = _tests_dir(dest)
+        if found is None:
+            die(f"error: {args.ref} of {args.git} has no tests/unit/checkpoint")
+        return found
     version = args.deepspeed_version or _installed_deepspeed(python)
     dest = cache / f"sdist-{version}"
     found = _tests_dir(dest) if dest.is_dir() else None
@@ -261,12 +280,12 @@ def resolve_source(args, python: str) -> Path:
         got = subprocess.run([python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                               f"deepspeed=={version}", "-d", str(dl)])
         if got.returncode != 0 or not (dl / name).exists():
-            sys.exit(f"error: could not download {name}; pass --source")
+            die(f"error: could not download {name}; pass --source")
     shutil.rmtree(dest, ignore_errors=True)
     _extract(dl / name, dest)
     found = _tests_dir(dest)
     if found is None:
-        sys.exit(f"error: the PyPI sdist of deepspeed {version} has no tests/ folder (DeepSpeed's "
+        die(f"error: the PyPI sdist of deepspeed {version} has no tests/ folder (DeepSpeed's "
                  "sdists ship only the package and its sources); pass --source with a DeepSpeed "
                  f"checkout of tag v{version} (or the nearest), or --git REPO --ref TAG")
     return found
@@ -424,6 +443,40 @@ def _entered_calls(events: Path) -> Dict[int, dict]:
     return open_calls
 
 
+def save_results(work: Path, results: dict) -> None:
+    path = work / "results.json"
+    path.with_suffix(".tmp").write_text(json.dumps(results, indent=1))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def results_from_events(work: Path) -> dict:
+    """Every test that finished, as the events files of both runs have it (what --resume keeps
+    when results.json was not written after it: a runner that was killed)."""
+    results: dict = {}
+    for mode in MODES:
+        path = work / mode / "pytest-events.jsonl"
+        if not path.exists():
+            continue
+        recs: dict = {}
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev["event"] == "start":
+                recs[ev["nodeid"]] = {"phases": [], "outcome": None, "start": ev["t"]}
+            elif ev["event"] == "report" and ev["nodeid"] in recs:
+                recs[ev["nodeid"]]["phases"].append(
+                    {k: ev.get(k) for k in ("when", "outcome", "duration", "text", "wasxfail",
+                                            "sections")})
+            elif ev["event"] == "finish" and ev["nodeid"] in recs:
+                rec = recs[ev["nodeid"]]
+                rec["outcome"] = outcome_of(rec["phases"])
+                rec["seconds"] = ev["t"] - rec["start"]
+                results.setdefault(ev["nodeid"], {})[mode] = rec
+    return results
+
+
 def outcome_of(phases: List[dict]) -> str:
     by = {p["when"]: p for p in phases}
     for when, label in (("setup", "error"), ("call", "failed"), ("teardown", "error")):
@@ -476,6 +529,7 @@ def run_batch(args, mode: str, nodeids: List[str], env: dict, work: Path, tests:
                         print(f" {rec['outcome']} ({rec['seconds']:.0f} s)", flush=True)
                         finished.add(ev["nodeid"])
                         current = None
+                        save_results(work, results)
                 if proc.poll() is not None:
                     break
                 now = time.time()
@@ -491,6 +545,7 @@ def run_batch(args, mode: str, nodeids: List[str], env: dict, work: Path, tests:
                     rec.update(outcome="timeout", seconds=now - started, hang=str(hang_file))
                     finished.add(current)
                     kill_session(proc)
+                    save_results(work, results)
                     break
                 if current is None and set(remaining) <= finished:
                     done_at = done_at or now
@@ -534,26 +589,10 @@ def run_batch(args, mode: str, nodeids: List[str], env: dict, work: Path, tests:
 
 # --- load_checkpoint calls -----------------------------------------------------------------------
 
-def load_counts(work: Path) -> Dict[str, Dict[str, Counter]]:
-    """test -> mode -> Counter of call outcomes (each call once: rank 0's record)."""
-    out: Dict[str, Dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
-    for mode in MODES:
-        for path in (work / mode).glob("calls-*.jsonl"):
-            for line in path.read_text(errors="replace").splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("event") != "call" or rec.get("rank") not in (0, None):
-                    continue
-                out[rec.get("test") or "?"][mode][rec["outcome"]] += 1
-    return out
-
-
-def load_reasons(work: Path) -> Dict[str, List[str]]:
-    """test -> the drop-in's hand-back reasons and raised errors (rank 0's)."""
-    out: Dict[str, List[str]] = defaultdict(list)
-    for path in (work / "dropin").glob("calls-*.jsonl"):
+def _calls(work: Path, mode: str, results: dict):
+    """The load_checkpoint calls of one run, each once (rank 0's record), of each test's last
+    attempt (a test run again after its runner was killed also has calls of the first)."""
+    for path in (work / mode).glob("calls-*.jsonl"):
         for line in path.read_text(errors="replace").splitlines():
             try:
                 rec = json.loads(line)
@@ -561,10 +600,29 @@ def load_reasons(work: Path) -> Dict[str, List[str]]:
                 continue
             if rec.get("event") != "call" or rec.get("rank") not in (0, None):
                 continue
-            if rec["outcome"] == "handed_back":
-                out[rec.get("test") or "?"].append(f"handed back: {rec.get('reason')}")
-            elif rec["outcome"] == "raised":
-                out[rec.get("test") or "?"].append(f"raised: {rec.get('error')}")
+            began = (results.get(rec.get("test"), {}).get(mode) or {}).get("start")
+            if began is not None and rec.get("start", began) < began - 1:
+                continue
+            yield rec
+
+
+def load_counts(work: Path, results: dict) -> Dict[str, Dict[str, Counter]]:
+    """test -> mode -> Counter of call outcomes (each call once: rank 0's record)."""
+    out: Dict[str, Dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+    for mode in MODES:
+        for rec in _calls(work, mode, results):
+            out[rec.get("test") or "?"][mode][rec["outcome"]] += 1
+    return out
+
+
+def load_reasons(work: Path, results: dict) -> Dict[str, List[str]]:
+    """test -> the drop-in's hand-back reasons and raised errors (rank 0's)."""
+    out: Dict[str, List[str]] = defaultdict(list)
+    for rec in _calls(work, "dropin", results):
+        if rec["outcome"] == "handed_back":
+            out[rec.get("test") or "?"].append(f"handed back: {rec.get('reason')}")
+        elif rec["outcome"] == "raised":
+            out[rec.get("test") or "?"].append(f"raised: {rec.get('error')}")
     return out
 
 
@@ -608,8 +666,8 @@ def _excerpt(text: Optional[str], lines: int) -> str:
 
 def print_report(args, work: Path, order: List[str], deselected: List[str], results: dict,
                  notes: List[str]) -> int:
-    counts = load_counts(work)
-    reasons = load_reasons(work)
+    counts = load_counts(work, results)
+    reasons = load_reasons(work, results)
     rows, differ = [], []
     totals = Counter()
     for nodeid in order:
@@ -713,11 +771,16 @@ def main() -> int:
         prefix="zeroflat-ds-checkpoint-"))
     results_path = work / "results.json"
     results: dict = {}
-    if args.resume and results_path.exists():
-        results = json.loads(results_path.read_text())
+    if args.resume:
+        results = results_from_events(work)
+        if results_path.exists():  # timeouts and crashes are only there
+            for nodeid, modes in json.loads(results_path.read_text()).items():
+                for mode, rec in modes.items():
+                    if (rec or {}).get("outcome"):
+                        results.setdefault(nodeid, {})[mode] = rec
     elif work.exists() and any(work.iterdir()) and args.workdir:
         if not args.resume:
-            sys.exit(f"error: {work} is not empty (pass --resume to go on with it)")
+            die(f"error: {work} is not empty (pass --resume to go on with it)")
     for sub in ("logs", "collect", *MODES):
         (work / sub).mkdir(parents=True, exist_ok=True)
     tests = work / "src" / "tests"
@@ -729,7 +792,7 @@ def main() -> int:
     zf = work / "zeroflat"
     if not zf.exists():
         if not (Path(args.zeroflat) / "zeroflat" / "__init__.py").exists():
-            sys.exit(f"error: no zeroflat package in {args.zeroflat} (build it, or --zeroflat)")
+            die(f"error: no zeroflat package in {args.zeroflat} (build it, or --zeroflat)")
         shutil.copytree(Path(args.zeroflat) / "zeroflat", zf / "zeroflat",
                         ignore=shutil.ignore_patterns("__pycache__"))
     print(f"DeepSpeed tests: {tests_src} (copied to {tests})")
@@ -773,7 +836,7 @@ def main() -> int:
     (work / "logs" / "collect.log").write_text(got.stdout + got.stderr)
     if not collect_file.exists():
         print(_tail(got.stdout + got.stderr, 40))
-        sys.exit(f"error: collection failed (rc={got.returncode})")
+        die(f"error: collection failed (rc={got.returncode})")
     collected = json.loads(collect_file.read_text())
     order, deselected = collected["selected"], collected["deselected"]
     if got.returncode not in (0, 5):
@@ -804,23 +867,23 @@ def main() -> int:
                       flush=True)
                 run_batch(args, mode, todo, env_for(mode, work / mode), work, tests, py_spy,
                           results)
-                results_path.write_text(json.dumps(results, indent=1))
+                save_results(work, results)
                 for path in (work / mode).glob("faulthandler-*.txt"):
                     if path.stat().st_size == 0:  # nothing was dumped from that process
                         path.unlink(missing_ok=True)
                 errors = sorted((work / mode).glob("install-error-*.txt"))
                 if errors:
                     print(errors[0].read_text())
-                    sys.exit(f"error: the instrumentation or zeroflat.deepspeed.install() failed "
+                    die(f"error: the instrumentation or zeroflat.deepspeed.install() failed "
                              f"in {len(errors)} processes ({work / mode})")
     finally:
-        results_path.write_text(json.dumps(results, indent=1))
+        save_results(work, results)
     print(f"\nran for {(time.time() - start) / 60:.1f} min")
     rc = print_report(args, work, order, deselected, results, notes)
     summary = {"source": str(tests_src), "work": str(work), "fixes": notes, "order": order,
                "deselected": deselected, "results": results,
                "loads": {k: {m: dict(c) for m, c in v.items()}
-                         for k, v in load_counts(work).items()}}
+                         for k, v in load_counts(work, results).items()}}
     (work / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1, default=str))
