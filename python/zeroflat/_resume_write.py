@@ -107,7 +107,9 @@ class EngineWriter:
         kept = self._kept_states()
         if kept is not None:
             running, others = kept
-            if running != saved:
+            # A checkpoint saved before any step keeps no state at all (DeepSpeed takes it and
+            # the optimizer starts its states afresh): only states that differ are refused.
+            if saved and running != saved:
                 raise InvalidArgument(
                     f"{self._where(f.optim, (base or 'zero') + '/state')}: the optimizer states "
                     f"saved per element are {sorted(saved) or 'none'}, the engine's "
