@@ -112,6 +112,10 @@ struct ResumeRankBuffer {
 };
 ResumeRankBuffer resume_rank_buffer(const ResumeBuffer& buffer, std::uint64_t rank);
 
+// The bytes every rank keeps of buffer b (resume_rank_buffer's kept_bytes, without planning
+// any read).
+std::uint64_t resume_kept_bytes(const ResumeBuffer& buffer);
+
 // A rank's whole resume: every buffer's figures, in the plan's order, the small tensors' bytes,
 // and the sums.
 struct ResumeRank {

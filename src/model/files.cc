@@ -39,16 +39,20 @@ File::File(const std::string& path) : path_(path) {
   size_ = static_cast<std::uint64_t>(st.st_size);
 }
 
-FileStamp File::stamp() const {
-  struct stat st {};
+FileStamp stamp_of(const struct stat& st) {
   FileStamp s;
-  if (::fstat(fd_, &st) != 0) return s;
   s.known = true;
   s.device = static_cast<std::uint64_t>(st.st_dev);
   s.inode = static_cast<std::uint64_t>(st.st_ino);
   s.size = static_cast<std::uint64_t>(st.st_size);
   s.mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
   return s;
+}
+
+FileStamp File::stamp() const {
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) return {};
+  return stamp_of(st);
 }
 
 File::~File() {

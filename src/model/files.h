@@ -8,7 +8,12 @@
 
 #include "zeroflat/checkpoint.h"
 
+struct stat;
+
 namespace zeroflat::detail {
+
+// A file's identity, size and time as fstat or stat gave them.
+FileStamp stamp_of(const struct stat& st);
 
 // Refuses a path holding a NUL byte, which no file name can: the system would see only the
 // part before it, and act on (or name in its errors) a file other than the one given. Throws

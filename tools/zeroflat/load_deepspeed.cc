@@ -22,17 +22,11 @@
 namespace zeroflat::cli {
 namespace {
 
-bool zero3_of(const LoadConfig& cfg) { return cfg.deepspeed->stage == 3; }
+bool zero3_of(const LoadConfig& cfg) { return cfg.deepspeed->plan.stage == 3; }
 
 // "fp32 of group 0", "exp_avg" (ZeRO-3: every group in one buffer).
 std::string what(const DeepSpeedBuffer& b) {
   return b.group ? b.target + " of group " + std::to_string(*b.group) : b.target;
-}
-
-// Rank `rank`'s figures for buffer b (its layout's dp: the settled world), from the plan's own
-// account of the loader's reads.
-ResumeRankBuffer figures(const DeepSpeedBuffer& b, std::uint64_t rank) {
-  return resume_rank_buffer(b, rank);
 }
 
 // --states: the partitioned states to read besides the fp32 master.
@@ -129,7 +123,7 @@ void deepspeed_config(LoadConfig& cfg, const Args& args) {
 
   // The new run's stage: ZeRO-1/2 and ZeRO-3 keep different partitions; a universal checkpoint
   // serves either.
-  ds.stage = ck.zero_stage;
+  int stage = ck.zero_stage;
   if (auto v = args.get("stage")) {
     const std::uint64_t s = parse_u64(*v, "--stage");
     if (s < 1 || s > 3) throw InvalidArgument("--stage " + printable(*v) + ": expected 1, 2 or 3");
@@ -142,14 +136,14 @@ void deepspeed_config(LoadConfig& cfg, const Args& args) {
           ", or convert it to a universal checkpoint (python -m "
           "deepspeed.checkpoint.ds_to_universal), which either stage resumes");
     }
-    ds.stage = static_cast<int>(s);
+    stage = static_cast<int>(s);
   }
-  const bool zero3 = ds.stage == 3;
+  const bool zero3 = stage == 3;
   const Tier plan = zero3 ? Tier::kLoadPartitions : Tier::kLoadSlice;
   if (auto v = args.get("read-plan"); v && *v != "auto") {
     if (*v != tier_name(plan)) {
       throw InvalidArgument("--read-plan '" + printable(*v) + "': a resume under ZeRO-" +
-                            std::to_string(ds.stage) + " reads with auto or " +
+                            std::to_string(stage) + " reads with auto or " +
                             std::string(tier_name(plan)) + " (each rank reads only its own " +
                             (zero3 ? "partitions" : "slice") + ")");
     }
@@ -157,33 +151,29 @@ void deepspeed_config(LoadConfig& cfg, const Args& args) {
   }
   ResumeOptions ro;
   ro.world = base.dp;
-  ro.stage = ds.stage;
+  ro.stage = stage;
   ro.rules = rules_from_args(args, ck);
   ro.select = ro.rules.has_value();
   ro.states = states_from_args(args, ck);
   ds.plan = plan_resume(ck, ro);
-  ds.rules = ds.plan.rules;
-  ds.targets = ds.plan.targets;
-  ds.params = ds.plan.params;
-  ds.sub_group_size = ds.plan.sub_group_size;
-  ds.groups = ds.plan.group_numels;
-  ds.buffers = ds.plan.buffers;
   for (const std::string& l : ds.plan.left_out) cfg.left_out.push_back(l);
   cfg.checkpoint_bytes = 0;
-  for (const DeepSpeedBuffer& b : ds.buffers) {
+  for (const DeepSpeedBuffer& b : ds.plan.buffers) {
     for (const CheckpointTensor& t : b.source.index.tensors) cfg.checkpoint_bytes += t.bytes;
   }
   cfg.source = pos.front();
-  cfg.ck = ds.buffers.front().source.index;  // every file of the checkpoint: the ceiling's
+  cfg.ck = ds.plan.buffers.front().source.index;  // every file of the checkpoint: the ceiling's
   cfg.library.layout = base;
   cfg.stage.zero3 = zero3;
-  cfg.stage.sub_group_size = ds.sub_group_size;
+  cfg.stage.sub_group_size = ds.plan.sub_group_size;
   cfg.deepspeed = std::move(ds);
 }
 
 std::uint64_t deepspeed_kept_bytes(const LoadConfig& cfg) {
   std::uint64_t bytes = 0;
-  for (const DeepSpeedBuffer& b : cfg.deepspeed->buffers) bytes = sat_add(bytes, figures(b, 0).kept_bytes);
+  for (const DeepSpeedBuffer& b : cfg.deepspeed->plan.buffers) {
+    bytes = sat_add(bytes, resume_kept_bytes(b));
+  }
   return bytes;
 }
 
@@ -191,10 +181,10 @@ std::string deepspeed_note(const LoadConfig& cfg) {
   const DeepSpeedLoad& ds = *cfg.deepspeed;
   return printable(cfg.source) + ": DeepSpeed " + std::string(deepspeed_format_name(ds.ck.format)) +
          " checkpoint, tag " + printable(ds.ck.tag) + ", saved by " +
-         std::to_string(ds.ck.world) + " rank(s); " + std::to_string(ds.buffers.size()) +
-         " buffer(s) per rank (" + join(ds.targets) + "), " + format_bytes(cfg.checkpoint_bytes) +
+         std::to_string(ds.ck.world) + " rank(s); " + std::to_string(ds.plan.buffers.size()) +
+         " buffer(s) per rank (" + join(ds.plan.targets) + "), " + format_bytes(cfg.checkpoint_bytes) +
          " read by all ranks; dp " + std::to_string(cfg.library.layout.dp) + " (ZeRO-" +
-         std::to_string(ds.stage) + ") over " + cfg.setup.comm + " on " + cfg.setup.device_spec +
+         std::to_string(ds.plan.stage) + ") over " + cfg.setup.comm + " on " + cfg.setup.device_spec +
          ", " + std::to_string(cfg.threads) + " reader thread(s) per rank" +
          (cfg.library.read.cold ? ", cold" : "");
 }
@@ -213,8 +203,8 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
   std::optional<ReadCeiling> ceiling;
   std::uint64_t expected = 0;
   std::vector<ResumeRankBuffer> mine;
-  for (const DeepSpeedBuffer& b : ds.buffers) {
-    mine.push_back(figures(b, rank));
+  for (const DeepSpeedBuffer& b : ds.plan.buffers) {
+    mine.push_back(resume_rank_buffer(b, rank));
     expected += mine.back().read_bytes;
   }
   const bool with_ceiling = cfg.ceiling && !no_data;
@@ -226,7 +216,7 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
 
   // Every buffer in turn, each a collective; a resume keeps them all.
   std::vector<FlattenResult> results;
-  results.reserve(ds.buffers.size());
+  results.reserve(ds.plan.buffers.size());
   Json loads = Json::array();
   Json& plans = out.plan;
   plans = Json::array();
@@ -235,10 +225,10 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
   double read_seconds = 0, seconds = 0, total_seconds = 0, copy_seconds = 0, cached = 0;
   bool read_any = false;
   progress.begin("rank " + std::to_string(rank) + ": " + (no_data ? "account for " : "load ") +
-                     std::to_string(ds.buffers.size()) + " buffer(s)",
+                     std::to_string(ds.plan.buffers.size()) + " buffer(s)",
                  0, ctx.options.read.progress);
-  for (std::size_t bi = 0; bi < ds.buffers.size(); ++bi) {
-    const DeepSpeedBuffer& b = ds.buffers[bi];
+  for (std::size_t bi = 0; bi < ds.plan.buffers.size(); ++bi) {
+    const DeepSpeedBuffer& b = ds.plan.buffers[bi];
     FlattenOptions lo = ctx.options;
     lo.must_match.push_back("load " + what(b) + ", " + std::to_string(b.source.params.size()) +
                             " parameters");
@@ -306,7 +296,7 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
   if (cfg.verify) {
     progress.begin("verify every buffer against the saved tensors read whole", 0);
     for (std::size_t i = 0; i < results.size(); ++i) {
-      const DeepSpeedBuffer& b = ds.buffers[i];
+      const DeepSpeedBuffer& b = ds.plan.buffers[i];
       const std::string f =
           zero3 ? verify_partitions(b.source.index, b.source.params, device, results[i].group(),
                                     dp, rank)

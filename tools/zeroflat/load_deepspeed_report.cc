@@ -29,7 +29,7 @@ std::string loads_text(const Json& loads) {
 // How many sub-groups ZeRO-3 cuts the new run's groups into.
 std::uint64_t sub_groups(const LoadConfig& cfg) {
   const DeepSpeedLoad& ds = *cfg.deepspeed;
-  return Zero3Layout::compute(ds.groups, Zero3Options{cfg.library.layout.dp, ds.sub_group_size,
+  return Zero3Layout::compute(ds.plan.group_numels, Zero3Options{cfg.library.layout.dp, ds.plan.sub_group_size,
                                                       DType::kFP32})
       .sub_groups()
       .size();
@@ -41,7 +41,7 @@ void print_deepspeed_report(const LoadConfig& cfg, const std::vector<Json>& entr
                             const LoadOutcome& first, int exit, const std::string& first_error) {
   const DeepSpeedLoad& ds = *cfg.deepspeed;
   const DeepSpeedCheckpoint& ck = ds.ck;
-  const bool zero3 = ds.stage == 3;
+  const bool zero3 = ds.plan.stage == 3;
   const bool no_data = cfg.setup.no_data;
   const NodeFigures node = node_figures(entries, no_data);
   const std::uint64_t kept = deepspeed_kept_bytes(cfg);
@@ -63,19 +63,19 @@ void print_deepspeed_report(const LoadConfig& cfg, const std::vector<Json>& entr
     doc["saved_world"] = ck.world;
     doc["ds_version"] = ck.ds_version;
     doc["model_dtype"] = ck.dtype;
-    doc["stage"] = ds.stage;
+    doc["stage"] = ds.plan.stage;
     doc["dp"] = cfg.library.layout.dp;
     doc["dtype"] = "fp32";
-    doc["targets"] = ds.targets;
-    doc["params"] = ds.params;
+    doc["targets"] = ds.plan.targets;
+    doc["params"] = ds.plan.params;
     Json left = Json::array();
     for (const std::string& l : cfg.left_out) left.push_back(l);
     doc["left_out"] = std::move(left);
     doc["round_robin"] = !zero3 && ck.round_robin;
     doc["parameter_alignment"] = !zero3 && ck.parameter_alignment;
-    doc["sub_group_size"] = zero3 ? Json(ds.sub_group_size) : Json();
+    doc["sub_group_size"] = zero3 ? Json(ds.plan.sub_group_size) : Json();
     doc["sub_groups"] = zero3 ? Json(sub_groups(cfg)) : Json();
-    doc["deepspeed"] = rules_doc(ds.rules);
+    doc["deepspeed"] = rules_doc(ds.plan.rules);
     doc["device"] = cfg.setup.device_spec;
     doc["no_data"] = no_data;
     doc["comm"] = cfg.setup.comm;
@@ -97,15 +97,15 @@ void print_deepspeed_report(const LoadConfig& cfg, const std::vector<Json>& entr
       printable(ck.tag).c_str(), std::string(deepspeed_format_name(ck.format)).c_str(),
       ck.zero_stage, static_cast<unsigned long long>(ck.world), printable(ck.ds_version).c_str(),
       printable(ck.dtype).c_str(), static_cast<unsigned long long>(cfg.library.layout.dp),
-      ds.stage, cfg.setup.device_spec.c_str(), static_cast<unsigned long long>(ds.params),
-      ds.groups.size(), join(ds.targets).c_str(), format_bytes(kept).c_str());
+      ds.plan.stage, cfg.setup.device_spec.c_str(), static_cast<unsigned long long>(ds.plan.params),
+      ds.plan.group_numels.size(), join(ds.plan.targets).c_str(), format_bytes(kept).c_str());
   if (zero3) {
     std::printf(
         "layout: ZeRO-3's partitions, every parameter cut in %llu, in fp32; %s%s; %llu "
         "sub-group(s) at sub_group_size %s\n",
-        static_cast<unsigned long long>(cfg.library.layout.dp), rules_text(ds.rules).c_str(),
+        static_cast<unsigned long long>(cfg.library.layout.dp), rules_text(ds.plan.rules).c_str(),
         kZero3RulesNote, static_cast<unsigned long long>(sub_groups(cfg)),
-        format_count(ds.sub_group_size).c_str());
+        format_count(ds.plan.sub_group_size).c_str());
   } else {
     std::printf(
         "layout: each group's flat buffer at dp %llu (padded to 2 x %llu elements%s%s), its "
@@ -114,7 +114,7 @@ void print_deepspeed_report(const LoadConfig& cfg, const std::vector<Json>& entr
         static_cast<unsigned long long>(cfg.library.layout.dp),
         ck.round_robin ? ", round-robin" : "",
         ck.parameter_alignment ? ", parameters aligned to 16 bytes of the 16-bit buffer" : "",
-        rules_text(ds.rules).c_str());
+        rules_text(ds.plan.rules).c_str());
   }
   if (!plan_reason.empty()) std::printf("read plan: %s\n", plan_reason.c_str());
   if (!entries.empty() && entries.front().contains("loads")) {

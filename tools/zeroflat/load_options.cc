@@ -281,7 +281,7 @@ void settle_load_ranks(LoadConfig& cfg, const Args& args, Communicator* world) {
   if (cfg.deepspeed) {
     // The resume's buffers are laid out for the world the ranks settled on.
     cfg.deepspeed->plan.world = cfg.library.layout.dp;
-    for (DeepSpeedBuffer& b : cfg.deepspeed->buffers) b.layout.dp = cfg.library.layout.dp;
+    for (DeepSpeedBuffer& b : cfg.deepspeed->plan.buffers) b.layout.dp = cfg.library.layout.dp;
   }
   if (cfg.fail_after && cfg.fail_rank >= cfg.library.layout.dp) {
     throw InvalidArgument("--inject-read-error: rank " + std::to_string(cfg.fail_rank) +
@@ -296,7 +296,7 @@ std::string load_memory_shortfall(const LoadConfig& cfg) {
   std::uint64_t largest = 0;  // a verify's largest tensor, read whole and converted
   if (cfg.deepspeed) {
     kept = deepspeed_kept_bytes(cfg);
-    for (const DeepSpeedBuffer& b : cfg.deepspeed->buffers) {
+    for (const DeepSpeedBuffer& b : cfg.deepspeed->plan.buffers) {
       for (const LoadParam& p : b.source.params) {
         largest = std::max(largest, shape_numel(p.shape) * 4 * 2);
       }

@@ -179,13 +179,7 @@ void check_files_present(const CheckpointIndex& ck) {
     if (!S_ISREG(st.st_mode)) {
       throw InvalidArgument(ck.files[i] + " is not a regular file");
     }
-    FileStamp now;
-    now.known = true;
-    now.device = static_cast<std::uint64_t>(st.st_dev);
-    now.inode = static_cast<std::uint64_t>(st.st_ino);
-    now.size = static_cast<std::uint64_t>(st.st_size);
-    now.mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
-    check_stamp(ck, i, now);
+    check_stamp(ck, i, stamp_of(st));
     if (static_cast<std::uint64_t>(st.st_size) < ck.file_bytes[i]) {
       throw truncated(ck, i, static_cast<std::uint64_t>(st.st_size));
     }

@@ -209,6 +209,12 @@ ResumePlan plan_resume(const DeepSpeedCheckpoint& ck, const ResumeOptions& o) {
   return plan;
 }
 
+std::uint64_t resume_kept_bytes(const ResumeBuffer& b) {
+  return b.placement == LoadPlacement::kPartitions
+             ? zero3_buffer_layout(b.numels, b.layout).flat_bytes()
+             : Layout::compute(b.numels, b.layout).partition_bytes();
+}
+
 ResumeRankBuffer resume_rank_buffer(const ResumeBuffer& b, std::uint64_t rank) {
   ResumeRankBuffer out;
   out.reads = planned_reads(b.source.index, b.source.params, b.layout, b.placement, rank);

@@ -34,14 +34,9 @@ namespace zeroflat::cli {
 using DeepSpeedBuffer = ResumeBuffer;
 struct DeepSpeedLoad {
   DeepSpeedCheckpoint ck;
-  ResumePlan plan;                       // the library's plan (its buffers copied below)
-  int stage = 2;                         // the new run's (--stage; by default the saved one)
-  std::vector<std::string> targets;      // "fp32", then the optimizer states read (--states)
-  std::vector<DeepSpeedBuffer> buffers;  // in the order every rank loads them
-  std::optional<ReleaseRules> rules;     // which parameters the new run's groups hold
-  std::uint64_t params = 0;              // trainable parameters loaded
-  std::vector<std::vector<std::uint64_t>> groups;  // their element counts, per optimizer group
-  std::uint64_t sub_group_size = 0;      // ZeRO-3: the saved configuration's
+  // The library's plan: the new run's stage (--stage), its targets (--states), the buffers in
+  // the order every rank loads them, the rules that chose the parameters, their counts.
+  ResumePlan plan;
 };
 
 // Everything the ranks share, validated before anything is read.
