@@ -44,6 +44,10 @@ struct ResumeOptions {
   // the checkpoint's own groups, as `rules` selects them.
   std::vector<std::vector<std::string>> groups;
   std::vector<std::vector<std::uint64_t>> group_numels;
+  // ZeRO-3: one buffer per target and group (each a sub-group's partitions, as the optimizer
+  // keeps each sub-group in a tensor of its own, so that a caller can read into those), not one
+  // over every group. The same bytes either way.
+  bool buffer_per_group = false;
   // ZeRO-3: parameters the optimizer does not train whose partitions are read too (target
   // "frozen"), names and element counts. Empty: none.
   std::vector<std::string> frozen;
@@ -62,7 +66,8 @@ struct ResumeOptions {
 // One buffer every rank keeps.
 struct ResumeBuffer {
   std::string target;                  // "fp32", "module", an optimizer state's name, "frozen"
-  std::optional<std::uint64_t> group;  // ZeRO-1/2: its optimizer group; ZeRO-3: none
+  // ZeRO-1/2: its optimizer group; ZeRO-3: its sub-group with buffer_per_group, else none
+  std::optional<std::uint64_t> group;
   LoadPlacement placement = LoadPlacement::kSlice;
   LayoutOptions layout;                // dp: the world; dtype: the buffer's
   DeepSpeedSource source;              // the saved runs, one LoadParam per parameter

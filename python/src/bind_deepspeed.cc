@@ -199,8 +199,8 @@ void bind_deepspeed(py::module_& m) {
       [](const zf::DeepSpeedCheckpoint& ck, std::uint64_t world, int stage,
          std::optional<std::vector<std::string>> states, bool module_weights,
          std::vector<std::vector<std::string>> groups,
-         std::vector<std::vector<std::uint64_t>> group_numels, std::vector<std::string> frozen,
-         std::vector<std::uint64_t> frozen_numels, std::optional<std::string> frozen_dtype,
+         std::vector<std::vector<std::uint64_t>> group_numels, bool buffer_per_group,
+         std::vector<std::string> frozen, std::vector<std::uint64_t> frozen_numels, std::optional<std::string> frozen_dtype,
          std::optional<bool> round_robin, std::optional<bool> parameter_alignment,
          std::uint64_t alignment_factor, std::optional<std::string> weights_dtype) {
         zf::ResumeOptions o;
@@ -210,6 +210,7 @@ void bind_deepspeed(py::module_& m) {
         o.module_weights = module_weights;
         o.groups = std::move(groups);
         o.group_numels = std::move(group_numels);
+        o.buffer_per_group = buffer_per_group;
         o.frozen = std::move(frozen);
         o.frozen_numels = std::move(frozen_numels);
         o.frozen_dtype = dtype_or_none(frozen_dtype, "frozen_dtype");
@@ -224,6 +225,7 @@ void bind_deepspeed(py::module_& m) {
       py::arg("states") = py::none(), py::arg("module_weights") = false,
       py::arg("groups") = std::vector<std::vector<std::string>>{},
       py::arg("group_numels") = std::vector<std::vector<std::uint64_t>>{},
+      py::arg("buffer_per_group") = false,
       py::arg("frozen") = std::vector<std::string>{},
       py::arg("frozen_numels") = std::vector<std::uint64_t>{},
       py::arg("frozen_dtype") = py::none(), py::arg("round_robin") = py::none(),

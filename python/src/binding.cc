@@ -65,6 +65,19 @@ class TorchDevice final : public zf::Device {
   bool host_accessible() const noexcept override { return inner_->host_accessible(); }
 
   void* allocate(std::uint64_t num_bytes) override {
+    {
+      // A buffer the caller lent (adopt) serves the first allocation of exactly its size.
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (adopted_.defined() && static_cast<std::uint64_t>(adopted_.nbytes()) == num_bytes &&
+          num_bytes > 0) {
+        at::Tensor t = std::move(adopted_);
+        adopted_ = at::Tensor();
+        void* p = t.data_ptr();
+        tensors_[p] = std::move(t);
+        add(num_bytes);
+        return p;
+      }
+    }
     at::Tensor t;
     try {
       t = device_.is_cpu() ? host_tensor(num_bytes)
@@ -131,6 +144,21 @@ class TorchDevice final : public zf::Device {
     bytes_ -= bytes;
   }
 
+  // The caller's own memory for the next allocation of exactly its bytes (a contiguous tensor on
+  // this device; a load then reads straight into it, with no buffer of its own), or none. Whether
+  // it was taken: the buffer the load hands back is over the same memory.
+  void adopt(std::optional<at::Tensor> t) {
+    at::Tensor flat;
+    if (t) {
+      if (!t->is_contiguous() || t->device() != device_) {
+        throw zf::InvalidArgument("adopt: expected a contiguous tensor on " + device_.str());
+      }
+      flat = t->reshape({-1}).view(at::kByte);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    adopted_ = std::move(flat);
+  }
+
   // The uint8 tensor that owns an allocation (for the flat buffer handed to Python).
   at::Tensor tensor(std::uintptr_t ptr) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -144,6 +172,7 @@ class TorchDevice final : public zf::Device {
   std::unique_ptr<zf::Device> inner_;
   std::mutex mutex_;
   std::map<void*, at::Tensor> tensors_;
+  at::Tensor adopted_;       // under mutex_
   std::uint64_t bytes_ = 0;  // under mutex_
   std::uint64_t peak_ = 0;
   void add(std::uint64_t n) {  // caller holds mutex_
@@ -574,6 +603,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return d.checksum(reinterpret_cast<const void*>(ptr), n);
            })
       .def("tensor", &TorchDevice::tensor, py::arg("ptr"))
+      .def("adopt", &TorchDevice::adopt, py::arg("tensor"))
       .def("allocated_bytes", [](TorchDevice& d) { return d.memory_info().allocated_bytes; })
       // Host conversions at the engine's speed: a fresh buffer of zeroflat's host memory (huge
       // pages), first touched by the team that writes it. Contiguous CPU tensors only.

@@ -314,6 +314,28 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
                             os.replace(path + ".other", path)
 
             zeroflat._C.DeepSpeedCheckpoint = Cut
+        if opts.get("fault") == "late":
+            # A load that fails after the ones before it read straight into the optimizer's
+            # own tensors (the fp32 master comes first): every rank fails at its last buffer.
+            import zeroflat._resume as zr
+
+            loads, planned = dict(zr._LOADS), {}
+            real_read = zr._Resume.read
+
+            def read(self, threads):
+                planned["count"] = len(self.plan().buffers)
+                return real_read(self, threads)
+
+            def failing(door):
+                def call(*a, **k):
+                    planned["done"] = planned.get("done", 0) + 1
+                    if planned["done"] == planned["count"]:
+                        raise zeroflat.Error("injected failure of the last load (test)")
+                    return door(*a, **k)
+                return call
+
+            zr._LOADS.update({k: failing(v) for k, v in loads.items()})
+            zr._Resume.read = read
         try:
             path, client = engine.load_checkpoint(
                 ckpt, **(dict(kwargs, tag=opts["our_tag"]) if opts.get("our_tag") else kwargs))
@@ -321,6 +343,9 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
             error = f"{type(e).__name__}: {e}"
         finally:
             zeroflat._C.DeepSpeedCheckpoint = real
+            if opts.get("fault") == "late":
+                zr._LOADS.update(loads)
+                zr._Resume.read = real_read
     report["error"] = error
     report["resumes"] = zd.stats["resumes"][resumes:]
     report["fallbacks"] = zd.stats["resume_fallbacks"][fallbacks:]
@@ -482,6 +507,8 @@ def test_same_world_is_deepspeeds_own_load(tmp_path_factory):
                                                sub_group_size=100)):
         served(ranks)
         for r in ranks:
+            # A fresh engine's fp32 master is read into in place (no buffer of the load's own).
+            assert r["resumes"][0]["bytes_in_place"] > 0, r["resumes"]
             assert r["counters"] == [2, 8, 0]
             assert r["buffers"]["scale"] == [1.0, 2.0, 3.0]
             assert {"epoch", "note", "best"} <= set(r["client"])
@@ -577,6 +604,7 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_engine_unchanged(tmp
         {"name": "global", "dir": "bad/global", "expect": "datetime"},
         {"name": "shapes", "hidden": 19, "expect": "fc1.weight"},
         {"name": "fault", "dir": "bad/fault", "fault": "truncate", "expect": ""},
+        {"name": "late", "fault": "late", "expect": "injected failure"},
     ]
     reports = resume(ckpt, 2, 2, variants=variants)
     for variant, ranks in zip(variants, reports):
@@ -586,6 +614,36 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_engine_unchanged(tmp
             assert r["resumes"] == [] and r["fallbacks"] == [], r
         # The rank that found it names the file and the entry; the others name that rank.
         assert any(variant["expect"] in r["error"] for r in ranks), (variant["name"], ranks)
+
+
+def test_zero3_buffers_per_sub_group_hold_the_same_bytes(tmp_path_factory):
+    """The plan with one ZeRO-3 buffer per sub-group (what the drop-in reads into the
+    optimizer's own tensors) keeps and reads exactly what the plan with one buffer does."""
+    import zeroflat
+
+    ckpt = zeroflat._C.DeepSpeedCheckpoint(str(saved(tmp_path_factory, 3, 2, sub_group_size=100)),
+                                           TAG)
+    for world in (1, 2, 3):
+        one = zeroflat._C.plan_resume(ckpt, world=world)
+        per = zeroflat._C.plan_resume(ckpt, world=world, buffer_per_group=True)
+        groups = len({b.group for b in per.buffers})
+        assert groups > 1 and len(one.buffers) == len(one.targets)
+        assert len(per.buffers) == groups * len(per.targets)
+        assert [(b.target, b.group) for b in per.buffers] == [
+            (t, g) for t in per.targets for g in range(groups)]
+        for rank in range(world):
+            assert per.rank_bytes(rank) == one.rank_bytes(rank), (world, rank)
+
+
+def test_a_zero3_load_failing_after_reads_into_the_optimizer_puts_them_back(tmp_path_factory):
+    """ZeRO-3 with sub-groups: the fp32 master of every sub-group is read straight into the
+    optimizer's own tensors; a load that fails after them leaves every rank's engine exactly as
+    it was (its master put back from the 16-bit partitions it was the up-cast of)."""
+    ckpt = saved(tmp_path_factory, 3, 2, sub_group_size=100)
+    for r in resume(ckpt, 3, 2, variants=[{"name": "late", "fault": "late"}],
+                    sub_group_size=100)[0]:
+        assert r["error"] is not None and "injected failure" in r["error"], r
+        assert r["unchanged"] and r["resumes"] == [], r
 
 
 # ---- every release ------------------------------------------------------------------------------

@@ -15,8 +15,11 @@ saved at or another, no pickle executed.
   ``load_from_fp32_weights``, from each rank's slice of the module file's 16-bit weights.
   Frozen parameters and buffers come from their own bytes in the module files; the scheduler,
   the step counters and the client state as DeepSpeed restores them.
-- Nothing of the engine is written until every rank has read everything it needs: an error on
-  any rank (a bad file, a read that fails) is raised on every rank with the engine as it was.
+- Where the optimizer's own tensor can be put back exactly (the fp32 master of an engine not yet
+  stepped: the up-cast of its 16-bit partition; a state all zero), a buffer is read straight
+  into it: no fresh memory to fault in, no copy. Nothing else of the engine is written until
+  every rank has read everything it needs: an error on any rank (a bad file, a read that
+  fails) is raised on every rank with the engine as it was, those tensors put back first.
 
 What zeroflat does not serve (pipeline or model parallelism, MoE, NVMe offload, a custom load
 function, elastic checkpoints, an optimizer other than DeepSpeed's ZeRO ones) is DeepSpeed's own
@@ -201,6 +204,8 @@ class _Resume(EngineWriter):
         self.frozen: Dict[str, torch.Tensor] = {}
         self.buffers: Dict[str, torch.Tensor] = {}
         self.bytes_read = 0
+        self.bytes_in_place = 0  # read straight into the optimizer's own tensors
+        self._lent: list = []  # how to put those back, until the engine takes what was read
         self._check()
 
     # - checks -----------------------------------------------------------------------------------
@@ -391,6 +396,7 @@ class _Resume(EngineWriter):
                   groups=[[self.names[p] for p in params] for params in subs])
         if self.stage3:
             kw["group_numels"] = [[int(p.ds_numel) for p in params] for params in subs]
+            kw["buffer_per_group"] = True  # each sub-group's tensors are the optimizer's own
             frozen = [p for p in self.names if p not in trained]
             if frozen:
                 dtypes = {p.ds_tensor.dtype for p in frozen}
@@ -426,10 +432,56 @@ class _Resume(EngineWriter):
         _, _, expected = plan.rank_bytes(self.rank)
         watch = Watch(f"resume from {self.ck.dir}", self.rank, self.dp, _dropin.progress,
                       expected)
-        with watch:
-            for i, b in enumerate(plan.buffers):
-                self._read_buffer(b, must_match if i == 0 else [], engine, nthreads, comm,
-                                  watch.counts)
+        try:
+            with watch:
+                for i, b in enumerate(plan.buffers):
+                    self._read_buffer(b, must_match if i == 0 else [], engine, nthreads, comm,
+                                      watch.counts)
+        except BaseException:
+            self.put_back()
+            raise
+
+    # - reading into the optimizer's own tensors -------------------------------------------------
+
+    def _lend(self, b):
+        """The optimizer's own tensor that buffer ``b`` may be read straight into (no buffer of
+        the load's own: no fresh memory to fault in, no copy after), and how to put its values
+        back exactly should the resume fail before the engine takes what was read; (None, None)
+        where the load takes a buffer of its own. Lent only where putting back is exact: the fp32
+        master while it is the up-cast of its 16-bit partition (an engine not yet stepped), an
+        optimizer state while all its elements are zero."""
+        if b.group is None or b.target in ("module", "frozen"):
+            return None, None
+        opt, k = self.opt, int(b.group)
+        masters = opt.fp32_partitioned_groups_flat if self.stage3 else \
+            opt.single_partition_of_fp32_groups
+        if k >= len(masters):
+            return None, None
+        master = masters[k]
+        if b.target == "fp32":
+            if self.stage3:
+                flats = getattr(opt, "fp16_partitioned_groups_flat", None) or []
+                bit16 = flats[k] if k < len(flats) else None
+            else:
+                parts = opt.parallel_partitioned_bit16_groups[k]
+                bit16 = parts[self.rank] if self.rank < len(parts) else None
+            if (not _plain(master, torch.float32) or bit16 is None
+                    or not _plain(bit16, bit16.dtype, master) or not _upcast_of(master, bit16)):
+                return None, None
+            return master, lambda: master.copy_(bit16)
+        state = opt.optimizer.state.get(master, {}).get(b.target)
+        if (not torch.is_tensor(state) or not _plain(state, torch.float32, master)
+                or bool(state.any())):
+            return None, None
+        return state, state.zero_
+
+    def put_back(self) -> None:
+        """The optimizer's tensors read into, as they were (the resume failed before the engine
+        took what was read)."""
+        lent, self._lent = self._lent, []
+        with torch.no_grad():
+            for put in lent:
+                put()
 
     def _read_buffer(self, b, must_match, engine, nthreads, comm, counts) -> None:
         """One buffer of the plan: its load, then its partitions as the optimizer keeps them
@@ -447,9 +499,23 @@ class _Resume(EngineWriter):
             # Checked against the optimizer's own bookkeeping: the offsets of its flat buffer.
             options.expected_offsets = self._offsets(b.group)
             options.expected_flat_numel = self.opt.bit16_groups_flat[b.group].numel()
-        report, buffer, _, lay = call_loader(
-            _LOADS[b.placement], engine, comm if self.dp > 1 else None, b.index, b.params,
-            options, None, f"resuming {what} from {self.ck.dir}")
+        lent, put = self._lend(b)
+        if lent is not None:
+            engine.adopt(lent)
+            self._lent.append(put)
+        try:
+            report, buffer, _, lay = call_loader(
+                _LOADS[b.placement], engine, comm if self.dp > 1 else None, b.index, b.params,
+                options, None, f"resuming {what} from {self.ck.dir}")
+        finally:
+            engine.adopt(None)
+        if lent is not None and buffer is not None and buffer.data_ptr() != lent.data_ptr():
+            # The load took a buffer of its own: the lent tensor is put back now.
+            with torch.no_grad():
+                put()
+            self._lent.remove(put)
+        elif lent is not None:
+            self.bytes_in_place += lent.numel() * lent.element_size()
         if report["outcome"] == "infeasible":
             raise NoFeasiblePlan(f"resuming {what}: {report['reason']}", report)
         self.bytes_read += int(report.get("bytes_read") or 0)
@@ -464,7 +530,12 @@ class _Resume(EngineWriter):
             self.values.setdefault(b.target, []).append(buffer[: n * esize].view(dtype))
             return
         flat = buffer[: lay["flat_bytes"]].view(dtype)
-        subs = [self._frozen_params] if b.target == "frozen" else self._sub_groups()
+        if b.target == "frozen":
+            subs = [self._frozen_params]
+        elif b.group is not None:
+            subs = [self._sub_groups()[int(b.group)]]  # one sub-group's buffer
+        else:
+            subs = self._sub_groups()
         parts, k = [], 0
         for sub in subs:
             pieces = []
@@ -485,13 +556,29 @@ class _Resume(EngineWriter):
             else:
                 parts.append(torch.cat([flat[a:a + n] for a, n in pieces]))
         if b.target != "frozen":
-            self.values[b.target] = parts
+            self.values.setdefault(b.target, []).extend(parts)
             return
         at = 0
         for p in self._frozen_params:
             n = p.ds_tensor.numel()
             self.frozen[self.names[p]] = parts[0][at:at + n]
             at += n
+
+def _plain(t: torch.Tensor, dtype: torch.dtype, like: Optional[torch.Tensor] = None) -> bool:
+    """A contiguous host tensor of ``dtype`` (with as many elements as ``like``)."""
+    return (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+            and (like is None or t.numel() == like.numel()))
+
+
+def _upcast_of(master: torch.Tensor, bit16: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """Whether ``master`` holds exactly the up-cast of ``bit16`` (compared a chunk at a time:
+    no temporary the size of the master)."""
+    m, h = master.view(-1), bit16.view(-1)
+    for at in range(0, m.numel(), chunk):
+        if not torch.equal(m[at:at + chunk], h[at:at + chunk].float()):
+            return False
+    return True
+
 
 def _tag(engine, load_dir) -> Optional[str]:
     """The tag DeepSpeed's load_checkpoint would take without one: the 'latest' file's (or
@@ -560,7 +647,8 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     seconds = time.perf_counter() - start
     stats["resumes"].append({"dir": os.fspath(load_dir), "tag": str(tag), "format": ck.format,
                              "saved_world": ck.world, "world": plan.dp,
-                             "bytes_read": plan.bytes_read, "seconds": seconds})
+                             "bytes_read": plan.bytes_read, "bytes_in_place": plan.bytes_in_place,
+                             "seconds": seconds})
     load_path = engine._get_ckpt_name(load_dir, tag)
     if not os.path.exists(load_path):
         load_path = ck.files[plan.files.model][0]

@@ -286,7 +286,11 @@ class EngineWriter:
         """The engine takes what was read. Runs only after every rank has read everything."""
         opt = self.opt
         # The optimizer's state dict first: whatever could fail, fails before the first write.
-        sd = self._state_dict() if self.with_states else None
+        try:
+            sd = self._state_dict() if self.with_states else None
+        except BaseException:
+            self.put_back()  # the tensors read into, as they were
+            raise
         if hasattr(opt, "checkpoint_event_prologue"):
             opt.checkpoint_event_prologue()
         # Frozen parameters and buffers.
@@ -315,7 +319,9 @@ class EngineWriter:
             # The 16-bit buffers first: from the fp32 master read, or from the 16-bit slice
             # read (its fp32 copy rounds back to the same bits), and one all-gather.
             for k, part in enumerate(weights):
-                opt.single_partition_of_fp32_groups[k].data.copy_(part)
+                master = opt.single_partition_of_fp32_groups[k]
+                if part.data_ptr() != master.data_ptr():  # else read straight into it
+                    master.data.copy_(part)
             self._update_16bit()
             if sd is not None:
                 self._load_optimizer(sd)

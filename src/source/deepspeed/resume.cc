@@ -138,17 +138,25 @@ ResumePlan plan_resume(const DeepSpeedCheckpoint& ck, const ResumeOptions& o) {
   for (const std::string& target : plan.targets) {
     const DType dtype = target == "module" ? weights : DType::kFP32;
     if (zero3) {
-      ResumeBuffer b;
-      b.target = target;
-      b.placement = LoadPlacement::kPartitions;
-      b.layout = base;
-      std::vector<std::string> n;
-      for (std::size_t g = 0; g < names.size(); ++g) {
-        n.insert(n.end(), names[g].begin(), names[g].end());
-        b.numels.insert(b.numels.end(), numels[g].begin(), numels[g].end());
+      // Every group's partitions back to back in one buffer, or one buffer per group.
+      const std::size_t count = o.buffer_per_group ? names.size() : 1;
+      for (std::size_t k = 0; k < count; ++k) {
+        const std::size_t first = o.buffer_per_group ? k : 0;
+        const std::size_t last = o.buffer_per_group ? k + 1 : names.size();
+        ResumeBuffer b;
+        b.target = target;
+        if (o.buffer_per_group) b.group = k;
+        b.placement = LoadPlacement::kPartitions;
+        b.layout = base;
+        std::vector<std::string> n;
+        for (std::size_t g = first; g < last; ++g) {
+          n.insert(n.end(), names[g].begin(), names[g].end());
+          b.numels.insert(b.numels.end(), numels[g].begin(), numels[g].end());
+        }
+        if (n.empty()) continue;  // nothing of the group is trained
+        b.source = deepspeed_source(ck, target, n, b.numels);
+        plan.buffers.push_back(std::move(b));
       }
-      b.source = deepspeed_source(ck, target, n, b.numels);
-      plan.buffers.push_back(std::move(b));
       continue;
     }
     for (std::size_t g = 0; g < names.size(); ++g) {
