@@ -44,8 +44,9 @@ How it runs
   and in the drop-in run the calls zeroflat served / handed back to DeepSpeed (and raised, if any);
   a call counts once, as rank 0 (or the one process without torch.distributed) saw it. Every
   collected test is listed; those ``-k`` or pytest.ini's ``-m`` deselect are counted below it.
-  Exit status 1 when any test's outcome differs between the two runs, 2 when the run could not
-  be made.
+  Exit status 1 when any test's outcome differs between the two runs (but for the differences
+  zeroflat makes on purpose, ``INTENDED``, each listed with its reason), 2 when the run could
+  not be made.
 
 The fixes applied to the copy of DeepSpeed's test helpers (never to the source tree)
 ----------------------------------------------------------------------------------------
@@ -664,11 +665,33 @@ def _excerpt(text: Optional[str], lines: int) -> str:
     return "\n".join(block + ["    ..."] + all_lines[-6:])
 
 
+# Differences zeroflat makes on purpose: (test id prefix, text the drop-in's failure must hold,
+# why). A test counts as one only where both match; any other difference fails the run.
+INTENDED = [
+    ("unit/checkpoint/test_zero_optimizer.py::TestZeROElasticCheckpoint::"
+     "test_elastic_checkpoint_change_dp[True-False-",
+     "DID NOT RAISE",
+     "a ZeRO-2 checkpoint saved at 4 ranks, its optimizer states loaded at 2 by an engine "
+     "without elastic_checkpoint: DeepSpeed refuses (ZeRORuntimeException, its partitioning "
+     "cannot follow a new world size); zeroflat resumes it, each rank reading its new "
+     "partition, equal to DeepSpeed's universal path (python/tests/test_resume.py)"),
+]
+
+
+def intended(nodeid: str, rec: dict) -> str:
+    """Why the drop-in's outcome of this test differs on purpose, or ""."""
+    text = "\n".join(p.get("text") or "" for p in rec.get("phases", []))
+    for prefix, holds, why in INTENDED:
+        if nodeid.startswith(prefix) and holds in text:
+            return why
+    return ""
+
+
 def print_report(args, work: Path, order: List[str], deselected: List[str], results: dict,
                  notes: List[str]) -> int:
     counts = load_counts(work, results)
     reasons = load_reasons(work, results)
-    rows, differ = [], []
+    rows, differ, meant = [], [], []
     totals = Counter()
     for nodeid in order:
         res = results.get(nodeid, {})
@@ -686,7 +709,10 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
         totals["plain_calls"] += sum(pc.values())
         ran_both = "plain" in args.modes and "dropin" in args.modes
         mark = "DIFF" if ran_both and plain != dropin else ""
-        if mark:
+        if mark and intended(nodeid, res.get("dropin") or {}):
+            mark = "intended"
+            meant.append(nodeid)
+        elif mark:
             differ.append(nodeid)
         rows.append((_short(nodeid), plain, dropin, loads_plain, loads, mark))
     header = ("test", "plain", "drop-in", "plain loads", "served/handed back", "")
@@ -708,6 +734,10 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
           f"{totals['raised']} raised, {totals['returned']} returned without either")
     for n in notes:
         print(f"  {n}")
+    if meant:
+        print(f"\n{len(meant)} tests differ on purpose (not counted as differing):")
+        for nodeid in meant:
+            print(f"  {_short(nodeid)}: {intended(nodeid, results[nodeid].get('dropin') or {})}")
     if differ:
         print(f"\n{len(differ)} tests differ:")
         for nodeid in differ:

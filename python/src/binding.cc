@@ -38,9 +38,11 @@ zf::DType dtype_of(const std::string& name) {
 // the advice made initialize slower than DeepSpeed's own at one rank, where the kernel compacts
 // memory on the advised buffer's faults; ZEROFLAT_HOST_MEMORY=torch takes torch's allocator.
 
-at::Tensor host_tensor(std::uint64_t num_bytes) {
+at::Tensor host_tensor(std::uint64_t num_bytes,
+                       std::optional<zf::RuntimeEnv::HostMemory> from = std::nullopt) {
   const std::uint64_t n = num_bytes == 0 ? 1 : num_bytes;
-  const std::optional<zf::RuntimeEnv::HostMemory> m = zf::runtime_env().host_memory;
+  const std::optional<zf::RuntimeEnv::HostMemory> m =
+      from ? from : zf::runtime_env().host_memory;
   if (m == zf::RuntimeEnv::HostMemory::kTorch) {
     return at::empty({static_cast<std::int64_t>(n)},
                      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
@@ -56,7 +58,24 @@ at::Tensor host_tensor(std::uint64_t num_bytes) {
 // staging) on zeroflat's device of the same kind.
 class TorchDevice final : public zf::Device {
  public:
-  TorchDevice(const std::string& device, unsigned threads) : device_(device) {
+  // host_memory: where this device's host buffers come from ("torch": torch's allocator, which
+  // hands back memory the process already has, as DeepSpeed's own tensors; "plain", "huge");
+  // none: ZEROFLAT_HOST_MEMORY's choice.
+  TorchDevice(const std::string& device, unsigned threads,
+              std::optional<std::string> host_memory = std::nullopt)
+      : device_(device) {
+    if (host_memory) {
+      if (*host_memory == "torch") {
+        host_memory_ = zf::RuntimeEnv::HostMemory::kTorch;
+      } else if (*host_memory == "plain") {
+        host_memory_ = zf::RuntimeEnv::HostMemory::kPlain;
+      } else if (*host_memory == "huge") {
+        host_memory_ = zf::RuntimeEnv::HostMemory::kHuge;
+      } else {
+        throw zf::InvalidArgument("host_memory '" + *host_memory +
+                                  "': expected torch, plain or huge (none: the environment's)");
+      }
+    }
     const std::string spec = device_.is_cpu() ? "cpu" : "cuda:" + std::to_string(device_.index());
     inner_ = zf::make_device(spec, zf::DeviceOptions{threads});
   }
@@ -80,7 +99,7 @@ class TorchDevice final : public zf::Device {
     }
     at::Tensor t;
     try {
-      t = device_.is_cpu() ? host_tensor(num_bytes)
+      t = device_.is_cpu() ? host_tensor(num_bytes, host_memory_)
                            : at::empty({static_cast<std::int64_t>(num_bytes == 0 ? 1 : num_bytes)},
                                        at::TensorOptions().dtype(at::kByte).device(device_));
     } catch (const c10::Error& e) {
@@ -169,6 +188,7 @@ class TorchDevice final : public zf::Device {
 
  private:
   at::Device device_;
+  std::optional<zf::RuntimeEnv::HostMemory> host_memory_;
   std::unique_ptr<zf::Device> inner_;
   std::mutex mutex_;
   std::map<void*, at::Tensor> tensors_;
@@ -595,7 +615,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // --- the device -------------------------------------------------------------------------------
   py::class_<TorchDevice>(m, "TorchDevice")
-      .def(py::init<const std::string&, unsigned>(), py::arg("device"), py::arg("threads"))
+      .def(py::init<const std::string&, unsigned, std::optional<std::string>>(),
+           py::arg("device"), py::arg("threads"), py::arg("host_memory") = py::none())
       .def_property_readonly("name", &TorchDevice::name)
       .def("checksum",
            [](TorchDevice& d, std::uintptr_t ptr, std::uint64_t n) {

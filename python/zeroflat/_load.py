@@ -562,11 +562,13 @@ def _dtype_text(dtype: torch.dtype) -> str:
     return DTYPES.get(dtype, str(dtype))
 
 
-def engine_and_comm(target: torch.device, threads: Optional[int], dp: int, process_group):
-    """The loader's engine on ``target`` (its thread count) and the collectives over
-    ``process_group`` (None for one process), with this rank."""
+def engine_and_comm(target: torch.device, threads: Optional[int], dp: int, process_group,
+                    host_memory: Optional[str] = None):
+    """The loader's engine on ``target`` (its thread count; its host buffers from
+    ``host_memory``, as ``_C.TorchDevice`` takes it) and the collectives over ``process_group``
+    (None for one process), with this rank."""
     nthreads = engine_threads(threads, dp)
-    engine = _C.TorchDevice(str(target), nthreads)
+    engine = _C.TorchDevice(str(target), nthreads, host_memory)
     if process_group is None:
         return engine, nthreads, None, 0
     comm = TorchComm(process_group, engine, comm_device(process_group, target))

@@ -414,10 +414,11 @@ class _Resume(EngineWriter):
         return _C.plan_resume(self.ck, **kw)
 
     def read(self, threads: Optional[int]) -> None:
-        """Every buffer this rank keeps, read into fresh tensors on the host, as the library's
-        plan says (one load per buffer: its placement's). Collective. The ranks compare their
-        checkpoint's headers in every load, not samples of its bytes (copies="off"): each reads
-        bytes no other rank reads."""
+        """Every buffer this rank keeps, read on the host as the library's plan says (one load
+        per buffer: its placement's), into the optimizer's own tensor where it can be put back
+        (_lend), else into a tensor of torch's. Collective. The ranks compare their checkpoint's
+        headers in the first load, not samples of its bytes (copies="off"): each reads bytes no
+        other rank reads."""
         from ._load import engine_and_comm
 
         plan = self.plan()
@@ -426,17 +427,34 @@ class _Resume(EngineWriter):
                       f"saved world {self.ck.world} release {self.ck.ds_version}",
                       f"targets {plan.targets}", f"partitions {len(subs)}",
                       f"stage3 {self.stage3}", f"world {self.dp}"]
-        engine, nthreads, comm, _ = engine_and_comm(torch.device("cpu"), threads, self.dp,
-                                                    self.group if self.dp > 1 else None)
+        # Buffers not read in place come from torch's allocator, as DeepSpeed's own load's
+        # tensors do: the memory the process already has (what building the engine freed),
+        # where fresh mappings would each be faulted in page by page.
+        engine, nthreads, comm, _ = engine_and_comm(
+            torch.device("cpu"), threads, self.dp, self.group if self.dp > 1 else None,
+            host_memory=None if os.environ.get("ZEROFLAT_HOST_MEMORY") else "torch")
         self._comm = comm
         _, _, expected = plan.rank_bytes(self.rank)
         watch = Watch(f"resume from {self.ck.dir}", self.rank, self.dp, _dropin.progress,
                       expected)
+        # The first load agrees on the checkpoint and the options with every rank; the others
+        # only read this rank's own bytes (no all-gather in a slice or partitions placement), so
+        # they run without collectives of their own and the ranks agree once, after the last.
+        own = _OwnBytes(comm.rank, comm.size) if comm is not None else None
+        error = None
         try:
             with watch:
                 for i, b in enumerate(plan.buffers):
-                    self._read_buffer(b, must_match if i == 0 else [], engine, nthreads, comm,
-                                      watch.counts)
+                    if i == 0 or comm is None:
+                        self._read_buffer(b, must_match, engine, nthreads, comm, watch.counts)
+                        continue
+                    try:
+                        self._read_buffer(b, [], engine, nthreads, own, watch.counts)
+                    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+                        error = e
+                        break
+            if comm is not None:
+                _agree(error, self.group, f"reading {self.ck.dir} tag {self.ck.tag}")
         except BaseException:
             self.put_back()
             raise
@@ -563,6 +581,30 @@ class _Resume(EngineWriter):
             n = p.ds_tensor.numel()
             self.frozen[self.names[p]] = parts[0][at:at + n]
             at += n
+
+class _OwnBytes:
+    """The communicator of a load after the resume's first: this rank's place in the group, and
+    no collective (each rank reads only its own bytes; what every rank must pass identically
+    was agreed in the first load, and the outcome is agreed once after the last)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self.failure = None
+
+    def all_reduce(self, values, op):
+        return list(values)
+
+    def barrier(self) -> None:
+        pass
+
+    def abort(self, why: str) -> None:
+        pass
+
+    def all_gather_inplace(self, *args):
+        raise InvalidArgument("a resume's load of this rank's own bytes gathers nothing")
+
+    all_gather_part = all_gather_inplace
+
 
 def _plain(t: torch.Tensor, dtype: torch.dtype, like: Optional[torch.Tensor] = None) -> bool:
     """A contiguous host tensor of ``dtype`` (with as many elements as ``like``)."""
