@@ -250,3 +250,17 @@ def test_the_engine_host_copies_refuse_what_they_cannot_read():
         engine.upcast(half.t())
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         engine.clone(half.t())
+
+
+def test_the_engine_checks_what_it_is_lent_and_where_its_memory_comes_from():
+    """TorchDevice.adopt takes a contiguous tensor of its device or None (the resume's reads in
+    place are checked in test_resume.py: bytes_in_place, and the put-back after a failure);
+    host_memory is one of torch, plain, huge."""
+    for where in ("torch", "plain", "huge", None):
+        e = zeroflat._C.TorchDevice("cpu", 1, where)
+        e.adopt(torch.arange(6, dtype=torch.float32))
+        e.adopt(None)
+    with pytest.raises(ValueError, match="contiguous"):
+        e.adopt(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="host_memory 'pinned'"):
+        zeroflat._C.TorchDevice("cpu", 1, "pinned")
