@@ -426,7 +426,7 @@ class _Resume(EngineWriter):
         must_match = [f"resume {self.ck.dir} tag {self.ck.tag}", f"format {self.ck.format}",
                       f"saved world {self.ck.world} release {self.ck.ds_version}",
                       f"targets {plan.targets}", f"partitions {len(subs)}",
-                      f"stage3 {self.stage3}", f"world {self.dp}"]
+                      f"stage3 {self.stage3}", f"world {self.dp}", _plan_digest(plan)]
         # Buffers not read in place come from torch's allocator, as DeepSpeed's own load's
         # tensors do: the memory the process already has (what building the engine freed),
         # where fresh mappings would each be faulted in page by page.
@@ -581,6 +581,20 @@ class _Resume(EngineWriter):
             n = p.ds_tensor.numel()
             self.frozen[self.names[p]] = parts[0][at:at + n]
             at += n
+
+def _plan_digest(plan) -> str:
+    """Every buffer of this rank's plan in a line the ranks compare in the resume's first load
+    (the loads after it compare nothing): targets, groups, placements, element counts, layout
+    choices."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for b in plan.buffers:
+        lay = b.layout
+        h.update(repr((b.target, b.group, b.placement, list(b.numels), lay.dp, lay.round_robin,
+                       lay.alignment_factor, lay.param_align_bytes, lay.dtype)).encode())
+    return f"plan {h.hexdigest()}"
+
 
 class _OwnBytes:
     """The communicator of a load after the resume's first: this rank's place in the group, and
