@@ -573,8 +573,14 @@ class _Resume(EngineWriter):
                 parts.append(flat[start:end])
             else:
                 parts.append(torch.cat([flat[a:a + n] for a, n in pieces]))
+        if b.target != "frozen" and b.group is not None:
+            # In its sub-group's place (a sub-group with nothing trained has no buffer).
+            values = self.values.setdefault(
+                b.target, [torch.zeros(0, dtype=dtype) for _ in self._sub_groups()])
+            values[int(b.group)] = parts[0]
+            return
         if b.target != "frozen":
-            self.values.setdefault(b.target, []).extend(parts)
+            self.values[b.target] = parts
             return
         at = 0
         for p in self._frozen_params:
