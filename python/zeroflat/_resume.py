@@ -40,6 +40,7 @@ from ._common import TORCH_DTYPES, dtype_name
 from ._dropin import log, round_robin_offsets, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._progress import Watch
+from ._resume_inplace import OwnBytes, lend, plan_digest
 from ._resume_write import EngineWriter, _is_true, _optimizer_kind
 
 # The loader's door for each placement a resume plan names (zeroflat/resume.h).
@@ -426,7 +427,7 @@ class _Resume(EngineWriter):
         must_match = [f"resume {self.ck.dir} tag {self.ck.tag}", f"format {self.ck.format}",
                       f"saved world {self.ck.world} release {self.ck.ds_version}",
                       f"targets {plan.targets}", f"partitions {len(subs)}",
-                      f"stage3 {self.stage3}", f"world {self.dp}", _plan_digest(plan)]
+                      f"stage3 {self.stage3}", f"world {self.dp}", plan_digest(plan)]
         # Buffers not read in place come from torch's allocator, as DeepSpeed's own load's
         # tensors do: the memory the process already has (what building the engine freed),
         # where fresh mappings would each be faulted in page by page.
@@ -440,7 +441,7 @@ class _Resume(EngineWriter):
         # The first load agrees on the checkpoint and the options with every rank; the others
         # only read this rank's own bytes (no all-gather in a slice or partitions placement), so
         # they run without collectives of their own and the ranks agree once, after the last.
-        own = _OwnBytes(comm.rank, comm.size) if comm is not None else None
+        own = OwnBytes(comm.rank, comm.size) if comm is not None else None
         error = None
         try:
             with watch:
@@ -462,36 +463,9 @@ class _Resume(EngineWriter):
     # - reading into the optimizer's own tensors -------------------------------------------------
 
     def _lend(self, b):
-        """The optimizer's own tensor that buffer ``b`` may be read straight into (no buffer of
-        the load's own: no fresh memory to fault in, no copy after), and how to put its values
-        back exactly should the resume fail before the engine takes what was read; (None, None)
-        where the load takes a buffer of its own. Lent only where putting back is exact: the fp32
-        master while it is the up-cast of its 16-bit partition (an engine not yet stepped), an
-        optimizer state while all its elements are zero."""
-        if b.group is None or b.target in ("module", "frozen"):
-            return None, None
-        opt, k = self.opt, int(b.group)
-        masters = opt.fp32_partitioned_groups_flat if self.stage3 else \
-            opt.single_partition_of_fp32_groups
-        if k >= len(masters):
-            return None, None
-        master = masters[k]
-        if b.target == "fp32":
-            if self.stage3:
-                flats = getattr(opt, "fp16_partitioned_groups_flat", None) or []
-                bit16 = flats[k] if k < len(flats) else None
-            else:
-                parts = opt.parallel_partitioned_bit16_groups[k]
-                bit16 = parts[self.rank] if self.rank < len(parts) else None
-            if (not _plain(master, torch.float32) or bit16 is None
-                    or not _plain(bit16, bit16.dtype, master) or not _upcast_of(master, bit16)):
-                return None, None
-            return master, lambda: master.copy_(bit16)
-        state = opt.optimizer.state.get(master, {}).get(b.target)
-        if (not torch.is_tensor(state) or not _plain(state, torch.float32, master)
-                or bool(state.any())):
-            return None, None
-        return state, state.zero_
+        """The optimizer's own tensor buffer ``b`` is read straight into, and how to put it back
+        (_resume_inplace.lend); (None, None): a buffer of the load's own."""
+        return lend(self.opt, self.stage3, self.rank, b)
 
     def put_back(self) -> None:
         """The optimizer's tensors read into, as they were (the resume failed before the engine
@@ -587,60 +561,6 @@ class _Resume(EngineWriter):
             n = p.ds_tensor.numel()
             self.frozen[self.names[p]] = parts[0][at:at + n]
             at += n
-
-def _plan_digest(plan) -> str:
-    """Every buffer of this rank's plan in a line the ranks compare in the resume's first load
-    (the loads after it compare nothing): targets, groups, placements, element counts, layout
-    choices."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for b in plan.buffers:
-        lay = b.layout
-        h.update(repr((b.target, b.group, b.placement, list(b.numels), lay.dp, lay.round_robin,
-                       lay.alignment_factor, lay.param_align_bytes, lay.dtype)).encode())
-    return f"plan {h.hexdigest()}"
-
-
-class _OwnBytes:
-    """The communicator of a load after the resume's first: this rank's place in the group, and
-    no collective (each rank reads only its own bytes; what every rank must pass identically
-    was agreed in the first load, and the outcome is agreed once after the last)."""
-
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
-        self.failure = None
-
-    def all_reduce(self, values, op):
-        return list(values)
-
-    def barrier(self) -> None:
-        pass
-
-    def abort(self, why: str) -> None:
-        pass
-
-    def all_gather_inplace(self, *args):
-        raise InvalidArgument("a resume's load of this rank's own bytes gathers nothing")
-
-    all_gather_part = all_gather_inplace
-
-
-def _plain(t: torch.Tensor, dtype: torch.dtype, like: Optional[torch.Tensor] = None) -> bool:
-    """A contiguous host tensor of ``dtype`` (with as many elements as ``like``)."""
-    return (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
-            and (like is None or t.numel() == like.numel()))
-
-
-def _upcast_of(master: torch.Tensor, bit16: torch.Tensor, chunk: int = 1 << 22) -> bool:
-    """Whether ``master`` holds exactly the up-cast of ``bit16`` (compared a chunk at a time:
-    no temporary the size of the master)."""
-    m, h = master.view(-1), bit16.view(-1)
-    for at in range(0, m.numel(), chunk):
-        if not torch.equal(m[at:at + chunk], h[at:at + chunk].float()):
-            return False
-    return True
-
 
 def _tag(engine, load_dir) -> Optional[str]:
     """The tag DeepSpeed's load_checkpoint would take without one: the 'latest' file's (or
