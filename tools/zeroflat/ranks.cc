@@ -215,8 +215,10 @@ void run_ranks(std::uint64_t dp, Communicator* world, std::chrono::milliseconds 
   for (std::uint64_t r = 1; r < dp; ++r) {
     try {
       ranks.emplace_back(one, r);
-    } catch (const std::system_error& e) {
-      // The ranks already started wait for this one in a collective: tell them, and join them.
+    } catch (const std::exception& e) {
+      // std::system_error, or std::bad_alloc for the thread's own state under an address-space
+      // limit. The ranks already started wait for this one in a collective: tell them, and
+      // join them.
       group->rank(0)->abort("rank " + std::to_string(r) + " could not be started");
       for (std::thread& t : ranks) t.join();
       throw ResourceExhausted("cannot start the thread of rank " + std::to_string(r) + ": " +
