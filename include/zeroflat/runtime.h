@@ -37,6 +37,9 @@ struct RuntimeEnv {
   std::optional<unsigned> gather_parts;
 };
 
+// A HostMemory by its name ("huge", "plain", "torch"); none for any other text.
+std::optional<RuntimeEnv::HostMemory> parse_host_memory(const std::string& name);
+
 // The environment as read at first call. Throws InvalidArgument naming the variable when one is
 // set to something other than a positive integer (every later call throws the same).
 const RuntimeEnv& runtime_env();

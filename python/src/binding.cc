@@ -38,11 +38,12 @@ zf::DType dtype_of(const std::string& name) {
 // the advice made initialize slower than DeepSpeed's own at one rank, where the kernel compacts
 // memory on the advised buffer's faults; ZEROFLAT_HOST_MEMORY=torch takes torch's allocator.
 
+// `fallback`: where they come from when ZEROFLAT_HOST_MEMORY does not say (none: plain).
 at::Tensor host_tensor(std::uint64_t num_bytes,
-                       std::optional<zf::RuntimeEnv::HostMemory> from = std::nullopt) {
+                       std::optional<zf::RuntimeEnv::HostMemory> fallback = std::nullopt) {
   const std::uint64_t n = num_bytes == 0 ? 1 : num_bytes;
   const std::optional<zf::RuntimeEnv::HostMemory> m =
-      from ? from : zf::runtime_env().host_memory;
+      zf::runtime_env().host_memory ? zf::runtime_env().host_memory : fallback;
   if (m == zf::RuntimeEnv::HostMemory::kTorch) {
     return at::empty({static_cast<std::int64_t>(n)},
                      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
@@ -58,20 +59,15 @@ at::Tensor host_tensor(std::uint64_t num_bytes,
 // staging) on zeroflat's device of the same kind.
 class TorchDevice final : public zf::Device {
  public:
-  // host_memory: where this device's host buffers come from ("torch": torch's allocator, which
-  // hands back memory the process already has, as DeepSpeed's own tensors; "plain", "huge");
-  // none: ZEROFLAT_HOST_MEMORY's choice.
+  // host_memory: where this device's host buffers come from unless ZEROFLAT_HOST_MEMORY says
+  // ("torch": torch's allocator, which hands back memory the process already has, as
+  // DeepSpeed's own tensors; "plain", "huge"); none: plain.
   TorchDevice(const std::string& device, unsigned threads,
               std::optional<std::string> host_memory = std::nullopt)
       : device_(device) {
     if (host_memory) {
-      if (*host_memory == "torch") {
-        host_memory_ = zf::RuntimeEnv::HostMemory::kTorch;
-      } else if (*host_memory == "plain") {
-        host_memory_ = zf::RuntimeEnv::HostMemory::kPlain;
-      } else if (*host_memory == "huge") {
-        host_memory_ = zf::RuntimeEnv::HostMemory::kHuge;
-      } else {
+      host_memory_ = zf::parse_host_memory(*host_memory);
+      if (!host_memory_) {
         throw zf::InvalidArgument("host_memory '" + *host_memory +
                                   "': expected torch, plain or huge (none: the environment's)");
       }

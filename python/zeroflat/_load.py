@@ -565,7 +565,8 @@ def _dtype_text(dtype: torch.dtype) -> str:
 def engine_and_comm(target: torch.device, threads: Optional[int], dp: int, process_group,
                     host_memory: Optional[str] = None):
     """The loader's engine on ``target`` (its thread count; its host buffers from
-    ``host_memory``, as ``_C.TorchDevice`` takes it) and the collectives over ``process_group``
+    ``host_memory`` unless ZEROFLAT_HOST_MEMORY says, as ``_C.TorchDevice`` takes it) and the
+    collectives over ``process_group``
     (None for one process), with this rank."""
     nthreads = engine_threads(threads, dp)
     engine = _C.TorchDevice(str(target), nthreads, host_memory)

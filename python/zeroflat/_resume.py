@@ -417,7 +417,7 @@ class _Resume(EngineWriter):
     def read(self, threads: Optional[int]) -> None:
         """Every buffer this rank keeps, read on the host as the library's plan says (one load
         per buffer: its placement's), into the optimizer's own tensor where it can be put back
-        (_lend), else into a tensor of torch's. Collective. The ranks compare their checkpoint's
+        (_resume_inplace.lend), else into a tensor of torch's. Collective. The ranks compare their checkpoint's
         headers in the first load, not samples of its bytes (copies="off"): each reads bytes no
         other rank reads."""
         from ._load import engine_and_comm
@@ -428,12 +428,13 @@ class _Resume(EngineWriter):
                       f"saved world {self.ck.world} release {self.ck.ds_version}",
                       f"targets {plan.targets}", f"partitions {len(subs)}",
                       f"stage3 {self.stage3}", f"world {self.dp}", plan_digest(plan)]
-        # Buffers not read in place come from torch's allocator, as DeepSpeed's own load's
-        # tensors do: the memory the process already has (what building the engine freed),
-        # where fresh mappings would each be faulted in page by page.
+        # Buffers not read in place come from torch's allocator (unless ZEROFLAT_HOST_MEMORY
+        # says otherwise), as DeepSpeed's own load's tensors do: the memory the process already
+        # has (what building the engine freed), where fresh mappings would each be faulted in
+        # page by page.
         engine, nthreads, comm, _ = engine_and_comm(
             torch.device("cpu"), threads, self.dp, self.group if self.dp > 1 else None,
-            host_memory=None if os.environ.get("ZEROFLAT_HOST_MEMORY") else "torch")
+            host_memory="torch")
         self._comm = comm
         _, _, expected = plan.rank_bytes(self.rank)
         watch = Watch(f"resume from {self.ck.dir}", self.rank, self.dp, _dropin.progress,
@@ -462,11 +463,6 @@ class _Resume(EngineWriter):
 
     # - reading into the optimizer's own tensors -------------------------------------------------
 
-    def _lend(self, b):
-        """The optimizer's own tensor buffer ``b`` is read straight into, and how to put it back
-        (_resume_inplace.lend); (None, None): a buffer of the load's own."""
-        return lend(self.opt, self.stage3, self.rank, b)
-
     def put_back(self) -> None:
         """The optimizer's tensors read into, as they were (the resume failed before the engine
         took what was read)."""
@@ -491,7 +487,7 @@ class _Resume(EngineWriter):
             # Checked against the optimizer's own bookkeeping: the offsets of its flat buffer.
             options.expected_offsets = self._offsets(b.group)
             options.expected_flat_numel = self.opt.bit16_groups_flat[b.group].numel()
-        lent, put = self._lend(b)
+        lent, put = lend(self.opt, self.stage3, self.rank, b)
         if lent is not None:
             engine.adopt(lent)
             self._lent.append(put)

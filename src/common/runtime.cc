@@ -18,6 +18,14 @@
 #include "zeroflat/size.h"
 
 namespace zeroflat {
+
+std::optional<RuntimeEnv::HostMemory> parse_host_memory(const std::string& name) {
+  if (name == "huge") return RuntimeEnv::HostMemory::kHuge;
+  if (name == "plain") return RuntimeEnv::HostMemory::kPlain;
+  if (name == "torch") return RuntimeEnv::HostMemory::kTorch;
+  return std::nullopt;
+}
+
 namespace {
 
 std::optional<unsigned> positive_env(const char* name) {
@@ -48,11 +56,8 @@ std::optional<unsigned> launcher_env(const char* name) {
 std::optional<RuntimeEnv::HostMemory> host_memory_env() {
   const char* v = std::getenv("ZEROFLAT_HOST_MEMORY");
   if (v == nullptr || *v == '\0') return std::nullopt;
-  const std::string s = v;
-  if (s == "huge") return RuntimeEnv::HostMemory::kHuge;
-  if (s == "plain") return RuntimeEnv::HostMemory::kPlain;
-  if (s == "torch") return RuntimeEnv::HostMemory::kTorch;
-  throw InvalidArgument("ZEROFLAT_HOST_MEMORY='" + s +
+  if (const auto m = parse_host_memory(v)) return m;
+  throw InvalidArgument("ZEROFLAT_HOST_MEMORY='" + std::string(v) +
                         "': expected huge, plain or torch (unset it for the default)");
 }
 
