@@ -25,6 +25,7 @@
 #include "zeroflat/cli/pattern.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/device.h"
+#include "zeroflat/dtensor.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model.h"
 #include "zeroflat/zero3.h"
@@ -1167,6 +1168,92 @@ TEST_F(LoaderTest, ZeRO3EveryRankReadsOnlyItsPartitionsIntoTheStage3Buffer) {
       }
     }
   }
+}
+
+// DTensor shards: each rank's buffer holds its local shard of every parameter (the elements the
+// shard's runs name, in order, then zeros up to the padded size), read from its shards' bytes
+// only; 1-D meshes of 1 to 4 ranks with Shard(0) (FSDP2), 2 x 2 (HSDP: Replicate(), Shard(0)),
+// and Shard(1) (strided runs) where a tensor has two dimensions.
+TEST_F(LoaderTest, DTensorShardsEveryRankReadsOnlyItsLocalShards) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  const MeshPlacement rep{MeshPlacement::Kind::kReplicate, 0};
+  const MeshPlacement s0{MeshPlacement::Kind::kShard, 0};
+  const MeshPlacement s1{MeshPlacement::Kind::kShard, 1};
+  struct Case {
+    std::vector<std::uint64_t> mesh;
+    bool hsdp, strided;
+  };
+  std::uint64_t total = 0;
+  for (const CheckpointTensor& t : ck.tensors) total += t.bytes;
+  for (const Case& c : {Case{{1}, false, false}, Case{{2}, false, false}, Case{{3}, false, false},
+                        Case{{4}, false, false}, Case{{3}, false, true}, Case{{2, 2}, true, false}}) {
+    ShardSpec spec;
+    spec.mesh = c.mesh;
+    std::uint64_t world = 1;
+    for (std::uint64_t n : c.mesh) world *= n;
+    for (std::uint64_t r = 0; r < world; ++r) {
+      spec.coords.push_back(c.hsdp ? std::vector<std::uint64_t>{r / 2, r % 2}
+                                   : std::vector<std::uint64_t>{r});
+    }
+    for (const LoadParam& p : params) {
+      if (c.hsdp) {
+        spec.placements.push_back({rep, s0});
+      } else {
+        spec.placements.push_back({c.strided && p.shape.size() == 2 ? s1 : s0});
+      }
+    }
+    for (DType dtype : {DType::kBF16, DType::kFP32}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " on " + std::to_string(world) + " ranks" +
+                   (c.hsdp ? " (HSDP)" : "") + (c.strided ? " (Shard(1))" : ""));
+      FlattenOptions o = load_options();
+      o.layout.dp = world;
+      o.layout.dtype = dtype;
+      o.read.threads = 2;
+      std::vector<std::uint64_t> read(world, 0);
+      on_ranks(static_cast<int>(world), [&](int r, Communicator* comm) {
+        const std::uint64_t es = element_size(dtype);
+        std::vector<unsigned char> want;
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          const LocalShard sh = local_shard(params[i].shape, spec.mesh, spec.placements[i],
+                                            spec.coords[static_cast<std::size_t>(r)]);
+          const std::vector<unsigned char> whole = values_of(ck, params[i], dtype);
+          std::vector<unsigned char> part(sh.padded_numel * es, 0);
+          std::uint64_t at = 0;
+          for (const ElementRun& run : sh.runs) {
+            std::memcpy(part.data() + at * es, whole.data() + run.first * es, run.numel * es);
+            at += run.numel;
+          }
+          want.insert(want.end(), part.begin(), part.end());
+        }
+        std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+        const FlattenResult res = load_shards(ck, params, spec, *dev, comm, o);
+        ASSERT_TRUE(res.feasible()) << res.plan.reason;
+        EXPECT_EQ(res.chosen().tier, Tier::kLoadPartitions);
+        ASSERT_EQ(res.group().layout.flat_bytes(), want.size());
+        EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
+        EXPECT_EQ(res.read->bytes,
+                  shards_read_bytes(ck, params, spec, static_cast<std::uint64_t>(r)));
+        read[static_cast<std::size_t>(r)] = res.read->bytes;
+      });
+      std::uint64_t sum = 0;
+      for (std::uint64_t b : read) sum += b;
+      // Every source byte read once per replica.
+      EXPECT_EQ(sum, total * (c.hsdp ? 2 : 1));
+    }
+  }
+  // A spec for another world is refused on every rank before anything is read.
+  ShardSpec bad;
+  bad.mesh = {3};
+  bad.coords = {{0}, {1}, {2}};
+  for (std::size_t i = 0; i < params.size(); ++i) bad.placements.push_back({s0});
+  FlattenOptions o = load_options();
+  o.layout.dp = 2;
+  on_ranks(2, [&](int, Communicator* comm) {
+    std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+    EXPECT_THROW(load_shards(ck, params, bad, *dev, comm, o), InvalidArgument);
+    EXPECT_EQ(dev->memory_info().allocated_bytes, 0u);
+  });
 }
 
 TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {

@@ -33,6 +33,7 @@
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/device.h"
+#include "zeroflat/dtensor.h"
 #include "zeroflat/engine.h"
 #include "zeroflat/flatten.h"
 #include "zeroflat/plan.h"
@@ -91,6 +92,29 @@ FlattenResult load_flat_group(const CheckpointIndex& checkpoint, std::span<const
 // master, when asked, the fp32 copy of the whole buffer.
 FlattenResult load_partitions(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
                               Device& device, Communicator* comm, const FlattenOptions& options);
+
+// DTensor shards (dtensor.h: FSDP2's Shard(0), HSDP's (Replicate(), Shard(0)), any Shard(d) and
+// Replicate() a mesh holds): each rank reads only the elements of its local shard of every
+// parameter (spec.placements[i] on spec.mesh, the rank's coordinate spec.coords[rank]), straight
+// from the checkpoint (converted to the buffer's dtype), into its buffer: the shards back to
+// back in the order of params, each padded to LocalShard::padded_numel with zeros (the same
+// layout on every rank). No all-gather, no rank reads another's bytes (read plan
+// kLoadPartitions). Collective over comm with the rules and options of load_partitions; the
+// spec is part of what the ranks compare. InvalidArgument for a spec that does not describe
+// comm's ranks and params (validate in dtensor.h). The result's group().layout is the rank
+// buffer's (dp 1, the padded shards as its parameters), group().views the padded shards (1-D;
+// a shard's local tensor is the first LocalShard::numel elements of its view, row-major in
+// LocalShard::shape), read->bytes this rank's shards' file bytes (shards_read_bytes).
+FlattenResult load_shards(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
+                          const ShardSpec& spec, Device& device, Communicator* comm,
+                          const FlattenOptions& options);
+
+// The file bytes rank `rank` reads for its shards of `params` under spec: what load_shards
+// reports as bytes_read, known before it runs. Throws InvalidArgument as partition_read_bytes
+// does, and for a spec that does not describe its ranks and params.
+std::uint64_t shards_read_bytes(const CheckpointIndex& checkpoint,
+                                std::span<const LoadParam> params, const ShardSpec& spec,
+                                std::uint64_t rank);
 
 // ZeRO-1/2's optimizer partition alone: each rank reads only its slice [r * S, (r + 1) * S) of
 // the flat layout of params (options.layout) and keeps just that (read plan kLoadSlice, no

@@ -22,6 +22,7 @@
 #include "zeroflat/comm.h"
 #include "zeroflat/config.h"
 #include "zeroflat/device.h"
+#include "zeroflat/dtensor.h"
 #include "zeroflat/dtype.h"
 #include "zeroflat/engine.h"
 #include "zeroflat/error.h"

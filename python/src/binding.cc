@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -450,14 +451,15 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
 }
 
 // One of the loader's doors (loader.h): load_flat_group or load_partitions.
-using LoadDoor = zf::FlattenResult (*)(const zf::CheckpointIndex&, std::span<const zf::LoadParam>,
-                                       zf::Device&, zf::Communicator*, const zf::FlattenOptions&);
+using LoadDoor =
+    std::function<zf::FlattenResult(const zf::CheckpointIndex&, std::span<const zf::LoadParam>,
+                                     zf::Device&, zf::Communicator*, const zf::FlattenOptions&)>;
 
 // A checkpoint's group loaded on this rank through `door`: (report, buffer, master, layout) as
 // flatten returns them. `checkpoint` None: this rank could not open it (its local_error says
 // why). Raises InvalidArgument on every rank for a bad group or checkpoint, options that differ,
 // or any rank's local_error; Error on every rank when a read fails.
-py::tuple load_through(LoadDoor door, TorchDevice& device, py::object comm_impl,
+py::tuple load_through(const LoadDoor& door, TorchDevice& device, py::object comm_impl,
                        py::object checkpoint, std::vector<zf::LoadParam> params,
                        zf::FlattenOptions o) {
   static const zf::CheckpointIndex kNone;
@@ -504,6 +506,59 @@ py::tuple load_slice(TorchDevice& device, py::object comm_impl, py::object check
                      std::vector<zf::LoadParam> params, zf::FlattenOptions o) {
   return load_through(&zf::load_slice, device, std::move(comm_impl), std::move(checkpoint),
                       std::move(params), std::move(o));
+}
+
+// DTensor placements as torch prints them ("Shard(0)", "Replicate()"), per parameter.
+std::vector<std::vector<zf::MeshPlacement>> placements_of(
+    const std::vector<std::vector<std::string>>& texts) {
+  std::vector<std::vector<zf::MeshPlacement>> out;
+  for (const auto& per : texts) {
+    out.emplace_back();
+    for (const std::string& t : per) out.back().push_back(zf::parse_placement(t));
+  }
+  return out;
+}
+
+// DTensor shards: this rank's local shard of every parameter, padded, back to back in the order
+// of params (load_shards); mesh, coords (per rank of comm) and placements (per parameter, as
+// torch prints them) make the spec. A spec that does not parse is this rank's local error.
+py::tuple load_shards(TorchDevice& device, py::object comm_impl, py::object checkpoint,
+                      std::vector<zf::LoadParam> params, zf::FlattenOptions o,
+                      std::vector<std::uint64_t> mesh,
+                      std::vector<std::vector<std::uint64_t>> coords,
+                      const std::vector<std::vector<std::string>>& placements) {
+  zf::ShardSpec spec{std::move(mesh), std::move(coords), {}};
+  if (o.local_error.empty()) {
+    try {
+      spec.placements = placements_of(placements);
+    } catch (const zf::Error& e) {
+      o.local_error = e.what();
+    }
+  }
+  if (!o.local_error.empty()) spec.placements.assign(params.size(), {});
+  return load_through(
+      [&spec](const zf::CheckpointIndex& ck, std::span<const zf::LoadParam> ps, zf::Device& d,
+              zf::Communicator* c, const zf::FlattenOptions& opts) {
+        return zf::load_shards(ck, ps, spec, d, c, opts);
+      },
+      device, std::move(comm_impl), std::move(checkpoint), std::move(params), std::move(o));
+}
+
+// The shard mesh coordinate `coord` holds of a tensor of shape `shape` (dtensor.h): its local
+// shape, global offsets, elements, padded elements and the number of runs it reads.
+py::dict local_shard(const zf::Shape& shape, const std::vector<std::uint64_t>& mesh,
+                     const std::vector<std::string>& placements,
+                     const std::vector<std::uint64_t>& coord) {
+  std::vector<zf::MeshPlacement> pl;
+  for (const std::string& t : placements) pl.push_back(zf::parse_placement(t));
+  const zf::LocalShard s = zf::local_shard(shape, mesh, pl, coord);
+  py::dict d;
+  d["shape"] = s.shape;
+  d["offsets"] = s.offsets;
+  d["numel"] = s.numel;
+  d["padded_numel"] = s.padded_numel;
+  d["runs"] = s.runs.size();
+  return d;
 }
 
 // The ZeRO-3 layout of optimizer groups (zero3.h) seen from `rank`: per parameter (flat over the
@@ -847,6 +902,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("options"));
   m.def("load_partitions", &load_partitions, py::arg("device"), py::arg("comm"),
         py::arg("checkpoint"), py::arg("params"), py::arg("options"));
+  m.def("load_shards", &load_shards, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
+        py::arg("params"), py::arg("options"), py::arg("mesh"), py::arg("coords"),
+        py::arg("placements"));
+  m.def("local_shard", &local_shard, py::arg("shape"), py::arg("mesh"), py::arg("placements"),
+        py::arg("coord"));
   m.def("load_slice", &load_slice, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
         py::arg("params"), py::arg("options"));
   bind_deepspeed(m);

@@ -11,6 +11,7 @@
 
 #include "zeroflat/comm.h"
 #include "zeroflat/device.h"
+#include "zeroflat/dtensor.h"
 #include "zeroflat/engine.h"
 #include "zeroflat/executor.h"
 
@@ -25,6 +26,12 @@ namespace zeroflat::detail {
 // - tiers() / read_plans(): the step lists that build it from the originals on the device, and
 //   from files (plan.h).
 // - views(): the tensors the steps re-point, one per parameter of the layout.
+// Where a placement's layout entries take their elements: per parameter, runs of its source
+// elements (the parameter's tensors concatenated, row-major) that fill its entry from the
+// entry's first element on, in order; the entry's elements past them are padding, never read.
+// Empty: every parameter whole, in order (an entry holds the parameter).
+using SourceRuns = std::vector<std::vector<ElementRun>>;
+
 class Placement {
  public:
   virtual ~Placement() = default;
@@ -38,8 +45,9 @@ class Placement {
   // buffer holds the whole layout (ZeRO-1/2: slot), the rank's own buffer (ZeRO-3: 0), or only
   // its slice (0).
   virtual std::uint64_t buffer_slot(std::uint64_t rank) const = 0;
-  virtual std::vector<std::uint64_t> starts(std::span<const std::uint64_t> numels,
-                                            std::uint64_t world, std::uint64_t rank) const = 0;
+  // Where rank `rank` of `world`'s layout entries take their elements (see SourceRuns).
+  virtual SourceRuns runs(std::span<const std::uint64_t> numels, std::uint64_t world,
+                          std::uint64_t rank) const = 0;
   virtual std::span<const Tier> tiers() const = 0;
   virtual std::span<const Tier> read_plans() const = 0;
   // params: the group as the caller passed it (whole parameters, data as the source has it).
@@ -58,8 +66,7 @@ class FlatPlacement final : public Placement {
                 const FlattenOptions& options) const override;
   std::uint64_t slot(std::uint64_t rank) const override { return rank; }
   std::uint64_t buffer_slot(std::uint64_t rank) const override { return rank; }
-  std::vector<std::uint64_t> starts(std::span<const std::uint64_t>, std::uint64_t,
-                                    std::uint64_t) const override {
+  SourceRuns runs(std::span<const std::uint64_t>, std::uint64_t, std::uint64_t) const override {
     return {};
   }
   std::span<const Tier> tiers() const override { return kAllTiers; }
@@ -80,8 +87,7 @@ class SlicePlacement final : public Placement {
                 const FlattenOptions& options) const override;
   std::uint64_t slot(std::uint64_t rank) const override { return rank; }
   std::uint64_t buffer_slot(std::uint64_t) const override { return 0; }
-  std::vector<std::uint64_t> starts(std::span<const std::uint64_t>, std::uint64_t,
-                                    std::uint64_t) const override {
+  SourceRuns runs(std::span<const std::uint64_t>, std::uint64_t, std::uint64_t) const override {
     return {};
   }
   std::span<const Tier> tiers() const override { return {}; }
@@ -103,8 +109,8 @@ class PartitionsPlacement final : public Placement {
                 const FlattenOptions& options) const override;
   std::uint64_t slot(std::uint64_t) const override { return 0; }
   std::uint64_t buffer_slot(std::uint64_t) const override { return 0; }
-  std::vector<std::uint64_t> starts(std::span<const std::uint64_t> numels, std::uint64_t world,
-                                    std::uint64_t rank) const override;
+  SourceRuns runs(std::span<const std::uint64_t> numels, std::uint64_t world,
+                  std::uint64_t rank) const override;
   std::span<const Tier> tiers() const override { return {}; }
   std::span<const Tier> read_plans() const override { return kPartitionReadPlans; }
   std::span<TensorRef> views(std::span<TensorRef> params, const Layout& layout,
@@ -112,6 +118,35 @@ class PartitionsPlacement final : public Placement {
 
  private:
   std::vector<TensorRef> partitions_;
+};
+
+// DTensor shards (dtensor.h): each rank holds its local shard of every parameter, padded to
+// the shard's size on every rank (LocalShard::padded_numel), back to back in the group's order
+// (a dp-1 layout, the same on every rank); its one read plan kLoadPartitions (each rank reads
+// only its shards' bytes, no all-gather). The parameters stay whole and untouched; the views are
+// the padded shards (1-D).
+class ShardsPlacement final : public Placement {
+ public:
+  // spec: validated against the parameters' count when the layout is asked for.
+  explicit ShardsPlacement(ShardSpec spec, std::vector<Shape> shapes);
+  std::string name() const override { return "DTensor shards"; }
+  Layout layout(std::span<const std::uint64_t> numels,
+                const FlattenOptions& options) const override;
+  std::uint64_t slot(std::uint64_t) const override { return 0; }
+  std::uint64_t buffer_slot(std::uint64_t) const override { return 0; }
+  SourceRuns runs(std::span<const std::uint64_t> numels, std::uint64_t world,
+                  std::uint64_t rank) const override;
+  std::span<const Tier> tiers() const override { return {}; }
+  std::span<const Tier> read_plans() const override { return kPartitionReadPlans; }
+  std::span<TensorRef> views(std::span<TensorRef> params, const Layout& layout,
+                             Device& device) override;
+  // Rank `rank`'s shard of parameter p.
+  LocalShard shard(std::size_t p, std::uint64_t rank) const;
+
+ private:
+  ShardSpec spec_;
+  std::vector<Shape> shapes_;
+  std::vector<TensorRef> shards_;
 };
 
 // Where the group's values are now, as the pipeline asks it: what comes before and after the

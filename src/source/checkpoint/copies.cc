@@ -98,8 +98,8 @@ void CheckpointSource::after(const FlatGroup&, Communicator* comm) {
     };
     for (std::uint64_t q = 0; q < world && mismatch.empty(); ++q) {
       if (q == me) continue;
-      const std::vector<std::uint64_t> starts = placement_->starts(numels_, world, q);
-      const bool same_view = starts == starts_;
+      const SourceRuns runs = placement_->runs(numels_, world, q);
+      const bool same_view = runs == runs_;
       for (std::size_t k = 0; k < windows[q].size(); ++k) {
         const auto [lo, hi] = windows[q][k];
         std::uint64_t d = 0;
@@ -112,7 +112,7 @@ void CheckpointSource::after(const FlatGroup&, Communicator* comm) {
           d = it->second;
         } else {
           mine.resize(hi - lo);
-          const std::vector<Read> reads = reads_for(layout, sources_, starts, lo, hi);
+          const std::vector<Read> reads = reads_for(layout, sources_, runs, lo, hi);
           reader.fill(mine.data(), hi - lo, reads);
           reader.rethrow();
           report_.copy_check_bytes += source_bytes(reads);

@@ -49,12 +49,12 @@ std::uint64_t read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> p
   std::vector<std::uint64_t> numels;
   for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
   const Layout layout = placement.layout(numels, options);
-  const std::vector<std::uint64_t> starts = placement.starts(numels, world, rank);
+  const detail::SourceRuns runs = placement.runs(numels, world, rank);
   std::uint64_t bytes = 0;
   for (const Step& s : load_steps(layout, placement.slot(rank), 0, placement.read_plans()[0])) {
     if (s.op != Op::kRead) continue;
     bytes += detail::source_bytes(
-        detail::reads_for(layout, sources, starts, s.flat_offset, s.flat_offset + s.bytes));
+        detail::reads_for(layout, sources, runs, s.flat_offset, s.flat_offset + s.bytes));
   }
   return bytes;
 }
@@ -71,6 +71,45 @@ FlattenResult load_partitions(const CheckpointIndex& ck, std::span<const LoadPar
                               Device& device, Communicator* comm, const FlattenOptions& options) {
   detail::PartitionsPlacement placement;
   return load_group(ck, params, device, comm, options, placement);
+}
+
+namespace {
+std::vector<Shape> shapes_of(std::span<const LoadParam> params) {
+  std::vector<Shape> out;
+  out.reserve(params.size());
+  for (const LoadParam& p : params) out.push_back(p.shape);
+  return out;
+}
+}  // namespace
+
+FlattenResult load_shards(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                          const ShardSpec& spec, Device& device, Communicator* comm,
+                          const FlattenOptions& options) {
+  detail::ShardsPlacement placement(spec, shapes_of(params));
+  FlattenOptions o = options;
+  // What every rank must hold identically: the mesh, each rank's coordinate, each placement.
+  std::string mesh = "shards mesh";
+  for (std::uint64_t n : spec.mesh) mesh += " " + std::to_string(n);
+  o.must_match.push_back(mesh);
+  for (std::size_t r = 0; r < spec.coords.size(); ++r) {
+    std::string c = "shards rank " + std::to_string(r) + " at";
+    for (std::uint64_t x : spec.coords[r]) c += " " + std::to_string(x);
+    o.must_match.push_back(c);
+  }
+  for (std::size_t p = 0; p < spec.placements.size(); ++p) {
+    std::string c = "shards parameter " + std::to_string(p);
+    for (const MeshPlacement& m : spec.placements[p]) c += " " + placement_name(m);
+    o.must_match.push_back(c);
+  }
+  return load_group(ck, params, device, comm, o, placement);
+}
+
+std::uint64_t shards_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                                const ShardSpec& spec, std::uint64_t rank) {
+  FlattenOptions o;
+  o.layout.dp = spec.coords.size();
+  return read_bytes(ck, params, o, detail::ShardsPlacement(spec, shapes_of(params)),
+                    spec.coords.size(), rank);
 }
 
 FlattenResult load_slice(const CheckpointIndex& ck, std::span<const LoadParam> params,
@@ -111,7 +150,7 @@ std::vector<PlannedRead> planned_reads(const CheckpointIndex& ck,
   std::vector<std::uint64_t> numels;
   for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
   const Layout l = placement.layout(numels, o);
-  const std::vector<std::uint64_t> starts = placement.starts(numels, world, rank);
+  const detail::SourceRuns runs = placement.runs(numels, world, rank);
   const std::uint64_t es = l.element_size();
   // The buffer holds the rank's slot (a slice: [slot * S, (slot + 1) * S) of the layout).
   const std::uint64_t base = placement.slot(rank) * l.partition_bytes();
@@ -119,7 +158,7 @@ std::vector<PlannedRead> planned_reads(const CheckpointIndex& ck,
   for (const Step& s : load_steps(l, placement.slot(rank), 0, placement.read_plans()[0])) {
     if (s.op != Op::kRead) continue;
     for (const detail::Read& r :
-         detail::reads_for(l, sources, starts, s.flat_offset, s.flat_offset + s.bytes)) {
+         detail::reads_for(l, sources, runs, s.flat_offset, s.flat_offset + s.bytes)) {
       PlannedRead x;
       x.file = r.file;
       x.offset = r.src;

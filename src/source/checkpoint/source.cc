@@ -113,20 +113,36 @@ Sources resolve_all(const CheckpointIndex& ck, std::span<const LoadParam> params
   return sources;
 }
 
-std::vector<Read> reads_for(const Layout& layout, const Sources& sources,
-                            std::span<const std::uint64_t> starts, std::uint64_t lo,
-                            std::uint64_t hi) {
+std::vector<Read> reads_for(const Layout& layout, const Sources& sources, const SourceRuns& runs,
+                            std::uint64_t lo, std::uint64_t hi) {
   const std::uint64_t es = layout.element_size();
   std::vector<Read> reads;
   for (const Fragment& f : layout.fragments_in(lo / es, hi / es)) {
-    const std::uint64_t first = f.param_offset + (starts.empty() ? 0 : starts[f.param]);
-    for_pieces(sources[f.param], first, f.numel,
-               [&](const CheckpointTensor& t, std::uint64_t tensor_first, std::uint64_t n,
-                   std::uint64_t param_first) {
-                 const std::uint64_t fes = element_size(*t.type);
-                 reads.push_back(Read{t.file, t.offset + tensor_first * fes, n * fes,
-                                      (f.partition_offset + param_first - first) * es, *t.type});
-               });
+    // The fragment's entry elements [a, b) come from source elements [first, first + n).
+    const auto add = [&](std::uint64_t a, std::uint64_t first, std::uint64_t n) {
+      for_pieces(sources[f.param], first, n,
+                 [&](const CheckpointTensor& t, std::uint64_t tensor_first, std::uint64_t k,
+                     std::uint64_t source_first) {
+                   const std::uint64_t fes = element_size(*t.type);
+                   const std::uint64_t entry = a + (source_first - first);
+                   reads.push_back(Read{t.file, t.offset + tensor_first * fes, k * fes,
+                                        (f.partition_offset + entry - f.param_offset) * es,
+                                        *t.type});
+                 });
+    };
+    const std::uint64_t end = f.param_offset + f.numel;
+    if (runs.empty()) {
+      add(f.param_offset, f.param_offset, f.numel);
+      continue;
+    }
+    std::uint64_t at = 0;  // the entry element where the run starts
+    for (const ElementRun& r : runs[f.param]) {
+      if (at >= end) break;
+      const std::uint64_t a = std::max(at, f.param_offset);
+      const std::uint64_t b = std::min(at + r.numel, end);
+      if (a < b) add(a, r.first + (a - at), b - a);
+      at += r.numel;
+    }
   }
   std::sort(reads.begin(), reads.end(), [](const Read& a, const Read& b) {
     return a.file != b.file ? a.file < b.file : a.src < b.src;
@@ -184,7 +200,7 @@ void CheckpointSource::prepare(std::span<const TensorRef>, const Layout& layout,
   placement_ = &placement;
   world_ = world;
   rank_ = rank;
-  starts_ = placement.starts(numels_, world, rank);
+  runs_ = placement.runs(numels_, world, rank);
   threads_ =
       r.threads > 0 ? r.threads : default_num_threads(std::max(1u, local_ranks(options_, world)));
   if (device.keeps_data()) {
@@ -221,7 +237,7 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
                             std::uint64_t stage_bytes) {
   const std::uint64_t es = layout_->element_size();
   const std::vector<Read> reads =
-      reads_for(*layout_, sources_, starts_, flat_offset, flat_offset + bytes);
+      reads_for(*layout_, sources_, runs_, flat_offset, flat_offset + bytes);
   auto* at = static_cast<unsigned char*>(dst);
   // A read that continues the one before it, in the buffer as in the layout (the executor reads
   // a slice in parts while it gathers the parts read), is the same read: one range, one report.
@@ -244,7 +260,7 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
       if (lo <= flat_offset && flat_offset < end) hi = std::max(hi, end);
     }
     const std::vector<Read> step =
-        hi == flat_offset + bytes ? reads : reads_for(*layout_, sources_, starts_, flat_offset, hi);
+        hi == flat_offset + bytes ? reads : reads_for(*layout_, sources_, runs_, flat_offset, hi);
     planned_to_ = hi;
     if (device_.keeps_data()) {
       report_.cached_fraction = cached_fraction_of(ck_, step);
@@ -300,11 +316,24 @@ std::string CheckpointSource::where(std::uint64_t b, std::uint64_t owner) const 
   const auto& offs = layout_->offsets();
   const std::string text =
       "layout byte " + std::to_string(b) + " (read by rank " + std::to_string(owner) + ")";
-  const std::vector<std::uint64_t> starts = placement_->starts(numels_, world_, owner);
+  const SourceRuns runs = placement_->runs(numels_, world_, owner);
   // Round-robin layouts do not keep offsets sorted: a scan.
   for (std::size_t p = 0; p < offs.size(); ++p) {
     if (offs[p] > e || e >= offs[p] + layout_->numels()[p]) continue;
-    std::uint64_t at = e - offs[p] + (starts.empty() ? 0 : starts[p]);
+    std::uint64_t at = e - offs[p];
+    if (!runs.empty()) {  // the entry element's source element (padding: none)
+      std::uint64_t entry = 0;
+      bool found = false;
+      for (const ElementRun& r : runs[p]) {
+        if (at < entry + r.numel) {
+          at = r.first + (at - entry);
+          found = true;
+          break;
+        }
+        entry += r.numel;
+      }
+      if (!found) return text + ", padding of parameter " + std::to_string(p);
+    }
     for (const CheckpointTensor* t : sources_[p]) {
       if (at < t->numel) {
         return text + ", tensor '" + printable(t->name) + "' of " + ck_.files[t->file] +

@@ -30,12 +30,11 @@ Sources resolve_all(const CheckpointIndex& ck, std::span<const LoadParam> params
 
 // The file reads that fill layout bytes [lo, hi) (element-aligned), dst relative to lo, in file
 // order with neighbours merged: one pread where the bytes follow each other in the file and in
-// the buffer. starts: where each parameter's layout elements start within it (a placement's
-// starts), or empty (parameters whole); the layout's elements past a parameter's data are
-// padding, not read.
-std::vector<Read> reads_for(const Layout& layout, const Sources& sources,
-                            std::span<const std::uint64_t> starts, std::uint64_t lo,
-                            std::uint64_t hi);
+// the buffer. runs: where each parameter's layout elements come from (a placement's runs), or
+// empty (parameters whole); the layout's elements past a parameter's runs are padding, not
+// read.
+std::vector<Read> reads_for(const Layout& layout, const Sources& sources, const SourceRuns& runs,
+                            std::uint64_t lo, std::uint64_t hi);
 
 // The pipeline's Source and, for the executor, the StepSource its kRead steps read from.
 class CheckpointSource final : public Source, public StepSource {
@@ -87,7 +86,7 @@ class CheckpointSource final : public Source, public StepSource {
   OpenFiles files_;
   Sources sources_;
   std::vector<std::uint64_t> numels_;
-  std::vector<std::uint64_t> starts_;  // this rank's (the placement's)
+  SourceRuns runs_;  // this rank's (the placement's)
   std::optional<Layout> layout_;
   const Placement* placement_ = nullptr;
   std::uint64_t world_ = 1;
