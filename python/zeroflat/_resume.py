@@ -515,7 +515,11 @@ class _Resume(EngineWriter):
                 raise InvalidArgument(f"resuming group {b.group}: zeroflat's partition holds {n} "
                                       f"elements, DeepSpeed's {want}")
             esize = torch.tensor([], dtype=dtype).element_size()
-            self.values.setdefault(b.target, []).append(buffer[: n * esize].view(dtype))
+            # In its group's place, never by arrival order (DeepSpeed 0.19 refuses a ZeRO-1/2
+            # group with nothing trained; should one come, the others keep their places).
+            values = self.values.setdefault(
+                b.target, [torch.zeros(0, dtype=dtype) for _ in self.opt.bit16_groups])
+            values[int(b.group)] = buffer[: n * esize].view(dtype)
             return
         flat = buffer[: lay["flat_bytes"]].view(dtype)
         if b.target == "frozen":
