@@ -1,0 +1,292 @@
+"""zeroflat.fsdp.load against the references, on FSDP2 models (CPU, gloo): every rank's local
+shards equal those of the full model loaded by Transformers and then sharded by fully_shard the
+same way, bit for bit, for a dense model with tied embeddings, an untied one, and a Qwen3-MoE
+(stacked experts), bf16 and fp32 checkpoints into bf16 and fp32 models, at 1, 2, 3 and 4 ranks
+on 1-D meshes and 2 x 2 HSDP; the next 3 training steps' losses identical; each rank reads its
+shards' bytes and no more; bad input (a tensor missing or of another shape, a checkpoint cut
+short, a model not sharded) refused on every rank with every model as it was.
+
+Run as a script, it is one rank's worker (the tests start them)."""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import end_rank, start_ranks  # noqa: E402
+
+
+def tiny_dense(tie=True):
+    from transformers import Qwen3Config
+
+    # A vocabulary far larger than the rest, as in real models (the embedding dominates).
+    return Qwen3Config(vocab_size=3001, hidden_size=40, intermediate_size=72, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=10,
+                       tie_word_embeddings=tie)
+
+
+def tiny_moe():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=301, hidden_size=48, intermediate_size=96,
+                          moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=12, num_experts=5,
+                          num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+def write(config, path, dtype, seed=0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # values far from zero, so that rounding differences would show
+        for p in model.parameters():
+            p.normal_(0, 1.3)
+    model.save_pretrained(path, max_shard_size="200KB")
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    root = tempfile.mkdtemp(prefix="zeroflat-fsdp-")
+    out = {
+        "dense_tied": write(tiny_dense(True), os.path.join(root, "dense_tied"), torch.bfloat16),
+        "dense_fp32": write(tiny_dense(False), os.path.join(root, "dense_fp32"), torch.float32),
+        "moe": write(tiny_moe(), os.path.join(root, "moe"), torch.bfloat16),
+        "root": root,
+    }
+    yield out
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- one rank ----------------------------------------------------------------------------------
+
+def _mesh(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("replicate", "shard")[-len(shape):]
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+
+
+def _sharded(model, mesh):
+    """FSDP2 as Transformers and torchtitan apply it: each decoder layer, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _empty_sharded(path, dtype, mesh):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _sharded(model, mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # whatever to_empty left, a value no checkpoint holds
+        for p in model.parameters():
+            p.to_local().fill_(7.0)
+        # Buffers no checkpoint holds (rotary inv_freq) made as the model makes them, as a
+        # user's init_weights after to_empty would.
+        fresh = dict(AutoModelForCausalLM.from_config(config, dtype=dtype).named_buffers())
+        for n, b in model.named_buffers():
+            b.copy_(fresh[n])
+    return model
+
+
+def _locals(model):
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _digest(model):
+    import hashlib
+
+    h = hashlib.sha256()
+    for n, p in model.named_parameters():
+        h.update(n.encode())
+        h.update(p.to_local().detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _steps(model, rank, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    vocab = model.config.vocab_size
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (2, 6), generator=gen)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _equal_case(rank, mesh, case):
+    import zeroflat.fsdp
+
+    dtype = getattr(torch, case["dtype"])
+    ours = _empty_sharded(case["path"], dtype, mesh)
+    report = zeroflat.fsdp.load(ours, case["path"])
+    # The reference: the full model as Transformers loads it, then sharded the same way.
+    ref = AutoModelForCausalLM.from_pretrained(case["path"], dtype=dtype)
+    _sharded(ref, mesh)
+    want, got = _locals(ref), _locals(ours)
+    assert want.keys() == got.keys()
+    for n in want:
+        assert got[n].dtype == want[n].dtype and got[n].shape == want[n].shape, n
+        assert torch.equal(got[n], want[n]), (case, n)
+    # Tied weights stay tied.
+    if getattr(ours.config, "tie_word_embeddings", False):
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert report["bytes_read"] == report["share"], report
+    out = {"read": report["bytes_read"]}
+    if case.get("steps"):
+        assert _steps(ours, rank) == _steps(ref, rank), case
+        out["steps"] = True
+    return out
+
+
+def _bad_case(rank, mesh, case):
+    """A load that must fail on every rank with the model as it was."""
+    import zeroflat.fsdp
+
+    model = _empty_sharded(case["model_path"], torch.bfloat16, mesh)
+    before = _digest(model)
+    path = case["path"]
+    if case.get("rank_only") is not None and rank != case["rank_only"]:
+        path = case["model_path"]  # only this rank's checkpoint is bad
+    try:
+        zeroflat.fsdp.load(model, path)
+    except Exception as e:  # noqa: BLE001 - the words are checked
+        words = f"{type(e).__name__}: {e}"
+    else:
+        raise AssertionError(f"{case['name']}: the load did not fail")
+    assert _digest(model) == before, case["name"]
+    words_wanted = case["words"]
+    if case.get("rank_only") is not None and rank != case["rank_only"]:
+        words_wanted = [f"rank {case['rank_only']} refused"]  # the others name the rank
+    for w in words_wanted:
+        assert w in words, (case["name"], words)
+    return {"error": words}
+
+
+def worker(rank, world, port, job):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = []
+    for case in job["cases"]:
+        mesh = _mesh(case["mesh"])
+        run = _bad_case if case.get("bad") else _equal_case
+        results.append(run(rank, mesh, case))
+        dist.barrier()
+    with open(f"{job['out']}.{rank}", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+    end_rank()
+
+
+def run(world, cases, tmp):
+    out = os.path.join(tmp, f"result_{world}")
+    start_ranks(worker, world, {"cases": cases, "out": out},
+                preload=("transformers", "torch.distributed.fsdp"))
+    ranks = []
+    for r in range(world):
+        with open(f"{out}.{r}") as f:
+            ranks.append(json.load(f))
+    return ranks
+
+
+# ---- the tests ---------------------------------------------------------------------------------
+
+def _data_bytes(path):
+    """The bytes of every tensor of the checkpoint (its headers aside)."""
+    from zeroflat import _C
+
+    return sum(t.bytes for t in _C.Checkpoint(path).tensors())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_rank_holds_what_a_full_load_then_fully_shard_gives(checkpoints, world, tmp_path):
+    meshes = [[world]] + ([[2, 2]] if world == 4 else [])
+    cases = []
+    for mesh in meshes:
+        for name, dtype in (("dense_tied", "bfloat16"), ("dense_fp32", "bfloat16"),
+                            ("moe", "bfloat16"), ("dense_tied", "float32")):
+            cases.append({"mesh": mesh, "path": checkpoints[name], "dtype": dtype,
+                          "steps": name == "dense_tied" and dtype == "bfloat16"})
+    ranks = run(world, cases, str(tmp_path))
+    for k, case in enumerate(cases):
+        read = [r[k]["read"] for r in ranks]
+        # Together the ranks read each tensor's bytes once per replica, and no more.
+        replicas = 2 if case["mesh"] == [2, 2] else 1
+        assert sum(read) == _data_bytes(case["path"]) * replicas, (case, read)
+        if case["steps"]:
+            assert all(r[k]["steps"] for r in ranks)
+
+
+def test_bad_input_is_refused_on_every_rank_with_every_model_as_it_was(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    good = checkpoints["dense_tied"]
+    root = tmp_path / "bad"
+    cases = []
+
+    def variant(name, change, words, rank_only=None):
+        path = root / name
+        shutil.copytree(good, path)
+        change(path)
+        cases.append({"bad": True, "name": name, "mesh": [2], "path": str(path),
+                      "model_path": good, "words": words, "rank_only": rank_only})
+
+    def files(path):
+        return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+
+    def edit(key, fn):
+        def change(path):
+            index = json.load(open(path / "model.safetensors.index.json"))
+            f = path / index["weight_map"][key]
+            tensors = load_file(str(f))
+            fn(tensors)
+            save_file(tensors, str(f), metadata={"format": "pt"})
+            if key not in tensors:
+                del index["weight_map"][key]
+                json.dump(index, open(path / "model.safetensors.index.json", "w"))
+        return change
+
+    key = "model.layers.1.mlp.down_proj.weight"
+    variant("missing", edit(key, lambda t: t.pop(key)), ["holds no tensor", "down_proj"])
+    variant("shape", edit(key, lambda t: t.update({key: t[key][:, :-1].contiguous()})),
+            ["down_proj", "shape"])
+
+    def cut(path):  # a file cut short: its header says more than it holds
+        f = path / files(path)[-1]
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) - 100])
+    variant("truncated", cut, ["InvalidArgument"])
+    variant("one_rank_missing", edit(key, lambda t: t.pop(key)), ["down_proj"], rank_only=1)
+    ranks = run(2, cases, str(tmp_path))
+    for r in ranks:
+        assert len(r) == len(cases)
+
+
+def test_a_model_not_sharded_is_refused(checkpoints):
+    import zeroflat.fsdp
+
+    config = transformers.AutoConfig.from_pretrained(checkpoints["dense_tied"])
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="no DTensor parameter"):
+        zeroflat.fsdp.load(model, checkpoints["dense_tied"])

@@ -1,0 +1,313 @@
+"""A Hugging Face checkpoint straight into a model already sharded by PyTorch FSDP2
+(``fully_shard``: parameters as DTensors): each rank reads only the bytes of its own local
+shards, through the library's loader (``_C.load_shards``: the DTensor placement of the one
+pipeline; every layout and read is the library's, Python computes none).
+
+    model = build_on_meta(); fully_shard(...); model.to_empty(device="cpu")
+    zeroflat.fsdp.load(model, "/path/to/checkpoint")
+
+What is read where: a parameter that is a DTensor on a mesh of the whole process group gets its
+local shard (``Shard(d)`` rows, FSDP2's uneven last shard, ``Replicate()`` dimensions of an
+HSDP mesh), converted to the local tensor's dtype as torch rounds; a plain parameter is read
+whole (every rank), as a buffer is. Names are matched as Transformers renames them (the same
+rules as ``zeroflat.load_param_groups``; tied weights, fused MoE experts).
+
+Nothing is changed until every rank has read everything: the reads land in a buffer of the
+loader's own and are copied into the local shards only after every rank's load succeeded, so
+that an error (a missing tensor, another shape, a rank whose read fails, ranks whose meshes
+differ) is raised on every rank with every model as it was."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C, _hf_names
+from ._common import DTYPES, TORCH_DTYPES, framework_memory
+from ._errors import InvalidArgument, NoFeasiblePlan
+from ._load import (_checkpoint, _dtype_text, _read_whole, _sources_of, _stored, call_loader,
+                    check_load_options, engine_and_comm)
+from ._progress import Watch, check_callback
+
+log = logging.getLogger("zeroflat")
+
+__all__ = ["load"]
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch before 2.4
+        return None
+    return DTensor
+
+
+class _Mesh:
+    """The one mesh every DTensor of the model lives on: its shape and each rank's coordinate,
+    the ranks in the order of ``process_group``."""
+
+    def __init__(self, mesh, process_group):
+        self.mesh = mesh
+        self.shape = [int(n) for n in mesh.mesh.shape]
+        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+        world = dist.get_world_size(process_group) if process_group is not None else 1
+        group_ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
+                       else [0])
+        if sorted(ranks) != sorted(group_ranks):
+            raise ValueError(f"the model's mesh holds ranks {ranks[:8]}..., the process group "
+                             f"{group_ranks[:8]}...: zeroflat.fsdp.load needs a mesh of exactly "
+                             "the group's ranks (pass process_group=)")
+        where = {r: k for k, r in enumerate(ranks)}
+        self.coords = []
+        for g in group_ranks:
+            k, c = where[g], []
+            for n in reversed(self.shape):
+                c.append(k % n)
+                k //= n
+            self.coords.append(list(reversed(c)))
+        assert len(self.coords) == world
+
+    def same(self, other) -> bool:
+        return (other.device_type == self.mesh.device_type
+                and [int(n) for n in other.mesh.shape] == self.shape
+                and other.mesh.flatten().tolist() == self.mesh.mesh.flatten().tolist())
+
+
+def _placements(p, mesh: Optional[_Mesh], name: str) -> List[str]:
+    """The parameter's placements as the library reads them (torch's own words)."""
+    DTensor = _dtensor_class()
+    if DTensor is not None and isinstance(p, DTensor):
+        if mesh is None or not mesh.same(p.device_mesh):
+            raise ValueError(f"parameter {name!r} lives on another mesh than the model's first "
+                             "DTensor: zeroflat.fsdp.load reads into one mesh")
+        return [_placement_text(pl) for pl in p.placements]
+    return ["Replicate()"] * (len(mesh.shape) if mesh is not None else 1)
+
+
+def _placement_text(pl) -> str:
+    """A placement in the library's words: exactly torch's Shard (not a subclass such as
+    _StridedShard) and Replicate; anything else by its repr, which the library refuses."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if type(pl) is Shard:
+        return f"Shard({int(pl.dim)})"
+    if type(pl) is Replicate:
+        return "Replicate()"
+    return repr(pl)
+
+
+def _local(p) -> torch.Tensor:
+    DTensor = _dtensor_class()
+    return p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
+
+
+def _group(process_group) -> Any:
+    """The group the ranks load over: the caller's, else the default group (one process
+    without torch.distributed)."""
+    if process_group != "default":
+        return process_group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpoint"], *,
+         process_group: Any = "default", threads: Optional[int] = None, cold: bool = False,
+         copies: str = "sampled", strict: bool = True,
+         progress: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
+    """Fills every parameter and persistent buffer of ``model`` (sharded by FSDP2's
+    ``fully_shard``, its parameters materialized: ``model.to_empty(device=...)`` after building
+    on meta) from the safetensors checkpoint ``checkpoint`` (a ``.safetensors`` file, a
+    directory of them with or without an index, or a ``_C.Checkpoint``). Each rank reads the
+    bytes of its own local shards only: a DTensor's local tensor (``to_local()``) receives its
+    elements of the checkpoint's tensor (``Shard(d)`` as torch.chunk cuts it along each mesh
+    dimension, ``Replicate()`` whole), converted to the local tensor's dtype. Parameters that are
+    not DTensors, and buffers, are read whole.
+
+    ``process_group``: the ranks that load together (``"default"``: the default group when
+    torch.distributed runs with more than one rank, else one process); the model's mesh must
+    hold exactly its ranks. Collective: every rank's own error (a tensor the checkpoint lacks or
+    holds in another shape, a placement zeroflat does not read such as ``_StridedShard``, a
+    mesh the ranks disagree on) is raised on every rank at the first collective, and nothing of
+    any model is changed unless every rank read everything. ``strict``: a buffer the checkpoint
+    does not hold is an error (else left as it is). ``threads``, ``cold``, ``copies`` and
+    ``progress``: as ``zeroflat.load_param_groups`` takes them.
+
+    Returns a report: ``bytes_read`` (this rank's file bytes), ``share`` (the file bytes of its
+    shards, what it must read), ``seconds``, ``rank``, ``world``, and each load's report under
+    ``loads``."""
+    t0 = time.perf_counter()
+    local_error: Optional[BaseException] = None
+    prep = None
+    group = _group(process_group)
+    try:
+        check_load_options(cold=cold, round_robin=False, strict=strict, master_dtype=None,
+                           threads=threads, margin_bytes=None, alignment_factor=2,
+                           param_align_bytes=0, dtype=None, deepspeed=None, read_plan=None,
+                           copies=copies, storage_bytes_per_second=0)
+        check_callback(progress)
+        prep = _prepare(model, checkpoint, group, strict)
+    except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it
+        local_error = e
+    world = dist.get_world_size(group) if group is not None else 1
+    if local_error is not None and world == 1:
+        raise local_error
+    engine, nthreads, comm, rank = engine_and_comm(torch.device("cpu"), threads if prep else 1,
+                                                   world, group)
+    path = prep.ck.path if prep is not None else str(checkpoint)
+    mesh_shape = prep.mesh_shape if prep is not None else [world]
+    coords = prep.coords if prep is not None else [[r] for r in range(world)]
+
+    # One load per dtype of the local shards, and at least one: the first carries any rank's
+    # own error and compares the whole model, so that every rank raises at the same point.
+    keys = sorted(prep.by_dtype, key=str) if prep is not None else []
+    calls = max(1, len(keys))
+    results = []
+    watch = Watch(f"load {path}", rank, world, progress if prep is not None else None)
+    with watch:
+        for k in range(calls):
+            dtype = keys[k] if k < len(keys) else torch.bfloat16
+            members = prep.by_dtype[dtype] if prep is not None and keys else []
+            options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=world), threads=nthreads,
+                                        master=False)
+            options.progress = watch.counts
+            try:
+                options.cold = bool(cold)
+                options.copies = copies
+                options.layout = _C.LayoutOptions(dp=world, dtype=DTYPES[dtype])
+                framework_memory(options, torch.device("cpu"))
+            except Exception as e:  # noqa: BLE001
+                local_error = local_error or e
+            if local_error is not None:
+                options.local_error = f"{type(local_error).__name__}: {local_error}"
+            options.must_match = [f"fsdp load {k} of {calls}", f"dtype {_dtype_text(dtype)}"]
+            if k == 0 and prep is not None:
+                options.must_match = options.must_match + prep.entries
+            params = [m.param for m in members]
+            placements = [m.placements for m in members]
+            report, buffer, _, lay = call_loader(
+                lambda e, c, ck, ps, o: _C.load_shards(e, c, ck, ps, o, mesh_shape, coords,
+                                                       placements),
+                engine, comm if world > 1 else None, prep.ck if prep is not None else None,
+                params, options, local_error, f"loading {path} into FSDP2 shards")
+            if report["outcome"] == "infeasible":
+                raise NoFeasiblePlan(f"the shards do not fit: {report['reason']}; nothing was "
+                                     "read", report)
+            results.append((members, report, buffer, lay, dtype))
+    assert local_error is None and prep is not None
+    # Every rank read everything: the model takes it.
+    with torch.no_grad():
+        for members, report, buffer, lay, dtype in results:
+            if buffer is None:
+                continue
+            flat = buffer[: lay["flat_bytes"]].view(dtype)
+            for m, off in zip(members, lay["offsets"]):
+                local = m.local
+                local.copy_(flat[off: off + local.numel()].view(local.shape))
+        for local, value in prep.whole:
+            local.copy_(value)
+    bytes_read = sum(int(r.get("bytes_read") or 0) for _, r, _, _, _ in results)
+    return {"rank": rank, "world": world, "bytes_read": bytes_read, "share": prep.share(rank),
+            "seconds": time.perf_counter() - t0,
+            "loads": [r for _, r, _, _, _ in results]}
+
+
+class _Member:
+    __slots__ = ("name", "param", "local", "placements")
+
+    def __init__(self, name, param, local, placements):
+        self.name, self.param, self.local, self.placements = name, param, local, placements
+
+
+class _Prepared:
+    def __init__(self, ck):
+        self.ck = ck
+        self.by_dtype: Dict[torch.dtype, List[_Member]] = {}
+        self.whole: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.entries: List[str] = []
+        self.mesh_shape: List[int] = [1]
+        self.coords: List[List[int]] = [[0]]
+
+    def share(self, rank: int) -> int:
+        """The file bytes of this rank's shards (the library's count)."""
+        spec = (self.mesh_shape, self.coords)
+        return sum(_C.shards_read_bytes(self.ck, [m.param for m in ms], *spec,
+                                        [m.placements for m in ms], rank)
+                   for ms in self.by_dtype.values())
+
+
+def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepared:
+    """Every check of this rank and every whole read, before the ranks meet."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model is a {type(model).__name__}: expected a torch.nn.Module")
+    ck = _checkpoint(checkpoint)
+    out = _Prepared(ck)
+    DTensor = _dtensor_class()
+    rules = _hf_names.converters(model)
+    aliases: Dict[int, List[str]] = {}
+    by_id: Dict[int, torch.nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+        by_id[id(p)] = p
+    first = next((p for p in by_id.values() if DTensor is not None and isinstance(p, DTensor)),
+                 None)
+    if first is None:
+        raise ValueError("the model has no DTensor parameter: shard it with FSDP2's fully_shard "
+                         "first (or load a plain model with zeroflat.load_param_groups)")
+    mesh = _Mesh(first.device_mesh, group)
+    out.mesh_shape, out.coords = mesh.shape, mesh.coords
+    out.entries.append(f"mesh {mesh.shape} {mesh.mesh.device_type}")
+    missing = []
+    for pid, p in by_id.items():
+        name = aliases[pid][0]
+        if p.device.type == "meta" or _local(p).device.type == "meta":
+            raise ValueError(f"parameter {name!r} is on the meta device: materialize the sharded "
+                             "model first (model.to_empty(device='cpu'))")
+        local = _local(p)
+        if local.device.type != "cpu":
+            raise NotImplementedError(f"parameter {name!r} lives on {local.device}: "
+                                      "zeroflat.fsdp.load reads into host shards for now")
+        if local.dtype not in DTYPES:
+            raise TypeError(f"parameter {name!r} is {local.dtype}: zeroflat loads bfloat16, "
+                            "float16 and float32 parameters")
+        src = _sources_of(aliases[pid], list(p.shape), rules, ck)
+        if src is None:
+            missing.append(name)
+            continue
+        placements = _placements(p, mesh, name)
+        shard = _C.local_shard(list(p.shape), mesh.shape, placements, mesh.coords[_rank(group)])
+        if list(shard["shape"]) != list(local.shape) or not local.is_contiguous():
+            raise ValueError(f"parameter {name!r}: its local shard is {list(local.shape)}, but "
+                             f"{placements} on mesh {mesh.shape} give {shard['shape']} at this "
+                             "rank's coordinate (a placement zeroflat does not read?)")
+        param = _C.LoadParam(name=name, shape=list(p.shape), sources=src[0],
+                             source_shapes=src[1])
+        out.by_dtype.setdefault(local.dtype, []).append(_Member(name, param, local, placements))
+        out.entries.append(f"parameter {name} {list(p.shape)} {_dtype_text(local.dtype)} "
+                           f"{' '.join(placements)} <- {','.join(src[0])}")
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise ValueError(f"{ck.path} holds no tensor for {len(missing)} parameter(s) of the "
+                         f"model: {shown}")
+    for name, b in model.named_buffers():
+        stored = _stored(name, rules, ck)
+        if stored is None:
+            if strict and b.device.type == "meta":
+                raise ValueError(f"buffer {name!r} is on the meta device and {ck.path} does not "
+                                 "hold it")
+            continue
+        local = _local(b)
+        value = _read_whole(ck, name, [stored], [list(b.shape)], list(b.shape),
+                            local.dtype if local.dtype in DTYPES else None, raw_dtype=local.dtype)
+        out.whole.append((local, value))
+        out.entries.append(f"buffer {name} {list(b.shape)} {local.dtype}")
+    return out
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
