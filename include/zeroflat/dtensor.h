@@ -67,6 +67,13 @@ LocalShard local_shard(const Shape& global, std::span<const std::uint64_t> mesh,
                        std::span<const MeshPlacement> placements,
                        std::span<const std::uint64_t> coord);
 
+// The elements of the box [offsets, offsets + sizes) of a row-major tensor of shape `global`, in
+// the box's own row-major order, as runs (one per outer index of the innermost dimension the
+// box cuts; one run for a box of whole rows). Throws InvalidArgument for a box outside the
+// tensor or of another number of dimensions.
+std::vector<ElementRun> box_runs(const Shape& global, std::span<const std::uint64_t> offsets,
+                                 std::span<const std::uint64_t> sizes);
+
 // The ranks of a load over DTensor shards: the mesh and, per rank of the communicator (in its
 // rank order), that rank's mesh coordinate; and per parameter of the group, its placements.
 struct ShardSpec {

@@ -211,6 +211,25 @@ std::vector<PlannedRead> planned_reads(const CheckpointIndex& checkpoint,
 void read_checkpoint_tensor(const CheckpointIndex& checkpoint, const std::string& name,
                             std::optional<DType> to, void* dst);
 
+// One destination of read_checkpoint_boxes: the box [offsets, offsets + sizes) of checkpoint
+// tensor `name` (dtensor.h's box_runs), its elements in the box's row-major order, converted to
+// `to` as torch rounds, into dst (host memory of the box's elements).
+struct BoxRead {
+  std::string name;
+  std::vector<std::uint64_t> offsets;
+  std::vector<std::uint64_t> sizes;
+  void* dst = nullptr;
+  DType to = DType::kBF16;
+};
+
+// Reads every box, its exact byte ranges only (one pread per run, neighbours merged), with
+// `threads` threads (0: the default for one rank). Throws InvalidArgument for a tensor the
+// checkpoint lacks, a box outside it or a dtype the loader does not convert (before anything is
+// read); Error naming the file, byte range and tensor when a read fails. Returns the file bytes
+// read.
+std::uint64_t read_checkpoint_boxes(const CheckpointIndex& checkpoint,
+                                    std::span<const BoxRead> boxes, unsigned threads);
+
 // The word for a cached fraction: "cold" (under 10%), "warm" (over 90%), else "partly".
 std::string page_cache_word(double cached_fraction);
 

@@ -544,6 +544,17 @@ py::tuple load_shards(TorchDevice& device, py::object comm_impl, py::object chec
       device, std::move(comm_impl), std::move(checkpoint), std::move(params), std::move(o));
 }
 
+// The file bytes rank `rank` reads for its shards (shards_read_bytes).
+std::uint64_t shards_read_bytes(const zf::CheckpointIndex& ck,
+                                const std::vector<zf::LoadParam>& params,
+                                std::vector<std::uint64_t> mesh,
+                                std::vector<std::vector<std::uint64_t>> coords,
+                                const std::vector<std::vector<std::string>>& placements,
+                                std::uint64_t rank) {
+  const zf::ShardSpec spec{std::move(mesh), std::move(coords), placements_of(placements)};
+  return zf::shards_read_bytes(ck, params, spec, rank);
+}
+
 // The shard mesh coordinate `coord` holds of a tensor of shape `shape` (dtensor.h): its local
 // shape, global offsets, elements, padded elements and the number of runs it reads.
 py::dict local_shard(const zf::Shape& shape, const std::vector<std::uint64_t>& mesh,
@@ -780,7 +791,46 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         void* dst = out.data_ptr();
         py::gil_scoped_release nogil;
         zf::read_checkpoint_tensor(ck, name, to, dst);
-      });
+      })
+      // Boxes of tensors (name, offsets, sizes, out: a contiguous CPU bf16/fp16/fp32 tensor of
+      // the box's elements), each read and converted into its out (read_checkpoint_boxes);
+      // the file bytes read.
+      .def(
+          "read_boxes",
+          [](const zf::CheckpointIndex& ck, const py::list& boxes, unsigned threads) {
+            std::vector<zf::BoxRead> reads;
+            std::vector<at::Tensor> keep;
+            for (const py::handle& item : boxes) {
+              const auto box = item.cast<py::tuple>();
+              if (box.size() != 4) {
+                throw zf::InvalidArgument("read_boxes: each box is (name, offsets, sizes, out)");
+              }
+              zf::BoxRead r;
+              r.name = box[0].cast<std::string>();
+              r.offsets = box[1].cast<std::vector<std::uint64_t>>();
+              r.sizes = box[2].cast<std::vector<std::uint64_t>>();
+              at::Tensor out = box[3].cast<at::Tensor>();
+              std::optional<zf::DType> to;
+              for (zf::DType d : {zf::DType::kBF16, zf::DType::kFP16, zf::DType::kFP32}) {
+                if (out.scalar_type() == scalar_type_of(d)) to = d;
+              }
+              std::uint64_t n = 1;
+              for (std::uint64_t x : r.sizes) n *= x;
+              if (!to || !out.is_cpu() || !out.is_contiguous() ||
+                  static_cast<std::uint64_t>(out.numel()) != n) {
+                throw zf::InvalidArgument("read_boxes: tensor '" + zf::printable(r.name) +
+                                          "' needs a contiguous CPU bf16, fp16 or fp32 tensor of " +
+                                          std::to_string(n) + " elements");
+              }
+              r.to = *to;
+              r.dst = out.data_ptr();
+              keep.push_back(std::move(out));
+              reads.push_back(std::move(r));
+            }
+            py::gil_scoped_release nogil;
+            return zf::read_checkpoint_boxes(ck, reads, threads);
+          },
+          py::arg("boxes"), py::arg("threads") = 0);
 
   // --- options ----------------------------------------------------------------------------------
   py::class_<zf::LayoutOptions>(m, "LayoutOptions")
@@ -905,6 +955,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("load_shards", &load_shards, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
         py::arg("params"), py::arg("options"), py::arg("mesh"), py::arg("coords"),
         py::arg("placements"));
+  m.def("shards_read_bytes", &shards_read_bytes, py::arg("checkpoint"), py::arg("params"),
+        py::arg("mesh"), py::arg("coords"), py::arg("placements"), py::arg("rank"));
   m.def("local_shard", &local_shard, py::arg("shape"), py::arg("mesh"), py::arg("placements"),
         py::arg("coord"));
   m.def("load_slice", &load_slice, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),

@@ -1,6 +1,7 @@
 """zeroflat.fsdp.load against the references, on FSDP2 models (CPU, gloo): every rank's local
 shards equal those of the full model loaded by Transformers and then sharded by fully_shard the
-same way, bit for bit, for a dense model with tied embeddings, an untied one, and a Qwen3-MoE
+same way, and those of Transformers 5's own from_pretrained(distributed_config=...), bit for
+bit, for a dense model with tied embeddings, an untied one, and a Qwen3-MoE
 (stacked experts), bf16 and fp32 checkpoints into bf16 and fp32 models, at 1, 2, 3 and 4 ranks
 on 1-D meshes and 2 x 2 HSDP; the next 3 training steps' losses identical; each rank reads its
 shards' bytes and no more; bad input (a tensor missing or of another shape, a checkpoint cut
@@ -181,8 +182,42 @@ def _bad_case(rank, mesh, case):
     return {"error": words}
 
 
+def _transformers_case(rank, mesh, case):
+    """zeroflat.hf.from_pretrained(distributed_config=) against Transformers' own FSDP2 load."""
+    from transformers import DistributedConfig
+
+    import zeroflat.hf
+
+    dtype = getattr(torch, case["dtype"])
+    replicate, shard = (case["mesh"] if len(case["mesh"]) == 2 else [1, case["mesh"][0]])
+    config = DistributedConfig(fsdp_size=shard, dp_replicate_size=replicate)
+    ref = AutoModelForCausalLM.from_pretrained(case["path"], distributed_config=config,
+                                               dtype=dtype)
+    ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, case["path"],
+                                       distributed_config=config, dtype=dtype)
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    got = dict(ours.named_parameters(remove_duplicate=False))
+    assert want.keys() == got.keys()
+    for n, p in want.items():
+        q = got[n]
+        assert type(q) is type(p) and q.dtype == p.dtype and q.shape == p.shape, n
+        assert list(q.placements) == list(p.placements), n
+        assert torch.equal(q.to_local(), p.to_local()), (case, n)
+    for (n, a), (m, b) in zip(ref.named_buffers(), ours.named_buffers()):
+        assert n == m and torch.equal(a, b), n
+    tied = getattr(ref.config, "tie_word_embeddings", False)
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    assert ours.zeroflat_report["bytes_read"] == ours.zeroflat_report["share"]
+    if case.get("steps"):
+        ref.train()
+        ours.train()
+        assert _steps(ours, rank) == _steps(ref, rank), case
+    return {"read": ours.zeroflat_report["bytes_read"]}
+
+
 def worker(rank, world, port, job):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -190,7 +225,8 @@ def worker(rank, world, port, job):
     results = []
     for case in job["cases"]:
         mesh = _mesh(case["mesh"])
-        run = _bad_case if case.get("bad") else _equal_case
+        run = (_bad_case if case.get("bad") else
+               _transformers_case if case.get("transformers") else _equal_case)
         results.append(run(rank, mesh, case))
         dist.barrier()
     with open(f"{job['out']}.{rank}", "w") as f:
@@ -236,6 +272,21 @@ def test_every_rank_holds_what_a_full_load_then_fully_shard_gives(checkpoints, w
         assert sum(read) == _data_bytes(case["path"]) * replicas, (case, read)
         if case["steps"]:
             assert all(r[k]["steps"] for r in ranks)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_from_pretrained_is_transformers_fsdp2_load(checkpoints, world, tmp_path):
+    """The same model as Transformers 5's from_pretrained(distributed_config=...): placements,
+    local shards, buffers, tied weights, and the next 3 steps; 1-D at 2 ranks, 2 x 2 HSDP."""
+    mesh = [world] if world == 2 else [2, 2]
+    cases = [{"transformers": True, "mesh": mesh, "path": checkpoints[name], "dtype": dtype,
+              "steps": name == "dense_tied"}
+             for name, dtype in (("dense_tied", "bfloat16"), ("moe", "bfloat16"),
+                                 ("dense_fp32", "float32"))]
+    ranks = run(world, cases, str(tmp_path))
+    for k, case in enumerate(cases):
+        replicas = 2 if mesh == [2, 2] else 1
+        assert sum(r[k]["read"] for r in ranks) == _data_bytes(case["path"]) * replicas
 
 
 def test_bad_input_is_refused_on_every_rank_with_every_model_as_it_was(checkpoints, tmp_path):

@@ -311,3 +311,47 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
 
 def _rank(group) -> int:
     return dist.get_rank(group) if group is not None else 0
+
+
+def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed_config: Any, *,
+                    dtype: Optional[torch.dtype] = None, threads: Optional[int] = None,
+                    cold: bool = False, copies: str = "sampled",
+                    progress: Optional[Callable[[Any], None]] = None,
+                    **from_config_kwargs) -> torch.nn.Module:
+    """The model Transformers' ``from_pretrained(path, distributed_config=...)`` returns (its
+    mesh, its FSDP2 plan, tied weights, dtypes, non-persistent buffers), built the way
+    Transformers builds it and loaded through ``load``: each rank reads its local shards'
+    bytes only. ``zeroflat.hf.from_pretrained(..., distributed_config=...)`` comes here."""
+    from transformers import AutoConfig
+    from transformers import initialization as hf_init
+    from transformers.distributed import initialize_distributed_mesh
+
+    path = os.fspath(path)
+    check_load_options(cold=cold, round_robin=False, strict=True, master_dtype=None,
+                       threads=threads, margin_bytes=None, alignment_factor=2,
+                       param_align_bytes=0, dtype=dtype, deepspeed=None, read_plan=None,
+                       copies=copies, storage_bytes_per_second=0)
+    config = AutoConfig.from_pretrained(path)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+    device, meshes = initialize_distributed_mesh(distributed_config)
+    if meshes is None:
+        raise ValueError(f"{distributed_config!r} describes one process: nothing is sharded "
+                         "(use zeroflat.hf.from_pretrained without distributed_config)")
+    # As Transformers builds it: on meta, untied (FSDP2 groups may not share a parameter
+    # across groups), the plan applied, materialized, tied again.
+    with torch.device("meta"), hf_init.no_tie_weights():
+        model = model_class.from_config(config, dtype=dtype, **from_config_kwargs)
+    model = type(model).maybe_distribute_model(model, distributed_config, meshes)
+    model.to_empty(device=device or "cpu")
+    model.tie_weights()
+    with torch.no_grad():
+        for t in model.state_dict(keep_vars=True).values():
+            t._is_hf_initialized = True
+        model.initialize_weights()  # what no checkpoint holds: non-persistent buffers
+    model.zeroflat_report = load(model, path, threads=threads, cold=cold, copies=copies,
+                                 progress=progress)
+    model.eval()
+    return model

@@ -66,7 +66,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                     read_plan: Optional[str] = None, copies: str = "sampled",
                     storage_bytes_per_second: float = 0, zero3: Any = "auto",
                     progress: Optional[Callable[[Any], None]] = None,
-                    master_dtype: Any = "auto",
+                    master_dtype: Any = "auto", distributed_config: Any = None,
                     **from_config_kwargs) -> torch.nn.Module:
     """The model of checkpoint directory ``path`` (its ``config.json`` and safetensors files),
     every trainable parameter a view into the flat buffer DeepSpeed's ZeRO-1/2 will build for
@@ -105,6 +105,13 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     and bf16 optimizers then make such a master. None never does. The master takes twice the
     partition's bytes from the load on.
 
+    ``distributed_config``: a Transformers ``DistributedConfig`` (``fsdp_size``,
+    ``dp_replicate_size``): the model FSDP2-sharded as Transformers' own
+    ``from_pretrained(..., distributed_config=...)`` shards it, each rank reading only its local
+    shards (``zeroflat.fsdp.from_pretrained``; ``dtype``, ``threads``, ``cold``, ``copies`` and
+    ``progress`` apply, the ZeRO options do not). ``model.zeroflat_report`` holds the load's
+    report.
+
     ``zero3``: DeepSpeed ZeRO-3. ``"auto"`` (the default) loads for ZeRO-3 when Transformers
     would build the model inside ``zero.Init``: a live ``HfDeepSpeedConfig`` whose config says
     stage 3 (``TrainingArguments(deepspeed=...)`` made before the load;
@@ -132,6 +139,12 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     before DeepSpeed makes anything (NotImplementedError)."""
     from transformers import AutoConfig
 
+    if distributed_config is not None:
+        from . import fsdp
+
+        return fsdp.from_pretrained(model_class, path, distributed_config, dtype=dtype,
+                                    threads=threads, cold=cold, copies=copies,
+                                    progress=progress, **from_config_kwargs)
     path = os.fspath(path)
     # The options the load takes, checked before anything is built (and before DeepSpeed's
     # zero.Init is made).

@@ -61,7 +61,7 @@ LocalShard local_shard(const Shape& global, std::span<const std::uint64_t> mesh,
                           std::to_string(placements.size()) + " placement(s) and a coordinate of " +
                           std::to_string(coord.size()) + ": one each per mesh dimension");
   }
-  const std::uint64_t total = shape_numel(global);  // throws on a negative dimension, overflow
+  (void)shape_numel(global);  // throws on a negative dimension, overflow
   const std::size_t nd = global.size();
   std::vector<std::uint64_t> size(global.begin(), global.end()), padded = size;
   std::vector<std::uint64_t> offset(nd, 0);
@@ -92,14 +92,37 @@ LocalShard local_shard(const Shape& global, std::span<const std::uint64_t> mesh,
     out.numel *= size[d];  // <= total: no overflow
     out.padded_numel = checked_mul(out.padded_numel, padded[d], "the padded shard's elements");
   }
-  if (out.numel == 0) return out;
-  if (nd == 0) {
-    out.runs.push_back(ElementRun{0, 1});
-    return out;
+  out.runs = box_runs(global, out.offsets, size);
+  return out;
+}
+
+std::vector<ElementRun> box_runs(const Shape& global, std::span<const std::uint64_t> offsets,
+                                 std::span<const std::uint64_t> size) {
+  const std::size_t nd = global.size();
+  if (offsets.size() != nd || size.size() != nd) {
+    throw InvalidArgument("a box of " + std::to_string(offsets.size()) + "/" +
+                          std::to_string(size.size()) + " dimension(s) in a tensor of shape " +
+                          shape_to_string(global));
   }
+  const std::uint64_t total = shape_numel(global);
+  std::uint64_t numel = 1;
+  for (std::size_t d = 0; d < nd; ++d) {
+    const auto g = static_cast<std::uint64_t>(global[d]);
+    if (offsets[d] > g || size[d] > g - offsets[d]) {
+      throw InvalidArgument("a box of " + std::to_string(size[d]) + " from " +
+                            std::to_string(offsets[d]) + " along dimension " + std::to_string(d) +
+                            " of a tensor of shape " + shape_to_string(global));
+    }
+    numel *= size[d];
+  }
+  std::vector<ElementRun> runs;
+  if (numel == 0) return runs;
+  if (nd == 0) return {ElementRun{0, 1}};
   // Row-major strides; the innermost dimension that is cut: each run spans it and all after.
   std::vector<std::uint64_t> stride(nd, 1);
-  for (std::size_t d = nd - 1; d > 0; --d) stride[d - 1] = stride[d] * static_cast<std::uint64_t>(global[d]);
+  for (std::size_t d = nd - 1; d > 0; --d) {
+    stride[d - 1] = stride[d] * static_cast<std::uint64_t>(global[d]);
+  }
   std::size_t cut = 0;
   bool any = false;
   for (std::size_t d = 0; d < nd; ++d) {
@@ -108,25 +131,22 @@ LocalShard local_shard(const Shape& global, std::span<const std::uint64_t> mesh,
       any = true;
     }
   }
-  if (!any) {
-    out.runs.push_back(ElementRun{0, total});
-    return out;
-  }
+  if (!any) return {ElementRun{0, total}};
   const std::uint64_t run = size[cut] * stride[cut];
   std::uint64_t count = 1;
   for (std::size_t d = 0; d < cut; ++d) count *= size[d];
-  out.runs.reserve(count);
+  runs.reserve(count);
   std::vector<std::uint64_t> idx(cut, 0);  // an odometer over the dimensions before `cut`
   for (std::uint64_t k = 0; k < count; ++k) {
-    std::uint64_t first = offset[cut] * stride[cut];
-    for (std::size_t d = 0; d < cut; ++d) first += (offset[d] + idx[d]) * stride[d];
-    out.runs.push_back(ElementRun{first, run});
+    std::uint64_t first = offsets[cut] * stride[cut];
+    for (std::size_t d = 0; d < cut; ++d) first += (offsets[d] + idx[d]) * stride[d];
+    runs.push_back(ElementRun{first, run});
     for (std::size_t d = cut; d-- > 0;) {
       if (++idx[d] < size[d]) break;
       idx[d] = 0;
     }
   }
-  return out;
+  return runs;
 }
 
 void validate(const ShardSpec& spec, std::uint64_t world, std::uint64_t params) {

@@ -1,10 +1,14 @@
 // The loader's front doors (loader.h): the checkpoint as the source of the one pipeline, for
 // the flat buffer (ZeRO-1/2) and for ZeRO-3's partitions; and what a rank would read, known
 // before it reads.
+#include <map>
+#include <memory>
+
 #include "common/convert.h"
 #include "source/checkpoint/source.h"
 #include "zeroflat/error.h"
 #include "zeroflat/loader.h"
+#include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 #include "zeroflat/zero3.h"
 
@@ -209,6 +213,51 @@ void read_checkpoint_tensor(const CheckpointIndex& ck, const std::string& name,
   std::vector<unsigned char> raw(t->bytes);
   file.read_at(raw.data(), t->bytes, t->offset);
   detail::convert_range(dst, *to, raw.data(), *t->type, t->numel);
+}
+
+std::uint64_t read_checkpoint_boxes(const CheckpointIndex& ck, std::span<const BoxRead> boxes,
+                                    unsigned threads) {
+  // Every box's reads, checked before the first is issued.
+  std::vector<std::vector<detail::Read>> reads(boxes.size());
+  std::vector<std::uint64_t> bytes(boxes.size(), 0);
+  for (std::size_t b = 0; b < boxes.size(); ++b) {
+    const BoxRead& box = boxes[b];
+    const CheckpointTensor* t = ck.find(box.name);
+    if (t == nullptr) {
+      throw InvalidArgument(ck.path + " has no tensor named '" + printable(box.name) + "'");
+    }
+    if (!t->type) {
+      throw InvalidArgument(ck.files[t->file] + ": tensor '" + printable(box.name) + "' is " +
+                            printable(t->dtype) + ": the loader converts BF16, F16 and F32");
+    }
+    const std::uint64_t fes = element_size(*t->type);
+    const std::uint64_t es = element_size(box.to);
+    std::uint64_t at = 0;
+    for (const ElementRun& r : box_runs(t->shape, box.offsets, box.sizes)) {
+      reads[b].push_back(
+          detail::Read{t->file, t->offset + r.first * fes, r.numel * fes, at * es, *t->type});
+      at += r.numel;
+    }
+    bytes[b] = at * es;
+    if (at > 0 && box.dst == nullptr) {
+      throw InvalidArgument("box of tensor '" + printable(box.name) + "': no destination");
+    }
+  }
+  detail::OpenFiles files(ck);
+  const unsigned n = threads > 0 ? threads : default_num_threads(1);
+  std::uint64_t read = 0;
+  std::map<DType, std::unique_ptr<detail::Reader>> readers;
+  for (std::size_t b = 0; b < boxes.size(); ++b) {
+    if (bytes[b] == 0) continue;
+    std::unique_ptr<detail::Reader>& reader = readers[boxes[b].to];
+    if (!reader) {
+      reader = std::make_unique<detail::Reader>(files, boxes[b].to, n, std::nullopt);
+    }
+    reader->fill(static_cast<unsigned char*>(boxes[b].dst), bytes[b], reads[b]);
+    reader->rethrow();
+    read += detail::source_bytes(reads[b]);
+  }
+  return read;
 }
 
 std::string page_cache_word(double fraction) {
