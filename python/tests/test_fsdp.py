@@ -215,6 +215,32 @@ def _transformers_case(rank, mesh, case):
     return {"read": ours.zeroflat_report["bytes_read"]}
 
 
+def _dcp_case(rank, mesh, case):
+    """torch.distributed.checkpoint.load with zeroflat.dcp.Reader against the same load with
+    DCP's own HuggingFaceStorageReader, into the same sharded model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    import zeroflat.dcp
+
+    dtype = getattr(torch, case["dtype"])
+    models = []
+    for reader in (HuggingFaceStorageReader(case["path"]), zeroflat.dcp.Reader(case["path"])):
+        model = _empty_sharded(case["path"], dtype, mesh)
+        # A tied lm_head is not in the file: a partial load, as with DCP's own reader.
+        dcp.load(get_model_state_dict(model), storage_reader=reader,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        models.append((model, reader))
+    (ref, _), (ours, reader) = models
+    want, got = _locals(ref), _locals(ours)
+    for n in want:
+        assert torch.equal(got[n], want[n]), (case, n)
+    # Each rank read its shards' bytes and no more.
+    return {"read": reader.bytes_read}
+
+
 def worker(rank, world, port, job):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -226,7 +252,8 @@ def worker(rank, world, port, job):
     for case in job["cases"]:
         mesh = _mesh(case["mesh"])
         run = (_bad_case if case.get("bad") else
-               _transformers_case if case.get("transformers") else _equal_case)
+               _transformers_case if case.get("transformers") else
+               _dcp_case if case.get("dcp") else _equal_case)
         results.append(run(rank, mesh, case))
         dist.barrier()
     with open(f"{job['out']}.{rank}", "w") as f:
@@ -287,6 +314,16 @@ def test_from_pretrained_is_transformers_fsdp2_load(checkpoints, world, tmp_path
     for k, case in enumerate(cases):
         replicas = 2 if mesh == [2, 2] else 1
         assert sum(r[k]["read"] for r in ranks) == _data_bytes(case["path"]) * replicas
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dcp_reader_loads_what_dcps_own_hugging_face_reader_loads(checkpoints, world, tmp_path):
+    cases = [{"dcp": True, "mesh": [world], "path": checkpoints[name], "dtype": dtype}
+             for name, dtype in (("dense_tied", "bfloat16"), ("dense_fp32", "bfloat16"),
+                                 ("dense_tied", "float32"))]
+    ranks = run(world, cases, str(tmp_path))
+    for k, case in enumerate(cases):
+        assert sum(r[k]["read"] for r in ranks) == _data_bytes(case["path"])
 
 
 def test_bad_input_is_refused_on_every_rank_with_every_model_as_it_was(checkpoints, tmp_path):
