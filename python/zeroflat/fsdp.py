@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _hf_names
-from ._common import DTYPES, TORCH_DTYPES, framework_memory
+from ._common import DTYPES, bool_option, framework_memory
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._load import (_checkpoint, _dtype_text, _read_whole, _sources_of, _stored, call_loader,
                     check_load_options, engine_and_comm)
@@ -118,7 +118,7 @@ def _group(process_group) -> Any:
 
 def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpoint"], *,
          process_group: Any = "default", threads: Optional[int] = None, cold: bool = False,
-         copies: str = "sampled", strict: bool = True,
+         copies: str = "sampled", strict: bool = True, keep_tensors: bool = False,
          progress: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
     """Fills every parameter and persistent buffer of ``model`` (sharded by FSDP2's
     ``fully_shard``, its parameters materialized: ``model.to_empty(device=...)`` after building
@@ -138,6 +138,12 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     does not hold is an error (else left as it is). ``threads``, ``cold``, ``copies`` and
     ``progress``: as ``zeroflat.load_param_groups`` takes them.
 
+    ``keep_tensors``: False (the default) hands each DTensor parameter its loaded shard as a new
+    local tensor, through ``model.load_state_dict(..., assign=True)`` as FSDP2 supports it (no
+    second pass over the memory; FSDP2 re-pads an uneven shard at its first forward): build the
+    optimizer after the load, as after any assign. True copies the values into the parameters'
+    existing local tensors (an optimizer built before keeps its parameters; one more pass).
+
     Returns a report: ``bytes_read`` (this rank's file bytes), ``share`` (the file bytes of its
     shards, what it must read), ``seconds``, ``rank``, ``world``, and each load's report under
     ``loads``."""
@@ -151,6 +157,7 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
                            param_align_bytes=0, dtype=None, deepspeed=None, read_plan=None,
                            copies=copies, storage_bytes_per_second=0)
         check_callback(progress)
+        bool_option("keep_tensors", keep_tensors)
         prep = _prepare(model, checkpoint, group, strict)
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it
         local_error = e
@@ -202,13 +209,29 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     assert local_error is None and prep is not None
     # Every rank read everything: the model takes it.
     with torch.no_grad():
+        assigned = {}
         for members, report, buffer, lay, dtype in results:
             if buffer is None:
                 continue
             flat = buffer[: lay["flat_bytes"]].view(dtype)
             for m, off in zip(members, lay["offsets"]):
-                local = m.local
-                local.copy_(flat[off: off + local.numel()].view(local.shape))
+                view = flat[off: off + m.local.numel()].view(m.local.shape)
+                if keep_tensors or not _is_dtensor(m.param_obj):
+                    m.local.copy_(view)
+                    continue
+                # The shard as the parameter's new local tensor: no second pass over the
+                # memory (FSDP2 takes it as its sharded data, re-padding only an uneven shard).
+                from torch.distributed.tensor import DTensor
+
+                p = m.param_obj
+                new = torch.nn.Parameter(
+                    DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride()),
+                    requires_grad=p.requires_grad)
+                for name in m.aliases:
+                    assigned[name] = new
+        if assigned:
+            model.load_state_dict(assigned, strict=False, assign=True)
         for local, value in prep.whole:
             local.copy_(value)
     bytes_read = sum(int(r.get("bytes_read") or 0) for _, r, _, _, _ in results)
@@ -218,10 +241,19 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
 
 
 class _Member:
-    __slots__ = ("name", "param", "local", "placements")
+    """A parameter of the load: its names (tied weights have several), the library's LoadParam,
+    the parameter and its local tensor, its placements."""
 
-    def __init__(self, name, param, local, placements):
-        self.name, self.param, self.local, self.placements = name, param, local, placements
+    __slots__ = ("aliases", "param", "param_obj", "local", "placements")
+
+    def __init__(self, aliases, param, param_obj, local, placements):
+        self.aliases, self.param, self.param_obj = aliases, param, param_obj
+        self.local, self.placements = local, placements
+
+
+def _is_dtensor(t) -> bool:
+    DTensor = _dtensor_class()
+    return DTensor is not None and isinstance(t, DTensor)
 
 
 class _Prepared:
@@ -287,7 +319,8 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
                              "rank's coordinate (a placement zeroflat does not read?)")
         param = _C.LoadParam(name=name, shape=list(p.shape), sources=src[0],
                              source_shapes=src[1])
-        out.by_dtype.setdefault(local.dtype, []).append(_Member(name, param, local, placements))
+        out.by_dtype.setdefault(local.dtype, []).append(
+            _Member(aliases[pid], param, p, local, placements))
         out.entries.append(f"parameter {name} {list(p.shape)} {_dtype_text(local.dtype)} "
                            f"{' '.join(placements)} <- {','.join(src[0])}")
     if missing:
@@ -338,8 +371,12 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
             dtype = getattr(torch, dtype, None)
     device, meshes = initialize_distributed_mesh(distributed_config)
     if meshes is None:
-        raise ValueError(f"{distributed_config!r} describes one process: nothing is sharded "
-                         "(use zeroflat.hf.from_pretrained without distributed_config)")
+        # One process: Transformers shards nothing and returns a plain model; so does this.
+        from .hf import from_pretrained as plain
+
+        return plain(model_class, path, None, dtype, param_groups=None, cold=cold,
+                     threads=threads, copies=copies, progress=progress, master_dtype=None,
+                     **from_config_kwargs)
     # As Transformers builds it: on meta, untied (FSDP2 groups may not share a parameter
     # across groups), the plan applied, materialized, tied again.
     with torch.device("meta"), hf_init.no_tie_weights():

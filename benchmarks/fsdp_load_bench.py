@@ -1,0 +1,366 @@
+#!/usr/bin/env python3
+"""A Hugging Face checkpoint into PyTorch FSDP2's DTensor shards, each way side by side, every
+row's every side in fresh processes (gloo on the CPU, one thread per rank), cold and warm,
+median of --repeat rounds with the range and every round's speedup:
+
+  transformers  AutoModelForCausalLM.from_pretrained(path, distributed_config=
+                DistributedConfig(fsdp_size=N), dtype=bf16): builds the sharded model and
+                reads each tensor's rows through safetensors' get_slice
+  zeroflat      zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, distributed_config=...):
+                the same model, each rank reading its shards' bytes through the library
+  dcp           into the same sharded model, built first (untimed):
+                torch.distributed.checkpoint.load(get_model_state_dict(model),
+                storage_reader=HuggingFaceStorageReader(path, thread_count=T)) for T = 1 (its
+                default) and --dcp-threads (its best here)
+  zeroflat-dcp  the same call with storage_reader=zeroflat.dcp.Reader(path)
+
+The time of a row is its slowest rank's, to ready: the call returned, then every local shard
+read once (the first step reads them all; Transformers' load maps the files and reads nothing
+until then, so its "returned" time is not a load). Both are printed, "ready (returned)". Per rank it also counts the bytes read through
+read()/pread() (/proc/self/io rchar: page-cache hits included; under cold the kernel's bytes
+from storage, read_bytes) against the rank's share (the file bytes of its shards), and the
+growth of its resident memory over the load (VmHWM, reset before).
+
+The model: a Qwen3 causal LM of --layers layers of --hidden, --vocab rows of embedding, an
+untied lm_head, bf16 (--moe: a Qwen3-MoE of --experts experts). Targets (issue "FSDP2"):
+zeroflat >= 3x transformers cold and >= 2x warm at 2 and 4 ranks, never slower at 1;
+zeroflat-dcp >= 1.5x dcp at its best thread count cold, never slower warm; read <= 1.05x
+share + 8 MB; resident growth <= 1.1x the shards + 256 MB.
+
+    fsdp_load_bench.py --ranks 1,2,4 --hidden 1024 --layers 24 --vocab 151936   # ~1.3 GB
+    fsdp_load_bench.py --quick                                                   # a smoke run
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from hf_load_bench import drop_cache, free_port  # noqa: E402
+from zero3_bench import PeakResident, proc_io  # noqa: E402
+
+MB = 1 << 20
+METHODS = ("transformers", "zeroflat", "dcp", "dcp-best", "zeroflat-dcp")
+
+
+def config_of(a):
+    if a.moe:
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(vocab_size=a.vocab, hidden_size=a.hidden,
+                              intermediate_size=4 * a.hidden, moe_intermediate_size=a.hidden,
+                              num_hidden_layers=a.layers, num_attention_heads=8,
+                              num_key_value_heads=4, head_dim=a.hidden // 8,
+                              num_experts=a.experts, num_experts_per_tok=2,
+                              tie_word_embeddings=False)
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden,
+                       num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=4,
+                       head_dim=a.hidden // 8, tie_word_embeddings=False)
+
+
+def save(a, path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of(a), dtype=torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="400MB")
+
+
+# --- one rank -----------------------------------------------------------------------------------
+
+def rank_main(rank, world, port, job):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    import zeroflat.fsdp
+    import zeroflat.hf
+
+    path, method = job["path"], job["method"]
+    config = DistributedConfig(fsdp_size=world)
+    # Imports are not a load's cost: every module any side imports while it loads, first.
+    import importlib
+
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoConfig, initialization  # noqa: F401
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    importlib.import_module(f"transformers.models.{job['model_type']}.modeling_"
+                            f"{job['model_type']}")
+    assert job["model_type"] in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    model = None
+    if method in ("dcp", "dcp-best", "zeroflat-dcp"):
+        model = built(path, config)  # untimed: both readers fill the same built model
+    dist.barrier()
+    if job["cold"] and rank == 0:
+        drop_cache(path)
+    dist.barrier()
+    io0 = proc_io()
+    with PeakResident() as peak:
+        t0 = time.perf_counter()
+        if method == "transformers":
+            model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
+                                                         dtype=torch.bfloat16)
+        elif method == "zeroflat":
+            model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path,
+                                                distributed_config=config, dtype=torch.bfloat16)
+        else:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint import HuggingFaceStorageReader
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            import zeroflat.dcp
+
+            reader = (zeroflat.dcp.Reader(path) if method == "zeroflat-dcp" else
+                      HuggingFaceStorageReader(path, thread_count=(
+                          job["dcp_threads"] if method == "dcp-best" else 1)))
+            dcp.load(get_model_state_dict(model), storage_reader=reader)
+        seconds = time.perf_counter() - t0
+        # Ready: every local shard read once more, as the first step reads it (a load that
+        # maps the files and reads nothing, as Transformers' does, reads them here).
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            for p in model.parameters():
+                x = local(p).detach()
+                if x.numel():
+                    x.contiguous().view(-1).view(torch.uint8)[::4096].sum()
+                    x.view(-1).view(torch.uint8).max()
+        touch = time.perf_counter() - t1
+    io1 = proc_io()
+    shards = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    out = {"rank": rank, "seconds": seconds + touch, "returned": seconds, "rchar": io1["rchar"] - io0["rchar"],
+           "read_bytes": io1["read_bytes"] - io0["read_bytes"], "rss": peak.growth,
+           "shards": shards, "digest": digest(model)}
+    dist.barrier()
+    with open(f"{job['result']}.{rank}", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def built(path, config):
+    """The sharded model as Transformers builds it, materialized, nothing read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import initialization as hf_init
+    from transformers.distributed import initialize_distributed_mesh
+
+    device, meshes = initialize_distributed_mesh(config)
+    with torch.device("meta"), hf_init.no_tie_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
+                                                 dtype=torch.bfloat16)
+    if meshes is not None:
+        model = type(model).maybe_distribute_model(model, config, meshes)
+    model.to_empty(device=device or "cpu")
+    return model
+
+
+def local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def digest(model):
+    """A checksum of this rank's local shards: every way must load the same values."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for n, p in model.named_parameters():
+        h.update(local(p).detach().contiguous().view(-1).view(__import__("torch").uint8)
+                 .numpy().tobytes()[:4096])
+    return h.hexdigest()
+
+
+def run_ranks(world, job, timeout):
+    with tempfile.TemporaryDirectory() as tmp:
+        job = dict(job, result=os.path.join(tmp, "rank"))
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--rank-job",
+                            json.dumps(job), "--world", str(world)], capture_output=True,
+                           text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        rows = []
+        for rank in range(world):
+            p = f"{job['result']}.{rank}"
+            if os.path.exists(p):
+                with open(p) as f:
+                    rows.append(json.load(f))
+    if r.returncode != 0 or len(rows) != world:
+        sys.exit(f"fsdp_load_bench: {job['method']} at {world} ranks failed:\n{r.stderr[-4000:]}")
+    return rows
+
+
+# --- the comparison -----------------------------------------------------------------------------
+
+def share_bytes(path, world):
+    """Per rank, the file bytes of its shards (the library's count, as the load reads them)."""
+    out = []
+    for rank in range(world):
+        r = subprocess.run([sys.executable, "-c", SHARE, path, str(world), str(rank)],
+                           capture_output=True, text=True, check=True)
+        out.append(int(r.stdout))
+    return out
+
+
+# Each parameter's bytes as FSDP2's Shard(0) cuts it on `world` ranks (the library's arithmetic).
+SHARE = """
+import sys, zeroflat._C as C
+ck = C.Checkpoint(sys.argv[1]); world, rank = int(sys.argv[2]), int(sys.argv[3])
+ts = ck.tensors()
+params = [C.LoadParam(name=t.name, shape=list(t.shape)) for t in ts]
+print(C.shards_read_bytes(ck, params, [world], [[r] for r in range(world)],
+                          [["Shard(0)"] for _ in ts], rank))
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__[__doc__.index("\n\n") + 2:])
+    ap.add_argument("--ranks", default="1,2,4", help="rank counts, comma-separated")
+    ap.add_argument("--cache", default="cold,warm", help="cold, warm or both")
+    ap.add_argument("--methods", default=",".join(METHODS), help="ways to compare")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE (--experts experts)")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--dcp-threads", type=int, default=4,
+                    help="HuggingFaceStorageReader's thread_count in the dcp-best rows")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds per row (median and range)")
+    ap.add_argument("--dir", help="where the checkpoint is kept between runs")
+    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--save", help="write the rows as JSON to FILE")
+    ap.add_argument("--quick", action="store_true", help="a small model, 2 ranks, warm, 1 round")
+    ap.add_argument("--rank-job", help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.rank_job:
+        import torch.multiprocessing as mp
+
+        mp.spawn(rank_main, args=(a.world, free_port(), json.loads(a.rank_job)),
+                 nprocs=a.world, join=True)
+        return 0
+    if a.quick:
+        a.ranks, a.cache, a.repeat, a.hidden, a.layers, a.vocab = "2", "warm", 1, 256, 2, 8000
+    ranks = [int(x) for x in a.ranks.split(",")]
+    caches = [c for c in a.cache.split(",") if c]
+    methods = [m for m in a.methods.split(",") if m]
+    for m in methods:
+        if m not in METHODS:
+            ap.error(f"--methods: {m!r} is not one of {', '.join(METHODS)}")
+    root = a.dir or tempfile.mkdtemp(prefix="zeroflat-fsdp-bench-")
+    path = os.path.join(root, f"{'moe' if a.moe else 'dense'}_{a.hidden}_{a.layers}_{a.vocab}")
+    save(a, path)
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+               if f.endswith(".safetensors"))
+    print(f"fsdp_load_bench: {path}: {size / 1e9:.2f} GB of safetensors", file=sys.stderr)
+    rows = []
+    for world in ranks:
+        shares = share_bytes(path, world)
+        for cache in caches:
+            times = {m: [] for m in methods}
+            returned = {m: [] for m in methods}
+            worst = {m: {} for m in methods}
+            digests = {}
+            for _ in range(a.repeat):
+                for m in methods:
+                    job = {"path": path, "method": m, "cold": cache == "cold",
+                           "dcp_threads": a.dcp_threads,
+                           "model_type": "qwen3_moe" if a.moe else "qwen3"}
+                    res = run_ranks(world, job, a.timeout)
+                    times[m].append(max(r["seconds"] for r in res))
+                    returned[m].append(max(r["returned"] for r in res))
+                    digests.setdefault(m, [r["digest"] for r in res])
+                    read_key = "read_bytes" if cache == "cold" else "rchar"
+                    worst[m] = {
+                        "read_ratio": max(r[read_key] / max(1, s) for r, s in zip(res, shares)),
+                        "read_over": max(r[read_key] - s for r, s in zip(res, shares)),
+                        "rss_ratio": max(r["rss"] / max(1, r["shards"]) for r in res),
+                        "rss_over": max(r["rss"] - 1.1 * r["shards"] for r in res)}
+            same = len({tuple(d) for d in digests.values()}) == 1
+            row = {"ranks": world, "cache": cache, "same_values": same,
+                   "share_mb": max(shares) / MB}
+            for m in methods:
+                row[m] = {"median": statistics.median(times[m]), "min": min(times[m]),
+                          "max": max(times[m]), "returned": statistics.median(returned[m]),
+                          **worst[m]}
+            for ours, theirs in (("zeroflat", "transformers"), ("zeroflat-dcp", "dcp"),
+                                 ("zeroflat-dcp", "dcp-best")):
+                if ours in times and theirs in times:
+                    row[f"{ours} vs {theirs}"] = [t / o for o, t in
+                                                  zip(times[ours], times[theirs])]
+            rows.append(row)
+            print(line(row), file=sys.stderr, flush=True)
+    print(table(rows, methods))
+    if a.save:
+        with open(a.save, "w") as f:
+            json.dump({"checkpoint_gb": size / 1e9, "args": vars(a), "rows": rows}, f, indent=1)
+    return 0
+
+
+def line(row):
+    parts = [f"{row['ranks']} ranks {row['cache']}"]
+    for k, v in row.items():
+        if " vs " in k:
+            parts.append(f"{k} {statistics.median(v):.2f}x ({', '.join(f'{x:.2f}' for x in v)})")
+    return "fsdp_load_bench: " + "; ".join(parts)
+
+
+def target(row, key):
+    """Whether a speedup row meets its target in every round."""
+    v = row.get(key)
+    if not v:
+        return ""
+    cold = row["cache"] == "cold"
+    if key == "zeroflat vs transformers":
+        need = 1.0 if row["ranks"] == 1 else (3.0 if cold else 2.0)
+    elif key == "zeroflat-dcp vs dcp-best":
+        need = 1.5 if cold else 1.0
+    else:
+        return ""
+    return f"{'met' if min(v) >= need else 'NOT met'} (>= {need:g} x)"
+
+
+def table(rows, methods):
+    head = ["ranks", "cache"] + [f"{m} s ready [range] (returned)" for m in methods] + [
+        "zeroflat vs transformers (each round)", "target", "zeroflat-dcp vs dcp-best", "target",
+        "zeroflat read / share", "zeroflat rss / shards", "same values"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["ranks"]), r["cache"]]
+        for m in methods:
+            cells.append(f"{r[m]['median']:.2f} [{r[m]['min']:.2f}-{r[m]['max']:.2f}] "
+                         f"({r[m]['returned']:.2f})")
+        for key in ("zeroflat vs transformers", "zeroflat-dcp vs dcp-best"):
+            v = r.get(key)
+            cells.append(f"**{statistics.median(v):.2f} x** ({', '.join(f'{x:.2f}' for x in v)})"
+                         if v else "")
+            cells.append(target(r, key))
+        z = r.get("zeroflat") or r.get("zeroflat-dcp")
+        cells.append(f"{z['read_ratio']:.2f}" if z else "")
+        cells.append(f"{z['rss_ratio']:.2f}" if z else "")
+        cells.append("yes" if r["same_values"] else "NO")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
