@@ -164,8 +164,10 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     world = dist.get_world_size(group) if group is not None else 1
     if local_error is not None and world == 1:
         raise local_error
+    # The buffers from torch's allocator: they become the parameters' storage (fresh memory
+    # from it faults in fastest here: docs/performance.md, "FSDP2").
     engine, nthreads, comm, rank = engine_and_comm(torch.device("cpu"), threads if prep else 1,
-                                                   world, group)
+                                                   world, group, host_memory="torch")
     path = prep.ck.path if prep is not None else str(checkpoint)
     mesh_shape = prep.mesh_shape if prep is not None else [world]
     coords = prep.coords if prep is not None else [[r] for r in range(world)]
