@@ -248,6 +248,7 @@ def main():
     ap.add_argument("--dir", help="where the checkpoint is kept between runs")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--save", help="write the rows as JSON to FILE")
+    ap.add_argument("--plot", help="write a bar chart of the rows to FILE.svg")
     ap.add_argument("--quick", action="store_true", help="a small model, 2 ranks, warm, 1 round")
     ap.add_argument("--rank-job", help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -310,6 +311,9 @@ def main():
             rows.append(row)
             print(line(row), file=sys.stderr, flush=True)
     print(table(rows, methods))
+    if a.plot:
+        plot(rows, methods, a.plot, f"{os.path.basename(path)} into FSDP2 shards "
+             f"({size / 1e9:.2f} GB)")
     if a.save:
         with open(a.save, "w") as f:
             json.dump({"checkpoint_gb": size / 1e9, "args": vars(a), "rows": rows}, f, indent=1)
@@ -337,6 +341,42 @@ def target(row, key):
     else:
         return ""
     return f"{'met' if min(v) >= need else 'NOT met'} (>= {need:g} x)"
+
+
+COLORS = {"transformers": "#ca0020", "zeroflat": "#0571b0", "dcp": "#f4a582",
+          "dcp-best": "#e66101", "zeroflat-dcp": "#92c5de"}
+
+
+def plot(rows, methods, path, title):
+    """A bar per way per row: seconds to ready (shorter is better)."""
+    width, bar, gap, left, top = 900, 12, 16, 120, 30
+    h = 20 + len(rows) * (len(methods) * bar + gap)
+    top_s = max(r[m]["median"] for r in rows for m in methods) or 1
+    scale = (width - left - 120) / top_s
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h + top + 40}" '
+           'font-family="sans-serif" font-size="11">',
+           f'<text x="{left}" y="16" font-size="13">{title}: seconds to ready, median '
+           '(shorter is better)</text>']
+    y = top
+    for r in rows:
+        out.append(f'<text x="4" y="{y + bar * len(methods) / 2 + 4}">{r["ranks"]} rank(s) '
+                   f'{r["cache"]}</text>')
+        for m in methods:
+            w = r[m]["median"] * scale
+            out.append(f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar - 1}" '
+                       f'fill="{COLORS.get(m, "#999999")}"/>')
+            out.append(f'<text x="{left + w + 4:.1f}" y="{y + bar - 2}">{r[m]["median"]:.2f} s'
+                       '</text>')
+            y += bar
+        y += gap
+    for i, m in enumerate(methods):
+        x = left + i * 150
+        out.append(f'<rect x="{x}" y="{y + 8}" width="12" height="12" '
+                   f'fill="{COLORS.get(m, "#999999")}"/>')
+        out.append(f'<text x="{x + 16}" y="{y + 18}">{m}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
 
 
 def table(rows, methods):

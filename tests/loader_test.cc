@@ -1256,6 +1256,64 @@ TEST_F(LoaderTest, DTensorShardsEveryRankReadsOnlyItsLocalShards) {
   });
 }
 
+// Boxes of tensors (the DCP reader's requests): each box's elements in its row-major order,
+// converted, from its runs' bytes only; a box outside its tensor, a tensor the checkpoint lacks
+// and a missing destination are refused before anything is read.
+TEST_F(LoaderTest, BoxesOfTensorsAreTheirElementsAndOnlyTheirBytes) {
+  for (const std::string* dir : {bf16_dir_, fp32_dir_}) {
+    const CheckpointIndex ck = open_checkpoint(*dir);
+    for (DType to : {DType::kBF16, DType::kFP32}) {
+      const std::uint64_t es = element_size(to);
+      std::vector<BoxRead> boxes;
+      std::vector<std::vector<unsigned char>> outs, wants;
+      std::uint64_t want_bytes = 0;
+      for (const CheckpointTensor& t : ck.tensors) {
+        if (t.shape.empty()) continue;
+        // The middle of every dimension: rows 1/3 to 2/3 (at least one), all else whole.
+        BoxRead b;
+        b.name = t.name;
+        b.to = to;
+        for (std::size_t d = 0; d < t.shape.size(); ++d) {
+          const auto n = static_cast<std::uint64_t>(t.shape[d]);
+          const std::uint64_t lo = d + 1 == t.shape.size() ? n / 3 : 0;
+          const std::uint64_t len = d + 1 == t.shape.size() ? std::max<std::uint64_t>(1, n / 3)
+                                                              : n;
+          b.offsets.push_back(std::min(lo, n - 1));
+          b.sizes.push_back(n == 0 ? 0 : std::min(len, n - std::min(lo, n - 1)));
+        }
+        const std::vector<unsigned char> whole =
+            values_of(ck, LoadParam{t.name, t.shape, {}}, to);
+        std::vector<unsigned char> want;
+        std::uint64_t elems = 0;
+        for (const ElementRun& r : box_runs(t.shape, b.offsets, b.sizes)) {
+          want.insert(want.end(), whole.begin() + static_cast<std::ptrdiff_t>(r.first * es),
+                      whole.begin() + static_cast<std::ptrdiff_t>((r.first + r.numel) * es));
+          elems += r.numel;
+        }
+        want_bytes += elems * element_size(*t.type);
+        wants.push_back(std::move(want));
+        outs.emplace_back(wants.back().size(), 0xAB);
+        boxes.push_back(std::move(b));
+      }
+      for (std::size_t k = 0; k < boxes.size(); ++k) boxes[k].dst = outs[k].data();
+      EXPECT_EQ(read_checkpoint_boxes(ck, boxes, 2), want_bytes);
+      for (std::size_t k = 0; k < boxes.size(); ++k) EXPECT_EQ(outs[k], wants[k]) << boxes[k].name;
+    }
+    const CheckpointTensor& t = ck.tensors[0];
+    std::vector<unsigned char> out(shape_numel(t.shape) * 4);
+    BoxRead outside{t.name, std::vector<std::uint64_t>(t.shape.size(), 1), {}, out.data(),
+                    DType::kFP32};
+    for (std::int64_t n : t.shape) outside.sizes.push_back(static_cast<std::uint64_t>(n));
+    EXPECT_THROW(read_checkpoint_boxes(ck, std::vector<BoxRead>{outside}, 1), InvalidArgument);
+    BoxRead missing{"no.such.tensor", {0}, {1}, out.data(), DType::kFP32};
+    EXPECT_THROW(read_checkpoint_boxes(ck, std::vector<BoxRead>{missing}, 1), InvalidArgument);
+    BoxRead nowhere{t.name, std::vector<std::uint64_t>(t.shape.size(), 0), {}, nullptr,
+                    DType::kFP32};
+    for (std::int64_t n : t.shape) nowhere.sizes.push_back(static_cast<std::uint64_t>(n));
+    EXPECT_THROW(read_checkpoint_boxes(ck, std::vector<BoxRead>{nowhere}, 1), InvalidArgument);
+  }
+}
+
 TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {
   const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
   const std::vector<LoadParam> good = params_of(ck);

@@ -181,6 +181,15 @@ def _bad_case(rank, mesh, case):
     path = case["path"]
     if case.get("rank_only") is not None and rank != case["rank_only"]:
         path = case["model_path"]  # only this rank's checkpoint is bad
+    if case.get("disagree") and rank == 1:
+        # This rank sees ranks 0 and 2 (the two replicas of shard 0 of a 2 x 2 mesh) the other
+        # way round; its own shards are the same, so its own checks pass: the meshes differ.
+        init = zeroflat.fsdp._Mesh.__init__
+
+        def swapped(self, *args):
+            init(self, *args)
+            self.coords[0], self.coords[2] = self.coords[2], self.coords[0]
+        zeroflat.fsdp._Mesh.__init__ = swapped
     try:
         zeroflat.fsdp.load(model, path)
     except Exception as e:  # noqa: BLE001 - the words are checked
@@ -384,6 +393,13 @@ def test_bad_input_is_refused_on_every_rank_with_every_model_as_it_was(checkpoin
     ranks = run(2, cases, str(tmp_path))
     for r in ranks:
         assert len(r) == len(cases)
+
+
+def test_ranks_whose_meshes_differ_are_refused_before_anything_is_read(checkpoints, tmp_path):
+    good = checkpoints["dense_tied"]
+    run(4, [{"bad": True, "name": "meshes_differ", "mesh": [2, 2], "path": good,
+             "model_path": good, "words": ["shards rank 0 at"], "disagree": True}],
+        str(tmp_path))
 
 
 def test_a_model_not_sharded_is_refused(checkpoints):

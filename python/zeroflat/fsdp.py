@@ -164,10 +164,11 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     world = dist.get_world_size(group) if group is not None else 1
     if local_error is not None and world == 1:
         raise local_error
-    # The buffers from torch's allocator: they become the parameters' storage (fresh memory
-    # from it faults in fastest here: docs/performance.md, "FSDP2").
-    engine, nthreads, comm, rank = engine_and_comm(torch.device("cpu"), threads if prep else 1,
-                                                   world, group, host_memory="torch")
+    # On the shards' device; host buffers from torch's allocator: they become the parameters'
+    # storage (fresh memory from it faults in fastest here: docs/performance.md, "FSDP2").
+    target = prep.device if prep is not None else torch.device("cpu")
+    engine, nthreads, comm, rank = engine_and_comm(target, threads if prep else 1, world, group,
+                                                   host_memory="torch")
     path = prep.ck.path if prep is not None else str(checkpoint)
     mesh_shape = prep.mesh_shape if prep is not None else [world]
     coords = prep.coords if prep is not None else [[r] for r in range(world)]
@@ -189,7 +190,7 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
                 options.cold = bool(cold)
                 options.copies = copies
                 options.layout = _C.LayoutOptions(dp=world, dtype=DTYPES[dtype])
-                framework_memory(options, torch.device("cpu"))
+                framework_memory(options, target)
             except Exception as e:  # noqa: BLE001
                 local_error = local_error or e
             if local_error is not None:
@@ -264,6 +265,7 @@ class _Prepared:
         self.by_dtype: Dict[torch.dtype, List[_Member]] = {}
         self.whole: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.entries: List[str] = []
+        self.device: Optional[torch.device] = None  # where the local shards live
         self.mesh_shape: List[int] = [1]
         self.coords: List[List[int]] = [[0]]
 
@@ -282,7 +284,14 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
     ck = _checkpoint(checkpoint)
     out = _Prepared(ck)
     DTensor = _dtensor_class()
-    rules = _hf_names.converters(model)
+    # Transformers' renaming rules only add names to look for: asked for (a few hundred regular
+    # expressions compiled, 0.1-0.3 s) only when a tensor is not under the model's own name.
+    built: List[list] = []
+
+    def rules() -> list:
+        if not built:
+            built.append(_hf_names.converters(model))
+        return built[0]
     aliases: Dict[int, List[str]] = {}
     by_id: Dict[int, torch.nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -303,13 +312,16 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
             raise ValueError(f"parameter {name!r} is on the meta device: materialize the sharded "
                              "model first (model.to_empty(device='cpu'))")
         local = _local(p)
-        if local.device.type != "cpu":
-            raise NotImplementedError(f"parameter {name!r} lives on {local.device}: "
-                                      "zeroflat.fsdp.load reads into host shards for now")
+        if out.device is None:
+            out.device = local.device
+        elif local.device != out.device:
+            raise ValueError(f"parameter {name!r} lives on {local.device}, others on "
+                             f"{out.device}: zeroflat.fsdp.load reads into one device")
         if local.dtype not in DTYPES:
             raise TypeError(f"parameter {name!r} is {local.dtype}: zeroflat loads bfloat16, "
                             "float16 and float32 parameters")
-        src = _sources_of(aliases[pid], list(p.shape), rules, ck)
+        src = (_sources_of(aliases[pid], list(p.shape), [], ck)
+               or _sources_of(aliases[pid], list(p.shape), rules(), ck))
         if src is None:
             missing.append(name)
             continue
@@ -329,8 +341,8 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
         shown = ", ".join(repr(m) for m in missing[:8]) + (", ..." if len(missing) > 8 else "")
         raise ValueError(f"{ck.path} holds no tensor for {len(missing)} parameter(s) of the "
                          f"model: {shown}")
-    for name, b in model.named_buffers():
-        stored = _stored(name, rules, ck)
+    for name, b in _persistent_buffers(model):
+        stored = _stored(name, [], ck) or _stored(name, rules(), ck)
         if stored is None:
             if strict and b.device.type == "meta":
                 raise ValueError(f"buffer {name!r} is on the meta device and {ck.path} does not "
@@ -342,6 +354,15 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
         out.whole.append((local, value))
         out.entries.append(f"buffer {name} {list(b.shape)} {local.dtype}")
     return out
+
+
+def _persistent_buffers(model: torch.nn.Module):
+    """(name, buffer) of every buffer a state dict holds (a non-persistent one, such as rotary
+    inv_freq, is the model's own to make)."""
+    for module_name, module in model.named_modules():
+        for attr, b in module._buffers.items():
+            if b is not None and attr not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{attr}" if module_name else attr), b
 
 
 def _rank(group) -> int:
