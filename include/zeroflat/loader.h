@@ -222,11 +222,11 @@ struct BoxRead {
   DType to = DType::kBF16;
 };
 
-// Reads every box, its exact byte ranges only (one pread per run, neighbours merged), with
-// `threads` threads (0: the default for one rank). Throws InvalidArgument for a tensor the
-// checkpoint lacks, a box outside it or a dtype the loader does not convert (before anything is
-// read); Error naming the file, byte range and tensor when a read fails. Returns the file bytes
-// read.
+// Reads every box, its exact byte ranges only (pieces of each run, every box's in one pass of
+// the reader's threads in file order), with `threads` threads (0: default_num_threads(), the
+// cores split among the ranks of this host). Throws InvalidArgument for a tensor the checkpoint
+// lacks, a box outside it or a dtype the loader does not convert (before anything is read);
+// Error naming the file, byte range and tensor when a read fails. Returns the file bytes read.
 std::uint64_t read_checkpoint_boxes(const CheckpointIndex& checkpoint,
                                     std::span<const BoxRead> boxes, unsigned threads);
 

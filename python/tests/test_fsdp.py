@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from reference import end_rank, start_ranks  # noqa: E402
+from test_hf import write  # noqa: E402 - a checkpoint saved by Transformers, in small shards
 
 
 def tiny_dense(tie=True):
@@ -41,16 +42,6 @@ def tiny_moe():
                           moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=12, num_experts=5,
                           num_experts_per_tok=2, tie_word_embeddings=False)
-
-
-def write(config, path, dtype, seed=0):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    with torch.no_grad():  # values far from zero, so that rounding differences would show
-        for p in model.parameters():
-            p.normal_(0, 1.3)
-    model.save_pretrained(path, max_shard_size="200KB")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -234,19 +234,33 @@ void Reader::fill(unsigned char* dst, std::uint64_t n, const std::vector<Read>& 
     at = std::max(at, hi);
   }
   if (n > at) std::memset(dst + at, 0, n - at);
-  // Pieces of at most kPiece source bytes, handed out in file order.
-  struct Piece {
-    const Read* read;
-    std::uint64_t skip;   // source bytes into the read
-    std::uint64_t bytes;  // source bytes
-  };
   std::vector<Piece> pieces;
+  add_pieces(dst, reads, pieces);
+  run(pieces);
+}
+
+void Reader::fill_many(std::span<const Destination> destinations) {
+  std::vector<Piece> pieces;
+  for (const Destination& d : destinations) add_pieces(d.dst, *d.reads, pieces);
+  std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+    return a.read->file != b.read->file ? a.read->file < b.read->file
+                                        : a.read->src + a.skip < b.read->src + b.skip;
+  });
+  run(pieces);
+}
+
+void Reader::add_pieces(unsigned char* base, const std::vector<Read>& reads,
+                        std::vector<Piece>& out) {
+  // Pieces of at most kPiece source bytes, in the reads' (file) order.
   for (const Read& r : reads) {
     const std::uint64_t step = kPiece / element_size(r.from) * element_size(r.from);
     for (std::uint64_t s = 0; s < r.src_bytes; s += step) {
-      pieces.push_back(Piece{&r, s, std::min(step, r.src_bytes - s)});
+      out.push_back(Piece{base, &r, s, std::min(step, r.src_bytes - s)});
     }
   }
+}
+
+void Reader::run(const std::vector<Piece>& pieces) {
   // Exact read-ahead: with the kernel's own off, the pieces a thread will take next are asked
   // for now (each thread one piece ahead of its current one), so the disk always has the next
   // reads queued and never a byte outside them.
@@ -271,7 +285,7 @@ void Reader::fill(unsigned char* dst, std::uint64_t n, const std::vector<Read>& 
       const Piece& p = pieces[k];
       const Read& r = *p.read;
       const std::uint64_t fes = element_size(r.from);
-      unsigned char* out = dst + r.dst + p.skip / fes * es_;
+      unsigned char* out = p.base + r.dst + p.skip / fes * es_;
       unsigned char* into = out;
       if (r.from != to_) {
         try {

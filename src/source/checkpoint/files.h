@@ -11,6 +11,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <span>
 #include <vector>
 
 #include "common/thread_pool.h"
@@ -104,6 +105,14 @@ class Reader {
   // Fills dst[0, n) from the reads (dst offsets relative to dst): zeros where no read lands.
   // A failure is kept (failed(), rethrow()), not thrown.
   void fill(unsigned char* dst, std::uint64_t n, const std::vector<Read>& reads);
+  // Each destination from its reads (dst offsets relative to it), all in one pass of the team
+  // in file order; no gap is zeroed (the reads cover every byte the caller keeps). A failure is
+  // kept, as fill's.
+  struct Destination {
+    unsigned char* dst = nullptr;
+    const std::vector<Read>* reads = nullptr;
+  };
+  void fill_many(std::span<const Destination> destinations);
 
   // Throws what failed (its type kept: OutOfMemory, ResourceExhausted, Error), naming the file,
   // byte range and tensor.
@@ -115,6 +124,16 @@ class Reader {
 
  private:
   static constexpr std::uint64_t kPiece = std::uint64_t{8} << 20;
+  // A read's part of at most kPiece source bytes, landing at `base` + its dst.
+  struct Piece {
+    unsigned char* base;
+    const Read* read;
+    std::uint64_t skip;   // source bytes into the read
+    std::uint64_t bytes;  // source bytes
+  };
+  void add_pieces(unsigned char* base, const std::vector<Read>& reads, std::vector<Piece>& out);
+  // The team reads the pieces, in their order.
+  void run(const std::vector<Piece>& pieces);
 
   template <typename E>
   void fail(const E& e) {

@@ -2,7 +2,6 @@
 // the flat buffer (ZeRO-1/2) and for ZeRO-3's partitions; and what a rank would read, known
 // before it reads.
 #include <map>
-#include <memory>
 
 #include "common/convert.h"
 #include "source/checkpoint/source.h"
@@ -243,19 +242,21 @@ std::uint64_t read_checkpoint_boxes(const CheckpointIndex& ck, std::span<const B
       throw InvalidArgument("box of tensor '" + printable(box.name) + "': no destination");
     }
   }
+  // Per target dtype, every box in one pass of the team, in file order (the runs cover each
+  // box: nothing to zero).
   detail::OpenFiles files(ck);
-  const unsigned n = threads > 0 ? threads : default_num_threads(1);
+  const unsigned n = threads > 0 ? threads : default_num_threads();
+  std::map<DType, std::vector<detail::Reader::Destination>> by_dtype;
   std::uint64_t read = 0;
-  std::map<DType, std::unique_ptr<detail::Reader>> readers;
   for (std::size_t b = 0; b < boxes.size(); ++b) {
     if (bytes[b] == 0) continue;
-    std::unique_ptr<detail::Reader>& reader = readers[boxes[b].to];
-    if (!reader) {
-      reader = std::make_unique<detail::Reader>(files, boxes[b].to, n, std::nullopt);
-    }
-    reader->fill(static_cast<unsigned char*>(boxes[b].dst), bytes[b], reads[b]);
-    reader->rethrow();
+    by_dtype[boxes[b].to].push_back({static_cast<unsigned char*>(boxes[b].dst), &reads[b]});
     read += detail::source_bytes(reads[b]);
+  }
+  for (const auto& [to, destinations] : by_dtype) {
+    detail::Reader reader(files, to, n, std::nullopt);
+    reader.fill_many(destinations);
+    reader.rethrow();
   }
   return read;
 }
