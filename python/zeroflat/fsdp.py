@@ -394,12 +394,8 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
             dtype = getattr(torch, dtype, None)
     device, meshes = initialize_distributed_mesh(distributed_config)
     if meshes is None:
-        # One process: Transformers shards nothing and returns a plain model; so does this.
-        from .hf import from_pretrained as plain
-
-        return plain(model_class, path, None, dtype, param_groups=None, cold=cold,
-                     threads=threads, copies=copies, progress=progress, master_dtype=None,
-                     **from_config_kwargs)
+        raise ValueError(f"{distributed_config!r} describes one process: nothing is sharded "
+                         "(zeroflat.hf.from_pretrained loads the plain model then)")
     # As Transformers builds it: on meta, untied (FSDP2 groups may not share a parameter
     # across groups), the plan applied, materialized, tied again.
     with torch.device("meta"), hf_init.no_tie_weights():

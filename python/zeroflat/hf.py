@@ -40,6 +40,15 @@ __all__ = ["from_pretrained", "trainer_param_groups"]
 log = logging.getLogger("zeroflat")
 
 
+def _processes(distributed_config) -> int:
+    """The processes a Transformers DistributedConfig's mesh spans (1: nothing is sharded, and
+    Transformers returns the plain model)."""
+    n = 1
+    for attr in ("pp_size", "dp_replicate_size", "fsdp_size", "tp_size"):
+        n *= int(getattr(distributed_config, attr, 1) or 1)
+    return n
+
+
 def _default_group():
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD if dist.get_world_size() > 1 else None
@@ -110,7 +119,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     ``from_pretrained(..., distributed_config=...)`` shards it, each rank reading only its local
     shards (``zeroflat.fsdp.from_pretrained``; ``dtype``, ``threads``, ``cold``, ``copies`` and
     ``progress`` apply, the ZeRO options do not). ``model.zeroflat_report`` holds the load's
-    report.
+    report. A config of one process shards nothing (as Transformers): the plain load below.
 
     ``zero3``: DeepSpeed ZeRO-3. ``"auto"`` (the default) loads for ZeRO-3 when Transformers
     would build the model inside ``zero.Init``: a live ``HfDeepSpeedConfig`` whose config says
@@ -139,7 +148,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     before DeepSpeed makes anything (NotImplementedError)."""
     from transformers import AutoConfig
 
-    if distributed_config is not None:
+    if distributed_config is not None and _processes(distributed_config) > 1:
         from . import fsdp
 
         return fsdp.from_pretrained(model_class, path, distributed_config, dtype=dtype,
