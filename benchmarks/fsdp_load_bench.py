@@ -42,7 +42,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_load_bench import drop_cache, free_port  # noqa: E402
+from hf_load_bench import drop_cache, free_port, run_rank_job  # noqa: E402
 from zero3_bench import PeakResident, proc_io  # noqa: E402
 
 MB = 1 << 20
@@ -191,20 +191,7 @@ def digest(model):
 
 
 def run_ranks(world, job, timeout):
-    with tempfile.TemporaryDirectory() as tmp:
-        job = dict(job, result=os.path.join(tmp, "rank"))
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--rank-job",
-                            json.dumps(job), "--world", str(world)], capture_output=True,
-                           text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        rows = []
-        for rank in range(world):
-            p = f"{job['result']}.{rank}"
-            if os.path.exists(p):
-                with open(p) as f:
-                    rows.append(json.load(f))
-    if r.returncode != 0 or len(rows) != world:
-        sys.exit(f"fsdp_load_bench: {job['method']} at {world} ranks failed:\n{r.stderr[-4000:]}")
-    return rows
+    return run_rank_job(__file__, world, job, timeout, f"fsdp_load_bench: {job['method']}")
 
 
 # --- the comparison -----------------------------------------------------------------------------

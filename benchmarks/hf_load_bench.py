@@ -46,6 +46,7 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -101,6 +102,26 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_rank_job(script, world, job, timeout, what, env=()):
+    """``script --rank-job JOB --world N`` in a fresh process (its ranks write their reports to
+    JOB["result"].RANK as JSON); the ranks' reports, or exit naming ``what`` with the stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = dict(job, result=os.path.join(tmp, "rank"))
+        r = subprocess.run([sys.executable, os.path.abspath(script), "--rank-job",
+                            json.dumps(job), "--world", str(world)], capture_output=True,
+                           text=True, timeout=timeout,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", **dict(env)))
+        rows = []
+        for rank in range(world):
+            path = f"{job['result']}.{rank}"
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows.append(json.load(f))
+    if r.returncode != 0 or len(rows) != world:
+        sys.exit(f"{what} at {world} ranks failed:\n{r.stderr[-4000:]}")
+    return rows
 
 
 QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,

@@ -52,7 +52,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_load_bench import drop_cache, free_port  # noqa: E402
+from hf_load_bench import drop_cache, free_port, run_rank_job  # noqa: E402
 from zero3_bench import PeakResident, proc_io  # noqa: E402
 
 TAG = "saved"
@@ -200,21 +200,8 @@ def rank_main(rank, world, port, job):
 
 def run_ranks(world, job, timeout):
     """The ranks of one job in fresh processes; their reports."""
-    with tempfile.TemporaryDirectory() as tmp:
-        job = dict(job, result=os.path.join(tmp, "rank"))
-        cmd = [sys.executable, os.path.abspath(__file__), "--rank-job", json.dumps(job),
-               "--world", str(world)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
-        rows = []
-        for rank in range(world):
-            path = f"{job['result']}.{rank}"
-            if os.path.exists(path):
-                with open(path) as f:
-                    rows.append(json.load(f))
-    if r.returncode != 0 or len(rows) != world:
-        sys.exit(f"resume_bench: {job['mode']} at {world} ranks failed:\n{r.stderr[-4000:]}")
-    return rows
+    return run_rank_job(__file__, world, job, timeout, f"resume_bench: {job['mode']}",
+                        env={"DS_ACCELERATOR": "cpu"})
 
 
 def spawn_main(world, job):
