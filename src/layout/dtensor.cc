@@ -4,11 +4,14 @@
 
 #include <algorithm>
 
+#include "common/saturate.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {
+
+using detail::checked_mul;
 
 // torch.chunk of `size` rows into `n` pieces: piece i's rows and where they start (an empty
 // piece starts at `size`, as DTensor reports it).
@@ -18,14 +21,6 @@ std::pair<std::uint64_t, std::uint64_t> chunk(std::uint64_t size, std::uint64_t 
   if (c == 0 || i >= (size + c - 1) / c) return {0, size};
   const std::uint64_t first = i * c;
   return {std::min(c, size - first), first};
-}
-
-std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, const char* what) {
-  std::uint64_t out = 0;
-  if (__builtin_mul_overflow(a, b, &out)) {
-    throw InvalidArgument(std::string(what) + " overflows 64 bits");
-  }
-  return out;
 }
 
 }  // namespace
