@@ -69,6 +69,23 @@
 //                                        an object (NEWOBJ + BUILD): numel, start
 //   deepspeed.runtime.fp16.loss_scaler LossScaler, DynamicLossScaler
 //                                        an object (NEWOBJ + BUILD): the loss scaler's state
+// DCP's .metadata (read by dcp_checkpoint.h, never by read_torch_file; those rows resolve there
+// only, and a torch.save file naming one is refused as off the list):
+//   torch.distributed.checkpoint.metadata Metadata, TensorStorageMetadata,
+//     BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex, StorageMeta
+//                                        an object (NEWOBJ + BUILD of its fields)
+//   torch.distributed.checkpoint.metadata TensorProperties
+//                                        an object whose state is a tuple (dtype, layout,
+//                                        requires_grad, memory_format, pin_memory[, strides])
+//   torch.distributed.checkpoint.metadata _MEM_FORMAT_ENCODING
+//                                        an enum (getattr by member name)
+//   torch.distributed.checkpoint.filesystem _StorageInfo
+//                                        an object: relative_path, offset, length
+//   torch.serialization _get_layout      only _get_layout('torch.strided'): that name
+//   pathlib PosixPath, pathlib._local PosixPath
+//                                        called with strings: the joined path, a string
+//   torch Size, builtins getattr, torch float16/bfloat16/float32 (both kinds of file);
+//   torch float64, int64, int32, int16, int8, uint8, bool (as values)
 // Only the rows whose role is "only as values" (the dtypes) may stand in the state as a global
 // itself (kind kGlobal); a class or function of the list named there without being called is
 // InvalidArgument, as is any global off the list.
@@ -143,6 +160,7 @@ struct TorchGlobal {
   TorchMake make = TorchMake::kNever;
   std::string does;    // what the reader lets it do
   std::string reason;  // why it is on the list
+  std::string files;   // where a file may name it: "torch.save files", "DCP .metadata", or both
 };
 
 // The allow-list, in the reader's order: the one list of what a file may name, with reasons.

@@ -12,7 +12,8 @@
 // The other headers are their parts, usable alone: the layouts (layout.h, zero3.h, release.h),
 // the planner (plan.h), the probe (probe.h), devices (device.h), communicators (comm.h), the
 // executor (executor.h), checkpoints and model sources (checkpoint.h, model.h,
-// model_source.h, torch_file.h, deepspeed_checkpoint.h) and the JSON reports (report.h).
+// model_source.h, torch_file.h, deepspeed_checkpoint.h, dcp_checkpoint.h) and the JSON
+// reports (report.h).
 // agree.h is the ranks' agreement the doors run. Headers under zeroflat/cli/ serve the command
 // line and are not part of this API.
 #pragma once
@@ -21,6 +22,7 @@
 #include "zeroflat/checksum.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/config.h"
+#include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/device.h"
 #include "zeroflat/dtensor.h"
 #include "zeroflat/dtype.h"

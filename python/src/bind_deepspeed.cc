@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/error.h"
 #include "zeroflat/resume.h"
@@ -233,7 +234,8 @@ void bind_deepspeed(py::module_& m) {
       py::arg("weights_dtype") = py::none());
 
   // The reader's allow-list, the one list of what a file may name (torch_file.h), as
-  // (module, name, how a value of it is made, what the reader lets it do, why it is listed).
+  // (module, name, how a value of it is made, what the reader lets it do, why it is listed,
+  // where a file may name it).
   m.def("allowed_globals", [] {
     py::list out;
     for (const zf::TorchGlobal& g : zf::torch_globals()) {
@@ -242,7 +244,7 @@ void bind_deepspeed(py::module_& m) {
                          : g.make == zf::TorchMake::kCall     ? "call"
                          : g.make == zf::TorchMake::kInstance ? "instance"
                                                               : "never";
-      out.append(py::make_tuple(g.module, g.name, make, g.does, g.reason));
+      out.append(py::make_tuple(g.module, g.name, make, g.does, g.reason, g.files));
     }
     return out;
   });
@@ -266,6 +268,63 @@ void bind_deepspeed(py::module_& m) {
             return to_python(f, f.at(path), budget);
           },
           py::arg("path") = "");
+
+  // A DCP folder (dcp_checkpoint.h): its index as plain values, its chunks as a Checkpoint of
+  // tensors for read_boxes, its bytes items as values made as TorchFile.value makes them.
+  py::class_<zf::DcpCheckpoint>(m, "DcpCheckpoint")
+      .def(py::init([](const std::string& dir) {
+             py::gil_scoped_release nogil;
+             return zf::open_dcp_checkpoint(dir);
+           }),
+           py::arg("path"))
+      .def_readonly("path", &zf::DcpCheckpoint::dir)
+      .def_readonly("version", &zf::DcpCheckpoint::version)
+      .def_readonly("files", &zf::DcpCheckpoint::files)
+      .def_readonly("file_bytes", &zf::DcpCheckpoint::file_bytes)
+      // Every item: (fqn, is_bytes, dtype, size, requires_grad, [(offsets, sizes, length)],
+      // planner path or None); dtype is torch's name ("" for bytes items).
+      .def("items",
+           [](const zf::DcpCheckpoint& ck) {
+             py::list out;
+             for (const zf::DcpItem& it : ck.items) {
+               py::list chunks;
+               for (const zf::DcpChunk& c : it.chunks) {
+                 chunks.append(py::make_tuple(c.offsets, c.sizes, c.length));
+               }
+               py::object path = py::none();
+               if (!it.path.empty()) {
+                 py::list parts;
+                 for (const zf::DcpPathPart& p : it.path) {
+                   parts.append(p.is_index ? py::object(py::int_(p.index)) : py::str(p.key));
+                 }
+                 path = py::tuple(parts);
+               }
+               out.append(py::make_tuple(it.fqn, it.is_bytes, it.dtype, it.size, it.requires_grad,
+                                         chunks, path));
+             }
+             return out;
+           })
+      // The chunks [(fqn, chunk index)] as a Checkpoint whose tensor i, named "#<i>" (12
+      // digits), is chunk i (dcp_chunks_index).
+      .def(
+          "chunks",
+          [](const zf::DcpCheckpoint& ck, const std::vector<std::pair<std::string, std::uint32_t>>& refs) {
+            std::vector<zf::DcpChunkRef> r;
+            r.reserve(refs.size());
+            for (const auto& [fqn, chunk] : refs) r.push_back({fqn, chunk});
+            py::gil_scoped_release nogil;
+            return zf::dcp_chunks_index(ck, r);
+          },
+          py::arg("refs"))
+      // A bytes item's value, made as TorchFile.value makes one (read_dcp_value).
+      .def(
+          "value",
+          [](const zf::DcpCheckpoint& ck, const std::string& fqn) {
+            const zf::TorchFile f = zf::read_dcp_value(ck, fqn);
+            Budget budget(f);
+            return to_python(f, f.root, budget);
+          },
+          py::arg("fqn"));
 
   py::class_<zf::DeepSpeedCheckpoint>(m, "DeepSpeedCheckpoint")
       .def(py::init([](const std::string& dir, const std::optional<std::string>& tag) {

@@ -208,7 +208,7 @@ def test_allowed_values_are_made_from_the_one_list(tmp_path, marker):
 
     from zeroflat import _C
 
-    rows = {(m, n): (make, does, reason) for m, n, make, does, reason in _C.allowed_globals()}
+    rows = {(m, n): (make, does, reason) for m, n, make, does, reason, _ in _C.allowed_globals()}
     assert rows[("torch", "float16")][0] == "global"
     assert rows[("deepspeed.runtime.zero.config", "ZeroStageEnum")][0] == "member"
     assert rows[("deepspeed.runtime.fp16.loss_scaler", "LossScaler")][0] == "instance"

@@ -1,26 +1,36 @@
-"""A PyTorch Distributed Checkpoint ``StorageReader`` over the library's reader: a drop-in for
-``torch.distributed.checkpoint.HuggingFaceStorageReader`` on Hugging Face safetensors folders.
+"""A PyTorch Distributed Checkpoint ``StorageReader`` over the library's reader, for two kinds
+of checkpoint:
+
+- a Hugging Face safetensors folder (or file): a drop-in for
+  ``torch.distributed.checkpoint.HuggingFaceStorageReader``;
+- a DCP folder, what ``torch.distributed.checkpoint.save`` wrote (``.metadata`` and
+  ``__R_N.distcp``, model and optimizer state alike, saved at any world size): a drop-in for
+  ``FileSystemReader`` that never unpickles anything.
 
     from torch.distributed.checkpoint import load
-    load(model_state_dict, storage_reader=zeroflat.dcp.Reader(path))
+    load(state_dict, storage_reader=zeroflat.dcp.Reader(path))
 
-Each rank's requests (DCP's load planner asks for the part of each tensor its local shards
-hold) become one batch of exact byte ranges, read in parallel by the library's reader
+Each rank's requests (DCP's load planner asks for the part of each saved chunk its local
+shards overlap) become one batch of exact byte ranges, read in parallel by the library's reader
 (``_C.Checkpoint.read_boxes``: one pread per row run, neighbours merged, converted to the
-target's dtype as torch rounds), never a tensor materialized whole. The headers are read by
-the library (no pickle, no code named by the file)."""
+target's dtype as torch rounds), never a tensor materialized whole. The metadata is read by the
+library: safetensors headers, or DCP's ``.metadata`` pickle by its restricted reader (the
+allow-list's DCP rows; nothing in the file runs). DCP's values saved as bytes (optimizer
+hyperparameters) are read by the same restricted reader and handed to the planner as plain
+values re-saved by ``torch.save``: what the planner's ``torch.load`` sees was written here."""
 
 from __future__ import annotations
 
+import io
 import os
 
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint import StorageReader
 from torch.futures import Future
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta,
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
@@ -29,17 +39,23 @@ from ._common import DTYPES
 
 __all__ = ["Reader"]
 
-# Safetensors dtypes as torch names them (what DCP's metadata carries).
+# Safetensors dtypes as torch names them (what DCP's metadata carries, and the names the
+# library gives a DCP checkpoint's chunks).
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
            "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+# torch's dtype names a DCP index may give (the library checked them against its list).
+_TORCH_DTYPES = {str(d).split(".")[-1]: d for d in _DTYPES.values()}
 
 
 class Reader(StorageReader):
-    """Reads a Hugging Face safetensors checkpoint (a ``.safetensors`` file or a directory of
-    them, with or without an index) for ``torch.distributed.checkpoint.load``, as
-    ``HuggingFaceStorageReader`` does: every tensor one chunk under its own name. ``threads``:
-    reader threads per rank (default: the library's for the ranks of this host)."""
+    """Reads a checkpoint for ``torch.distributed.checkpoint.load``: a DCP folder (one holding
+    ``.metadata``: every saved chunk, of model and optimizer state, where DCP's planner asks for
+    it, resharded to this world), or a Hugging Face safetensors checkpoint (a ``.safetensors``
+    file or a directory of them, with or without an index: every tensor one chunk under its own
+    name, as ``HuggingFaceStorageReader`` gives it). ``threads``: reader threads per rank
+    (default: the library's for the ranks of this host). ``bytes_read``: the file bytes this
+    rank's reads fetched."""
 
     def __init__(self, path: Union[str, os.PathLike], threads: Optional[int] = None) -> None:
         super().__init__()
@@ -48,6 +64,10 @@ class Reader(StorageReader):
         if self.threads < 0:
             raise ValueError(f"threads {threads!r}: expected a count >= 1, or None")
         self._ck: Optional["_C.Checkpoint"] = None
+        self._dcp: Optional["_C.DcpCheckpoint"] = None
+        # DCP: (fqn, chunk offsets or None for a bytes item) -> chunk index in the item.
+        self._chunk_of: Dict[Tuple[str, Optional[Tuple[int, ...]]], int] = {}
+        self._value_bytes: Dict[str, int] = {}  # DCP: a bytes item's length in its file
         self.load_id: Optional[str] = None
         self.bytes_read = 0
 
@@ -56,7 +76,7 @@ class Reader(StorageReader):
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-            self._ck = None
+            self._ck = self._dcp = None
         self.load_id = str(checkpoint_id) if checkpoint_id is not None else None
         self.bytes_read = 0
 
@@ -65,14 +85,28 @@ class Reader(StorageReader):
         p = os.fspath(checkpoint_id)
         if os.path.isfile(p):
             return p.endswith(".safetensors")
-        return os.path.isdir(p) and any(f.endswith(".safetensors") for f in os.listdir(p))
+        return os.path.isdir(p) and (os.path.isfile(os.path.join(p, ".metadata")) or
+                                     any(f.endswith(".safetensors") for f in os.listdir(p)))
+
+    def _is_dcp(self) -> bool:
+        return os.path.isfile(os.path.join(self.path, ".metadata"))
 
     def _checkpoint(self) -> "_C.Checkpoint":
         if self._ck is None:
             self._ck = _C.Checkpoint(self.path)
         return self._ck
 
+    def _dcp_checkpoint(self) -> "_C.DcpCheckpoint":
+        if self._dcp is None:
+            self._dcp = _C.DcpCheckpoint(self.path)
+        return self._dcp
+
     def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = self._dcp_metadata() if self._is_dcp() else self._safetensors_metadata()
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
+
+    def _safetensors_metadata(self) -> Metadata:
         ck = self._checkpoint()
         tensors, storage = {}, {}
         for t in ck.tensors():
@@ -86,13 +120,42 @@ class Reader(StorageReader):
                 properties=TensorProperties(dtype=dtype), size=shape,
                 chunks=[ChunkStorageMetadata(offsets=zeros, sizes=shape)])
             storage[MetadataIndex(fqn=t.name, offset=zeros)] = t.name
-        metadata = Metadata(state_dict_metadata=tensors, storage_data=storage)
-        metadata.storage_meta = StorageMeta(load_id=self.load_id)
-        return metadata
+        return Metadata(state_dict_metadata=tensors, storage_data=storage)
+
+    def _dcp_metadata(self) -> Metadata:
+        """DCP's Metadata built here from the library's plain reading of ``.metadata``."""
+        ck = self._dcp_checkpoint()
+        items, storage, planner = {}, {}, {}
+        self._chunk_of, self._value_bytes = {}, {}
+        for fqn, is_bytes, dtype, size, requires_grad, chunks, path in ck.items():
+            if path is not None:
+                planner[fqn] = path
+            if is_bytes:
+                items[fqn] = BytesStorageMetadata()
+                storage[MetadataIndex(fqn=fqn)] = fqn
+                self._chunk_of[(fqn, None)] = 0
+                self._value_bytes[fqn] = chunks[0][2]
+                continue
+            metas = []
+            for i, (offsets, sizes, _) in enumerate(chunks):
+                metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                  sizes=torch.Size(sizes)))
+                storage[MetadataIndex(fqn=fqn, offset=torch.Size(offsets))] = fqn
+                self._chunk_of[(fqn, tuple(offsets))] = i
+            items[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=_TORCH_DTYPES[dtype],
+                                            requires_grad=requires_grad),
+                size=torch.Size(size), chunks=metas)
+        return Metadata(state_dict_metadata=items, storage_data=storage,
+                        planner_data=planner or None, version=ck.version or None)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args,
                               **kwargs) -> None:
-        self._checkpoint()
+        if self._is_dcp():
+            if not self._chunk_of:  # a reader given another rank's metadata
+                self._dcp_metadata()
+        else:
+            self._checkpoint()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -102,23 +165,75 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """Every request of this rank in one batch of the library's reads, then each target
-        committed. A request for a tensor of a dtype the library does not convert is read whole
-        and copied."""
-        ck = self._checkpoint()
-        boxes, done = [], []
-        for req in plan.items:
-            if req.type != LoadItemType.TENSOR:
-                raise ValueError(f"{ck.path}: {req.storage_index.fqn!r} is asked for as bytes; "
-                                 "a safetensors checkpoint holds tensors only")
+        committed. Everything is checked before the first target is written: the index, every
+        chunk's archive (DCP), every value (parsed by the restricted reader), every target's
+        shape. A request for a tensor of a dtype the library does not convert is read whole
+        (its chunk) and copied."""
+        values = []
+        if self._is_dcp():
+            ck = self._dcp_checkpoint()
+            tensors = [req for req in plan.items if req.type != LoadItemType.BYTE_IO]
+            for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO:
+                    values.append((req, self._value(ck, req)))
+            refs = [(req.storage_index.fqn, self._chunk(req)) for req in tensors]
+            index = ck.chunks(refs)
+            names = [f"#{i:012d}" for i in range(len(refs))]
+        else:
+            index = self._checkpoint()
+            tensors = []
+            for req in plan.items:
+                if req.type != LoadItemType.TENSOR:
+                    raise ValueError(f"{index.path}: {req.storage_index.fqn!r} is asked for as "
+                                     "bytes; a safetensors checkpoint holds tensors only")
+                tensors.append(req)
+            names = [req.storage_index.fqn for req in tensors]
+        self._read_tensors(index, tensors, names, planner)
+        for req, buf in values:
+            planner.load_bytes(req, buf)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    # --- the reads ----------------------------------------------------------------------------
+
+    def _chunk(self, req) -> int:
+        index = req.storage_index
+        key = (index.fqn, tuple(int(o) for o in index.offset) if index.offset is not None
+               else None)
+        if key not in self._chunk_of:
+            raise ValueError(f"{self.path}: the planner asks for {index.fqn!r} at "
+                             f"{list(key[1] or [])}, which the checkpoint's index does not list")
+        return self._chunk_of[key]
+
+    def _value(self, ck, req) -> io.BytesIO:
+        """A bytes item: its value made by the library's restricted reader, re-saved here by
+        torch.save for the planner's torch.load."""
+        fqn = req.storage_index.fqn
+        if (fqn, None) not in self._chunk_of:
+            raise ValueError(f"{self.path}: the planner asks for {fqn!r} as bytes, which the "
+                             "checkpoint's index does not list")
+        value = ck.value(fqn)
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        buf.seek(0)
+        self.bytes_read += self._value_bytes.get(fqn, 0)
+        return buf
+
+    def _read_tensors(self, index: "_C.Checkpoint", reqs, names, planner: LoadPlanner) -> None:
+        targets = []
+        for req, name in zip(reqs, names):
             target = planner.resolve_tensor(req).detach()
-            name = req.storage_index.fqn
-            stored = ck.find(name)
             if list(target.shape) != list(req.lengths):
-                raise ValueError(f"{name!r}: the target is {list(target.shape)}, the request "
-                                 f"{list(req.lengths)}")
+                raise ValueError(f"{req.storage_index.fqn!r}: the target is "
+                                 f"{list(target.shape)}, the request {list(req.lengths)}")
+            targets.append(target)
+        boxes, done = [], []
+        for req, name, target in zip(reqs, names, targets):
+            stored = index.find(name)
             if stored.type is None or target.dtype not in DTYPES or target.device.type != "cpu":
                 whole = torch.empty(list(stored.shape), dtype=_DTYPES[str(stored.dtype)])
-                ck.read(name, whole)
+                index.read(name, whole)
                 self.bytes_read += stored.bytes
                 for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                     whole = whole.narrow(d, int(o), int(n))
@@ -131,11 +246,8 @@ class Reader(StorageReader):
                           [int(n) for n in req.lengths], into))
             done.append((req, target, into))
         if boxes:
-            self.bytes_read += ck.read_boxes(boxes, self.threads)
+            self.bytes_read += index.read_boxes(boxes, self.threads)
         for req, target, into in done:
             if into is not target:
                 target.copy_(into)
             planner.commit_tensor(req, target)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut

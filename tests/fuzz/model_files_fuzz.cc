@@ -4,7 +4,8 @@
 // allow-list row of each value that names code, each tensor's bytes) or a DeepSpeed checkpoint
 // folder (the rest of the input split into a module file and one rank's optimizer file, then
 // the folder's checks, the resume's plan at new worlds and each rank's reads in it, and every
-// target's source). Any exception other than InvalidArgument or Unsupported, any
+// target's source); a first byte of 250 or more picks DCP's `.metadata` index (the restricted
+// machine with its DCP rows, then every field of the index). Any exception other than InvalidArgument or Unsupported, any
 // crash, hang, leak or undefined behaviour is a finding.
 #include <unistd.h>
 
@@ -18,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
@@ -94,11 +96,16 @@ void folder(std::span<const unsigned char> in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
-  const int parser = data[0] % 5;
+  const int parser = data[0] >= 250 ? 5 : data[0] % 5;
   const std::span<const unsigned char> file(data + 1, size - 1);
   const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
   try {
-    if (parser == 4) {
+    if (parser == 5) {
+      const zeroflat::DcpCheckpoint ck = zeroflat::parse_dcp_metadata(file, "fuzz");
+      for (const zeroflat::DcpItem& item : ck.items) {
+        if (ck.find(item.fqn) == nullptr) __builtin_trap();  // every item found by its name
+      }
+    } else if (parser == 4) {
       folder(file);
     } else if (parser == 3) {
       const zeroflat::TorchFile f = zeroflat::parse_torch_file(file, "fuzz");

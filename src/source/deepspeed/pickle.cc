@@ -19,8 +19,12 @@ namespace {
 
 using R = GlobalRole;
 
-// Every global the machine resolves, and why. Nothing else is ever named by a file and
-// accepted. Rows found in DeepSpeed 0.14.5 to 0.19.8 checkpoints saved by python/tests.
+constexpr unsigned kBoth = kTorchSave | kDcpMetadata;
+constexpr const char* kDcpModule = "torch.distributed.checkpoint.metadata";
+
+// Every global the machine resolves, where, and why. Nothing else is ever named by a file and
+// accepted. Rows found in DeepSpeed 0.14.5 to 0.19.8 checkpoints saved by python/tests, and in
+// the .metadata of DCP checkpoints saved by torch 2.x (python/tests/test_dcp.py).
 constexpr AllowedGlobal kAllowed[] = {
     {"torch._utils", "_rebuild_tensor_v2", R::kRebuildTensorV2, nullptr,
      "every tensor torch.save writes"},
@@ -42,7 +46,8 @@ constexpr AllowedGlobal kAllowed[] = {
     {"torch", "ByteStorage", R::kStorage, "uint8", "storage type of uint8 tensors"},
     {"torch", "BoolStorage", R::kStorage, "bool", "storage type of bool tensors"},
     {"torch", "UntypedStorage", R::kStorage, "uint8", "a storage saved as itself, in bytes"},
-    {"torch", "Size", R::kSize, nullptr, "shapes: DeepSpeed's param_shapes"},
+    {"torch", "Size", R::kSize, nullptr, "shapes: DeepSpeed's param_shapes, DCP's sizes",
+     kBoth},
     {"torch", "device", R::kDevice, nullptr, "a device named in a saved state"},
     {"collections", "OrderedDict", R::kOrderedDict, nullptr,
      "state dicts, and every tensor's (empty) backward hooks"},
@@ -55,12 +60,20 @@ constexpr AllowedGlobal kAllowed[] = {
      "bytes under protocol 2: encode(text, 'latin1'), nothing else"},
     {"__builtin__", "bytes", R::kEncode, nullptr, "empty bytes under protocol 2: bytes()"},
     {"builtins", "bytes", R::kEncode, nullptr, "the same, under protocol 3 and later"},
-    {"torch", "float16", R::kValue, nullptr, "a dtype as a value: DynamicLossScaler's dtype"},
-    {"torch", "bfloat16", R::kValue, nullptr, "a dtype as a value"},
-    {"torch", "float32", R::kValue, nullptr, "a dtype as a value"},
+    {"torch", "float16", R::kValue, nullptr, "a dtype as a value: DynamicLossScaler's dtype",
+     kBoth},
+    {"torch", "bfloat16", R::kValue, nullptr, "a dtype as a value", kBoth},
+    {"torch", "float32", R::kValue, nullptr, "a dtype as a value", kBoth},
+    {"torch", "float64", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
+    {"torch", "int64", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
+    {"torch", "int32", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
+    {"torch", "int16", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
+    {"torch", "int8", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
+    {"torch", "uint8", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
+    {"torch", "bool", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
     {"__builtin__", "getattr", R::kGetattr, nullptr,
      "how Python 3.11+ pickles an enum member (protocol 2 names builtins so)"},
-    {"builtins", "getattr", R::kGetattr, nullptr, "the same, under protocol 3 and later"},
+    {"builtins", "getattr", R::kGetattr, nullptr, "the same, under protocol 3 and later", kBoth},
     {"deepspeed.runtime.zero.config", "ZeroStageEnum", R::kEnum, nullptr,
      "DeepSpeed's zero_stage in every optimizer file"},
     {"deepspeed.utils.tensor_fragment", "fragment_address", R::kObject, nullptr,
@@ -69,10 +82,40 @@ constexpr AllowedGlobal kAllowed[] = {
      "DeepSpeed's static loss scaler (bf16 and fp32 runs)"},
     {"deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler", R::kObject, nullptr,
      "DeepSpeed's dynamic loss scaler (fp16 runs)"},
+    // A DCP checkpoint's index (FileSystemWriter pickles its Metadata): plain dataclasses, read
+    // by the library (dcp_checkpoint.h), never made into Python objects from the file.
+    {kDcpModule, "Metadata", R::kObject, nullptr, "DCP's index: every item and where it is stored",
+     kDcpMetadata},
+    {kDcpModule, "TensorStorageMetadata", R::kObject, nullptr,
+     "DCP: a tensor's properties, size and saved chunks", kDcpMetadata},
+    {kDcpModule, "BytesStorageMetadata", R::kObject, nullptr,
+     "DCP: an item saved as torch.save bytes (optimizer hyperparameters)", kDcpMetadata},
+    {kDcpModule, "ChunkStorageMetadata", R::kObject, nullptr, "DCP: a chunk's offsets and sizes",
+     kDcpMetadata},
+    {kDcpModule, "MetadataIndex", R::kObject, nullptr,
+     "DCP: an item's name and chunk offset (storage_data's keys)", kDcpMetadata},
+    {kDcpModule, "StorageMeta", R::kObject, nullptr, "DCP: the save's id and path",
+     kDcpMetadata},
+    {kDcpModule, "TensorProperties", R::kStateObject, nullptr,
+     "DCP: a tensor's dtype, layout, requires_grad, memory format, pinning, strides (a tuple)",
+     kDcpMetadata},
+    {kDcpModule, "_MEM_FORMAT_ENCODING", R::kEnum, nullptr,
+     "DCP: TensorProperties' memory format, as a member of this enum", kDcpMetadata},
+    {"torch.serialization", "_get_layout", R::kLayout, nullptr,
+     "DCP: TensorProperties' layout, only 'torch.strided'", kDcpMetadata},
+    {"torch.distributed.checkpoint.filesystem", "_StorageInfo", R::kObject, nullptr,
+     "DCP: the file, offset and length of each saved item", kDcpMetadata},
+    {"pathlib", "PosixPath", R::kPath, nullptr, "DCP: StorageMeta's checkpoint_id",
+     kDcpMetadata},
+    {"pathlib._local", "PosixPath", R::kPath, nullptr, "the same, as Python 3.13 names it",
+     kDcpMetadata},
 };
 
 constexpr EnumMember kZeroStages[] = {
     {"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3},
+};
+constexpr EnumMember kMemFormats[] = {
+    {"TORCH_CONTIGUOUS_FORMAT", 0}, {"TORCH_CHANNELS_LAST", 1}, {"TORCH_PRESERVE_FORMAT", 2},
 };
 
 struct DtypeSize {
@@ -188,8 +231,8 @@ constexpr std::size_t kMaxArgs = 16;
 
 class Machine {
  public:
-  Machine(std::span<const unsigned char> data, const std::string& source)
-      : d_(data), src_(source) {
+  Machine(std::span<const unsigned char> data, const std::string& source, Scope scope)
+      : d_(data), src_(source), scope_(scope) {
     none_ = add(Node{});
     Node t;
     t.kind = NodeKind::kBool;
@@ -403,6 +446,19 @@ class Machine {
       case NodeKind::kBytes: return "b" + n.text;
       case NodeKind::kEnum: return "e" + std::to_string(n.ref) + "." + n.text;
       case NodeKind::kGlobal: return "g" + std::to_string(n.ref);
+      case NodeKind::kObject: {
+        // DCP's MetadataIndex keys storage_data: keyed by its class and saved state (the
+        // reader checks the names and offsets themselves).
+        if (n.state == kNoNode || node(n.state).kind != NodeKind::kDict) {
+          throw fail("an object without a saved state as a dict key");
+        }
+        std::string out = "o" + std::to_string(n.ref) + "{";
+        for (std::uint32_t i : node(n.state).items) {
+          std::string part = key_of(i, depth + 1);
+          out += std::to_string(part.size()) + ":" + part;
+        }
+        return out + "}";
+      }
       case NodeKind::kTuple: {
         std::string out = "(";
         for (std::uint32_t i : n.items) {
@@ -459,6 +515,11 @@ class Machine {
     if (named_.size() < 1000 && named_.insert(named).second) g_.globals.push_back(named);
     for (std::size_t i = 0; i < std::size(kAllowed); ++i) {
       if (module == kAllowed[i].module && name == kAllowed[i].name) {
+        if ((kAllowed[i].scopes & scope_) == 0) {
+          throw fail("global '" + printable(named, 200) + "' is allowed in " +
+                     scope_name(kAllowed[i].scopes) + " only, not in " + scope_name(scope_) +
+                     " (torch_file.h's allow-list)");
+        }
         Node n;
         n.kind = NodeKind::kGlobal;
         n.ref = static_cast<std::uint32_t>(i);
@@ -705,9 +766,30 @@ class Machine {
         }
         return make_text(NodeKind::kBytes, latin1(text, fn));
       }
+      case R::kLayout: {
+        if (a.size() != 1) throw fail(fn + " takes 1 argument, given " + std::to_string(a.size()));
+        const Node& name = expect(a[0], NodeKind::kString, fn + "'s name");
+        if (name.text != "torch.strided") {
+          throw fail(fn + "('" + printable(name.text) +
+                     "'): only 'torch.strided' is read (a sparse or other layout is not a dense "
+                     "run of bytes)");
+        }
+        return make_text(NodeKind::kString, name.text);
+      }
+      case R::kPath: {
+        std::string path;
+        for (std::uint32_t part : a) {
+          const std::string& text = expect(part, NodeKind::kString, fn + "'s parts").text;
+          if (!path.empty() && path.back() != '/') path += '/';
+          path += text;
+        }
+        keep_text(path.size());
+        return make_text(NodeKind::kString, path);
+      }
       case R::kStorage:
       case R::kTensorType:
       case R::kValue:
+      case R::kStateObject:
         break;
     }
     throw fail(fn + " may not be called (it is allowed only as " +
@@ -738,11 +820,10 @@ class Machine {
 
   std::uint32_t new_object(std::uint32_t cls, std::uint32_t args_node) {
     const AllowedGlobal* g = global_of(cls);
-    if (g == nullptr || g->role != R::kObject) {
+    if (g == nullptr || (g->role != R::kObject && g->role != R::kStateObject)) {
       throw fail("makes an instance of " +
                  (g ? "'" + global_text(*g) + "'" : "a " + std::string(node_kind_name(node(cls).kind))) +
-                 "; only the allow-list's classes may be (fragment_address, LossScaler, "
-                 "DynamicLossScaler)");
+                 "; only the allow-list's classes may be");
     }
     Node o;
     o.kind = NodeKind::kObject;
@@ -760,6 +841,16 @@ class Machine {
       if (attrs.kind != NodeKind::kDict) {
         throw fail("an OrderedDict's attributes: expected a dict, found a " +
                    std::string(node_kind_name(attrs.kind)));
+      }
+      node(inst).state = state;
+      return;
+    }
+    if (o.kind == NodeKind::kObject && kAllowed[o.ref].role == R::kStateObject) {
+      // TensorProperties: __setstate__ takes a tuple, kept as it is for the reader to check.
+      if (o.state != kNoNode) throw fail("sets an object's state twice");
+      if (node(state).kind != NodeKind::kTuple) {
+        throw fail("the state of '" + global_text(kAllowed[o.ref]) + "': expected a tuple, found a " +
+                   std::string(node_kind_name(node(state).kind)));
       }
       node(inst).state = state;
       return;
@@ -1064,6 +1155,7 @@ class Machine {
 
   std::span<const unsigned char> d_;
   const std::string& src_;
+  Scope scope_;
   std::size_t pos_ = 0;
   std::size_t at_ = 0;
   unsigned char op_ = 0;
@@ -1084,6 +1176,9 @@ std::span<const AllowedGlobal> allowed_globals() { return kAllowed; }
 
 std::span<const EnumMember> enum_members(const AllowedGlobal& cls) {
   if (cls.role == R::kEnum && std::string_view(cls.name) == "ZeroStageEnum") return kZeroStages;
+  if (cls.role == R::kEnum && std::string_view(cls.name) == "_MEM_FORMAT_ENCODING") {
+    return kMemFormats;
+  }
   return {};
 }
 
@@ -1094,8 +1189,14 @@ std::uint64_t torch_dtype_size(std::string_view dtype) noexcept {
   return 0;
 }
 
-PickleGraph run_pickle(std::span<const unsigned char> data, const std::string& source) {
-  return Machine(data, source).run();
+PickleGraph run_pickle(std::span<const unsigned char> data, const std::string& source,
+                       Scope scope) {
+  return Machine(data, source, scope).run();
+}
+
+const char* scope_name(unsigned scopes) noexcept {
+  if (scopes == kBoth) return "torch.save files and DCP .metadata";
+  return scopes == kDcpMetadata ? "DCP .metadata" : "torch.save files";
 }
 
 }  // namespace zeroflat::detail

@@ -27,6 +27,16 @@ enum class GlobalRole : std::uint8_t {
   kSet,              // called with nothing or a list: a set (a list tagged "set")
   kValue,            // only as a value (a dtype): never called
   kEncode,           // _codecs.encode(text, 'latin1') and bytes(): bytes, as protocol 2 writes
+  kStateObject,      // a class whose saved state is a tuple (DCP's TensorProperties): NEWOBJ
+                     // makes an instance, BUILD keeps the tuple as its state
+  kLayout,           // torch.serialization._get_layout('torch.strided'): the string
+  kPath,             // pathlib's PosixPath called with its parts: the path, as a string
+};
+
+// The files a row may be named in: the scopes run_pickle is asked to read.
+enum Scope : unsigned {
+  kTorchSave = 1,    // torch.save archives' data.pkl (DeepSpeed's checkpoints, DCP's items)
+  kDcpMetadata = 2,  // a DCP checkpoint's .metadata (pickle.dump of its Metadata)
 };
 
 struct AllowedGlobal {
@@ -35,7 +45,11 @@ struct AllowedGlobal {
   GlobalRole role;
   const char* dtype;   // kStorage: torch's dtype name of its elements
   const char* reason;  // one line: why it is on the list
+  unsigned scopes = kTorchSave;  // where a file may name it
 };
+
+// "torch.save files", "DCP .metadata" or "torch.save files and DCP .metadata".
+const char* scope_name(unsigned scopes) noexcept;
 
 // The allow-list: every global the machine resolves. One table, in pickle.cc.
 std::span<const AllowedGlobal> allowed_globals();
@@ -97,6 +111,9 @@ struct PickleGraph {
 // persistent id or BUILD the list does not allow, malformed arguments, a stack or mark
 // underflow, a memo index never stored, integers beyond 64 bits, more than kMaxTorchValues
 // nodes or memo entries, a dict with an unhashable or repeated key, input after STOP or no STOP.
-PickleGraph run_pickle(std::span<const unsigned char> data, const std::string& source);
+// Only the rows whose scopes hold `scope` resolve: a global allowed in another kind of file is
+// refused as one off the list (saying where it is allowed).
+PickleGraph run_pickle(std::span<const unsigned char> data, const std::string& source,
+                       Scope scope = kTorchSave);
 
 }  // namespace zeroflat::detail

@@ -14,6 +14,7 @@
 
 #include "model/files.h"
 #include "source/deepspeed/pickle.h"
+#include "source/deepspeed/torch_window.h"
 #include "source/deepspeed/zip.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
@@ -50,6 +51,9 @@ const char* does_of(detail::GlobalRole role) noexcept {
     case R::kSet: return "called with nothing or a list: a set";
     case R::kValue: return "only as a value, never called";
     case R::kEncode: return "only bytes: encode(text, 'latin1') or bytes()";
+    case R::kStateObject: return "an instance whose saved state is a tuple, read as values";
+    case R::kLayout: return "called with 'torch.strided' only: that name";
+    case R::kPath: return "called with strings: the path they join to, as a string";
   }
   return "";
 }
@@ -778,6 +782,52 @@ TorchFile read_torch_file(const std::string& path) {
   return out;
 }
 
+namespace detail {
+namespace {
+
+// Bytes [base, base + length) of an open file, as a source of their own.
+class WindowSource final : public ByteSource {
+ public:
+  WindowSource(const File& file, std::uint64_t base, std::uint64_t length, std::string name)
+      : file_(file), base_(base), length_(length), name_(std::move(name)) {}
+  std::uint64_t size() const override { return length_; }
+  void read(void* out, std::uint64_t n, std::uint64_t offset) const override {
+    if (offset > length_ || n > length_ - offset) {
+      throw InvalidArgument(name_ + ": bytes " + std::to_string(offset) + "+" + std::to_string(n) +
+                            " lie outside it");
+    }
+    file_.read_at(out, n, base_ + offset);
+  }
+  const std::string& name() const override { return name_; }
+
+ private:
+  const File& file_;
+  std::uint64_t base_, length_;
+  std::string name_;
+};
+
+}  // namespace
+
+TorchFile read_torch_window(const File& file, std::uint64_t offset, std::uint64_t length) {
+  if (offset > file.size() || length > file.size() - offset) {
+    throw InvalidArgument(printable(file.path(), 200) + ": an item at bytes " +
+                          std::to_string(offset) + "+" + std::to_string(length) +
+                          " runs past the end of the file (" + std::to_string(file.size()) +
+                          " bytes): truncated, or not the file the index describes");
+  }
+  const std::string name = file.path() + " (the item at bytes " + std::to_string(offset) + "+" +
+                           std::to_string(length) + ")";
+  const WindowSource src(file, offset, length, name);
+  TorchFile out = parse(src, name);
+  out.path = file.path();
+  out.stamp = file.stamp();
+  for (TorchTensor& t : out.tensors) t.offset += offset;
+  for (TorchStorage& s : out.storages) s.offset += offset;
+  return out;
+}
+
+}  // namespace detail
+
 TorchFile parse_torch_file(std::span<const unsigned char> bytes, const std::string& source) {
   const detail::MemorySource src(bytes, source);
   return parse(src, source);
@@ -803,7 +853,12 @@ const std::vector<TorchGlobal>& torch_globals() {
   static const std::vector<TorchGlobal> rows = [] {
     std::vector<TorchGlobal> out;
     for (const detail::AllowedGlobal& g : detail::allowed_globals()) {
-      out.push_back({g.module, g.name, make_of(g.role), does_of(g.role), g.reason});
+      // Rows of DCP's .metadata only are read by the library itself (dcp_checkpoint.h): a
+      // caller never makes them.
+      const TorchMake make =
+          (g.scopes & detail::kTorchSave) != 0 ? make_of(g.role) : TorchMake::kNever;
+      out.push_back({g.module, g.name, make, does_of(g.role), g.reason,
+                     detail::scope_name(g.scopes)});
     }
     return out;
   }();

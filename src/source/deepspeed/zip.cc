@@ -87,7 +87,15 @@ ZipArchive read_zip(const ByteSource& src) {
   const std::uint64_t size = src.size();
 
   // The end record: 22 bytes and a comment of at most 64 KiB, the last thing in the file.
-  const std::uint64_t tail_bytes = std::min<std::uint64_t>(size, kEndBytes + kMaxComment);
+  // torch.save writes no comment: when the last 22 bytes are an end record without one, the
+  // search below would take exactly it, so only they are read (an archive inside a DCP file
+  // then costs no read of its tensor's last 64 KiB).
+  std::uint64_t tail_bytes = std::min<std::uint64_t>(size, kEndBytes + kMaxComment);
+  if (size >= kEndBytes) {
+    unsigned char last[kEndBytes];
+    src.read(last, kEndBytes, size - kEndBytes);
+    if (le(last, 4) == kEndSig && le(last + 20, 2) == 0) tail_bytes = kEndBytes;
+  }
   std::vector<unsigned char> tail(tail_bytes);
   if (tail_bytes > 0) src.read(tail.data(), tail_bytes, size - tail_bytes);
   std::uint64_t end_at = UINT64_MAX;  // in the file

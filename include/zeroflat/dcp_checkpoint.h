@@ -1,0 +1,117 @@
+// PyTorch Distributed Checkpoint (DCP) folders read without running them: what
+// torch.distributed.checkpoint.save wrote with its FileSystemWriter (a `.metadata` index and
+// `__R_N.distcp` data files), for a reader that fetches each rank's share (python/zeroflat/dcp.py).
+//
+// The format (torch 2.x): `.metadata` is pickle.dump of DCP's Metadata: state_dict_metadata
+// maps every saved name (its "fqn": "model.layers.0.mlp.up_proj.weight",
+// "optim.state.<fqn>.exp_avg", "optim.param_groups.0.lr") to a TensorStorageMetadata (dtype,
+// global size, the chunks saved: each an offset and a size per dimension) or a
+// BytesStorageMetadata (a value saved by torch.save: optimizer hyperparameters); storage_data maps
+// each (fqn, chunk offset) to the file, offset and length of its item; planner_data maps a
+// flattened fqn to its path in the nested state dict. Each item is itself a torch.save archive
+// (a chunk's tensor, or the value) at that offset of its .distcp file.
+//
+// DCP's FileSystemReader unpickles `.metadata` with pickle.load, which runs whatever it names.
+// This reader runs nothing: `.metadata` is read by the restricted pickle machine with its DCP
+// rows (torch_file.h's allow-list, the one list), every item by torch_file.h's reader; nothing
+// is believed before it is checked (InvalidArgument naming the file and the entry):
+//   - the index: its classes and fields as DCP writes them, every size, offset and count bounded
+//     (at most kMaxDcpChunks chunks, kMaxTorchDims dimensions), chunks inside their tensor, one
+//     storage entry per chunk and per bytes item, no entry for anything the index does not list;
+//   - the files: plain names inside the folder (no '/', no "..", no hidden path), regular files,
+//     each item's bytes inside its file; transformed items (DCP's compression extensions) are
+//     refused, saying so;
+//   - each item: one torch.save archive of one contiguous tensor of the chunk's dtype and size
+//     (chunks), or of a value (bytes items, read by the caller with read_dcp_value).
+// What a DCP file can name is the allow-list's DCP rows: DCP's dataclasses, its memory-format
+// enum, torch.Size, the dtypes, the 'torch.strided' layout and a PosixPath (as a string).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/torch_file.h"
+
+namespace zeroflat {
+
+// The most chunks (of every tensor together) an index may list.
+inline constexpr std::uint64_t kMaxDcpChunks = 10'000'000;
+// The largest bytes item read (an optimizer's hyperparameter is a few hundred bytes).
+inline constexpr std::uint64_t kMaxDcpValueBytes = std::uint64_t{64} << 20;
+
+// A segment of a planner_data path: a dict key (a string) or a list index (an int).
+struct DcpPathPart {
+  bool is_index = false;
+  std::int64_t index = 0;
+  std::string key;
+};
+
+// One saved chunk of a tensor: elements [offsets, offsets + sizes) of its global tensor.
+struct DcpChunk {
+  std::vector<std::uint64_t> offsets;
+  std::vector<std::uint64_t> sizes;
+  std::uint32_t file = 0;     // index into DcpCheckpoint::files
+  std::uint64_t offset = 0;   // the item's torch.save archive: bytes [offset, offset + length)
+  std::uint64_t length = 0;
+};
+
+struct DcpItem {
+  std::string fqn;
+  bool is_bytes = false;       // a value saved by torch.save (read_dcp_value), not a tensor
+  std::string dtype;           // tensors: torch's name ("float32", "bfloat16", "int64", ...)
+  Shape size;                  // tensors: the global size
+  bool requires_grad = false;
+  std::vector<DcpChunk> chunks;  // tensors: every chunk saved; bytes items: one, no dimensions
+  // planner_data's path of the fqn in the nested state dict; empty when the index has none.
+  std::vector<DcpPathPart> path;
+};
+
+struct DcpCheckpoint {
+  std::string dir;                  // as given
+  std::string version;              // Metadata.version ("1.0.0"), empty when absent
+  std::vector<std::string> files;   // full paths of the data files the index names
+  std::vector<FileStamp> stamps;    // each as it was when opened
+  std::vector<std::uint64_t> file_bytes;
+  std::vector<DcpItem> items;       // in the index's order
+  std::uint64_t metadata_bytes = 0;
+  // The item of that fqn, or null. O(log n).
+  const DcpItem* find(const std::string& fqn) const;
+  std::vector<std::uint32_t> by_fqn;  // indices of items sorted by fqn
+};
+
+// Whether `dir` is a directory holding a regular `.metadata` file. Never throws.
+bool is_dcp_checkpoint(const std::string& dir) noexcept;
+
+// Reads and checks a DCP folder's index and stats its data files (no item is read). Throws
+// InvalidArgument naming the file and the entry, the global or the field.
+DcpCheckpoint open_dcp_checkpoint(const std::string& dir);
+
+// The index alone, from `.metadata`'s bytes (the fuzzer's door): files named, not opened
+// (stamps and file_bytes empty). `dir` names the folder in messages and the files' paths.
+DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std::string& dir);
+
+// Chunks to read: (fqn, chunk index into its item's chunks).
+struct DcpChunkRef {
+  std::string fqn;
+  std::uint32_t chunk = 0;
+};
+
+// The chunks as a checkpoint of tensors for the loader (read_checkpoint_boxes,
+// read_checkpoint_tensor): tensor i of the result is chunk i of `chunks`, named "#<i>" zero
+// padded to 12 digits (natural order = the order given), its byte range the tensor inside the
+// item's archive. Each item's archive is read (its directory and pickle, never its tensor's
+// bytes) and checked: one contiguous tensor of the chunk's size and the item's dtype. The
+// result's files and stamps are the checkpoint's: a file replaced since it was opened is refused
+// by the reads. Throws InvalidArgument naming the file, the item's byte range and the fqn.
+CheckpointIndex dcp_chunks_index(const DcpCheckpoint& ck, const std::vector<DcpChunkRef>& chunks);
+
+// A bytes item's archive, read by torch_file.h's reader (the caller makes its value, as for a
+// DeepSpeed file; read_torch_tensor reads its tensors). Its size is bounded by
+// kMaxDcpValueBytes. Throws InvalidArgument naming the file, the range and the fqn.
+TorchFile read_dcp_value(const DcpCheckpoint& ck, const std::string& fqn);
+
+}  // namespace zeroflat

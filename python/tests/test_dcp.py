@@ -1,0 +1,339 @@
+"""zeroflat.dcp.Reader on DCP's own checkpoints (``.metadata`` and ``.distcp``, what
+``torch.distributed.checkpoint.save`` writes): a model and its AdamW state saved by FSDP2 at 4
+ranks, loaded at 2 and at 3 (CPU, gloo) equal bit for bit to DCP's own FileSystemReader's
+load, every rank's local shards and optimizer states alike, the next steps' losses identical,
+each rank reading its share; and hostile indexes and items refused naming the global or the
+field, before anything is written, nothing run (a marker file proves it).
+
+Run as a script, it is one rank's worker (the tests start them)."""
+
+import json
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import end_rank, start_ranks  # noqa: E402
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+
+
+VOCAB = 3001
+
+
+class Net(torch.nn.Module):
+    """Sizes that 3 and 4 ranks do not divide (uneven and empty shards), a bf16 and an fp32
+    part, and an int64 buffer (a dtype the reader copies as stored)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 40)  # most of the bytes, as in real models
+        self.layers = torch.nn.ModuleList(
+            [torch.nn.Sequential(torch.nn.Linear(40, 40), torch.nn.GELU()) for _ in range(2)])
+        self.head = torch.nn.Linear(40, 5, bias=False)
+        self.tiny = torch.nn.Parameter(torch.randn(2))  # fewer rows than ranks
+        self.register_buffer("counts", torch.arange(6, dtype=torch.int64))
+        self.layers[1].to(torch.bfloat16)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = self.layers[0](h)
+        h = self.layers[1](h.to(torch.bfloat16)).float()
+        return self.head(h).sum() + self.tiny.sum()
+
+
+def _sharded(seed, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = Net()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _step(model, opt, rank, k):
+    gen = torch.Generator().manual_seed(1000 * k + rank)
+    loss = model(torch.randint(0, VOCAB, (3, 4), generator=gen))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss)
+
+
+def _local(v):
+    return v.to_local() if hasattr(v, "to_local") else v
+
+
+def _flat(sd, prefix=""):
+    """Every tensor and value of a nested state dict, by path."""
+    out = {}
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            out.update(_flat(v, f"{prefix}{k}/"))
+    elif isinstance(sd, (list, tuple)) and not isinstance(sd, torch.Size):
+        for i, v in enumerate(sd):
+            out.update(_flat(v, f"{prefix}{i}/"))
+    else:
+        out[prefix] = sd
+    return out
+
+
+def _save(rank, mesh, job):
+    model, opt = _sharded(0, mesh)
+    for k in range(2):
+        _step(model, opt, rank, k)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=job["path"])
+    return {}
+
+
+def _load(rank, mesh, job):
+    import zeroflat.dcp
+
+    got = []
+    for reader in (dcp.FileSystemReader(job["path"]), zeroflat.dcp.Reader(job["path"])):
+        model, opt = _sharded(1, mesh)  # other values than the checkpoint's
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, storage_reader=reader)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        flat = {k: _local(v).detach().clone() if torch.is_tensor(v) else v
+                for k, v in _flat(state).items()}
+        got.append((model, opt, reader, flat))
+    (m0, o0, _, ref), (m1, o1, ours, flat) = got
+    assert ref.keys() == flat.keys()
+    share = 0
+    for k, v in ref.items():
+        if torch.is_tensor(v):
+            assert v.dtype == flat[k].dtype and torch.equal(v, flat[k]), k
+            share += v.numel() * v.element_size()
+        else:
+            assert v == flat[k], (k, v, flat[k])
+    losses = [[_step(m, o, rank, 10 + k) for k in range(3)] for m, o in ((m0, o0), (m1, o1))]
+    assert losses[0] == losses[1], losses
+    return {"read": ours.bytes_read, "share": share, "tensors": len(ref)}
+
+
+def worker(rank, world, port, job):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    result = (_save if job["what"] == "save" else _load)(rank, mesh, job)
+    dist.barrier()
+    with open(f"{job['out']}.{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+    end_rank()
+
+
+def run(world, job, tmp):
+    out = os.path.join(tmp, f"result_{job['what']}_{world}")
+    start_ranks(worker, world, {**job, "out": out}, preload=("torch.distributed.fsdp",))
+    ranks = []
+    for r in range(world):
+        with open(f"{out}.{r}") as f:
+            ranks.append(json.load(f))
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dcp")
+    path = str(root / "ck")
+    run(4, {"what": "save", "path": path}, str(root))
+    return path
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_saved_at_4_loads_at_2_and_3_as_dcps_own_reader_does(saved, world, tmp_path):
+    ranks = run(world, {"what": "load", "path": saved}, str(tmp_path))
+    for r in ranks:
+        # Each rank reads the parts of the saved chunks its shards overlap: its share, and
+        # the optimizer's hyperparameters (12 items of 1.3 kB) and the int64 buffer's chunk
+        # (read whole: the reader copies that dtype as stored) besides.
+        assert r["share"] > 0 and r["read"] <= 1.1 * r["share"] + 20 * 1024, r
+    assert sum(r["read"] for r in ranks) >= sum(r["share"] for r in ranks) * 0.9
+
+
+# ---- hostile indexes and items (one process) ---------------------------------------------------
+
+@pytest.fixture()
+def single(tmp_path):
+    """A DCP checkpoint saved by one process, and a function that loads it through the Reader
+    into a fresh model, checking the model is unchanged when the load fails."""
+    import warnings
+
+    torch.manual_seed(3)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, VOCAB, (2, 3))).backward()
+    opt.step()
+    path = str(tmp_path / "ck")
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
+    return path
+
+
+def _load_single(path):
+    import warnings
+
+    import zeroflat.dcp
+
+    torch.manual_seed(4)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    msd, osd = get_state_dict(model, opt)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load({"model": msd, "optim": osd}, storage_reader=zeroflat.dcp.Reader(path),
+                     no_dist=True)
+    except BaseException:  # DCP's CheckpointException is one
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        raise
+    return model
+
+
+def _metadata(path):
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        return pickle.load(f)  # the test's own file: trusted here
+
+
+def _rewrite(path, md):
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+
+
+class Payload:
+    """Unpickled, runs `touch MARKER` (what a hostile checkpoint would do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_single_process_checkpoint_loads_as_saved(single):
+    from zeroflat import _C
+
+    model = _load_single(single)
+    ref = Net()
+    ck = _C.DcpCheckpoint(single)
+    assert ck.version and len(ck.files) == 1
+    torch.manual_seed(3)
+    ref = Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref(torch.randint(0, VOCAB, (2, 3))).backward()
+    opt.step()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("where", ["storage_meta", "planner_data", "a chunk's sizes"])
+def test_an_index_naming_code_is_refused_and_nothing_runs(single, tmp_path, where):
+    from zeroflat import _C
+
+    marker = tmp_path / "ran"
+    md = _metadata(single)
+    payload = Payload(marker)
+    if where == "storage_meta":
+        md.storage_meta.modules = [payload]
+    elif where == "planner_data":
+        md.planner_data["model.embed.weight"] = ("model", payload)
+    else:
+        md.state_dict_metadata["model.embed.weight"].chunks[0].sizes = payload
+    _rewrite(single, md)
+    for attempt in (lambda: _C.DcpCheckpoint(single), lambda: _load_single(single)):
+        with pytest.raises(BaseException, match=r"posix system.*not on the allow-list"):
+            attempt()
+    assert not marker.exists()
+
+
+def test_a_global_of_torch_save_files_is_refused_in_an_index(single):
+    from collections import OrderedDict
+
+    from zeroflat import _C
+
+    md = _metadata(single)
+    md.storage_meta.modules = [OrderedDict(a=1)]
+    _rewrite(single, md)
+    with pytest.raises(BaseException, match=r"collections OrderedDict' is allowed in torch.save files "
+                                        r"only, not in DCP .metadata"):
+        _C.DcpCheckpoint(single)
+
+
+def test_a_value_naming_code_is_refused_before_anything_is_written(single, tmp_path):
+    import io
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    marker = tmp_path / "ran"
+    buf = io.BytesIO()
+    torch.save({"lr": Payload(marker)}, buf)
+    with open(os.path.join(single, "extra.distcp"), "wb") as f:
+        f.write(buf.getvalue())
+    md = _metadata(single)
+    info = md.storage_data[MetadataIndex("optim.param_groups.0.lr")]
+    info.relative_path, info.offset, info.length = "extra.distcp", 0, len(buf.getvalue())
+    _rewrite(single, md)
+    with pytest.raises(BaseException, match=r"posix system.*not on the allow-list"):
+        _load_single(single)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("case", ["outside", "past_end", "dtype", "shape", "missing_entry",
+                                  "compressed"])
+def test_a_lying_index_is_refused_naming_the_item(single, case):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    md = _metadata(single)
+    key = MetadataIndex("model.head.weight", torch.Size([0, 0]))
+    info = md.storage_data[key]
+    want = {
+        "outside": r"'\.\./ck/x' is not a plain file name",
+        "past_end": r"past the end of the file",
+        "dtype": r"is fp32; the index says bfloat16",
+        "shape": r"has shape \[5, 40\]; the index says \[5, 12\]",
+        "missing_entry": r"no entry for 'model.head.weight' at \[0, 0\]",
+        "compressed": r"stream transforms",
+    }[case]
+    if case == "outside":
+        info.relative_path = "../ck/x"
+    elif case == "past_end":
+        info.length += 10 ** 9
+    elif case == "dtype":
+        md.state_dict_metadata["model.head.weight"].properties.dtype = torch.bfloat16
+    elif case == "shape":
+        md.state_dict_metadata["model.head.weight"].chunks[0].sizes = torch.Size([5, 12])
+    elif case == "missing_entry":
+        del md.storage_data[key]
+    else:
+        info.transform_descriptors = ["zstd"]
+    _rewrite(single, md)
+    with pytest.raises(BaseException, match=want):
+        _load_single(single)
+
+
+def test_a_truncated_data_file_is_refused(single):
+    data = [n for n in os.listdir(single) if n.endswith(".distcp")][0]
+    p = os.path.join(single, data)
+    os.truncate(p, os.path.getsize(p) // 2)
+    with pytest.raises(BaseException, match=r"past the end of the file"):
+        _load_single(single)

@@ -1,0 +1,511 @@
+// DCP folders (dcp_checkpoint.h): the `.metadata` pickle read by the restricted machine with its
+// DCP rows, walked field by field into plain values; each item's torch.save archive read by
+// torch_file.h's reader, at its offset of its .distcp file.
+#include "zeroflat/dcp_checkpoint.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string_view>
+#include <tuple>
+#include <sys/stat.h>
+
+#include "common/saturate.h"
+#include "model/files.h"
+#include "source/deepspeed/pickle.h"
+#include "source/deepspeed/torch_window.h"
+#include "zeroflat/error.h"
+#include "zeroflat/size.h"
+
+namespace zeroflat {
+namespace {
+
+using detail::kNoNode;
+using detail::Node;
+using detail::NodeKind;
+
+// torch's dtype names DCP's index may give (the allow-list's dtype rows), with the names the
+// loader's checkpoints use (safetensors') and what torch_file.h calls a tensor's dtype.
+struct DcpDtype {
+  const char* torch;
+  const char* stored;
+  const char* reader;
+};
+constexpr DcpDtype kDtypes[] = {
+    {"float32", "F32", "fp32"},  {"bfloat16", "BF16", "bf16"}, {"float16", "F16", "fp16"},
+    {"float64", "F64", "float64"}, {"int64", "I64", "int64"},  {"int32", "I32", "int32"},
+    {"int16", "I16", "int16"},   {"int8", "I8", "int8"},       {"uint8", "U8", "uint8"},
+    {"bool", "BOOL", "bool"},
+};
+
+const DcpDtype* dtype_named(std::string_view torch) {
+  for (const DcpDtype& d : kDtypes) {
+    if (torch == d.torch) return &d;
+  }
+  return nullptr;
+}
+
+const char* kind_name(NodeKind k) {
+  switch (k) {
+    case NodeKind::kNone: return "None";
+    case NodeKind::kBool: return "bool";
+    case NodeKind::kInt: return "int";
+    case NodeKind::kFloat: return "float";
+    case NodeKind::kString: return "string";
+    case NodeKind::kBytes: return "bytes";
+    case NodeKind::kList: return "list";
+    case NodeKind::kTuple: return "tuple";
+    case NodeKind::kDict: return "dict";
+    case NodeKind::kGlobal: return "global";
+    case NodeKind::kStorage: return "storage";
+    case NodeKind::kTensor: return "tensor";
+    case NodeKind::kObject: return "object";
+    case NodeKind::kEnum: return "enum member";
+  }
+  return "value";
+}
+
+// Walks the index's graph, every field checked; errors name `.metadata` and the field.
+class Walker {
+ public:
+  Walker(const detail::PickleGraph& g, std::string file) : g_(g), file_(std::move(file)) {}
+
+  InvalidArgument fail(const std::string& where, const std::string& why) const {
+    return InvalidArgument(file_ + ": " + where + ": " + why);
+  }
+  const Node& node(std::uint32_t i) const { return g_.nodes.at(i); }
+
+  std::string class_of(const Node& n) const {
+    const detail::AllowedGlobal& row = detail::allowed_globals()[n.ref];
+    return std::string(row.name);
+  }
+
+  // The fields of an instance of DCP's class `cls` (BUILD's dict): name -> node.
+  std::map<std::string, std::uint32_t> fields(std::uint32_t i, std::string_view cls,
+                                              const std::string& where) const {
+    const Node& n = node(i);
+    if (n.kind != NodeKind::kObject || class_of(n) != cls) {
+      throw fail(where, "expected DCP's " + std::string(cls) + ", found " + describe(n));
+    }
+    std::map<std::string, std::uint32_t> out;
+    if (n.state == kNoNode) return out;
+    const Node& d = node(n.state);
+    if (d.kind != NodeKind::kDict) throw fail(where, "its fields are not a dict");
+    for (std::size_t k = 0; k + 1 < d.items.size(); k += 2) {
+      const Node& key = node(d.items[k]);
+      if (key.kind != NodeKind::kString) throw fail(where, "a field named by a " + describe(key));
+      out[key.text] = d.items[k + 1];
+    }
+    return out;
+  }
+
+  std::string describe(const Node& n) const {
+    if (n.kind == NodeKind::kObject || n.kind == NodeKind::kGlobal || n.kind == NodeKind::kEnum) {
+      const detail::AllowedGlobal& row = detail::allowed_globals()[n.ref];
+      return std::string(kind_name(n.kind)) + " " + row.module + "." + row.name;
+    }
+    return std::string("a ") + kind_name(n.kind);
+  }
+
+  static std::uint32_t get(const std::map<std::string, std::uint32_t>& f, const char* name) {
+    const auto it = f.find(name);
+    return it == f.end() ? kNoNode : it->second;
+  }
+  bool is_none(std::uint32_t i) const { return i == kNoNode || node(i).kind == NodeKind::kNone; }
+
+  const std::string& text(std::uint32_t i, const std::string& where) const {
+    if (i == kNoNode || node(i).kind != NodeKind::kString) {
+      throw fail(where, "expected a string, found " +
+                            (i == kNoNode ? std::string("nothing") : describe(node(i))));
+    }
+    return node(i).text;
+  }
+  std::uint64_t count(std::uint32_t i, const std::string& where) const {
+    if (i == kNoNode || node(i).kind != NodeKind::kInt || node(i).integer < 0) {
+      throw fail(where, "expected an int >= 0, found " +
+                            (i == kNoNode ? std::string("nothing") : describe(node(i))));
+    }
+    return static_cast<std::uint64_t>(node(i).integer);
+  }
+  bool flag(std::uint32_t i, const std::string& where) const {
+    if (i == kNoNode || node(i).kind != NodeKind::kBool) {
+      throw fail(where, "expected a bool, found " +
+                            (i == kNoNode ? std::string("nothing") : describe(node(i))));
+    }
+    return node(i).flag;
+  }
+  // A torch.Size (or a plain tuple or list) of ints >= 0.
+  std::vector<std::uint64_t> dims(std::uint32_t i, const std::string& where) const {
+    if (i == kNoNode || (node(i).kind != NodeKind::kTuple && node(i).kind != NodeKind::kList)) {
+      throw fail(where, "expected a torch.Size, found " +
+                            (i == kNoNode ? std::string("nothing") : describe(node(i))));
+    }
+    const std::vector<std::uint32_t>& items = node(i).items;
+    if (items.size() > kMaxTorchDims) {
+      throw fail(where, std::to_string(items.size()) + " dimensions (at most " +
+                            std::to_string(kMaxTorchDims) + ")");
+    }
+    std::vector<std::uint64_t> out;
+    for (std::uint32_t k : items) out.push_back(count(k, where));
+    return out;
+  }
+
+  const detail::PickleGraph& g_;
+  std::string file_;
+};
+
+// A data file's name as the index gives it: one plain name inside the folder.
+void check_relative(const std::string& name, const std::string& where, const Walker& w) {
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
+      name.find('\\') != std::string::npos || name.find('\0') != std::string::npos ||
+      name.front() == '.') {
+    throw w.fail(where, "relative_path '" + printable(name, 200) +
+                            "' is not a plain file name inside the checkpoint's folder");
+  }
+}
+
+struct Key {
+  std::string fqn;
+  bool has_offset = false;
+  std::vector<std::uint64_t> offset;
+  bool operator<(const Key& o) const {
+    return std::tie(fqn, has_offset, offset) < std::tie(o.fqn, o.has_offset, o.offset);
+  }
+};
+
+std::string offsets_text(const std::vector<std::uint64_t>& v) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+const DcpItem* DcpCheckpoint::find(const std::string& fqn) const {
+  auto it = std::lower_bound(by_fqn.begin(), by_fqn.end(), fqn,
+                             [&](std::uint32_t i, const std::string& f) { return items[i].fqn < f; });
+  return it == by_fqn.end() || items[*it].fqn != fqn ? nullptr : &items[*it];
+}
+
+bool is_dcp_checkpoint(const std::string& dir) noexcept {
+  struct stat d {}, m {};
+  const std::string meta = dir + "/.metadata";
+  return ::stat(dir.c_str(), &d) == 0 && S_ISDIR(d.st_mode) && ::stat(meta.c_str(), &m) == 0 &&
+         S_ISREG(m.st_mode);
+}
+
+namespace {
+
+// planner_data (each fqn's path in the nested state dict), then the items' order by name.
+void index_planner_data(const Walker& w, const std::map<std::string, std::uint32_t>& meta,
+                        DcpCheckpoint& out) {
+  if (const std::uint32_t pd = Walker::get(meta, "planner_data"); !w.is_none(pd)) {
+    if (w.node(pd).kind != NodeKind::kDict) throw w.fail("planner_data", "expected a dict");
+    std::map<std::string, std::uint32_t> by;
+    for (std::uint32_t i = 0; i < out.items.size(); ++i) by[out.items[i].fqn] = i;
+    const std::vector<std::uint32_t>& pe = w.node(pd).items;
+    for (std::size_t k = 0; k + 1 < pe.size(); k += 2) {
+      const std::string& fqn = w.text(pe[k], "planner_data's key");
+      const auto it = by.find(fqn);
+      if (it == by.end()) continue;  // a name saved nowhere: nothing to place
+      const Node& path = w.node(pe[k + 1]);
+      if (path.kind != NodeKind::kTuple && path.kind != NodeKind::kList) {
+        throw w.fail("planner_data for '" + printable(fqn, 200) + "'", "expected a tuple");
+      }
+      std::vector<DcpPathPart> parts;
+      for (std::uint32_t s : path.items) {
+        const Node& n = w.node(s);
+        if (n.kind == NodeKind::kString) {
+          parts.push_back({false, 0, n.text});
+        } else if (n.kind == NodeKind::kInt) {
+          parts.push_back({true, n.integer, {}});
+        } else {
+          throw w.fail("planner_data for '" + printable(fqn, 200) + "'",
+                       "a path segment is " + w.describe(n) + " (expected a string or an int)");
+        }
+      }
+      out.items[it->second].path = std::move(parts);
+    }
+  }
+  out.by_fqn.resize(out.items.size());
+  for (std::uint32_t i = 0; i < out.by_fqn.size(); ++i) out.by_fqn[i] = i;
+  std::sort(out.by_fqn.begin(), out.by_fqn.end(),
+            [&](std::uint32_t a, std::uint32_t b) { return out.items[a].fqn < out.items[b].fqn; });
+  for (std::size_t i = 1; i < out.by_fqn.size(); ++i) {
+    if (out.items[out.by_fqn[i]].fqn == out.items[out.by_fqn[i - 1]].fqn) {
+      throw w.fail("state_dict_metadata", "item '" + printable(out.items[out.by_fqn[i]].fqn, 200) +
+                                              "' listed twice");
+    }
+  }
+}
+
+}  // namespace
+
+DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std::string& dir) {
+  DcpCheckpoint out;
+  out.dir = dir;
+  const std::string file = printable(dir + "/.metadata", 200);
+  out.metadata_bytes = bytes.size();
+  const detail::PickleGraph g = detail::run_pickle(bytes, file, detail::kDcpMetadata);
+  const Walker w(g, file);
+  const auto meta = w.fields(g.root, "Metadata", "the index");
+  if (const std::uint32_t v = Walker::get(meta, "version"); !w.is_none(v)) {
+    out.version = printable(w.text(v, "version"), 64);
+  }
+
+  // Every item and its chunks.
+  const std::uint32_t sdm = Walker::get(meta, "state_dict_metadata");
+  if (sdm == kNoNode || w.node(sdm).kind != NodeKind::kDict) {
+    throw w.fail("state_dict_metadata", "expected a dict of the saved items");
+  }
+  std::map<Key, std::pair<std::uint32_t, std::uint32_t>> wanted;  // -> (item, chunk)
+  std::uint64_t chunks_total = 0;
+  const std::vector<std::uint32_t>& entries = w.node(sdm).items;
+  for (std::size_t k = 0; k + 1 < entries.size(); k += 2) {
+    DcpItem item;
+    item.fqn = w.text(entries[k], "state_dict_metadata's key");
+    const std::string where = "item '" + printable(item.fqn, 200) + "'";
+    const Node& v = w.node(entries[k + 1]);
+    const auto index = static_cast<std::uint32_t>(out.items.size());
+    if (v.kind == NodeKind::kObject && w.class_of(v) == "BytesStorageMetadata") {
+      item.is_bytes = true;
+      item.chunks.emplace_back();
+      wanted[{item.fqn, false, {}}] = {index, 0};
+      out.items.push_back(std::move(item));
+      continue;
+    }
+    const auto f = w.fields(entries[k + 1], "TensorStorageMetadata", where);
+    // TensorProperties: (dtype, layout, requires_grad, memory_format, pin_memory[, strides]).
+    const std::uint32_t props = Walker::get(f, "properties");
+    if (props == kNoNode || w.node(props).kind != NodeKind::kObject ||
+        w.class_of(w.node(props)) != "TensorProperties" || w.node(props).state == kNoNode) {
+      throw w.fail(where, "its properties are not DCP's TensorProperties");
+    }
+    const std::vector<std::uint32_t>& p = w.node(w.node(props).state).items;
+    if (p.size() != 5 && p.size() != 6) {
+      throw w.fail(where, "its properties hold " + std::to_string(p.size()) +
+                              " values (DCP saves dtype, layout, requires_grad, memory_format, "
+                              "pin_memory and, since torch 2.9, strides)");
+    }
+    if (p.size() == 6 && !w.is_none(p[5])) (void)w.dims(p[5], where + "'s strides");
+    const Node& dt = w.node(p[0]);
+    const detail::AllowedGlobal* row =
+        dt.kind == NodeKind::kGlobal ? &detail::allowed_globals()[dt.ref] : nullptr;
+    if (row == nullptr || row->role != detail::GlobalRole::kValue ||
+        dtype_named(row->name) == nullptr) {
+      throw w.fail(where, "its dtype is " + w.describe(dt) + ", not a torch dtype");
+    }
+    item.dtype = row->name;
+    (void)w.text(p[1], where + "'s layout");  // the machine let only 'torch.strided' through
+    item.requires_grad = w.flag(p[2], where + "'s requires_grad");
+    const Node& fmt = w.node(p[3]);
+    if (fmt.kind != NodeKind::kEnum) {
+      throw w.fail(where, "its memory format is " + w.describe(fmt) + ", not DCP's encoding");
+    }
+    (void)w.flag(p[4], where + "'s pin_memory");
+    const std::vector<std::uint64_t> size = w.dims(Walker::get(f, "size"), where + "'s size");
+    std::uint64_t numel = 1;
+    for (std::uint64_t s : size) {
+      numel = detail::checked_mul(numel, s, (file + ": " + where + "'s element count").c_str());
+      item.size.push_back(static_cast<std::int64_t>(s));
+    }
+    const std::uint32_t chunks = Walker::get(f, "chunks");
+    if (chunks == kNoNode || w.node(chunks).kind != NodeKind::kList) {
+      throw w.fail(where, "its chunks are not a list");
+    }
+    for (std::uint32_t c : w.node(chunks).items) {
+      const std::string cw = where + "'s chunk " + std::to_string(item.chunks.size());
+      const auto cf = w.fields(c, "ChunkStorageMetadata", cw);
+      DcpChunk chunk;
+      chunk.offsets = w.dims(Walker::get(cf, "offsets"), cw + "'s offsets");
+      chunk.sizes = w.dims(Walker::get(cf, "sizes"), cw + "'s sizes");
+      if (chunk.offsets.size() != size.size() || chunk.sizes.size() != size.size()) {
+        throw w.fail(cw, std::to_string(chunk.offsets.size()) + " offsets and " +
+                             std::to_string(chunk.sizes.size()) + " sizes for a tensor of " +
+                             std::to_string(size.size()) + " dimensions");
+      }
+      for (std::size_t d = 0; d < size.size(); ++d) {
+        if (chunk.offsets[d] > size[d] || chunk.sizes[d] > size[d] - chunk.offsets[d]) {
+          throw w.fail(cw, "offsets " + offsets_text(chunk.offsets) + " and sizes " +
+                               offsets_text(chunk.sizes) + " reach outside the tensor's size " +
+                               offsets_text(size));
+        }
+      }
+      if (++chunks_total > kMaxDcpChunks) {
+        throw w.fail(cw, "more than " + std::to_string(kMaxDcpChunks) + " chunks");
+      }
+      if (!wanted.emplace(Key{item.fqn, true, chunk.offsets},
+                          std::pair{index, static_cast<std::uint32_t>(item.chunks.size())})
+               .second) {
+        throw w.fail(cw, "a second chunk at offsets " + offsets_text(chunk.offsets));
+      }
+      item.chunks.push_back(std::move(chunk));
+    }
+    out.items.push_back(std::move(item));
+  }
+
+  // Where each chunk and bytes item lies.
+  const std::uint32_t sd = Walker::get(meta, "storage_data");
+  if (sd == kNoNode || w.node(sd).kind != NodeKind::kDict) {
+    throw w.fail("storage_data", "expected a dict of where each item is stored");
+  }
+  std::map<std::string, std::uint32_t> file_of;
+  std::vector<bool> placed;
+  std::map<Key, bool> seen;
+  const std::vector<std::uint32_t>& stored = w.node(sd).items;
+  for (std::size_t k = 0; k + 1 < stored.size(); k += 2) {
+    const auto key = w.fields(stored[k], "MetadataIndex", "storage_data's key");
+    Key id;
+    id.fqn = w.text(Walker::get(key, "fqn"), "storage_data's key's fqn");
+    const std::string where = "storage_data for '" + printable(id.fqn, 200) + "'";
+    if (const std::uint32_t off = Walker::get(key, "offset"); !w.is_none(off)) {
+      id.has_offset = true;
+      id.offset = w.dims(off, where + "'s offset");
+    }
+    const auto it = wanted.find(id);
+    if (it == wanted.end()) {
+      throw w.fail(where, id.has_offset ? "no chunk of that item starts at " +
+                                              offsets_text(id.offset)
+                                        : "the index lists no bytes item of that name");
+    }
+    if (!seen.emplace(id, true).second) throw w.fail(where, "given twice");
+    const auto info = w.fields(stored[k + 1], "_StorageInfo", where);
+    const std::string& rel = w.text(Walker::get(info, "relative_path"), where + "'s relative_path");
+    check_relative(rel, where, w);
+    if (const std::uint32_t t = Walker::get(info, "transform_descriptors");
+        !w.is_none(t) && !(w.node(t).kind == NodeKind::kList && w.node(t).items.empty()) &&
+        !(w.node(t).kind == NodeKind::kTuple && w.node(t).items.empty())) {
+      throw w.fail(where, "the item was saved through DCP's stream transforms (compression or "
+                          "another extension), which zeroflat does not read");
+    }
+    auto [f, added] = file_of.emplace(rel, static_cast<std::uint32_t>(out.files.size()));
+    if (added) out.files.push_back(dir + "/" + rel);
+    DcpChunk& chunk = out.items[it->second.first].chunks[it->second.second];
+    chunk.file = f->second;
+    chunk.offset = w.count(Walker::get(info, "offset"), where + "'s offset");
+    chunk.length = w.count(Walker::get(info, "length"), where + "'s length");
+  }
+  for (const auto& [key, at] : wanted) {
+    if (!seen.count(key)) {
+      throw w.fail("storage_data", "no entry for '" + printable(key.fqn, 200) + "'" +
+                                       (key.has_offset ? " at " + offsets_text(key.offset) : ""));
+    }
+  }
+
+  index_planner_data(w, meta, out);
+  return out;
+}
+
+DcpCheckpoint open_dcp_checkpoint(const std::string& dir) {
+  if (!is_dcp_checkpoint(dir)) {
+    throw InvalidArgument(printable(dir, 200) +
+                          ": not a DCP checkpoint (a folder holding the '.metadata' index that "
+                          "torch.distributed.checkpoint.save writes)");
+  }
+  const std::string data =
+      detail::read_small_file(dir + "/.metadata", kMaxTorchPickleBytes, "a DCP checkpoint's index");
+  DcpCheckpoint out = parse_dcp_metadata(
+      std::span(reinterpret_cast<const unsigned char*>(data.data()), data.size()), dir);
+  // The data files: regular, and every item inside its file.
+  for (const std::string& path : out.files) {
+    const detail::File f(path);
+    out.stamps.push_back(f.stamp());
+    out.file_bytes.push_back(f.size());
+  }
+  for (const DcpItem& item : out.items) {
+    for (const DcpChunk& c : item.chunks) {
+      if (c.offset > out.file_bytes[c.file] || c.length > out.file_bytes[c.file] - c.offset) {
+        throw InvalidArgument(printable(out.files[c.file], 200) + ": item '" +
+                              printable(item.fqn, 200) + "' lies at bytes " +
+                              std::to_string(c.offset) + "+" + std::to_string(c.length) +
+                              ", past the end of the file (" +
+                              std::to_string(out.file_bytes[c.file]) +
+                              " bytes): truncated, or not the file the index describes");
+      }
+    }
+  }
+  return out;
+}
+
+CheckpointIndex dcp_chunks_index(const DcpCheckpoint& ck, const std::vector<DcpChunkRef>& chunks) {
+  CheckpointIndex out;
+  out.path = ck.dir;
+  out.files = ck.files;
+  out.file_bytes = ck.file_bytes;
+  out.stamps = ck.stamps;
+  std::vector<std::unique_ptr<detail::File>> open(ck.files.size());
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    const DcpChunkRef& ref = chunks[i];
+    const DcpItem* item = ck.find(ref.fqn);
+    if (item == nullptr || item->is_bytes || ref.chunk >= item->chunks.size()) {
+      throw InvalidArgument(printable(ck.dir, 200) + ": no chunk " + std::to_string(ref.chunk) +
+                            " of a tensor '" + printable(ref.fqn, 200) + "' in its index");
+    }
+    const DcpChunk& c = item->chunks[ref.chunk];
+    if (!open[c.file]) {
+      open[c.file] = std::make_unique<detail::File>(ck.files[c.file]);
+      const FileStamp now = open[c.file]->stamp();
+      const FileStamp& then = ck.stamps[c.file];
+      if (now.device != then.device || now.inode != then.inode || now.size != then.size ||
+          now.mtime_ns != then.mtime_ns) {
+        throw InvalidArgument(printable(ck.files[c.file], 200) +
+                              ": replaced or rewritten since the checkpoint was opened");
+      }
+    }
+    const TorchFile f = detail::read_torch_window(*open[c.file], c.offset, c.length);
+    const std::string where = printable(ck.files[c.file], 200) + ": the item at bytes " +
+                              std::to_string(c.offset) + "+" + std::to_string(c.length) +
+                              " ('" + printable(ref.fqn, 200) + "' at " +
+                              offsets_text(c.offsets) + ")";
+    if (f.root.kind != TorchKind::kTensor) {
+      throw InvalidArgument(where + " holds a " + std::string(torch_kind_name(f.root.kind)) +
+                            ", not the chunk's tensor");
+    }
+    const TorchTensor& t = f.tensors.at(static_cast<std::size_t>(f.root.integer));
+    const DcpDtype* d = dtype_named(item->dtype);
+    if (d == nullptr || t.dtype != d->reader) {
+      throw InvalidArgument(where + " is " + t.dtype + "; the index says " + item->dtype);
+    }
+    Shape want(c.sizes.begin(), c.sizes.end());
+    if (t.shape != want) {
+      throw InvalidArgument(where + " has shape " + shape_to_string(t.shape) +
+                            "; the index says " + shape_to_string(want));
+    }
+    if (!t.contiguous) {
+      throw InvalidArgument(where + " is not contiguous (strides of a view): not a chunk as DCP "
+                            "saves one");
+    }
+    char name[32];
+    std::snprintf(name, sizeof name, "#%012llu", static_cast<unsigned long long>(i));
+    CheckpointTensor ct;
+    ct.name = name;
+    ct.dtype = d->stored;
+    ct.type = t.type;
+    ct.shape = t.shape;
+    ct.numel = t.numel;
+    ct.file = c.file;
+    ct.offset = t.offset;
+    ct.bytes = t.numel == 0 ? 0 : t.bytes;
+    out.tensors.push_back(std::move(ct));
+  }
+  return out;
+}
+
+TorchFile read_dcp_value(const DcpCheckpoint& ck, const std::string& fqn) {
+  const DcpItem* item = ck.find(fqn);
+  if (item == nullptr || !item->is_bytes) {
+    throw InvalidArgument(printable(ck.dir, 200) + ": no bytes item '" + printable(fqn, 200) +
+                          "' in its index");
+  }
+  const DcpChunk& c = item->chunks.front();
+  if (c.length > kMaxDcpValueBytes) {
+    throw InvalidArgument(printable(ck.files[c.file], 200) + ": the bytes item '" +
+                          printable(fqn, 200) + "' holds " + format_bytes(c.length) +
+                          "; at most " + format_bytes(kMaxDcpValueBytes) + " are read");
+  }
+  const detail::File file(ck.files[c.file]);
+  return detail::read_torch_window(file, c.offset, c.length);
+}
+
+}  // namespace zeroflat
