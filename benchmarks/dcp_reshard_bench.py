@@ -9,7 +9,8 @@ rank), cold and warm, median of --repeat rounds with the range and every round's
   zeroflat  the same call with storage_reader=zeroflat.dcp.Reader(path)
 
 Both fill the same sharded model and optimizer, built first (untimed, as is get_state_dict,
-which creates the optimizer's states). The time of a row is its slowest rank's. Per rank it
+which creates the optimizer's states), and a garbage collection runs before the clock starts.
+The time of a row is its slowest rank's. Per rank it
 counts the bytes read through read()/pread() (/proc/self/io rchar; cold: read_bytes, the
 kernel's from storage) against the rank's share (the bytes of its local shards and states),
 and checks that both ways leave every rank with the same values (a digest).
@@ -77,6 +78,7 @@ def rank_main(rank, world, port, job):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       OMP_NUM_THREADS="1")
+    import gc
     import hashlib
 
     import torch
@@ -110,7 +112,11 @@ def rank_main(rank, world, port, job):
             drop_cache(job["path"])
         dist.barrier()
         reader = (dcp.FileSystemReader(job["path"]) if job["method"] == "dcp"
-                  else zeroflat.dcp.Reader(job["path"]))
+                  else zeroflat.dcp.Reader(job["path"], threads=job.get("threads")))
+        # A full collection first: the model just built left some 300k objects that the first
+        # collection of the oldest generation walks (0.1-0.2 s here), due at a moment that
+        # depends on what each side allocates; neither side's load should pay for it.
+        gc.collect()
         io0 = proc_io()
         t0 = time.perf_counter()
         dcp.load(state, storage_reader=reader)
@@ -146,6 +152,8 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--repeat", type=int, default=3, help="rounds per row (median and range)")
+    ap.add_argument("--threads", type=int, help="zeroflat.dcp.Reader's threads per rank "
+                    "(default: the library's, the host's cores split among its ranks)")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--save", help="write the rows as JSON to FILE")
     ap.add_argument("--quick", action="store_true", help="a small model, 2 ranks, warm, 1 round")
@@ -176,7 +184,8 @@ def main():
                 for _ in range(a.repeat):
                     for m in METHODS:
                         res = run_rank_job(__file__, world, {"method": m, "path": path,
-                                                             "cold": cache == "cold", **shape},
+                                                             "cold": cache == "cold",
+                                                             "threads": a.threads, **shape},
                                            a.timeout, m)
                         times[m].append(max(r["seconds"] for r in res))
                         key = "read_bytes" if cache == "cold" else "rchar"
