@@ -299,7 +299,7 @@ def test_a_value_naming_code_is_refused_before_anything_is_written(single, tmp_p
 
 
 @pytest.mark.parametrize("case", ["outside", "past_end", "dtype", "shape", "missing_entry",
-                                  "compressed"])
+                                  "compressed", "layout"])
 def test_a_lying_index_is_refused_naming_the_item(single, case):
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -313,6 +313,7 @@ def test_a_lying_index_is_refused_naming_the_item(single, case):
         "shape": r"has shape \[5, 40\]; the index says \[5, 12\]",
         "missing_entry": r"no entry for 'model.head.weight' at \[0, 0\]",
         "compressed": r"stream transforms",
+        "layout": r"_get_layout\('torch.sparse_coo'\): only 'torch.strided' is read",
     }[case]
     if case == "outside":
         info.relative_path = "../ck/x"
@@ -324,6 +325,8 @@ def test_a_lying_index_is_refused_naming_the_item(single, case):
         md.state_dict_metadata["model.head.weight"].chunks[0].sizes = torch.Size([5, 12])
     elif case == "missing_entry":
         del md.storage_data[key]
+    elif case == "layout":
+        md.state_dict_metadata["model.head.weight"].properties.layout = torch.sparse_coo
     else:
         info.transform_descriptors = ["zstd"]
     _rewrite(single, md)

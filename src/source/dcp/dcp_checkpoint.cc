@@ -297,10 +297,13 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
       throw w.fail(where, "its dtype is " + w.describe(dt) + ", not a torch dtype");
     }
     item.dtype = row->name;
-    (void)w.text(p[1], where + "'s layout");  // the machine let only 'torch.strided' through
+    if (w.text(p[1], where + "'s layout") != "torch.strided") {
+      throw w.fail(where, "its layout is not torch.strided (a sparse or other layout is not a "
+                          "dense run of bytes)");
+    }
     item.requires_grad = w.flag(p[2], where + "'s requires_grad");
     const Node& fmt = w.node(p[3]);
-    if (fmt.kind != NodeKind::kEnum) {
+    if (fmt.kind != NodeKind::kEnum || w.class_of(fmt) != "_MEM_FORMAT_ENCODING") {
       throw w.fail(where, "its memory format is " + w.describe(fmt) + ", not DCP's encoding");
     }
     (void)w.flag(p[4], where + "'s pin_memory");
