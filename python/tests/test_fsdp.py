@@ -5,7 +5,8 @@ bit, for a dense model with tied embeddings, an untied one, and a Qwen3-MoE
 (stacked experts), bf16 and fp32 checkpoints into bf16 and fp32 models, at 1, 2, 3 and 4 ranks
 on 1-D meshes and 2 x 2 HSDP; the next 3 training steps' losses identical; each rank reads its
 shards' bytes and no more; bad input (a tensor missing or of another shape, a checkpoint cut
-short, a model not sharded) refused on every rank with every model as it was.
+short, a model not sharded, ranks whose meshes differ) refused on every rank with every model as
+it was; a rank that dies midway named by the others, their models as they were.
 
 Run as a script, it is one rank's worker (the tests start them)."""
 
@@ -391,6 +392,42 @@ def test_ranks_whose_meshes_differ_are_refused_before_anything_is_read(checkpoin
     run(4, [{"bad": True, "name": "meshes_differ", "mesh": [2, 2], "path": good,
              "model_path": good, "words": ["shards rank 0 at"], "disagree": True}],
         str(tmp_path))
+
+
+def dying_worker(rank, world, port, job):
+    """Rank 1 dies at the load's first collective (the ranks' agreement on the model and the
+    checkpoint); rank 0 must raise CommError naming it, its model as it was."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import zeroflat
+    import zeroflat.fsdp
+    from zeroflat import _comm
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = _empty_sharded(job["path"], torch.bfloat16, _mesh([world]))
+    before = _digest(model)
+    if rank == 1:
+        def die(self, *args):
+            os._exit(0)
+        _comm.TorchComm.all_reduce = die
+    with pytest.raises(zeroflat.CommError) as e:
+        zeroflat.fsdp.load(model, job["path"])
+    assert _digest(model) == before
+    with open(f"{job['out']}.{rank}", "w") as f:
+        json.dump({"error": str(e.value)}, f)
+    end_rank()  # the peer is gone: no collective ends this process group
+
+
+def test_a_rank_that_dies_midway_is_named_and_no_model_changes(checkpoints, tmp_path):
+    out = os.path.join(str(tmp_path), "dying")
+    start_ranks(dying_worker, 2, {"path": checkpoints["dense_tied"], "out": out},
+                preload=("transformers", "torch.distributed.fsdp"))
+    assert not os.path.exists(f"{out}.1")
+    with open(f"{out}.0") as f:
+        text = json.load(f)["error"]
+    assert "rank 1 of the group is presumably gone" in text, text
 
 
 def test_a_model_not_sharded_is_refused(checkpoints):
