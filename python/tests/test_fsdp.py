@@ -131,7 +131,8 @@ def _equal_case(rank, mesh, case):
     dtype = getattr(torch, case["dtype"])
     ours = _empty_sharded(case["path"], dtype, mesh)
     kept = {n: p.to_local() for n, p in ours.named_parameters()}
-    report = zeroflat.fsdp.load(ours, case["path"], keep_tensors=case.get("keep", False))
+    report = zeroflat.fsdp.load(ours, case["path"], keep_tensors=case.get("keep", False),
+                                replicas=case.get("replicas", "split"))
     for n, p in ours.named_parameters():
         if p.to_local().numel() == 0:
             continue  # an empty shard (a last rank of uneven rows) has no memory to compare
@@ -307,13 +308,18 @@ def test_every_rank_holds_what_a_full_load_then_fully_shard_gives(checkpoints, w
             cases.append({"mesh": mesh, "path": checkpoints[name], "dtype": dtype,
                           "steps": name == "dense_tied" and dtype == "bfloat16",
                           "keep": name == "dense_fp32"})
+    if world == 4:  # HSDP with each replica reading its whole shard
+        cases.append({"mesh": [2, 2], "path": checkpoints["moe"], "dtype": "bfloat16",
+                      "replicas": "read"})
     ranks = run(world, cases, str(tmp_path))
     for k, case in enumerate(cases):
         read = [r[k]["read"] for r in ranks]
-        # Together the ranks read each tensor's bytes once per replica, and no more.
-        replicas = 2 if case["mesh"] == [2, 2] else 1
+        # Together the ranks read each tensor's bytes once, and no more: HSDP's replicas
+        # split each shard's reading (replicas="split") and complete one another; with
+        # replicas="read", once per replica.
+        replicas = 2 if case.get("replicas") == "read" else 1
         assert sum(read) == _data_bytes(case["path"]) * replicas, (case, read)
-        if case["steps"]:
+        if case.get("steps"):
             assert all(r[k]["steps"] for r in ranks)
 
 
@@ -328,8 +334,7 @@ def test_from_pretrained_is_transformers_fsdp2_load(checkpoints, world, tmp_path
                                  ("dense_fp32", "float32"))]
     ranks = run(world, cases, str(tmp_path))
     for k, case in enumerate(cases):
-        replicas = 2 if mesh == [2, 2] else 1
-        assert sum(r[k]["read"] for r in ranks) == _data_bytes(case["path"]) * replicas
+        assert sum(r[k]["read"] for r in ranks) == _data_bytes(case["path"])
 
 
 @pytest.mark.parametrize("world", [2, 3])

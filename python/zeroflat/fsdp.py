@@ -119,6 +119,7 @@ def _group(process_group) -> Any:
 def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpoint"], *,
          process_group: Any = "default", threads: Optional[int] = None, cold: bool = False,
          copies: str = "sampled", strict: bool = True, keep_tensors: bool = False,
+         replicas: str = "split",
          progress: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
     """Fills every parameter and persistent buffer of ``model`` (sharded by FSDP2's
     ``fully_shard``, its parameters materialized: ``model.to_empty(device=...)`` after building
@@ -144,6 +145,14 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     optimizer after the load, as after any assign. True copies the values into the parameters'
     existing local tensors (an optimizer built before keeps its parameters; one more pass).
 
+    ``replicas``: where the mesh has a dimension along which every DTensor is ``Replicate()``
+    (HSDP's replica groups), ``"split"`` (the default) has the replicas of each shard read a
+    part of it each (the shard cut once more along the dimension it is sharded on, torch.chunk's
+    way, among the replica group) and complete one another with one all-gather over that mesh
+    dimension's group: each byte is read once per replica group, not once per replica (across
+    nodes, each node reads its share and the network completes the rest). ``"read"``: every
+    rank reads its whole shard.
+
     Returns a report: ``bytes_read`` (this rank's file bytes), ``share`` (the file bytes of its
     shards, what it must read), ``seconds``, ``rank``, ``world``, and each load's report under
     ``loads``."""
@@ -158,7 +167,11 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
                            copies=copies, storage_bytes_per_second=0)
         check_callback(progress)
         bool_option("keep_tensors", keep_tensors)
+        if replicas not in ("split", "read"):
+            raise ValueError(f"replicas={replicas!r}: expected 'split' or 'read'")
         prep = _prepare(model, checkpoint, group, strict)
+        if replicas == "split":
+            _split_replicas(prep, _rank(group))
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it
         local_error = e
     world = dist.get_world_size(group) if group is not None else 1
@@ -217,8 +230,10 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
             if buffer is None:
                 continue
             flat = buffer[: lay["flat_bytes"]].view(dtype)
+            blocks = _gather_replicas(prep, buffer[: lay["flat_bytes"]], dtype)
             for m, off in zip(members, lay["offsets"]):
-                view = flat[off: off + m.local.numel()].view(m.local.shape)
+                view = (_assemble(prep, m, off, blocks) if blocks is not None else
+                        flat[off: off + m.local.numel()].view(m.local.shape))
                 if keep_tensors or not _is_dtensor(m.param_obj):
                     m.local.copy_(view)
                     continue
@@ -245,13 +260,78 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
 
 class _Member:
     """A parameter of the load: its names (tied weights have several), the library's LoadParam,
-    the parameter and its local tensor, its placements."""
+    the parameter and its local tensor, the placements the library reads it by; split among
+    replicas, the shape of each replica's part (by replica coordinate) and the dimension it is
+    cut along."""
 
-    __slots__ = ("aliases", "param", "param_obj", "local", "placements")
+    __slots__ = ("aliases", "param", "param_obj", "local", "placements", "parts", "cut")
 
     def __init__(self, aliases, param, param_obj, local, placements):
         self.aliases, self.param, self.param_obj = aliases, param, param_obj
         self.local, self.placements = local, placements
+        self.parts: Optional[List[List[int]]] = None
+        self.cut = 0
+
+
+def _split_replicas(prep: "_Prepared", rank: int) -> None:
+    """HSDP's replicas share the reading of each shard: the mesh dimension along which every
+    DTensor is Replicate() (one such dimension) moves last and becomes one more cut of the
+    dimension each parameter is sharded on (its last Shard(d); dim 0 for a parameter
+    replicated everywhere; a 0-d parameter stays whole). The library reads each rank's part
+    (its layouts, from the placements given); _gather_replicas and _assemble rebuild the
+    shards."""
+    members = [m for ms in prep.by_dtype.values() for m in ms if _is_dtensor(m.param_obj)]
+    dims = [d for d in range(len(prep.mesh_shape)) if prep.mesh_shape[d] > 1 and members
+            and all(m.placements[d] == "Replicate()" for m in members)]
+    if len(dims) != 1:
+        return  # no replica dimension (a 1-D mesh), or several: each rank reads its shard
+    r = dims[0]
+    order = [d for d in range(len(prep.mesh_shape)) if d != r] + [r]
+    shape = [prep.mesh_shape[d] for d in order]
+    coords = [[c[d] for d in order] for c in prep.coords]
+    for m in members:
+        shards = [pl for pl in m.placements if pl.startswith("Shard(")]
+        if not m.param.shape:
+            continue  # a 0-d parameter: every replica reads it (a few bytes)
+        cut = shards[-1] if shards else "Shard(0)"
+        m.cut = int(cut[len("Shard("):-1])
+        m.placements = [m.placements[d] for d in order[:-1]] + [cut]
+        m.parts = []
+        for j in range(prep.mesh_shape[r]):
+            where = list(coords[rank][:-1]) + [j]
+            m.parts.append(list(_C.local_shard(list(m.param.shape), shape, m.placements,
+                                               where)["shape"]))
+    for m in (m for ms in prep.by_dtype.values() for m in ms if m not in members):
+        m.placements = [m.placements[d] for d in order]
+    prep.mesh_shape, prep.coords = shape, coords
+    prep.replica = prep.mesh.mesh.get_group(r)
+    prep.entries.append(f"replicas split along mesh dimension {r}")
+
+
+def _gather_replicas(prep: "_Prepared", flat: torch.Tensor, dtype) -> Optional[List[torch.Tensor]]:
+    """Each replica's loaded buffer (in replica-coordinate order), gathered over the replica
+    group; None when the replicas did not split the reads."""
+    if prep.replica is None:
+        return None
+    n = dist.get_world_size(prep.replica)
+    blocks = [torch.empty_like(flat) for _ in range(n)]
+    dist.all_gather(blocks, flat.contiguous(), group=prep.replica)
+    return [b.view(dtype) for b in blocks]
+
+
+def _assemble(prep: "_Prepared", m: "_Member", off: int, blocks: List[torch.Tensor]):
+    """A parameter's shard from its replicas' parts (cut along m.cut, in coordinate order)."""
+    if m.parts is None:  # read whole by every replica
+        return blocks[0][off: off + m.local.numel()].view(m.local.shape)
+    pieces = []
+    for block, shape in zip(blocks, m.parts):
+        numel = 1
+        for x in shape:
+            numel *= x
+        pieces.append(block[off: off + numel].view(shape))
+    out = torch.cat(pieces, dim=m.cut)
+    assert list(out.shape) == list(m.local.shape), (m.aliases[0], out.shape, m.local.shape)
+    return out
 
 
 def _is_dtensor(t) -> bool:
@@ -268,6 +348,8 @@ class _Prepared:
         self.device: Optional[torch.device] = None  # where the local shards live
         self.mesh_shape: List[int] = [1]
         self.coords: List[List[int]] = [[0]]
+        self.mesh: Optional[_Mesh] = None
+        self.replica = None  # the replica group's process group, when replicas split reads
 
     def share(self, rank: int) -> int:
         """The file bytes of this rank's shards (the library's count)."""
@@ -303,7 +385,7 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
         raise ValueError("the model has no DTensor parameter: shard it with FSDP2's fully_shard "
                          "first (or load a plain model with zeroflat.load_param_groups)")
     mesh = _Mesh(first.device_mesh, group)
-    out.mesh_shape, out.coords = mesh.shape, mesh.coords
+    out.mesh, out.mesh_shape, out.coords = mesh, mesh.shape, mesh.coords
     out.entries.append(f"mesh {mesh.shape} {mesh.mesh.device_type}")
     missing = []
     for pid, p in by_id.items():
