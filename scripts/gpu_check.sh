@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with an NVIDIA GPU (an H200 in this project's runs; no network, no
 # package installs): builds the CUDA parts, runs the GPU tests, the GPU benchmark, torch.cat on
-# the same tensors and `zeroflat run` on cuda:0, then prints one summary table. With OUT set, the
-# table goes to $OUT/gpu-results.md and the raw outputs to $OUT/gpu-logs/.
+# the same tensors, `zeroflat run` on cuda:0, the loader into cuda:0 and, with the Python binding
+# built against the machine's torch, zeroflat.fsdp.load into CUDA DTensors; then prints one
+# summary table. With OUT set, the table goes to $OUT/gpu-results.md and the raw outputs to
+# $OUT/gpu-logs/.
 #
 #   scripts/gpu_check.sh [BUILD_DIR]        (default build-gpu; about 5 minutes on an H200)
 #
@@ -143,6 +145,23 @@ if [ "$BUILT" = 1 ]; then
     step load_cuda_cold 120 "$BUILD/zeroflat" load "$CKPT" --device cuda:0 --cold --json --quiet
     step load_cpu 120 "$BUILD/zeroflat" load "$CKPT" --device cpu --json --quiet
     rm -rf "$CKPT"
+  fi
+fi
+
+# --- FSDP2 into CUDA DTensors (the Python binding, built against this machine's torch) ----------
+if [ -n "$CMAKE" ] && [ -n "$NVCC" ] && [ -n "$PYTHON" ]; then
+  say "python binding with CUDA, then zeroflat.fsdp.load into CUDA DTensors"
+  if step configure_python 300 "$CMAKE" -S "$ROOT" -B "$BUILD-python" "${GEN[@]}" \
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" -DZEROFLAT_WITH_CUDA=ON \
+    -DZEROFLAT_WITH_MPI=OFF -DZEROFLAT_WITH_PYTHON=ON -DPython3_EXECUTABLE="$(command -v "$PYTHON")" \
+    -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_BUILD_TESTS=OFF "${NCCL_ARGS[@]+"${NCCL_ARGS[@]}"}" &&
+    step build_python 600 "$CMAKE" --build "$BUILD-python" -j "$(nproc)" --target zeroflat_python; then
+    step fsdp_cuda 240 env PYTHONPATH="$BUILD-python/python" "$PYTHON" \
+      "$ROOT/python/tests/test_fsdp_cuda.py"
+  else
+    NOTES+=("the Python binding did not build: $(grep -h -m 2 -E 'Error|error' \
+      "$LOGS/configure_python.err" "$LOGS/build_python.out" 2>/dev/null | cut -c1-300 |
+      tr '\n' ' ')")
   fi
 fi
 
@@ -357,6 +376,12 @@ for name, label in (("load_cuda", "warm"), ("load_cuda_cold", "cold"), ("load_cp
         + (", verified" if r0.get("verified") else ""),
         f"{ceiling:.2f} GB/s read + cudaMemcpy" if ceiling else "-",
         f"{ratio:.3f}" if ratio else "-", ">= 0.8", met(ratio, ">= 0.8"))
+code = rc("fsdp_cuda")
+if code is not None:
+    text = (read("fsdp_cuda", "out") or "").strip().splitlines()
+    row("zeroflat.fsdp.load into CUDA DTensors (FSDP2, bf16 checkpoint into fp32 and bf16)",
+        text[-1] if text else f"exit {code}: {tail('fsdp_cuda')}", "", "", "passed",
+        "yes" if code == 0 else "**no**")
 if "warm" in loads and "cpu" in loads:
     a = loads["warm"]["ranks"][0]["checksum"]
     b = loads["cpu"]["ranks"][0]["checksum"]
@@ -390,6 +415,11 @@ if [ -f "$LOGS/ctest.rc" ]; then
   fi
 elif [ "$TESTS" = ON ] && [ -n "$CARD" ]; then
   STATUS=1  # a GPU machine where the tests could not even be built
+fi
+if [ -f "$LOGS/fsdp_cuda.rc" ]; then
+  FSDP_RC=$(cat "$LOGS/fsdp_cuda.rc")
+  # A failure, or a skip (77) on a machine whose driver sees a GPU.
+  if [ "$FSDP_RC" != 0 ] && { [ "$FSDP_RC" != 77 ] || [ -n "$CARD" ]; }; then STATUS=1; fi
 fi
 say "done, exit $STATUS"
 exit "$STATUS"
