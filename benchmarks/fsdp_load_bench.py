@@ -13,6 +13,10 @@ median of --repeat rounds with the range and every round's speedup:
                 storage_reader=HuggingFaceStorageReader(path, thread_count=T)) for T = 1 (its
                 default) and --dcp-threads (its best here)
   zeroflat-dcp  the same call with storage_reader=zeroflat.dcp.Reader(path)
+  accelerate    accelerate's fsdp_cpu_ram_efficient_loading: rank 0 loads the whole model
+                (from_pretrained on the host), the others build it on meta, and
+                accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict broadcasts every tensor
+                from rank 0, each rank keeping its shard
 
 The time of a row is its slowest rank's, to ready: the call returned, then every local shard
 read once (the first step reads them all; Transformers' load maps the files and reads nothing
@@ -46,7 +50,7 @@ from hf_load_bench import drop_cache, free_port, run_rank_job  # noqa: E402
 from zero3_bench import PeakResident, proc_io  # noqa: E402
 
 MB = 1 << 20
-METHODS = ("transformers", "zeroflat", "dcp", "dcp-best", "zeroflat-dcp")
+METHODS = ("transformers", "zeroflat", "dcp", "dcp-best", "zeroflat-dcp", "accelerate")
 
 
 def config_of(a):
@@ -123,6 +127,8 @@ def rank_main(rank, world, port, job):
         elif method == "zeroflat":
             model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path,
                                                 distributed_config=config, dtype=torch.bfloat16)
+        elif method == "accelerate":
+            model = accelerate_load(path, config, rank)
         else:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -156,6 +162,38 @@ def rank_main(rank, world, port, job):
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def accelerate_load(path, config, rank):
+    """accelerate's fsdp_cpu_ram_efficient_loading: rank 0 loads the whole model on the host,
+    every rank builds it sharded on meta, then accelerate's fsdp2_load_full_state_dict
+    broadcasts every tensor from rank 0 and each rank keeps its shard; the non-persistent
+    buffers (rotary inv_freq) made as the model makes them."""
+    import torch
+    from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import initialization as hf_init
+    from transformers.distributed import initialize_distributed_mesh
+
+    class Main:  # the one thing fsdp2_load_full_state_dict asks of its Accelerator
+        is_main_process = rank == 0
+
+    full = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).state_dict()
+            if rank == 0 else {})
+    device, meshes = initialize_distributed_mesh(config)
+    with torch.device("meta"), hf_init.no_tie_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
+                                                 dtype=torch.bfloat16)
+    model = type(model).maybe_distribute_model(model, config, meshes)
+    fsdp2_load_full_state_dict(Main(), model, full)
+    with torch.device(device or "cpu"):
+        for name, module in model.named_modules():
+            for attr in list(module._non_persistent_buffers_set):
+                fresh = getattr(type(module)(module.config), attr, None) if hasattr(
+                    module, "config") else None
+                if fresh is not None:
+                    module.register_buffer(attr, fresh, persistent=False)
+    return model
 
 
 def built(path, config):
@@ -291,7 +329,7 @@ def main():
                           "max": max(times[m]), "returned": statistics.median(returned[m]),
                           **worst[m]}
             for ours, theirs in (("zeroflat", "transformers"), ("zeroflat-dcp", "dcp"),
-                                 ("zeroflat-dcp", "dcp-best")):
+                                 ("zeroflat-dcp", "dcp-best"), ("zeroflat", "accelerate")):
                 if ours in times and theirs in times:
                     row[f"{ours} vs {theirs}"] = [t / o for o, t in
                                                   zip(times[ours], times[theirs])]
@@ -369,7 +407,8 @@ def plot(rows, methods, path, title):
 def table(rows, methods):
     head = ["ranks", "cache"] + [f"{m} s ready [range] (returned)" for m in methods] + [
         "zeroflat vs transformers (each round)", "target", "zeroflat-dcp vs dcp-best", "target",
-        "zeroflat read / share", "zeroflat rss / shards", "same values"]
+        "zeroflat vs accelerate (each round)", "zeroflat read / share", "zeroflat rss / shards",
+        "accelerate rss / shards", "same values"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["ranks"]), r["cache"]]
@@ -381,9 +420,14 @@ def table(rows, methods):
             cells.append(f"**{statistics.median(v):.2f} x** ({', '.join(f'{x:.2f}' for x in v)})"
                          if v else "")
             cells.append(target(r, key))
+        v = r.get("zeroflat vs accelerate")
+        cells.append(f"{statistics.median(v):.2f} x ({', '.join(f'{x:.2f}' for x in v)})"
+                     if v else "")
         z = r.get("zeroflat") or r.get("zeroflat-dcp")
         cells.append(f"{z['read_ratio']:.2f}" if z else "")
         cells.append(f"{z['rss_ratio']:.2f}" if z else "")
+        acc = r.get("accelerate")
+        cells.append(f"{acc['rss_ratio']:.2f}" if acc else "")
         cells.append("yes" if r["same_values"] else "NO")
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
