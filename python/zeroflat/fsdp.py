@@ -291,8 +291,9 @@ def _split_replicas(prep: "_Prepared", rank: int) -> None:
     coords = [[c[d] for d in order] for c in prep.coords]
     for m in members:
         shards = [pl for pl in m.placements if pl.startswith("Shard(")]
-        if not m.param.shape:
-            continue  # a 0-d parameter: every replica reads it (a few bytes)
+        if not m.param.shape:  # a 0-d parameter: every replica reads it (a few bytes)
+            m.placements = [m.placements[d] for d in order]
+            continue
         cut = shards[-1] if shards else "Shard(0)"
         m.cut = int(cut[len("Shard("):-1])
         m.placements = [m.placements[d] for d in order[:-1]] + [cut]
