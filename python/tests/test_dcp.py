@@ -340,3 +340,22 @@ def test_a_truncated_data_file_is_refused(single):
     os.truncate(p, os.path.getsize(p) // 2)
     with pytest.raises(BaseException, match=r"past the end of the file"):
         _load_single(single)
+
+
+def test_a_row_of_dcps_index_is_refused_in_a_torch_save_file(tmp_path):
+    """The allow-list's rows say where they may be named: DCP's classes in a torch.save file
+    (a DeepSpeed checkpoint, a DCP item) are refused as off the list there."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from zeroflat import _C
+
+    path = tmp_path / "x.pt"
+    torch.save({"chunk": ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1]))},
+               path)
+    with pytest.raises(BaseException, match=r"ChunkStorageMetadata' is allowed in DCP "
+                                            r"\.metadata only, not in torch\.save files"):
+        _C.TorchFile(str(path))
+    rows = {(m, n): where for m, n, _, _, _, where in _C.allowed_globals()}
+    assert rows[("torch.distributed.checkpoint.metadata", "Metadata")] == "DCP .metadata"
+    assert rows[("torch._utils", "_rebuild_tensor_v2")] == "torch.save files"
+    assert rows[("torch", "Size")] == "torch.save files and DCP .metadata"
