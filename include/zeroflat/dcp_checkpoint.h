@@ -64,6 +64,8 @@ struct DcpItem {
   bool is_bytes = false;       // a value saved by torch.save (read_dcp_value), not a tensor
   std::string dtype;           // tensors: torch's name ("float32", "bfloat16", "int64", ...)
   Shape size;                  // tensors: the global size
+  std::uint64_t numel = 0;     // tensors: elements of the global tensor
+  std::uint64_t bytes = 0;     // tensors: numel * the dtype's element size
   bool requires_grad = false;
   std::vector<DcpChunk> chunks;  // tensors: every chunk saved; bytes items: one, no dimensions
   // planner_data's path of the fqn in the nested state dict; empty when the index has none.
@@ -78,6 +80,8 @@ struct DcpCheckpoint {
   std::vector<std::uint64_t> file_bytes;
   std::vector<DcpItem> items;       // in the index's order
   std::uint64_t metadata_bytes = 0;
+  std::uint64_t tensor_bytes = 0;   // every tensor item's bytes
+  std::uint64_t chunks = 0;         // every tensor item's chunks
   // The item of that fqn, or null. O(log n).
   const DcpItem* find(const std::string& fqn) const;
   std::vector<std::uint32_t> by_fqn;  // indices of items sorted by fqn

@@ -359,3 +359,48 @@ def test_a_row_of_dcps_index_is_refused_in_a_torch_save_file(tmp_path):
     assert rows[("torch.distributed.checkpoint.metadata", "Metadata")] == "DCP .metadata"
     assert rows[("torch._utils", "_rebuild_tensor_v2")] == "torch.save files"
     assert rows[("torch", "Size")] == "torch.save files and DCP .metadata"
+
+
+def _cli(*args):
+    import subprocess
+
+    from test_torch_file import cli_path
+
+    return subprocess.run([str(cli_path()), *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_zeroflat_inspect_lists_a_dcp_folder_and_refuses_a_hostile_one(single, tmp_path):
+    from zeroflat import _C
+
+    r = _cli("inspect", single, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    items = _C.DcpCheckpoint(single).items()
+    assert doc["source"] == "dcp" and doc["tensors"] + doc["values"] == len(items)
+    assert doc["values"] == sum(1 for it in items if it[1])
+    assert doc["largest"][0]["name"] == "model.embed.weight"  # the vocabulary's rows
+    assert doc["bytes"] == sum(v.numel() * v.element_size() for v in _flat_tensors(single))
+    marker = tmp_path / "ran"
+    md = _metadata(single)
+    md.storage_meta.modules = [Payload(marker)]
+    _rewrite(single, md)
+    r = _cli("inspect", single, "--json")
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    err = json.loads(r.stdout)
+    assert err["error_kind"] == "invalid input" and "posix system" in err["error"], err
+    assert not marker.exists()
+
+
+def _flat_tensors(path):
+    """Every tensor DCP's own reader loads from the folder (this test's own file: trusted)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(path).read_metadata()
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = []
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            out.append(torch.empty(m.size, dtype=m.properties.dtype))
+    return out

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "cli/common.h"
+#include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/resume.h"
@@ -161,6 +162,75 @@ int inspect_torch(const std::string& path, bool json, std::uint64_t largest) {
                 format_bytes(t->numel * t->element_size).c_str(),
                 static_cast<unsigned long long>(t->offset),
                 t->contiguous ? "" : (" (strided " + shape_to_string(t->stride) + ")").c_str());
+  }
+  return kExitOk;
+}
+
+// A DCP folder (dcp_checkpoint.h): its index, read without running it.
+int inspect_dcp(const std::string& path, bool json, std::uint64_t largest) {
+  const DcpCheckpoint ck = open_dcp_checkpoint(path);
+  // Sums the reader bounded: each item's bytes and their total fit in 64 bits, and the
+  // elements are at most as many as the bytes.
+  std::uint64_t numel = 0, values = 0, file_bytes = 0;
+  std::map<std::string, std::uint64_t> by_dtype;
+  std::vector<const DcpItem*> tensors;
+  for (const DcpItem& it : ck.items) {
+    if (it.is_bytes) {
+      ++values;
+      continue;
+    }
+    numel += it.numel;
+    by_dtype[it.dtype] += it.bytes;
+    tensors.push_back(&it);
+  }
+  for (std::uint64_t b : ck.file_bytes) file_bytes += b;  // sizes of real files
+  const std::uint64_t bytes = ck.tensor_bytes, chunks = ck.chunks;
+  auto bytes_of = [](const DcpItem* it) { return it->bytes; };
+  std::stable_sort(tensors.begin(), tensors.end(),
+                   [&](const DcpItem* a, const DcpItem* b) { return bytes_of(a) > bytes_of(b); });
+  if (tensors.size() > largest) tensors.resize(largest);
+  if (json) {
+    Json doc;
+    doc["path"] = path;
+    doc["source"] = "dcp";
+    doc["version"] = ck.version;
+    doc["files"] = ck.files.size();
+    doc["file_bytes"] = file_bytes;
+    doc["metadata_bytes"] = ck.metadata_bytes;
+    doc["tensors"] = ck.items.size() - values;
+    doc["values"] = values;
+    doc["chunks"] = chunks;
+    doc["numel"] = numel;
+    doc["bytes"] = bytes;
+    doc["dtypes"] = Json::object();
+    for (const auto& [d, b] : by_dtype) doc["dtypes"][d] = b;
+    doc["largest"] = Json::array();
+    for (const DcpItem* it : tensors) {
+      doc["largest"].push_back(Json{{"name", it->fqn},
+                                    {"dtype", it->dtype},
+                                    {"shape", it->size},
+                                    {"chunks", it->chunks.size()},
+                                    {"bytes", bytes_of(it)}});
+    }
+    print_json(doc);
+    return kExitOk;
+  }
+  std::printf("%s (DCP checkpoint, version %s, %s file%s of %s): %s tensors in %s chunks, %s "
+              "elements, %s; %s values saved as bytes\n",
+              printable(path, 200).c_str(), ck.version.empty() ? "-" : ck.version.c_str(),
+              format_count(ck.files.size()).c_str(), ck.files.size() == 1 ? "" : "s",
+              format_bytes(file_bytes).c_str(), format_count(ck.items.size() - values).c_str(),
+              format_count(chunks).c_str(), format_count(numel).c_str(),
+              format_bytes(bytes).c_str(), format_count(values).c_str());
+  for (const auto& [d, b] : by_dtype) {
+    std::printf("  %-8s %s\n", printable(d).c_str(), format_bytes(b).c_str());
+  }
+  if (!tensors.empty()) std::printf("largest:\n");
+  for (const DcpItem* it : tensors) {
+    std::printf("  %-56s %-8s %-16s %s in %zu chunk%s\n", printable(it->fqn, 53).c_str(),
+                printable(it->dtype).c_str(), shape_to_string(it->size).c_str(),
+                format_bytes(bytes_of(it)).c_str(), it->chunks.size(),
+                it->chunks.size() == 1 ? "" : "s");
   }
   return kExitOk;
 }
@@ -507,6 +577,9 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
            "checkpoint folder (the one holding 'latest', or a tag folder) reports the saving\n"
            "run's stage, world size and release, its groups, optimizer states, frozen parameters\n"
            "and buffers; with --dp N, which files and bytes each rank of a world of N would read.\n"
+           "A PyTorch DCP folder (the '.metadata' and '.distcp' files torch.distributed.\n"
+           "checkpoint.save writes) is read by the same restricted reader: its tensors, chunks,\n"
+           "bytes per dtype and the values it saved as bytes.\n"
            "Every field of an untrusted file is checked: a malformed one is exit 2 with the file\n"
            "and the problem named.");
   p.option("largest", "N", "how many of the largest tensors to list", "5");
@@ -520,7 +593,7 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
       "examples:\n  zeroflat inspect model.safetensors\n  zeroflat inspect ./Qwen3-30B-A3B/\n"
       "  zeroflat inspect config.json --json\n  zeroflat inspect "
       "ckpt/step2/mp_rank_00_model_states.pt\n"
-      "  zeroflat inspect ckpt/ --dp 4");
+      "  zeroflat inspect ckpt/ --dp 4\n  zeroflat inspect dcp_checkpoint/");
   std::optional<Args> parsed = p.parse_or_help(argv);
   if (!parsed) return kExitOk;
   const Args& args = *parsed;
@@ -549,6 +622,7 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
                      printable(path, 200) + " is not one");
   }
   if (is_torch_file(path)) return inspect_torch(path, args.has("json"), largest);
+  if (is_dcp_checkpoint(path)) return inspect_dcp(path, args.has("json"), largest);
   Inspection in = inspect_path(path);
   std::vector<const TensorInfo*> order;
   for (const TensorInfo& t : in.tensors) order.push_back(&t);

@@ -313,6 +313,11 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
       numel = detail::checked_mul(numel, s, (file + ": " + where + "'s element count").c_str());
       item.size.push_back(static_cast<std::int64_t>(s));
     }
+    item.numel = numel;
+    item.bytes = detail::checked_mul(numel, detail::torch_dtype_size(item.dtype),
+                                     (file + ": " + where + "'s bytes").c_str());
+    out.tensor_bytes = detail::checked_add(out.tensor_bytes, item.bytes,
+                                           (file + ": the tensors' bytes").c_str());
     const std::uint32_t chunks = Walker::get(f, "chunks");
     if (chunks == kNoNode || w.node(chunks).kind != NodeKind::kList) {
       throw w.fail(where, "its chunks are not a list");
@@ -335,7 +340,8 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
                                offsets_text(size));
         }
       }
-      if (++chunks_total > kMaxDcpChunks) {
+      out.chunks = ++chunks_total;
+      if (chunks_total > kMaxDcpChunks) {
         throw w.fail(cw, "more than " + std::to_string(kMaxDcpChunks) + " chunks");
       }
       if (!wanted.emplace(Key{item.fqn, true, chunk.offsets},
