@@ -67,9 +67,11 @@ def rank_main(way, nodes, per_node):
         local = p.to_local() if hasattr(p, "to_local") else p
         total += float(local.detach().float().sum())
     ready = time.perf_counter() - t0
+    report = getattr(model, "zeroflat_report", None) or {}
     dist.barrier()
     print(RESULT + json.dumps({"rank": dist.get_rank(), "seconds": ready, "returned": returned,
-                               "checksum": total}), flush=True)
+                               "checksum": total, "read_seconds": report.get("read_seconds"),
+                               "assign_seconds": report.get("assign_seconds")}), flush=True)
     dist.destroy_process_group()
     return 0
 
@@ -142,13 +144,18 @@ def main():
             res, ranks = run(a, way, checkpoint, copies)
             disk = [n["disk_read_bytes"] for n in res["per_node"]]
             rounds[way].append({"seconds": max(r["seconds"] for r in ranks),
+                                "read_seconds": max((r["read_seconds"] or 0) for r in ranks),
+                                "assign_seconds": max((r["assign_seconds"] or 0) for r in ranks),
                                 "returned": max(r["returned"] for r in ranks),
                                 "disk_x_share": max(d / (size / a.nodes) for d in disk),
                                 "link_received": [n.get("link_received_bytes")
                                                   for n in res["per_node"]],
                                 "checksum": sorted(r["checksum"] for r in ranks)})
-            print(f"  round {i + 1} {way}: {rounds[way][-1]['seconds']:.2f} s, node reads "
-                  f"{rounds[way][-1]['disk_x_share']:.2f} x share", file=sys.stderr, flush=True)
+            last = rounds[way][-1]
+            parts = (f" (load to every rank read {last['read_seconds']:.2f} s, exchange and "
+                     f"hand-over {last['assign_seconds']:.2f} s)" if way == "zeroflat" else "")
+            print(f"  round {i + 1} {way}: {last['seconds']:.2f} s{parts}, node reads "
+                  f"{last['disk_x_share']:.2f} x share", file=sys.stderr, flush=True)
     speed = [t["seconds"] / z["seconds"] for t, z in zip(rounds["transformers"],
                                                            rounds["zeroflat"])]
     med = {w: statistics.median(r["seconds"] for r in rounds[w]) for w in WAYS}

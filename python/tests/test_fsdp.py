@@ -125,14 +125,32 @@ def _steps(model, rank, steps=3):
     return losses
 
 
+class _PerNode:
+    """The binding, but for the ranks per node it reports."""
+
+    def __init__(self, inner, per_node):
+        self.inner, self.per_node = inner, per_node
+
+    def local_ranks(self):
+        return self.per_node
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def _equal_case(rank, mesh, case):
     import zeroflat.fsdp
 
     dtype = getattr(torch, case["dtype"])
     ours = _empty_sharded(case["path"], dtype, mesh)
     kept = {n: p.to_local() for n, p in ours.named_parameters()}
-    report = zeroflat.fsdp.load(ours, case["path"], keep_tensors=case.get("keep", False),
-                                replicas=case.get("replicas", "split"))
+    if case.get("per_node"):  # the launcher's ranks per node, as LOCAL_WORLD_SIZE gives them
+        zeroflat.fsdp._C = _PerNode(zeroflat.fsdp._C, case["per_node"])
+    try:
+        report = zeroflat.fsdp.load(ours, case["path"], keep_tensors=case.get("keep", False),
+                                    replicas=case.get("replicas", "split"))
+    finally:
+        zeroflat.fsdp._C = getattr(zeroflat.fsdp._C, "inner", zeroflat.fsdp._C)
     for n, p in ours.named_parameters():
         if p.to_local().numel() == 0:
             continue  # an empty shard (a last rank of uneven rows) has no memory to compare
@@ -308,16 +326,20 @@ def test_every_rank_holds_what_a_full_load_then_fully_shard_gives(checkpoints, w
             cases.append({"mesh": mesh, "path": checkpoints[name], "dtype": dtype,
                           "steps": name == "dense_tied" and dtype == "bfloat16",
                           "keep": name == "dense_fp32"})
-    if world == 4:  # HSDP with each replica reading its whole shard
+    if world == 4:  # HSDP with each replica reading its whole shard; replicas="auto" on 2
+        # nodes of 2 ranks (a replica group across nodes: split), and on one node of 4 (read)
         cases.append({"mesh": [2, 2], "path": checkpoints["moe"], "dtype": "bfloat16",
                       "replicas": "read"})
+        for per_node in (2, 4):
+            cases.append({"mesh": [2, 2], "path": checkpoints["dense_tied"], "dtype": "bfloat16",
+                          "replicas": "auto", "per_node": per_node})
     ranks = run(world, cases, str(tmp_path))
     for k, case in enumerate(cases):
         read = [r[k]["read"] for r in ranks]
         # Together the ranks read each tensor's bytes once, and no more: HSDP's replicas
         # split each shard's reading (replicas="split") and complete one another; with
         # replicas="read", once per replica.
-        replicas = 2 if case.get("replicas") == "read" else 1
+        replicas = 2 if (case.get("replicas") == "read" or case.get("per_node") == 4) else 1
         assert sum(read) == _data_bytes(case["path"]) * replicas, (case, read)
         if case.get("steps"):
             assert all(r[k]["steps"] for r in ranks)
@@ -334,7 +356,10 @@ def test_from_pretrained_is_transformers_fsdp2_load(checkpoints, world, tmp_path
                                  ("dense_fp32", "float32"))]
     ranks = run(world, cases, str(tmp_path))
     for k, case in enumerate(cases):
-        assert sum(r[k]["read"] for r in ranks) == _data_bytes(case["path"])
+        # replicas="auto" on one node: each replica reads its shard (the page cache serves
+        # the second read)
+        replicas = 2 if mesh == [2, 2] else 1
+        assert sum(r[k]["read"] for r in ranks) == _data_bytes(case["path"]) * replicas
 
 
 @pytest.mark.parametrize("world", [2, 3])

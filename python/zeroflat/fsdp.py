@@ -119,7 +119,7 @@ def _group(process_group) -> Any:
 def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpoint"], *,
          process_group: Any = "default", threads: Optional[int] = None, cold: bool = False,
          copies: str = "sampled", strict: bool = True, keep_tensors: bool = False,
-         replicas: str = "split",
+         replicas: str = "auto",
          progress: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
     """Fills every parameter and persistent buffer of ``model`` (sharded by FSDP2's
     ``fully_shard``, its parameters materialized: ``model.to_empty(device=...)`` after building
@@ -146,16 +146,21 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     existing local tensors (an optimizer built before keeps its parameters; one more pass).
 
     ``replicas``: where the mesh has a dimension along which every DTensor is ``Replicate()``
-    (HSDP's replica groups), ``"split"`` (the default) has the replicas of each shard read a
-    part of it each (the shard cut once more along the dimension it is sharded on, torch.chunk's
-    way, among the replica group) and complete one another with one all-gather over that mesh
-    dimension's group: each byte is read once per replica group, not once per replica (across
-    nodes, each node reads its share and the network completes the rest). ``"read"``: every
-    rank reads its whole shard.
+    (HSDP's replica groups), ``"split"`` has the replicas of each shard read a part of it each
+    (the shard cut once more along the dimension it is sharded on, torch.chunk's way, among the
+    replica group) and complete one another with one all-gather over that mesh dimension's
+    group: each byte is read once per replica group, not once per replica (across nodes, each
+    node reads its share and the network completes the rest). ``"read"``: every rank reads its
+    whole shard (replicas on one node share the page cache: the storage is read once per node
+    anyway). ``"auto"`` (the default): ``"split"`` where a replica group spans nodes (by the
+    launcher's ranks per node, ``LOCAL_WORLD_SIZE`` or ``ZEROFLAT_LOCAL_RANKS``, nodes holding
+    consecutive ranks as torchrun numbers them), else ``"read"``.
 
-    Returns a report: ``bytes_read`` (this rank's file bytes), ``share`` (the file bytes of its
-    shards, what it must read), ``seconds``, ``rank``, ``world``, and each load's report under
-    ``loads``."""
+    Returns a report: ``bytes_read`` (this rank's file bytes), ``share`` (the file bytes it must
+    read: its shards', or its part of them when the replicas split), ``seconds`` (of which
+    ``read_seconds`` until every rank read everything, ``assign_seconds`` after: the replicas'
+    all-gather, then the shards handed to the model), ``replicas_split``, ``rank``, ``world``,
+    and each load's report under ``loads``."""
     t0 = time.perf_counter()
     local_error: Optional[BaseException] = None
     prep = None
@@ -167,11 +172,11 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
                            copies=copies, storage_bytes_per_second=0)
         check_callback(progress)
         bool_option("keep_tensors", keep_tensors)
-        if replicas not in ("split", "read"):
-            raise ValueError(f"replicas={replicas!r}: expected 'split' or 'read'")
+        if replicas not in ("auto", "split", "read"):
+            raise ValueError(f"replicas={replicas!r}: expected 'auto', 'split' or 'read'")
         prep = _prepare(model, checkpoint, group, strict)
-        if replicas == "split":
-            _split_replicas(prep, _rank(group))
+        if replicas != "read":
+            _split_replicas(prep, _rank(group), only_across_nodes=replicas == "auto")
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it
         local_error = e
     world = dist.get_world_size(group) if group is not None else 1
@@ -188,14 +193,15 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
 
     # One load per dtype of the local shards, and at least one: the first carries any rank's
     # own error and compares the whole model, so that every rank raises at the same point.
-    keys = sorted(prep.by_dtype, key=str) if prep is not None else []
-    calls = max(1, len(keys))
+    # Split among replicas, each load's all-gather over the replica group runs (gloo's or
+    # NCCL's own thread) while the next dtype's load reads.
+    batches = _batches(prep) if prep is not None else []
+    calls = max(1, len(batches))
     results = []
     watch = Watch(f"load {path}", rank, world, progress if prep is not None else None)
     with watch:
         for k in range(calls):
-            dtype = keys[k] if k < len(keys) else torch.bfloat16
-            members = prep.by_dtype[dtype] if prep is not None and keys else []
+            dtype, members = batches[k] if k < len(batches) else (torch.bfloat16, [])
             options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=world), threads=nthreads,
                                         master=False)
             options.progress = watch.counts
@@ -221,16 +227,22 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
             if report["outcome"] == "infeasible":
                 raise NoFeasiblePlan(f"the shards do not fit: {report['reason']}; nothing was "
                                      "read", report)
-            results.append((members, report, buffer, lay, dtype))
+            gathering = (_gather_replicas(prep, buffer[: lay["flat_bytes"]], dtype)
+                         if buffer is not None else None)
+            results.append((members, report, buffer, lay, dtype, gathering))
     assert local_error is None and prep is not None
     # Every rank read everything: the model takes it.
+    t_read = time.perf_counter()
     with torch.no_grad():
         assigned = {}
-        for members, report, buffer, lay, dtype in results:
+        for members, report, buffer, lay, dtype, gathering in results:
             if buffer is None:
                 continue
             flat = buffer[: lay["flat_bytes"]].view(dtype)
-            blocks = _gather_replicas(prep, buffer[: lay["flat_bytes"]], dtype)
+            blocks = None
+            if gathering is not None:
+                blocks, work = gathering
+                work.wait()
             for m, off in zip(members, lay["offsets"]):
                 view = (_assemble(prep, m, off, blocks) if blocks is not None else
                         flat[off: off + m.local.numel()].view(m.local.shape))
@@ -252,10 +264,12 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
             model.load_state_dict(assigned, strict=False, assign=True)
         for local, value in prep.whole:
             local.copy_(value)
-    bytes_read = sum(int(r.get("bytes_read") or 0) for _, r, _, _, _ in results)
+    bytes_read = sum(int(r[1].get("bytes_read") or 0) for r in results)
+    done = time.perf_counter()
     return {"rank": rank, "world": world, "bytes_read": bytes_read, "share": prep.share(rank),
-            "seconds": time.perf_counter() - t0,
-            "loads": [r for _, r, _, _, _ in results]}
+            "seconds": done - t0, "read_seconds": t_read - t0, "assign_seconds": done - t_read,
+            "replicas_split": prep.replica is not None,
+            "loads": [r[1] for r in results]}
 
 
 class _Member:
@@ -273,7 +287,7 @@ class _Member:
         self.cut = 0
 
 
-def _split_replicas(prep: "_Prepared", rank: int) -> None:
+def _split_replicas(prep: "_Prepared", rank: int, only_across_nodes: bool) -> None:
     """HSDP's replicas share the reading of each shard: the mesh dimension along which every
     DTensor is Replicate() (one such dimension) moves last and becomes one more cut of the
     dimension each parameter is sharded on (its last Shard(d); dim 0 for a parameter
@@ -286,6 +300,11 @@ def _split_replicas(prep: "_Prepared", rank: int) -> None:
     if len(dims) != 1:
         return  # no replica dimension (a 1-D mesh), or several: each rank reads its shard
     r = dims[0]
+    group = prep.mesh.mesh.get_group(r)
+    if only_across_nodes:
+        per_node = _C.local_ranks()
+        if not per_node or len({g // per_node for g in dist.get_process_group_ranks(group)}) < 2:
+            return  # one node (or not known): its page cache serves each replica's reads
     order = [d for d in range(len(prep.mesh_shape)) if d != r] + [r]
     shape = [prep.mesh_shape[d] for d in order]
     coords = [[c[d] for d in order] for c in prep.coords]
@@ -305,31 +324,41 @@ def _split_replicas(prep: "_Prepared", rank: int) -> None:
     for m in (m for ms in prep.by_dtype.values() for m in ms if m not in members):
         m.placements = [m.placements[d] for d in order]
     prep.mesh_shape, prep.coords = shape, coords
-    prep.replica = prep.mesh.mesh.get_group(r)
+    prep.replica = group
     prep.entries.append(f"replicas split along mesh dimension {r}")
 
 
-def _gather_replicas(prep: "_Prepared", flat: torch.Tensor, dtype) -> Optional[List[torch.Tensor]]:
-    """Each replica's loaded buffer (in replica-coordinate order), gathered over the replica
-    group; None when the replicas did not split the reads."""
+def _batches(prep: "_Prepared") -> List[Tuple[torch.dtype, List["_Member"]]]:
+    """The loads: one per dtype of the local shards. (Cutting them in parts so that the
+    replicas' all-gather of one overlaps the reading of the next was slower on the nodes
+    harness: each part's agreement rounds waited behind the bulk transfer on the link.)"""
+    return [(dtype, prep.by_dtype[dtype]) for dtype in sorted(prep.by_dtype, key=str)]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
+
+
+def _gather_replicas(prep: "_Prepared", flat: torch.Tensor, dtype):
+    """Each replica's loaded part (in replica-coordinate order), gathered over the replica
+    group without waiting: (blocks, work), or None when the replicas did not split the reads."""
     if prep.replica is None:
         return None
     n = dist.get_world_size(prep.replica)
-    blocks = [torch.empty_like(flat) for _ in range(n)]
-    dist.all_gather(blocks, flat.contiguous(), group=prep.replica)
-    return [b.view(dtype) for b in blocks]
+    src = flat.contiguous()
+    blocks = [torch.empty_like(src) for _ in range(n)]
+    work = dist.all_gather(blocks, src, group=prep.replica, async_op=True)
+    return [b.view(dtype) for b in blocks], work
 
 
 def _assemble(prep: "_Prepared", m: "_Member", off: int, blocks: List[torch.Tensor]):
     """A parameter's shard from its replicas' parts (cut along m.cut, in coordinate order)."""
     if m.parts is None:  # read whole by every replica
         return blocks[0][off: off + m.local.numel()].view(m.local.shape)
-    pieces = []
-    for block, shape in zip(blocks, m.parts):
-        numel = 1
-        for x in shape:
-            numel *= x
-        pieces.append(block[off: off + numel].view(shape))
+    pieces = [block[off: off + _numel(shape)].view(shape) for block, shape in zip(blocks, m.parts)]
     out = torch.cat(pieces, dim=m.cut)
     assert list(out.shape) == list(m.local.shape), (m.aliases[0], out.shape, m.local.shape)
     return out
