@@ -46,26 +46,6 @@ const DcpDtype* dtype_named(std::string_view torch) {
   return nullptr;
 }
 
-const char* kind_name(NodeKind k) {
-  switch (k) {
-    case NodeKind::kNone: return "None";
-    case NodeKind::kBool: return "bool";
-    case NodeKind::kInt: return "int";
-    case NodeKind::kFloat: return "float";
-    case NodeKind::kString: return "string";
-    case NodeKind::kBytes: return "bytes";
-    case NodeKind::kList: return "list";
-    case NodeKind::kTuple: return "tuple";
-    case NodeKind::kDict: return "dict";
-    case NodeKind::kGlobal: return "global";
-    case NodeKind::kStorage: return "storage";
-    case NodeKind::kTensor: return "tensor";
-    case NodeKind::kObject: return "object";
-    case NodeKind::kEnum: return "enum member";
-  }
-  return "value";
-}
-
 // Walks the index's graph, every field checked; errors name `.metadata` and the field.
 class Walker {
  public:
@@ -103,9 +83,9 @@ class Walker {
   std::string describe(const Node& n) const {
     if (n.kind == NodeKind::kObject || n.kind == NodeKind::kGlobal || n.kind == NodeKind::kEnum) {
       const detail::AllowedGlobal& row = detail::allowed_globals()[n.ref];
-      return std::string(kind_name(n.kind)) + " " + row.module + "." + row.name;
+      return std::string(detail::node_kind_name(n.kind)) + " " + row.module + "." + row.name;
     }
-    return std::string("a ") + kind_name(n.kind);
+    return "a " + std::string(detail::node_kind_name(n.kind));
   }
 
   static std::uint32_t get(const std::map<std::string, std::uint32_t>& f, const char* name) {

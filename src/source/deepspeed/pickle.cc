@@ -202,25 +202,6 @@ const char* opcode_name(unsigned char op) {
   }
 }
 
-std::string_view node_kind_name(NodeKind k) {
-  switch (k) {
-    case NodeKind::kNone: return "None";
-    case NodeKind::kBool: return "bool";
-    case NodeKind::kInt: return "int";
-    case NodeKind::kFloat: return "float";
-    case NodeKind::kString: return "str";
-    case NodeKind::kBytes: return "bytes";
-    case NodeKind::kList: return "list";
-    case NodeKind::kTuple: return "tuple";
-    case NodeKind::kDict: return "dict";
-    case NodeKind::kGlobal: return "global";
-    case NodeKind::kStorage: return "storage";
-    case NodeKind::kTensor: return "tensor";
-    case NodeKind::kObject: return "object";
-    case NodeKind::kEnum: return "enum member";
-  }
-  return "?";
-}
 
 // The deepest tuple a dict key may be.
 constexpr int kMaxKeyDepth = 16;
@@ -1171,6 +1152,26 @@ class Machine {
 };
 
 }  // namespace
+
+std::string_view node_kind_name(NodeKind k) {
+  switch (k) {
+    case NodeKind::kNone: return "None";
+    case NodeKind::kBool: return "bool";
+    case NodeKind::kInt: return "int";
+    case NodeKind::kFloat: return "float";
+    case NodeKind::kString: return "str";
+    case NodeKind::kBytes: return "bytes";
+    case NodeKind::kList: return "list";
+    case NodeKind::kTuple: return "tuple";
+    case NodeKind::kDict: return "dict";
+    case NodeKind::kGlobal: return "global";
+    case NodeKind::kStorage: return "storage";
+    case NodeKind::kTensor: return "tensor";
+    case NodeKind::kObject: return "object";
+    case NodeKind::kEnum: return "enum member";
+  }
+  return "?";
+}
 
 std::span<const AllowedGlobal> allowed_globals() { return kAllowed; }
 

@@ -99,6 +99,10 @@ struct Node {
   std::vector<std::int64_t> dims;
 };
 
+// "None", "bool", "int", "float", "str", "bytes", "list", "tuple", "dict", "global", "storage",
+// "tensor", "object", "enum member".
+std::string_view node_kind_name(NodeKind k);
+
 struct PickleGraph {
   std::vector<Node> nodes;
   std::uint32_t root = kNoNode;
