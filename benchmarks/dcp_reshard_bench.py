@@ -33,7 +33,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_load_bench import drop_cache, free_port, run_rank_job  # noqa: E402
+from hf_load_bench import drop_cache, free_port, gloo_rank, run_rank_job  # noqa: E402
 from zero3_bench import proc_io  # noqa: E402
 
 METHODS = ("dcp", "zeroflat")
@@ -75,9 +75,7 @@ def build(a, mesh):
 
 
 def rank_main(rank, world, port, job):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    gloo_rank(rank, world, port)
     import gc
     import hashlib
 
@@ -89,8 +87,6 @@ def rank_main(rank, world, port, job):
 
     import zeroflat.dcp
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     model, opt = build(job, mesh)
     msd, osd = get_state_dict(model, opt)  # creates the optimizer's states: untimed

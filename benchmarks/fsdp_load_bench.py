@@ -46,7 +46,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_load_bench import drop_cache, free_port, run_rank_job  # noqa: E402
+from hf_load_bench import drop_cache, free_port, gloo_rank, run_rank_job  # noqa: E402
 from zero3_bench import PeakResident, proc_io  # noqa: E402
 
 MB = 1 << 20
@@ -84,14 +84,9 @@ def save(a, path):
 # --- one rank -----------------------------------------------------------------------------------
 
 def rank_main(rank, world, port, job):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    gloo_rank(rank, world, port)
     import torch
     import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from transformers import AutoModelForCausalLM, DistributedConfig
 
     import zeroflat.fsdp

@@ -104,6 +104,18 @@ def free_port():
         return s.getsockname()[1]
 
 
+def gloo_rank(rank, world, port):
+    """One rank of `world` on this host: torchrun's variables, one thread, a gloo group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
 def run_rank_job(script, world, job, timeout, what, env=()):
     """``script --rank-job JOB --world N`` in a fresh process (its ranks write their reports to
     JOB["result"].RANK as JSON); the ranks' reports, or exit naming ``what`` with the stderr."""

@@ -21,6 +21,7 @@ differ) is raised on every rank with every model as it was."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -322,7 +323,8 @@ def _split_replicas(prep: "_Prepared", rank: int, only_across_nodes: bool) -> No
             where = list(coords[rank][:-1]) + [j]
             m.parts.append(list(_C.local_shard(list(m.param.shape), shape, m.placements,
                                                where)["shape"]))
-    for m in (m for ms in prep.by_dtype.values() for m in ms if m not in members):
+    split = {id(m) for m in members}
+    for m in (m for ms in prep.by_dtype.values() for m in ms if id(m) not in split):
         m.placements = [m.placements[d] for d in order]
     prep.mesh_shape, prep.coords = shape, coords
     prep.replica = group
@@ -334,13 +336,6 @@ def _batches(prep: "_Prepared") -> List[Tuple[torch.dtype, List["_Member"]]]:
     replicas' all-gather of one overlaps the reading of the next was slower on the nodes
     harness: each part's agreement rounds waited behind the bulk transfer on the link.)"""
     return [(dtype, prep.by_dtype[dtype]) for dtype in sorted(prep.by_dtype, key=str)]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for x in shape:
-        n *= int(x)
-    return n
 
 
 def _gather_replicas(prep: "_Prepared", flat: torch.Tensor, dtype):
@@ -359,7 +354,8 @@ def _assemble(prep: "_Prepared", m: "_Member", off: int, blocks: List[torch.Tens
     """A parameter's shard from its replicas' parts (cut along m.cut, in coordinate order)."""
     if m.parts is None:  # read whole by every replica
         return blocks[0][off: off + m.local.numel()].view(m.local.shape)
-    pieces = [block[off: off + _numel(shape)].view(shape) for block, shape in zip(blocks, m.parts)]
+    pieces = [block[off: off + math.prod(shape)].view(shape)
+              for block, shape in zip(blocks, m.parts)]
     out = torch.cat(pieces, dim=m.cut)
     assert list(out.shape) == list(m.local.shape), (m.aliases[0], out.shape, m.local.shape)
     return out
