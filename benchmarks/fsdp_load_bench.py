@@ -18,6 +18,11 @@ median of --repeat rounds with the range and every round's speedup:
                 accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict broadcasts every tensor
                 from rank 0, each rank keeping its shard
 
+With --device cuda the ranks are GPUs (NCCL), the model is built and loaded on them, and the
+times wait for the GPU (at one rank, where Transformers shards nothing, both sides are the plain
+load onto the GPU: from_pretrained(..., device_map="cuda") and zeroflat.hf.from_pretrained(...,
+device="cuda")).
+
 The time of a row is its slowest rank's, to ready: the call returned, then every local shard
 read once (the first step reads them all; Transformers' load maps the files and reads nothing
 until then, so its "returned" time is not a load). Both are printed, "ready (returned)". Per rank it also counts the bytes read through
@@ -83,8 +88,21 @@ def save(a, path):
 
 # --- one rank -----------------------------------------------------------------------------------
 
+def cuda_rank(rank, world, port):
+    """One rank of `world` on this host's GPUs: torchrun's variables, GPU `rank`, NCCL."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+
+
 def rank_main(rank, world, port, job):
-    gloo_rank(rank, world, port)
+    cuda = job.get("device") == "cuda"
+    (cuda_rank if cuda else gloo_rank)(rank, world, port)
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, DistributedConfig
@@ -106,9 +124,13 @@ def rank_main(rank, world, port, job):
     assert job["model_type"] in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.checkpoint.state_dict  # noqa: F401
+    # On a GPU at one rank Transformers shards nothing (a config of one process): both sides
+    # are then the plain load onto the device, as a one-GPU user loads.
+    on_device = {"device_map": "cuda"} if cuda and world == 1 else {}
+    zf_device = {"device": "cuda"} if cuda and world == 1 else {}
     model = None
     if method in ("dcp", "dcp-best", "zeroflat-dcp"):
-        model = built(path, config)  # untimed: both readers fill the same built model
+        model = built(path, config, "cuda" if cuda else "cpu")  # untimed: the same built model
     dist.barrier()
     if job["cold"] and rank == 0:
         drop_cache(path)
@@ -118,10 +140,11 @@ def rank_main(rank, world, port, job):
         t0 = time.perf_counter()
         if method == "transformers":
             model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
-                                                         dtype=torch.bfloat16)
+                                                         dtype=torch.bfloat16, **on_device)
         elif method == "zeroflat":
             model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path,
-                                                distributed_config=config, dtype=torch.bfloat16)
+                                                distributed_config=config, dtype=torch.bfloat16,
+                                                **zf_device)
         elif method == "accelerate":
             model = accelerate_load(path, config, rank)
         else:
@@ -135,6 +158,8 @@ def rank_main(rank, world, port, job):
                       HuggingFaceStorageReader(path, thread_count=(
                           job["dcp_threads"] if method == "dcp-best" else 1)))
             dcp.load(get_model_state_dict(model), storage_reader=reader)
+        if cuda:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         # Ready: every local shard read once more, as the first step reads it (a load that
         # maps the files and reads nothing, as Transformers' does, reads them here).
@@ -145,12 +170,16 @@ def rank_main(rank, world, port, job):
                 if x.numel():
                     x.contiguous().view(-1).view(torch.uint8)[::4096].sum()
                     x.view(-1).view(torch.uint8).max()
+        if cuda:
+            torch.cuda.synchronize()
         touch = time.perf_counter() - t1
     io1 = proc_io()
     shards = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
-    out = {"rank": rank, "seconds": seconds + touch, "returned": seconds, "rchar": io1["rchar"] - io0["rchar"],
-           "read_bytes": io1["read_bytes"] - io0["read_bytes"], "rss": peak.growth,
-           "shards": shards, "digest": digest(model)}
+    devices = sorted({str(local(p).device.type) for p in model.parameters()})
+    out = {"rank": rank, "seconds": seconds + touch, "returned": seconds,
+           "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
+           "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+           "rss": peak.growth, "shards": shards, "digest": digest(model), "devices": devices}
     dist.barrier()
     with open(f"{job['result']}.{rank}", "w") as f:
         json.dump(out, f)
@@ -191,8 +220,9 @@ def accelerate_load(path, config, rank):
     return model
 
 
-def built(path, config):
-    """The sharded model as Transformers builds it, materialized, nothing read."""
+def built(path, config, on="cpu"):
+    """The sharded model as Transformers builds it, materialized (on `on` where Transformers'
+    mesh names no device), nothing read."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers import initialization as hf_init
@@ -204,7 +234,7 @@ def built(path, config):
                                                  dtype=torch.bfloat16)
     if meshes is not None:
         model = type(model).maybe_distribute_model(model, config, meshes)
-    model.to_empty(device=device or "cpu")
+    model.to_empty(device=device or on)
     return model
 
 
@@ -218,8 +248,8 @@ def digest(model):
 
     h = hashlib.sha256()
     for n, p in model.named_parameters():
-        h.update(local(p).detach().contiguous().view(-1).view(__import__("torch").uint8)
-                 .numpy().tobytes()[:4096])
+        h.update(local(p).detach().contiguous().view(-1).view(__import__("torch").uint8)[:4096]
+                 .cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -270,6 +300,9 @@ def main():
     ap.add_argument("--save", help="write the rows as JSON to FILE")
     ap.add_argument("--plot", help="write a bar chart of the rows to FILE.svg")
     ap.add_argument("--quick", action="store_true", help="a small model, 2 ranks, warm, 1 round")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model is loaded: cpu (gloo), or cuda (NCCL, one GPU a rank; "
+                    "at one rank both sides load the plain model onto the GPU)")
     ap.add_argument("--rank-job", help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -282,6 +315,12 @@ def main():
     if a.quick:
         a.ranks, a.cache, a.repeat, a.hidden, a.layers, a.vocab = "2", "warm", 1, 256, 2, 8000
     ranks = [int(x) for x in a.ranks.split(",")]
+    if a.device == "cuda":
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if max(ranks) > have:
+            ap.error(f"--device cuda --ranks {a.ranks}: this machine has {have} GPU(s)")
     caches = [c for c in a.cache.split(",") if c]
     methods = [m for m in a.methods.split(",") if m]
     for m in methods:
@@ -303,7 +342,7 @@ def main():
             digests = {}
             for _ in range(a.repeat):
                 for m in methods:
-                    job = {"path": path, "method": m, "cold": cache == "cold",
+                    job = {"path": path, "method": m, "cold": cache == "cold", "device": a.device,
                            "dcp_threads": a.dcp_threads,
                            "model_type": "qwen3_moe" if a.moe else "qwen3"}
                     res = run_ranks(world, job, a.timeout)
@@ -315,10 +354,11 @@ def main():
                         "read_ratio": max(r[read_key] / max(1, s) for r, s in zip(res, shares)),
                         "read_over": max(r[read_key] - s for r, s in zip(res, shares)),
                         "rss_ratio": max(r["rss"] / max(1, r["shards"]) for r in res),
-                        "rss_over": max(r["rss"] - 1.1 * r["shards"] for r in res)}
+                        "rss_over": max(r["rss"] - 1.1 * r["shards"] for r in res),
+                        "devices": sorted({d for r in res for d in r.get("devices", [])})}
             same = len({tuple(d) for d in digests.values()}) == 1
             row = {"ranks": world, "cache": cache, "same_values": same,
-                   "share_mb": max(shares) / MB}
+                   "share_mb": max(shares) / MB, "device": a.device}
             for m in methods:
                 row[m] = {"median": statistics.median(times[m]), "min": min(times[m]),
                           "max": max(times[m]), "returned": statistics.median(returned[m]),
@@ -330,13 +370,14 @@ def main():
                                                   zip(times[ours], times[theirs])]
             rows.append(row)
             print(line(row), file=sys.stderr, flush=True)
+            if a.save:  # after every row: a run stopped midway keeps the rows it finished
+                with open(a.save, "w") as f:
+                    json.dump({"checkpoint_gb": size / 1e9, "args": vars(a), "rows": rows}, f,
+                              indent=1)
     print(table(rows, methods))
     if a.plot:
         plot(rows, methods, a.plot, f"{os.path.basename(path)} into FSDP2 shards "
              f"({size / 1e9:.2f} GB)")
-    if a.save:
-        with open(a.save, "w") as f:
-            json.dump({"checkpoint_gb": size / 1e9, "args": vars(a), "rows": rows}, f, indent=1)
     return 0
 
 

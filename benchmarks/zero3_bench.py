@@ -78,7 +78,11 @@ MB = 1_000_000
 # --- one rank ----------------------------------------------------------------------------------
 
 def proc_io():
+    """This process's I/O counters (rchar, read_bytes, ...); empty where the kernel keeps none
+    (some sandboxes have no /proc/self/io)."""
     out = {}
+    if not os.path.exists("/proc/self/io"):
+        return out
     with open("/proc/self/io") as f:
         for line in f:
             key, _, value = line.partition(":")

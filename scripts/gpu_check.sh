@@ -3,10 +3,12 @@
 # package installs): builds the CUDA parts, runs the GPU tests, the GPU benchmark, torch.cat on
 # the same tensors, `zeroflat run` on cuda:0, the loader into cuda:0 and, with the Python binding
 # built against the machine's torch, zeroflat.fsdp.load into CUDA DTensors; then prints one
-# summary table. With OUT set, the table goes to $OUT/gpu-results.md and the raw outputs to
-# $OUT/gpu-logs/.
+# summary table. With OUT set, the table goes to $OUT/gpu-results.md and every step's output to
+# $OUT/gpu-logs.tar.gz. On a machine without nlohmann_json, xxHash or GoogleTest (no package
+# manager, no network), stage them first with scripts/gpu_deps.sh and bring the folder along.
 #
 #   scripts/gpu_check.sh [BUILD_DIR]        (default build-gpu; about 5 minutes on an H200)
+#   ZEROFLAT_GPU_DEPS=DIR                   (what scripts/gpu_deps.sh staged; default .gpu-deps)
 #
 # Every part runs even when an earlier one failed; the exit status is non-zero when a GPU test
 # failed (or every GPU test skipped on a machine whose driver sees a GPU).
@@ -19,10 +21,26 @@ trap 'rm -rf "$LOGS"' EXIT
 STARTED=$(date +%s)
 
 say() { printf '== %s (%ds)\n' "$*" "$(($(date +%s) - STARTED))" >&2; }
+# ZEROFLAT_GPU_BUDGET=SECONDS: the whole run's time (a leased machine's command limit); each step's
+# limit is cut to what is left of it, 20 s kept for the summary, and a step with under 10 s left
+# is skipped. 0 (the default): no budget.
+BUDGET=${ZEROFLAT_GPU_BUDGET:-0}
+left() { echo $((BUDGET - ($(date +%s) - STARTED) - 20)); }
 # Runs a step with a time limit, its output to a log; never stops the script.
 step() {
   local name=$1 limit=$2
   shift 2
+  if [ "$BUDGET" -gt 0 ]; then
+    local rest
+    rest=$(left)
+    if [ "$rest" -lt 10 ]; then
+      echo "skipped: the time budget (ZEROFLAT_GPU_BUDGET=$BUDGET s) is spent" >"$LOGS/$name.err"
+      echo 124 >"$LOGS/$name.rc"
+      say "$name skipped: the time budget is spent"
+      return 124
+    fi
+    [ "$rest" -lt "$limit" ] && limit=$rest
+  fi
   timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$LOGS/$name.out" 2>"$LOGS/$name.err"
   local rc=$?
   echo "$rc" >"$LOGS/$name.rc"
@@ -72,28 +90,57 @@ if [ -n "$NVCC" ] && [ -n "$PYTHON" ] && [ ! -e "$(dirname "$NVCC")/../include/n
 fi
 say "tools: cmake ${CMAKE:-none}, ninja ${NINJA:-none}, nvcc ${NVCC:-none}, python ${PYTHON:-none}"
 
-# --- build ---------------------------------------------------------------------------------------
+# --- dependencies staged by scripts/gpu_deps.sh (a machine with no package manager) -----------
+DEPS=${ZEROFLAT_GPU_DEPS:-$ROOT/.gpu-deps}
+PREFIX_ARGS=()
+if [ -n "$CMAKE" ] && [ -d "$DEPS/prefix" ]; then
+  if [ -d "$DEPS/googletest-src" ] && [ ! -d "$DEPS/prefix/lib/cmake/GTest" ]; then
+    say "GoogleTest from $DEPS"
+    step gtest_configure 120 "$CMAKE" -S "$DEPS/googletest-src" -B "$DEPS/googletest-build" \
+      -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$DEPS/prefix" \
+      -DCMAKE_INSTALL_LIBDIR=lib -DBUILD_GMOCK=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON &&
+      step gtest_build 300 "$CMAKE" --build "$DEPS/googletest-build" -j "$(nproc)" --target install
+  fi
+  PREFIX_ARGS=(-DCMAKE_PREFIX_PATH="$(cd "$DEPS/prefix" && pwd)")
+  NOTES+=("dependencies from $DEPS (scripts/gpu_deps.sh)")
+fi
+
+# --- build: the library with CUDA, its GPU tests and benchmark, the Python binding ---------------
+# One build tree for all of them (the library is compiled once). Without torch in the Python, or
+# where the binding does not configure, the rest still builds; likewise without GoogleTest.
 TESTS=ON
+WITH_PYTHON=OFF
+[ -n "$PYTHON" ] && "$PYTHON" -c 'import torch' 2>/dev/null && WITH_PYTHON=ON
 BUILT=0
+PYTHON_BUILT=0
 if [ -z "$CMAKE" ]; then
   NOTES+=("no cmake on this machine: nothing built")
 elif [ -z "$NVCC" ]; then
   NOTES+=("no nvcc on this machine: nothing built")
 else
-  GEN=()
   GEN=(-G "Unix Makefiles")
   [ -n "$NINJA" ] && GEN=(-G Ninja -DCMAKE_MAKE_PROGRAM="$NINJA")
   configure() {
+    rm -rf "$BUILD"
+    local py=()
+    [ "$WITH_PYTHON" = ON ] && py=(-DPython3_EXECUTABLE="$(command -v "$PYTHON")")
     step configure 300 "$CMAKE" -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_CUDA_COMPILER="$NVCC" -DZEROFLAT_WITH_CUDA=ON -DZEROFLAT_WITH_MPI=OFF \
-      -DZEROFLAT_WITH_PYTHON=OFF -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_BUILD_TESTS="$TESTS" \
+      -DZEROFLAT_WITH_PYTHON="$WITH_PYTHON" "${py[@]+"${py[@]}"}" -DZEROFLAT_BUILD_BENCHMARKS=OFF \
+      -DZEROFLAT_BUILD_TESTS="$TESTS" "${PREFIX_ARGS[@]+"${PREFIX_ARGS[@]}"}" \
       "${NCCL_ARGS[@]+"${NCCL_ARGS[@]}"}"
   }
-  say "configure"
-  if ! configure && grep -q GTest "$LOGS/configure.err" "$LOGS/configure.out"; then
+  say "configure (tests $TESTS, Python binding $WITH_PYTHON)"
+  if ! configure && [ "$WITH_PYTHON" = ON ] &&
+    grep -qiE "python|torch" "$LOGS/configure.err"; then
+    NOTES+=("the Python binding did not configure: $(grep -m 2 -E 'Error|error' \
+      "$LOGS/configure.err" | cut -c1-300 | tr '\n' ' ')")
+    WITH_PYTHON=OFF
+    configure
+  fi
+  if [ "$(cat "$LOGS/configure.rc")" != 0 ] && grep -q GTest "$LOGS/configure.err"; then
     TESTS=OFF
-    NOTES+=("GoogleTest not found: configured with -DZEROFLAT_BUILD_TESTS=OFF, GPU tests not run")
-    rm -rf "$BUILD"
+    NOTES+=("GoogleTest not found (scripts/gpu_deps.sh stages it): GPU tests not built")
     configure
   fi
   if [ "$(cat "$LOGS/configure.rc")" = 0 ]; then
@@ -106,6 +153,16 @@ else
       NOTES+=("build failed: $(grep -h -m 3 -E 'error|Error' "$LOGS/build.out" "$LOGS/build.err" |
         cut -c1-300 | tr '\n' ' ')")
     fi
+    if [ "$WITH_PYTHON" = ON ]; then
+      say "build the Python binding"
+      if step build_python 420 "$CMAKE" --build "$BUILD" -j "$(nproc)" --target zeroflat_python
+      then
+        PYTHON_BUILT=1
+      else
+        NOTES+=("the Python binding did not build: $(grep -h -m 2 -E 'error' \
+          "$LOGS/build_python.out" "$LOGS/build_python.err" | cut -c1-300 | tr '\n' ' ')")
+      fi
+    fi
   else
     NOTES+=("configure failed: $(grep -m 3 -E 'Error|error' "$LOGS/configure.err" |
       cut -c1-300 | tr '\n' ' ')")
@@ -115,7 +172,14 @@ fi
 # --- GPU tests -----------------------------------------------------------------------------------
 if [ "$BUILT" = 1 ] && [ "$TESTS" = ON ]; then
   say "ctest -L gpu"
-  step ctest 300 "${CTEST:-ctest}" --test-dir "$BUILD" -L gpu --output-on-failure --timeout 240
+  step ctest 300 "${CTEST:-ctest}" --test-dir "$BUILD" -L gpu -LE python --output-on-failure --timeout 240
+fi
+
+# --- FSDP2 into CUDA DTensors (the Python binding, built against this machine's torch) ----------
+PYPATH="$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$PYTHON_BUILT" = 1 ]; then
+  say "zeroflat.fsdp.load into CUDA DTensors"
+  step fsdp_cuda 240 env PYTHONPATH="$PYPATH" "$PYTHON" "$ROOT/python/tests/test_fsdp_cuda.py"
 fi
 
 # --- benchmarks ----------------------------------------------------------------------------------
@@ -148,20 +212,23 @@ if [ "$BUILT" = 1 ]; then
   fi
 fi
 
-# --- FSDP2 into CUDA DTensors (the Python binding, built against this machine's torch) ----------
-if [ -n "$CMAKE" ] && [ -n "$NVCC" ] && [ -n "$PYTHON" ]; then
-  say "python binding with CUDA, then zeroflat.fsdp.load into CUDA DTensors"
-  if step configure_python 300 "$CMAKE" -S "$ROOT" -B "$BUILD-python" "${GEN[@]}" \
-    -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" -DZEROFLAT_WITH_CUDA=ON \
-    -DZEROFLAT_WITH_MPI=OFF -DZEROFLAT_WITH_PYTHON=ON -DPython3_EXECUTABLE="$(command -v "$PYTHON")" \
-    -DZEROFLAT_BUILD_BENCHMARKS=OFF -DZEROFLAT_BUILD_TESTS=OFF "${NCCL_ARGS[@]+"${NCCL_ARGS[@]}"}" &&
-    step build_python 600 "$CMAKE" --build "$BUILD-python" -j "$(nproc)" --target zeroflat_python; then
-    step fsdp_cuda 240 env PYTHONPATH="$BUILD-python/python" "$PYTHON" \
-      "$ROOT/python/tests/test_fsdp_cuda.py"
+# --- a Hugging Face checkpoint onto the GPU against Transformers and DCP (last: the longest) -----
+if [ "$PYTHON_BUILT" = 1 ]; then
+  # A Hugging Face checkpoint onto the GPU (0.92 GB, the shape of performance.md's FSDP2 table):
+  # zeroflat against Transformers' from_pretrained and DCP's HF reader at its best thread count,
+  # cold and warm, 3 rounds in fresh processes. Needs Transformers 5 in the Python.
+  if [ "$(cat "$LOGS/fsdp_cuda.rc")" = 0 ] &&
+    "$PYTHON" -c 'from transformers import DistributedConfig' 2>/dev/null; then
+    ROUNDS=3
+    [ "$BUDGET" -gt 0 ] && [ "$(left)" -lt 240 ] && ROUNDS=1 && NOTES+=("fsdp_load_bench: 1 round (the time budget)")
+    say "fsdp_load_bench --device cuda, $ROUNDS round(s)"
+    step fsdp_bench 330 env PYTHONPATH="$PYPATH" "$PYTHON" "$ROOT/benchmarks/fsdp_load_bench.py" \
+      --device cuda --ranks 1 --cache cold,warm --repeat "$ROUNDS" --hidden 1024 --layers 12 \
+      --vocab 151936 --methods transformers,zeroflat,dcp-best,zeroflat-dcp --dcp-threads 8 \
+      --timeout 120 --dir "$LOGS/fsdp_checkpoint" --save "$LOGS/fsdp_bench.json"
+    rm -rf "$LOGS/fsdp_checkpoint"
   else
-    NOTES+=("the Python binding did not build: $(grep -h -m 2 -E 'Error|error' \
-      "$LOGS/configure_python.err" "$LOGS/build_python.out" 2>/dev/null | cut -c1-300 |
-      tr '\n' ' ')")
+    NOTES+=("fsdp_load_bench not run: no Transformers 5 here, or the CUDA DTensor load failed")
   fi
 fi
 
@@ -382,6 +449,29 @@ if code is not None:
     row("zeroflat.fsdp.load into CUDA DTensors (FSDP2, bf16 checkpoint into fp32 and bf16)",
         text[-1] if text else f"exit {code}: {tail('fsdp_cuda')}", "", "", "passed",
         "yes" if code == 0 else "**no**")
+# A Hugging Face checkpoint onto the GPU: zeroflat against Transformers and DCP's reader
+bench = None
+try:
+    with open(os.path.join(logs, "fsdp_bench.json")) as f:
+        bench = json.load(f)
+except (OSError, ValueError):
+    if rc("fsdp_bench") not in (None, 0):
+        row("fsdp_load_bench --device cuda", f"failed (exit {rc('fsdp_bench')}): "
+            f"{tail('fsdp_bench')}", "", "", "", "**no**")
+for r in (bench or {}).get("rows", []):
+    where = f"{r['ranks']} rank(s) on cuda, {r['cache']} ({bench['checkpoint_gb']:.2f} GB)"
+    for ours, theirs, need in (("zeroflat", "transformers", 1.0),
+                               ("zeroflat-dcp", "dcp-best", 1.5 if r["cache"] == "cold" else 1.0)):
+        rounds = r.get(f"{ours} vs {theirs}")
+        if not rounds:
+            continue
+        o, t = r[ours], r[theirs]
+        row(f"HF checkpoint to ready, {where}: {ours} / {theirs} (each round "
+            f"{', '.join(f'{x:.2f}' for x in rounds)}; devices {'/'.join(o.get('devices', []))})",
+            f"{o['median']:.2f} s", f"{t['median']:.2f} s", f"{sorted(rounds)[len(rounds) // 2]:.3f}",
+            f">= {need:g} every round", "yes" if min(rounds) >= need else "**no**")
+    if not r.get("same_values", True):
+        row(f"HF checkpoint, {where}: the same values every way", "NO", "", "", "equal", "**no**")
 if "warm" in loads and "cpu" in loads:
     a = loads["warm"]["ranks"][0]["checksum"]
     b = loads["cpu"]["ranks"][0]["checksum"]
@@ -397,11 +487,9 @@ fi
 cat "$SUMMARY"
 
 if [ -n "${OUT:-}" ]; then
-  mkdir -p "$OUT/gpu-logs"
+  # Two files (a device machine returns few): the table, and every step's output in one archive.
   cp "$SUMMARY" "$OUT/gpu-results.md"
-  for f in "$LOGS"/*.out "$LOGS"/*.err; do
-    [ -s "$f" ] && tail -c 200000 "$f" >"$OUT/gpu-logs/$(basename "$f")"
-  done
+  tar -czf "$OUT/gpu-logs.tar.gz" -C "$LOGS" --exclude=checkpoint . 2>/dev/null
 fi
 
 # --- exit status ---------------------------------------------------------------------------------
