@@ -87,7 +87,14 @@ def check_cuda_dtensors():
             fully_shard(model.fc, mesh=mesh)
             fully_shard(model, mesh=mesh)
             model.to_empty(device="cuda")
-            report = zeroflat.fsdp.load(model, path)
+            try:
+                report = zeroflat.fsdp.load(model, path)
+            except zeroflat.NoFeasiblePlan as e:
+                # What the planner was told: the probes and every candidate's reason.
+                detail = e.args[1] if len(e.args) > 1 and isinstance(e.args[1], dict) else {}
+                print(json.dumps({k: detail.get(k) for k in ("host_probe", "probe", "plan")},
+                                 indent=1, default=str), file=sys.stderr)
+                raise
         for n, p in model.named_parameters():
             local = p.to_local()
             assert local.is_cuda, n
