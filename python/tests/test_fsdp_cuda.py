@@ -91,7 +91,8 @@ def check_cuda_dtensors():
                 report = zeroflat.fsdp.load(model, path)
             except zeroflat.NoFeasiblePlan as e:
                 # What the planner was told: the probes and every candidate's reason.
-                detail = e.args[1] if len(e.args) > 1 and isinstance(e.args[1], dict) else {}
+                detail = getattr(e, "report", None) or {}
+                detail = detail.get("loads", [detail])[-1] if "loads" in detail else detail
                 print(json.dumps({k: detail.get(k) for k in ("host_probe", "probe", "plan")},
                                  indent=1, default=str), file=sys.stderr)
                 raise
