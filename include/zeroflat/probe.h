@@ -82,6 +82,8 @@ struct HostProbeSources {
 
 // /proc/meminfo's MemTotal and MemAvailable.
 Answer<MemoryPair> read_proc_meminfo();
+// The same from the file's text: no answer where either is missing or MemTotal is 0.
+Answer<MemoryPair> parse_meminfo(std::string_view text);
 
 // The memory limit that applies to a process, from a cgroup mount root ("/sys/fs/cgroup") and
 // the text of its /proc/self/cgroup. v1: the memory controller's limit, lowered by

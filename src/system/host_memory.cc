@@ -1,8 +1,11 @@
 // The host's memory as this process may use it: /proc/meminfo and the cgroup limits (v2 walk to
 // the mount root, v1 hierarchical limit).
+#include <algorithm>
+#include <cstdint>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "zeroflat/probe.h"
 #include "zeroflat/runtime.h"
@@ -108,21 +111,48 @@ Answer<CgroupMemory> read_cgroup() {
 
 }  // namespace
 
-Answer<MemoryPair> read_proc_meminfo() {
-  std::ifstream in("/proc/meminfo");
-  if (!in) return Answer<MemoryPair>::fail("cannot read /proc/meminfo");
-  std::string key, unit;
-  std::uint64_t kb = 0;
+Answer<MemoryPair> parse_meminfo(std::string_view text) {
   std::optional<std::uint64_t> total, available;
-  while (in >> key >> kb) {
-    std::getline(in, unit);
-    if (key == "MemTotal:") total = kb * 1024;
-    if (key == "MemAvailable:") available = kb * 1024;
+  while (!text.empty()) {
+    const std::size_t end = std::min(text.find('\n'), text.size());
+    const std::string_view line = text.substr(0, end);
+    text.remove_prefix(std::min(end + 1, text.size()));
+    const std::size_t colon = line.find(':');
+    if (colon == std::string_view::npos) continue;
+    const std::string_view key = line.substr(0, colon);
+    if (key != "MemTotal" && key != "MemAvailable") continue;
+    std::size_t i = colon + 1;
+    while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i;
+    std::uint64_t kb = 0;
+    const std::size_t first = i;
+    for (; i < line.size() && line[i] >= '0' && line[i] <= '9'; ++i) {
+      if (kb > (UINT64_MAX - 9) / 10 / 1024) {
+        return Answer<MemoryPair>::fail(key == "MemTotal" ? "/proc/meminfo: MemTotal too large"
+                                                          : "/proc/meminfo: MemAvailable too large");
+      }
+      kb = kb * 10 + static_cast<std::uint64_t>(line[i] - '0');
+    }
+    if (i == first) {
+      return Answer<MemoryPair>::fail(key == "MemTotal" ? "/proc/meminfo: MemTotal not a number"
+                                                        : "/proc/meminfo: MemAvailable not a number");
+    }
+    (key == "MemTotal" ? total : available) = kb * 1024;
   }
   if (!total || !available) {
     return Answer<MemoryPair>::fail("/proc/meminfo has no MemTotal or MemAvailable");
   }
-  return Answer<MemoryPair>::ok({*total, *available});
+  // Some sandboxes answer zeros for a process they have given a GPU: no answer, so that the
+  // cgroup decides (rather than "nothing free", which no plan that stages through the host fits).
+  if (*total == 0) return Answer<MemoryPair>::fail("/proc/meminfo reports MemTotal 0");
+  return Answer<MemoryPair>::ok({*total, std::min(*available, *total)});
+}
+
+Answer<MemoryPair> read_proc_meminfo() {
+  std::ifstream in("/proc/meminfo", std::ios::binary);
+  if (!in) return Answer<MemoryPair>::fail("cannot read /proc/meminfo");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_meminfo(text.str());
 }
 
 Answer<CgroupMemory> read_cgroup_memory(const std::string& root, std::string_view self_cgroup) {
