@@ -73,8 +73,10 @@ NINJA=$(find_tool ninja)
 NVCC=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })
 CARD=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null |
   head -n 1)
-COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
-if [ "$COMMIT" != unknown ] &&
+# The commit measured: ZEROFLAT_COMMIT where the tree was copied without its own history (a
+# leased machine's copy can carry a stale .git), else git's.
+COMMIT=${ZEROFLAT_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+if [ -z "${ZEROFLAT_COMMIT:-}" ] && [ "$COMMIT" != unknown ] &&
   [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
   COMMIT="$COMMIT (with uncommitted changes)"
 fi

@@ -183,6 +183,38 @@ TEST(ProbeHost, TheSmallerOfMemAvailableAndTheCgroupSharedAmongRanks) {
   EXPECT_EQ(probe_host(s).free_bytes, 0u);
 }
 
+TEST(ProbeHost, MeminfoFromItsText) {
+  const Answer<MemoryPair> ok = parse_meminfo(
+      "MemTotal:       131961976 kB\nMemFree:        130614160 kB\n"
+      "MemAvailable:   131455204 kB\nHugePages_Total:       0\n");
+  ASSERT_TRUE(ok.value);
+  EXPECT_EQ(ok.value->total_bytes, 131961976ull * 1024);
+  EXPECT_EQ(ok.value->free_bytes, 131455204ull * 1024);
+  // A sandbox that answers zeros (seen for a process holding a GPU) gives no answer: the cgroup
+  // decides, not "nothing free".
+  const Answer<MemoryPair> zeros =
+      parse_meminfo("MemTotal:              0 kB\nMemAvailable:          0 kB\n");
+  EXPECT_FALSE(zeros.value);
+  EXPECT_NE(zeros.error.find("MemTotal 0"), std::string::npos) << zeros.error;
+  EXPECT_FALSE(parse_meminfo("MemTotal: 1024 kB\n").value);        // no MemAvailable
+  EXPECT_FALSE(parse_meminfo("MemTotal: x kB\nMemAvailable: 1 kB").value);
+  EXPECT_FALSE(parse_meminfo("MemTotal: 99999999999999999999 kB\nMemAvailable: 1 kB").value);
+  // Available never above the total; no final newline.
+  const Answer<MemoryPair> capped = parse_meminfo("MemAvailable: 9 kB\nMemTotal: 4 kB");
+  ASSERT_TRUE(capped.value);
+  EXPECT_EQ(capped.value->free_bytes, 4096u);
+
+  HostProbeSources s;
+  s.meminfo = [] { return parse_meminfo("MemTotal: 0 kB\nMemAvailable: 0 kB\n"); };
+  s.cgroup = [] {
+    return Answer<CgroupMemory>::ok(CgroupMemory{2, 128 * kGB, 3 * kGB, "process_api"});
+  };
+  const ProbeResult r = probe_host(s);
+  EXPECT_TRUE(r.available);
+  EXPECT_EQ(r.free_bytes, 125 * kGB);
+  EXPECT_EQ(r.used, "cgroup v2");
+}
+
 TEST(ProbeHost, ThisMachineAnswers) {
   ProbeResult r = probe_host(system_host_sources(1));
   EXPECT_TRUE(r.available);
