@@ -216,6 +216,11 @@ if [ "$BUILT" = 1 ]; then
     --layers 1 --experts 16 --quiet; then
     step load_cuda 120 "$BUILD/zeroflat" load "$CKPT" --device cuda:0 --verify --json --quiet
     step load_cuda_cold 120 "$BUILD/zeroflat" load "$CKPT" --device cuda:0 --cold --json --quiet
+    # The ring's chunk size, warm: where the pinned ring stands against its ceiling.
+    for RING in 64 256; do
+      step "load_cuda_ring$RING" 120 "$BUILD/zeroflat" load "$CKPT" --device cuda:0 \
+        --ring "${RING}MiB" --json --quiet
+    done
     step load_cpu 120 "$BUILD/zeroflat" load "$CKPT" --device cpu --json --quiet
     rm -rf "$CKPT"
   fi
@@ -431,7 +436,9 @@ if "cuda" in runs and "cpu" in runs:
 
 # zeroflat load into cuda:0 against a plain read plus cudaMemcpy of the same bytes
 loads = {}
-for name, label in (("load_cuda", "warm"), ("load_cuda_cold", "cold"), ("load_cpu", "cpu")):
+for name, label in (("load_cuda", "warm"), ("load_cuda_cold", "cold"),
+                    ("load_cuda_ring64", "warm, --ring 64MiB"),
+                    ("load_cuda_ring256", "warm, --ring 256MiB"), ("load_cpu", "cpu")):
     code = rc(name)
     if code is None:
         continue
