@@ -13,6 +13,9 @@ median of --repeat rounds with the range and every round's speedup:
                 storage_reader=HuggingFaceStorageReader(path, thread_count=T)) for T = 1 (its
                 default) and --dcp-threads (its best here)
   zeroflat-dcp  the same call with storage_reader=zeroflat.dcp.Reader(path)
+  ceiling       no model: each rank reads its 1/N of the safetensors files' bytes (a contiguous
+                cut, one thread, 8 MiB preads) into a fresh buffer: storage's pace cold, a
+                memcpy from the page cache warm; the loads' "x ceiling" is their time over it
   accelerate    accelerate's fsdp_cpu_ram_efficient_loading: rank 0 loads the whole model
                 (from_pretrained on the host), the others build it on meta, and
                 accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict broadcasts every tensor
@@ -55,7 +58,7 @@ from hf_load_bench import drop_cache, free_port, gloo_rank, run_rank_job  # noqa
 from zero3_bench import PeakResident, proc_io  # noqa: E402
 
 MB = 1 << 20
-METHODS = ("transformers", "zeroflat", "dcp", "dcp-best", "zeroflat-dcp", "accelerate")
+METHODS = ("transformers", "zeroflat", "dcp", "dcp-best", "zeroflat-dcp", "accelerate", "ceiling")
 
 
 def config_of(a):
@@ -136,6 +139,8 @@ def rank_main(rank, world, port, job):
         drop_cache(path)
     dist.barrier()
     io0 = proc_io()
+    if method == "ceiling":
+        return ceiling_rank(rank, world, path, job)
     with PeakResident() as peak:
         t0 = time.perf_counter()
         if method == "transformers":
@@ -180,6 +185,48 @@ def rank_main(rank, world, port, job):
            "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
            "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
            "rss": peak.growth, "shards": shards, "digest": digest(model), "devices": devices}
+    dist.barrier()
+    with open(f"{job['result']}.{rank}", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def ceiling_rank(rank, world, path, job):
+    """This rank's 1/world of the files' bytes read into a fresh buffer, timed like a load."""
+    import torch
+    import torch.distributed as dist
+
+    files = [os.path.join(path, f) for f in sorted(os.listdir(path))
+             if f.endswith(".safetensors")]
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    lo, hi = total * rank // world, total * (rank + 1) // world
+    io0 = proc_io()
+    with PeakResident() as peak:
+        t0 = time.perf_counter()
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        at, done = 0, 0
+        for f, n in zip(files, sizes):
+            a, b = max(lo, at), min(hi, at + n)
+            if a < b:
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    for off in range(a, b, 8 << 20):
+                        m = min(8 << 20, b - off)
+                        done += os.preadv(fd, [view[off - lo:off - lo + m]], off - at)
+                finally:
+                    os.close(fd)
+            at += n
+        seconds = time.perf_counter() - t0
+    io1 = proc_io()
+    out = {"rank": rank, "seconds": seconds, "returned": seconds,
+           "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
+           "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+           "rss": peak.growth, "shards": hi - lo, "digest": None, "devices": ["cpu"]}
+    assert done == hi - lo, (done, hi - lo)
     dist.barrier()
     with open(f"{job['result']}.{rank}", "w") as f:
         json.dump(out, f)
@@ -348,7 +395,8 @@ def main():
                     res = run_ranks(world, job, a.timeout)
                     times[m].append(max(r["seconds"] for r in res))
                     returned[m].append(max(r["returned"] for r in res))
-                    digests.setdefault(m, [r["digest"] for r in res])
+                    if m != "ceiling":  # reads bytes, loads no model
+                        digests.setdefault(m, [r["digest"] for r in res])
                     read_key = "read_bytes" if cache == "cold" else "rchar"
                     worst[m] = {
                         "read_ratio": max(r[read_key] / max(1, s) for r, s in zip(res, shares)),
@@ -364,7 +412,9 @@ def main():
                           "max": max(times[m]), "returned": statistics.median(returned[m]),
                           **worst[m]}
             for ours, theirs in (("zeroflat", "transformers"), ("zeroflat-dcp", "dcp"),
-                                 ("zeroflat-dcp", "dcp-best"), ("zeroflat", "accelerate")):
+                                 ("zeroflat-dcp", "dcp-best"), ("zeroflat", "accelerate"),
+                                 ("ceiling", "zeroflat"), ("ceiling", "zeroflat-dcp"),
+                                 ("ceiling", "dcp-best"), ("ceiling", "transformers")):
                 if ours in times and theirs in times:
                     row[f"{ours} vs {theirs}"] = [t / o for o, t in
                                                   zip(times[ours], times[theirs])]
@@ -443,8 +493,8 @@ def plot(rows, methods, path, title):
 def table(rows, methods):
     head = ["ranks", "cache"] + [f"{m} s ready [range] (returned)" for m in methods] + [
         "zeroflat vs transformers (each round)", "target", "zeroflat-dcp vs dcp-best", "target",
-        "zeroflat vs accelerate (each round)", "zeroflat read / share", "zeroflat rss / shards",
-        "accelerate rss / shards", "same values"]
+        "zeroflat vs accelerate (each round)", "time / the ceiling's (median)",
+        "zeroflat read / share", "zeroflat rss / shards", "accelerate rss / shards", "same values"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["ranks"]), r["cache"]]
@@ -459,6 +509,9 @@ def table(rows, methods):
         v = r.get("zeroflat vs accelerate")
         cells.append(f"{statistics.median(v):.2f} x ({', '.join(f'{x:.2f}' for x in v)})"
                      if v else "")
+        cells.append(", ".join(f"{m} {statistics.median(r[f'ceiling vs {m}']):.2f}"
+                               for m in ("zeroflat", "zeroflat-dcp", "dcp-best", "transformers")
+                               if r.get(f"ceiling vs {m}")))
         z = r.get("zeroflat") or r.get("zeroflat-dcp")
         cells.append(f"{z['read_ratio']:.2f}" if z else "")
         cells.append(f"{z['rss_ratio']:.2f}" if z else "")

@@ -103,6 +103,28 @@ def check_cuda_dtensors():
             assert torch.equal(local.cpu(), want), n
         assert report["bytes_read"] == report["share"] == sum(
             t.numel() * t.element_size() for t in saved.values()), report
+        # DCP's load through zeroflat.dcp.Reader into the same kind of CUDA shards: each box read
+        # on the host, then copied to the GPU.
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        import zeroflat.dcp
+
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "model.safetensors")
+            write_safetensors(path, saved)
+            with torch.device("meta"):
+                other = Net()
+            fully_shard(other.fc, mesh=mesh)
+            fully_shard(other, mesh=mesh)
+            other.to_empty(device="cuda")
+            reader = zeroflat.dcp.Reader(path)
+            dcp.load(get_model_state_dict(other), storage_reader=reader)
+        for n, p in other.named_parameters():
+            local = p.to_local()
+            assert local.is_cuda, n
+            assert torch.equal(local.cpu(), saved[n].to(local.dtype)), n
+        assert reader.bytes_read == report["share"], (reader.bytes_read, report)
         # The loaded shards train: one step on the GPU.
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loss = model(torch.randint(0, 1001, (4, 5), device="cuda"))

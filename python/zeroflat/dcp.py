@@ -231,7 +231,7 @@ class Reader(StorageReader):
         boxes, done = [], []
         for req, name, target in zip(reqs, names, targets):
             stored = index.find(name)
-            if stored.type is None or target.dtype not in DTYPES or target.device.type != "cpu":
+            if stored.type is None or target.dtype not in DTYPES:
                 whole = torch.empty(list(stored.shape), dtype=_DTYPES[str(stored.dtype)])
                 index.read(name, whole)
                 self.bytes_read += stored.bytes
@@ -240,8 +240,12 @@ class Reader(StorageReader):
                 target.copy_(whole)
                 planner.commit_tensor(req, target)
                 continue
-            into = target if target.is_contiguous() else torch.empty(
-                list(target.shape), dtype=target.dtype)
+            # A target on the host is read into in place where it is contiguous; one on a device
+            # (CUDA DTensors' local shards) through a host buffer of its box alone, copied after.
+            on_host = target.device.type == "cpu"
+            into = target if on_host and target.is_contiguous() else torch.empty(
+                list(target.shape), dtype=target.dtype,
+                pin_memory=not on_host and torch.cuda.is_available())
             boxes.append((name, [int(o) for o in req.storage_offsets],
                           [int(n) for n in req.lengths], into))
             done.append((req, target, into))
