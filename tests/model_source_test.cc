@@ -233,6 +233,42 @@ TEST_F(Checkpoints, ShardedDirectoryWithIndex) {
   EXPECT_THROW((void)load_model(dir_.string(), {.layers = 1}), InvalidArgument);
 }
 
+TEST_F(Checkpoints, PartsDcpSavedShardedAreRefusedWholeSavesRead) {
+  // What DCP's HuggingFaceStorageWriter(save_distributed=True) writes without consolidation:
+  // each rank's file holds its pieces, DCP_SHARDING_INFO says where each starts.
+  auto part = [&](const std::string& info) {
+    json h = {{"__metadata__", {{"format", "pt"}, {"DCP_VERSION", "1.0"},
+                                {"DCP_SHARDING_INFO", info}}},
+              {"a.weight", {{"dtype", "BF16"}, {"shape", {3, 4}}, {"data_offsets", {0, 24}}}}};
+    return file_with(h.dump(), 24);
+  };
+  write("shard-00001-model-00001-of-00001.safetensors",
+        part(R"({"a.weight": {"saved_offsets": [0, 0]}})"));
+  // One rank's save: every piece at the origin is the whole tensor.
+  EXPECT_EQ(inspect_path(dir_.string()).tensors.size(), 1u);
+  auto refuses = [&](const std::string& says) {
+    try {
+      (void)inspect_path(dir_.string());
+      ADD_FAILURE() << "accepted; wanted " << says;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  write("shard-00002-model-00001-of-00001.safetensors",
+        part(R"({"a.weight": {"saved_offsets": [3, 0]}})"));
+  refuses("consolidate the folder first");
+  refuses("saved_offsets [3,0]");
+  fs::remove(dir_ / "shard-00001-model-00001-of-00001.safetensors");
+  refuses("one rank's part");  // alone, a piece must not pass for the whole tensor
+  write("shard-00002-model-00001-of-00001.safetensors", part("[1, 2]"));
+  refuses("DCP_SHARDING_INFO is not a JSON object");
+  write("shard-00002-model-00001-of-00001.safetensors", part("{not json"));
+  refuses("DCP_SHARDING_INFO");
+  write("shard-00002-model-00001-of-00001.safetensors",
+        part(R"({"a.weight": {"saved_offsets": [-1, 0]}})"));
+  refuses("one rank's part");
+}
+
 TEST_F(Checkpoints, BrokenDirectoriesAreRejected) {
   auto rejects = [&](const std::string& says) {
     try {

@@ -28,6 +28,46 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A file DCP's HuggingFaceStorageWriter wrote as one rank's part (save_distributed without
+// consolidation): its __metadata__'s DCP_SHARDING_INFO gives each tensor's place in the whole.
+// A part that starts at the origin of every tensor is the whole (one rank saved it); any other
+// is refused, since its tensors are pieces this index would take for whole tensors.
+void check_dcp_sharding(const fs::path& file, const std::map<std::string, std::string>& meta) {
+  const auto it = meta.find("DCP_SHARDING_INFO");
+  if (it == meta.end()) return;
+  const std::string where = printable(file.string(), 200);
+  nlohmann::json info;
+  try {
+    info = detail::parse_strict_json(it->second, where + " DCP_SHARDING_INFO", 8);
+  } catch (const Error& e) {
+    throw InvalidArgument(std::string(e.what()));
+  }
+  if (!info.is_object()) {
+    throw InvalidArgument(where + ": __metadata__ DCP_SHARDING_INFO is not a JSON object");
+  }
+  for (auto t = info.begin(); t != info.end(); ++t) {
+    const nlohmann::json* offsets =
+        t.value().is_object() && t.value().contains("saved_offsets")
+            ? &t.value()["saved_offsets"]
+            : nullptr;
+    bool origin = offsets != nullptr && offsets->is_array();
+    if (origin) {
+      for (const nlohmann::json& o : *offsets) {
+        if (!o.is_number_unsigned() || o.get<std::uint64_t>() != 0) origin = false;
+      }
+    }
+    if (!origin) {
+      throw InvalidArgument(
+          where + ": one rank's part of a checkpoint DCP's HuggingFaceStorageWriter saved "
+          "sharded (__metadata__ DCP_SHARDING_INFO: tensor '" + printable(t.key()) +
+          "' is a piece at saved_offsets " +
+          printable(offsets != nullptr ? offsets->dump() : t.value().dump(), 80) +
+          "); zeroflat reads whole tensors: consolidate the folder first (DCP's "
+          "consolidate_safetensors_files, or save with enable_consolidation=True)");
+    }
+  }
+}
+
 // Names as sequences of tokens, a run of digits being one token compared by its value:
 // "layers.10" after "layers.9". Negative, zero or positive as in strcmp. Names that differ only
 // in leading zeros ("layers.0" and "layers.00") compare equal here.
@@ -165,6 +205,7 @@ CheckpointIndex open_checkpoint(const std::string& path_text) {
                             " does not exist (an incomplete download or copy?)");
     }
     const SafetensorsHeader h = read_safetensors_header(f.string());
+    check_dcp_sharding(f, h.metadata);
     const auto file = static_cast<std::uint32_t>(out.files.size());
     out.files.push_back(f.string());
     out.file_bytes.push_back(8 + h.header_bytes + h.data_bytes);
