@@ -121,6 +121,39 @@ def _load(rank, mesh, job):
     return {"read": ours.bytes_read, "share": share, "tensors": len(ref)}
 
 
+def _hf_parts(rank, mesh, job):
+    """DTensors saved by DCP's HuggingFaceStorageWriter(save_distributed=True), not
+    consolidated (each rank a file of its pieces), then read back by DCP's own HF reader (the
+    reference) and by zeroflat.dcp.Reader: refused on every rank at more than one rank,
+    read at one (its pieces are the whole tensors)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import zeroflat.dcp
+
+    torch.manual_seed(0)
+    full = {"a.weight": torch.randn(6, 4).to(torch.bfloat16), "b.bias": torch.randn(5)}
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(job["path"], save_distributed=True))
+
+    def fresh():
+        return {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)])
+                for k, v in full.items()}
+
+    theirs = fresh()
+    dcp.load(theirs, storage_reader=HuggingFaceStorageReader(job["path"]))
+    assert all(torch.equal(theirs[k].full_tensor(), full[k]) for k in full)
+    ours, error = fresh(), None
+    try:
+        dcp.load(ours, storage_reader=zeroflat.dcp.Reader(job["path"]))
+    except CheckpointException as e:  # DCP's, a BaseException, carrying each rank's error
+        error = str(e) + " " + " ".join(str(f) for f in e.failures.values())
+    unchanged = all(not ours[k].to_local().any() for k in full) if error else None
+    equal = None if error else all(torch.equal(ours[k].full_tensor(), full[k]) for k in full)
+    return {"error": error, "unchanged": unchanged, "equal": equal}
+
+
 def worker(rank, world, port, job):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -130,7 +163,7 @@ def worker(rank, world, port, job):
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    result = (_save if job["what"] == "save" else _load)(rank, mesh, job)
+    result = {"save": _save, "load": _load, "hf_parts": _hf_parts}[job["what"]](rank, mesh, job)
     dist.barrier()
     with open(f"{job['out']}.{rank}", "w") as f:
         json.dump(result, f)
@@ -404,3 +437,18 @@ def _flat_tensors(path):
         if isinstance(m, TensorStorageMetadata):
             out.append(torch.empty(m.size, dtype=m.properties.dtype))
     return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_hf_folders_dcp_saved_in_pieces(world, tmp_path):
+    """DCP's HuggingFaceStorageWriter(save_distributed=True) without consolidation: at one rank
+    the file's pieces are the whole tensors and load as DCP's own reader loads them; at two,
+    every rank refuses naming the piece and the fix, its tensors untouched."""
+    ranks = run(world, {"what": "hf_parts", "path": str(tmp_path / "hf")}, str(tmp_path))
+    for r in ranks:
+        if world == 1:
+            assert r["error"] is None and r["equal"], r
+        else:
+            assert r["error"] and "one rank's part" in r["error"], r
+            assert "consolidate" in r["error"] and "saved_offsets [3,0]" in r["error"], r
+            assert r["unchanged"], r
