@@ -54,7 +54,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_load_bench import drop_cache, free_port, gloo_rank, run_rank_job  # noqa: E402
+from hf_load_bench import drop_cache, free_port, gloo_rank, rank_done, run_rank_job  # noqa: E402
 from zero3_bench import PeakResident, proc_io  # noqa: E402
 
 MB = 1 << 20
@@ -185,18 +185,12 @@ def rank_main(rank, world, port, job):
            "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
            "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
            "rss": peak.growth, "shards": shards, "digest": digest(model), "devices": devices}
-    dist.barrier()
-    with open(f"{job['result']}.{rank}", "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    rank_done(job, rank, out)
 
 
 def ceiling_rank(rank, world, path, job):
     """This rank's 1/world of the files' bytes read into a fresh buffer, timed like a load."""
     import torch
-    import torch.distributed as dist
 
     files = [os.path.join(path, f) for f in sorted(os.listdir(path))
              if f.endswith(".safetensors")]
@@ -227,12 +221,7 @@ def ceiling_rank(rank, world, path, job):
            "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
            "rss": peak.growth, "shards": hi - lo, "digest": None, "devices": ["cpu"]}
     assert done == hi - lo, (done, hi - lo)
-    dist.barrier()
-    with open(f"{job['result']}.{rank}", "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    rank_done(job, rank, out)
 
 
 def accelerate_load(path, config, rank):

@@ -116,6 +116,20 @@ def gloo_rank(rank, world, port):
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def rank_done(job, rank, out):
+    """A rank's end in a --rank-job: every rank waits for the others, writes its report to
+    JOB["result"].RANK (what run_rank_job reads), leaves the group and exits at once (no
+    teardown of what the measured way built)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    with open(f"{job['result']}.{rank}", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def run_rank_job(script, world, job, timeout, what, env=()):
     """``script --rank-job JOB --world N`` in a fresh process (its ranks write their reports to
     JOB["result"].RANK as JSON); the ranks' reports, or exit naming ``what`` with the stderr."""

@@ -52,7 +52,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_load_bench import drop_cache, free_port, run_rank_job  # noqa: E402
+from hf_load_bench import drop_cache, free_port, rank_done, run_rank_job  # noqa: E402
 from zero3_bench import PeakResident, proc_io  # noqa: E402
 
 TAG = "saved"
@@ -190,12 +190,7 @@ def rank_main(rank, world, port, job):
         if mode == "zeroflat":
             out["served"] = len(zd.stats["resumes"]) == 1 and not zd.stats["resume_fallbacks"]
             out["library_bytes"] = zd.stats["resumes"][0]["bytes_read"] if out["served"] else 0
-    dist.barrier()
-    with open(f"{job['result']}.{rank}", "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    rank_done(job, rank, out)
 
 
 def run_ranks(world, job, timeout):

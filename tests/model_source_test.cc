@@ -159,6 +159,15 @@ class TempDir : public ::testing::Test {
   void write(const std::string& name, const std::string& content) {
     std::ofstream(dir_ / name, std::ios::binary) << content;
   }
+  // inspect_path on the folder refuses it, saying `says`.
+  void inspect_refuses(const std::string& says) {
+    try {
+      (void)inspect_path(dir_.string());
+      ADD_FAILURE() << "accepted; wanted " << says;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  }
   std::string shard(std::initializer_list<std::pair<std::string, Shape>> tensors) {
     json h = json::object();
     std::uint64_t off = 0;
@@ -246,56 +255,40 @@ TEST_F(Checkpoints, PartsDcpSavedShardedAreRefusedWholeSavesRead) {
         part(R"({"a.weight": {"saved_offsets": [0, 0]}})"));
   // One rank's save: every piece at the origin is the whole tensor.
   EXPECT_EQ(inspect_path(dir_.string()).tensors.size(), 1u);
-  auto refuses = [&](const std::string& says) {
-    try {
-      (void)inspect_path(dir_.string());
-      ADD_FAILURE() << "accepted; wanted " << says;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
-    }
-  };
   write("shard-00002-model-00001-of-00001.safetensors",
         part(R"({"a.weight": {"saved_offsets": [3, 0]}})"));
-  refuses("consolidate the folder first");
-  refuses("saved_offsets [3,0]");
+  inspect_refuses("consolidate the folder first");
+  inspect_refuses("saved_offsets [3,0]");
   fs::remove(dir_ / "shard-00001-model-00001-of-00001.safetensors");
-  refuses("one rank's part");  // alone, a piece must not pass for the whole tensor
+  inspect_refuses("one rank's part");  // alone, a piece must not pass for the whole tensor
   write("shard-00002-model-00001-of-00001.safetensors", part("[1, 2]"));
-  refuses("DCP_SHARDING_INFO is not a JSON object");
+  inspect_refuses("DCP_SHARDING_INFO is not a JSON object");
   write("shard-00002-model-00001-of-00001.safetensors", part("{not json"));
-  refuses("DCP_SHARDING_INFO");
+  inspect_refuses("DCP_SHARDING_INFO");
   write("shard-00002-model-00001-of-00001.safetensors",
         part(R"({"a.weight": {"saved_offsets": [-1, 0]}})"));
-  refuses("one rank's part");
+  inspect_refuses("one rank's part");
 }
 
 TEST_F(Checkpoints, BrokenDirectoriesAreRejected) {
-  auto rejects = [&](const std::string& says) {
-    try {
-      (void)inspect_path(dir_.string());
-      ADD_FAILURE() << "accepted; wanted " << says;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
-    }
-  };
-  rejects("no .safetensors files");
+  inspect_refuses("no .safetensors files");
   write("a.safetensors", shard({{"w", {2}}}));
   write("b.safetensors", shard({{"w", {2}}}));
-  rejects("is also in a.safetensors");
+  inspect_refuses("is also in a.safetensors");
   fs::remove(dir_ / "b.safetensors");
   write("model.safetensors.index.json", R"({"weight_map": {"w": "missing.safetensors"}})");
-  rejects("does not exist");
+  inspect_refuses("does not exist");
   write("model.safetensors.index.json", R"({"weight_map": {"w": "../a.safetensors"}})");
-  rejects("not a plain file name");
+  inspect_refuses("not a plain file name");
   write("model.safetensors.index.json",
         R"({"weight_map": {"w": "a.safetensors", "v": "a.safetensors"}})");
-  rejects("'v' is not in a.safetensors");
+  inspect_refuses("'v' is not in a.safetensors");
   write("model.safetensors.index.json", R"({"weights": {}})");
-  rejects("no 'weight_map'");
+  inspect_refuses("no 'weight_map'");
   write("model.safetensors.index.json", R"({"weight_map": {}})");
-  rejects("the index lists no tensors");
+  inspect_refuses("the index lists no tensors");
   write("model.safetensors.index.json", R"({"weight_map": {"w": 3}})");
-  rejects("not a file name");
+  inspect_refuses("not a file name");
 }
 
 // Names that differ only in leading zeros compare equal in the natural order ("layers.0" and
