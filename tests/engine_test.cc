@@ -162,6 +162,10 @@ TEST(Engine, AnErrorOnOneRankIsAnErrorOnEveryRankBeforeAnythingMoves) {
   EXPECT_NE(errors[1].find("parameter 4"), std::string::npos) << errors[1];
   EXPECT_NE(errors[0].find("rank 1 refused the group"), std::string::npos) << errors[0];
   EXPECT_NE(errors[2].find("rank 1 refused the group"), std::string::npos) << errors[2];
+  // The others say why, in the failing rank's words (its message's start).
+  const std::string why = errors[1].substr(0, 60);
+  EXPECT_NE(errors[0].find(why), std::string::npos) << errors[0] << " / " << errors[1];
+  EXPECT_NE(errors[2].find(why), std::string::npos) << errors[2] << " / " << errors[1];
 
   // The caller's own verdict (local_error) travels the same way.
   errors = on_ranks(2, [&](int r, Communicator* comm) {

@@ -111,6 +111,22 @@ std::optional<Difference> first_difference(std::span<const std::string> entries,
   return d;
 }
 
+namespace {
+
+// The failing rank's error as the other ranks show it (every rank calls this, a collective).
+std::string failing_rank_text(const std::string& error, bool mine, Communicator& comm) {
+  // Only the failing rank writes: the maximum over ranks is its text, the first kShownBytes.
+  std::vector<std::uint64_t> words(kShownWords, 0);
+  if (mine) std::memcpy(words.data(), error.data(), std::min(error.size(), kShownBytes));
+  comm.all_reduce_max(words);
+  const char* text = reinterpret_cast<const char*>(words.data());
+  std::string out(text, strnlen(text, kShownBytes));
+  if (out.size() == kShownBytes) out += "...";
+  return out.empty() ? std::string("(its error has no text)") : out;
+}
+
+}  // namespace
+
 std::string describe_difference(const Difference& d, std::string_view what, int rank) {
   return std::string(what) + " '" + d.here + "' on this rank (" + std::to_string(rank) + "), '" +
          d.other + "' on rank " + std::to_string(d.other_rank);
@@ -152,10 +168,11 @@ Agreement agree(const AgreementInput& in, Communicator* comm) {
                                   failure_code(!in.error.empty(), comm->rank())};
   comm->all_reduce_max(v);
   if (const int bad = failed_rank(v[10]); bad >= 0) {
+    // Every rank learned that one failed: one more collective hands the others its words.
+    const std::string said = failing_rank_text(in.error, comm->rank() == bad, *comm);
     if (!in.error.empty()) throw InvalidArgument(in.error);
-    throw InvalidArgument("rank " + std::to_string(bad) +
-                          " refused the group before anything moved (its own error says why); "
-                          "nothing was moved on any rank");
+    throw InvalidArgument("rank " + std::to_string(bad) + " refused the group before anything " +
+                          "moved: " + said + "; nothing was moved on any rank");
   }
   if (v[0] != ~v[1]) {
     const std::optional<Difference> d = first_difference(in.options, *comm);
