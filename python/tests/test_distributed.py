@@ -251,6 +251,25 @@ def check_shared_memory_all_gather(rank, world, group):
         dist.barrier()
 
 
+def check_a_resume_refusal_reaches_every_rank_in_its_words(rank, world, group):
+    """One rank's refusal in the resume's agreement: that rank raises its own error, the others
+    name it with its words (the first 245 bytes, any text)."""
+    from zeroflat import _resume
+
+    for words in ("mp_rank_01_model_states.pt: entry 'ds_config' is bad", "é" * 300):
+        mine = ValueError(words) if rank == 1 else None
+        with pytest.raises(Exception) as e:
+            _resume._agree(mine, group, "the model states")
+        if rank == 1:
+            assert e.value is mine
+            continue
+        assert isinstance(e.value, zeroflat.InvalidArgument), e.value
+        text = str(e.value)
+        assert "the model states failed on rank 1: ValueError: " in text, text
+        assert text.endswith("; nothing of the engine was changed"), text
+        assert words[:100] in text, text
+
+
 def worker(rank, world, port):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -262,6 +281,7 @@ def worker(rank, world, port):
         check_training(rank, world, group)
         check_disagreement(rank, world, group)
         check_failure_on_one_rank(rank, world, group)
+        check_a_resume_refusal_reaches_every_rank_in_its_words(rank, world, group)
         if world == 3:
             check_errors_reach_every_rank_at_once(rank, world, group)
         check_values_before_slices_change_hands(rank, world, group)

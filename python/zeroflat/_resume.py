@@ -90,11 +90,21 @@ def _agree(error: Optional[BaseException], group, what: str) -> None:
                               f"resume-{what}")[0]
     if failing == 0:
         return
+    # Every rank learned that one failed: one more all-reduce hands the others its words (the
+    # first 245 bytes, 7 to an int64, only the failing rank writing).
+    raw = b""
+    if error is not None and world - rank == failing:
+        raw = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:245]
+    raw = raw.ljust(245, b"\0")
+    words = all_reduce_ints([int.from_bytes(raw[i:i + 7], "little") for i in range(0, 245, 7)],
+                            group, "max", f"the ranks' agreement on {what} (its reason)",
+                            f"resume-{what}-why")
+    said = b"".join(w.to_bytes(7, "little") for w in words).rstrip(b"\0")
     if error is not None:
         raise error
     raise InvalidArgument(f"resuming from a DeepSpeed checkpoint: {what} failed on rank "
-                          f"{world - failing} (its own error says why); nothing of the engine "
-                          "was changed")
+                          f"{world - failing}: {said.decode('utf-8', 'replace')}; nothing of the "
+                          "engine was changed")
 
 
 # --- the checkpoint's small values --------------------------------------------------------------
