@@ -54,7 +54,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from hf_load_bench import drop_cache, free_port, gloo_rank, rank_done, run_rank_job  # noqa: E402
+from hf_load_bench import (drop_cache, free_port, gloo_rank, rank_done, rank_env,  # noqa: E402
+                           run_rank_job)
 from zero3_bench import PeakResident, proc_io  # noqa: E402
 
 MB = 1 << 20
@@ -93,8 +94,7 @@ def save(a, path):
 
 def cuda_rank(rank, world, port):
     """One rank of `world` on this host's GPUs: torchrun's variables, GPU `rank`, NCCL."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank_env(rank, world, port)
     import torch
     import torch.distributed as dist
 

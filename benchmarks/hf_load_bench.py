@@ -104,11 +104,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+def rank_env(rank, world, port):
+    """torchrun's variables for rank `rank` of `world`, all on this host."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+
 def gloo_rank(rank, world, port):
     """One rank of `world` on this host: torchrun's variables, one thread, a gloo group."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    rank_env(rank, world, port)
+    os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 

@@ -191,18 +191,20 @@ if [ "$PYTHON_BUILT" = 1 ]; then
 fi
 
 # --- benchmarks ----------------------------------------------------------------------------------
-want native || BUILT=0  # the native part's benchmarks below run only when asked for
-if [ "$BUILT" = 1 ]; then
+# The native part's benchmarks: with the build, and only when asked for.
+NATIVE=0
+[ "$BUILT" = 1 ] && want native && NATIVE=1
+if [ "$NATIVE" = 1 ]; then
   say "gpu_bench"
   step gpu_bench 300 "$BUILD/gpu_bench" --numels "$LOGS/numels.json"
 fi
-if [ "$BUILT" = 1 ] && [ -n "$PYTHON" ]; then
+if [ "$NATIVE" = 1 ] && [ -n "$PYTHON" ]; then
   say "torch_cat_bench"
   NUMELS=()
   [ -s "$LOGS/numels.json" ] && NUMELS=(--numels "$LOGS/numels.json")
   step torch 240 "$PYTHON" "$ROOT/benchmarks/torch_cat_bench.py" "${NUMELS[@]}"
 fi
-if [ "$BUILT" = 1 ]; then
+if [ "$NATIVE" = 1 ]; then
   say "zeroflat run on cuda:0 and on the cpu"
   step run_cuda 240 "$BUILD/zeroflat" run --device cuda:0 --model qwen3-30b-a3b --layers 4 \
     --verify --json

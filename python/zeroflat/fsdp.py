@@ -10,8 +10,9 @@ What is read where: a parameter that is a DTensor on a mesh of the whole process
 local shard (``Shard(d)`` rows, FSDP2's uneven last shard, ``Replicate()`` dimensions of an
 HSDP mesh), converted to the local tensor's dtype as torch rounds; a plain parameter is read
 whole (every rank), as a buffer is. Where HSDP's replica groups span nodes, the replicas of a
-shard read a part of it each and complete one another with one all-gather (``replicas``). Names are matched as Transformers renames them (the same
-rules as ``zeroflat.load_param_groups``; tied weights, fused MoE experts).
+shard read a part of it each and complete one another with one all-gather (``replicas``).
+Names are matched as Transformers renames them (the same rules as
+``zeroflat.load_param_groups``; tied weights, fused MoE experts).
 
 Nothing is changed until every rank has read everything: the reads land in a buffer of the
 loader's own and are copied into the local shards only after every rank's load succeeded, so

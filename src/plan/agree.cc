@@ -60,6 +60,19 @@ std::vector<std::uint64_t> min_max_pairs(std::span<const std::uint64_t> xs, Comm
 constexpr std::size_t kShownBytes = 240;
 constexpr std::size_t kShownWords = kShownBytes / 8;
 
+// A text in kShownWords words of an all-reduce (max): its first kShownBytes, zero-padded. Only
+// one rank writes each slot, so the maximum over ranks is that rank's text.
+void put_shown(std::uint64_t* at, std::string_view text) {
+  std::memcpy(at, text.data(), std::min(text.size(), kShownBytes));
+}
+// The text back from its words, "..." where it was cut.
+std::string shown(const std::uint64_t* at) {
+  const char* text = reinterpret_cast<const char*>(at);
+  std::string out(text, strnlen(text, kShownBytes));
+  if (out.size() == kShownBytes) out += "...";
+  return out;
+}
+
 std::uint64_t digest(std::string_view text) {
   return checksum_serial(text.data(), text.size());
 }
@@ -95,7 +108,7 @@ std::optional<Difference> first_difference(std::span<const std::string> entries,
   for (int side = 0; side < 2; ++side) {
     if (digests[i] != (side == 0 ? high : low)) continue;
     std::uint64_t* at = texts.data() + side * (kShownWords + 1);
-    std::memcpy(at, mine.data(), std::min(mine.size(), kShownBytes));
+    put_shown(at, mine);
     at[kShownWords] = ~static_cast<std::uint64_t>(comm.rank());
   }
   comm.all_reduce_max(texts);
@@ -104,9 +117,7 @@ std::optional<Difference> first_difference(std::span<const std::string> entries,
   d.here = mine.size() > kShownBytes ? mine.substr(0, kShownBytes) + "..." : mine;
   const int side = digests[i] == high ? 1 : 0;  // the other version
   const std::uint64_t* at = texts.data() + side * (kShownWords + 1);
-  const char* text = reinterpret_cast<const char*>(at);
-  d.other = std::string(text, strnlen(text, kShownBytes));
-  if (d.other.size() == kShownBytes) d.other += "...";
+  d.other = shown(at);
   d.other_rank = static_cast<int>(~at[kShownWords]);
   return d;
 }
@@ -115,13 +126,10 @@ namespace {
 
 // The failing rank's error as the other ranks show it (every rank calls this, a collective).
 std::string failing_rank_text(const std::string& error, bool mine, Communicator& comm) {
-  // Only the failing rank writes: the maximum over ranks is its text, the first kShownBytes.
   std::vector<std::uint64_t> words(kShownWords, 0);
-  if (mine) std::memcpy(words.data(), error.data(), std::min(error.size(), kShownBytes));
+  if (mine) put_shown(words.data(), error);
   comm.all_reduce_max(words);
-  const char* text = reinterpret_cast<const char*>(words.data());
-  std::string out(text, strnlen(text, kShownBytes));
-  if (out.size() == kShownBytes) out += "...";
+  const std::string out = shown(words.data());
   return out.empty() ? std::string("(its error has no text)") : out;
 }
 
