@@ -15,6 +15,7 @@
 
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/error.h"
+#include "zeroflat/loader.h"
 
 namespace zeroflat {
 namespace {
@@ -258,6 +259,7 @@ TEST_F(Checkpoints, PartsDcpSavedShardedAreRefusedWholeSavesRead) {
   write("shard-00002-model-00001-of-00001.safetensors",
         part(R"({"a.weight": {"saved_offsets": [3, 0]}})"));
   inspect_refuses("consolidate the folder first");
+  inspect_refuses("or load it through DCP's load with zeroflat.dcp.Reader");
   inspect_refuses("saved_offsets [3,0]");
   fs::remove(dir_ / "shard-00001-model-00001-of-00001.safetensors");
   inspect_refuses("one rank's part");  // alone, a piece must not pass for the whole tensor
@@ -268,6 +270,94 @@ TEST_F(Checkpoints, PartsDcpSavedShardedAreRefusedWholeSavesRead) {
   write("shard-00002-model-00001-of-00001.safetensors",
         part(R"({"a.weight": {"saved_offsets": [-1, 0]}})"));
   inspect_refuses("one rank's part");
+}
+
+// One rank's file of a tensor "w" saved in pieces (DCP's HuggingFaceStorageWriter, not
+// consolidated): the piece of the given shape at `at` of a whole with `cols` columns (2-D;
+// cols 0: 1-D), each F32 element its index in the whole.
+std::string piece_file(const Shape& shape, const Shape& at, std::int64_t cols,
+                       const std::string& dtype = "F32") {
+  const std::int64_t rows = shape[0], width = shape.size() > 1 ? shape[1] : 1;
+  std::string data;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = 0; c < width; ++c) {
+      const auto v = static_cast<float>(cols == 0 ? at[0] + r : (at[0] + r) * cols + at[1] + c);
+      data.append(reinterpret_cast<const char*>(&v), dtype == "F32" ? 4 : 2);
+    }
+  }
+  json h = {{"__metadata__",
+             {{"DCP_SHARDING_INFO", json({{"w", {{"saved_offsets", at}}}}).dump()}}},
+            {"w", {{"dtype", dtype}, {"shape", shape}, {"data_offsets", {0, data.size()}}}}};
+  const std::string header = h.dump();
+  return bytes_of(header, header.size(), 0) + data;
+}
+
+TEST_F(Checkpoints, PiecesTileTheirWholeAndReadWhereTheyLie) {
+  auto opened = [&] { return open_checkpoint(dir_.string(), {.pieces = true}); };
+  auto refused = [&](const std::string& says) {
+    try {
+      (void)opened();
+      ADD_FAILURE() << "accepted; wanted " << says;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  // A 7 x 4 tensor saved at 3 ranks (rows 3, 3, 1), and one rank's empty piece.
+  write("shard-1.safetensors", piece_file({3, 4}, {0, 0}, 4));
+  write("shard-2.safetensors", piece_file({3, 4}, {3, 0}, 4));
+  write("shard-3.safetensors", piece_file({1, 4}, {6, 0}, 4));
+  write("shard-4.safetensors", piece_file({0, 4}, {7, 0}, 4));
+  const CheckpointIndex ck = opened();
+  ASSERT_EQ(ck.tensors.size(), 3u);  // the empty piece dropped
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(ck.tensors[i].name, "w");
+    EXPECT_EQ(ck.tensors[i].whole_shape, (Shape{7, 4}));
+    EXPECT_EQ(ck.tensors[i].piece_offsets, (Shape{std::int64_t(3 * i), 0}));
+  }
+  // Rows 2..4 of the whole: the last row of the first piece, the first two of the second, each
+  // read from its piece as a box of it.
+  const CheckpointIndex got = checkpoint_pieces(ck, {{"w", {0, 0}}, {"w", {3, 0}}});
+  ASSERT_EQ(got.tensors.size(), 2u);
+  EXPECT_EQ(got.tensors[1].name, "#000000000001");
+  std::vector<float> out(12, -1.0f);
+  const std::vector<BoxRead> boxes = {{"#000000000000", {2, 0}, {1, 4}, out.data(), DType::kFP32},
+                                      {"#000000000001", {0, 0}, {2, 4}, out.data() + 4,
+                                       DType::kFP32}};
+  EXPECT_EQ(read_checkpoint_boxes(got, boxes, 2), 48u);
+  for (std::size_t i = 0; i < out.size(); ++i) EXPECT_EQ(out[i], static_cast<float>(8 + i));
+  EXPECT_THROW((void)checkpoint_pieces(ck, {{"w", {1, 0}}}), InvalidArgument);
+  EXPECT_THROW((void)checkpoint_pieces(ck, {{"v", {0, 0}}}), InvalidArgument);
+  // Without pieces every reader refuses the folder.
+  inspect_refuses("one rank's part");
+  // A missing rank's file is a gap, not zeros.
+  fs::remove(dir_ / "shard-2.safetensors");
+  refused("its pieces hold 16 of the 28 elements of the whole [7, 4]");
+  refused("a rank's part of the folder missing?");
+  // Two ranks' files placing pieces over each other.
+  write("shard-2.safetensors", piece_file({3, 4}, {2, 0}, 4));
+  refused("its pieces at saved_offsets [0, 0] and [2, 0] overlap");
+  // Column pieces (Shard(1)) tile too.
+  for (const char* f : {"shard-1.safetensors", "shard-2.safetensors", "shard-3.safetensors",
+                        "shard-4.safetensors"}) {
+    fs::remove(dir_ / f);
+  }
+  write("shard-1.safetensors", piece_file({5, 3}, {0, 0}, 4));
+  write("shard-2.safetensors", piece_file({5, 1}, {0, 3}, 4));
+  EXPECT_EQ(opened().tensors[1].whole_shape, (Shape{5, 4}));
+  write("shard-3.safetensors", piece_file({5, 1}, {0, 2}, 4));
+  refused("overlap");
+  fs::remove(dir_ / "shard-3.safetensors");
+  // One name, two dtypes; the same place twice; offsets of another rank; not counts.
+  write("shard-2.safetensors", piece_file({5, 1}, {0, 3}, 4, "BF16"));
+  refused("its pieces disagree");
+  write("shard-2.safetensors", piece_file({5, 3}, {0, 0}, 4));
+  refused("at saved_offsets [0, 0] is also in shard-1.safetensors");
+  write("shard-2.safetensors", piece_file({5, 1}, {0, 3, 0}, 4));
+  refused("have another count of dimensions");
+  json h = {{"__metadata__", {{"DCP_SHARDING_INFO", R"({"w": {"saved_offsets": [-1, 0]}})"}}},
+            {"w", {{"dtype", "F32"}, {"shape", {1}}, {"data_offsets", {0, 4}}}}};
+  write("shard-2.safetensors", file_with(h.dump(), 4));
+  refused("not a list of counts");
 }
 
 TEST_F(Checkpoints, BrokenDirectoriesAreRejected) {

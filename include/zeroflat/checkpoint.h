@@ -28,6 +28,13 @@ struct CheckpointTensor {
   std::uint32_t file = 0;    // index into CheckpointIndex::files
   std::uint64_t offset = 0;  // of the tensor's first byte in its file
   std::uint64_t bytes = 0;
+  // A piece of a tensor saved in pieces (DCP's HuggingFaceStorageWriter with save_distributed
+  // and no consolidation: each rank's file holds its shards, __metadata__ DCP_SHARDING_INFO
+  // says where each starts), in an index opened with CheckpointOptions::pieces: where the piece
+  // starts in the whole tensor (its saved_offsets; zeros for a tensor stored whole) and the
+  // whole's shape. Both empty in an index opened without pieces.
+  Shape piece_offsets;
+  Shape whole_shape;
 };
 
 // What a file was when its headers were read: a file replaced since (another run's file of the
@@ -52,9 +59,31 @@ struct CheckpointIndex {
   const CheckpointTensor* find(const std::string& name) const;
 };
 
+struct CheckpointOptions {
+  // Accept files that hold pieces of tensors (a DCP_SHARDING_INFO placing a tensor anywhere but
+  // at the origin): every piece is an entry of its own, a name may then have several, and a
+  // name's pieces must tile its whole exactly (one dtype, no overlap, no gap: a missing rank's
+  // file is refused, never read as zeros). Empty pieces are dropped where the name has others.
+  // Without it such a file is refused: every other reader takes a name's entry for the whole
+  // tensor.
+  bool pieces = false;
+};
+
 // Reads and checks the headers (and the index) of a checkpoint. Throws InvalidArgument naming
 // the file and, where there is one, the tensor.
-CheckpointIndex open_checkpoint(const std::string& path);
+CheckpointIndex open_checkpoint(const std::string& path, const CheckpointOptions& options = {});
+
+// One piece of an index opened with pieces: its tensor's name and where it starts in the whole.
+struct PieceRef {
+  std::string name;
+  Shape offsets;
+};
+
+// Those pieces as an index whose tensor i, named "#<i>" (i in 12 digits), is piece i: what
+// read_checkpoint_boxes reads a piece's boxes from, by name. Throws InvalidArgument naming a
+// piece the index does not hold.
+CheckpointIndex checkpoint_pieces(const CheckpointIndex& checkpoint,
+                                  const std::vector<PieceRef>& refs);
 
 // Writes a deterministic checkpoint of `model` in `dtype`: the tensor that comes i-th in natural
 // name order (the order of CheckpointIndex::tensors, in which `--model CHECKPOINT` flattens it)

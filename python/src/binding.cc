@@ -744,16 +744,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("shape", &zf::CheckpointTensor::shape)
       .def_readonly("numel", &zf::CheckpointTensor::numel)
       .def_readonly("bytes", &zf::CheckpointTensor::bytes)
+      // Where the tensor starts in its whole and the whole's shape (a checkpoint opened with
+      // pieces, checkpoint.h): the origin and its own shape for a tensor stored whole.
+      .def_property_readonly("offsets",
+                             [](const zf::CheckpointTensor& t) {
+                               return t.piece_offsets.empty() ? zf::Shape(t.shape.size(), 0)
+                                                              : t.piece_offsets;
+                             })
+      .def_property_readonly("whole",
+                             [](const zf::CheckpointTensor& t) {
+                               return t.whole_shape.empty() ? t.shape : t.whole_shape;
+                             })
       .def("__repr__", [](const zf::CheckpointTensor& t) {
         return "CheckpointTensor('" + t.name + "', " + t.dtype + ", " +
                zf::shape_to_string(t.shape) + ")";
       });
   py::class_<zf::CheckpointIndex>(m, "Checkpoint")
-      .def(py::init([](const std::string& path) {
+      // pieces: accept tensors saved in pieces (CheckpointOptions::pieces), each an entry.
+      .def(py::init([](const std::string& path, bool pieces) {
              py::gil_scoped_release nogil;
-             return zf::open_checkpoint(path);
+             return zf::open_checkpoint(path, {.pieces = pieces});
            }),
-           py::arg("path"))
+           py::arg("path"), py::arg("pieces") = false)
       .def_readonly("path", &zf::CheckpointIndex::path)
       .def_readonly("files", &zf::CheckpointIndex::files)
       // Every tensor, in natural name order.
@@ -767,6 +779,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return t == nullptr ? py::none() : py::cast(*t);
           },
           py::arg("name"))
+      // The pieces [(name, offsets)] as a Checkpoint whose tensor i, named "#<i>" (12 digits),
+      // is piece i (checkpoint_pieces).
+      .def(
+          "pieces",
+          [](const zf::CheckpointIndex& ck,
+             const std::vector<std::pair<std::string, zf::Shape>>& refs) {
+            std::vector<zf::PieceRef> r;
+            r.reserve(refs.size());
+            for (const auto& [name, offsets] : refs) r.push_back({name, offsets});
+            py::gil_scoped_release nogil;
+            return zf::checkpoint_pieces(ck, r);
+          },
+          py::arg("refs"))
       // Tensor `name` read whole into `out` (a contiguous CPU tensor of its element count):
       // converted to out's dtype as torch rounds when that is bf16, fp16 or fp32, else its
       // bytes as stored (out must then have exactly as many bytes).

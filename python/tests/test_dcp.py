@@ -10,6 +10,7 @@ Run as a script, it is one rank's worker (the tests start them)."""
 import json
 import os
 import pickle
+import shutil
 import sys
 
 import pytest
@@ -121,37 +122,59 @@ def _load(rank, mesh, job):
     return {"read": ours.bytes_read, "share": share, "tensors": len(ref)}
 
 
-def _hf_parts(rank, mesh, job):
-    """DTensors saved by DCP's HuggingFaceStorageWriter(save_distributed=True), not
-    consolidated (each rank a file of its pieces), then read back by DCP's own HF reader (the
-    reference) and by zeroflat.dcp.Reader: refused on every rank at more than one rank,
-    read at one (its pieces are the whole tensors)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+def _hf_full():
+    """What the pieces tests save: rows that 2 and 3 ranks do not divide, a tensor with fewer
+    rows than ranks (empty pieces), bf16, fp32 and an int64 tensor (read as stored)."""
+    torch.manual_seed(0)
+    return {"a.weight": torch.randn(7, 4).to(torch.bfloat16), "b.bias": torch.randn(5),
+            "c.tiny": torch.randn(2, 3), "d.count": torch.arange(9, dtype=torch.int64)}
+
+
+def _hf_save(rank, mesh, job):
+    """Every tensor as Shard(0) DTensors saved by DCP's HuggingFaceStorageWriter with
+    save_distributed=True and no consolidation: each rank a file of its pieces."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _hf_full().items()}
+    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(job["path"], save_distributed=True))
+    return {}
+
+
+def _hf_load(rank, mesh, job):
+    """The folder of pieces read at this world by DCP's own HF reader (the reference) and by
+    zeroflat.dcp.Reader, into Shard(0) DTensors: each rank's local shards compared; where the
+    job says so, the folder is broken: every rank refuses, its shards untouched."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import zeroflat.dcp
 
-    torch.manual_seed(0)
-    full = {"a.weight": torch.randn(6, 4).to(torch.bfloat16), "b.bias": torch.randn(5)}
-    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
-    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(job["path"], save_distributed=True))
+    full = _hf_full()
 
     def fresh():
         return {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)])
                 for k, v in full.items()}
 
-    theirs = fresh()
-    dcp.load(theirs, storage_reader=HuggingFaceStorageReader(job["path"]))
-    assert all(torch.equal(theirs[k].full_tensor(), full[k]) for k in full)
-    ours, error = fresh(), None
+    theirs = None
+    if not job.get("broken"):
+        theirs = fresh()
+        dcp.load(theirs, storage_reader=HuggingFaceStorageReader(job["path"]))
+        assert all(torch.equal(theirs[k].full_tensor(), full[k]) for k in full)
+    ours, reader, error = fresh(), zeroflat.dcp.Reader(job["path"]), None
     try:
-        dcp.load(ours, storage_reader=zeroflat.dcp.Reader(job["path"]))
+        dcp.load(ours, storage_reader=reader)
     except CheckpointException as e:  # DCP's, a BaseException, carrying each rank's error
         error = str(e) + " " + " ".join(str(f) for f in e.failures.values())
-    unchanged = all(not ours[k].to_local().any() for k in full) if error else None
-    equal = None if error else all(torch.equal(ours[k].full_tensor(), full[k]) for k in full)
-    return {"error": error, "unchanged": unchanged, "equal": equal}
+    if error or theirs is None:
+        return {"error": error, "unchanged": all(not ours[k].to_local().any() for k in full)}
+    return {"error": None,
+            "equal": all(torch.equal(ours[k].to_local(), theirs[k].to_local()) and
+                         torch.equal(ours[k].full_tensor(), full[k]) for k in full),
+            "read": reader.bytes_read,
+            "share": sum(ours[k].to_local().numel() * ours[k].to_local().element_size()
+                         for k in full)}
 
 
 def worker(rank, world, port, job):
@@ -163,7 +186,8 @@ def worker(rank, world, port, job):
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    result = {"save": _save, "load": _load, "hf_parts": _hf_parts}[job["what"]](rank, mesh, job)
+    result = {"save": _save, "load": _load, "hf_save": _hf_save,
+              "hf_load": _hf_load}[job["what"]](rank, mesh, job)
     dist.barrier()
     with open(f"{job['out']}.{rank}", "w") as f:
         json.dump(result, f)
@@ -439,16 +463,41 @@ def _flat_tensors(path):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_hf_folders_dcp_saved_in_pieces(world, tmp_path):
-    """DCP's HuggingFaceStorageWriter(save_distributed=True) without consolidation: at one rank
-    the file's pieces are the whole tensors and load as DCP's own reader loads them; at two,
-    every rank refuses naming the piece and the fix, its tensors untouched."""
-    ranks = run(world, {"what": "hf_parts", "path": str(tmp_path / "hf")}, str(tmp_path))
-    for r in ranks:
-        if world == 1:
-            assert r["error"] is None and r["equal"], r
-        else:
-            assert r["error"] and "one rank's part" in r["error"], r
-            assert "consolidate" in r["error"] and "saved_offsets [3,0]" in r["error"], r
-            assert r["unchanged"], r
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_pieces")
+    path = root / "hf"
+    run(3, {"what": "hf_save", "path": str(path)}, str(root))
+    files = sorted(os.listdir(path))
+    assert len(files) == 3 and "model.safetensors.index.json" not in files, files
+    return path
+
+
+def test_hf_folders_dcp_saved_in_pieces_load_at_another_world(pieces, tmp_path):
+    """DCP's HuggingFaceStorageWriter(save_distributed=True) without consolidation, at 3
+    ranks, read at 2: equal to DCP's own HF reader on every rank, each reading its share (the
+    int64 tensor's pieces are read whole, as stored: at most its 9 elements more)."""
+    for r in run(2, {"what": "hf_load", "path": str(pieces)}, str(tmp_path)):
+        assert r["error"] is None and r["equal"], r
+        assert 0 < r["read"] <= r["share"] + 9 * 8, r
+
+
+def test_hf_folders_dcp_saved_in_pieces_one_rank_and_a_missing_part(pieces, tmp_path):
+    """Read at one rank (every piece of every tensor), equal to DCP's own reader; then with one
+    rank's file gone: refused naming the tensor whose pieces no longer tile it, nothing
+    written (DCP's own reader would leave those rows as they were)."""
+    from zeroflat import _C
+
+    (r,) = run(1, {"what": "hf_load", "path": str(pieces)}, str(tmp_path))
+    assert r["error"] is None and r["equal"], r
+    assert r["read"] == r["share"], r
+    broken = tmp_path / "broken"
+    shutil.copytree(pieces, broken)
+    os.remove(broken / sorted(os.listdir(broken))[1])
+    (r,) = run(1, {"what": "hf_load", "path": str(broken), "broken": True}, str(tmp_path))
+    assert r["error"] and "a rank's part of the folder missing?" in r["error"], r
+    assert r["unchanged"], r
+    # A whole-tensor reader (the FSDP2, ZeRO and inspect loads) refuses the folder, naming
+    # both ways to read it.
+    with pytest.raises(ValueError, match="consolidate the folder first.*zeroflat.dcp.Reader"):
+        _C.Checkpoint(str(pieces))

@@ -2,7 +2,8 @@
 of checkpoint:
 
 - a Hugging Face safetensors folder (or file): a drop-in for
-  ``torch.distributed.checkpoint.HuggingFaceStorageReader``;
+  ``torch.distributed.checkpoint.HuggingFaceStorageReader``, folders its writer saved in
+  pieces (``save_distributed=True`` without consolidation) included;
 - a DCP folder, what ``torch.distributed.checkpoint.save`` wrote (``.metadata`` and
   ``__R_N.distcp``, model and optimizer state alike, saved at any world size): a drop-in for
   ``FileSystemReader`` that never unpickles anything.
@@ -53,7 +54,8 @@ class Reader(StorageReader):
     ``.metadata``: every saved chunk, of model and optimizer state, where DCP's planner asks for
     it, resharded to this world), or a Hugging Face safetensors checkpoint (a ``.safetensors``
     file or a directory of them, with or without an index: every tensor one chunk under its own
-    name, as ``HuggingFaceStorageReader`` gives it). ``threads``: reader threads per rank
+    name, as ``HuggingFaceStorageReader`` gives it; in a folder saved in pieces, every piece a
+    chunk at its ``saved_offsets``, the pieces checked to tile each tensor). ``threads``: reader threads per rank
     (default: the library's for the ranks of this host). ``bytes_read``: the file bytes this
     rank's reads fetched."""
 
@@ -93,7 +95,7 @@ class Reader(StorageReader):
 
     def _checkpoint(self) -> "_C.Checkpoint":
         if self._ck is None:
-            self._ck = _C.Checkpoint(self.path)
+            self._ck = _C.Checkpoint(self.path, pieces=True)
         return self._ck
 
     def _dcp_checkpoint(self) -> "_C.DcpCheckpoint":
@@ -107,6 +109,9 @@ class Reader(StorageReader):
         return metadata
 
     def _safetensors_metadata(self) -> Metadata:
+        """One chunk per tensor, or per piece of a folder DCP's HuggingFaceStorageWriter saved
+        in pieces (each rank's file its shards, not consolidated): the library places each
+        piece in its whole and checks that a name's pieces tile it."""
         ck = self._checkpoint()
         tensors, storage = {}, {}
         for t in ck.tensors():
@@ -114,12 +119,15 @@ class Reader(StorageReader):
             if dtype is None:
                 raise ValueError(f"{ck.path}: tensor {t.name!r} is {t.dtype}, a dtype DCP's "
                                  "metadata cannot name")
-            shape = torch.Size(list(t.shape))
-            zeros = torch.Size([0] * len(shape))
-            tensors[t.name] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype), size=shape,
-                chunks=[ChunkStorageMetadata(offsets=zeros, sizes=shape)])
-            storage[MetadataIndex(fqn=t.name, offset=zeros)] = t.name
+            offsets = torch.Size(list(t.offsets))
+            chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(list(t.shape)))
+            if t.name in tensors:
+                tensors[t.name].chunks.append(chunk)
+            else:
+                tensors[t.name] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=dtype), size=torch.Size(list(t.whole)),
+                    chunks=[chunk])
+            storage[MetadataIndex(fqn=t.name, offset=offsets)] = t.name
         return Metadata(state_dict_metadata=tensors, storage_data=storage)
 
     def _dcp_metadata(self) -> Metadata:
@@ -180,14 +188,17 @@ class Reader(StorageReader):
             index = ck.chunks(refs)
             names = [f"#{i:012d}" for i in range(len(refs))]
         else:
-            index = self._checkpoint()
+            ck = self._checkpoint()
             tensors = []
             for req in plan.items:
                 if req.type != LoadItemType.TENSOR:
-                    raise ValueError(f"{index.path}: {req.storage_index.fqn!r} is asked for as "
+                    raise ValueError(f"{ck.path}: {req.storage_index.fqn!r} is asked for as "
                                      "bytes; a safetensors checkpoint holds tensors only")
                 tensors.append(req)
-            names = [req.storage_index.fqn for req in tensors]
+            index = ck.pieces([(req.storage_index.fqn, [int(o) for o in req.storage_index.offset]
+                                if req.storage_index.offset is not None else [])
+                               for req in tensors])
+            names = [f"#{i:012d}" for i in range(len(tensors))]
         self._read_tensors(index, tensors, names, planner)
         for req, buf in values:
             planner.load_bytes(req, buf)

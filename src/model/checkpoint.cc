@@ -29,12 +29,17 @@ namespace {
 namespace fs = std::filesystem;
 
 // A file DCP's HuggingFaceStorageWriter wrote as one rank's part (save_distributed without
-// consolidation): its __metadata__'s DCP_SHARDING_INFO gives each tensor's place in the whole.
-// A part that starts at the origin of every tensor is the whole (one rank saved it); any other
-// is refused, since its tensors are pieces this index would take for whole tensors.
-void check_dcp_sharding(const fs::path& file, const std::map<std::string, std::string>& meta) {
+// consolidation): its __metadata__'s DCP_SHARDING_INFO gives each tensor's saved_offsets, where
+// the tensor in the file starts in the whole. The offsets by tensor name (none without the
+// entry), each checked to be a list of counts. Without `pieces` a part that places any tensor
+// off the origin is refused: its tensors are pieces that a whole-tensor reader would take for
+// whole tensors. A part at the origin of every tensor is the whole (one rank saved it).
+std::map<std::string, Shape> dcp_placements(const fs::path& file,
+                                            const std::map<std::string, std::string>& meta,
+                                            bool pieces) {
+  std::map<std::string, Shape> out;
   const auto it = meta.find("DCP_SHARDING_INFO");
-  if (it == meta.end()) return;
+  if (it == meta.end()) return out;
   const std::string where = printable(file.string(), 200);
   nlohmann::json info;
   try {
@@ -50,22 +55,39 @@ void check_dcp_sharding(const fs::path& file, const std::map<std::string, std::s
         t.value().is_object() && t.value().contains("saved_offsets")
             ? &t.value()["saved_offsets"]
             : nullptr;
-    bool origin = offsets != nullptr && offsets->is_array();
-    if (origin) {
+    const std::string shown =
+        printable(offsets != nullptr ? offsets->dump() : t.value().dump(), 80);
+    bool valid = offsets != nullptr && offsets->is_array() && offsets->size() <= 16;
+    bool origin = valid;
+    Shape at;
+    if (valid) {
       for (const nlohmann::json& o : *offsets) {
-        if (!o.is_number_unsigned() || o.get<std::uint64_t>() != 0) origin = false;
+        // Counts below 2^62: an offset plus a dimension then never wraps.
+        if (!o.is_number_unsigned() || o.get<std::uint64_t>() >= (std::uint64_t{1} << 62)) {
+          valid = origin = false;
+          break;
+        }
+        at.push_back(static_cast<std::int64_t>(o.get<std::uint64_t>()));
+        if (at.back() != 0) origin = false;
       }
     }
-    if (!origin) {
+    if (pieces && !valid) {
+      throw InvalidArgument(where + ": __metadata__ DCP_SHARDING_INFO: tensor '" +
+                            printable(t.key()) + "' has saved_offsets " + shown +
+                            ", not a list of counts");
+    }
+    if (!pieces && !origin) {
       throw InvalidArgument(
           where + ": one rank's part of a checkpoint DCP's HuggingFaceStorageWriter saved "
           "sharded (__metadata__ DCP_SHARDING_INFO: tensor '" + printable(t.key()) +
-          "' is a piece at saved_offsets " +
-          printable(offsets != nullptr ? offsets->dump() : t.value().dump(), 80) +
-          "); zeroflat reads whole tensors: consolidate the folder first (DCP's "
-          "consolidate_safetensors_files, or save with enable_consolidation=True)");
+          "' is a piece at saved_offsets " + shown +
+          "); this reader takes whole tensors: consolidate the folder first (DCP's "
+          "consolidate_safetensors_files, or save with enable_consolidation=True), or load "
+          "it through DCP's load with zeroflat.dcp.Reader, which reads the pieces");
     }
+    out.emplace(t.key(), std::move(at));
   }
+  return out;
 }
 
 // Names as sequences of tokens, a run of digits being one token compared by its value:
@@ -124,6 +146,79 @@ const char* st_name(DType d) {
   return "?";
 }
 
+// Where a tensor starts in its whole: its piece's offsets, the origin for a tensor stored whole.
+Shape origin_of(const CheckpointTensor& t) {
+  return t.piece_offsets.empty() ? Shape(t.shape.size(), 0) : t.piece_offsets;
+}
+
+// The order of CheckpointIndex::tensors: by name (natural_less), a name's pieces by offsets.
+bool entry_less(const CheckpointTensor& a, const CheckpointTensor& b) {
+  if (a.name != b.name) return natural_less(a.name, b.name);
+  return origin_of(a) < origin_of(b);
+}
+
+// Every name's pieces in an index opened with pieces (tensors sorted, empty pieces dropped):
+// one dtype and rank, no two overlapping, and together exactly the whole, whose shape each
+// piece is given.
+void check_tiling(std::vector<CheckpointTensor>& tensors) {
+  for (std::size_t first = 0; first < tensors.size();) {
+    std::size_t end = first + 1;
+    while (end < tensors.size() && tensors[end].name == tensors[first].name) ++end;
+    const CheckpointTensor& a = tensors[first];
+    const std::string name = "tensor '" + printable(a.name) + "'";
+    Shape whole(a.shape.size(), 0);
+    for (std::size_t i = first; i < end; ++i) {
+      const CheckpointTensor& t = tensors[i];
+      if (t.dtype != a.dtype || t.shape.size() != a.shape.size()) {
+        throw InvalidArgument(name + ": its pieces disagree: " + a.dtype + " " +
+                              shape_to_string(a.shape) + " at saved_offsets " +
+                              shape_to_string(a.piece_offsets) + ", " + t.dtype + " " +
+                              shape_to_string(t.shape) + " at saved_offsets " +
+                              shape_to_string(t.piece_offsets));
+      }
+      for (std::size_t d = 0; d < whole.size(); ++d) {
+        whole[d] = std::max(whole[d], t.piece_offsets[d] + t.shape[d]);
+      }
+    }
+    // Counts below 2^62 each (offsets checked so, dimensions by the header): the whole's
+    // volume saturates rather than wraps.
+    std::uint64_t total = 1;
+    for (const std::int64_t d : whole) {
+      const auto u = static_cast<std::uint64_t>(d);
+      total = (u != 0 && total > (std::uint64_t{1} << 62) / u) ? ~std::uint64_t{0} : total * u;
+    }
+    std::uint64_t covered = 0;
+    for (std::size_t i = first; i < end; ++i) {
+      const CheckpointTensor& t = tensors[i];
+      covered += t.numel;
+      // Sorted by offsets, so by the first offset: only the pieces that start before this one
+      // ends along dimension 0 can overlap it.
+      for (std::size_t j = i + 1; j < end; ++j) {
+        const CheckpointTensor& u = tensors[j];
+        if (!t.shape.empty() && u.piece_offsets[0] >= t.piece_offsets[0] + t.shape[0]) break;
+        bool overlap = true;
+        for (std::size_t d = 0; d < whole.size() && overlap; ++d) {
+          overlap = u.piece_offsets[d] < t.piece_offsets[d] + t.shape[d] &&
+                    t.piece_offsets[d] < u.piece_offsets[d] + u.shape[d];
+        }
+        if (overlap) {
+          throw InvalidArgument(name + ": its pieces at saved_offsets " +
+                                shape_to_string(t.piece_offsets) + " and " +
+                                shape_to_string(u.piece_offsets) + " overlap");
+        }
+      }
+    }
+    if (covered != total) {
+      throw InvalidArgument(name + ": its pieces hold " + std::to_string(covered) + " of the " +
+                            std::to_string(total) + " elements of the whole " +
+                            shape_to_string(whole) +
+                            " they place it in (a rank's part of the folder missing?)");
+    }
+    for (std::size_t i = first; i < end; ++i) tensors[i].whole_shape = whole;
+    first = end;
+  }
+}
+
 }  // namespace
 
 const CheckpointTensor* CheckpointIndex::find(const std::string& name) const {
@@ -133,7 +228,34 @@ const CheckpointTensor* CheckpointIndex::find(const std::string& name) const {
   return it != tensors.end() && it->name == name ? &*it : nullptr;
 }
 
-CheckpointIndex open_checkpoint(const std::string& path_text) {
+CheckpointIndex checkpoint_pieces(const CheckpointIndex& ck, const std::vector<PieceRef>& refs) {
+  CheckpointIndex out;
+  out.path = ck.path;
+  out.files = ck.files;
+  out.file_bytes = ck.file_bytes;
+  out.stamps = ck.stamps;
+  out.tensors.reserve(refs.size());
+  for (std::size_t i = 0; i < refs.size(); ++i) {
+    const PieceRef& ref = refs[i];
+    auto it = std::lower_bound(ck.tensors.begin(), ck.tensors.end(), ref,
+                               [](const CheckpointTensor& t, const PieceRef& r) {
+                                 if (t.name != r.name) return natural_less(t.name, r.name);
+                                 return origin_of(t) < r.offsets;
+                               });
+    if (it == ck.tensors.end() || it->name != ref.name || origin_of(*it) != ref.offsets) {
+      throw InvalidArgument(printable(ck.path, 200) + ": no piece of a tensor '" +
+                            printable(ref.name, 200) + "' at saved_offsets " +
+                            shape_to_string(ref.offsets) + " in its files");
+    }
+    char name[24];
+    std::snprintf(name, sizeof name, "#%012zu", i);
+    out.tensors.push_back(*it);
+    out.tensors.back().name = name;
+  }
+  return out;
+}
+
+CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOptions& options) {
   detail::check_path(path_text);
   const fs::path path(path_text);
   std::error_code ec;
@@ -186,7 +308,9 @@ CheckpointIndex open_checkpoint(const std::string& path_text) {
                               ? index.string() + ": the index lists no tensors"
                               : printable(path_text, 200) + ": no .safetensors files");
   }
-  std::map<std::string, std::string> seen;  // tensor -> file
+  std::map<std::pair<std::string, Shape>, std::string> seen;  // (tensor, offsets) -> file
+  std::set<std::string> names;
+  std::map<std::string, CheckpointTensor> empty_pieces;  // pieces mode: a name's first empty one
   for (const fs::path& f : files) {
     if (!weight_map.empty() && !fs::exists(f, ec)) {
       // The index is what is wrong (or the download incomplete): say so, and name both.
@@ -205,16 +329,37 @@ CheckpointIndex open_checkpoint(const std::string& path_text) {
                             " does not exist (an incomplete download or copy?)");
     }
     const SafetensorsHeader h = read_safetensors_header(f.string());
-    check_dcp_sharding(f, h.metadata);
+    const std::map<std::string, Shape> placed = dcp_placements(f, h.metadata, options.pieces);
     const auto file = static_cast<std::uint32_t>(out.files.size());
     out.files.push_back(f.string());
     out.file_bytes.push_back(8 + h.header_bytes + h.data_bytes);
     out.stamps.push_back(h.stamp);
     for (const SafetensorsTensor& t : h.tensors) {
-      auto [it, fresh] = seen.emplace(t.name, f.filename().string());
+      CheckpointTensor entry{t.name, t.dtype, loadable(t.dtype), t.shape, t.numel,
+                             file, 8 + h.header_bytes + t.begin, t.end - t.begin, {}, {}};
+      if (options.pieces) {
+        const auto p = placed.find(t.name);
+        entry.piece_offsets = p != placed.end() ? p->second : Shape(t.shape.size(), 0);
+        if (entry.piece_offsets.size() != t.shape.size()) {
+          throw InvalidArgument(f.string() + ": tensor '" + printable(t.name) + "' is " +
+                                shape_to_string(t.shape) + ", its DCP_SHARDING_INFO "
+                                "saved_offsets " + shape_to_string(entry.piece_offsets) +
+                                " have another count of dimensions");
+        }
+      }
+      names.insert(t.name);
+      if (options.pieces && t.numel == 0) {
+        empty_pieces.emplace(t.name, std::move(entry));
+        continue;
+      }
+      auto [it, fresh] = seen.emplace(std::pair(t.name, entry.piece_offsets),
+                                      f.filename().string());
       if (!fresh) {
-        throw InvalidArgument(f.string() + ": tensor '" + printable(t.name) + "' is also in " +
-                              it->second);
+        throw InvalidArgument(f.string() + ": tensor '" + printable(t.name) + "'" +
+                              (options.pieces ? " at saved_offsets " +
+                                                    shape_to_string(entry.piece_offsets)
+                                              : std::string()) +
+                              " is also in " + it->second);
       }
       if (!weight_map.empty()) {
         auto w = weight_map.find(t.name);
@@ -223,20 +368,24 @@ CheckpointIndex open_checkpoint(const std::string& path_text) {
                                 "' is not where the index says it is");
         }
       }
-      out.tensors.push_back(CheckpointTensor{t.name, t.dtype, loadable(t.dtype), t.shape, t.numel,
-                                             file, 8 + h.header_bytes + t.begin, t.end - t.begin});
+      out.tensors.push_back(std::move(entry));
     }
   }
   for (const auto& [name, file] : weight_map) {
-    if (!seen.count(name)) {
+    if (!names.count(name)) {
       throw InvalidArgument(index.string() + ": tensor '" + printable(name) + "' is not in " +
                             file);
     }
   }
-  std::sort(out.tensors.begin(), out.tensors.end(),
-            [](const CheckpointTensor& a, const CheckpointTensor& b) {
-              return natural_less(a.name, b.name);
-            });
+  // A name all of whose pieces are empty keeps one (the tensor exists, with no elements).
+  for (auto& [name, entry] : empty_pieces) {
+    const auto any = seen.lower_bound(std::pair(name, Shape{}));
+    if (any != seen.end() && any->first.first == name) continue;
+    if (!entry.piece_offsets.empty()) entry.piece_offsets.assign(entry.shape.size(), 0);
+    out.tensors.push_back(std::move(entry));
+  }
+  std::sort(out.tensors.begin(), out.tensors.end(), entry_less);
+  if (options.pieces) check_tiling(out.tensors);
   return out;
 }
 
@@ -402,7 +551,7 @@ CheckpointIndex pattern_checkpoint_index(const ModelSpec& model, DType dtype,
     for (std::size_t i = sh.first; i < sh.last; ++i) {
       const TensorSpec& t = model.tensors[i];
       out.tensors.push_back(CheckpointTensor{t.name, st_name(dtype), dtype, t.shape, t.numel, file,
-                                             at, t.numel * es});
+                                             at, t.numel * es, {}, {}});
       at += t.numel * es;
     }
   }

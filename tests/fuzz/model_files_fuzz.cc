@@ -5,7 +5,9 @@
 // folder (the rest of the input split into a module file and one rank's optimizer file, then
 // the folder's checks, the resume's plan at new worlds and each rank's reads in it, and every
 // target's source); a first byte of 250 or more picks DCP's `.metadata` index (the restricted
-// machine with its DCP rows, then every field of the index). Any exception other than InvalidArgument or Unsupported, any
+// machine with its DCP rows, then every field of the index), 245 to 249 a folder of two
+// safetensors files opened with pieces (DCP_SHARDING_INFO placements, the tiling checks, then
+// every piece looked up and read as the DCP reader reads it). Any exception other than InvalidArgument or Unsupported, any
 // crash, hang, leak or undefined behaviour is a finding.
 #include <unistd.h>
 
@@ -19,9 +21,11 @@
 #include <string_view>
 #include <vector>
 
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/error.h"
+#include "zeroflat/loader.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/resume.h"
 #include "zeroflat/torch_file.h"
@@ -53,6 +57,42 @@ void write(const std::filesystem::path& path, std::span<const unsigned char> byt
   out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
 }
 
+// A fresh directory of this process for the folder targets.
+const std::filesystem::path& scratch() {
+  static const std::filesystem::path dir = [] {
+    std::filesystem::path d = std::filesystem::temp_directory_path() /
+                              ("zeroflat-fuzz-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+// Two safetensors files (the input split as for folder()) opened with pieces; every piece
+// looked up by its place and, when small, read whole into its dtype.
+void pieces(std::span<const unsigned char> in) {
+  if (in.size() < 2) return;
+  const std::size_t split = std::min<std::size_t>(in.size() - 2, (std::size_t{in[0]} << 8) | in[1]);
+  const std::filesystem::path dir = scratch() / "pieces";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  write(dir / "shard-1.safetensors", in.subspan(2, split));
+  write(dir / "shard-2.safetensors", in.subspan(2 + split));
+  const zeroflat::CheckpointIndex ck = zeroflat::open_checkpoint(dir.string(), {.pieces = true});
+  std::vector<zeroflat::PieceRef> refs;
+  for (const zeroflat::CheckpointTensor& t : ck.tensors) refs.push_back({t.name, t.piece_offsets});
+  const zeroflat::CheckpointIndex got = zeroflat::checkpoint_pieces(ck, refs);
+  std::vector<unsigned char> out;
+  for (const zeroflat::CheckpointTensor& t : got.tensors) {
+    if (!t.type || t.numel > 4096) continue;
+    out.resize(t.numel * 4);
+    zeroflat::BoxRead box{t.name, std::vector<std::uint64_t>(t.shape.size(), 0),
+                          std::vector<std::uint64_t>(t.shape.begin(), t.shape.end()), out.data(),
+                          zeroflat::DType::kFP32};
+    (void)zeroflat::read_checkpoint_boxes(got, std::vector<zeroflat::BoxRead>{box}, 1);
+  }
+}
+
 // A folder of one module file and one rank's optimizer file (ZeRO-1/2's names, or ZeRO-3's
 // when `zero3`), written fresh for each input.
 void folder(std::span<const unsigned char> in) {
@@ -61,12 +101,7 @@ void folder(std::span<const unsigned char> in) {
   const std::size_t split = std::min<std::size_t>(in.size() - 3, (std::size_t{in[1]} << 8) | in[2]);
   const std::span<const unsigned char> model = in.subspan(3, split);
   const std::span<const unsigned char> optim = in.subspan(3 + split);
-  static const std::filesystem::path dir = [] {
-    std::filesystem::path d = std::filesystem::temp_directory_path() /
-                              ("zeroflat-fuzz-" + std::to_string(::getpid()));
-    std::filesystem::create_directories(d);
-    return d;
-  }();
+  const std::filesystem::path& dir = scratch();
   std::filesystem::remove(dir / "mp_rank_00_model_states.pt");
   std::filesystem::remove(dir / "zero_pp_rank_0_mp_rank_00_model_states.pt");
   write(dir / (zero3 ? "zero_pp_rank_0_mp_rank_00_model_states.pt" : "mp_rank_00_model_states.pt"),
@@ -96,11 +131,13 @@ void folder(std::span<const unsigned char> in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
-  const int parser = data[0] >= 250 ? 5 : data[0] % 5;
+  const int parser = data[0] >= 250 ? 5 : data[0] >= 245 ? 6 : data[0] % 5;
   const std::span<const unsigned char> file(data + 1, size - 1);
   const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
   try {
-    if (parser == 5) {
+    if (parser == 6) {
+      pieces(file);
+    } else if (parser == 5) {
       const zeroflat::DcpCheckpoint ck = zeroflat::parse_dcp_metadata(file, "fuzz");
       for (const zeroflat::DcpItem& item : ck.items) {
         if (ck.find(item.fqn) == nullptr) __builtin_trap();  // every item found by its name
