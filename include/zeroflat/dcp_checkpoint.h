@@ -87,12 +87,15 @@ struct DcpCheckpoint {
   std::vector<std::uint32_t> by_fqn;  // indices of items sorted by fqn
 };
 
-// Whether `dir` is a directory holding a regular `.metadata` file. Never throws.
-bool is_dcp_checkpoint(const std::string& dir) noexcept;
+// Whether `dir` is a directory holding a regular `.metadata` file (`index`: that name instead).
+// Never throws.
+bool is_dcp_checkpoint(const std::string& dir, const std::string& index = ".metadata") noexcept;
 
-// Reads and checks a DCP folder's index and stats its data files (no item is read). Throws
-// InvalidArgument naming the file and the entry, the global or the field.
-DcpCheckpoint open_dcp_checkpoint(const std::string& dir);
+// Reads and checks a DCP folder's index and stats its data files (no item is read). `index`:
+// the global ".metadata", or "__<rank>.metadata", the rank's own index that a save without
+// collectives (`dcp.save(..., use_collectives=False)`) writes in its place, listing that rank's
+// items alone. Throws InvalidArgument naming the file and the entry, the global or the field.
+DcpCheckpoint open_dcp_checkpoint(const std::string& dir, const std::string& index = ".metadata");
 
 // The index alone, from `.metadata`'s bytes (the fuzzer's door): files named, not opened
 // (stamps and file_bytes empty). `dir` names the folder in messages and the files' paths.

@@ -272,11 +272,11 @@ void bind_deepspeed(py::module_& m) {
   // A DCP folder (dcp_checkpoint.h): its index as plain values, its chunks as a Checkpoint of
   // tensors for read_boxes, its bytes items as values made as TorchFile.value makes them.
   py::class_<zf::DcpCheckpoint>(m, "DcpCheckpoint")
-      .def(py::init([](const std::string& dir) {
+      .def(py::init([](const std::string& dir, const std::string& index) {
              py::gil_scoped_release nogil;
-             return zf::open_dcp_checkpoint(dir);
+             return zf::open_dcp_checkpoint(dir, index);
            }),
-           py::arg("path"))
+           py::arg("path"), py::arg("index") = ".metadata")
       .def_readonly("path", &zf::DcpCheckpoint::dir)
       .def_readonly("version", &zf::DcpCheckpoint::version)
       .def_readonly("files", &zf::DcpCheckpoint::files)

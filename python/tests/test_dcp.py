@@ -90,7 +90,8 @@ def _save(rank, mesh, job):
     for k in range(2):
         _step(model, opt, rank, k)
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=job["path"])
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=job["path"],
+             use_collectives=not job.get("no_collectives"))
     return {}
 
 
@@ -225,6 +226,28 @@ def test_saved_at_4_loads_at_2_and_3_as_dcps_own_reader_does(saved, world, tmp_p
 
 
 # ---- hostile indexes and items (one process) ---------------------------------------------------
+
+def test_saved_without_collectives_loads_as_dcps_own_reader_does(tmp_path):
+    """dcp.save(..., use_collectives=False): no global .metadata, each rank's own
+    __<rank>.metadata listing what it saved; DCP's load falls back to it, with either reader."""
+    path = str(tmp_path / "ck")
+    run(2, {"what": "save", "path": path, "no_collectives": True}, str(tmp_path))
+    names = sorted(os.listdir(path))
+    assert ".metadata" not in names and "__0.metadata" in names and "__1.metadata" in names
+    for r in run(2, {"what": "load", "path": path}, str(tmp_path)):
+        assert r["share"] > 0 and r["read"] <= 1.1 * r["share"] + 20 * 1024, r
+    from zeroflat import _C
+
+    assert _C.DcpCheckpoint(path, "__1.metadata").items()
+    for bad in ("../ck/__0.metadata", "__x.metadata", "__.metadata", "x.metadata"):
+        with pytest.raises(ValueError, match="a DCP index is"):
+            _C.DcpCheckpoint(path, bad)
+    # inspect reads a global index: it says what the folder is and how to load it.
+    r = _cli("inspect", path, "--json")
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    err = json.loads(r.stdout)
+    assert "saved without collectives" in err["error"] and "zeroflat.dcp.Reader" in err["error"]
+
 
 @pytest.fixture()
 def single(tmp_path):

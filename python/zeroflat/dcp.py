@@ -49,6 +49,11 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
 _TORCH_DTYPES = {str(d).split(".")[-1]: d for d in _DTYPES.values()}
 
 
+def _rank_index(name: str) -> bool:
+    """``__<rank>.metadata``: one rank's own DCP index (a save without collectives)."""
+    return name.startswith("__") and name.endswith(".metadata") and name[2:-9].isdigit()
+
+
 class Reader(StorageReader):
     """Reads a checkpoint for ``torch.distributed.checkpoint.load``: a DCP folder (one holding
     ``.metadata``: every saved chunk, of model and optimizer state, where DCP's planner asks for
@@ -67,6 +72,8 @@ class Reader(StorageReader):
             raise ValueError(f"threads {threads!r}: expected a count >= 1, or None")
         self._ck: Optional["_C.Checkpoint"] = None
         self._dcp: Optional["_C.DcpCheckpoint"] = None
+        # The DCP index read: the global one, or this rank's (a save without collectives).
+        self._index = ".metadata"
         # DCP: (fqn, chunk offsets or None for a bytes item) -> chunk index in the item.
         self._chunk_of: Dict[Tuple[str, Optional[Tuple[int, ...]]], int] = {}
         self._value_bytes: Dict[str, int] = {}  # DCP: a bytes item's length in its file
@@ -79,6 +86,7 @@ class Reader(StorageReader):
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
             self._ck = self._dcp = None
+            self._index = ".metadata"
         self.load_id = str(checkpoint_id) if checkpoint_id is not None else None
         self.bytes_read = 0
 
@@ -87,11 +95,19 @@ class Reader(StorageReader):
         p = os.fspath(checkpoint_id)
         if os.path.isfile(p):
             return p.endswith(".safetensors")
-        return os.path.isdir(p) and (os.path.isfile(os.path.join(p, ".metadata")) or
-                                     any(f.endswith(".safetensors") for f in os.listdir(p)))
+        return os.path.isdir(p) and any(
+            f == ".metadata" or f.endswith(".safetensors") or _rank_index(f)
+            for f in os.listdir(p))
 
     def _is_dcp(self) -> bool:
-        return os.path.isfile(os.path.join(self.path, ".metadata"))
+        return os.path.isfile(os.path.join(self.path, self._index)) or (
+            self._index == ".metadata" and self._rank_indexes())
+
+    def _rank_indexes(self) -> bool:
+        """Whether the folder holds only ranks' own indexes (a save without collectives)."""
+        return (os.path.isdir(self.path) and
+                any(_rank_index(f) for f in os.listdir(self.path)) and
+                not any(f.endswith(".safetensors") for f in os.listdir(self.path)))
 
     def _checkpoint(self) -> "_C.Checkpoint":
         if self._ck is None:
@@ -100,10 +116,23 @@ class Reader(StorageReader):
 
     def _dcp_checkpoint(self) -> "_C.DcpCheckpoint":
         if self._dcp is None:
-            self._dcp = _C.DcpCheckpoint(self.path)
+            self._dcp = _C.DcpCheckpoint(self.path, self._index)
         return self._dcp
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
+        """The checkpoint's index. A DCP folder saved without collectives has no global
+        ``.metadata``: asked without ``rank``, this raises, and DCP's load asks again with
+        ``rank=`` for that rank's own ``__<rank>.metadata`` (its items alone, each rank loading
+        what it saved), as it does with its own reader."""
+        rank = kwargs.get("rank")
+        if rank is not None and not os.path.isfile(os.path.join(self.path, ".metadata")):
+            index = f"__{int(rank)}.metadata"
+            if index != self._index:
+                self._index, self._dcp, self._chunk_of = index, None, {}
+        elif self._index == ".metadata" and self._rank_indexes():
+            raise FileNotFoundError(
+                f"{self.path}: no .metadata, only ranks' own indexes (__<rank>.metadata: a save "
+                "without collectives); DCP's load reads them with rank=")
         metadata = self._dcp_metadata() if self._is_dcp() else self._safetensors_metadata()
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
@@ -159,6 +188,11 @@ class Reader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args,
                               **kwargs) -> None:
+        rank = kwargs.get("rank")
+        if not kwargs.get("use_collectives", True) and rank is not None:
+            index = f"__{int(rank)}.metadata"
+            if index != self._index:
+                self._index, self._dcp, self._chunk_of = index, None, {}
         if self._is_dcp():
             if not self._chunk_of:  # a reader given another rank's metadata
                 self._dcp_metadata()

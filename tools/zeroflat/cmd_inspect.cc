@@ -8,6 +8,7 @@
 
 #include "cli/common.h"
 #include "zeroflat/dcp_checkpoint.h"
+#include "zeroflat/error.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/resume.h"
@@ -623,6 +624,12 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
   }
   if (is_torch_file(path)) return inspect_torch(path, args.has("json"), largest);
   if (is_dcp_checkpoint(path)) return inspect_dcp(path, args.has("json"), largest);
+  if (is_dcp_checkpoint(path, "__0.metadata")) {
+    throw InvalidArgument(printable(path, 200) +
+                          ": a DCP checkpoint saved without collectives (each rank's own "
+                          "__<rank>.metadata, no global .metadata); inspect reads the global "
+                          "index: load it through DCP's load (zeroflat.dcp.Reader reads it)");
+  }
   Inspection in = inspect_path(path);
   std::vector<const TensorInfo*> order;
   for (const TensorInfo& t : in.tensors) order.push_back(&t);

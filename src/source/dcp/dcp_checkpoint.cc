@@ -168,9 +168,9 @@ const DcpItem* DcpCheckpoint::find(const std::string& fqn) const {
   return it == by_fqn.end() || items[*it].fqn != fqn ? nullptr : &items[*it];
 }
 
-bool is_dcp_checkpoint(const std::string& dir) noexcept {
+bool is_dcp_checkpoint(const std::string& dir, const std::string& index) noexcept {
   struct stat d {}, m {};
-  const std::string meta = dir + "/.metadata";
+  const std::string meta = dir + "/" + index;
   return ::stat(dir.c_str(), &d) == 0 && S_ISDIR(d.st_mode) && ::stat(meta.c_str(), &m) == 0 &&
          S_ISREG(m.st_mode);
 }
@@ -386,14 +386,22 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
   return out;
 }
 
-DcpCheckpoint open_dcp_checkpoint(const std::string& dir) {
-  if (!is_dcp_checkpoint(dir)) {
-    throw InvalidArgument(printable(dir, 200) +
-                          ": not a DCP checkpoint (a folder holding the '.metadata' index that "
-                          "torch.distributed.checkpoint.save writes)");
+DcpCheckpoint open_dcp_checkpoint(const std::string& dir, const std::string& index) {
+  // The global index, or one rank's: a plain name in the folder, never a path out of it.
+  bool rank_index = index.size() > 11 && index.starts_with("__") && index.ends_with(".metadata");
+  for (std::size_t i = 2; rank_index && i < index.size() - 9; ++i) {
+    rank_index = index[i] >= '0' && index[i] <= '9';
+  }
+  if (index != ".metadata" && !rank_index) {
+    throw InvalidArgument("'" + printable(index, 80) +
+                          "': a DCP index is '.metadata' or '__<rank>.metadata'");
+  }
+  if (!is_dcp_checkpoint(dir, index)) {
+    throw InvalidArgument(printable(dir, 200) + ": not a DCP checkpoint (a folder holding the '" +
+                          index + "' index that torch.distributed.checkpoint.save writes)");
   }
   const std::string data =
-      detail::read_small_file(dir + "/.metadata", kMaxTorchPickleBytes, "a DCP checkpoint's index");
+      detail::read_small_file(dir + "/" + index, kMaxTorchPickleBytes, "a DCP checkpoint's index");
   DcpCheckpoint out = parse_dcp_metadata(
       std::span(reinterpret_cast<const unsigned char*>(data.data()), data.size()), dir);
   // The data files: regular, and every item inside its file.
