@@ -5,6 +5,7 @@
 #include "zeroflat/loader.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -1312,6 +1313,46 @@ TEST_F(LoaderTest, BoxesOfTensorsAreTheirElementsAndOnlyTheirBytes) {
     for (std::int64_t n : t.shape) nowhere.sizes.push_back(static_cast<std::uint64_t>(n));
     EXPECT_THROW(read_checkpoint_boxes(ck, std::vector<BoxRead>{nowhere}, 1), InvalidArgument);
   }
+}
+
+// A box of rows in the middle of a large tensor, read cold: exactly its bytes come from the
+// disk, none past its end (read_checkpoint_boxes turns the kernel's read-ahead off as the
+// loader's own reads do; it had been left on, reading up to several MB into other ranks' rows).
+TEST(ReadCheckpointBoxes, ReadNoBytePastTheBoxCold) {
+  namespace fs = std::filesystem;
+  const fs::path file =
+      fs::path(::testing::TempDir()) / ("zf_boxes_cold_" + std::to_string(getpid()) + ".safetensors");
+  constexpr std::uint64_t kRow = std::uint64_t{1} << 20, kRows = 96;  // 96 rows of 1 MiB
+  {
+    const std::string header = nlohmann::json{
+        {"w", {{"dtype", "F32"}, {"shape", {kRows, kRow / 4}}, {"data_offsets", {0, kRows * kRow}}}}}
+                                   .dump();
+    std::ofstream out(file, std::ios::binary);
+    const std::uint64_t n = header.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << header;
+    const std::vector<char> row(kRow, '\x01');
+    for (std::uint64_t r = 0; r < kRows; ++r) out.write(row.data(), static_cast<std::streamsize>(kRow));
+  }
+  const CheckpointIndex ck = open_checkpoint(file.string());
+  const int fd = ::open(file.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  (void)::fdatasync(fd);
+  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+  const std::uint64_t size = ck.file_bytes[0], data = size - kRows * kRow;
+  if (cached_fraction(file.string(), 0, size) > 0.05) {
+    fs::remove(file);
+    GTEST_SKIP() << ::testing::TempDir() << " keeps its files in memory (tmpfs): nothing to drop";
+  }
+  std::vector<float> out(24 * kRow / 4);
+  const BoxRead box{"w", {16, 0}, {24, kRow / 4}, out.data(), DType::kFP32};
+  EXPECT_EQ(read_checkpoint_boxes(ck, std::vector<BoxRead>{box}, 1), 24 * kRow);
+  EXPECT_GT(cached_fraction(file.string(), data + 16 * kRow, 24 * kRow), 0.99);
+  // Nothing of the next 32 rows (several read-ahead windows of any disk) nor of the 8 before.
+  EXPECT_LT(cached_fraction(file.string(), data + 40 * kRow, 32 * kRow), 0.01);
+  EXPECT_LT(cached_fraction(file.string(), data + 8 * kRow, 8 * kRow), 0.01);
+  fs::remove(file);
 }
 
 TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {

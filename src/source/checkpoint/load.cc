@@ -248,11 +248,16 @@ std::uint64_t read_checkpoint_boxes(const CheckpointIndex& ck, std::span<const B
   const unsigned n = threads > 0 ? threads : default_num_threads();
   std::map<DType, std::vector<detail::Reader::Destination>> by_dtype;
   std::uint64_t read = 0;
+  std::size_t runs = 0;
   for (std::size_t b = 0; b < boxes.size(); ++b) {
     if (bytes[b] == 0) continue;
     by_dtype[boxes[b].to].push_back({static_cast<unsigned char*>(boxes[b].dst), &reads[b]});
     read += detail::source_bytes(reads[b]);
+    runs += reads[b].size();
   }
+  // As the loader's reads (CheckpointSource): the kernel's read-ahead off (exact read-ahead),
+  // or under ZEROFLAT_READ_AHEAD=kernel for many short runs (a box of rows of every tensor).
+  files.advise_reads(runs > 1 && read / runs < (8u << 20));
   for (const auto& [to, destinations] : by_dtype) {
     detail::Reader reader(files, to, n, std::nullopt);
     reader.fill_many(destinations);
