@@ -790,3 +790,22 @@ if __name__ == "__main__":
         ckpt, stage, world, opts, result = (sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                             sys.argv[5], sys.argv[6])
         fork_deepspeed_ranks(_resume_worker, world, ckpt, stage, json.loads(opts), result)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_masters_upcast_check_is_bit_for_bit_across_chunks(dtype):
+    """The fp32 master is lent to the resume only while it is exactly the up-cast of its
+    16-bit partition (putting it back is then exact): every chunk compared, the last partial
+    one included, bit for bit (a sign of zero, a NaN's payload)."""
+    from zeroflat._resume_inplace import _upcast_of
+
+    h = torch.randn(1003).to(dtype)
+    h[7] = float("nan")
+    m = h.float()
+    assert _upcast_of(m, h, chunk=64)
+    for at in (0, 63, 64, 1002):  # chunk edges and the last, partial chunk
+        other = m.clone()
+        other[at] = other[at] + 1 if other[at] == other[at] else 0.0
+        assert not _upcast_of(other, h, chunk=64), at
+    h[10], m[10] = 0.0, -0.0  # equal as numbers, not as bits
+    assert not _upcast_of(m, h, chunk=64)
