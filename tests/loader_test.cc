@@ -1315,6 +1315,35 @@ TEST_F(LoaderTest, BoxesOfTensorsAreTheirElementsAndOnlyTheirBytes) {
   }
 }
 
+// A safetensors file of F32 tensors, each `rows` rows of 1 MiB (every byte 1), in order.
+void write_rows_file(const std::filesystem::path& file,
+                     const std::vector<std::pair<std::string, std::uint64_t>>& tensors) {
+  constexpr std::uint64_t kRow = std::uint64_t{1} << 20;
+  nlohmann::json h = nlohmann::json::object();
+  std::uint64_t at = 0;
+  for (const auto& [name, rows] : tensors) {
+    h[name] = {{"dtype", "F32"}, {"shape", {rows, kRow / 4}}, {"data_offsets", {at, at + rows * kRow}}};
+    at += rows * kRow;
+  }
+  const std::string header = h.dump();
+  std::ofstream out(file, std::ios::binary);
+  const std::uint64_t n = header.size();
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out << header;
+  const std::vector<char> row(kRow, '\x01');
+  for (std::uint64_t r = 0; r < at / kRow; ++r) out.write(row.data(), static_cast<std::streamsize>(kRow));
+}
+
+// Drops a file's pages; false where they stay (a directory in memory: tmpfs).
+bool dropped(const std::filesystem::path& file) {
+  const int fd = ::open(file.c_str(), O_RDONLY);
+  if (fd < 0) return false;
+  (void)::fdatasync(fd);
+  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+  return cached_fraction(file.string(), 0, std::filesystem::file_size(file)) < 0.05;
+}
+
 // A box of rows in the middle of a large tensor, read cold: exactly its bytes come from the
 // disk, none past its end (read_checkpoint_boxes turns the kernel's read-ahead off as the
 // loader's own reads do; it had been left on, reading up to several MB into other ranks' rows).
@@ -1322,26 +1351,11 @@ TEST(ReadCheckpointBoxes, ReadNoBytePastTheBoxCold) {
   namespace fs = std::filesystem;
   const fs::path file =
       fs::path(::testing::TempDir()) / ("zf_boxes_cold_" + std::to_string(getpid()) + ".safetensors");
-  constexpr std::uint64_t kRow = std::uint64_t{1} << 20, kRows = 96;  // 96 rows of 1 MiB
-  {
-    const std::string header = nlohmann::json{
-        {"w", {{"dtype", "F32"}, {"shape", {kRows, kRow / 4}}, {"data_offsets", {0, kRows * kRow}}}}}
-                                   .dump();
-    std::ofstream out(file, std::ios::binary);
-    const std::uint64_t n = header.size();
-    out.write(reinterpret_cast<const char*>(&n), 8);
-    out << header;
-    const std::vector<char> row(kRow, '\x01');
-    for (std::uint64_t r = 0; r < kRows; ++r) out.write(row.data(), static_cast<std::streamsize>(kRow));
-  }
+  constexpr std::uint64_t kRow = std::uint64_t{1} << 20;
+  write_rows_file(file, {{"w", 96}});
   const CheckpointIndex ck = open_checkpoint(file.string());
-  const int fd = ::open(file.c_str(), O_RDONLY);
-  ASSERT_GE(fd, 0);
-  (void)::fdatasync(fd);
-  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-  ::close(fd);
-  const std::uint64_t size = ck.file_bytes[0], data = size - kRows * kRow;
-  if (cached_fraction(file.string(), 0, size) > 0.05) {
+  const std::uint64_t data = ck.file_bytes[0] - 96 * kRow;
+  if (!dropped(file)) {
     fs::remove(file);
     GTEST_SKIP() << ::testing::TempDir() << " keeps its files in memory (tmpfs): nothing to drop";
   }
@@ -1353,6 +1367,50 @@ TEST(ReadCheckpointBoxes, ReadNoBytePastTheBoxCold) {
   EXPECT_LT(cached_fraction(file.string(), data + 40 * kRow, 32 * kRow), 0.01);
   EXPECT_LT(cached_fraction(file.string(), data + 8 * kRow, 8 * kRow), 0.01);
   fs::remove(file);
+}
+
+// Exact read-ahead where another rank reads the file, the kernel's where no other rank does (a
+// rank's own optimizer file when a DeepSpeed checkpoint resumes at its world): two ranks, each
+// its slice of [a, b], a first in a.safetensors, b in b.safetensors, each followed by a tensor
+// nobody reads. Read cold, the kernel's read-ahead runs on past a rank's own run; with the
+// group [a] alone, whose halves the two ranks read from one file, nothing past a is read.
+TEST(LoadSlice, FilesNoOtherRankReadsAreReadWithTheKernelsReadAhead) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(::testing::TempDir()) / ("zf_own_files_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  constexpr std::uint64_t kRow = std::uint64_t{1} << 20;
+  write_rows_file(dir / "a.safetensors", {{"a", 16}, {"u", 32}});
+  write_rows_file(dir / "b.safetensors", {{"b", 16}, {"v", 32}});
+  const CheckpointIndex ck = open_checkpoint(dir.string());
+  if (!dropped(dir / "a.safetensors")) {
+    fs::remove_all(dir);
+    GTEST_SKIP() << ::testing::TempDir() << " keeps its files in memory (tmpfs): nothing to drop";
+  }
+  const CheckpointTensor& u = *ck.find("u");
+  const std::string a_file = ck.files[u.file];
+  const auto after_a = [&] { return cached_fraction(a_file, u.offset, 32 * kRow); };
+  for (const bool both : {true, false}) {
+    SCOPED_TRACE(both ? "[a, b]: each rank its own file" : "[a]: one file, two ranks");
+    std::vector<LoadParam> params = {LoadParam{"a", Shape{16, kRow / 4}}};
+    if (both) params.push_back(LoadParam{"b", Shape{16, kRow / 4}});
+    FlattenOptions o = load_options();
+    o.layout.dp = 2;
+    o.layout.dtype = DType::kFP32;
+    o.read.cold = true;  // every file dropped before the reads
+    o.read.copies = CopyCheck::kOff;
+    on_ranks(2, [&](int, Communicator* comm) {
+      std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
+      const FlattenResult res = load_slice(ck, params, *dev, comm, o);
+      ASSERT_TRUE(res.complete()) << res.plan.reason << res.execution.error;
+    });
+    if (both) {
+      EXPECT_GT(after_a(), 0.02);  // the kernel's read-ahead went on into u
+    } else {
+      EXPECT_LT(after_a(), 0.01);
+    }
+  }
+  fs::remove_all(dir);
 }
 
 TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {

@@ -28,7 +28,8 @@ struct RuntimeEnv {
   // ZEROFLAT_READ_AHEAD: how a checkpoint's files are read ahead. "exact" (the default): the
   // kernel's own read-ahead off (POSIX_FADV_RANDOM) and the reader asking ahead for exactly the
   // pieces it will read next (POSIX_FADV_WILLNEED), so that a rank reads its bytes and no
-  // others; "kernel": the kernel's read-ahead, which reads past the end of each run of a rank's
+  // others (the files no other rank of a load reads keep the kernel's read-ahead: there it
+  // reads nothing another rank needs); "kernel": the kernel's read-ahead, which reads past the end of each run of a rank's
   // bytes into another rank's (off only for a rank's many short runs).
   enum class ReadAhead : std::uint8_t { kExact, kKernel };
   ReadAhead read_ahead = ReadAhead::kExact;

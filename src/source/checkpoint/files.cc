@@ -120,13 +120,27 @@ OpenFiles::OpenFiles(const CheckpointIndex& ck)
   keep_ = static_cast<std::size_t>(std::clamp<std::uint64_t>(budget / 8, 4, 64));
 }
 
+void OpenFiles::advise(const File& f, std::uint32_t i) const {
+  const bool own = i < own_.size() && own_[i];
+  (void)posix_fadvise(f.fd(), 0, 0,
+                      random_ && !(own && exact_) ? POSIX_FADV_RANDOM : POSIX_FADV_NORMAL);
+}
+
 void OpenFiles::advise_reads(bool scattered) {
   const bool random = exact_ || scattered;
   std::lock_guard<std::mutex> lock(mutex_);
   if (random == random_) return;
   random_ = random;
-  for (const std::shared_ptr<const File>& f : open_) {
-    if (f) (void)posix_fadvise(f->fd(), 0, 0, random ? POSIX_FADV_RANDOM : POSIX_FADV_NORMAL);
+  for (std::uint32_t i = 0; i < open_.size(); ++i) {
+    if (open_[i]) advise(*open_[i], i);
+  }
+}
+
+void OpenFiles::own_files(std::vector<bool> own) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  own_ = std::move(own);
+  for (std::uint32_t i = 0; i < open_.size(); ++i) {
+    if (open_[i]) advise(*open_[i], i);
   }
 }
 
@@ -160,7 +174,7 @@ std::shared_ptr<const File> OpenFiles::get(std::uint32_t i) {
   }
   check_stamp(ck_, i, f->stamp());
   if (f->size() < ck_.file_bytes[i]) throw truncated(ck_, i, f->size());
-  if (random_) (void)posix_fadvise(f->fd(), 0, 0, POSIX_FADV_RANDOM);
+  if (random_) advise(*f, i);
   open_[i] = f;
   lru_.push_back(i);
   return f;
@@ -268,6 +282,7 @@ void Reader::run(const std::vector<Piece>& pieces) {
   const auto prefetch = [&](std::size_t k) {
     if (k >= pieces.size()) return;
     const Piece& p = pieces[k];
+    if (!files_.exact(p.read->file)) return;  // the kernel's read-ahead reads it
     try {
       (void)posix_fadvise(files_.get(p.read->file)->fd(),
                           static_cast<off_t>(p.read->src + p.skip),

@@ -252,6 +252,7 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
     report_.seconds = 0;
   }
   const std::uint64_t part_bytes = source_bytes(reads);
+  if (!own_found_ && device_.keeps_data()) find_own_files();
   if (!continues || flat_offset + bytes > planned_to_) {
     // The first part of a step plans the step: what the page cache holds of it, what progress
     // counts on.
@@ -344,6 +345,25 @@ std::string CheckpointSource::where(std::uint64_t b, std::uint64_t owner) const 
     return text;
   }
   return text;
+}
+
+void CheckpointSource::find_own_files() {
+  own_found_ = true;
+  if (!files_.exact() || world_ > kOwnFilesWorld) return;
+  // Per file: 1, this rank reads it; 2, another rank does.
+  std::vector<unsigned char> who(ck_.files.size(), 0);
+  for (std::uint64_t q = 0; q < world_; ++q) {
+    const SourceRuns runs = q == rank_ ? runs_ : placement_->runs(numels_, world_, q);
+    for (const auto& [lo, hi] : read_ranges(q)) {
+      for (const Read& r : reads_for(*layout_, sources_, runs, lo, hi)) {
+        who[r.file] |= q == rank_ ? 1 : 2;
+      }
+    }
+  }
+  std::vector<bool> own(who.size());
+  bool any = false;
+  for (std::size_t f = 0; f < who.size(); ++f) any |= (own[f] = who[f] == 1);
+  if (any) files_.own_files(std::move(own));
 }
 
 std::vector<std::pair<std::uint64_t, std::uint64_t>> CheckpointSource::read_ranges(

@@ -75,6 +75,11 @@ class CheckpointSource final : public Source, public StepSource {
   std::string where(std::uint64_t lo, std::uint64_t owner) const;
   // The layout ranges rank q reads under the chosen read plan.
   std::vector<std::pair<std::uint64_t, std::uint64_t>> read_ranges(std::uint64_t q) const;
+  // The files no other rank of this load reads, given to files_ (OpenFiles::own_files) before
+  // the first read; found once, for worlds of up to kOwnFilesWorld ranks.
+  void find_own_files();
+  static constexpr std::uint64_t kOwnFilesWorld = 256;
+  bool own_found_ = false;
   // The windows of rank q's reads the copies check compares.
   std::vector<std::pair<std::uint64_t, std::uint64_t>> check_windows(std::uint64_t q) const;
 
