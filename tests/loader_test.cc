@@ -1366,6 +1366,10 @@ TEST(ReadCheckpointBoxes, ReadNoBytePastTheBoxCold) {
   // Nothing of the next 32 rows (several read-ahead windows of any disk) nor of the 8 before.
   EXPECT_LT(cached_fraction(file.string(), data + 40 * kRow, 32 * kRow), 0.01);
   EXPECT_LT(cached_fraction(file.string(), data + 8 * kRow, 8 * kRow), 0.01);
+  // A caller that is the file's only reader (a job of one rank) keeps the kernel's read-ahead.
+  ASSERT_TRUE(dropped(file));
+  EXPECT_EQ(read_checkpoint_boxes(ck, std::vector<BoxRead>{box}, 1, true), 24 * kRow);
+  EXPECT_GT(cached_fraction(file.string(), data + 40 * kRow, 32 * kRow), 0.02);
   fs::remove(file);
 }
 

@@ -818,11 +818,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         zf::read_checkpoint_tensor(ck, name, to, dst);
       })
       // Boxes of tensors (name, offsets, sizes, out: a contiguous CPU bf16/fp16/fp32 tensor of
-      // the box's elements), each read and converted into its out (read_checkpoint_boxes);
-      // the file bytes read.
+      // the box's elements), each read and converted into its out (read_checkpoint_boxes;
+      // sole_reader: no other rank reads the files); the file bytes read.
       .def(
           "read_boxes",
-          [](const zf::CheckpointIndex& ck, const py::list& boxes, unsigned threads) {
+          [](const zf::CheckpointIndex& ck, const py::list& boxes, unsigned threads,
+             bool sole_reader) {
             std::vector<zf::BoxRead> reads;
             std::vector<at::Tensor> keep;
             for (const py::handle& item : boxes) {
@@ -853,9 +854,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               reads.push_back(std::move(r));
             }
             py::gil_scoped_release nogil;
-            return zf::read_checkpoint_boxes(ck, reads, threads);
+            return zf::read_checkpoint_boxes(ck, reads, threads, sole_reader);
           },
-          py::arg("boxes"), py::arg("threads") = 0);
+          py::arg("boxes"), py::arg("threads") = 0, py::arg("sole_reader") = false);
 
   // --- options ----------------------------------------------------------------------------------
   py::class_<zf::LayoutOptions>(m, "LayoutOptions")

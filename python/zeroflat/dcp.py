@@ -28,6 +28,7 @@ import os
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import StorageReader
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
@@ -295,7 +296,9 @@ class Reader(StorageReader):
                           [int(n) for n in req.lengths], into))
             done.append((req, target, into))
         if boxes:
-            self.bytes_read += index.read_boxes(boxes, self.threads)
+            # A job of one rank: no other rank reads these files (the kernel's read-ahead).
+            sole = not dist.is_initialized() or dist.get_world_size() == 1
+            self.bytes_read += index.read_boxes(boxes, self.threads, sole)
         for req, target, into in done:
             if into is not target:
                 target.copy_(into)

@@ -215,7 +215,7 @@ void read_checkpoint_tensor(const CheckpointIndex& ck, const std::string& name,
 }
 
 std::uint64_t read_checkpoint_boxes(const CheckpointIndex& ck, std::span<const BoxRead> boxes,
-                                    unsigned threads) {
+                                    unsigned threads, bool sole_reader) {
   // Every box's reads, checked before the first is issued.
   std::vector<std::vector<detail::Read>> reads(boxes.size());
   std::vector<std::uint64_t> bytes(boxes.size(), 0);
@@ -257,6 +257,7 @@ std::uint64_t read_checkpoint_boxes(const CheckpointIndex& ck, std::span<const B
   }
   // As the loader's reads (CheckpointSource): the kernel's read-ahead off (exact read-ahead),
   // or under ZEROFLAT_READ_AHEAD=kernel for many short runs (a box of rows of every tensor).
+  if (sole_reader) files.own_files(std::vector<bool>(ck.files.size(), true));
   files.advise_reads(runs > 1 && read / runs < (8u << 20));
   for (const auto& [to, destinations] : by_dtype) {
     detail::Reader reader(files, to, n, std::nullopt);
