@@ -69,7 +69,7 @@ class OpenFiles {
   // DeepSpeed checkpoint resumes at its world): read with the kernel's read-ahead even under
   // exact read-ahead. Past a run of this rank's bytes it reads only bytes no other rank needs,
   // and it reads into the page cache's large folios, where reads with it off fill single pages
-  // (a cold read at two thirds of the disk's pace on this project's machines).
+  // (a cold read at about two thirds of the disk's pace on the development machine).
   void own_files(std::vector<bool> own);
 
   // File i, open; it stays open at least while the returned pointer lives. Throws
