@@ -1322,7 +1322,9 @@ void write_rows_file(const std::filesystem::path& file,
   nlohmann::json h = nlohmann::json::object();
   std::uint64_t at = 0;
   for (const auto& [name, rows] : tensors) {
-    h[name] = {{"dtype", "F32"}, {"shape", {rows, kRow / 4}}, {"data_offsets", {at, at + rows * kRow}}};
+    h[name] = {{"dtype", "F32"},
+               {"shape", {rows, kRow / 4}},
+               {"data_offsets", {at, at + rows * kRow}}};
     at += rows * kRow;
   }
   const std::string header = h.dump();
@@ -1331,7 +1333,9 @@ void write_rows_file(const std::filesystem::path& file,
   out.write(reinterpret_cast<const char*>(&n), 8);
   out << header;
   const std::vector<char> row(kRow, '\x01');
-  for (std::uint64_t r = 0; r < at / kRow; ++r) out.write(row.data(), static_cast<std::streamsize>(kRow));
+  for (std::uint64_t r = 0; r < at / kRow; ++r) {
+    out.write(row.data(), static_cast<std::streamsize>(kRow));
+  }
 }
 
 // Drops a file's pages; false where they stay (a directory in memory: tmpfs).
@@ -1349,8 +1353,8 @@ bool dropped(const std::filesystem::path& file) {
 // loader's own reads do; it had been left on, reading up to several MB into other ranks' rows).
 TEST(ReadCheckpointBoxes, ReadNoBytePastTheBoxCold) {
   namespace fs = std::filesystem;
-  const fs::path file =
-      fs::path(::testing::TempDir()) / ("zf_boxes_cold_" + std::to_string(getpid()) + ".safetensors");
+  const fs::path file = fs::path(::testing::TempDir()) /
+                        ("zf_boxes_cold_" + std::to_string(getpid()) + ".safetensors");
   constexpr std::uint64_t kRow = std::uint64_t{1} << 20;
   write_rows_file(file, {{"w", 96}});
   const CheckpointIndex ck = open_checkpoint(file.string());
@@ -1380,7 +1384,8 @@ TEST(ReadCheckpointBoxes, ReadNoBytePastTheBoxCold) {
 // group [a] alone, whose halves the two ranks read from one file, nothing past a is read.
 TEST(LoadSlice, FilesNoOtherRankReadsAreReadWithTheKernelsReadAhead) {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::path(::testing::TempDir()) / ("zf_own_files_" + std::to_string(getpid()));
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("zf_own_files_" + std::to_string(getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   constexpr std::uint64_t kRow = std::uint64_t{1} << 20;

@@ -61,9 +61,9 @@ class Reader(StorageReader):
     it, resharded to this world), or a Hugging Face safetensors checkpoint (a ``.safetensors``
     file or a directory of them, with or without an index: every tensor one chunk under its own
     name, as ``HuggingFaceStorageReader`` gives it; in a folder saved in pieces, every piece a
-    chunk at its ``saved_offsets``, the pieces checked to tile each tensor). ``threads``: reader threads per rank
-    (default: the library's for the ranks of this host). ``bytes_read``: the file bytes this
-    rank's reads fetched."""
+    chunk at its ``saved_offsets``, the pieces checked to tile each tensor). ``threads``: reader
+    threads per rank (default: the library's for the ranks of this host). ``bytes_read``: the
+    file bytes this rank's reads fetched."""
 
     def __init__(self, path: Union[str, os.PathLike], threads: Optional[int] = None) -> None:
         super().__init__()

@@ -7,8 +7,8 @@
 // target's source); a first byte of 250 or more picks DCP's `.metadata` index (the restricted
 // machine with its DCP rows, then every field of the index), 245 to 249 a folder of two
 // safetensors files opened with pieces (DCP_SHARDING_INFO placements, the tiling checks, then
-// every piece looked up and read as the DCP reader reads it). Any exception other than InvalidArgument or Unsupported, any
-// crash, hang, leak or undefined behaviour is a finding.
+// every piece looked up and read as the DCP reader reads it). Any exception other than
+// InvalidArgument or Unsupported, any crash, hang, leak or undefined behaviour is a finding.
 #include <unistd.h>
 
 #include <cstddef>
@@ -72,7 +72,8 @@ const std::filesystem::path& scratch() {
 // looked up by its place and, when small, read whole into its dtype.
 void pieces(std::span<const unsigned char> in) {
   if (in.size() < 2) return;
-  const std::size_t split = std::min<std::size_t>(in.size() - 2, (std::size_t{in[0]} << 8) | in[1]);
+  const std::size_t split =
+      std::min<std::size_t>(in.size() - 2, (std::size_t{in[0]} << 8) | in[1]);
   const std::filesystem::path dir = scratch() / "pieces";
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
