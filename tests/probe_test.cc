@@ -215,6 +215,41 @@ TEST(ProbeHost, MeminfoFromItsText) {
   EXPECT_EQ(r.used, "cgroup v2");
 }
 
+TEST(ProbeHost, SysinfoAnswersWhereMeminfoDoesNot) {
+  HostProbeSources s;
+  s.meminfo = [] { return parse_meminfo("MemTotal: 0 kB\nMemAvailable: 0 kB\n"); };
+  s.sysinfo = [] { return Answer<MemoryPair>::ok({64 * kGB, 20 * kGB}); };
+  s.cgroup = [] { return Answer<CgroupMemory>::ok(CgroupMemory{2, std::nullopt, 0, "x"}); };
+  s.local_ranks = 2;
+  ProbeResult r = probe_host(s);
+  EXPECT_TRUE(r.available);
+  EXPECT_EQ(r.used, "sysinfo");
+  EXPECT_EQ(r.free_bytes, 10 * kGB);
+  // A limit with less room still decides.
+  s.cgroup = [] { return Answer<CgroupMemory>::ok(CgroupMemory{2, 16 * kGB, 10 * kGB, "x"}); };
+  r = probe_host(s);
+  EXPECT_EQ(r.used, "cgroup v2");
+  EXPECT_EQ(r.free_bytes, 3 * kGB);
+  // Asked only where meminfo fails: a meminfo answer is never second-guessed.
+  s.meminfo = [] { return Answer<MemoryPair>::ok({64 * kGB, 40 * kGB}); };
+  s.sysinfo = [] { return Answer<MemoryPair>::fail("must not be asked"); };
+  s.cgroup = [] { return Answer<CgroupMemory>::ok(CgroupMemory{2, std::nullopt, 0, "x"}); };
+  r = probe_host(s);
+  EXPECT_EQ(r.used, "MemAvailable");
+  for (const SourceReport& src : r.sources) EXPECT_NE(src.source, "sysinfo");
+  // Neither answers: no figure, both reasons kept.
+  s.meminfo = [] { return Answer<MemoryPair>::fail("no /proc"); };
+  s.sysinfo = [] { return Answer<MemoryPair>::fail("sysinfo reports totalram 0"); };
+  r = probe_host(s);
+  EXPECT_FALSE(r.available);
+  EXPECT_EQ(r.sources.size(), 3u);
+  // This machine's sysinfo answers, within its meminfo total.
+  const Answer<MemoryPair> here = read_sysinfo();
+  ASSERT_TRUE(here.value) << here.error;
+  EXPECT_GT(here.value->free_bytes, 0u);
+  EXPECT_LE(here.value->free_bytes, here.value->total_bytes);
+}
+
 TEST(ProbeHost, ThisMachineAnswers) {
   ProbeResult r = probe_host(system_host_sources(1));
   EXPECT_TRUE(r.available);

@@ -76,6 +76,10 @@ struct CgroupMemory {
 
 struct HostProbeSources {
   std::function<Answer<MemoryPair>()> meminfo;  // MemTotal, MemAvailable
+  // sysinfo(2): totalram, and freeram + bufferram as the free (the page cache the kernel could
+  // drop is not counted: a low figure, never a high one). Asked only where meminfo gives no
+  // answer (a sandbox that hides or zeroes /proc/meminfo).
+  std::function<Answer<MemoryPair>()> sysinfo;
   std::function<Answer<CgroupMemory>()> cgroup;
   unsigned local_ranks = 1;  // ranks sharing this host's memory
 };
@@ -84,6 +88,9 @@ struct HostProbeSources {
 Answer<MemoryPair> read_proc_meminfo();
 // The same from the file's text: no answer where either is missing or MemTotal is 0.
 Answer<MemoryPair> parse_meminfo(std::string_view text);
+// sysinfo(2)'s figures (HostProbeSources::sysinfo); no answer where it fails or reports no
+// memory at all.
+Answer<MemoryPair> read_sysinfo();
 
 // The memory limit that applies to a process, from a cgroup mount root ("/sys/fs/cgroup") and
 // the text of its /proc/self/cgroup. v1: the memory controller's limit, lowered by
@@ -91,7 +98,7 @@ Answer<MemoryPair> parse_meminfo(std::string_view text);
 // the root; the level with the least room decides. Usage excludes inactive page cache.
 Answer<CgroupMemory> read_cgroup_memory(const std::string& root, std::string_view self_cgroup);
 
-// This machine: /proc/meminfo and the process's cgroup (v2, else v1). local_ranks 0 takes
+// This machine: /proc/meminfo (else sysinfo) and the process's cgroup (v2, else v1). local_ranks 0 takes
 // runtime_env()'s count (1 if unknown).
 HostProbeSources system_host_sources(unsigned local_ranks = 0);
 

@@ -1,6 +1,10 @@
-// The host's memory as this process may use it: /proc/meminfo and the cgroup limits (v2 walk to
-// the mount root, v1 hierarchical limit).
+// The host's memory as this process may use it: /proc/meminfo (else sysinfo) and the cgroup
+// limits (v2 walk to the mount root, v1 hierarchical limit).
+#include <sys/sysinfo.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdint>
 #include <fstream>
 #include <sstream>
@@ -147,6 +151,20 @@ Answer<MemoryPair> parse_meminfo(std::string_view text) {
   return Answer<MemoryPair>::ok({*total, std::min(*available, *total)});
 }
 
+Answer<MemoryPair> read_sysinfo() {
+  struct sysinfo info {};
+  if (::sysinfo(&info) != 0) {
+    return Answer<MemoryPair>::fail(std::string("sysinfo failed: ") + std::strerror(errno));
+  }
+  const std::uint64_t unit = info.mem_unit > 0 ? info.mem_unit : 1;
+  const std::uint64_t total = static_cast<std::uint64_t>(info.totalram) * unit;
+  const std::uint64_t free =
+      (static_cast<std::uint64_t>(info.freeram) + static_cast<std::uint64_t>(info.bufferram)) *
+      unit;
+  if (total == 0) return Answer<MemoryPair>::fail("sysinfo reports totalram 0");
+  return Answer<MemoryPair>::ok({total, std::min(free, total)});
+}
+
 Answer<MemoryPair> read_proc_meminfo() {
   std::ifstream in("/proc/meminfo", std::ios::binary);
   if (!in) return Answer<MemoryPair>::fail("cannot read /proc/meminfo");
@@ -187,6 +205,7 @@ Answer<CgroupMemory> read_cgroup_memory(const std::string& root, std::string_vie
 HostProbeSources system_host_sources(unsigned local_ranks) {
   HostProbeSources s;
   s.meminfo = read_proc_meminfo;
+  s.sysinfo = read_sysinfo;
   s.cgroup = read_cgroup;
   if (local_ranks == 0) {
     try {

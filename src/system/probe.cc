@@ -38,6 +38,19 @@ ProbeResult probe_host(const HostProbeSources& s) {
     r.used = "MemAvailable";
   } else {
     r.sources.push_back({"MemAvailable", false, 0, 0, mem.error});
+    if (s.sysinfo) {
+      const Answer<MemoryPair> si = ask<MemoryPair>(s.sysinfo);
+      if (si.value) {
+        r.sources.push_back({"sysinfo", true, si.value->total_bytes, si.value->free_bytes,
+                             "sysinfo(2): free and buffer memory (the page cache not counted)"});
+        r.available = true;
+        r.total_bytes = si.value->total_bytes;
+        r.free_bytes = si.value->free_bytes;
+        r.used = "sysinfo";
+      } else {
+        r.sources.push_back({"sysinfo", false, 0, 0, si.error});
+      }
+    }
   }
   Answer<CgroupMemory> cg =
       s.cgroup ? ask<CgroupMemory>(s.cgroup) : Answer<CgroupMemory>::fail("no such source");
