@@ -188,14 +188,31 @@ void check_tiling(std::vector<CheckpointTensor>& tensors) {
       total = (u != 0 && total > (std::uint64_t{1} << 62) / u) ? ~std::uint64_t{0} : total * u;
     }
     std::uint64_t covered = 0;
-    for (std::size_t i = first; i < end; ++i) {
-      const CheckpointTensor& t = tensors[i];
-      covered += t.numel;
-      // Sorted by offsets, so by the first offset: only the pieces that start before this one
-      // ends along dimension 0 can overlap it.
-      for (std::size_t j = i + 1; j < end; ++j) {
-        const CheckpointTensor& u = tensors[j];
-        if (!t.shape.empty() && u.piece_offsets[0] >= t.piece_offsets[0] + t.shape[0]) break;
+    for (std::size_t i = first; i < end; ++i) covered += tensors[i].numel;
+    // A sweep along the dimension the pieces are cut most along (FSDP2's Shard(d): d): sorted by
+    // their offset there, only the pieces that start before one ends along it can overlap it,
+    // so a tiling of k pieces costs k log k, not k^2.
+    std::size_t along = 0, most = 0;
+    for (std::size_t d = 0; d < whole.size(); ++d) {
+      std::set<std::int64_t> at;
+      for (std::size_t i = first; i < end; ++i) at.insert(tensors[i].piece_offsets[d]);
+      if (at.size() > most) most = at.size(), along = d;
+    }
+    std::vector<std::size_t> order(end - first);
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = first + i;
+    if (!whole.empty()) {
+      std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
+        return tensors[x].piece_offsets[along] < tensors[y].piece_offsets[along];
+      });
+    }
+    for (std::size_t oi = 0; oi < order.size(); ++oi) {
+      const CheckpointTensor& t = tensors[order[oi]];
+      for (std::size_t oj = oi + 1; oj < order.size(); ++oj) {
+        const CheckpointTensor& u = tensors[order[oj]];
+        if (!whole.empty() &&
+            u.piece_offsets[along] >= t.piece_offsets[along] + t.shape[along]) {
+          break;
+        }
         bool overlap = true;
         for (std::size_t d = 0; d < whole.size() && overlap; ++d) {
           overlap = u.piece_offsets[d] < t.piece_offsets[d] + t.shape[d] &&
