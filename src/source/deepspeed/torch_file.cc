@@ -482,7 +482,7 @@ std::string read_entry(const detail::ByteSource& src, const detail::ZipEntry& e,
   return out;
 }
 
-std::string trim(std::string s) {
+std::string trim_end(std::string s) {
   while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
   return s;
 }
@@ -511,7 +511,7 @@ TorchFile parse(const detail::ByteSource& src, const std::string& given) {
     }
   }
   if (const detail::ZipEntry* e = zip.find(prefix + "byteorder")) {
-    out.byteorder = trim(read_entry(src, *e, 64, file));
+    out.byteorder = trim_end(read_entry(src, *e, 64, file));
     if (out.byteorder != "little") {
       throw InvalidArgument(file + ": entry '" + printable(e->name, 200) + "' says '" +
                             printable(out.byteorder) +
@@ -521,10 +521,10 @@ TorchFile parse(const detail::ByteSource& src, const std::string& given) {
     out.byteorder = "little";  // archives from before torch wrote the entry
   }
   if (const detail::ZipEntry* e = zip.find(prefix + "version")) {
-    out.version = printable(trim(read_entry(src, *e, 64, file)));
+    out.version = printable(trim_end(read_entry(src, *e, 64, file)));
   }
   if (const detail::ZipEntry* e = zip.find(prefix + ".storage_alignment")) {
-    const std::string text = trim(read_entry(src, *e, 64, file));
+    const std::string text = trim_end(read_entry(src, *e, 64, file));
     std::uint64_t v = 0;
     auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
     if (text.empty() || ec != std::errc() || p != text.data() + text.size()) {
