@@ -76,6 +76,8 @@ class _Mesh:
         assert len(self.coords) == world
 
     def same(self, other) -> bool:
+        if other is self.mesh:  # FSDP2's DTensors share one mesh (DeviceMesh.mesh is not cheap)
+            return True
         return (other.device_type == self.mesh.device_type
                 and [int(n) for n in other.mesh.shape] == self.shape
                 and other.mesh.flatten().tolist() == self.mesh.mesh.flatten().tolist())
