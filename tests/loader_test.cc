@@ -28,6 +28,7 @@
 #include "zeroflat/device.h"
 #include "zeroflat/dtensor.h"
 #include "zeroflat/error.h"
+#include "zeroflat/mapped.h"
 #include "zeroflat/model.h"
 #include "zeroflat/zero3.h"
 
@@ -1171,6 +1172,34 @@ TEST_F(LoaderTest, ZeRO3EveryRankReadsOnlyItsPartitionsIntoTheStage3Buffer) {
   }
 }
 
+// A mesh of the DTensor tests: 1-D with Shard(0) (FSDP2) or, where a tensor has two dimensions,
+// Shard(1) (strided runs); or 2 x 2 HSDP (Replicate(), Shard(0)). Its spec over params.
+struct ShardCase {
+  std::vector<std::uint64_t> mesh;
+  bool hsdp, strided;
+};
+ShardSpec shard_spec(const std::vector<LoadParam>& params, const ShardCase& c) {
+  const MeshPlacement rep{MeshPlacement::Kind::kReplicate, 0};
+  const MeshPlacement s0{MeshPlacement::Kind::kShard, 0};
+  const MeshPlacement s1{MeshPlacement::Kind::kShard, 1};
+  ShardSpec spec;
+  spec.mesh = c.mesh;
+  std::uint64_t world = 1;
+  for (std::uint64_t n : c.mesh) world *= n;
+  for (std::uint64_t r = 0; r < world; ++r) {
+    spec.coords.push_back(c.hsdp ? std::vector<std::uint64_t>{r / 2, r % 2}
+                                 : std::vector<std::uint64_t>{r});
+  }
+  for (const LoadParam& p : params) {
+    if (c.hsdp) {
+      spec.placements.push_back({rep, s0});
+    } else {
+      spec.placements.push_back({c.strided && p.shape.size() == 2 ? s1 : s0});
+    }
+  }
+  return spec;
+}
+
 // DTensor shards: each rank's buffer holds its local shard of every parameter (the elements the
 // shard's runs name, in order, then zeros up to the padded size), read from its shards' bytes
 // only; 1-D meshes of 1 to 4 ranks with Shard(0) (FSDP2), 2 x 2 (HSDP: Replicate(), Shard(0)),
@@ -1178,32 +1207,14 @@ TEST_F(LoaderTest, ZeRO3EveryRankReadsOnlyItsPartitionsIntoTheStage3Buffer) {
 TEST_F(LoaderTest, DTensorShardsEveryRankReadsOnlyItsLocalShards) {
   const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
   const std::vector<LoadParam> params = params_of(ck);
-  const MeshPlacement rep{MeshPlacement::Kind::kReplicate, 0};
   const MeshPlacement s0{MeshPlacement::Kind::kShard, 0};
-  const MeshPlacement s1{MeshPlacement::Kind::kShard, 1};
-  struct Case {
-    std::vector<std::uint64_t> mesh;
-    bool hsdp, strided;
-  };
   std::uint64_t total = 0;
   for (const CheckpointTensor& t : ck.tensors) total += t.bytes;
-  for (const Case& c : {Case{{1}, false, false}, Case{{2}, false, false}, Case{{3}, false, false},
-                        Case{{4}, false, false}, Case{{3}, false, true}, Case{{2, 2}, true, false}}) {
-    ShardSpec spec;
-    spec.mesh = c.mesh;
-    std::uint64_t world = 1;
-    for (std::uint64_t n : c.mesh) world *= n;
-    for (std::uint64_t r = 0; r < world; ++r) {
-      spec.coords.push_back(c.hsdp ? std::vector<std::uint64_t>{r / 2, r % 2}
-                                   : std::vector<std::uint64_t>{r});
-    }
-    for (const LoadParam& p : params) {
-      if (c.hsdp) {
-        spec.placements.push_back({rep, s0});
-      } else {
-        spec.placements.push_back({c.strided && p.shape.size() == 2 ? s1 : s0});
-      }
-    }
+  for (const ShardCase& c :
+       {ShardCase{{1}, false, false}, ShardCase{{2}, false, false}, ShardCase{{3}, false, false},
+        ShardCase{{4}, false, false}, ShardCase{{3}, false, true}, ShardCase{{2, 2}, true, false}}) {
+    const ShardSpec spec = shard_spec(params, c);
+    const std::uint64_t world = spec.coords.size();
     for (DType dtype : {DType::kBF16, DType::kFP32}) {
       SCOPED_TRACE(std::string(dtype_name(dtype)) + " on " + std::to_string(world) + " ranks" +
                    (c.hsdp ? " (HSDP)" : "") + (c.strided ? " (Shard(1))" : ""));
@@ -1255,6 +1266,121 @@ TEST_F(LoaderTest, DTensorShardsEveryRankReadsOnlyItsLocalShards) {
     EXPECT_THROW(load_shards(ck, params, bad, *dev, comm, o), InvalidArgument);
     EXPECT_EQ(dev->memory_info().allocated_bytes, 0u);
   });
+}
+
+// Shards used in place (mapped.h): shard_file_ranges names the same parameters on every rank
+// (Shard(0) and Replicate() of the file's dtype; none where a conversion or strided runs need a
+// read), each rank's range holds exactly its shard's bytes, map_file_ranges maps them with those
+// values, counts them, and a write to the memory leaves the file as it was.
+TEST_F(LoaderTest, ShardsThatLieInTheFilesAreMappedInPlace) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  const MeshPlacement s0{MeshPlacement::Kind::kShard, 0};
+  for (const ShardCase& c :
+       {ShardCase{{1}, false, false}, ShardCase{{2}, false, false}, ShardCase{{3}, false, false},
+        ShardCase{{3}, false, true}, ShardCase{{2, 2}, true, false}}) {
+    SCOPED_TRACE(std::to_string(c.mesh.size()) + "-D mesh of " + std::to_string(c.mesh[0]) +
+                 (c.strided ? ", Shard(1)" : ""));
+    const ShardSpec spec = shard_spec(params, c);
+    const std::uint64_t world = spec.coords.size();
+    std::vector<bool> chosen;
+    for (std::uint64_t r = 0; r < world; ++r) {
+      // Another dtype than the file's: every shard is read (converted).
+      for (const auto& x : shard_file_ranges(ck, params, spec, r, DType::kFP32)) {
+        EXPECT_FALSE(x.has_value());
+      }
+      const auto ranges = shard_file_ranges(ck, params, spec, r, DType::kBF16);
+      ASSERT_EQ(ranges.size(), params.size());
+      std::vector<FileRange> asked;
+      std::vector<std::vector<unsigned char>> want;
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        const bool strided = c.strided && params[i].shape.size() == 2 && params[i].shape[0] > 1;
+        EXPECT_EQ(ranges[i].has_value(), !strided) << params[i].name;
+        if (r == 0) chosen.push_back(ranges[i].has_value());
+        EXPECT_EQ(ranges[i].has_value(), chosen[i]) << params[i].name << ": ranks disagree";
+        if (!ranges[i]) continue;
+        const LocalShard sh = local_shard(params[i].shape, spec.mesh, spec.placements[i],
+                                          spec.coords[r]);
+        EXPECT_EQ(ranges[i]->bytes, sh.numel * 2) << params[i].name;
+        const std::vector<unsigned char> whole = values_of(ck, params[i], DType::kBF16);
+        want.emplace_back();
+        for (const ElementRun& run : sh.runs) {
+          want.back().insert(want.back().end(), whole.begin() + run.first * 2,
+                             whole.begin() + (run.first + run.numel) * 2);
+        }
+        asked.push_back(*ranges[i]);
+      }
+      ReadProgress progress;
+      const MappedRanges m = map_file_ranges(ck, asked, 2, &progress, world == 1);
+      ASSERT_EQ(m.size(), asked.size());
+      std::uint64_t bytes = 0;
+      for (std::size_t k = 0; k < asked.size(); ++k) {
+        bytes += asked[k].bytes;
+        if (asked[k].bytes == 0) {
+          EXPECT_EQ(m.data(k), nullptr);
+          continue;
+        }
+        ASSERT_EQ(want[k].size(), asked[k].bytes);
+        EXPECT_EQ(std::memcmp(m.data(k), want[k].data(), want[k].size()), 0) << k;
+      }
+      EXPECT_EQ(m.bytes(), bytes);
+      EXPECT_EQ(progress.done.load(), bytes);
+      EXPECT_EQ(progress.planned.load(), bytes);
+    }
+  }
+  // Private: a write to the memory stays in the process; the mapping outlives the object that
+  // made it while a handle keeps it.
+  const CheckpointTensor& t = ck.tensors.front();
+  std::shared_ptr<const void> keep;
+  unsigned char* data = nullptr;
+  {
+    const FileRange whole{t.file, t.offset, t.bytes};
+    const MappedRanges m = map_file_ranges(ck, std::span<const FileRange>(&whole, 1), 1);
+    keep = m.keep(0);
+    data = m.data(0);
+  }
+  const unsigned char before = data[0];
+  data[0] = static_cast<unsigned char>(before ^ 0xff);
+  std::ifstream in(ck.files[t.file], std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(t.offset));
+  EXPECT_EQ(static_cast<unsigned char>(in.get()), before);
+  keep.reset();
+  // A tensor at a byte that is no multiple of its element size is read, not mapped.
+  CheckpointIndex odd = ck;
+  odd.tensors.front().offset += 1;
+  ShardSpec one{{1}, {{0}}, {}};
+  for (std::size_t i = 0; i < params.size(); ++i) one.placements.push_back({s0});
+  const auto ranges = shard_file_ranges(odd, params, one, 0, DType::kBF16);
+  EXPECT_FALSE(ranges.front().has_value());
+  EXPECT_TRUE(ranges.back().has_value());
+}
+
+// Mapping is refused, nothing left mapped: a range outside its file, a file replaced since its
+// headers were read (its bytes would be another run's).
+TEST_F(LoaderTest, MappingRefusesRangesOutsideTheFileAndReplacedFiles) {
+  const std::string dir = temp_dir("mapped_replaced");
+  fs::copy(*bf16_dir_, dir, fs::copy_options::recursive);
+  const CheckpointIndex ck = open_checkpoint(dir);
+  const FileRange outside{0, ck.file_bytes[0] - 2, 4};
+  try {
+    (void)map_file_ranges(ck, std::span<const FileRange>(&outside, 1), 1);
+    ADD_FAILURE() << "a range past the file's end was mapped";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(ck.files[0]), std::string::npos) << e.what();
+  }
+  // Another file of the same size renamed over it.
+  const CheckpointTensor& t = ck.tensors.front();
+  const std::string other = ck.files[t.file] + ".other";
+  fs::copy_file(ck.files[t.file], other);
+  fs::rename(other, ck.files[t.file]);
+  const FileRange r{t.file, t.offset, t.bytes};
+  try {
+    (void)map_file_ranges(ck, std::span<const FileRange>(&r, 1), 1);
+    ADD_FAILURE() << "a replaced file was mapped";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("replaced"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
 }
 
 // Boxes of tensors (the DCP reader's requests): each box's elements in its row-major order,

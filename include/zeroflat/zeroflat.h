@@ -33,6 +33,7 @@
 #include "zeroflat/hardware.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
+#include "zeroflat/mapped.h"
 #include "zeroflat/model.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/plan.h"

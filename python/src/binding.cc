@@ -17,6 +17,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "zeroflat/zeroflat.h"
@@ -555,6 +556,54 @@ std::uint64_t shards_read_bytes(const zf::CheckpointIndex& ck,
   return zf::shards_read_bytes(ck, params, spec, rank);
 }
 
+// This rank's shards that lie in the checkpoint's files as they are (mapped.h's
+// shard_file_ranges): per parameter, (file, offset, bytes), or None where it must be read.
+py::list shard_file_ranges(const zf::CheckpointIndex& ck, const std::vector<zf::LoadParam>& params,
+                           std::vector<std::uint64_t> mesh,
+                           std::vector<std::vector<std::uint64_t>> coords,
+                           const std::vector<std::vector<std::string>>& placements,
+                           std::uint64_t rank, const std::string& dtype) {
+  const zf::ShardSpec spec{std::move(mesh), std::move(coords), placements_of(placements)};
+  const auto where = zf::shard_file_ranges(ck, params, spec, rank, zf::parse_dtype(dtype));
+  py::list out;
+  for (const auto& r : where) {
+    if (r) {
+      out.append(py::make_tuple(r->file, r->offset, r->bytes));
+    } else {
+      out.append(py::none());
+    }
+  }
+  return out;
+}
+
+// The ranges (file, offset, bytes) mapped privately and brought in (map_file_ranges): a uint8
+// tensor over each, which keeps its mapping alive.
+py::list map_file_ranges(const zf::CheckpointIndex& ck,
+                         const std::vector<std::tuple<std::uint32_t, std::uint64_t, std::uint64_t>>&
+                             ranges,
+                         unsigned threads, const std::shared_ptr<zf::ReadProgress>& progress,
+                         bool sole_reader) {
+  std::vector<zf::FileRange> rs;
+  for (const auto& [file, offset, bytes] : ranges) rs.push_back({file, offset, bytes});
+  zf::MappedRanges mapped;
+  {
+    py::gil_scoped_release nogil;
+    mapped = zf::map_file_ranges(ck, rs, threads, progress.get(), sole_reader);
+  }
+  py::list out;
+  for (std::size_t k = 0; k < rs.size(); ++k) {
+    if (rs[k].bytes == 0) {  // an empty shard
+      out.append(torch::empty({0}, torch::TensorOptions().dtype(torch::kUInt8)));
+      continue;
+    }
+    std::shared_ptr<const void> keep = mapped.keep(k);
+    out.append(torch::from_blob(
+        mapped.data(k), {static_cast<std::int64_t>(rs[k].bytes)},
+        [keep](void*) mutable { keep.reset(); }, torch::TensorOptions().dtype(torch::kUInt8)));
+  }
+  return out;
+}
+
 // The shard mesh coordinate `coord` holds of a tensor of shape `shape` (dtensor.h): its local
 // shape, global offsets, elements, padded elements and the number of runs it reads.
 py::dict local_shard(const zf::Shape& shape, const std::vector<std::uint64_t>& mesh,
@@ -983,6 +1032,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("placements"));
   m.def("shards_read_bytes", &shards_read_bytes, py::arg("checkpoint"), py::arg("params"),
         py::arg("mesh"), py::arg("coords"), py::arg("placements"), py::arg("rank"));
+  m.def("shard_file_ranges", &shard_file_ranges, py::arg("checkpoint"), py::arg("params"),
+        py::arg("mesh"), py::arg("coords"), py::arg("placements"), py::arg("rank"),
+        py::arg("dtype"));
+  m.def("map_file_ranges", &map_file_ranges, py::arg("checkpoint"), py::arg("ranges"),
+        py::arg("threads") = 0, py::arg("progress") = nullptr, py::arg("sole_reader") = false);
   m.def("local_shard", &local_shard, py::arg("shape"), py::arg("mesh"), py::arg("placements"),
         py::arg("coord"));
   m.def("load_slice", &load_slice, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),

@@ -138,17 +138,41 @@ class _PerNode:
         return getattr(self.inner, name)
 
 
+def _file_mappings():
+    """[(start, end)] of this process's mappings of safetensors files (/proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def _files_digest(path):
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
 def _equal_case(rank, mesh, case):
     import zeroflat.fsdp
 
     dtype = getattr(torch, case["dtype"])
+    storage = case.get("storage", "read")
+    files_before = _files_digest(case["path"]) if storage == "map" else None
     ours = _empty_sharded(case["path"], dtype, mesh)
     kept = {n: p.to_local() for n, p in ours.named_parameters()}
     if case.get("per_node"):  # the launcher's ranks per node, as LOCAL_WORLD_SIZE gives them
         zeroflat.fsdp._C = _PerNode(zeroflat.fsdp._C, case["per_node"])
     try:
         report = zeroflat.fsdp.load(ours, case["path"], keep_tensors=case.get("keep", False),
-                                    replicas=case.get("replicas", "split"))
+                                    replicas=case.get("replicas", "split"), storage=storage)
     finally:
         zeroflat.fsdp._C = getattr(zeroflat.fsdp._C, "inner", zeroflat.fsdp._C)
     for n, p in ours.named_parameters():
@@ -169,7 +193,21 @@ def _equal_case(rank, mesh, case):
     if getattr(ours.config, "tie_word_embeddings", False):
         assert ours.lm_head.weight is ours.model.embed_tokens.weight
     assert report["bytes_read"] == report["share"], report
-    out = {"read": report["bytes_read"]}
+    out = {"read": report["bytes_read"], "mapped": report["bytes_mapped"]}
+    if storage == "map":
+        # The shards of the file's dtype are the file's bytes, mapped (FSDP2 keeps an even
+        # shard as it is); a conversion, and the MoE's stacked experts, are read.
+        maps = _file_mappings()
+        in_files = [n for n, p in ours.named_parameters() if p.to_local().numel()
+                    and any(lo <= p.to_local().data_ptr() < hi for lo, hi in maps)]
+        file_dtype = torch.float32 if "fp32" in case["path"] else torch.bfloat16
+        assert (report["bytes_mapped"] > 0) == (file_dtype == dtype), report
+        assert bool(in_files) == (file_dtype == dtype), in_files
+        if "moe" in case["path"]:
+            assert not any("experts" in n for n in in_files), in_files
+        out["in_files"] = len(in_files)
+    else:
+        assert report["bytes_mapped"] == 0
     if case.get("steps"):
         even = {n: p.to_local().data_ptr() for n, p in ours.named_parameters()
                 if p.dim() > 0 and p.shape[0] % mesh.size() == 0}
@@ -180,6 +218,9 @@ def _equal_case(rank, mesh, case):
             for n, p in ours.named_parameters():
                 if n in even and mesh.ndim == 1:
                     assert p.to_local().data_ptr() == even[n], n
+    if files_before is not None:  # training wrote the mapped shards: copies, not the files
+        del ours
+        assert _files_digest(case["path"]) == files_before
     return out
 
 
@@ -228,7 +269,8 @@ def _transformers_case(rank, mesh, case):
     ref = AutoModelForCausalLM.from_pretrained(case["path"], distributed_config=config,
                                                dtype=dtype)
     ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, case["path"],
-                                       distributed_config=config, dtype=dtype)
+                                       distributed_config=config, dtype=dtype,
+                                       storage=case.get("storage", "read"))
     want = dict(ref.named_parameters(remove_duplicate=False))
     got = dict(ours.named_parameters(remove_duplicate=False))
     assert want.keys() == got.keys()
@@ -242,6 +284,7 @@ def _transformers_case(rank, mesh, case):
     tied = getattr(ref.config, "tie_word_embeddings", False)
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
     assert ours.zeroflat_report["bytes_read"] == ours.zeroflat_report["share"]
+    assert (ours.zeroflat_report["bytes_mapped"] > 0) == (case.get("storage") == "map")
     if case.get("steps"):
         ref.train()
         ours.train()
@@ -326,6 +369,16 @@ def test_every_rank_holds_what_a_full_load_then_fully_shard_gives(checkpoints, w
             cases.append({"mesh": mesh, "path": checkpoints[name], "dtype": dtype,
                           "steps": name == "dense_tied" and dtype == "bfloat16",
                           "keep": name == "dense_fp32"})
+    # Shards used in place (storage="map"): bf16 and fp32 files into their own dtype, trained
+    # on; a conversion (fp32 file, bf16 model) and the MoE's stacked experts read.
+    cases += [{"mesh": [world], "path": checkpoints["dense_tied"], "dtype": "bfloat16",
+               "storage": "map", "steps": True},
+              {"mesh": [world], "path": checkpoints["dense_fp32"], "dtype": "float32",
+               "storage": "map", "steps": world == 3},
+              {"mesh": [world], "path": checkpoints["dense_fp32"], "dtype": "bfloat16",
+               "storage": "map"},
+              {"mesh": [world], "path": checkpoints["moe"], "dtype": "bfloat16",
+               "storage": "map"}]
     if world == 4:  # HSDP with each replica reading its whole shard; replicas="auto" on 2
         # nodes of 2 ranks (a replica group across nodes: split), and on one node of 4 (read)
         cases.append({"mesh": [2, 2], "path": checkpoints["moe"], "dtype": "bfloat16",
@@ -343,6 +396,9 @@ def test_every_rank_holds_what_a_full_load_then_fully_shard_gives(checkpoints, w
         assert sum(read) == _data_bytes(case["path"]) * replicas, (case, read)
         if case.get("steps"):
             assert all(r[k]["steps"] for r in ranks)
+        if case.get("storage") == "map" and "fp32" not in case["path"]:
+            # Every rank used some shards in place (each holds rows of every tensor).
+            assert all(r[k]["in_files"] > 0 for r in ranks), (case, ranks)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -354,6 +410,9 @@ def test_from_pretrained_is_transformers_fsdp2_load(checkpoints, world, tmp_path
               "steps": name == "dense_tied"}
              for name, dtype in (("dense_tied", "bfloat16"), ("moe", "bfloat16"),
                                  ("dense_fp32", "float32"))]
+    # The shards used in place, as Transformers' own load maps its files.
+    cases.append({"transformers": True, "mesh": mesh, "path": checkpoints["dense_tied"],
+                  "dtype": "bfloat16", "steps": True, "storage": "map"})
     ranks = run(world, cases, str(tmp_path))
     for k, case in enumerate(cases):
         # replicas="auto" on one node: each replica reads its shard (the page cache serves
@@ -467,3 +526,17 @@ def test_a_model_not_sharded_is_refused(checkpoints):
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="no DTensor parameter"):
         zeroflat.fsdp.load(model, checkpoints["dense_tied"])
+
+
+def test_a_storage_other_than_read_or_map_is_refused(checkpoints):
+    import zeroflat.fsdp
+    import zeroflat.hf
+
+    config = transformers.AutoConfig.from_pretrained(checkpoints["dense_tied"])
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="storage='mmap'"):
+        zeroflat.fsdp.load(model, checkpoints["dense_tied"], storage="mmap")
+    # ZeRO's buffers are read: mapping is for FSDP2's shards only.
+    with pytest.raises(ValueError, match="distributed_config"):
+        zeroflat.hf.from_pretrained(AutoModelForCausalLM, checkpoints["dense_tied"],
+                                    storage="map", deepspeed=None)

@@ -124,7 +124,7 @@ def _group(process_group) -> Any:
 def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpoint"], *,
          process_group: Any = "default", threads: Optional[int] = None, cold: bool = False,
          copies: str = "sampled", strict: bool = True, keep_tensors: bool = False,
-         replicas: str = "auto",
+         replicas: str = "auto", storage: str = "read",
          progress: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
     """Fills every parameter and persistent buffer of ``model`` (sharded by FSDP2's
     ``fully_shard``, its parameters materialized: ``model.to_empty(device=...)`` after building
@@ -161,11 +161,22 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     launcher's ranks per node, ``LOCAL_WORLD_SIZE`` or ``ZEROFLAT_LOCAL_RANKS``, nodes holding
     consecutive ranks as torchrun numbers them), else ``"read"``.
 
+    ``storage``: ``"read"`` (the default) reads every shard into memory of its own. ``"map"``
+    uses in place the shards that lie in the files as they are (host shards of the file's dtype,
+    each one run of a tensor's bytes: ``Shard(0)`` and ``Replicate()``, as FSDP2 makes them):
+    the shard becomes a private, copy-on-write mapping of its bytes, brought in during the load
+    (the page cache's pages mapped where they are cached, read where not), with no copy into
+    fresh memory, as Transformers' own load maps its files; the rest is read. The memory then
+    stays tied to the file: a checkpoint rewritten in place while the model lives (not replaced
+    by a rename) changes or cuts the values under it (docs/python.md). Not with
+    ``keep_tensors``, shards on a GPU or replicas that split their reads (those read).
+
     Returns a report: ``bytes_read`` (this rank's file bytes), ``share`` (the file bytes it must
     read: its shards', or its part of them when the replicas split), ``seconds`` (of which
     ``read_seconds`` until every rank read everything, ``assign_seconds`` after: the replicas'
-    all-gather, then the shards handed to the model), ``replicas_split``, ``rank``, ``world``,
-    and each load's report under ``loads``."""
+    all-gather, then the shards handed to the model), ``replicas_split``, ``bytes_mapped`` (of
+    ``bytes_read``, the bytes of the shards used in place), ``rank``, ``world``, and each load's
+    report under ``loads``."""
     t0 = time.perf_counter()
     local_error: Optional[BaseException] = None
     prep = None
@@ -179,9 +190,13 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
         bool_option("keep_tensors", keep_tensors)
         if replicas not in ("auto", "split", "read"):
             raise ValueError(f"replicas={replicas!r}: expected 'auto', 'split' or 'read'")
+        if storage not in ("read", "map"):
+            raise ValueError(f"storage={storage!r}: expected 'read' or 'map'")
         prep = _prepare(model, checkpoint, group, strict)
         if replicas != "read":
             _split_replicas(prep, _rank(group), only_across_nodes=replicas == "auto")
+        if storage == "map" and not keep_tensors:
+            _choose_in_place(prep, _rank(group))
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it
         local_error = e
     world = dist.get_world_size(group) if group is not None else 1
@@ -204,7 +219,13 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     calls = max(1, len(batches))
     results = []
     watch = Watch(f"load {path}", rank, world, progress if prep is not None else None)
+    mapped_bytes = 0
     with watch:
+        if prep is not None and local_error is None:
+            try:
+                mapped_bytes = _map_in_place(prep, nthreads, watch.counts, world)
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it
+                local_error = e
         for k in range(calls):
             dtype, members = batches[k] if k < len(batches) else (torch.bfloat16, [])
             options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=world), threads=nthreads,
@@ -265,15 +286,24 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
                     requires_grad=p.requires_grad)
                 for name in m.aliases:
                     assigned[name] = new
+        for m in (m for ms in prep.by_dtype.values() for m in ms if m.mapped is not None):
+            DTensor = _dtensor_class()
+            p = m.param_obj
+            new = torch.nn.Parameter(
+                DTensor.from_local(m.mapped, p.device_mesh, p.placements, run_check=False,
+                                   shape=p.shape, stride=p.stride()),
+                requires_grad=p.requires_grad)
+            for name in m.aliases:
+                assigned[name] = new
         if assigned:
             model.load_state_dict(assigned, strict=False, assign=True)
         for local, value in prep.whole:
             local.copy_(value)
-    bytes_read = sum(int(r[1].get("bytes_read") or 0) for r in results)
+    bytes_read = sum(int(r[1].get("bytes_read") or 0) for r in results) + mapped_bytes
     done = time.perf_counter()
     return {"rank": rank, "world": world, "bytes_read": bytes_read, "share": prep.share(rank),
             "seconds": done - t0, "read_seconds": t_read - t0, "assign_seconds": done - t_read,
-            "replicas_split": prep.replica is not None,
+            "replicas_split": prep.replica is not None, "bytes_mapped": mapped_bytes,
             "loads": [r[1] for r in results]}
 
 
@@ -283,13 +313,16 @@ class _Member:
     replicas, the shape of each replica's part (by replica coordinate) and the dimension it is
     cut along."""
 
-    __slots__ = ("aliases", "param", "param_obj", "local", "placements", "parts", "cut")
+    __slots__ = ("aliases", "param", "param_obj", "local", "placements", "parts", "cut", "range",
+                 "mapped")
 
     def __init__(self, aliases, param, param_obj, local, placements):
         self.aliases, self.param, self.param_obj = aliases, param, param_obj
         self.local, self.placements = local, placements
         self.parts: Optional[List[List[int]]] = None
         self.cut = 0
+        self.range: Optional[Tuple[int, int, int]] = None  # (file, offset, bytes) used in place
+        self.mapped: Optional[torch.Tensor] = None  # the shard over its mapping
 
 
 def _split_replicas(prep: "_Prepared", rank: int, only_across_nodes: bool) -> None:
@@ -338,7 +371,37 @@ def _batches(prep: "_Prepared") -> List[Tuple[torch.dtype, List["_Member"]]]:
     """The loads: one per dtype of the local shards. (Cutting them in parts so that the
     replicas' all-gather of one overlaps the reading of the next was slower on the nodes
     harness: each part's agreement rounds waited behind the bulk transfer on the link.)"""
-    return [(dtype, prep.by_dtype[dtype]) for dtype in sorted(prep.by_dtype, key=str)]
+    return [(dtype, [m for m in prep.by_dtype[dtype] if m.range is None])
+            for dtype in sorted(prep.by_dtype, key=str)]
+
+
+def _choose_in_place(prep: "_Prepared", rank: int) -> None:
+    """storage="map": the DTensor shards on the host that the library finds in the files as they
+    are (shard_file_ranges: the same parameters on every rank) are used in place, not read."""
+    if prep.device is None or prep.device.type != "cpu" or prep.replica is not None:
+        return  # a GPU's shards are copied there; split replicas gather what they read
+    for dtype, members in prep.by_dtype.items():
+        members = [m for m in members if _is_dtensor(m.param_obj)]
+        if not members:
+            continue
+        ranges = _C.shard_file_ranges(prep.ck, [m.param for m in members], prep.mesh_shape,
+                                      prep.coords, [m.placements for m in members], rank,
+                                      DTYPES[dtype])
+        for m, r in zip(members, ranges):
+            m.range = None if r is None else tuple(int(x) for x in r)
+
+
+def _map_in_place(prep: "_Prepared", threads: int, counts, world: int) -> int:
+    """The chosen shards mapped and brought in (their pages mapped from the page cache, or read);
+    returns their bytes."""
+    members = [m for ms in prep.by_dtype.values() for m in ms if m.range is not None]
+    if not members:
+        return 0
+    tensors = _C.map_file_ranges(prep.ck, [m.range for m in members], threads=threads,
+                                 progress=counts, sole_reader=world == 1)
+    for m, t in zip(members, tensors):
+        m.mapped = t.view(m.local.dtype).view(m.local.shape)
+    return sum(m.range[2] for m in members)
 
 
 def _gather_replicas(prep: "_Prepared", flat: torch.Tensor, dtype):
@@ -483,13 +546,14 @@ def _rank(group) -> int:
 
 def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed_config: Any, *,
                     dtype: Optional[torch.dtype] = None, threads: Optional[int] = None,
-                    cold: bool = False, copies: str = "sampled",
+                    cold: bool = False, copies: str = "sampled", storage: str = "read",
                     progress: Optional[Callable[[Any], None]] = None,
                     **from_config_kwargs) -> torch.nn.Module:
     """The model Transformers' ``from_pretrained(path, distributed_config=...)`` returns (its
     mesh, its FSDP2 plan, tied weights, dtypes, non-persistent buffers), built the way
     Transformers builds it and loaded through ``load``: each rank reads its local shards'
-    bytes only. ``zeroflat.hf.from_pretrained(..., distributed_config=...)`` comes here."""
+    bytes only (``storage``: as ``load`` takes it). ``zeroflat.hf.from_pretrained(...,
+    distributed_config=...)`` comes here."""
     from transformers import AutoConfig
     from transformers import initialization as hf_init
     from transformers.distributed import initialize_distributed_mesh
@@ -520,6 +584,6 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
             t._is_hf_initialized = True
         model.initialize_weights()  # what no checkpoint holds: non-persistent buffers
     model.zeroflat_report = load(model, path, threads=threads, cold=cold, copies=copies,
-                                 progress=progress)
+                                 storage=storage, progress=progress)
     model.eval()
     return model
