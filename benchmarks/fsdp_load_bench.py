@@ -8,6 +8,9 @@ median of --repeat rounds with the range and every round's speedup:
                 reads each tensor's rows through safetensors' get_slice
   zeroflat      zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, distributed_config=...):
                 the same model, each rank reading its shards' bytes through the library
+  zeroflat-map  the same call with storage="map": the shards that lie in the files as they are
+                (the file's dtype, whole rows) mapped in place and brought in during the call,
+                as Transformers maps its files; the rest read (host only)
   dcp           into the same sharded model, built first (untimed):
                 torch.distributed.checkpoint.load(get_model_state_dict(model),
                 storage_reader=HuggingFaceStorageReader(path, thread_count=T)) for T = 1 (its
@@ -59,7 +62,8 @@ from hf_load_bench import (drop_cache, free_port, gloo_rank, rank_done, rank_env
 from zero3_bench import PeakResident, proc_io  # noqa: E402
 
 MB = 1 << 20
-METHODS = ("transformers", "zeroflat", "dcp", "dcp-best", "zeroflat-dcp", "accelerate", "ceiling")
+METHODS = ("transformers", "zeroflat", "zeroflat-map", "dcp", "dcp-best", "zeroflat-dcp",
+           "accelerate", "ceiling")
 
 
 def config_of(a):
@@ -146,10 +150,12 @@ def rank_main(rank, world, port, job):
         if method == "transformers":
             model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
                                                          dtype=torch.bfloat16, **on_device)
-        elif method == "zeroflat":
+        elif method in ("zeroflat", "zeroflat-map"):
+            # One rank shards nothing: the plain load (read), as Transformers' is its plain load.
+            storage = {"storage": "map"} if method == "zeroflat-map" and world > 1 else {}
             model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path,
                                                 distributed_config=config, dtype=torch.bfloat16,
-                                                **zf_device)
+                                                **zf_device, **storage)
         elif method == "accelerate":
             model = accelerate_load(path, config, rank)
         else:
@@ -400,10 +406,12 @@ def main():
                 row[m] = {"median": statistics.median(times[m]), "min": min(times[m]),
                           "max": max(times[m]), "returned": statistics.median(returned[m]),
                           **worst[m]}
-            for ours, theirs in (("zeroflat", "transformers"), ("zeroflat-dcp", "dcp"),
+            for ours, theirs in (("zeroflat", "transformers"), ("zeroflat-map", "transformers"),
+                                 ("zeroflat-dcp", "dcp"),
                                  ("zeroflat-dcp", "dcp-best"), ("zeroflat", "accelerate"),
                                  ("ceiling", "zeroflat"), ("ceiling", "zeroflat-dcp"),
-                                 ("ceiling", "dcp-best"), ("ceiling", "transformers")):
+                                 ("ceiling", "dcp-best"), ("ceiling", "transformers"),
+                                 ("ceiling", "zeroflat-map")):
                 if ours in times and theirs in times:
                     row[f"{ours} vs {theirs}"] = [t / o for o, t in
                                                   zip(times[ours], times[theirs])]
@@ -434,7 +442,7 @@ def target(row, key):
     if not v:
         return ""
     cold = row["cache"] == "cold"
-    if key == "zeroflat vs transformers":
+    if key in ("zeroflat vs transformers", "zeroflat-map vs transformers"):
         need = 1.0 if row["ranks"] == 1 else (3.0 if cold else 2.0)
     elif key == "zeroflat-dcp vs dcp-best":
         need = 1.5 if cold else 1.0
@@ -443,7 +451,8 @@ def target(row, key):
     return f"{'met' if min(v) >= need else 'NOT met'} (>= {need:g} x)"
 
 
-COLORS = {"transformers": "#ca0020", "zeroflat": "#0571b0", "dcp": "#f4a582",
+COLORS = {"transformers": "#ca0020", "zeroflat": "#0571b0", "zeroflat-map": "#053061",
+          "dcp": "#f4a582",
           "dcp-best": "#e66101", "zeroflat-dcp": "#92c5de"}
 
 
@@ -481,16 +490,19 @@ def plot(rows, methods, path, title):
 
 def table(rows, methods):
     head = ["ranks", "cache"] + [f"{m} s ready [range] (returned)" for m in methods] + [
-        "zeroflat vs transformers (each round)", "target", "zeroflat-dcp vs dcp-best", "target",
+        "zeroflat vs transformers (each round)", "target", "zeroflat-map vs transformers",
+        "target", "zeroflat-dcp vs dcp-best", "target",
         "zeroflat vs accelerate (each round)", "time / the ceiling's (median)",
-        "zeroflat read / share", "zeroflat rss / shards", "accelerate rss / shards", "same values"]
+        "zeroflat read / share", "zeroflat rss / shards", "zeroflat-map read / share",
+        "zeroflat-map rss / shards", "accelerate rss / shards", "same values"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["ranks"]), r["cache"]]
         for m in methods:
             cells.append(f"{r[m]['median']:.2f} [{r[m]['min']:.2f}-{r[m]['max']:.2f}] "
                          f"({r[m]['returned']:.2f})")
-        for key in ("zeroflat vs transformers", "zeroflat-dcp vs dcp-best"):
+        for key in ("zeroflat vs transformers", "zeroflat-map vs transformers",
+                    "zeroflat-dcp vs dcp-best"):
             v = r.get(key)
             cells.append(f"**{statistics.median(v):.2f} x** ({', '.join(f'{x:.2f}' for x in v)})"
                          if v else "")
@@ -499,11 +511,15 @@ def table(rows, methods):
         cells.append(f"{statistics.median(v):.2f} x ({', '.join(f'{x:.2f}' for x in v)})"
                      if v else "")
         cells.append(", ".join(f"{m} {statistics.median(r[f'ceiling vs {m}']):.2f}"
-                               for m in ("zeroflat", "zeroflat-dcp", "dcp-best", "transformers")
+                               for m in ("zeroflat", "zeroflat-map", "zeroflat-dcp", "dcp-best",
+                                         "transformers")
                                if r.get(f"ceiling vs {m}")))
         z = r.get("zeroflat") or r.get("zeroflat-dcp")
         cells.append(f"{z['read_ratio']:.2f}" if z else "")
         cells.append(f"{z['rss_ratio']:.2f}" if z else "")
+        zm = r.get("zeroflat-map")
+        cells.append(f"{zm['read_ratio']:.2f}" if zm else "")
+        cells.append(f"{zm['rss_ratio']:.2f}" if zm else "")
         acc = r.get("accelerate")
         cells.append(f"{acc['rss_ratio']:.2f}" if acc else "")
         cells.append("yes" if r["same_values"] else "NO")
