@@ -1311,7 +1311,7 @@ TEST_F(LoaderTest, ShardsThatLieInTheFilesAreMappedInPlace) {
         asked.push_back(*ranges[i]);
       }
       ReadProgress progress;
-      const MappedRanges m = map_file_ranges(ck, asked, 2, &progress, world == 1);
+      const MappedRanges m = map_file_ranges(ck, asked, {2, &progress, world == 1, r == 0});
       ASSERT_EQ(m.size(), asked.size());
       std::uint64_t bytes = 0;
       for (std::size_t k = 0; k < asked.size(); ++k) {
@@ -1335,7 +1335,7 @@ TEST_F(LoaderTest, ShardsThatLieInTheFilesAreMappedInPlace) {
   unsigned char* data = nullptr;
   {
     const FileRange whole{t.file, t.offset, t.bytes};
-    const MappedRanges m = map_file_ranges(ck, std::span<const FileRange>(&whole, 1), 1);
+    const MappedRanges m = map_file_ranges(ck, std::span<const FileRange>(&whole, 1), {1});
     keep = m.keep(0);
     data = m.data(0);
   }
@@ -1363,7 +1363,7 @@ TEST_F(LoaderTest, MappingRefusesRangesOutsideTheFileAndReplacedFiles) {
   const CheckpointIndex ck = open_checkpoint(dir);
   const FileRange outside{0, ck.file_bytes[0] - 2, 4};
   try {
-    (void)map_file_ranges(ck, std::span<const FileRange>(&outside, 1), 1);
+    (void)map_file_ranges(ck, std::span<const FileRange>(&outside, 1), {1});
     ADD_FAILURE() << "a range past the file's end was mapped";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find(ck.files[0]), std::string::npos) << e.what();
@@ -1375,7 +1375,7 @@ TEST_F(LoaderTest, MappingRefusesRangesOutsideTheFileAndReplacedFiles) {
   fs::rename(other, ck.files[t.file]);
   const FileRange r{t.file, t.offset, t.bytes};
   try {
-    (void)map_file_ranges(ck, std::span<const FileRange>(&r, 1), 1);
+    (void)map_file_ranges(ck, std::span<const FileRange>(&r, 1), {1});
     ADD_FAILURE() << "a replaced file was mapped";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("replaced"), std::string::npos) << e.what();

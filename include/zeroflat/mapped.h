@@ -50,6 +50,19 @@ std::vector<std::optional<FileRange>> shard_file_ranges(const CheckpointIndex& c
                                                         const ShardSpec& spec, std::uint64_t rank,
                                                         DType dtype);
 
+// How map_file_ranges brings the pages in.
+struct MapOptions {
+  unsigned threads = 0;  // 0: default_num_threads()
+  // Counts each piece brought in (planned, then done); may be null.
+  ReadProgress* progress = nullptr;
+  // No other rank reads the files: the kernel's read-ahead, which then reads nothing another
+  // rank needs, even under exact read-ahead.
+  bool sole_reader = false;
+  // Drop the files from the page cache first (ReadOptions::cold: a cold load measured without
+  // root).
+  bool cold = false;
+};
+
 // Ranges of a checkpoint's files, mapped. Each file is mapped once, over the pages its ranges
 // span; a range's mapping lives while this object or any handle from keep() does.
 class MappedRanges {
@@ -64,24 +77,21 @@ class MappedRanges {
   std::uint64_t bytes() const noexcept { return bytes_; }
 
  private:
-  friend MappedRanges map_file_ranges(const CheckpointIndex&, std::span<const FileRange>, unsigned,
-                                      ReadProgress*, bool);
+  friend MappedRanges map_file_ranges(const CheckpointIndex&, std::span<const FileRange>,
+                                      const MapOptions&);
   std::vector<unsigned char*> data_;
   std::vector<std::shared_ptr<const void>> keep_;
   std::uint64_t bytes_ = 0;
 };
 
 // Maps `ranges` (each within its file, as the headers say; one of 0 bytes maps nothing)
-// privately and brings every page of them in on `threads` threads (0: default_num_threads()),
-// counting the bytes in `progress` (may be null). Each file is checked to be the one whose
-// headers were read, as the loader checks before reading. Under exact read-ahead (runtime.h)
-// the pages are asked for exactly, the kernel's read-around off for the mappings, unless
-// `sole_reader` (no other rank reads the files: the kernel's read-ahead reads nothing another
-// rank needs). Throws InvalidArgument for a range outside its file, a file replaced, truncated
-// or not mappable, naming it; Error naming the file and byte range where a page cannot be read
-// (an I/O error). Nothing stays mapped when it throws.
+// privately and brings every page of them in on options.threads threads. Each file is checked to
+// be the one whose headers were read, as the loader checks before reading. Under exact
+// read-ahead (runtime.h) the pages are asked for exactly, the kernel's read-around off for the
+// mappings, unless options.sole_reader. Throws InvalidArgument for a range outside its file, a file
+// replaced, truncated or not mappable, naming it; Error naming the file and byte range where a page
+// cannot be read (an I/O error). Nothing stays mapped when it throws.
 MappedRanges map_file_ranges(const CheckpointIndex& checkpoint, std::span<const FileRange> ranges,
-                             unsigned threads, ReadProgress* progress = nullptr,
-                             bool sole_reader = false);
+                             const MapOptions& options = {});
 
 }  // namespace zeroflat

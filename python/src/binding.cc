@@ -582,13 +582,13 @@ py::list map_file_ranges(const zf::CheckpointIndex& ck,
                          const std::vector<std::tuple<std::uint32_t, std::uint64_t, std::uint64_t>>&
                              ranges,
                          unsigned threads, const std::shared_ptr<zf::ReadProgress>& progress,
-                         bool sole_reader) {
+                         bool sole_reader, bool cold) {
   std::vector<zf::FileRange> rs;
   for (const auto& [file, offset, bytes] : ranges) rs.push_back({file, offset, bytes});
   zf::MappedRanges mapped;
   {
     py::gil_scoped_release nogil;
-    mapped = zf::map_file_ranges(ck, rs, threads, progress.get(), sole_reader);
+    mapped = zf::map_file_ranges(ck, rs, {threads, progress.get(), sole_reader, cold});
   }
   py::list out;
   for (std::size_t k = 0; k < rs.size(); ++k) {
@@ -1036,7 +1036,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mesh"), py::arg("coords"), py::arg("placements"), py::arg("rank"),
         py::arg("dtype"));
   m.def("map_file_ranges", &map_file_ranges, py::arg("checkpoint"), py::arg("ranges"),
-        py::arg("threads") = 0, py::arg("progress") = nullptr, py::arg("sole_reader") = false);
+        py::arg("threads") = 0, py::arg("progress") = nullptr, py::arg("sole_reader") = false,
+        py::arg("cold") = false);
   m.def("local_shard", &local_shard, py::arg("shape"), py::arg("mesh"), py::arg("placements"),
         py::arg("coord"));
   m.def("load_slice", &load_slice, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),

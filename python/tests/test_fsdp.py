@@ -172,7 +172,8 @@ def _equal_case(rank, mesh, case):
         zeroflat.fsdp._C = _PerNode(zeroflat.fsdp._C, case["per_node"])
     try:
         report = zeroflat.fsdp.load(ours, case["path"], keep_tensors=case.get("keep", False),
-                                    replicas=case.get("replicas", "split"), storage=storage)
+                                    replicas=case.get("replicas", "split"), storage=storage,
+                                    cold=case.get("cold", False))
     finally:
         zeroflat.fsdp._C = getattr(zeroflat.fsdp._C, "inner", zeroflat.fsdp._C)
     for n, p in ours.named_parameters():
@@ -372,7 +373,7 @@ def test_every_rank_holds_what_a_full_load_then_fully_shard_gives(checkpoints, w
     # Shards used in place (storage="map"): bf16 and fp32 files into their own dtype, trained
     # on; a conversion (fp32 file, bf16 model) and the MoE's stacked experts read.
     cases += [{"mesh": [world], "path": checkpoints["dense_tied"], "dtype": "bfloat16",
-               "storage": "map", "steps": True},
+               "storage": "map", "steps": True, "cold": world == 2},
               {"mesh": [world], "path": checkpoints["dense_fp32"], "dtype": "float32",
                "storage": "map", "steps": world == 3},
               {"mesh": [world], "path": checkpoints["dense_fp32"], "dtype": "bfloat16",

@@ -223,7 +223,7 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     with watch:
         if prep is not None and local_error is None:
             try:
-                mapped_bytes = _map_in_place(prep, nthreads, watch.counts, world)
+                mapped_bytes = _map_in_place(prep, nthreads, watch.counts, world, cold)
             except Exception as e:  # noqa: BLE001 - every rank must learn of it
                 local_error = e
         for k in range(calls):
@@ -391,14 +391,14 @@ def _choose_in_place(prep: "_Prepared", rank: int) -> None:
             m.range = None if r is None else tuple(int(x) for x in r)
 
 
-def _map_in_place(prep: "_Prepared", threads: int, counts, world: int) -> int:
+def _map_in_place(prep: "_Prepared", threads: int, counts, world: int, cold: bool) -> int:
     """The chosen shards mapped and brought in (their pages mapped from the page cache, or read);
     returns their bytes."""
     members = [m for ms in prep.by_dtype.values() for m in ms if m.range is not None]
     if not members:
         return 0
     tensors = _C.map_file_ranges(prep.ck, [m.range for m in members], threads=threads,
-                                 progress=counts, sole_reader=world == 1)
+                                 progress=counts, sole_reader=world == 1, cold=bool(cold))
     for m, t in zip(members, tensors):
         m.mapped = t.view(m.local.dtype).view(m.local.shape)
     return sum(m.range[2] for m in members)

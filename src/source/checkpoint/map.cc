@@ -105,7 +105,8 @@ std::vector<std::optional<FileRange>> shard_file_ranges(const CheckpointIndex& c
 }
 
 MappedRanges map_file_ranges(const CheckpointIndex& ck, std::span<const FileRange> ranges,
-                             unsigned threads, ReadProgress* progress, bool sole_reader) {
+                             const MapOptions& options) {
+  ReadProgress* const progress = options.progress;
   const auto page = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
   // Each file's span of pages, every range checked against the file's size first.
   std::map<std::uint32_t, std::pair<std::uint64_t, std::uint64_t>> span;
@@ -128,8 +129,14 @@ MappedRanges map_file_ranges(const CheckpointIndex& ck, std::span<const FileRang
     }
     total += r.bytes;
   }
-  const bool exact = runtime_env().read_ahead == RuntimeEnv::ReadAhead::kExact && !sole_reader;
+  const bool exact =
+      runtime_env().read_ahead == RuntimeEnv::ReadAhead::kExact && !options.sole_reader;
   detail::OpenFiles files(ck);
+  if (options.cold) {
+    std::vector<std::uint32_t> which;
+    for (const auto& [file, lohi] : span) which.push_back(file);
+    detail::drop_from_cache(files, which);
+  }
   std::map<std::uint32_t, std::shared_ptr<FileMapping>> maps;
   std::map<std::uint32_t, std::shared_ptr<const detail::File>>
       open_files;  // while bringing pages in
@@ -182,7 +189,7 @@ MappedRanges map_file_ranges(const CheckpointIndex& ck, std::span<const FileRang
   });
   std::atomic<std::size_t> next{0};
   std::atomic<bool> stop{false};
-  const unsigned wanted = threads > 0 ? threads : default_num_threads();
+  const unsigned wanted = options.threads > 0 ? options.threads : default_num_threads();
   detail::ThreadPool pool(
       static_cast<unsigned>(std::clamp<std::size_t>(pieces.size(), 1, std::max(1u, wanted))));
   // Under exact read-ahead the kernel's read-around is off for the mappings (a fault would read
