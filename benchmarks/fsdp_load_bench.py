@@ -6,11 +6,13 @@ median of --repeat rounds with the range and every round's speedup:
   transformers  AutoModelForCausalLM.from_pretrained(path, distributed_config=
                 DistributedConfig(fsdp_size=N), dtype=bf16): builds the sharded model and
                 reads each tensor's rows through safetensors' get_slice
-  zeroflat      zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, distributed_config=...):
-                the same model, each rank reading its shards' bytes through the library
-  zeroflat-map  the same call with storage="map": the shards that lie in the files as they are
-                (the file's dtype, whole rows) mapped in place and brought in during the call,
-                as Transformers maps its files; the rest read (host only)
+  zeroflat      zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, distributed_config=...,
+                storage="read"): the same model, each rank reading its shards' bytes through
+                the library into memory of their own
+  zeroflat-map  the same call with storage="map" (on the host, what its default "auto" does):
+                the shards that lie in the files as they are (the file's dtype, whole rows)
+                mapped in place and brought in during the call, as Transformers maps its
+                files; the rest read
   dcp           into the same sharded model, built first (untimed):
                 torch.distributed.checkpoint.load(get_model_state_dict(model),
                 storage_reader=HuggingFaceStorageReader(path, thread_count=T)) for T = 1 (its
@@ -152,7 +154,8 @@ def rank_main(rank, world, port, job):
                                                          dtype=torch.bfloat16, **on_device)
         elif method in ("zeroflat", "zeroflat-map"):
             # One rank shards nothing: the plain load (read), as Transformers' is its plain load.
-            storage = {"storage": "map"} if method == "zeroflat-map" and world > 1 else {}
+            storage = ({} if world == 1 else
+                       {"storage": "map" if method == "zeroflat-map" else "read"})
             model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path,
                                                 distributed_config=config, dtype=torch.bfloat16,
                                                 **zf_device, **storage)

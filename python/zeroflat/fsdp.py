@@ -546,13 +546,15 @@ def _rank(group) -> int:
 
 def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed_config: Any, *,
                     dtype: Optional[torch.dtype] = None, threads: Optional[int] = None,
-                    cold: bool = False, copies: str = "sampled", storage: str = "read",
+                    cold: bool = False, copies: str = "sampled", storage: str = "auto",
                     progress: Optional[Callable[[Any], None]] = None,
                     **from_config_kwargs) -> torch.nn.Module:
     """The model Transformers' ``from_pretrained(path, distributed_config=...)`` returns (its
     mesh, its FSDP2 plan, tied weights, dtypes, non-persistent buffers), built the way
     Transformers builds it and loaded through ``load``: each rank reads its local shards'
-    bytes only (``storage``: as ``load`` takes it). ``zeroflat.hf.from_pretrained(...,
+    bytes only. ``storage``: as ``load`` takes it; ``"auto"`` (the default) is ``"map"``, as
+    Transformers' own load maps its files (on a GPU nothing maps: the shards are read).
+    ``zeroflat.hf.from_pretrained(...,
     distributed_config=...)`` comes here."""
     from transformers import AutoConfig
     from transformers import initialization as hf_init
@@ -563,6 +565,9 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
                        threads=threads, margin_bytes=None, alignment_factor=2,
                        param_align_bytes=0, dtype=dtype, deepspeed=None, read_plan=None,
                        copies=copies, storage_bytes_per_second=0)
+    if storage not in ("auto", "read", "map"):
+        raise ValueError(f"storage={storage!r}: expected 'auto', 'read' or 'map'")
+    storage = "map" if storage == "auto" else storage
     config = AutoConfig.from_pretrained(path)
     if dtype is None:
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)

@@ -76,7 +76,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                     storage_bytes_per_second: float = 0, zero3: Any = "auto",
                     progress: Optional[Callable[[Any], None]] = None,
                     master_dtype: Any = "auto", distributed_config: Any = None,
-                    storage: str = "read", **from_config_kwargs) -> torch.nn.Module:
+                    storage: str = "auto", **from_config_kwargs) -> torch.nn.Module:
     """The model of checkpoint directory ``path`` (its ``config.json`` and safetensors files),
     every trainable parameter a view into the flat buffer DeepSpeed's ZeRO-1/2 will build for
     its optimizer group, filled from the files by the library's loader.
@@ -118,9 +118,10 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     ``dp_replicate_size``): the model FSDP2-sharded as Transformers' own
     ``from_pretrained(..., distributed_config=...)`` shards it, each rank reading only its local
     shards (``zeroflat.fsdp.from_pretrained``; ``dtype``, ``threads``, ``cold``, ``copies`` and
-    ``progress`` apply, the ZeRO options do not; ``storage="map"`` uses the shards that lie in
-    the files as they are in place, mapped as Transformers maps its files:
-    ``zeroflat.fsdp.load``). ``model.zeroflat_report`` holds the load's report. A config of one
+    ``progress`` apply, the ZeRO options do not; ``storage``: ``"auto"`` (the default) and
+    ``"map"`` use the host shards that lie in the files as they are in place, mapped
+    copy-on-write as Transformers' own load maps its files, ``"read"`` reads every shard into
+    memory of its own: ``zeroflat.fsdp.load``). ``model.zeroflat_report`` holds the load's report. A config of one
     process shards nothing (as Transformers): the plain load below.
 
     ``zero3``: DeepSpeed ZeRO-3. ``"auto"`` (the default) loads for ZeRO-3 when Transformers
@@ -156,7 +157,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
         return fsdp.from_pretrained(model_class, path, distributed_config, dtype=dtype,
                                     threads=threads, cold=cold, copies=copies,
                                     storage=storage, progress=progress, **from_config_kwargs)
-    if storage != "read":
+    if storage not in ("auto", "read"):
         raise ValueError(f"storage={storage!r}: shards are used in place only when FSDP2 shards "
                          "them (distributed_config); ZeRO's buffers are read")
     path = os.fspath(path)
