@@ -44,13 +44,15 @@ constexpr std::uint64_t kMapPiece = 8u << 20;
 // gets the next reads while the faults of this one are served.
 constexpr std::size_t kMapAhead = 2;
 
-// Brings [p, p + n) of a mapping in: the page cache's pages mapped, the file read where they
-// are not. Without MADV_POPULATE_READ (a kernel before 5.14), each page is touched.
+// Brings [p, p + n) of a mapping in, from the start of p's page: the page cache's pages mapped,
+// the file read where they are not. Without MADV_POPULATE_READ (a kernel before 5.14), each
+// page is touched.
 void populate_pages(unsigned char* p, std::uint64_t n) {
-  if (madvise(p, n, MADV_POPULATE_READ) == 0) return;
+  const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const std::uintptr_t skip = reinterpret_cast<std::uintptr_t>(p) % page;
+  if (madvise(p - skip, n + skip, MADV_POPULATE_READ) == 0) return;
   const int err = errno;
   if (err != EINVAL) throw std::system_error(err, std::generic_category());
-  const auto page = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
   volatile unsigned char sink = 0;
   for (std::uint64_t k = 0; k < n; k += page) sink = sink + p[k];
   (void)sink;
@@ -138,8 +140,6 @@ MappedRanges map_file_ranges(const CheckpointIndex& ck, std::span<const FileRang
     detail::drop_from_cache(files, which);
   }
   std::map<std::uint32_t, std::shared_ptr<FileMapping>> maps;
-  std::map<std::uint32_t, std::shared_ptr<const detail::File>>
-      open_files;  // while bringing pages in
   for (const auto& [file, lohi] : span) {
     // The file whose headers were read, at least as long as they say (checked on opening).
     const std::shared_ptr<const detail::File> f = files.get(file);
@@ -153,7 +153,6 @@ MappedRanges map_file_ranges(const CheckpointIndex& ck, std::span<const FileRang
     }
     // Past a rank's bytes lie another rank's: no read-around on the faults (see `ask` below).
     if (exact) (void)madvise(m->base, m->length, MADV_RANDOM);
-    open_files.emplace(file, f);
     maps.emplace(file, std::move(m));
   }
   MappedRanges out;
@@ -198,8 +197,11 @@ MappedRanges map_file_ranges(const CheckpointIndex& ck, std::span<const FileRang
   const auto ask = [&](std::size_t i) {
     if (!exact || i >= pieces.size()) return;
     const Piece& piece = pieces[i];
-    (void)posix_fadvise(open_files.at(ranges[piece.range].file)->fd(), static_cast<off_t>(piece.at),
-                        static_cast<off_t>(piece.n), POSIX_FADV_WILLNEED);
+    // Reopened as the loader reopens (a few dozen files open at once; the mapping holds its
+    // own reference to its file), and checked again: a file replaced since is refused.
+    const std::shared_ptr<const detail::File> f = files.get(ranges[piece.range].file);
+    (void)posix_fadvise(f->fd(), static_cast<off_t>(piece.at), static_cast<off_t>(piece.n),
+                        POSIX_FADV_WILLNEED);
   };
   for (std::size_t i = 0; i < kMapAhead; ++i) ask(i);
   pool.run([&](unsigned) {
