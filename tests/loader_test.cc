@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -754,7 +755,8 @@ TEST_F(LoaderTest, ASourceOfTheRightSizeButAnotherShapeIsRefused) {
 }
 
 TEST(Loader, ManyShardsLoadUnderALowOpenFileLimit) {
-  // More shards than the descriptors this process may open: a rank keeps a bounded number open.
+  // More shards than the descriptors this process may open: a rank keeps a bounded number open,
+  // reading them and mapping them (a mapping holds its file without a descriptor).
   const std::string dir = temp_dir("many_shards");
   ModelSpec m = catalog_model("tiny-moe");
   write_pattern_checkpoint(m, DType::kBF16, dir, 4096);
@@ -779,9 +781,25 @@ TEST(Loader, ManyShardsLoadUnderALowOpenFileLimit) {
       error = e.what();
     }
   }
+  std::vector<FileRange> ranges;
+  for (const CheckpointTensor& t : ck.tensors) ranges.push_back({t.file, t.offset, t.bytes});
+  std::optional<MappedRanges> mapped;
+  try {
+    mapped = map_file_ranges(ck, ranges, {2});
+  } catch (const std::exception& e) {
+    error += e.what();
+  }
   ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
   EXPECT_EQ(error, "");
   EXPECT_EQ(flat, expected_flat(ck, params_of(ck), LayoutOptions{}));
+  ASSERT_TRUE(mapped.has_value());
+  for (std::size_t k = 0; k < ranges.size(); ++k) {
+    const CheckpointTensor& t = ck.tensors[k];
+    const std::vector<unsigned char> want_t =
+        values_of(ck, LoadParam{t.name, t.shape, {}}, *t.type);
+    if (want_t.empty()) continue;
+    ASSERT_EQ(std::memcmp(mapped->data(k), want_t.data(), want_t.size()), 0) << t.name;
+  }
   fs::remove_all(dir);
 }
 
