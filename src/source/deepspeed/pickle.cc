@@ -415,8 +415,10 @@ class Machine {
       case NodeKind::kBool: return n.flag ? "i1" : "i0";
       case NodeKind::kInt: return "i" + std::to_string(n.integer);
       case NodeKind::kFloat: {
-        if (n.real == static_cast<double>(static_cast<std::int64_t>(n.real)) &&
-            n.real >= -9.2e18 && n.real <= 9.2e18) {
+        // In range before the cast (a float past int64's range does not convert: UB); NaN fails
+        // both comparisons.
+        if (n.real >= -9.2e18 && n.real <= 9.2e18 &&
+            n.real == static_cast<double>(static_cast<std::int64_t>(n.real))) {
           return "i" + std::to_string(static_cast<std::int64_t>(n.real));
         }
         char buf[32];
