@@ -126,21 +126,33 @@ void OpenFiles::advise(const File& f, std::uint32_t i) const {
                       random_ && !(own && exact_) ? POSIX_FADV_RANDOM : POSIX_FADV_NORMAL);
 }
 
-void OpenFiles::advise_reads(bool scattered) {
-  const bool random = exact_ || scattered;
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (random == random_) return;
-  random_ = random;
+void OpenFiles::advise_open() const {
   for (std::uint32_t i = 0; i < open_.size(); ++i) {
     if (open_[i]) advise(*open_[i], i);
   }
 }
 
+void OpenFiles::advise_reads(bool scattered) {
+  const bool random = exact_ || scattered;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (random == random_) return;
+  random_ = random;
+  advise_open();
+}
+
 void OpenFiles::own_files(std::vector<bool> own) {
   std::lock_guard<std::mutex> lock(mutex_);
   own_ = std::move(own);
-  for (std::uint32_t i = 0; i < open_.size(); ++i) {
-    if (open_[i]) advise(*open_[i], i);
+  advise_open();
+}
+
+void OpenFiles::ask_ahead(std::uint32_t i, std::uint64_t offset, std::uint64_t bytes) {
+  if (!exact(i)) return;  // the kernel's read-ahead reads it
+  try {
+    (void)posix_fadvise(get(i)->fd(), static_cast<off_t>(offset), static_cast<off_t>(bytes),
+                        POSIX_FADV_WILLNEED);
+  } catch (const std::exception&) {
+    // Only advice: the read itself reports what is wrong with the file.
   }
 }
 
@@ -282,14 +294,7 @@ void Reader::run(const std::vector<Piece>& pieces) {
   const auto prefetch = [&](std::size_t k) {
     if (k >= pieces.size()) return;
     const Piece& p = pieces[k];
-    if (!files_.exact(p.read->file)) return;  // the kernel's read-ahead reads it
-    try {
-      (void)posix_fadvise(files_.get(p.read->file)->fd(),
-                          static_cast<off_t>(p.read->src + p.skip),
-                          static_cast<off_t>(p.bytes), POSIX_FADV_WILLNEED);
-    } catch (const std::exception&) {
-      // Only advice: the read itself reports what is wrong with the file.
-    }
+    files_.ask_ahead(p.read->file, p.read->src + p.skip, p.bytes);
   };
   for (std::size_t k = 0; k < ahead; ++k) prefetch(k);
   std::atomic<std::size_t> next{0};

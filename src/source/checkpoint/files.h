@@ -71,6 +71,10 @@ class OpenFiles {
   // and it reads into the page cache's large folios, where reads with it off fill single pages
   // (a cold read at about two thirds of the disk's pace on the development machine).
   void own_files(std::vector<bool> own);
+  // Under exact read-ahead, for a file read exactly (exact(i)), asks the kernel for exactly
+  // bytes [offset, offset + bytes) of file i now (POSIX_FADV_WILLNEED), for a read or a fault to
+  // come. Only advice: a file that cannot be opened is left for the read to report.
+  void ask_ahead(std::uint32_t i, std::uint64_t offset, std::uint64_t bytes);
 
   // File i, open; it stays open at least while the returned pointer lives. Throws
   // ResourceExhausted when the system refuses a descriptor, InvalidArgument when the file is
@@ -90,6 +94,8 @@ class OpenFiles {
   const bool exact_;
   // The read-ahead advice for file i under the current reads.
   void advise(const File& f, std::uint32_t i) const;
+  // advise() for every open file (mutex_ held).
+  void advise_open() const;
 };
 
 // Every file of the checkpoint is there and as long as its header says: checked without opening

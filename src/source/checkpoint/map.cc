@@ -1,5 +1,4 @@
 // A rank's shards used where they lie in the checkpoint's files (mapped.h).
-#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -131,9 +130,10 @@ MappedRanges map_file_ranges(const CheckpointIndex& ck, std::span<const FileRang
     }
     total += r.bytes;
   }
-  const bool exact =
-      runtime_env().read_ahead == RuntimeEnv::ReadAhead::kExact && !options.sole_reader;
   detail::OpenFiles files(ck);
+  // A sole reader keeps the kernel's read-ahead for every file; under exact read-ahead the
+  // others are read exactly (OpenFiles::exact).
+  if (options.sole_reader) files.own_files(std::vector<bool>(ck.files.size(), true));
   if (options.cold) {
     std::vector<std::uint32_t> which;
     for (const auto& [file, lohi] : span) which.push_back(file);
@@ -152,7 +152,7 @@ MappedRanges map_file_ranges(const CheckpointIndex& ck, std::span<const FileRang
                             "): load with storage 'read'");
     }
     // Past a rank's bytes lie another rank's: no read-around on the faults (see `ask` below).
-    if (exact) (void)madvise(m->base, m->length, MADV_RANDOM);
+    if (files.exact(file)) (void)madvise(m->base, m->length, MADV_RANDOM);
     maps.emplace(file, std::move(m));
   }
   MappedRanges out;
@@ -194,14 +194,10 @@ MappedRanges map_file_ranges(const CheckpointIndex& ck, std::span<const FileRang
   // Under exact read-ahead the kernel's read-around is off for the mappings (a fault would read
   // one page at a time: a tenth of the disk's pace on the development machine); each piece's
   // bytes are asked for exactly instead, kMapAhead pieces ahead of the one being brought in.
+  // (The files reopen through OpenFiles' bounded set; each mapping holds its own reference to
+  // the file checked when it was mapped.)
   const auto ask = [&](std::size_t i) {
-    if (!exact || i >= pieces.size()) return;
-    const Piece& piece = pieces[i];
-    // Reopened as the loader reopens (a few dozen files open at once; the mapping holds its
-    // own reference to its file), and checked again: a file replaced since is refused.
-    const std::shared_ptr<const detail::File> f = files.get(ranges[piece.range].file);
-    (void)posix_fadvise(f->fd(), static_cast<off_t>(piece.at), static_cast<off_t>(piece.n),
-                        POSIX_FADV_WILLNEED);
+    if (i < pieces.size()) files.ask_ahead(ranges[pieces[i].range].file, pieces[i].at, pieces[i].n);
   };
   for (std::size_t i = 0; i < kMapAhead; ++i) ask(i);
   pool.run([&](unsigned) {
