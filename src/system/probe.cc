@@ -27,30 +27,26 @@ Answer<T> ask(const Fn& fn) {
 ProbeResult probe_host(const HostProbeSources& s) {
   ProbeResult r;
   r.device = "cpu";
-  Answer<MemoryPair> mem =
-      s.meminfo ? ask<MemoryPair>(s.meminfo) : Answer<MemoryPair>::fail("no such source");
-  if (mem.value) {
-    r.sources.push_back({"MemAvailable", true, mem.value->total_bytes, mem.value->free_bytes,
-                         "/proc/meminfo: memory available to new allocations without swapping"});
-    r.available = true;
-    r.total_bytes = mem.value->total_bytes;
-    r.free_bytes = mem.value->free_bytes;
-    r.used = "MemAvailable";
-  } else {
-    r.sources.push_back({"MemAvailable", false, 0, 0, mem.error});
-    if (s.sysinfo) {
-      const Answer<MemoryPair> si = ask<MemoryPair>(s.sysinfo);
-      if (si.value) {
-        r.sources.push_back({"sysinfo", true, si.value->total_bytes, si.value->free_bytes,
-                             "sysinfo(2): free and buffer memory (the page cache not counted)"});
-        r.available = true;
-        r.total_bytes = si.value->total_bytes;
-        r.free_bytes = si.value->free_bytes;
-        r.used = "sysinfo";
-      } else {
-        r.sources.push_back({"sysinfo", false, 0, 0, si.error});
-      }
+  // A source of total and free memory: recorded, and used when it answers.
+  const auto take = [&r](const char* name, const Answer<MemoryPair>& a, const char* what) {
+    if (!a.value) {
+      r.sources.push_back({name, false, 0, 0, a.error});
+      return false;
     }
+    r.sources.push_back({name, true, a.value->total_bytes, a.value->free_bytes, what});
+    r.available = true;
+    r.total_bytes = a.value->total_bytes;
+    r.free_bytes = a.value->free_bytes;
+    r.used = name;
+    return true;
+  };
+  const Answer<MemoryPair> mem =
+      s.meminfo ? ask<MemoryPair>(s.meminfo) : Answer<MemoryPair>::fail("no such source");
+  if (!take("MemAvailable", mem,
+            "/proc/meminfo: memory available to new allocations without swapping") &&
+      s.sysinfo) {
+    take("sysinfo", ask<MemoryPair>(s.sysinfo),
+         "sysinfo(2): free and buffer memory (the page cache not counted)");
   }
   Answer<CgroupMemory> cg =
       s.cgroup ? ask<CgroupMemory>(s.cgroup) : Answer<CgroupMemory>::fail("no such source");
