@@ -275,26 +275,9 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
                 if keep_tensors or not _is_dtensor(m.param_obj):
                     m.local.copy_(view)
                     continue
-                # The shard as the parameter's new local tensor: no second pass over the
-                # memory (FSDP2 takes it as its sharded data, re-padding only an uneven shard).
-                from torch.distributed.tensor import DTensor
-
-                p = m.param_obj
-                new = torch.nn.Parameter(
-                    DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
-                                       shape=p.shape, stride=p.stride()),
-                    requires_grad=p.requires_grad)
-                for name in m.aliases:
-                    assigned[name] = new
+                _hand_over(m, view, assigned)
         for m in (m for ms in prep.by_dtype.values() for m in ms if m.mapped is not None):
-            DTensor = _dtensor_class()
-            p = m.param_obj
-            new = torch.nn.Parameter(
-                DTensor.from_local(m.mapped, p.device_mesh, p.placements, run_check=False,
-                                   shape=p.shape, stride=p.stride()),
-                requires_grad=p.requires_grad)
-            for name in m.aliases:
-                assigned[name] = new
+            _hand_over(m, m.mapped, assigned)
         if assigned:
             model.load_state_dict(assigned, strict=False, assign=True)
         for local, value in prep.whole:
@@ -373,6 +356,20 @@ def _batches(prep: "_Prepared") -> List[Tuple[torch.dtype, List["_Member"]]]:
     harness: each part's agreement rounds waited behind the bulk transfer on the link.)"""
     return [(dtype, [m for m in prep.by_dtype[dtype] if m.range is None])
             for dtype in sorted(prep.by_dtype, key=str)]
+
+
+def _hand_over(m: "_Member", local: torch.Tensor, assigned: Dict[str, Any]) -> None:
+    """The shard (read or mapped) as the parameter's new local tensor, under each of its names:
+    no second pass over the memory (FSDP2 takes it as its sharded data, re-padding only an
+    uneven shard)."""
+    DTensor = _dtensor_class()
+    p = m.param_obj
+    new = torch.nn.Parameter(
+        DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                           stride=p.stride()),
+        requires_grad=p.requires_grad)
+    for name in m.aliases:
+        assigned[name] = new
 
 
 def _choose_in_place(prep: "_Prepared", rank: int) -> None:
