@@ -29,8 +29,9 @@ struct RuntimeEnv {
   // kernel's own read-ahead off (POSIX_FADV_RANDOM) and the reader asking ahead for exactly the
   // pieces it will read next (POSIX_FADV_WILLNEED), so that a rank reads its bytes and no
   // others (the files no other rank of a load reads keep the kernel's read-ahead: there it
-  // reads nothing another rank needs); "kernel": the kernel's read-ahead, which reads past the end of each run of a rank's
-  // bytes into another rank's (off only for a rank's many short runs).
+  // reads nothing another rank needs); "kernel": the kernel's read-ahead, which reads past the
+  // end of each run of a rank's bytes into another rank's (off only for a rank's many short
+  // runs).
   enum class ReadAhead : std::uint8_t { kExact, kKernel };
   ReadAhead read_ahead = ReadAhead::kExact;
   // ZEROFLAT_GATHER_PARTS: the most parts a rank's read of its slice is split into, each
