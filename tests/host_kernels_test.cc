@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <utility>
@@ -285,6 +286,45 @@ TEST(HostKernels, UpcastEveryHalfAndBFloat16Value) {
   std::vector<float> tail(13);
   upcast_range(tail.data(), all.data() + 0x3C00, DType::kFP16, 13);
   EXPECT_EQ(tail[0], 1.0f);
+}
+
+// holds_upcast against the up-cast itself: every 16-bit value's own up-cast holds, and one
+// flipped bit anywhere (every bit position, across the 2048-element blocks and in the last partial
+// one) does not, -0.0 against 0.0 and one NaN against another included.
+TEST(HostKernels, HoldsUpcastIsBitForBitOverEveryValue) {
+  std::vector<std::uint16_t> all(65536 + 5);
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i * 40503u);
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    std::vector<float> wide(all.size());
+    upcast_range(wide.data(), all.data(), dtype, all.size());
+    ASSERT_TRUE(holds_upcast(wide.data(), all.data(), dtype, all.size()));
+    for (std::size_t at : {std::size_t{0}, std::size_t{2047}, std::size_t{2048}, all.size() - 1}) {
+      for (int bit = 0; bit < 32; ++bit) {
+        std::vector<float> other = wide;
+        std::uint32_t b;
+        std::memcpy(&b, &other[at], 4);
+        b ^= std::uint32_t{1} << bit;
+        std::memcpy(&other[at], &b, 4);
+        ASSERT_FALSE(holds_upcast(other.data(), all.data(), dtype, all.size()))
+            << dtype_name(dtype) << " element " << at << " bit " << bit;
+        // Only the elements asked for are compared.
+        ASSERT_TRUE(holds_upcast(other.data(), all.data(), dtype, at));
+      }
+    }
+  }
+  const std::uint16_t zero = 0;
+  const float minus_zero = -0.0f;
+  EXPECT_FALSE(holds_upcast(&minus_zero, &zero, DType::kBF16, 1));
+  EXPECT_FALSE(holds_upcast(&minus_zero, &zero, DType::kFP16, 1));
+  const std::uint16_t nan16 = 0x7e01;  // fp16: a NaN with payload 0x201
+  float nan_up = 0;
+  upcast_range(&nan_up, &nan16, DType::kFP16, 1);
+  EXPECT_TRUE(holds_upcast(&nan_up, &nan16, DType::kFP16, 1));
+  const float quiet = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_FALSE(holds_upcast(&quiet, &nan16, DType::kFP16, 1));
+  const std::vector<float> same{1.5f, -0.0f, quiet};
+  EXPECT_TRUE(holds_upcast(same.data(), same.data(), DType::kFP32, same.size()));
+  EXPECT_TRUE(holds_upcast(nullptr, nullptr, DType::kBF16, 0));
 }
 
 // Rounding to a 16-bit type, by a different route than the library's: every finite

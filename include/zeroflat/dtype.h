@@ -21,4 +21,9 @@ std::optional<DType> try_parse_dtype(std::string_view text) noexcept;
 // As try_parse_dtype; throws InvalidArgument naming the text and the accepted names.
 DType parse_dtype(std::string_view text);
 
+// Whether wide[0, numel) holds, bit for bit, the fp32 values of the numel elements of `dtype` at
+// `narrow` (what up-casting them would write): -0.0 is not 0.0 here, and a NaN matches only the
+// up-cast of its own bits. One pass over both, no temporary the size of either.
+bool holds_upcast(const float* wide, const void* narrow, DType dtype, std::uint64_t numel) noexcept;
+
 }  // namespace zeroflat

@@ -780,6 +780,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out.narrow(0, 0, static_cast<std::int64_t>(n));
       });
 
+  // Whether `wide` (float32) holds, bit for bit, the up-cast of `narrow` (bfloat16, float16 or
+  // float32) element for element (dtype.h's holds_upcast): one pass, no temporary. Contiguous CPU
+  // tensors of as many elements.
+  m.def(
+      "holds_upcast",
+      [](const at::Tensor& wide, const at::Tensor& narrow) {
+        check_host_source(wide, "holds_upcast");
+        check_host_source(narrow, "holds_upcast");
+        std::optional<zf::DType> dtype;
+        if (narrow.scalar_type() == at::kBFloat16) dtype = zf::DType::kBF16;
+        if (narrow.scalar_type() == at::kHalf) dtype = zf::DType::kFP16;
+        if (narrow.scalar_type() == at::kFloat) dtype = zf::DType::kFP32;
+        if (wide.scalar_type() != at::kFloat || !dtype) {
+          throw zf::InvalidArgument(
+              "holds_upcast: a float32 tensor and a bfloat16, float16 or float32 one, not " +
+              std::string(c10::toString(wide.scalar_type())) + " and " +
+              std::string(c10::toString(narrow.scalar_type())));
+        }
+        if (wide.numel() != narrow.numel()) {
+          throw zf::InvalidArgument("holds_upcast: " + std::to_string(wide.numel()) + " and " +
+                                    std::to_string(narrow.numel()) + " elements");
+        }
+        py::gil_scoped_release nogil;
+        return zf::holds_upcast(static_cast<const float*>(wide.data_ptr()), narrow.data_ptr(),
+                                *dtype, static_cast<std::uint64_t>(wide.numel()));
+      },
+      py::arg("wide"), py::arg("narrow"));
+
   // --- checkpoints (checkpoint.h) ---------------------------------------------------------------
   py::class_<zf::CheckpointTensor>(m, "CheckpointTensor")
       .def_readonly("name", &zf::CheckpointTensor::name)

@@ -792,20 +792,26 @@ if __name__ == "__main__":
         fork_deepspeed_ranks(_resume_worker, world, ckpt, stage, json.loads(opts), result)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_masters_upcast_check_is_bit_for_bit_across_chunks(dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_masters_upcast_check_is_bit_for_bit_across_blocks(dtype):
     """The fp32 master is lent to the resume only while it is exactly the up-cast of its
-    16-bit partition (putting it back is then exact): every chunk compared, the last partial
-    one included, bit for bit (a sign of zero, a NaN's payload)."""
+    16-bit partition (putting it back is then exact): every element compared, across the
+    library's blocks of 2048 and in the last partial one, bit for bit (a sign of zero, a NaN's
+    payload)."""
     from zeroflat._resume_inplace import _upcast_of
 
-    h = torch.randn(1003).to(dtype)
+    h = torch.randn(5003).to(dtype)
     h[7] = float("nan")
-    m = h.float()
-    assert _upcast_of(m, h, chunk=64)
-    for at in (0, 63, 64, 1002):  # chunk edges and the last, partial chunk
+    m = h.float().clone()  # (float() of an fp32 tensor is the tensor itself)
+    assert _upcast_of(m, h)
+    for at in (0, 2047, 2048, 4096, 5002):  # block edges and the last, partial block
         other = m.clone()
         other[at] = other[at] + 1 if other[at] == other[at] else 0.0
-        assert not _upcast_of(other, h, chunk=64), at
+        assert not _upcast_of(other, h), at
+    other = m.clone()
+    other.view(torch.int32)[7] ^= 1 << 13  # another NaN: as numbers both NaN
+    assert torch.isnan(other[7]) and not _upcast_of(other, h)
     h[10], m[10] = 0.0, -0.0  # equal as numbers, not as bits
-    assert not _upcast_of(m, h, chunk=64)
+    assert not _upcast_of(m, h)
+    with pytest.raises(ValueError, match="elements"):
+        _upcast_of(m[:-1], h)

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from . import _C
 from ._errors import InvalidArgument
 
 
@@ -90,18 +91,8 @@ def _plain(t: torch.Tensor, dtype: torch.dtype, like: Optional[torch.Tensor] = N
             and (like is None or t.numel() == like.numel()))
 
 
-def _upcast_of(master: torch.Tensor, bit16: torch.Tensor, chunk: int = 1 << 18) -> bool:
-    """Whether ``master`` holds exactly (bit for bit) the up-cast of ``bit16``, compared a
-    chunk at a time through one reused 1 MiB buffer: no temporary the size of the master, and
-    no fresh memory per chunk (a temporary per chunk is memory the host must fault in each
-    time, which on a busy host costs more than the comparison)."""
-    m, h = master.view(-1), bit16.view(-1)
-    buf = torch.empty(min(chunk, m.numel()), dtype=torch.float32)
-    for at in range(0, m.numel(), chunk):
-        n = min(chunk, m.numel() - at)
-        up = buf[:n]
-        up.copy_(h[at:at + n])
-        # Bit for bit: -0.0 is not 0.0 here, and a NaN equals its own up-cast.
-        if not torch.equal(m[at:at + n].view(torch.int32), up.view(torch.int32)):
-            return False
-    return True
+def _upcast_of(master: torch.Tensor, bit16: torch.Tensor) -> bool:
+    """Whether ``master`` holds exactly (bit for bit: -0.0 is not 0.0 here, and a NaN equals its
+    own up-cast) the up-cast of ``bit16``: the library's one pass over both (no temporary; torch's
+    way, a copy and a compare per chunk, took a tenth of a small resume)."""
+    return bool(_C.holds_upcast(master.view(-1), bit16.view(-1)))

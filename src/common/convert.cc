@@ -196,5 +196,39 @@ std::uint16_t float_to_fp16(float f) noexcept {
   return to_fp16(f);
 }
 
-
 }  // namespace zeroflat::detail
+
+namespace zeroflat {
+
+bool holds_upcast(const float* wide, const void* narrow, DType dtype,
+                  std::uint64_t numel) noexcept {
+  constexpr std::uint64_t kBlock = 2048;
+  const auto* w = reinterpret_cast<const unsigned char*>(wide);
+  if (dtype == DType::kBF16) {
+    // A bf16 value's fp32 bits are its own 16 above 16 zeros: compared as integers, a block
+    // at a time without a branch per element.
+    const auto* s = static_cast<const std::uint16_t*>(narrow);
+    for (std::uint64_t i = 0; i < numel; i += kBlock) {
+      const std::uint64_t n = std::min(kBlock, numel - i);
+      std::uint32_t diff = 0;
+      for (std::uint64_t k = 0; k < n; ++k) {
+        std::uint32_t b;
+        std::memcpy(&b, w + (i + k) * 4, 4);
+        diff |= b ^ (static_cast<std::uint32_t>(s[i + k]) << 16);
+      }
+      if (diff != 0) return false;
+    }
+    return true;
+  }
+  const auto* s = static_cast<const unsigned char*>(narrow);
+  const std::uint64_t es = element_size(dtype);
+  float up[kBlock];
+  for (std::uint64_t i = 0; i < numel; i += kBlock) {
+    const std::uint64_t n = std::min(kBlock, numel - i);
+    detail::upcast_range(up, s + i * es, dtype, n);
+    if (std::memcmp(up, w + i * 4, n * 4) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace zeroflat
