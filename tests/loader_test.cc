@@ -322,6 +322,30 @@ std::string copy_checkpoint(const std::string& from, const std::string& name) {
   return to;
 }
 
+// checkpoint_header_digest, what a caller compares across ranks instead of each load's own
+// agreement: the same for the same copy opened again, another as soon as any entry the loader's
+// agreement compares differs (a file's size; a tensor's name, dtype, shape or byte range; one
+// tensor fewer).
+TEST_F(LoaderTest, HeaderDigestCoversEveryEntryTheRanksCompare) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::uint64_t d = checkpoint_header_digest(ck);
+  EXPECT_EQ(checkpoint_header_digest(open_checkpoint(*bf16_dir_)), d);
+  const std::vector<std::function<void(CheckpointIndex&)>> changes = {
+      [](CheckpointIndex& c) { c.file_bytes.back() += 1; },
+      [](CheckpointIndex& c) { c.tensors.back().name += "x"; },
+      [](CheckpointIndex& c) { c.tensors.back().dtype = "F16"; },
+      [](CheckpointIndex& c) { c.tensors.back().shape.back() += 1; },
+      [](CheckpointIndex& c) { c.tensors.back().offset += 2; },
+      [](CheckpointIndex& c) { c.tensors.front().bytes -= 2; },
+      [](CheckpointIndex& c) { c.tensors.pop_back(); },
+  };
+  for (std::size_t k = 0; k < changes.size(); ++k) {
+    CheckpointIndex c = ck;
+    changes[k](c);
+    EXPECT_NE(checkpoint_header_digest(c), d) << "change " << k;
+  }
+}
+
 TEST_F(LoaderTest, AFusedParameterConcatenatesItsTensorsInOrder) {
   const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
   // Tensors of one shape, stacked as a MoE layer's experts are fused: [k, rows, cols].

@@ -845,6 +845,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("path"), py::arg("pieces") = false)
       .def_readonly("path", &zf::CheckpointIndex::path)
       .def_readonly("files", &zf::CheckpointIndex::files)
+      // What ranks compare before they read it together (checkpoint_header_digest): an int.
+      .def("header_digest",
+           [](const zf::CheckpointIndex& ck) { return zf::checkpoint_header_digest(ck); })
       // Every tensor, in natural name order.
       .def("tensors", [](const zf::CheckpointIndex& ck) { return ck.tensors; })
       .def("has", [](const zf::CheckpointIndex& ck,

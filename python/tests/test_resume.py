@@ -314,6 +314,20 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
                             os.replace(path + ".other", path)
 
             zeroflat._C.DeepSpeedCheckpoint = Cut
+        if opts.get("other_copy") and rank == world - 1:
+            # This rank's copy of the checkpoint differs from the others' under the same path,
+            # as on hosts that each hold a copy: it opens another folder and shows the path the
+            # others opened.
+            other = os.path.join(ckpt, opts["other_copy"])
+
+            class Other(real):
+                def __init__(self, d, tag=None):
+                    super().__init__(other, tag)
+                    self.shown = os.path.join(d, os.path.relpath(real.dir.__get__(self), other))
+
+                dir = property(lambda self: self.shown)
+
+            zeroflat._C.DeepSpeedCheckpoint = Other
         if opts.get("fault") == "late":
             # A load that fails after the ones before it read straight into the optimizer's
             # own tensors (the fp32 master comes first): every rank fails at its last buffer.
@@ -322,9 +336,9 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
             loads, planned = dict(zr._LOADS), {}
             real_read = zr._Resume.read
 
-            def read(self, threads):
-                planned["count"] = len(self.plan().buffers)
-                return real_read(self, threads)
+            def read(self, threads, agreed):
+                planned["count"] = len(self._plan.buffers)
+                return real_read(self, threads, agreed)
 
             def failing(door):
                 def call(*a, **k):
@@ -613,6 +627,42 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_engine_unchanged(tmp
             assert r["unchanged"], (variant["name"], r)
             assert r["resumes"] == [] and r["fallbacks"] == [], r
         # The rank that found it names the file and the entry; the others name that rank.
+        assert any(variant["expect"] in r["error"] for r in ranks), (variant["name"], ranks)
+
+
+def test_ranks_whose_copies_differ_are_refused_before_anything_is_read(tmp_path_factory):
+    """The ranks agree once, before any read, on a digest of each rank's plan and of the headers
+    of every buffer's files and tensors; the loads then run without agreements of their own. A
+    rank whose copy differs (under the same path, as on hosts that each hold one) in one
+    parameter's exp_avg_sq.pt of a universal folder, or in a rank's optimizer file: every rank
+    refuses, one naming the entry, no engine changed."""
+    ckpt = saved(tmp_path_factory, 2, 2)
+    universal([ckpt])
+    uni = f"{TAG}_universal"
+    other = ckpt / "bad" / "other_universal"
+    if other.exists():
+        shutil.rmtree(other)
+    shutil.copytree(ckpt / uni, other / uni)
+    state_file = next(p for p in sorted((other / uni / "zero").glob("*/exp_avg_sq.pt")))
+    state = torch.load(state_file, weights_only=False)
+    state = state if isinstance(state, dict) else {"param": state}
+    state["extra"] = torch.zeros(3)  # a larger file and one more entry, values unchanged
+    torch.save(state, state_file)
+    d = _copy(ckpt, "other_optim")
+    optim = d / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    state = torch.load(optim, weights_only=False)
+    state["extra"] = torch.zeros(3)
+    torch.save(state, optim)
+    variants = [
+        {"name": "universal", "our_tag": uni, "other_copy": "bad/other_universal",
+         "expect": "exp_avg_sq"},
+        {"name": "optim", "other_copy": "bad/other_optim", "expect": "different"},
+    ]
+    for variant, ranks in zip(variants, resume(ckpt, 2, 2, variants=variants)):
+        for r in ranks:
+            assert r["error"] is not None and r["unchanged"], (variant["name"], r)
+            assert r["resumes"] == [] and r["fallbacks"] == [], r
+            assert "differ" in r["error"], (variant["name"], r["error"])
         assert any(variant["expect"] in r["error"] for r in ranks), (variant["name"], ranks)
 
 

@@ -83,17 +83,31 @@ def why_not(engine, load_dir, custom_load_fn) -> Optional[str]:
 def _agree(error: Optional[BaseException], group, what: str) -> None:
     """Collective: raises on every rank when any rank's ``error`` is set (this rank its own, the
     others naming the lowest rank that failed), before anything is written."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
-    failing = all_reduce_ints([world - rank if error is not None else 0], group, "max",
+    failing = all_reduce_ints([_failing(error, group)], group, "max",
                               f"the ranks' agreement on {what} (an all-reduce)",
                               f"resume-{what}")[0]
+    _raise_failed(failing, error, group, what)
+
+
+def _failing(error: Optional[BaseException], group) -> int:
+    """This rank's word in an agreement on errors: 0 when it has none, else world - rank (the
+    maximum over the ranks names the lowest rank that failed)."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    return world - rank if error is not None else 0
+
+
+def _raise_failed(failing: int, error: Optional[BaseException], group, what: str) -> None:
+    """After an agreement whose maximum of _failing is ``failing``: nothing when no rank failed,
+    else (collective) every rank raises, this rank its own error, the others the failing rank's
+    words."""
     if failing == 0:
         return
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     # Every rank learned that one failed: one more all-reduce hands the others its words (the
     # first 245 bytes, 7 to an int64, only the failing rank writing).
     raw = b""
-    if error is not None and world - rank == failing:
+    if error is not None and _failing(error, group) == failing:
         raw = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:245]
     raw = raw.ljust(245, b"\0")
     words = all_reduce_ints([int.from_bytes(raw[i:i + 7], "little") for i in range(0, 245, 7)],
@@ -424,20 +438,40 @@ class _Resume(EngineWriter):
             kw["weights_dtype"] = dtype_name(opt.bit16_groups_flat[0].dtype, "16-bit dtype")
         return _C.plan_resume(self.ck, **kw)
 
-    def read(self, threads: Optional[int]) -> None:
-        """Every buffer this rank keeps, read on the host as the library's plan says (one load
-        per buffer: its placement's), into the optimizer's own tensor where it can be put back
-        (_resume_inplace.lend), else into a tensor of torch's. Collective. The ranks compare their checkpoint's
-        headers in the first load, not samples of its bytes (copies="off"): each reads bytes no
-        other rank reads."""
+    def prepare(self) -> int:
+        """This rank's plan (the library's) and what every rank must hold identically to read
+        it: the checkpoint, the options, each buffer's layout choices and parameters, the headers
+        of every file each buffer reads. Returns their digest (56 bits), which the ranks compare
+        in the agreement before the reads (load_checkpoint); equal digests let every load run
+        without an agreement of its own. Local."""
+        import hashlib
+
+        self._plan = plan = self.plan()
+        subs = self._sub_groups()
+        self._must_match = [f"resume {self.ck.dir} tag {self.ck.tag}", f"format {self.ck.format}",
+                            f"saved world {self.ck.world} release {self.ck.ds_version}",
+                            f"targets {plan.targets}", f"partitions {len(subs)}",
+                            f"stage3 {self.stage3}", f"world {self.dp}", plan_digest(plan)]
+        h = hashlib.sha256()
+        for item in self._must_match:
+            h.update(item.encode("utf-8", "replace") + b"\0")
+        for params in subs + [getattr(self, "_frozen_params", [])]:
+            h.update(repr([self.names[p] for p in params]).encode("utf-8", "replace"))
+        for b in plan.buffers:
+            h.update(b.index.header_digest().to_bytes(8, "little"))
+        return int.from_bytes(h.digest()[:7], "little")
+
+    def read(self, threads: Optional[int], agreed: bool) -> None:
+        """Every buffer this rank keeps, read on the host as the library's plan (prepare) says
+        (one load per buffer: its placement's), into the optimizer's own tensor where it can be
+        put back (_resume_inplace.lend), else into a tensor of torch's. Collective. ``agreed``:
+        the ranks' digests of their plans were equal (load_checkpoint's agreement), so no load
+        runs an agreement of its own; otherwise every load runs the loader's, which names what
+        differs, and the resume is refused. No load samples the checkpoint's bytes (copies="off"): each rank reads
+        bytes no other rank reads."""
         from ._load import engine_and_comm
 
-        plan = self.plan()
-        subs = self._sub_groups()
-        must_match = [f"resume {self.ck.dir} tag {self.ck.tag}", f"format {self.ck.format}",
-                      f"saved world {self.ck.world} release {self.ck.ds_version}",
-                      f"targets {plan.targets}", f"partitions {len(subs)}",
-                      f"stage3 {self.stage3}", f"world {self.dp}", plan_digest(plan)]
+        plan = self._plan
         # Buffers not read in place come from torch's allocator (unless ZEROFLAT_HOST_MEMORY
         # says otherwise), as DeepSpeed's own load's tensors do: the memory the process already
         # has (what building the engine freed), where fresh mappings would each be faulted in
@@ -449,22 +483,30 @@ class _Resume(EngineWriter):
         _, _, expected = plan.rank_bytes(self.rank)
         watch = Watch(f"resume from {self.ck.dir}", self.rank, self.dp, _dropin.progress,
                       expected)
-        # The first load agrees on the checkpoint and the options with every rank; the others
-        # only read this rank's own bytes (no all-gather in a slice or partitions placement), so
-        # they run without collectives of their own and the ranks agree once, after the last.
+        # A slice or partitions placement gathers nothing: each load reads this rank's own bytes
+        # and runs without collectives (OwnBytes), and the ranks agree once, after the last.
         own = OwnBytes(comm.rank, comm.size) if comm is not None else None
         error = None
         try:
             with watch:
-                for i, b in enumerate(plan.buffers):
-                    if i == 0 or comm is None:
-                        self._read_buffer(b, must_match, engine, nthreads, comm, watch.counts)
+                for b in plan.buffers:
+                    if comm is None or not agreed:
+                        self._read_buffer(b, self._must_match, engine, nthreads, comm,
+                                          watch.counts)
                         continue
                     try:
                         self._read_buffer(b, [], engine, nthreads, own, watch.counts)
                     except Exception as e:  # noqa: BLE001 - every rank learns of it below
                         error = e
                         break
+            if comm is not None and not agreed:
+                # Every load ran the loader's agreement and none found the difference: it is in
+                # what only the digest covers (the engine's parameter names).
+                raise InvalidArgument(
+                    f"resuming from {self.ck.dir} tag {self.ck.tag}: the ranks' plans differ (a "
+                    "digest of each rank's plan, its engine's parameter names and its copy's "
+                    "headers); every rank must resume the same engine from an identical copy of "
+                    "the checkpoint; nothing of the engine was changed")
             if comm is not None:
                 _agree(error, self.group, f"reading {self.ck.dir} tag {self.ck.tag}")
         except BaseException:
@@ -606,35 +648,44 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
                 load_module_only=load_module_only, custom_load_fn=custom_load_fn)
     reason = why_not(engine, load_dir, custom_load_fn)
     group = engine.optimizer.dp_process_group if _optimizer_kind(engine) else None
-    served = all_reduce_ints([int(reason is None)], group, "min",
-                             "the ranks' agreement on serving load_checkpoint (an all-reduce)",
-                             "resume-serve")[0]
-    if not served:
+    start = time.perf_counter()
+    # This rank's part, before the one agreement that precedes the reads: the tag, the
+    # checkpoint opened, its small values read, the plan and its digest (prepare).
+    plan, ck, error, digest = None, None, None, 0
+    if reason is None:
+        try:
+            if tag is None:
+                tag = _tag(engine, load_dir)
+            if tag is not None:
+                ck = _C.DeepSpeedCheckpoint(os.fspath(load_dir), str(tag))
+                plan = _Resume(engine, ck, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
+                plan.read_small()
+                digest = plan.prepare()
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it before anything is read
+            error = e
+    # One all-reduce (max): whether any rank cannot serve the call, whether any found no tag,
+    # the lowest rank that failed, and the highest and the lowest digest of the ranks' plans.
+    no_tag = reason is None and error is None and tag is None
+    not_served, any_no_tag, failing, high, low = all_reduce_ints(
+        [int(reason is not None), int(no_tag), _failing(error, group), digest, -digest], group,
+        "max", "the ranks' agreement on serving load_checkpoint (an all-reduce)", "resume-serve")
+    if not_served:
         why = reason or "another rank cannot serve it (its warning says why)"
         stats["resume_fallbacks"].append(why)
         log.warning("zeroflat: load_checkpoint(%s) is DeepSpeed's own: %s", load_dir, why)
         return original(engine, load_dir, **args)
-    if tag is None:
-        tag = _tag(engine, load_dir)
-        if tag is None:
-            log.warning("zeroflat: no 'latest' file in %s: pass the tag of the checkpoint to load "
-                        "(DeepSpeed's own load_checkpoint returns (None, None) too)", load_dir)
-            return None, None
-    start = time.perf_counter()
-    plan, error = None, None
-    try:
-        ck = _C.DeepSpeedCheckpoint(os.fspath(load_dir), str(tag))
-        plan = _Resume(engine, ck, load_module_strict=load_module_strict,
-                       load_optimizer_states=load_optimizer_states,
-                       load_lr_scheduler_states=load_lr_scheduler_states,
-                       load_module_only=load_module_only)
-        plan.read_small()
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it before anything is read
-        error = e
-    _agree(error, group, f"opening {os.fspath(load_dir)} tag {tag}")
-    assert plan is not None
+    _raise_failed(failing, error, group, f"opening {os.fspath(load_dir)} tag {tag}")
+    if any_no_tag:
+        log.warning("zeroflat: no 'latest' file in %s%s: pass the tag of the checkpoint to load "
+                    "(DeepSpeed's own load_checkpoint returns (None, None) too)", load_dir,
+                    "" if no_tag else " as another rank sees it")
+        return None, None
+    assert plan is not None and ck is not None
     threads = getattr(engine, "_zeroflat_threads", None)
-    plan.read(threads)  # collective: an error on any rank is raised on every rank
+    plan.read(threads, agreed=high == -low)  # collective: an error on any rank is raised on all
     plan.write()
     seconds = time.perf_counter() - start
     stats["resumes"].append({"dir": os.fspath(load_dir), "tag": str(tag), "format": ck.format,

@@ -6,6 +6,7 @@
 
 #include "common/clock.h"
 #include "zeroflat/agree.h"
+#include "zeroflat/checksum.h"
 #include "zeroflat/error.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
@@ -28,8 +29,8 @@ void for_pieces(const std::vector<const CheckpointTensor*>& src, std::uint64_t l
   }
 }
 
-// Every file's size, then every tensor's name, dtype, shape and byte range, as texts the ranks
-// can compare entry by entry.
+}  // namespace
+
 std::vector<std::string> header_entries(const CheckpointIndex& ck) {
   std::vector<std::string> out;
   out.reserve(ck.files.size() + ck.tensors.size());
@@ -45,8 +46,6 @@ std::vector<std::string> header_entries(const CheckpointIndex& ck) {
   }
   return out;
 }
-
-}  // namespace
 
 std::vector<const CheckpointTensor*> resolve(const CheckpointIndex& ck, const LoadParam& p,
                                              std::vector<std::string>& missing) {
@@ -376,3 +375,17 @@ std::vector<std::pair<std::uint64_t, std::uint64_t>> CheckpointSource::read_rang
 }
 
 }  // namespace zeroflat::detail
+
+namespace zeroflat {
+
+std::uint64_t checkpoint_header_digest(const CheckpointIndex& ck) {
+  std::string digests;
+  for (const std::string& entry : detail::header_entries(ck)) {
+    const std::uint64_t d = checksum_serial(entry.data(), entry.size());
+    digests.append(reinterpret_cast<const char*>(&d), sizeof d);
+  }
+  return checksum_serial(digests.data(), digests.size());
+}
+
+}  // namespace zeroflat
+

@@ -20,6 +20,10 @@ namespace zeroflat::detail {
 // Each parameter's checkpoint tensors, in order, their elements concatenated.
 using Sources = std::vector<std::vector<const CheckpointTensor*>>;
 
+// Every file's size, then every tensor's name, dtype, shape and byte range, as texts the ranks
+// compare entry by entry before they read (CheckpointSource::agree; checkpoint_header_digest).
+std::vector<std::string> header_entries(const CheckpointIndex& ck);
+
 // The checkpoint tensors of parameter p, checked against its shape (and each against its
 // expected shape, when the parameter says). A name the checkpoint lacks goes to `missing` (and
 // none is returned). Throws InvalidArgument for a tensor of the wrong shape or dtype.
