@@ -336,7 +336,7 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
             loads, planned = dict(zr._LOADS), {}
             real_read = zr._Resume.read
 
-            def read(self, threads, agreed):
+            def read(self, threads, agreed=True):
                 planned["count"] = len(self._plan.buffers)
                 return real_read(self, threads, agreed)
 

@@ -80,15 +80,6 @@ def why_not(engine, load_dir, custom_load_fn) -> Optional[str]:
 
 # --- the ranks' agreement -----------------------------------------------------------------------
 
-def _agree(error: Optional[BaseException], group, what: str) -> None:
-    """Collective: raises on every rank when any rank's ``error`` is set (this rank its own, the
-    others naming the lowest rank that failed), before anything is written."""
-    failing = all_reduce_ints([_failing(error, group)], group, "max",
-                              f"the ranks' agreement on {what} (an all-reduce)",
-                              f"resume-{what}")[0]
-    _raise_failed(failing, error, group, what)
-
-
 def _failing(error: Optional[BaseException], group) -> int:
     """This rank's word in an agreement on errors: 0 when it has none, else world - rank (the
     maximum over the ranks names the lowest rank that failed)."""
@@ -461,14 +452,14 @@ class _Resume(EngineWriter):
             h.update(b.index.header_digest().to_bytes(8, "little"))
         return int.from_bytes(h.digest()[:7], "little")
 
-    def read(self, threads: Optional[int], agreed: bool) -> None:
-        """Every buffer this rank keeps, read on the host as the library's plan (prepare) says
-        (one load per buffer: its placement's), into the optimizer's own tensor where it can be
-        put back (_resume_inplace.lend), else into a tensor of torch's. Collective. ``agreed``:
-        the ranks' digests of their plans were equal (load_checkpoint's agreement), so no load
-        runs an agreement of its own; otherwise every load runs the loader's, which names what
-        differs, and the resume is refused. No load samples the checkpoint's bytes (copies="off"): each rank reads
-        bytes no other rank reads."""
+    def read(self, threads: Optional[int], agreed: bool = True) -> Optional[BaseException]:
+        """Every buffer this rank keeps, read on the host as the plan (prepare) says, one load
+        per buffer, into the optimizer's own tensor where it can be put back (lend), else into
+        a tensor of torch's; no load samples bytes (copies="off"). ``agreed`` (load_checkpoint
+        compares the plans' digests after this): no collective, each load reads this rank's own
+        bytes (OwnBytes); returns this rank's error, the lent tensors put back. Not ``agreed``
+        (the digests differed): collective, every load runs the loader's agreement, which names
+        the entry the ranks' copies differ in, and the resume is refused on every rank."""
         from ._load import engine_and_comm
 
         plan = self._plan
@@ -483,23 +474,14 @@ class _Resume(EngineWriter):
         _, _, expected = plan.rank_bytes(self.rank)
         watch = Watch(f"resume from {self.ck.dir}", self.rank, self.dp, _dropin.progress,
                       expected)
-        # A slice or partitions placement gathers nothing: each load reads this rank's own bytes
-        # and runs without collectives (OwnBytes), and the ranks agree once, after the last.
-        own = OwnBytes(comm.rank, comm.size) if comm is not None else None
-        error = None
+        # A slice or partitions placement gathers nothing: each load reads this rank's own bytes.
+        own = OwnBytes(comm.rank, comm.size) if comm is not None and agreed else comm
         try:
             with watch:
                 for b in plan.buffers:
-                    if comm is None or not agreed:
-                        self._read_buffer(b, self._must_match, engine, nthreads, comm,
-                                          watch.counts)
-                        continue
-                    try:
-                        self._read_buffer(b, [], engine, nthreads, own, watch.counts)
-                    except Exception as e:  # noqa: BLE001 - every rank learns of it below
-                        error = e
-                        break
-            if comm is not None and not agreed:
+                    self._read_buffer(b, [] if agreed else self._must_match, engine, nthreads,
+                                      own, watch.counts)
+            if not agreed and comm is not None:
                 # Every load ran the loader's agreement and none found the difference: it is in
                 # what only the digest covers (the engine's parameter names).
                 raise InvalidArgument(
@@ -507,11 +489,15 @@ class _Resume(EngineWriter):
                     "digest of each rank's plan, its engine's parameter names and its copy's "
                     "headers); every rank must resume the same engine from an identical copy of "
                     "the checkpoint; nothing of the engine was changed")
-            if comm is not None:
-                _agree(error, self.group, f"reading {self.ck.dir} tag {self.ck.tag}")
+        except Exception as e:  # noqa: BLE001 - the caller's agreement tells every rank
+            self.put_back()
+            if not agreed:
+                raise
+            return e
         except BaseException:
             self.put_back()
             raise
+        return None
 
     # - reading into the optimizer's own tensors -------------------------------------------------
 
@@ -649,8 +635,9 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     reason = why_not(engine, load_dir, custom_load_fn)
     group = engine.optimizer.dp_process_group if _optimizer_kind(engine) else None
     start = time.perf_counter()
-    # This rank's part, before the one agreement that precedes the reads: the tag, the
-    # checkpoint opened, its small values read, the plan and its digest (prepare).
+    # This rank's part, before the one agreement of the call: the tag, the checkpoint opened,
+    # its small values read, the plan and its digest (prepare), every buffer read (no
+    # collective; read into the optimizer's own tensors only where they can be put back).
     plan, ck, error, digest = None, None, None, 0
     if reason is None:
         try:
@@ -666,26 +653,38 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
                 digest = plan.prepare()
         except Exception as e:  # noqa: BLE001 - every rank must learn of it before anything is read
             error = e
+    threads = getattr(engine, "_zeroflat_threads", None)
+    if plan is not None and error is None:
+        error = plan.read(threads)
     # One all-reduce (max): whether any rank cannot serve the call, whether any found no tag,
     # the lowest rank that failed, and the highest and the lowest digest of the ranks' plans.
     no_tag = reason is None and error is None and tag is None
-    not_served, any_no_tag, failing, high, low = all_reduce_ints(
-        [int(reason is not None), int(no_tag), _failing(error, group), digest, -digest], group,
-        "max", "the ranks' agreement on serving load_checkpoint (an all-reduce)", "resume-serve")
-    if not_served:
-        why = reason or "another rank cannot serve it (its warning says why)"
-        stats["resume_fallbacks"].append(why)
-        log.warning("zeroflat: load_checkpoint(%s) is DeepSpeed's own: %s", load_dir, why)
-        return original(engine, load_dir, **args)
-    _raise_failed(failing, error, group, f"opening {os.fspath(load_dir)} tag {tag}")
-    if any_no_tag:
-        log.warning("zeroflat: no 'latest' file in %s%s: pass the tag of the checkpoint to load "
-                    "(DeepSpeed's own load_checkpoint returns (None, None) too)", load_dir,
-                    "" if no_tag else " as another rank sees it")
-        return None, None
-    assert plan is not None and ck is not None
-    threads = getattr(engine, "_zeroflat_threads", None)
-    plan.read(threads, agreed=high == -low)  # collective: an error on any rank is raised on all
+    try:
+        not_served, any_no_tag, failing, high, low = all_reduce_ints(
+            [int(reason is not None), int(no_tag), _failing(error, group), digest, -digest],
+            group, "max", "the ranks' agreement on serving load_checkpoint (an all-reduce)",
+            "resume-serve")
+        if not_served or failing or any_no_tag or high != -low:
+            if plan is not None:
+                plan.put_back()  # what was read into the optimizer's own tensors, undone
+        if not_served:
+            why = reason or "another rank cannot serve it (its warning says why)"
+            stats["resume_fallbacks"].append(why)
+            log.warning("zeroflat: load_checkpoint(%s) is DeepSpeed's own: %s", load_dir, why)
+            return original(engine, load_dir, **args)
+        _raise_failed(failing, error, group, f"resuming from {os.fspath(load_dir)} tag {tag}")
+        if any_no_tag:
+            log.warning("zeroflat: no 'latest' file in %s%s: pass the tag of the checkpoint to "
+                        "load (DeepSpeed's own load_checkpoint returns (None, None) too)",
+                        load_dir, "" if no_tag else " as another rank sees it")
+            return None, None
+        assert plan is not None and ck is not None
+        if high != -low:
+            plan.read(threads, agreed=False)  # collective: names what differs, and raises
+    except BaseException:
+        if plan is not None:
+            plan.put_back()
+        raise
     plan.write()
     seconds = time.perf_counter() - start
     stats["resumes"].append({"dir": os.fspath(load_dir), "tag": str(tag), "format": ck.format,
