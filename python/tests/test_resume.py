@@ -328,11 +328,16 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
                 dir = property(lambda self: self.shown)
 
             zeroflat._C.DeepSpeedCheckpoint = Other
+        import zeroflat._resume as zr
+
+        real_why = zr.why_not
+        if opts.get("unserved") and rank == world - 1:
+            # This rank alone cannot serve the call: every rank hands it to DeepSpeed, the
+            # others after reading into their optimizers' tensors, which they put back first.
+            zr.why_not = lambda *a: "this rank cannot (test)"
         if opts.get("fault") == "late":
             # A load that fails after the ones before it read straight into the optimizer's
             # own tensors (the fp32 master comes first): every rank fails at its last buffer.
-            import zeroflat._resume as zr
-
             loads, planned = dict(zr._LOADS), {}
             real_read = zr._Resume.read
 
@@ -357,6 +362,7 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
             error = f"{type(e).__name__}: {e}"
         finally:
             zeroflat._C.DeepSpeedCheckpoint = real
+            zr.why_not = real_why
             if opts.get("fault") == "late":
                 zr._LOADS.update(loads)
                 zr._Resume.read = real_read
@@ -535,8 +541,9 @@ def test_same_world_is_deepspeeds_own_load(tmp_path_factory):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_options_and_tags_are_deepspeeds(tmp_path_factory, stage):
     """load_module_only, load_optimizer_states=False, load_lr_scheduler_states=False,
-    load_from_fp32_weights=False, the tag from 'latest', and no 'latest' at all: what
-    DeepSpeed's own load_checkpoint does, bit for bit."""
+    load_from_fp32_weights=False, the tag from 'latest', no 'latest' at all, and a call one
+    rank cannot serve (every rank then hands it to DeepSpeed): what DeepSpeed's own
+    load_checkpoint does, bit for bit."""
     ckpt = saved(tmp_path_factory, stage, 2, touch="buffer")
     (ckpt / "nolatest").mkdir(exist_ok=True)
     if not (ckpt / "nolatest" / TAG).exists():
@@ -546,6 +553,7 @@ def test_options_and_tags_are_deepspeeds(tmp_path_factory, stage):
         {"name": "scheduler off", "load": {"load_lr_scheduler_states": False}},
         {"name": "latest", "tag": None},
         {"name": "no latest", "tag": None, "dir": "nolatest"},
+        {"name": "one rank unserved", "unserved": True},
     ]
     if stage != 3:
         # ZeRO-3: DeepSpeed's load_module_only restores no weights (its module files hold none
@@ -558,6 +566,11 @@ def test_options_and_tags_are_deepspeeds(tmp_path_factory, stage):
             assert r["error"] is None, (variant, r["error"])
             if variant["name"] == "no latest":
                 assert r["path"] is None and r["resumes"] == [], r
+            elif variant["name"] == "one rank unserved":
+                # DeepSpeed's own load on every rank (compared with the reference above).
+                assert r["resumes"] == [] and len(r["fallbacks"]) == 1, r
+                assert ("this rank cannot" if r["rank"] == 1 else "another rank") in \
+                    r["fallbacks"][0], r
             else:
                 served([r])
 
