@@ -421,8 +421,11 @@ def main():
             rows.append(row)
             print(line(row), file=sys.stderr, flush=True)
             if a.save:  # after every row: a run stopped midway keeps the rows it finished
+                # The shape and the methods, not where this machine kept the files.
+                shown = {k: v for k, v in vars(a).items()
+                         if k not in ("dir", "save", "plot", "rank_job", "world")}
                 with open(a.save, "w") as f:
-                    json.dump({"checkpoint_gb": size / 1e9, "args": vars(a), "rows": rows}, f,
+                    json.dump({"checkpoint_gb": size / 1e9, "args": shown, "rows": rows}, f,
                               indent=1)
     print(table(rows, methods))
     if a.plot:
