@@ -73,11 +73,11 @@ struct CheckpointOptions {
 // the file and, where there is one, the tensor.
 CheckpointIndex open_checkpoint(const std::string& path, const CheckpointOptions& options = {});
 
-// One digest of what ranks compare before they read a checkpoint together: every file's size and
+// One digest of what ranks compare when they read a checkpoint together: every file's size and
 // every tensor's name, dtype, shape and byte range (the entries the loader's agreement compares
 // one by one, to name the first that differs). Equal on ranks that opened identical copies; a
-// caller that agrees on it ahead (the Python resume, once for all its loads) may run the loads
-// without their own agreement.
+// caller that compares it across ranks (the Python resume: once, after all its loads, before it
+// writes anything) may run the loads without their own agreement.
 std::uint64_t checkpoint_header_digest(const CheckpointIndex& ck);
 
 // One piece of an index opened with pieces: its tensor's name and where it starts in the whole.

@@ -643,12 +643,13 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_engine_unchanged(tmp
         assert any(variant["expect"] in r["error"] for r in ranks), (variant["name"], ranks)
 
 
-def test_ranks_whose_copies_differ_are_refused_before_anything_is_read(tmp_path_factory):
-    """The ranks agree once, before any read, on a digest of each rank's plan and of the headers
-    of every buffer's files and tensors; the loads then run without agreements of their own. A
-    rank whose copy differs (under the same path, as on hosts that each hold one) in one
-    parameter's exp_avg_sq.pt of a universal folder, or in a rank's optimizer file: every rank
-    refuses, one naming the entry, no engine changed."""
+def test_ranks_whose_copies_differ_are_refused_with_every_engine_unchanged(tmp_path_factory):
+    """The loads run without agreements of their own; the ranks then compare, in the call's one
+    agreement, a digest of each rank's plan and of the headers of every buffer's files and
+    tensors. A rank whose copy differs (under the same path, as on hosts that each hold one) in
+    one parameter's exp_avg_sq.pt of a universal folder, or in a rank's optimizer file: every
+    rank puts back what it read into its optimizer and refuses (a second pass whose loads run
+    the loader's agreement names the entry), no engine changed."""
     ckpt = saved(tmp_path_factory, 2, 2)
     universal([ckpt])
     uni = f"{TAG}_universal"

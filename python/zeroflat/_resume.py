@@ -433,8 +433,8 @@ class _Resume(EngineWriter):
         """This rank's plan (the library's) and what every rank must hold identically to read
         it: the checkpoint, the options, each buffer's layout choices and parameters, the headers
         of every file each buffer reads. Returns their digest (56 bits), which the ranks compare
-        in the agreement before the reads (load_checkpoint); equal digests let every load run
-        without an agreement of its own. Local."""
+        in load_checkpoint's one agreement, after the reads: equal digests mean the loads needed
+        no agreement of their own. Local."""
         import hashlib
 
         self._plan = plan = self.plan()
