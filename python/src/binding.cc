@@ -667,6 +667,14 @@ at::ScalarType scalar_type_of(zf::DType d) {
   return at::kByte;
 }
 
+// zeroflat's element type of a torch tensor's (bf16, fp16, fp32), or none for any other.
+std::optional<zf::DType> dtype_of(at::ScalarType t) {
+  for (zf::DType d : {zf::DType::kBF16, zf::DType::kFP16, zf::DType::kFP32}) {
+    if (t == scalar_type_of(d)) return d;
+  }
+  return std::nullopt;
+}
+
 // What upcast and clone read: the tensor's bytes from data_ptr(), so it must be a dense host
 // tensor.
 void check_host_source(const at::Tensor& src, const char* what) {
@@ -788,10 +796,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const at::Tensor& wide, const at::Tensor& narrow) {
         check_host_source(wide, "holds_upcast");
         check_host_source(narrow, "holds_upcast");
-        std::optional<zf::DType> dtype;
-        if (narrow.scalar_type() == at::kBFloat16) dtype = zf::DType::kBF16;
-        if (narrow.scalar_type() == at::kHalf) dtype = zf::DType::kFP16;
-        if (narrow.scalar_type() == at::kFloat) dtype = zf::DType::kFP32;
+        const std::optional<zf::DType> dtype = dtype_of(narrow.scalar_type());
         if (wide.scalar_type() != at::kFloat || !dtype) {
           throw zf::InvalidArgument(
               "holds_upcast: a float32 tensor and a bfloat16, float16 or float32 one, not " +
@@ -882,10 +887,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (!out.is_cpu() || !out.is_contiguous()) {
           throw zf::InvalidArgument("read: out must be a contiguous CPU tensor");
         }
-        std::optional<zf::DType> to;
-        for (zf::DType d : {zf::DType::kBF16, zf::DType::kFP16, zf::DType::kFP32}) {
-          if (out.scalar_type() == scalar_type_of(d)) to = d;
-        }
+        const std::optional<zf::DType> to = dtype_of(out.scalar_type());
         const std::uint64_t want = to ? t->numel * zf::element_size(*to) : t->bytes;
         if (static_cast<std::uint64_t>(out.numel()) * out.element_size() != want ||
             (to && static_cast<std::uint64_t>(out.numel()) != t->numel)) {
@@ -916,10 +918,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               r.offsets = box[1].cast<std::vector<std::uint64_t>>();
               r.sizes = box[2].cast<std::vector<std::uint64_t>>();
               at::Tensor out = box[3].cast<at::Tensor>();
-              std::optional<zf::DType> to;
-              for (zf::DType d : {zf::DType::kBF16, zf::DType::kFP16, zf::DType::kFP32}) {
-                if (out.scalar_type() == scalar_type_of(d)) to = d;
-              }
+              const std::optional<zf::DType> to = dtype_of(out.scalar_type());
               std::uint64_t n = 1;
               for (std::uint64_t x : r.sizes) n *= x;
               if (!to || !out.is_cpu() || !out.is_contiguous() ||

@@ -388,4 +388,3 @@ std::uint64_t checkpoint_header_digest(const CheckpointIndex& ck) {
 }
 
 }  // namespace zeroflat
-
