@@ -137,6 +137,9 @@ TEST(Safetensors, EveryMalformedHeaderIsRejectedWithTheProblemNamed) {
     std::string msg = error_of(c.file);
     EXPECT_NE(msg.find("test.safetensors"), std::string::npos) << msg;
     EXPECT_NE(msg.find(c.says), std::string::npos) << "wanted '" << c.says << "', got: " << msg;
+    // Text a terminal, a JSON document and Python's exceptions take as it is: no byte of the
+    // file that is not printable ASCII (the JSON parser quotes what it last read).
+    for (char ch : msg) EXPECT_TRUE(ch >= 0x20 && ch < 0x7f) << "byte " << int(ch) << ": " << msg;
   }
 }
 

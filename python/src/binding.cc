@@ -712,23 +712,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "group, when there is one, is its __cause__.");
   errors.internal_error = new_error(m, "InternalError", {errors.error},
                                     "A broken invariant inside zeroflat: a bug, please report it.");
+  // A message is set from its bytes decoded leniently: one that quotes bytes of a file that
+  // are not UTF-8 keeps its words (the bytes as \xNN), where PyErr_SetString would leave the
+  // exception with no message at all.
+  static const auto set_error = [](PyObject* type, const char* what) {
+    PyObject* text = PyUnicode_DecodeUTF8(what, static_cast<Py_ssize_t>(std::strlen(what)),
+                                          "backslashreplace");
+    if (text == nullptr) {
+      PyErr_Clear();
+      PyErr_SetString(type, "(the error's message could not be decoded)");
+      return;
+    }
+    PyErr_SetObject(type, text);
+    Py_DECREF(text);
+  };
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const zf::InvalidArgument& e) {
-      PyErr_SetString(errors.invalid_argument, e.what());
+      set_error(errors.invalid_argument, e.what());
     } catch (const zf::OutOfMemory& e) {
-      PyErr_SetString(errors.out_of_memory, e.what());
+      set_error(errors.out_of_memory, e.what());
     } catch (const zf::Unsupported& e) {
-      PyErr_SetString(errors.unsupported, e.what());
+      set_error(errors.unsupported, e.what());
     } catch (const zf::ResourceExhausted& e) {
-      PyErr_SetString(errors.resource_exhausted, e.what());
+      set_error(errors.resource_exhausted, e.what());
     } catch (const zf::CommError& e) {
-      PyErr_SetString(errors.comm_error, e.what());
+      set_error(errors.comm_error, e.what());
     } catch (const zf::InternalError& e) {
-      PyErr_SetString(errors.internal_error, e.what());
+      set_error(errors.internal_error, e.what());
     } catch (const zf::Error& e) {
-      PyErr_SetString(errors.error, e.what());
+      set_error(errors.error, e.what());
     }
   });
 

@@ -396,6 +396,13 @@ def test_library_errors_arrive_as_zeroflat_exception_classes(tmp_path):
         _C.FlattenOptions(colde=True)
     with pytest.raises(zeroflat.InvalidArgument, match="tier"):
         _C.FlattenOptions(tier="fast")
+    # A file's bytes that are not text in what the library says keep the message whole.
+    bad = tmp_path / "model.safetensors"
+    header = b'{"\xff": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}'
+    bad.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    with pytest.raises(zeroflat.InvalidArgument) as e:
+        _C.Checkpoint(str(bad))
+    assert str(bad) in str(e.value) and "not valid JSON" in str(e.value), repr(e.value)
 
 
 def test_no_module_of_the_package_imports_back_from_it():

@@ -80,7 +80,8 @@ nlohmann::json parse_strict_json(std::string_view text, const std::string& sourc
     std::string what = e.what();
     // "[json.exception.parse_error.101] parse error at line 1, column 3: ..." -> keep the tail.
     if (auto at = what.find("] "); at != std::string::npos) what = what.substr(at + 2);
-    throw InvalidArgument(source + ": not valid JSON: " + what);
+    // The parser quotes the bytes it last read, which need not be text.
+    throw InvalidArgument(source + ": not valid JSON: " + printable(what, 300));
   }
   return doc;
 }
