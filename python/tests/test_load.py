@@ -14,7 +14,8 @@ import torch
 import zeroflat
 from reference import end_rank, start_ranks
 
-_ST = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+_ST = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+       torch.float64: "F64", torch.int32: "I32", torch.uint8: "U8"}
 
 
 def save(path, tensors):
@@ -141,6 +142,16 @@ def test_load_param_groups_on_a_meta_module(tmp_path):
         assert fg.tier == "load" and fg.master.dtype == torch.float32
         for p, off in zip(fg.params, fg.layout["offsets"]):
             assert p.data_ptr() == fg.flat.data_ptr() + off * 2
+    # A buffer stored in another dtype than the model's is converted as load_state_dict's copy
+    # converts it, never its bytes taken as the model's dtype; one the library cannot read is
+    # refused naming it.
+    for stored in (torch.float64, torch.int32, torch.uint8):
+        other = save(tmp_path / f"steps_{stored}.safetensors",
+                     dict(state, steps=ref.steps.to(stored)))
+        with zeroflat.meta_parameters():
+            model = Net()
+        zeroflat.load_param_groups(model, other, device="cpu", deepspeed=None)
+        assert model.steps.dtype == torch.int64 and torch.equal(model.steps, ref.steps), stored
     # A name the checkpoint lacks, before anything is read.
     del state["body.bias"]
     bad = save(tmp_path / "bad.safetensors", state)

@@ -16,6 +16,10 @@ from ._errors import InvalidArgument
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+# A safetensors file's dtypes as torch names them (also what DCP's metadata carries).
+FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+               "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+               "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 TIERS = ("auto", "device", "sharded", "staged", "host")
 U64_MAX = 2**64 - 1
 MAX_RANKS = 2**31 - 1

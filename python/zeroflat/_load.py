@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import _C, _hf_names, _zero3
 from ._comm import TorchComm, comm_device
-from ._common import (DTYPES, TORCH_DTYPES, FlatGroup, bool_option, check_options, check_release_options,
+from ._common import (DTYPES, FILE_DTYPES, TORCH_DTYPES, FlatGroup, bool_option, check_options, check_release_options,
                       dtype_name, engine_threads, framework_memory, layout_options,
                       partition_and_master,
                       release_rules, select)
@@ -218,20 +218,25 @@ def _read_whole(ck: "_C.Checkpoint", what: str, names: List[str], shapes: List[S
                 raw_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The tensors named (each of the shape given), read whole and concatenated, as a CPU
     tensor of ``shape`` (converted to ``dtype``, or, when it is None, the bytes as stored for a
-    ``raw_dtype`` buffer)."""
+    ``raw_dtype`` buffer: read as the file's dtype, then converted as load_state_dict's copy
+    would where the two differ)."""
     stored = [ck.find(n) for n in names]
     for t, want in zip(stored, shapes):
         if list(t.shape) != list(want):
             raise ValueError(f"{what!r} takes tensor {t.name!r} of {ck.path} as {list(want)}, "
                              f"but it is {list(t.shape)}")
     if dtype is None:
-        out = torch.empty(shape, dtype=raw_dtype)
+        file_dtype = FILE_DTYPES.get(stored[0].dtype)
+        if file_dtype is None:
+            raise ValueError(f"buffer {what!r} ({raw_dtype}): tensor {names[0]!r} of {ck.path} "
+                             f"is {stored[0].dtype}, a dtype zeroflat does not read")
+        out = torch.empty(shape, dtype=file_dtype)
         if out.numel() * out.element_size() != stored[0].bytes:
-            raise ValueError(f"buffer {what!r} ({raw_dtype}) has {out.numel() * out.element_size()}"
-                             f" bytes, but tensor {names[0]!r} of {ck.path} is {stored[0].dtype} "
-                             f"with {stored[0].bytes}")
+            raise ValueError(f"buffer {what!r} ({raw_dtype}) has {out.numel()} elements, but "
+                             f"tensor {names[0]!r} of {ck.path} is {stored[0].dtype} with "
+                             f"{stored[0].bytes} bytes")
         ck.read(names[0], out.view(-1).view(torch.uint8))
-        return out
+        return out if file_dtype == raw_dtype else out.to(raw_dtype)
     for t in stored:
         if t.type is None:
             raise ValueError(f"{what!r}: tensor {t.name!r} of {ck.path} is {t.dtype}, which "

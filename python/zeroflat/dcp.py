@@ -37,15 +37,10 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from . import _C
-from ._common import DTYPES
+from ._common import DTYPES, FILE_DTYPES as _DTYPES
 
 __all__ = ["Reader"]
 
-# Safetensors dtypes as torch names them (what DCP's metadata carries, and the names the
-# library gives a DCP checkpoint's chunks).
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-           "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 # torch's dtype names a DCP index may give (the library checked them against its list).
 _TORCH_DTYPES = {str(d).split(".")[-1]: d for d in _DTYPES.values()}
 
