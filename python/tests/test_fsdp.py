@@ -54,8 +54,32 @@ def checkpoints():
         "moe": write(tiny_moe(), os.path.join(root, "moe"), torch.bfloat16),
         "root": root,
     }
+    # A tied model's checkpoint that holds the tied head too, with other values or the same.
+    for name, same in (("tied_twin_differs", False), ("tied_twin_equal", True)):
+        out[name] = _with_head(out["dense_tied"], os.path.join(root, name), same)
     yield out
     shutil.rmtree(root, ignore_errors=True)
+
+
+def _with_head(src, dst, same):
+    """A copy of the tied checkpoint ``src`` whose last file also holds lm_head.weight: the
+    embedding's values (``same``) or others."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    index_path = os.path.join(dst, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    embed = load_file(os.path.join(dst, index["weight_map"]["model.embed_tokens.weight"]))[
+        "model.embed_tokens.weight"]
+    last = sorted(set(index["weight_map"].values()))[-1]
+    tensors = load_file(os.path.join(dst, last))
+    tensors["lm_head.weight"] = embed.clone() if same else (embed * 2 + 1).contiguous()
+    save_file(tensors, os.path.join(dst, last), metadata={"format": "pt"})
+    index["weight_map"]["lm_head.weight"] = last
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    return dst
 
 
 # ---- one rank ----------------------------------------------------------------------------------
@@ -283,8 +307,12 @@ def _transformers_case(rank, mesh, case):
         assert torch.equal(q.to_local(), p.to_local()), (case, n)
     for (n, a), (m, b) in zip(ref.named_buffers(), ours.named_buffers()):
         assert n == m and torch.equal(a, b), n
-    tied = getattr(ref.config, "tie_word_embeddings", False)
+    # Tied as Transformers ties them: where the checkpoint holds the head too with other
+    # values, both leave them untied.
+    tied = ref.lm_head.weight is ref.model.embed_tokens.weight
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    if case.get("tied") is not None:
+        assert tied == case["tied"], case
     assert ours.zeroflat_report["bytes_read"] == ours.zeroflat_report["share"]
     # By default (storage="auto") the host shards of the file's dtype are mapped, as
     # Transformers maps its files; storage="read" reads them all.
@@ -419,6 +447,10 @@ def test_from_pretrained_is_transformers_fsdp2_load(checkpoints, world, tmp_path
     # Every shard read into memory of its own.
     cases.append({"transformers": True, "mesh": mesh, "path": checkpoints["dense_tied"],
                   "dtype": "bfloat16", "steps": True, "storage": "read"})
+    # A tied model's checkpoint holding the head too: untied where its values differ.
+    for name, tied in (("tied_twin_differs", False), ("tied_twin_equal", True)):
+        cases.append({"transformers": True, "mesh": mesh, "path": checkpoints[name],
+                      "dtype": "bfloat16", "tied": tied})
     ranks = run(world, cases, str(tmp_path))
     for k, case in enumerate(cases):
         # replicas="auto" on one node: each replica reads its shard (the page cache serves
@@ -477,6 +509,12 @@ def test_bad_input_is_refused_on_every_rank_with_every_model_as_it_was(checkpoin
         f.write_bytes(data[: len(data) - 100])
     variant("truncated", cut, ["InvalidArgument"])
     variant("one_rank_missing", edit(key, lambda t: t.pop(key)), ["down_proj"], rank_only=1)
+    # The model ties the head to the embedding, the checkpoint holds both with other values: a
+    # tied parameter cannot take both (with the same values, it loads).
+    cases.append({"bad": True, "name": "tied_twin_differs", "mesh": [2],
+                  "path": checkpoints["tied_twin_differs"], "model_path": good,
+                  "words": ["ties", "'lm_head.weight'", "different values"]})
+    cases.append({"mesh": [2], "path": checkpoints["tied_twin_equal"], "dtype": "bfloat16"})
     ranks = run(2, cases, str(tmp_path))
     for r in ranks:
         assert len(r) == len(cases)

@@ -469,6 +469,17 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
         by_id[id(p)] = p
+    renamed: List[bool] = []
+
+    def lookup(name: str) -> Optional[str]:
+        """A name's tensor in the checkpoint: under the name itself, else (only where the
+        checkpoint has names the model does not) under Transformers' renaming rules."""
+        hit = _stored(name, [], ck)
+        if hit is None and not renamed:
+            own = {n for ns in aliases.values() for n in ns}
+            own.update(n for n, _ in model.named_buffers())
+            renamed.append(any(t.name not in own for t in ck.tensors()))
+        return hit if hit is not None or not renamed[0] else _stored(name, rules(), ck)
     first = next((p for p in by_id.values() if DTensor is not None and isinstance(p, DTensor)),
                  None)
     if first is None:
@@ -503,6 +514,8 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
             raise ValueError(f"parameter {name!r}: its local shard is {list(local.shape)}, but "
                              f"{placements} on mesh {mesh.shape} give {shard['shape']} at this "
                              "rank's coordinate (a placement zeroflat does not read?)")
+        if len(aliases[pid]) > 1 and len(src[0]) == 1:
+            _check_twins(ck, aliases[pid], src[0][0], lookup, shard, local.dtype)
         param = _C.LoadParam(name=name, shape=list(p.shape), sources=src[0],
                              source_shapes=src[1])
         out.by_dtype.setdefault(local.dtype, []).append(
@@ -580,12 +593,101 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
         model = model_class.from_config(config, dtype=dtype, **from_config_kwargs)
     model = type(model).maybe_distribute_model(model, distributed_config, meshes)
     model.to_empty(device=device or "cpu")
+    # Tied weights of which the checkpoint holds every name are loaded untied, each from its
+    # own tensor, and tied afterwards only where the values agree, as Transformers ties them.
+    both = _stored_twice(model, path)
+    own = {target: model.get_parameter(target) for target in both}
     model.tie_weights()
+    for target, p in own.items():
+        _set_parameter(model, target, p)
     with torch.no_grad():
         for t in model.state_dict(keep_vars=True).values():
             t._is_hf_initialized = True
         model.initialize_weights()  # what no checkpoint holds: non-persistent buffers
     model.zeroflat_report = load(model, path, threads=threads, cold=cold, copies=copies,
                                  storage=storage, progress=progress)
+    for target, source in both.items():
+        if _equal_everywhere(model.get_parameter(target), model.get_parameter(source)):
+            _set_parameter(model, target, model.get_parameter(source))
+            continue
+        log.warning("zeroflat: the model ties %r to %r, but %s holds both with different "
+                    "values: they are left untied, as Transformers leaves them (set "
+                    "tie_word_embeddings=False in the config to say so)", target, source, path)
+        tied = getattr(model, "all_tied_weights_keys", None)
+        if isinstance(tied, dict):
+            tied.pop(target, None)
     model.eval()
     return model
+
+
+def _check_twins(ck: "_C.Checkpoint", names: List[str], source: str,
+                 lookup: Callable[[str], Optional[str]], shard: dict, dtype: torch.dtype) -> None:
+    """A tied parameter (one parameter, several names) of which the checkpoint holds other
+    names too (``lookup``: a name's tensor in the checkpoint, or None): this rank's rows of each
+    must equal those of the tensor it reads (``source``), else ValueError naming both (the
+    load's agreement then refuses on every rank, nothing changed). A tied parameter holds one
+    value; Transformers unties such weights when it loads them, and so does
+    zeroflat.hf.from_pretrained."""
+    others = []
+    for n in names:
+        stored = lookup(n)
+        if stored is not None and stored != source and stored not in others:
+            others.append(stored)
+    if not others:
+        return
+    size, offsets = [int(x) for x in shard["shape"]], [int(x) for x in shard["offsets"]]
+    mine = torch.empty(size, dtype=dtype)
+    ck.read_boxes([(source, offsets, size, mine)], 1, False)
+    for other in others:
+        if list(ck.find(other).shape) != list(ck.find(source).shape):
+            raise ValueError(f"the model ties {names} (one parameter), but {ck.path} holds "
+                             f"{source!r} and {other!r} of different shapes")
+        theirs = torch.empty(size, dtype=dtype)
+        ck.read_boxes([(other, offsets, size, theirs)], 1, False)
+        if not torch.equal(mine, theirs):
+            raise ValueError(
+                f"the model ties {names} (one parameter), but {ck.path} holds {source!r} and "
+                f"{other!r} with different values: a tied parameter takes one; untie them in "
+                "the model before sharding it (tie_word_embeddings=False), or load with "
+                "zeroflat.hf.from_pretrained, which leaves such weights untied as Transformers "
+                "does")
+
+
+def _stored_twice(model: torch.nn.Module, path: str) -> Dict[str, str]:
+    """The model's tied weights (target -> source, as Transformers lists them) of which the
+    checkpoint holds both names (under Transformers' renaming rules too, where the checkpoint
+    has names that are not the model's)."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    pairs = expand(all_submodels=True) if callable(expand) else {}
+    if not pairs:
+        return {}
+    ck = _checkpoint(path)
+    own = set(model.state_dict().keys())
+    renamed = any(t.name not in own for t in ck.tensors())
+    rules = _hf_names.converters(model) if renamed else []
+
+    def stored(name: str) -> bool:
+        return _stored(name, [], ck) is not None or (
+            renamed and _stored(name, rules, ck) is not None)
+    return {t: s for t, s in pairs.items() if stored(t) and stored(s)}
+
+
+def _set_parameter(model: torch.nn.Module, name: str, p: torch.nn.Parameter) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, p)
+
+
+def _equal_everywhere(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal of two parameters; of two DTensors sharded alike, of their local shards on
+    every rank of their mesh (one all-reduce per mesh dimension, as Transformers compares)."""
+    DTensor = _dtensor_class()
+    if a.shape != b.shape:
+        return False
+    if (DTensor is None or not isinstance(a, DTensor) or not isinstance(b, DTensor)
+            or a.device_mesh != b.device_mesh or a.placements != b.placements):
+        return bool(torch.equal(a.detach(), b.detach()))
+    differ = torch.tensor(int(not torch.equal(a.to_local(), b.to_local())),
+                          device=a.to_local().device)
+    for d in range(a.device_mesh.ndim):
+        dist.all_reduce(differ, group=a.device_mesh.get_group(d))
+    return int(differ.item()) == 0
