@@ -16,8 +16,9 @@
 // rows (torch_file.h's allow-list, the one list), every item by torch_file.h's reader; nothing
 // is believed before it is checked (InvalidArgument naming the file and the entry):
 //   - the index: its classes and fields as DCP writes them, every size, offset and count bounded
-//     (at most kMaxDcpChunks chunks, kMaxTorchDims dimensions), chunks inside their tensor, one
-//     storage entry per chunk and per bytes item, no entry for anything the index does not list;
+//     (at most kMaxDcpChunks chunks, kMaxTorchDims dimensions), chunks inside their tensor and
+//     tiling it (no overlap; in the global index, no element missing), one storage entry per
+//     chunk and per bytes item, no entry for anything the index does not list;
 //   - the files: plain names inside the folder (no '/', no "..", no hidden path), regular files,
 //     each item's bytes inside its file; transformed items (DCP's compression extensions) are
 //     refused, saying so;
@@ -99,7 +100,10 @@ DcpCheckpoint open_dcp_checkpoint(const std::string& dir, const std::string& ind
 
 // The index alone, from `.metadata`'s bytes (the fuzzer's door): files named, not opened
 // (stamps and file_bytes empty). `dir` names the folder in messages and the files' paths.
-DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std::string& dir);
+// `every_rank`: the index lists every rank's chunks (the global `.metadata`), so each tensor's
+// chunks must hold each of its elements once; a rank's own index need only not overlap.
+DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std::string& dir,
+                                 bool every_rank = true);
 
 // Chunks to read: (fqn, chunk index into its item's chunks).
 struct DcpChunkRef {

@@ -379,7 +379,7 @@ def test_a_value_naming_code_is_refused_before_anything_is_written(single, tmp_p
 
 
 @pytest.mark.parametrize("case", ["outside", "past_end", "dtype", "shape", "missing_entry",
-                                  "compressed", "layout"])
+                                  "compressed", "layout", "gap", "overlap"])
 def test_a_lying_index_is_refused_naming_the_item(single, case):
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -390,19 +390,31 @@ def test_a_lying_index_is_refused_naming_the_item(single, case):
         "outside": r"'\.\./ck/x' is not a plain file name",
         "past_end": r"past the end of the file",
         "dtype": r"is fp32; the index says bfloat16",
-        "shape": r"has shape \[5, 40\]; the index says \[5, 12\]",
+        "shape": r"has shape \[40, 40\]; the index says \[5, 40\]",
         "missing_entry": r"no entry for 'model.head.weight' at \[0, 0\]",
         "compressed": r"stream transforms",
         "layout": r"_get_layout\('torch.sparse_coo'\): only 'torch.strided' is read",
+        "gap": r"'model.head.weight': its chunks hold 60 of its 200 elements: a chunk is missing",
+        "overlap": r"'model.head.weight': its chunks at offsets \[0, 0\] and \[2, 0\] overlap",
     }[case]
+    item = md.state_dict_metadata["model.head.weight"]
     if case == "outside":
         info.relative_path = "../ck/x"
     elif case == "past_end":
         info.length += 10 ** 9
     elif case == "dtype":
         md.state_dict_metadata["model.head.weight"].properties.dtype = torch.bfloat16
-    elif case == "shape":
-        md.state_dict_metadata["model.head.weight"].chunks[0].sizes = torch.Size([5, 12])
+    elif case == "shape":  # the chunk's entry names another tensor's archive
+        other = md.storage_data[MetadataIndex("model.layers.0.0.weight", torch.Size([0, 0]))]
+        info.relative_path, info.offset, info.length = (other.relative_path, other.offset,
+                                                        other.length)
+    elif case == "gap":  # rows the index leaves to no chunk would keep the values they had
+        item.chunks[0].sizes = torch.Size([5, 12])
+    elif case == "overlap":  # a chunk placed over another's rows
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        item.chunks.append(ChunkStorageMetadata(offsets=torch.Size([2, 0]),
+                                                sizes=torch.Size([1, 40])))
     elif case == "missing_entry":
         del md.storage_data[key]
     elif case == "layout":

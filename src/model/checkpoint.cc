@@ -18,6 +18,7 @@
 #include "common/convert.h"
 #include "model/files.h"
 #include "model/strict_json.h"
+#include "model/tiling.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/cli/pattern.h"
@@ -180,55 +181,21 @@ void check_tiling(std::vector<CheckpointTensor>& tensors) {
         whole[d] = std::max(whole[d], t.piece_offsets[d] + t.shape[d]);
       }
     }
-    // Counts below 2^62 each (offsets checked so, dimensions by the header): the whole's
-    // volume saturates rather than wraps.
-    std::uint64_t total = 1;
-    for (const std::int64_t d : whole) {
-      const auto u = static_cast<std::uint64_t>(d);
-      total = (u != 0 && total > (std::uint64_t{1} << 62) / u) ? ~std::uint64_t{0} : total * u;
+    std::vector<detail::Box> boxes;
+    for (std::size_t i = first; i < end; ++i) {
+      boxes.push_back(detail::Box{&tensors[i].piece_offsets, &tensors[i].shape});
     }
-    std::uint64_t covered = 0;
-    for (std::size_t i = first; i < end; ++i) covered += tensors[i].numel;
-    // A sweep along the dimension the pieces are cut most along (FSDP2's Shard(d): d): sorted by
-    // their offset there, only the pieces that start before one ends along it can overlap it,
-    // so a tiling of k pieces costs k log k, not k^2.
-    std::size_t along = 0, most = 0;
-    for (std::size_t d = 0; d < whole.size(); ++d) {
-      std::set<std::int64_t> at;
-      for (std::size_t i = first; i < end; ++i) at.insert(tensors[i].piece_offsets[d]);
-      if (at.size() > most) most = at.size(), along = d;
+    const detail::TilingProblem problem = detail::tiling_problem(boxes, whole, true);
+    if (problem.overlap) {
+      throw InvalidArgument(name + ": its pieces at saved_offsets " +
+                            shape_to_string(tensors[first + problem.a].piece_offsets) + " and " +
+                            shape_to_string(tensors[first + problem.b].piece_offsets) +
+                            " overlap");
     }
-    std::vector<std::size_t> order(end - first);
-    for (std::size_t i = 0; i < order.size(); ++i) order[i] = first + i;
-    if (!whole.empty()) {
-      std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
-        return tensors[x].piece_offsets[along] < tensors[y].piece_offsets[along];
-      });
-    }
-    for (std::size_t oi = 0; oi < order.size(); ++oi) {
-      const CheckpointTensor& t = tensors[order[oi]];
-      for (std::size_t oj = oi + 1; oj < order.size(); ++oj) {
-        const CheckpointTensor& u = tensors[order[oj]];
-        if (!whole.empty() &&
-            u.piece_offsets[along] >= t.piece_offsets[along] + t.shape[along]) {
-          break;
-        }
-        bool overlap = true;
-        for (std::size_t d = 0; d < whole.size() && overlap; ++d) {
-          overlap = u.piece_offsets[d] < t.piece_offsets[d] + t.shape[d] &&
-                    t.piece_offsets[d] < u.piece_offsets[d] + u.shape[d];
-        }
-        if (overlap) {
-          throw InvalidArgument(name + ": its pieces at saved_offsets " +
-                                shape_to_string(t.piece_offsets) + " and " +
-                                shape_to_string(u.piece_offsets) + " overlap");
-        }
-      }
-    }
-    if (covered != total) {
-      throw InvalidArgument(name + ": its pieces hold " + std::to_string(covered) + " of the " +
-                            std::to_string(total) + " elements of the whole " +
-                            shape_to_string(whole) +
+    if (!problem.ok()) {
+      throw InvalidArgument(name + ": its pieces hold " + std::to_string(problem.covered) +
+                            " of the " + std::to_string(problem.total) +
+                            " elements of the whole " + shape_to_string(whole) +
                             " they place it in (a rank's part of the folder missing?)");
     }
     for (std::size_t i = first; i < end; ++i) tensors[i].whole_shape = whole;

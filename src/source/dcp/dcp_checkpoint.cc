@@ -13,6 +13,7 @@
 
 #include "common/saturate.h"
 #include "model/files.h"
+#include "model/tiling.h"
 #include "source/deepspeed/pickle.h"
 #include "source/deepspeed/torch_window.h"
 #include "zeroflat/error.h"
@@ -160,6 +161,34 @@ std::string offsets_text(const std::vector<std::uint64_t>& v) {
   return out + "]";
 }
 
+// A tensor's chunks (each inside the tensor, checked before): no two share an element, and,
+// in an index of every rank's chunks (`cover`), together they hold each element once. DCP
+// saves each element of a tensor once (replicas deduplicated); a chunk left out of the index,
+// or one moved, would leave rows of a target as they were, or fill them twice.
+void check_chunks_tile(const Walker& w, const std::string& where, const DcpItem& item,
+                       bool cover) {
+  std::vector<Shape> offsets, sizes;
+  offsets.reserve(item.chunks.size());
+  sizes.reserve(item.chunks.size());
+  for (const DcpChunk& c : item.chunks) {
+    offsets.emplace_back(c.offsets.begin(), c.offsets.end());
+    sizes.emplace_back(c.sizes.begin(), c.sizes.end());
+  }
+  std::vector<detail::Box> boxes;
+  for (std::size_t i = 0; i < offsets.size(); ++i) boxes.push_back({&offsets[i], &sizes[i]});
+  const detail::TilingProblem p = detail::tiling_problem(boxes, item.size, cover);
+  if (p.overlap) {
+    throw w.fail(where, "its chunks at offsets " + offsets_text(item.chunks[p.a].offsets) +
+                            " and " + offsets_text(item.chunks[p.b].offsets) + " overlap");
+  }
+  if (!p.ok()) {
+    throw w.fail(where, "its chunks hold " + std::to_string(p.covered) + " of its " +
+                            std::to_string(p.total) +
+                            " elements: a chunk is missing from the index (DCP saves each "
+                            "element of a tensor once)");
+  }
+}
+
 }  // namespace
 
 const DcpItem* DcpCheckpoint::find(const std::string& fqn) const {
@@ -222,7 +251,8 @@ void index_planner_data(const Walker& w, const std::map<std::string, std::uint32
 
 }  // namespace
 
-DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std::string& dir) {
+DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std::string& dir,
+                                 bool every_rank) {
   DcpCheckpoint out;
   out.dir = dir;
   const std::string file = printable(dir + "/.metadata", 200);
@@ -331,6 +361,7 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
       }
       item.chunks.push_back(std::move(chunk));
     }
+    check_chunks_tile(w, where, item, every_rank);
     out.items.push_back(std::move(item));
   }
 
@@ -403,7 +434,8 @@ DcpCheckpoint open_dcp_checkpoint(const std::string& dir, const std::string& ind
   const std::string data =
       detail::read_small_file(dir + "/" + index, kMaxTorchPickleBytes, "a DCP checkpoint's index");
   DcpCheckpoint out = parse_dcp_metadata(
-      std::span(reinterpret_cast<const unsigned char*>(data.data()), data.size()), dir);
+      std::span(reinterpret_cast<const unsigned char*>(data.data()), data.size()), dir,
+      index == ".metadata");
   // The data files: regular, and every item inside its file.
   for (const std::string& path : out.files) {
     const detail::File f(path);
