@@ -123,6 +123,26 @@ def _load(rank, mesh, job):
     return {"read": ours.bytes_read, "share": share, "tensors": len(ref)}
 
 
+def _broken_load(rank, mesh, job):
+    """A load that one rank's part of the checkpoint makes fail: every rank raises, and every
+    rank's model and optimizer are as they were."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import zeroflat.dcp
+
+    model, opt = _sharded(1, mesh)
+    msd, osd = get_state_dict(model, opt)
+    before = {k: _local(v).detach().clone() for k, v in _flat(msd).items() if torch.is_tensor(v)}
+    try:
+        dcp.load({"model": msd, "optim": osd}, storage_reader=zeroflat.dcp.Reader(job["path"]))
+    except CheckpointException as e:
+        error = str(e) + " " + " ".join(str(f) for f in e.failures.values())
+    else:
+        raise AssertionError("the load did not fail")
+    after = {k: _local(v) for k, v in _flat(msd).items() if torch.is_tensor(v)}
+    return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
 def _hf_full():
     """What the pieces tests save: rows that 2 and 3 ranks do not divide, a tensor with fewer
     rows than ranks (empty pieces), bf16, fp32 and an int64 tensor (read as stored)."""
@@ -187,8 +207,8 @@ def worker(rank, world, port, job):
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    result = {"save": _save, "load": _load, "hf_save": _hf_save,
-              "hf_load": _hf_load}[job["what"]](rank, mesh, job)
+    result = {"save": _save, "load": _load, "hf_save": _hf_save, "hf_load": _hf_load,
+              "broken_load": _broken_load}[job["what"]](rank, mesh, job)
     dist.barrier()
     with open(f"{job['out']}.{rank}", "w") as f:
         json.dump(result, f)
@@ -226,6 +246,28 @@ def test_saved_at_4_loads_at_2_and_3_as_dcps_own_reader_does(saved, world, tmp_p
 
 
 # ---- hostile indexes and items (one process) ---------------------------------------------------
+
+def test_a_part_only_one_rank_reads_refuses_the_load_on_every_rank(saved, tmp_path):
+    """The embedding's last saved chunk (only the last rank of 2 reads it) points at another
+    tensor's archive: that rank's checks refuse it, and the agreement in read_data has the other
+    rank refuse too, before either wrote anything."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    path = str(tmp_path / "ck")
+    shutil.copytree(saved, path)
+    md = _metadata(path)
+    chunks = md.state_dict_metadata["model.embed.weight"].chunks
+    last = max(chunks, key=lambda c: c.offsets[0])
+    entry = md.storage_data[MetadataIndex("model.embed.weight", last.offsets)]
+    other = md.storage_data[MetadataIndex("model.head.weight", torch.Size([0, 0]))]
+    entry.relative_path, entry.offset, entry.length = (other.relative_path, other.offset,
+                                                       other.length)
+    _rewrite(path, md)
+    ranks = run(2, {"what": "broken_load", "path": path}, str(tmp_path))
+    assert all(r["unchanged"] for r in ranks), ranks
+    assert "the index says" in ranks[1]["error"], ranks[1]
+    assert "rank 1 refused its part of the load" in ranks[0]["error"], ranks[0]
+
 
 def test_saved_without_collectives_loads_as_dcps_own_reader_does(tmp_path):
     """dcp.save(..., use_collectives=False): no global .metadata, each rank's own

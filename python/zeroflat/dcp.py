@@ -22,6 +22,7 @@ values re-saved by ``torch.save``: what the planner's ``torch.load`` sees was wr
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 
@@ -37,10 +38,13 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from . import _C
+from ._comm import all_reduce_ints
 from ._common import DTYPES, FILE_DTYPES as _DTYPES
 
 __all__ = ["Reader"]
 
+# The key under which a load plan carries the number of loading ranks (prepare_global_plan).
+_RANKS = "zeroflat_ranks"
 # torch's dtype names a DCP index may give (the library checked them against its list).
 _TORCH_DTYPES = {str(d).split(".")[-1]: d for d in _DTYPES.values()}
 
@@ -199,14 +203,37 @@ class Reader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
-        return plans
+        # Each rank's plan carries how many ranks load: where they are the whole job, read_data
+        # agrees among them before anything is written.
+        return [dataclasses.replace(p, storage_data={_RANKS: len(plans)}) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """Every request of this rank in one batch of the library's reads, then each target
         committed. Everything is checked before the first target is written: the index, every
         chunk's archive (DCP), every value (parsed by the restricted reader), every target's
-        shape. A request for a tensor of a dtype the library does not convert is read whole
-        (its chunk) and copied."""
+        shape; where the loading ranks are the whole job (the default group: DCP's load given
+        no process group, or one of every rank), they agree first, so that one rank's refusal
+        leaves every rank's state as it was. A request for a tensor of a dtype the library does
+        not convert is read whole (its chunk) and copied."""
+        error, reads = None, None
+        try:
+            reads = self._plan_reads(plan, planner)
+        except Exception as e:  # noqa: BLE001 - the other ranks learn of it first
+            error = e
+        self._agree(plan, error)
+        index, jobs, values = reads
+        self._write(index, jobs, planner)
+        for req, buf in values:
+            planner.load_bytes(req, buf)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    # --- the reads ----------------------------------------------------------------------------
+
+    def _plan_reads(self, plan: LoadPlan, planner: LoadPlanner):
+        """This rank's reads, every check made and nothing written: (the index of its chunks,
+        one (request, name, target) per tensor request, the bytes values)."""
         values = []
         if self._is_dcp():
             ck = self._dcp_checkpoint()
@@ -216,7 +243,6 @@ class Reader(StorageReader):
                     values.append((req, self._value(ck, req)))
             refs = [(req.storage_index.fqn, self._chunk(req)) for req in tensors]
             index = ck.chunks(refs)
-            names = [f"#{i:012d}" for i in range(len(refs))]
         else:
             ck = self._checkpoint()
             tensors = []
@@ -228,49 +254,36 @@ class Reader(StorageReader):
             index = ck.pieces([(req.storage_index.fqn, [int(o) for o in req.storage_index.offset]
                                 if req.storage_index.offset is not None else [])
                                for req in tensors])
-            names = [f"#{i:012d}" for i in range(len(tensors))]
-        self._read_tensors(index, tensors, names, planner)
-        for req, buf in values:
-            planner.load_bytes(req, buf)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
-
-    # --- the reads ----------------------------------------------------------------------------
-
-    def _chunk(self, req) -> int:
-        index = req.storage_index
-        key = (index.fqn, tuple(int(o) for o in index.offset) if index.offset is not None
-               else None)
-        if key not in self._chunk_of:
-            raise ValueError(f"{self.path}: the planner asks for {index.fqn!r} at "
-                             f"{list(key[1] or [])}, which the checkpoint's index does not list")
-        return self._chunk_of[key]
-
-    def _value(self, ck, req) -> io.BytesIO:
-        """A bytes item: its value made by the library's restricted reader, re-saved here by
-        torch.save for the planner's torch.load."""
-        fqn = req.storage_index.fqn
-        if (fqn, None) not in self._chunk_of:
-            raise ValueError(f"{self.path}: the planner asks for {fqn!r} as bytes, which the "
-                             "checkpoint's index does not list")
-        value = ck.value(fqn)
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        buf.seek(0)
-        self.bytes_read += self._value_bytes.get(fqn, 0)
-        return buf
-
-    def _read_tensors(self, index: "_C.Checkpoint", reqs, names, planner: LoadPlanner) -> None:
-        targets = []
-        for req, name in zip(reqs, names):
+        jobs = []
+        for i, req in enumerate(tensors):
             target = planner.resolve_tensor(req).detach()
             if list(target.shape) != list(req.lengths):
                 raise ValueError(f"{req.storage_index.fqn!r}: the target is "
                                  f"{list(target.shape)}, the request {list(req.lengths)}")
-            targets.append(target)
+            jobs.append((req, f"#{i:012d}", target))
+        return index, jobs, values
+
+    def _agree(self, plan: LoadPlan, error: Optional[BaseException]) -> None:
+        """Raises this rank's own error; where the loading ranks are the whole job, first tells
+        every rank whether any refused (one all-reduce), and raises on each then."""
+        ranks = plan.storage_data.get(_RANKS) if isinstance(plan.storage_data, dict) else None
+        if (not isinstance(ranks, int) or ranks <= 1 or not dist.is_initialized()
+                or dist.get_world_size() != ranks):
+            if error is not None:
+                raise error
+            return
+        me = dist.get_rank()
+        refused = all_reduce_ints([me + 1 if error is not None else 0], None, "max",
+                                  f"zeroflat.dcp.Reader({self.path!r})'s agreement", "dcp")[0]
+        if error is not None:
+            raise error
+        if refused:
+            raise ValueError(f"{self.path}: rank {refused - 1} refused its part of the load "
+                             "(its error says why); nothing was written on this rank")
+
+    def _write(self, index: "_C.Checkpoint", jobs, planner: LoadPlanner) -> None:
         boxes, done = [], []
-        for req, name, target in zip(reqs, names, targets):
+        for req, name, target in jobs:
             stored = index.find(name)
             if stored.type is None or target.dtype not in DTYPES:
                 whole = torch.empty(list(stored.shape), dtype=_DTYPES[str(stored.dtype)])
@@ -298,3 +311,26 @@ class Reader(StorageReader):
             if into is not target:
                 target.copy_(into)
             planner.commit_tensor(req, target)
+
+    def _chunk(self, req) -> int:
+        index = req.storage_index
+        key = (index.fqn, tuple(int(o) for o in index.offset) if index.offset is not None
+               else None)
+        if key not in self._chunk_of:
+            raise ValueError(f"{self.path}: the planner asks for {index.fqn!r} at "
+                             f"{list(key[1] or [])}, which the checkpoint's index does not list")
+        return self._chunk_of[key]
+
+    def _value(self, ck, req) -> io.BytesIO:
+        """A bytes item: its value made by the library's restricted reader, re-saved here by
+        torch.save for the planner's torch.load."""
+        fqn = req.storage_index.fqn
+        if (fqn, None) not in self._chunk_of:
+            raise ValueError(f"{self.path}: the planner asks for {fqn!r} as bytes, which the "
+                             "checkpoint's index does not list")
+        value = ck.value(fqn)
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        buf.seek(0)
+        self.bytes_read += self._value_bytes.get(fqn, 0)
+        return buf
