@@ -105,7 +105,9 @@ class Walker {
   std::uint64_t count(std::uint32_t i, const std::string& where) const {
     if (i == kNoNode || node(i).kind != NodeKind::kInt || node(i).integer < 0) {
       throw fail(where, "expected an int >= 0, found " +
-                            (i == kNoNode ? std::string("nothing") : describe(node(i))));
+                            (i == kNoNode                       ? std::string("nothing")
+                             : node(i).kind == NodeKind::kInt ? std::to_string(node(i).integer)
+                                                              : describe(node(i))));
     }
     return static_cast<std::uint64_t>(node(i).integer);
   }
