@@ -316,6 +316,29 @@ def test_hostile_deepspeed_checkpoints(tmp_path_factory, tmp_path, marker, stage
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_refusal_wins_over_a_rank_that_cannot_serve(tmp_path_factory, marker, stage):
+    """Rank 0 refuses a model file naming code while rank 1 cannot serve the call at all (its
+    load_dir not a folder, say): no rank hands the call to DeepSpeed's own load, which would
+    unpickle the file; every rank raises, every engine as it was, and nothing ran."""
+    from test_resume import TAG, _copy, resume, saved
+
+    ckpt = saved(tmp_path_factory, stage, 2)
+    model = "mp_rank_00_model_states.pt" if stage < 3 else \
+        "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    d = _copy(ckpt, "refused_here")
+    hostile_file(pathlib.Path(ckpt) / TAG / model, d / model, "top",
+                 payloads(marker)["GLOBAL+REDUCE"][0])
+    (ranks,) = resume(ckpt, stage, 2, variants=[{"name": "refused and unserved",
+                                                 "dir": "bad/refused_here", "unserved": True}])
+    for r in ranks:
+        assert r["error"] is not None and r["unchanged"], r
+        assert r["resumes"] == [] and r["fallbacks"] == [], r
+        assert "os system" in r["error"] and model in r["error"], r["error"]
+    assert "failed on rank 0" in ranks[1]["error"], ranks[1]["error"]
+    assert not marker.exists()
+
+
 # ---- files that crashed, hung or were read two ways --------------------------------------------
 
 def _zip_with_second_end_record(src, dst, fake):

@@ -656,23 +656,33 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     threads = getattr(engine, "_zeroflat_threads", None)
     if plan is not None and error is None:
         error = plan.read(threads)
-    # One all-reduce (max): whether any rank cannot serve the call, whether any found no tag,
-    # the lowest rank that failed, and the highest and the lowest digest of the ranks' plans.
+    # One all-reduce (max): the lowest rank that cannot serve the call, whether any can, whether
+    # any found no tag, the lowest rank that failed, and the highest and the lowest digest of
+    # the ranks' plans.
     no_tag = reason is None and error is None and tag is None
+    unserved_error = None if reason is None else InvalidArgument(
+        f"load_checkpoint({os.fspath(load_dir)}) cannot be served on this rank ({reason}) "
+        "where the other ranks can: every rank must load the same checkpoint with the same "
+        "options (DeepSpeed's own load would leave the ranks' engines different, or waiting "
+        "on one another); nothing of the engine was changed")
     try:
-        not_served, any_no_tag, failing, high, low = all_reduce_ints(
-            [int(reason is not None), int(no_tag), _failing(error, group), digest, -digest],
+        unserved, any_served, any_no_tag, failing, high, low = all_reduce_ints(
+            [_failing(unserved_error, group), int(reason is None), int(no_tag),
+             _failing(error, group), digest, -digest],
             group, "max", "the ranks' agreement on serving load_checkpoint (an all-reduce)",
             "resume-serve")
-        if not_served or failing or any_no_tag or high != -low:
+        if unserved or failing or any_no_tag or high != -low:
             if plan is not None:
                 plan.put_back()  # what was read into the optimizer's own tensors, undone
-        if not_served:
-            why = reason or "another rank cannot serve it (its warning says why)"
-            stats["resume_fallbacks"].append(why)
-            log.warning("zeroflat: load_checkpoint(%s) is DeepSpeed's own: %s", load_dir, why)
+        # A rank's refusal wins over everything: what one rank refused (a file naming code, a
+        # file cut short) never goes to DeepSpeed's own load on any rank.
+        _raise_failed(failing, error, group, f"{os.fspath(load_dir)} tag {tag}")
+        if unserved and any_served:  # the ranks see different things: none loads
+            _raise_failed(unserved, unserved_error, group, os.fspath(load_dir))
+        if unserved:
+            stats["resume_fallbacks"].append(reason)
+            log.warning("zeroflat: load_checkpoint(%s) is DeepSpeed's own: %s", load_dir, reason)
             return original(engine, load_dir, **args)
-        _raise_failed(failing, error, group, f"resuming from {os.fspath(load_dir)} tag {tag}")
         if any_no_tag:
             log.warning("zeroflat: no 'latest' file in %s%s: pass the tag of the checkpoint to "
                         "load (DeepSpeed's own load_checkpoint returns (None, None) too)",
