@@ -44,8 +44,12 @@ def _config(stage, opts):
         zero["sub_group_size"] = opts["sub_group_size"]
     if opts.get("from_fp32") is False:
         zero["load_from_fp32_weights"] = False
+    if opts.get("offload"):  # the optimizer's states and step on the host (DeepSpeed's CPU Adam
+        # is not built here: torch's AdamW steps the host partitions)
+        zero["offload_optimizer"] = {"device": "cpu"}
     config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
               "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+              "zero_force_ds_cpu_optimizer": False,
               "gradient_clipping": 1.0,
               "scheduler": {"type": "WarmupLR",
                             "params": {"warmup_min_lr": 5e-3, "warmup_max_lr": 1e-2,
@@ -577,6 +581,16 @@ def test_options_and_tags_are_deepspeeds(tmp_path_factory, stage):
                 assert r["path"] is None and r["resumes"] == [], r
             else:
                 served([r])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_optimizer_offloaded_to_the_host_resumes_as_deepspeeds_own_load(tmp_path_factory,
+                                                                          stage):
+    """offload_optimizer (device cpu): the fp32 master and the states live in host memory of
+    DeepSpeed's own (pinned where it can): served, bit for bit DeepSpeed's load, the next
+    steps' losses the same."""
+    ckpt = saved(tmp_path_factory, stage, 2, offload=True)
+    served(resume(ckpt, stage, 2, reference="deepspeed", offload=True))
 
 
 def test_zero3_module_only_and_frozen_parameters(tmp_path_factory):
