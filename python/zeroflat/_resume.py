@@ -2,28 +2,25 @@
 or ZeRO-3 checkpoint resumed with each rank reading only its own bytes, at the world size it was
 saved at or another, no pickle executed.
 
-- The checkpoint folder is read by the library (``_C.DeepSpeedCheckpoint``: its files' zip
-  directories and pickles, with a reader that refuses any global outside its list; never
-  ``torch.load``).
-- The fp32 master weights and each partitioned optimizer state are loads of the one pipeline
-  (``_C.load_slice`` for ZeRO-1/2, ``_C.load_partitions`` for ZeRO-3) from the saved runs that hold
-  this rank's new partition (``DeepSpeedCheckpoint.source``): every rank reads its share, laid
-  out by the running release's rules and checked against the optimizer's own bookkeeping.
-- What was read becomes the state dict the running release's own loader takes for this rank
-  (``optimizer.load_state_dict``), so the optimizer's restore is DeepSpeed's own code; the
-  16-bit weights come from the fp32 master and one all-gather (``update_lp_params``), or, without
-  ``load_from_fp32_weights``, from each rank's slice of the module file's 16-bit weights.
-  Frozen parameters and buffers come from their own bytes in the module files; the scheduler,
-  the step counters and the client state as DeepSpeed restores them.
-- Where the optimizer's own tensor can be put back exactly (the fp32 master of an engine not yet
-  stepped: the up-cast of its 16-bit partition; a state all zero), a buffer is read straight
-  into it: no fresh memory to fault in, no copy. Nothing else of the engine is written until
-  every rank has read everything it needs: an error on any rank (a bad file, a read that
-  fails) is raised on every rank with the engine as it was, those tensors put back first.
+- The folder is read by the library (``_C.DeepSpeedCheckpoint``: zip directories and pickles by
+  a reader that refuses any global outside its list; never ``torch.load``).
+- The fp32 master and each partitioned optimizer state are loads of the one pipeline
+  (``_C.load_slice`` for ZeRO-1/2, ``_C.load_partitions`` for ZeRO-3) from the saved runs that
+  hold this rank's new partition, laid out by the running release's rules and checked against
+  the optimizer's own bookkeeping.
+- What was read becomes the state dict the running release's own ``optimizer.load_state_dict``
+  takes; the 16-bit weights come from the fp32 master and one all-gather, or, without
+  ``load_from_fp32_weights``, from the module file's 16-bit weights. Frozen parameters, buffers,
+  the scheduler, the counters and the client state are restored as DeepSpeed restores them.
+- A buffer is read straight into the optimizer's own tensor where that can be put back exactly
+  (the fp32 master of an engine not yet stepped; a state all zero). Nothing else is written until
+  every rank has read everything: an error on any rank is raised on every rank with the engine
+  as it was, those tensors put back first.
 
-What zeroflat does not serve (pipeline or model parallelism, MoE, NVMe offload, a custom load
-function, elastic checkpoints, an optimizer other than DeepSpeed's ZeRO ones) is DeepSpeed's own
-``load_checkpoint``, with one warning saying why."""
+What zeroflat does not serve on any rank (pipeline or model parallelism, MoE, NVMe offload, a
+custom load function, elastic checkpoints, an optimizer other than DeepSpeed's ZeRO ones) is
+DeepSpeed's own ``load_checkpoint``, with one warning saying why; what some ranks cannot serve
+and others can is refused on every rank."""
 
 from __future__ import annotations
 
@@ -635,9 +632,8 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     reason = why_not(engine, load_dir, custom_load_fn)
     group = engine.optimizer.dp_process_group if _optimizer_kind(engine) else None
     start = time.perf_counter()
-    # This rank's part, before the one agreement of the call: the tag, the checkpoint opened,
-    # its small values read, the plan and its digest (prepare), every buffer read (no
-    # collective; read into the optimizer's own tensors only where they can be put back).
+    # This rank's part, before the call's one agreement: the tag, the checkpoint opened, its small
+    # values, the plan and its digest, every buffer read (no collective; lent tensors only).
     plan, ck, error, digest = None, None, None, 0
     if reason is None:
         try:
@@ -656,26 +652,22 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     threads = getattr(engine, "_zeroflat_threads", None)
     if plan is not None and error is None:
         error = plan.read(threads)
-    # One all-reduce (max): the lowest rank that cannot serve the call, whether any can, whether
-    # any found no tag, the lowest rank that failed, and the highest and the lowest digest of
-    # the ranks' plans.
+    # One all-reduce (max): the lowest rank that cannot serve, whether any can, whether any found
+    # no tag, the lowest rank that failed, the highest and the lowest digest of the ranks' plans.
     no_tag = reason is None and error is None and tag is None
     unserved_error = None if reason is None else InvalidArgument(
-        f"load_checkpoint({os.fspath(load_dir)}) cannot be served on this rank ({reason}) "
-        "where the other ranks can: every rank must load the same checkpoint with the same "
-        "options (DeepSpeed's own load would leave the ranks' engines different, or waiting "
-        "on one another); nothing of the engine was changed")
+        f"load_checkpoint({os.fspath(load_dir)}) cannot be served on this rank ({reason}) where "
+        "other ranks can: every rank must load the same checkpoint the same way (DeepSpeed's "
+        "load would leave the ranks different, or waiting); nothing of the engine was changed")
     try:
         unserved, any_served, any_no_tag, failing, high, low = all_reduce_ints(
             [_failing(unserved_error, group), int(reason is None), int(no_tag),
              _failing(error, group), digest, -digest],
             group, "max", "the ranks' agreement on serving load_checkpoint (an all-reduce)",
             "resume-serve")
-        if unserved or failing or any_no_tag or high != -low:
-            if plan is not None:
-                plan.put_back()  # what was read into the optimizer's own tensors, undone
-        # A rank's refusal wins over everything: what one rank refused (a file naming code, a
-        # file cut short) never goes to DeepSpeed's own load on any rank.
+        if plan is not None and (unserved or failing or any_no_tag or high != -low):
+            plan.put_back()  # what was read into the optimizer's own tensors, undone
+        # A refusal wins: what one rank refused never goes to DeepSpeed's own load on any rank.
         _raise_failed(failing, error, group, f"{os.fspath(load_dir)} tag {tag}")
         if unserved and any_served:  # the ranks see different things: none loads
             _raise_failed(unserved, unserved_error, group, os.fspath(load_dir))
