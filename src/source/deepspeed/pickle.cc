@@ -511,8 +511,7 @@ class Machine {
     }
     throw fail("global '" + printable(named, 200) +
                "' is not on the allow-list of torch_file.h (loading it would import and run "
-               "code the file names; a torch.save of tensors, dicts, lists and DeepSpeed's "
-               "checkpoint state needs none other)");
+               "code the file names; " + scope_name(scope_) + " need no global off the list)");
   }
 
   const AllowedGlobal* global_of(std::uint32_t i) {
