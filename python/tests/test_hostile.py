@@ -494,7 +494,7 @@ def test_a_universal_folder_missing_one_state_file_is_refused(tmp_path_factory):
     shutil.copytree(ckpt / f"{TAG}_universal", d)
     victim = [p for p in sorted((d / "zero").iterdir()) if (p / "exp_avg.pt").exists()][-1]
     (victim / "exp_avg.pt").unlink()
-    for args in (("inspect", d, "--json", "--dp", 2),
+    for args in (("inspect", d, "--json"), ("inspect", d, "--json", "--dp", 2),
                  ("load", d, "--from", "deepspeed", "--dp", 1, "--json", "--quiet")):
         r = cli(*args)
         assert r.returncode == 2, (args, r.stdout[-500:], r.stderr[-500:])

@@ -263,6 +263,9 @@ constexpr std::uint64_t kMaxInspectRankParams = std::uint64_t{1} << 20;
 int inspect_deepspeed(const std::string& path, const std::optional<std::string>& tag, bool json,
                       std::optional<std::uint64_t> dp, std::optional<std::uint64_t> only_rank) {
   const DeepSpeedCheckpoint ck = open_deepspeed_checkpoint(path, tag);
+  // A state some partitions (universal: some parameters) hold and others lack is refused here
+  // too, naming where it is missing, as every resume of the folder would refuse it.
+  (void)deepspeed_partitioned_states(ck);
   // The resume at dp ranks, as load --from deepspeed and the drop-in plan it (resume.h).
   std::optional<ResumePlan> plan;
   std::vector<RankView> views;
