@@ -1,7 +1,7 @@
 """The resume's reads in place (``_resume._Resume.read``): which of the optimizer's own tensors a
 buffer of the plan is read straight into and how its values are put back should the resume
-fail (``lend``); the communicator of the loads after the first, which run no collective of
-their own (``OwnBytes``); and the digest of a rank's plan the ranks compare in the first load
+fail (``lend``); the communicator of the loads, which run no collective of their own
+(``OwnBytes``); and the digest of a rank's plan the ranks compare in the resume's one agreement
 (``plan_digest``)."""
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ def lend(opt, stage3: bool, rank: int, b):
 
 
 def plan_digest(plan) -> str:
-    """Every buffer of this rank's plan in a line the ranks compare in the resume's first load
-    (the loads after it compare nothing): targets, groups, placements, element counts, layout
-    choices."""
+    """Every buffer of this rank's plan in a line the ranks compare in the resume's one
+    agreement, after the reads: targets, groups, placements, element counts, layout choices."""
     import hashlib
 
     h = hashlib.sha256()
@@ -62,9 +61,9 @@ def plan_digest(plan) -> str:
 
 
 class OwnBytes:
-    """The communicator of a load after the resume's first: this rank's place in the group, and
-    no collective (each rank reads only its own bytes; what every rank must pass identically
-    was agreed in the first load, and the outcome is agreed once after the last)."""
+    """The communicator of a resume's loads: this rank's place in the group, and no collective
+    (each rank reads only its own bytes; what every rank must hold identically, and the
+    outcome, are agreed once after the last load)."""
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
