@@ -253,6 +253,20 @@ def _read_whole(ck: "_C.Checkpoint", what: str, names: List[str], shapes: List[S
     return out
 
 
+def left_untied(model: torch.nn.Module, name: str, other: str, path: str) -> None:
+    """Says (one warning, Transformers' words) that ``name`` and ``other``, tied by the model,
+    are left untied because ``path`` holds them with different values, and takes the pair out
+    of ``model.all_tied_weights_keys``, as Transformers does."""
+    log.warning("zeroflat: the model ties %r to %r, but %s holds both with different values: "
+                "they are left untied, as Transformers leaves them (set tie_word_embeddings=False "
+                "in the config to say so)", name, other, path)
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(tied, dict):
+        for target, source in list(tied.items()):
+            if {target, source} == {name, other}:
+                tied.pop(target)
+
+
 def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
                      params: Dict[int, torch.nn.Parameter], rules: list, ck: "_C.Checkpoint",
                      dtype: Optional[torch.dtype], used: set) -> None:
@@ -280,9 +294,6 @@ def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
         for n in names:
             if n == first or n not in stored or torch.equal(values[stored[n]], reference):
                 continue
-            log.warning("zeroflat: the model ties %r to %r, but %s holds both with different "
-                        "values: they are left untied, as Transformers leaves them (set "
-                        "tie_word_embeddings=False in the config to say so)", n, first, ck.path)
             module_name, _, attr = n.rpartition(".")
             module = model.get_submodule(module_name) if module_name else model
             twin = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
@@ -290,11 +301,7 @@ def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
             for k, v in vars(p).items():
                 setattr(twin, k, v)
             module._parameters[attr] = twin
-            tied = getattr(model, "all_tied_weights_keys", None)
-            if isinstance(tied, dict):
-                for target, source in list(tied.items()):
-                    if {target, source} == {n, first}:
-                        tied.pop(target)
+            left_untied(model, n, first, ck.path)
     aliases.clear()
     params.clear()
     for name, p in model.named_parameters(remove_duplicate=False):

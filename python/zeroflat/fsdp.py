@@ -34,7 +34,7 @@ from . import _C, _hf_names
 from ._common import DTYPES, bool_option, framework_memory
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._load import (_checkpoint, _dtype_text, _read_whole, _sources_of, _stored, call_loader,
-                    check_load_options, engine_and_comm)
+                    check_load_options, engine_and_comm, left_untied)
 from ._progress import Watch, check_callback
 
 log = logging.getLogger("zeroflat")
@@ -469,17 +469,7 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
         by_id[id(p)] = p
-    renamed: List[bool] = []
-
-    def lookup(name: str) -> Optional[str]:
-        """A name's tensor in the checkpoint: under the name itself, else (only where the
-        checkpoint has names the model does not) under Transformers' renaming rules."""
-        hit = _stored(name, [], ck)
-        if hit is None and not renamed:
-            own = {n for ns in aliases.values() for n in ns}
-            own.update(n for n, _ in model.named_buffers())
-            renamed.append(any(t.name not in own for t in ck.tensors()))
-        return hit if hit is not None or not renamed[0] else _stored(name, rules(), ck)
+    lookup = _finder(model, ck, rules)
     first = next((p for p in by_id.values() if DTensor is not None and isinstance(p, DTensor)),
                  None)
     if first is None:
@@ -593,9 +583,15 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
         model = model_class.from_config(config, dtype=dtype, **from_config_kwargs)
     model = type(model).maybe_distribute_model(model, distributed_config, meshes)
     model.to_empty(device=device or "cpu")
-    # Tied weights of which the checkpoint holds every name are loaded untied, each from its
-    # own tensor, and tied afterwards only where the values agree, as Transformers ties them.
-    both = _stored_twice(model, path)
+    # Tied weights of which the checkpoint holds every name load untied and are tied after only
+    # where the values agree, as Transformers ties them. The checkpoint is opened once; one that
+    # cannot be is left to the load, which raises its error on every rank.
+    checkpoint, both = path, {}
+    try:
+        checkpoint = _checkpoint(path)
+        both = _stored_twice(model, checkpoint)
+    except Exception:  # noqa: BLE001 - the load's agreement reports it on every rank
+        checkpoint, both = path, {}
     own = {target: model.get_parameter(target) for target in both}
     model.tie_weights()
     for target, p in own.items():
@@ -604,18 +600,13 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
         for t in model.state_dict(keep_vars=True).values():
             t._is_hf_initialized = True
         model.initialize_weights()  # what no checkpoint holds: non-persistent buffers
-    model.zeroflat_report = load(model, path, threads=threads, cold=cold, copies=copies,
+    model.zeroflat_report = load(model, checkpoint, threads=threads, cold=cold, copies=copies,
                                  storage=storage, progress=progress)
     for target, source in both.items():
         if _equal_everywhere(model.get_parameter(target), model.get_parameter(source)):
             _set_parameter(model, target, model.get_parameter(source))
             continue
-        log.warning("zeroflat: the model ties %r to %r, but %s holds both with different "
-                    "values: they are left untied, as Transformers leaves them (set "
-                    "tie_word_embeddings=False in the config to say so)", target, source, path)
-        tied = getattr(model, "all_tied_weights_keys", None)
-        if isinstance(tied, dict):
-            tied.pop(target, None)
+        left_untied(model, target, source, path)
     model.eval()
     return model
 
@@ -623,11 +614,9 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
 def _check_twins(ck: "_C.Checkpoint", names: List[str], source: str,
                  lookup: Callable[[str], Optional[str]], shard: dict, dtype: torch.dtype) -> None:
     """A tied parameter (one parameter, several names) of which the checkpoint holds other
-    names too (``lookup``: a name's tensor in the checkpoint, or None): this rank's rows of each
-    must equal those of the tensor it reads (``source``), else ValueError naming both (the
-    load's agreement then refuses on every rank, nothing changed). A tied parameter holds one
-    value; Transformers unties such weights when it loads them, and so does
-    zeroflat.hf.from_pretrained."""
+    names too (``lookup``, _finder's): this rank's rows of each must equal those of the tensor
+    it reads (``source``), else ValueError naming both, which the load's agreement raises on
+    every rank, nothing changed (a tied parameter holds one value)."""
     others = []
     for n in names:
         stored = lookup(n)
@@ -653,23 +642,38 @@ def _check_twins(ck: "_C.Checkpoint", names: List[str], source: str,
                 "does")
 
 
-def _stored_twice(model: torch.nn.Module, path: str) -> Dict[str, str]:
+def _finder(model: torch.nn.Module, ck: "_C.Checkpoint",
+            rules: Callable[[], list]) -> Callable[[str], Optional[str]]:
+    """A name's tensor in the checkpoint, or None: under the name itself, else (only where the
+    checkpoint has names the model does not) under Transformers' renaming rules (``rules()``,
+    asked for only then)."""
+    renamed: List[bool] = []
+
+    def find(name: str) -> Optional[str]:
+        hit = _stored(name, [], ck)
+        if hit is None and not renamed:
+            own = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+            own.update(n for n, _ in model.named_buffers())
+            renamed.append(any(t.name not in own for t in ck.tensors()))
+        return hit if hit is not None or not renamed[0] else _stored(name, rules(), ck)
+    return find
+
+
+def _stored_twice(model: torch.nn.Module, ck: "_C.Checkpoint") -> Dict[str, str]:
     """The model's tied weights (target -> source, as Transformers lists them) of which the
-    checkpoint holds both names (under Transformers' renaming rules too, where the checkpoint
-    has names that are not the model's)."""
+    checkpoint holds both names (_finder's way)."""
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     pairs = expand(all_submodels=True) if callable(expand) else {}
     if not pairs:
         return {}
-    ck = _checkpoint(path)
-    own = set(model.state_dict().keys())
-    renamed = any(t.name not in own for t in ck.tensors())
-    rules = _hf_names.converters(model) if renamed else []
+    built: List[list] = []
 
-    def stored(name: str) -> bool:
-        return _stored(name, [], ck) is not None or (
-            renamed and _stored(name, rules, ck) is not None)
-    return {t: s for t, s in pairs.items() if stored(t) and stored(s)}
+    def rules() -> list:
+        if not built:
+            built.append(_hf_names.converters(model))
+        return built[0]
+    find = _finder(model, ck, rules)
+    return {t: s for t, s in pairs.items() if find(t) is not None and find(s) is not None}
 
 
 def _set_parameter(model: torch.nn.Module, name: str, p: torch.nn.Parameter) -> None:
