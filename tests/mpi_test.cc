@@ -20,9 +20,12 @@ using nlohmann::json;
 // OpenMPI refuses root unless told, and needs --oversubscribe for more ranks than cores. Its
 // libraries and plugins keep allocations until exit, which LeakSanitizer (in the sanitizer build)
 // would report as ours: leak checking is off for these processes only (the same code runs
-// leak-checked as threads in the CLI tests).
+// leak-checked as threads in the CLI tests). Each launch keeps its session files in a folder of
+// its own under the tests' scratch: two mpiruns started at once (ctest -j) may otherwise race to
+// create the shared /tmp/ompi.<host>.<uid> and one fail to start ("mkdir ... File exists").
 const std::string kRoot =
     "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+    "OMPI_MCA_orte_tmpdir_base=\"$(mktemp -d \"${TEST_TMPDIR:-/tmp}/ompi.XXXXXX\")\" "
     "ASAN_OPTIONS=\"${ASAN_OPTIONS:-}:detect_leaks=0\"";
 
 std::string mpirun(int n) {
