@@ -258,8 +258,12 @@ READS: Tuple[Entry, ...] = (
           "round_robin_bit16_indices, groups_padding, partition_count, update_lp_params, "
           "load_state_dict; Stage 3: fp16_groups, fp16_partitioned_groups_flat, "
           "sub_group_to_group_id, persistent_parameters, checkpoint_event_prologue/epilogue, "
-          "_restore_from_bit16_weights, load_state_dict", _ALL, "load_checkpoint()",
-          "the partitions a resume fills, and the release's own restore of its state dict"),
+          "_restore_from_bit16_weights, load_state_dict; ZeRO-3 parameters: ds_tensor, ds_numel, "
+          "ds_shape, ds_status, ds_process_group, ds_secondary_tensor, ZeroParamStatus", _ALL,
+          "load_checkpoint()",
+          "the partitions a resume fills, and the release's own restore of its state dict; the "
+          "epilogue's gather of the persistent parameters is one all-gather where their "
+          "partitions are plain (no hpZ, quantized or NVMe partitions), else the release's"),
     Entry("zero.Init: _convert_to_deepspeed_param, dtype, local_device, remote_device, "
           "pin_memory, ds_process_group, _keep_in_fp32, param_id (class), "
           "_add_tensor_creation_wrappers, tensor_overrides", _ALL, "ZeRO-3 loading",
