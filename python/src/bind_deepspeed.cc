@@ -15,9 +15,12 @@
 #include "zeroflat/error.h"
 #include "zeroflat/resume.h"
 #include "zeroflat/torch_file.h"
+#include "os_names.h"
 
 namespace py = pybind11;
 namespace zf = zeroflat;
+using zeroflat_python::os_name;
+using zeroflat_python::os_names;
 
 namespace {
 
@@ -254,7 +257,7 @@ void bind_deepspeed(py::module_& m) {
              return zf::read_torch_file(path);
            }),
            py::arg("path"))
-      .def_readonly("path", &zf::TorchFile::path)
+      .def_property_readonly("path", [](const zf::TorchFile& f) { return os_name(f.path); })
       .def_readonly("file_bytes", &zf::TorchFile::file_bytes)
       .def_readonly("globals", &zf::TorchFile::globals)
       .def("has", [](const zf::TorchFile& f, const std::string& path) {
@@ -277,9 +280,10 @@ void bind_deepspeed(py::module_& m) {
              return zf::open_dcp_checkpoint(dir, index);
            }),
            py::arg("path"), py::arg("index") = ".metadata")
-      .def_readonly("path", &zf::DcpCheckpoint::dir)
+      .def_property_readonly("path", [](const zf::DcpCheckpoint& c) { return os_name(c.dir); })
       .def_readonly("version", &zf::DcpCheckpoint::version)
-      .def_readonly("files", &zf::DcpCheckpoint::files)
+      .def_property_readonly("files",
+                             [](const zf::DcpCheckpoint& c) { return os_names(c.files); })
       .def_readonly("file_bytes", &zf::DcpCheckpoint::file_bytes)
       // Every item: (fqn, is_bytes, dtype, size, requires_grad, [(offsets, sizes, length)],
       // planner path or None); dtype is torch's name ("" for bytes items).
@@ -332,8 +336,10 @@ void bind_deepspeed(py::module_& m) {
              return zf::open_deepspeed_checkpoint(dir, tag);
            }),
            py::arg("dir"), py::arg("tag") = std::nullopt)
-      .def_readonly("dir", &zf::DeepSpeedCheckpoint::dir)
-      .def_readonly("tag", &zf::DeepSpeedCheckpoint::tag)
+      .def_property_readonly("dir",
+                             [](const zf::DeepSpeedCheckpoint& c) { return os_name(c.dir); })
+      .def_property_readonly("tag",
+                             [](const zf::DeepSpeedCheckpoint& c) { return os_name(c.tag); })
       .def_property_readonly("format",
                              [](const zf::DeepSpeedCheckpoint& c) {
                                return std::string(zf::deepspeed_format_name(c.format));
@@ -368,7 +374,7 @@ void bind_deepspeed(py::module_& m) {
                              [](const zf::DeepSpeedCheckpoint& c) {
                                py::list out;
                                for (const zf::DeepSpeedFile& f : c.files) {
-                                 out.append(py::make_tuple(f.path, f.role, f.rank));
+                                 out.append(py::make_tuple(os_name(f.path), f.role, f.rank));
                                }
                                return out;
                              })

@@ -21,9 +21,12 @@
 #include <vector>
 
 #include "zeroflat/zeroflat.h"
+#include "os_names.h"
 
 namespace py = pybind11;
 namespace zf = zeroflat;
+using zeroflat_python::os_name;
+using zeroflat_python::os_names;
 
 void bind_deepspeed(py::module_& m);  // bind_deepspeed.cc
 
@@ -862,8 +865,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return zf::open_checkpoint(path, {.pieces = pieces});
            }),
            py::arg("path"), py::arg("pieces") = false)
-      .def_readonly("path", &zf::CheckpointIndex::path)
-      .def_readonly("files", &zf::CheckpointIndex::files)
+      .def_property_readonly("path", [](const zf::CheckpointIndex& c) { return os_name(c.path); })
+      .def_property_readonly("files",
+                             [](const zf::CheckpointIndex& c) { return os_names(c.files); })
       // What ranks compare before they read it together (checkpoint_header_digest): an int.
       .def("header_digest",
            [](const zf::CheckpointIndex& ck) { return zf::checkpoint_header_digest(ck); })

@@ -6,6 +6,7 @@ from."""
 
 import json
 import os
+import pathlib
 import struct
 
 import pytest
@@ -182,6 +183,28 @@ class WeightConverter:
     def __init__(self, sources, target, operations):
         self.source_patterns, self.target_patterns = sources, [target]
         self.operations = operations
+
+
+def test_a_path_whose_name_is_not_utf8_loads(tmp_path):
+    """Linux names are bytes: a folder named with a byte that is not UTF-8 loads whether the path
+    comes as the str os.fsdecode makes of it, as bytes or as a pathlib.Path, and DCP's reader
+    reads its index (the binding once refused such a str with a TypeError)."""
+    import zeroflat.dcp
+
+    folder = os.fsdecode(os.fsencode(str(tmp_path)) + b"/ck\xff")
+    os.mkdir(folder)
+    torch.manual_seed(0)
+    ref = Net()
+    state = {k: v for k, v in ref.state_dict().items() if k != "out.weight"}
+    save(os.path.join(folder, "model.safetensors"), state)
+    for path in (folder, os.fsencode(folder), pathlib.Path(folder)):
+        with zeroflat.meta_parameters():
+            model = Net()
+        zeroflat.load_param_groups(model, path, dtype=torch.float32, device="cpu",
+                                   deepspeed=None)
+        assert torch.equal(model.body.weight, ref.body.weight), path
+    meta = zeroflat.dcp.Reader(folder).read_metadata()
+    assert "body.weight" in meta.state_dict_metadata
 
 
 def test_renamed_and_fused_tensors_are_found_under_the_checkpoints_names(tmp_path):

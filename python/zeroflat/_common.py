@@ -5,6 +5,7 @@ enter."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
@@ -51,6 +52,12 @@ class FlatGroup:
 
 
 # --- arguments --------------------------------------------------------------------------------
+
+def native_path(path: Any) -> bytes:
+    """A path as the operating system's bytes, for the binding: a name with bytes that are not
+    UTF-8 (a str from os.fsdecode, its surrogate escapes) cannot cross as text."""
+    return os.fsencode(os.fspath(path))
+
 
 def int_option(name: str, value: Any, lo: int, hi: int = U64_MAX) -> int:
     """An integer argument, checked where it enters (not as pybind's "incompatible function

@@ -22,10 +22,9 @@ import torch.distributed as dist
 
 from . import _C, _hf_names, _zero3
 from ._comm import TorchComm, comm_device
-from ._common import (DTYPES, FILE_DTYPES, TORCH_DTYPES, FlatGroup, bool_option, check_options, check_release_options,
-                      dtype_name, engine_threads, framework_memory, layout_options,
-                      partition_and_master,
-                      release_rules, select)
+from ._common import (DTYPES, FILE_DTYPES, TORCH_DTYPES, FlatGroup, bool_option, check_options,
+                      check_release_options, dtype_name, engine_threads, framework_memory,
+                      layout_options, native_path, partition_and_master, release_rules, select)
 from ._errors import CommError, Error, InvalidArgument, NoFeasiblePlan
 from ._patches import Patch, patched
 from ._progress import Progress, Watch, check_callback
@@ -177,10 +176,10 @@ def _register_on_meta(original, module, name, param):
 def _checkpoint(checkpoint) -> "_C.Checkpoint":
     if isinstance(checkpoint, _C.Checkpoint):
         return checkpoint
-    if not isinstance(checkpoint, (str, os.PathLike)):
+    if not isinstance(checkpoint, (str, bytes, os.PathLike)):
         raise TypeError(f"checkpoint is {checkpoint!r}: expected a path to a .safetensors file "
                         "or a directory of them")
-    return _C.Checkpoint(os.fspath(checkpoint))
+    return _C.Checkpoint(native_path(checkpoint))
 
 
 # --- parameters to checkpoint tensors ---------------------------------------------------------

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import _C, _dropin
 from ._comm import all_reduce_ints
-from ._common import TORCH_DTYPES, dtype_name
+from ._common import TORCH_DTYPES, dtype_name, native_path
 from ._dropin import log, round_robin_offsets, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._progress import Watch
@@ -640,7 +640,7 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
             if tag is None:
                 tag = _tag(engine, load_dir)
             if tag is not None:
-                ck = _C.DeepSpeedCheckpoint(os.fspath(load_dir), str(tag))
+                ck = _C.DeepSpeedCheckpoint(native_path(load_dir), native_path(str(tag)))
                 plan = _Resume(engine, ck, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,

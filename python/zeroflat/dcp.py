@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from . import _C
 from ._comm import all_reduce_ints
-from ._common import DTYPES, FILE_DTYPES as _DTYPES
+from ._common import DTYPES, FILE_DTYPES as _DTYPES, native_path
 
 __all__ = ["Reader"]
 
@@ -111,12 +111,12 @@ class Reader(StorageReader):
 
     def _checkpoint(self) -> "_C.Checkpoint":
         if self._ck is None:
-            self._ck = _C.Checkpoint(self.path, pieces=True)
+            self._ck = _C.Checkpoint(native_path(self.path), pieces=True)
         return self._ck
 
     def _dcp_checkpoint(self) -> "_C.DcpCheckpoint":
         if self._dcp is None:
-            self._dcp = _C.DcpCheckpoint(self.path, self._index)
+            self._dcp = _C.DcpCheckpoint(native_path(self.path), native_path(self._index))
         return self._dcp
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
