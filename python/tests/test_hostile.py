@@ -501,6 +501,32 @@ def test_a_universal_folder_missing_one_state_file_is_refused(tmp_path_factory):
         assert "exp_avg.pt" in r.stderr and victim.name in r.stderr, r.stderr[-500:]
 
 
+def test_a_universal_state_of_a_dtype_not_read_is_refused_by_every_command(tmp_path_factory):
+    """One parameter's exp_avg.pt saved as float64: the listing (inspect without --dp) refuses it
+    as the plan (--dp) and the load do, naming the file, entry and dtype (the listing once
+    showed it with exit 0)."""
+    import shutil
+
+    from test_resume import TAG, saved, universal
+
+    ckpt = pathlib.Path(saved(tmp_path_factory, 2, 1))
+    universal([ckpt])
+    d = tmp_path_factory.mktemp("universal_float64") / "u"
+    shutil.copytree(ckpt / f"{TAG}_universal", d)
+    victim = [p for p in sorted((d / "zero").iterdir()) if (p / "exp_avg.pt").exists()][0]
+    state = torch.load(victim / "exp_avg.pt", weights_only=False)
+    if isinstance(state, dict):
+        state["param"] = state["param"].double()
+    else:
+        state = state.double()
+    torch.save(state, victim / "exp_avg.pt")
+    for args in (("inspect", d), ("inspect", d, "--json"), ("inspect", d, "--dp", 2),
+                 ("load", d, "--from", "deepspeed", "--dp", 1, "--quiet")):
+        r = cli(*args)
+        assert r.returncode == 2, (args, r.stdout[-500:], r.stderr[-500:])
+        assert "float64" in r.stderr and f"{victim.name}/exp_avg.pt" in r.stderr, r.stderr[-500:]
+
+
 def test_universal_step_as_a_number_loads_and_a_missing_fp32_is_named(tmp_path_factory):
     """ds_to_universal writes step.pt as the optimizer kept the step: a tensor or, for
     BF16_Optimizer and ZeRO-1, a Python int; both are a universal checkpoint. A trained

@@ -60,6 +60,16 @@ std::vector<std::pair<Piece, const DeepSpeedPartition*>> locate(const DeepSpeedC
   return out;
 }
 
+// A saved tensor a resume reads must be of a dtype the loader converts (the check of every
+// run, and of every partitioned tensor up front: inspect refuses what load would).
+void check_readable(const DeepSpeedCheckpoint& ck, const DeepSpeedTensor& t) {
+  if (!t.type) {
+    throw InvalidArgument(printable(ck.files[t.file].path, 200) + ": entry '" +
+                          printable(t.path) + "' is " + printable(t.dtype) +
+                          ": a resume reads bf16, fp16 and fp32 tensors");
+  }
+}
+
 
 }  // namespace
 
@@ -138,6 +148,23 @@ std::vector<std::string> deepspeed_partitioned_states(const DeepSpeedCheckpoint&
     }
     out.push_back(name);
   }
+  // Every tensor a resume reads per element, of a dtype it reads.
+  auto read = [&](const std::string& name) {
+    return name == "fp32" || std::find(out.begin(), out.end(), name) != out.end();
+  };
+  for (const DeepSpeedSubGroup& sg : ck.sub_groups) {
+    for (const DeepSpeedPartition& part : sg.ranks) {
+      check_readable(ck, part.fp32);
+      for (const DeepSpeedState& s : part.states) {
+        if (read(s.name)) check_readable(ck, s.tensor);
+      }
+    }
+  }
+  for (const DeepSpeedUniversalParam& u : ck.universal) {
+    for (const DeepSpeedState& s : u.tensors) {
+      if (read(s.name)) check_readable(ck, s.tensor);
+    }
+  }
   return out;
 }
 
@@ -158,11 +185,7 @@ class SourceBuilder {
 
   // One run: elements [element, element + numel) of saved tensor t.
   std::string add(const DeepSpeedTensor& t, std::uint64_t element, std::uint64_t numel) {
-    if (!t.type) {
-      throw InvalidArgument(printable(ck_.files[t.file].path, 200) + ": entry '" +
-                            printable(t.path) + "' is " + printable(t.dtype) +
-                            ": a resume reads bf16, fp16 and fp32 tensors");
-    }
+    check_readable(ck_, t);
     char name[32];
     std::snprintf(name, sizeof name, "#%012llu", static_cast<unsigned long long>(count_++));
     CheckpointTensor c;
