@@ -335,38 +335,16 @@ class EngineWriter:
         16-bit partition) in one all-gather, where DeepSpeed's runs one per parameter (on gloo,
         each a few milliseconds of latency). The same values in the same places: each parameter's
         data its ranks' partitions end to end, cut to its elements, in storage of its own.
-        False, nothing done, where DeepSpeed's own epilogue must run: another stage, secondary
-        (hpZ) or quantized partitions, partitions on NVMe or on another device than the
-        parameter, another process group than the engine's, a backend/device pair other than
-        gloo with host tensors or nccl with GPU ones. Every rank decides alike (the same engine
-        configuration)."""
-        opt = self.opt
-        if not self.stage3 or not dist.is_initialized():
+        False, nothing done, where DeepSpeed's own epilogue must run (_plain_persistent). Every
+        rank decides alike (the same engine configuration)."""
+        todo = self._plain_persistent()
+        if todo is None:
             return False
-        try:
-            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        except ImportError:
-            return False
-        persistent = list(getattr(opt, "persistent_parameters", None) or [])
-        if any(getattr(p, "ds_secondary_tensor", None) is not None
-               for group in getattr(opt, "fp16_groups", []) for p in group):
-            return False
-        todo = [p for p in persistent if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         if not todo:
-            return True  # the epilogue has nothing to gather (no secondary tensors either)
-        backend = str(dist.get_backend(self.group))
-        mine = dist.get_process_group_ranks(self.group)
+            return True  # the epilogue has nothing to gather (and no secondary tensors)
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
         device = todo[0].ds_tensor.device
-        if (device.type == "cpu") == (backend == "nccl") or backend not in ("gloo", "nccl"):
-            return False
-        for p in todo:
-            t = p.ds_tensor
-            where = getattr(t, "final_location", None)
-            if (t.device != device or p.data.device != device or not t.is_contiguous()
-                    or hasattr(t, "ds_quant_scale") or t.numel() != getattr(t, "ds_numel", -1)
-                    or "nvme" in str(where).lower() or getattr(p, "ds_process_group", None) is None
-                    or dist.get_process_group_ranks(p.ds_process_group) != mine):
-                return False
         sizes = [p.ds_tensor.numel() * p.ds_tensor.element_size() for p in todo]
         slot = sum(sizes)
         out = torch.empty(slot * self.dp, dtype=torch.uint8, device=device)
@@ -382,6 +360,41 @@ class EngineWriter:
             p.ds_status = ZeroParamStatus.AVAILABLE
             at += n
         return True
+
+    def _plain_persistent(self) -> Optional[List[Any]]:
+        """The persistent parameters the epilogue would gather, where zeroflat's one all-gather
+        can: None for another stage, secondary (hpZ) or quantized partitions, partitions on
+        NVMe or on another device than the parameter, another process group than the engine's,
+        a backend/device pair other than gloo with host tensors or nccl with GPU ones, or
+        anything unexpected of the release (DeepSpeed's own epilogue then runs)."""
+        opt = self.opt
+        if not self.stage3 or not dist.is_initialized():
+            return None
+        try:
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            if any(getattr(p, "ds_secondary_tensor", None) is not None
+                   for group in opt.fp16_groups for p in group):
+                return None
+            todo = [p for p in list(opt.persistent_parameters or [])
+                    if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+            if not todo:
+                return todo
+            backend = str(dist.get_backend(self.group))
+            mine = dist.get_process_group_ranks(self.group)
+            device = todo[0].ds_tensor.device
+            if backend not in ("gloo", "nccl") or (device.type == "cpu") == (backend == "nccl"):
+                return None
+            for p in todo:
+                t = p.ds_tensor
+                if (t.device != device or p.data.device != device or not t.is_contiguous()
+                        or hasattr(t, "ds_quant_scale") or t.numel() != t.ds_numel
+                        or "nvme" in str(getattr(t, "final_location", None)).lower()
+                        or dist.get_process_group_ranks(p.ds_process_group) != mine):
+                    return None
+            return todo
+        except Exception:  # noqa: BLE001 - a release unlike those known: its own epilogue
+            return None
 
     def _write_engine(self) -> None:
         """The engine's bookkeeping, as DeepSpeed's _load_checkpoint restores it."""
