@@ -801,8 +801,8 @@ def test_each_release_resumes_its_own_checkpoints(tmp_path_factory, release):
 
 # ---- the Transformers Trainer ------------------------------------------------------------------
 
-def _trainer_main(out, mode, port):
-    """One Trainer run on one rank (DeepSpeed ZeRO-2, fp32: the Trainer asks a GPU for bf16):
+def _trainer_main(out, mode, port, stage=2):
+    """One Trainer run on one rank (DeepSpeed ZeRO-2 or 3, fp32: the Trainer asks a GPU for bf16):
     "save" trains 4 steps and saves; "resume" trains to step 6 from checkpoint-4 twice, with
     DeepSpeed's own load and with zeroflat's. Prints the losses as JSON."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -825,7 +825,7 @@ def _trainer_main(out, mode, port):
         data = [{"input_ids": torch.randint(0, 128, (16,), generator=gen),
                  "labels": torch.randint(0, 128, (16,), generator=gen)} for _ in range(16)]
         ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
         args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps,
                                  save_steps=4, save_strategy="steps", deepspeed=ds,
                                  report_to=[], logging_steps=1, seed=0, data_seed=0)
@@ -846,14 +846,17 @@ def _trainer_main(out, mode, port):
     print("TRAINER " + json.dumps(result), flush=True)
 
 
-def test_transformers_trainer_resumes_through_zeroflat(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_transformers_trainer_resumes_through_zeroflat(tmp_path, stage):
     """Trainer.train(resume_from_checkpoint=...) calls the engine's load_checkpoint: under the
-    drop-in zeroflat serves it, and the steps after the resume are DeepSpeed's own."""
+    drop-in zeroflat serves it, and the steps after the resume are DeepSpeed's own (ZeRO-3: a
+    Llama's norms are persistent parameters, gathered whole by the resume)."""
     from reference import free_port
 
     def main(mode):
         r = subprocess.run([sys.executable, str(HERE / "test_resume.py"), "trainer",
-                            str(tmp_path / "out"), mode, str(free_port())], env=_env(),
+                            str(tmp_path / "out"), mode, str(free_port()), str(stage)],
+                           env=_env(),
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-4000:]
         line = [x for x in r.stdout.splitlines() if x.startswith("TRAINER ")][-1]
@@ -901,7 +904,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "universal":
         _universal_main(sys.argv[2:])
     elif sys.argv[1] == "trainer":
-        _trainer_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        _trainer_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     elif sys.argv[1] == "resume":
         ckpt, stage, world, opts, result = (sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                             sys.argv[5], sys.argv[6])
