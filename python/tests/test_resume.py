@@ -176,9 +176,10 @@ def snapshot(engine):
             out["lp"][n] = t
         # What the checkpoint epilogue gathered: each parameter's status, and the whole data of
         # those it made available (the persistent ones).
-        out["whole"] = {n: (p.ds_status.name, p.data.detach().clone()
-                            if p.ds_status.name == "AVAILABLE" else None)
-                        for n, p in engine.module.named_parameters()}
+        params = dict(engine.module.named_parameters())
+        out["status"] = {n: p.ds_status.name for n, p in params.items()}
+        out["whole"] = {n: p.data.detach().clone() for n, p in params.items()
+                        if p.ds_status.name == "AVAILABLE"}
     else:
         out["lp"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     out["buffers"] = {n: b.detach().clone() for n, b in engine.module.named_buffers()}
@@ -418,7 +419,8 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
         if opts.get("reference") == "deepspeed" and _release(deepspeed.__version__) < (0, 19):
             # Before 0.19, DeepSpeed's gather of the persistent parameters waits on its last
             # gloo handle only: its own load's whole values may still be arriving when the
-            # reference is taken. Ours are checked against the partitions above.
+            # reference is taken. Ours are checked against the partitions above (the statuses
+            # are compared).
             skip.add("/whole")
         same(ref["loaded"], ours, skip=skip)
         if opts.get("reference") == "deepspeed":

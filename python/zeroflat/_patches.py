@@ -263,7 +263,8 @@ READS: Tuple[Entry, ...] = (
           "load_checkpoint()",
           "the partitions a resume fills, and the release's own restore of its state dict; the "
           "epilogue's gather of the persistent parameters is one all-gather where their "
-          "partitions are plain (no hpZ, quantized or NVMe partitions), else the release's"),
+          "partitions are plain (no hpZ, quantized or NVMe partitions) and take at most 64 MiB, "
+          "else the release's"),
     Entry("zero.Init: _convert_to_deepspeed_param, dtype, local_device, remote_device, "
           "pin_memory, ds_process_group, _keep_in_fp32, param_id (class), "
           "_add_tensor_creation_wrappers, tensor_overrides", _ALL, "ZeRO-3 loading",

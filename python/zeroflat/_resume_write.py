@@ -27,6 +27,18 @@ def _is_true(engine, method: str) -> bool:
     return bool(fn()) if callable(fn) else False
 
 
+# The most bytes zeroflat's one all-gather of ZeRO-3's persistent parameters takes (every rank's
+# partitions of all of them): what it saves is latency, which larger gathers do not need, and
+# their bytes are held twice while copied out.
+_PERSISTENT_GATHER_BYTES = 64 << 20
+
+
+def _on_nvme(location: Any) -> bool:
+    """Whether a ZeRO-3 partition's final_location is NVMe (OffloadDeviceEnum.nvme; DeepSpeed
+    marks partitions that are not with the string 'not-nvme')."""
+    return getattr(location, "value", location) == "nvme"
+
+
 class EngineWriter:
     """Methods of ``_Resume`` that check and write the engine; they read its attributes (engine,
     opt, ck, files, small, values, frozen, buffers, names, stage3, ...)."""
@@ -334,7 +346,9 @@ class EngineWriter:
         """ZeRO-3's checkpoint epilogue (the persistent parameters whole again from every rank's
         16-bit partition) in one all-gather, where DeepSpeed's runs one per parameter (on gloo,
         each a few milliseconds of latency). The same values in the same places: each parameter's
-        data its ranks' partitions end to end, cut to its elements, in storage of its own.
+        data its ranks' partitions end to end, cut to its elements, in storage of its own. While
+        they are copied out, the gathered bytes are held twice: at most _PERSISTENT_GATHER_BYTES
+        (DeepSpeed's epilogue runs for more).
         False, nothing done, where DeepSpeed's own epilogue must run (_plain_persistent). Every
         rank decides alike (the same engine configuration)."""
         todo = self._plain_persistent()
@@ -355,7 +369,10 @@ class EngineWriter:
         rows = out.view(self.dp, slot)
         at = 0
         for p, n in zip(todo, sizes):
-            whole = rows[:, at:at + n].contiguous().view(p.ds_tensor.dtype).view(-1)
+            # A tensor of the parameter's own (its partitions of every rank, in rank order).
+            whole = torch.empty(self.dp * p.ds_tensor.numel(), dtype=p.ds_tensor.dtype,
+                                device=device)
+            whole.view(torch.uint8).view(self.dp, n).copy_(rows[:, at:at + n])
             p.data = whole.narrow(0, 0, p.ds_numel).view(p.ds_shape).data
             p.ds_status = ZeroParamStatus.AVAILABLE
             at += n
@@ -365,8 +382,9 @@ class EngineWriter:
         """The persistent parameters the epilogue would gather, where zeroflat's one all-gather
         can: None for another stage, secondary (hpZ) or quantized partitions, partitions on
         NVMe or on another device than the parameter, another process group than the engine's,
-        a backend/device pair other than gloo with host tensors or nccl with GPU ones, or
-        anything unexpected of the release (DeepSpeed's own epilogue then runs)."""
+        a backend/device pair other than gloo with host tensors or nccl with GPU ones, more
+        than _PERSISTENT_GATHER_BYTES gathered, or anything unexpected of the release
+        (DeepSpeed's own epilogue then runs)."""
         opt = self.opt
         if not self.stage3 or not dist.is_initialized():
             return None
@@ -389,10 +407,12 @@ class EngineWriter:
                 t = p.ds_tensor
                 if (t.device != device or p.data.device != device or not t.is_contiguous()
                         or hasattr(t, "ds_quant_scale") or t.numel() != t.ds_numel
-                        or "nvme" in str(getattr(t, "final_location", None)).lower()
+                        or _on_nvme(getattr(t, "final_location", None))
                         or dist.get_process_group_ranks(p.ds_process_group) != mine):
                     return None
-            return todo
+            gathered = self.dp * sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
+                                     for p in todo)
+            return todo if gathered <= _PERSISTENT_GATHER_BYTES else None
         except Exception:  # noqa: BLE001 - a release unlike those known: its own epilogue
             return None
 
