@@ -205,9 +205,7 @@ bool deepspeed_state_partitioned(const DeepSpeedState& s, const DeepSpeedPartiti
 // buffers keep fp32.pt alone) holds it with the fp32 master's elements (with or without the
 // partition's padding). Empty for a checkpoint without optimizer states. A state that some
 // partitions (parameters) hold so and others lack, or hold with another size, is an incomplete
-// checkpoint: InvalidArgument naming the file (folder) where it is missing; so is an fp32 master
-// or a partitioned state of a dtype a resume does not read (float64, an integer), naming the
-// file and entry.
+// checkpoint: InvalidArgument naming the file (folder) where it is missing.
 std::vector<std::string> deepspeed_partitioned_states(const DeepSpeedCheckpoint& checkpoint);
 
 // A kind of saved values as tensors the loader reads (loader.h), so that a resume is a load

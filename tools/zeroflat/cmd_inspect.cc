@@ -263,22 +263,22 @@ constexpr std::uint64_t kMaxInspectRankParams = std::uint64_t{1} << 20;
 int inspect_deepspeed(const std::string& path, const std::optional<std::string>& tag, bool json,
                       std::optional<std::uint64_t> dp, std::optional<std::uint64_t> only_rank) {
   const DeepSpeedCheckpoint ck = open_deepspeed_checkpoint(path, tag);
-  // A state some partitions (universal: some parameters) hold and others lack is refused here
-  // too, naming where it is missing, as every resume of the folder would refuse it.
-  (void)deepspeed_partitioned_states(ck);
-  // The resume at dp ranks, as load --from deepspeed and the drop-in plan it (resume.h).
+  // The resume at dp ranks, as load --from deepspeed and the drop-in plan it (resume.h); without
+  // --dp, at one rank, not shown: what every resume of the folder would refuse (a state some
+  // partitions hold and others lack, a tensor of a dtype it does not read) is refused here too.
+  ResumeOptions ro;
+  ro.world = dp.value_or(1);
+  if (ck.zero_stage == 3) {
+    for (const DeepSpeedFrozen& fz : ck.frozen) {
+      ro.frozen.push_back(fz.name);
+      ro.frozen_numels.push_back(fz.numel);
+    }
+  }
+  ResumePlan checked = plan_resume(ck, ro);
   std::optional<ResumePlan> plan;
   std::vector<RankView> views;
   if (dp) {
-    ResumeOptions ro;
-    ro.world = *dp;
-    if (ck.zero_stage == 3) {
-      for (const DeepSpeedFrozen& fz : ck.frozen) {
-        ro.frozen.push_back(fz.name);
-        ro.frozen_numels.push_back(fz.numel);
-      }
-    }
-    plan = plan_resume(ck, ro);
+    plan = std::move(checked);
     if (only_rank && *only_rank >= *dp) {
       throw UsageError("--rank " + std::to_string(*only_rank) + ": outside --dp " +
                        std::to_string(*dp));

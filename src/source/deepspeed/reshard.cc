@@ -60,8 +60,7 @@ std::vector<std::pair<Piece, const DeepSpeedPartition*>> locate(const DeepSpeedC
   return out;
 }
 
-// A saved tensor a resume reads must be of a dtype the loader converts (the check of every
-// run, and of every partitioned tensor up front: inspect refuses what load would).
+// A saved tensor a resume reads must be of a dtype the loader converts.
 void check_readable(const DeepSpeedCheckpoint& ck, const DeepSpeedTensor& t) {
   if (!t.type) {
     throw InvalidArgument(printable(ck.files[t.file].path, 200) + ": entry '" +
@@ -147,23 +146,6 @@ std::vector<std::string> deepspeed_partitioned_states(const DeepSpeedCheckpoint&
                             " hold it: an incomplete checkpoint");
     }
     out.push_back(name);
-  }
-  // Every tensor a resume reads per element, of a dtype it reads.
-  auto read = [&](const std::string& name) {
-    return name == "fp32" || std::find(out.begin(), out.end(), name) != out.end();
-  };
-  for (const DeepSpeedSubGroup& sg : ck.sub_groups) {
-    for (const DeepSpeedPartition& part : sg.ranks) {
-      check_readable(ck, part.fp32);
-      for (const DeepSpeedState& s : part.states) {
-        if (read(s.name)) check_readable(ck, s.tensor);
-      }
-    }
-  }
-  for (const DeepSpeedUniversalParam& u : ck.universal) {
-    for (const DeepSpeedState& s : u.tensors) {
-      if (read(s.name)) check_readable(ck, s.tensor);
-    }
   }
   return out;
 }
