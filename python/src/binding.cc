@@ -26,6 +26,8 @@
 namespace py = pybind11;
 namespace zf = zeroflat;
 using zeroflat_python::os_name;
+using zeroflat_python::os_bytes;
+using zeroflat_python::os_bytes_list;
 using zeroflat_python::os_names;
 
 void bind_deepspeed(py::module_& m);  // bind_deepspeed.cc
@@ -995,11 +997,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("master", &zf::FlattenOptions::master)
       .def_readwrite("check_values", &zf::FlattenOptions::check_values)
       .def_readwrite("release", &zf::FlattenOptions::release)
-      .def_readwrite("must_match", &zf::FlattenOptions::must_match)
+      // Text the ranks compare, and this rank's own error: either may quote a path whose name
+      // is not UTF-8 (os.fsdecode's surrogate escapes), taken as its bytes.
+      .def_property(
+          "must_match", [](const zf::FlattenOptions& o) { return os_names(o.must_match); },
+          [](zf::FlattenOptions& o, py::iterable v) { o.must_match = os_bytes_list(v); })
       .def_readwrite("expected_offsets", &zf::FlattenOptions::expected_offsets)
       .def_readwrite("expected_flat_numel", &zf::FlattenOptions::expected_flat_numel)
       .def_readwrite("names", &zf::FlattenOptions::names)
-      .def_readwrite("local_error", &zf::FlattenOptions::local_error)
+      .def_property(
+          "local_error", [](const zf::FlattenOptions& o) { return os_name(o.local_error); },
+          [](zf::FlattenOptions& o, py::handle v) { o.local_error = os_bytes(v); })
       .def_property(
           "framework_cached_free_bytes",
           [](const zf::FlattenOptions& o) { return o.probe.framework_cached_free_bytes; },

@@ -22,4 +22,19 @@ inline pybind11::list os_names(const std::vector<std::string>& names) {
   return out;
 }
 
+// The other way: text from Python that may quote such a name (an error naming a path), as the
+// bytes os.fsencode makes of it; bytes as they are.
+inline std::string os_bytes(pybind11::handle text) {
+  if (PyBytes_Check(text.ptr())) return pybind11::reinterpret_borrow<pybind11::bytes>(text);
+  PyObject* b = PyUnicode_AsEncodedString(text.ptr(), "utf-8", "surrogateescape");
+  if (b == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::bytes>(b);
+}
+
+inline std::vector<std::string> os_bytes_list(pybind11::handle texts) {
+  std::vector<std::string> out;
+  for (pybind11::handle t : texts) out.push_back(os_bytes(t));
+  return out;
+}
+
 }  // namespace zeroflat_python

@@ -59,6 +59,14 @@ def native_path(path: Any) -> bytes:
     return os.fsencode(os.fspath(path))
 
 
+def path_text(path: Any) -> str:
+    """A path for messages: as os.fsdecode gives it (bytes and PathLike included)."""
+    try:
+        return os.fsdecode(path)
+    except TypeError:
+        return str(path)
+
+
 def int_option(name: str, value: Any, lo: int, hi: int = U64_MAX) -> int:
     """An integer argument, checked where it enters (not as pybind's "incompatible function
     arguments")."""

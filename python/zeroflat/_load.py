@@ -24,7 +24,8 @@ from . import _C, _hf_names, _zero3
 from ._comm import TorchComm, comm_device
 from ._common import (DTYPES, FILE_DTYPES, TORCH_DTYPES, FlatGroup, bool_option, check_options,
                       check_release_options, dtype_name, engine_threads, framework_memory,
-                      layout_options, native_path, partition_and_master, release_rules, select)
+                      layout_options, native_path, partition_and_master, path_text,
+                      release_rules, select)
 from ._errors import CommError, Error, InvalidArgument, NoFeasiblePlan
 from ._patches import Patch, patched
 from ._progress import Progress, Watch, check_callback
@@ -749,7 +750,7 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
     target = placement.target if placement is not None else torch.device("cpu")
     engine, nthreads, comm, rank = engine_and_comm(target, threads if ok else 1, dp,
                                                    process_group)
-    path = prep.ck.path if ok else str(checkpoint)
+    path = prep.ck.path if ok else path_text(checkpoint)
     door = getattr(_C, placement.door if placement is not None else "load")
 
     # One load per buffer on every rank, and at least one: the first carries any rank's own

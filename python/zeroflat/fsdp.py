@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _hf_names
-from ._common import DTYPES, bool_option, framework_memory
+from ._common import DTYPES, bool_option, framework_memory, path_text
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._load import (_checkpoint, _dtype_text, _read_whole, _sources_of, _stored, call_loader,
                     check_load_options, engine_and_comm, left_untied)
@@ -207,7 +207,7 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     target = prep.device if prep is not None else torch.device("cpu")
     engine, nthreads, comm, rank = engine_and_comm(target, threads if prep else 1, world, group,
                                                    host_memory="torch")
-    path = prep.ck.path if prep is not None else str(checkpoint)
+    path = prep.ck.path if prep is not None else path_text(checkpoint)
     mesh_shape = prep.mesh_shape if prep is not None else [world]
     coords = prep.coords if prep is not None else [[r] for r in range(world)]
 
