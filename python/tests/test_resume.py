@@ -44,6 +44,10 @@ def _config(stage, opts):
         zero["sub_group_size"] = opts["sub_group_size"]
     if opts.get("from_fp32") is False:
         zero["load_from_fp32_weights"] = False
+    if "persistence" in opts:  # ZeRO-3: parameters below this many elements are kept whole
+        zero["stage3_param_persistence_threshold"] = opts["persistence"]
+    if opts.get("offload_param"):
+        zero["offload_param"] = {"device": "cpu"}
     if opts.get("offload"):  # the optimizer's states and step on the host (DeepSpeed's CPU Adam
         # is not built here: torch's AdamW steps the host partitions)
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -412,6 +416,7 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
     ours = snapshot(engine)
     if "whole" in ours:
         _check_whole(engine)
+        report["whole"], report["params"] = len(ours["whole"]), len(ours["status"])
     if ref is not None:
         skip = set(opts.get("skip", []))
         import deepspeed
@@ -627,6 +632,29 @@ def test_an_optimizer_offloaded_to_the_host_resumes_as_deepspeeds_own_load(tmp_p
     steps' losses the same."""
     ckpt = saved(tmp_path_factory, stage, 2, offload=True)
     served(resume(ckpt, stage, 2, reference="deepspeed", offload=True))
+
+
+def test_zero3_persistent_parameters_are_whole_as_after_deepspeeds_own_load(tmp_path_factory):
+    """ZeRO-3's persistent parameters (kept whole on every rank) come out of the resume whole,
+    as DeepSpeed's epilogue leaves them, whether the resume gathers them in its one all-gather
+    or hands them to DeepSpeed's own: none persistent, some (the biases), all, and with the
+    parameters offloaded to the host; bit for bit DeepSpeed's own load (statuses, whole data,
+    partitions) and the next steps the same."""
+    ckpt = saved(tmp_path_factory, 3, 2)
+    variants = [{"name": "none", "persistence": 0}, {"name": "biases", "persistence": 100},
+                {"name": "all", "persistence": 10 ** 9},
+                {"name": "offload_param", "offload_param": True}]
+    for variant, ranks in zip(variants, resume(ckpt, 3, 2, reference="deepspeed",
+                                               variants=variants)):
+        served(ranks)
+        whole, params = ranks[0]["whole"], ranks[0]["params"]
+        assert all(r["whole"] == whole for r in ranks), (variant["name"], ranks)
+        if variant["name"] == "none":
+            assert whole == 0, (variant["name"], whole)
+        elif variant["name"] == "biases":
+            assert 0 < whole < params, (variant["name"], whole, params)
+        else:  # every parameter is under the threshold (the default one with offload_param)
+            assert whole == params, (variant["name"], whole, params)
 
 
 def test_zero3_module_only_and_frozen_parameters(tmp_path_factory):
