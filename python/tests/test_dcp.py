@@ -133,8 +133,10 @@ def _broken_load(rank, mesh, job):
     model, opt = _sharded(1, mesh)
     msd, osd = get_state_dict(model, opt)
     before = {k: _local(v).detach().clone() for k, v in _flat(msd).items() if torch.is_tensor(v)}
+    group = mesh.get_group() if job.get("mesh_ranks") else None
     try:
-        dcp.load({"model": msd, "optim": osd}, storage_reader=zeroflat.dcp.Reader(job["path"]))
+        dcp.load({"model": msd, "optim": osd}, storage_reader=zeroflat.dcp.Reader(job["path"]),
+                 process_group=group)
     except CheckpointException as e:
         error = str(e) + " " + " ".join(str(f) for f in e.failures.values())
     else:
@@ -206,9 +208,16 @@ def worker(rank, world, port, job):
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    result = {"save": _save, "load": _load, "hf_save": _hf_save, "hf_load": _hf_load,
-              "broken_load": _broken_load}[job["what"]](rank, mesh, job)
+    if job.get("mesh_ranks"):  # a model on some of the job's ranks; the others load nothing
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh("cpu", job["mesh_ranks"])
+        if rank not in job["mesh_ranks"]:
+            job = {**job, "what": "nothing"}
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    result = {"nothing": lambda *a: {}, "save": _save, "load": _load, "hf_save": _hf_save,
+              "hf_load": _hf_load, "broken_load": _broken_load}[job["what"]](rank, mesh, job)
     dist.barrier()
     with open(f"{job['out']}.{rank}", "w") as f:
         json.dump(result, f)
@@ -267,6 +276,31 @@ def test_a_part_only_one_rank_reads_refuses_the_load_on_every_rank(saved, tmp_pa
     assert all(r["unchanged"] for r in ranks), ranks
     assert "the index says" in ranks[1]["error"], ranks[1]
     assert "rank 1 refused its part of the load" in ranks[0]["error"], ranks[0]
+
+
+def test_a_refused_part_refuses_the_load_on_a_group_of_fewer_ranks_than_the_job(saved,
+                                                                                tmp_path):
+    """The same broken checkpoint loaded by 2 of 3 ranks (dcp.load given their group): the
+    loading ranks agree among themselves (a group of their own, made by them alone), so the
+    rank whose part is fine refuses too and neither wrote anything; the third rank is not
+    involved."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    path = str(tmp_path / "ck")
+    shutil.copytree(saved, path)
+    md = _metadata(path)
+    chunks = md.state_dict_metadata["model.embed.weight"].chunks
+    last = max(chunks, key=lambda c: c.offsets[0])
+    entry = md.storage_data[MetadataIndex("model.embed.weight", last.offsets)]
+    other = md.storage_data[MetadataIndex("model.head.weight", torch.Size([0, 0]))]
+    entry.relative_path, entry.offset, entry.length = (other.relative_path, other.offset,
+                                                       other.length)
+    _rewrite(path, md)
+    ranks = run(3, {"what": "broken_load", "path": path, "mesh_ranks": [1, 2]}, str(tmp_path))
+    assert ranks[0] == {}, ranks
+    assert all(r["unchanged"] for r in ranks[1:]), ranks
+    assert "the index says" in ranks[2]["error"], ranks[2]
+    assert "rank 2 refused its part of the load" in ranks[1]["error"], ranks[1]
 
 
 def test_saved_without_collectives_loads_as_dcps_own_reader_does(tmp_path):

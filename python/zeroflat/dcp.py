@@ -45,6 +45,10 @@ __all__ = ["Reader"]
 
 # The key under which a load plan carries the number of loading ranks (prepare_global_plan).
 _RANKS = "zeroflat_ranks"
+_RANK = "zeroflat_rank"
+# The loading ranks' own gloo groups for the agreement, by their global ranks (a group of fewer
+# ranks than the job; made once, by those ranks alone).
+_GROUPS: Dict[Tuple[int, ...], object] = {}
 # torch's dtype names a DCP index may give (the library checked them against its list).
 _TORCH_DTYPES = {str(d).split(".")[-1]: d for d in _DTYPES.values()}
 
@@ -200,20 +204,27 @@ class Reader(StorageReader):
             self._checkpoint()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # Which rank of the job made this plan: the coordinator learns the loading ranks.
+        if dist.is_initialized():
+            return dataclasses.replace(plan, storage_data={_RANK: dist.get_rank()})
         return plan
 
     def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
-        # Each rank's plan carries how many ranks load: where they are the whole job, read_data
-        # agrees among them before anything is written.
-        return [dataclasses.replace(p, storage_data={_RANKS: len(plans)}) for p in plans]
+        # Each rank's plan carries the loading ranks (their ranks in the job, in the group's
+        # order): read_data has them agree before anything is written.
+        members = [p.storage_data.get(_RANK) if isinstance(p.storage_data, dict) else None
+                   for p in plans]
+        data = {_RANKS: len(plans)}
+        if all(isinstance(m, int) for m in members) and len(set(members)) == len(members):
+            data[_RANK] = members
+        return [dataclasses.replace(p, storage_data=dict(data)) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """Every request of this rank in one batch of the library's reads, then each target
         committed. Everything is checked before the first target is written: the index, every
         chunk's archive (DCP), every value (parsed by the restricted reader), every target's
-        shape; where the loading ranks are the whole job (the default group: DCP's load given
-        no process group, or one of every rank), they agree first, so that one rank's refusal
-        leaves every rank's state as it was. A request for a tensor of a dtype the library does
+        shape; the loading ranks then agree (_agree), so that one rank's refusal leaves every
+        loading rank's state as it was. A request for a tensor of a dtype the library does
         not convert is read whole (its chunk) and copied."""
         error, reads = None, None
         try:
@@ -264,22 +275,46 @@ class Reader(StorageReader):
         return index, jobs, values
 
     def _agree(self, plan: LoadPlan, error: Optional[BaseException]) -> None:
-        """Raises this rank's own error; where the loading ranks are the whole job, first tells
-        every rank whether any refused (one all-reduce), and raises on each then."""
-        ranks = plan.storage_data.get(_RANKS) if isinstance(plan.storage_data, dict) else None
-        if (not isinstance(ranks, int) or ranks <= 1 or not dist.is_initialized()
-                or dist.get_world_size() != ranks):
+        """Raises this rank's own error; where several ranks load, first tells each of them
+        whether any refused (one all-reduce over the loading ranks: the job's default group
+        when they are all of it, else a gloo group of their own, made once by them alone), and
+        raises on each then."""
+        group = self._loading_group(plan)
+        if group is False:
             if error is not None:
                 raise error
             return
         me = dist.get_rank()
-        refused = all_reduce_ints([me + 1 if error is not None else 0], None, "max",
+        refused = all_reduce_ints([me + 1 if error is not None else 0], group, "max",
                                   f"zeroflat.dcp.Reader({self.path!r})'s agreement", "dcp")[0]
         if error is not None:
             raise error
         if refused:
             raise ValueError(f"{self.path}: rank {refused - 1} refused its part of the load "
                              "(its error says why); nothing was written on this rank")
+
+    @staticmethod
+    def _loading_group(plan: LoadPlan):
+        """The process group of the ranks that load (None: the default one), or False where
+        they cannot agree (one rank, no process group, a plan not stamped by this reader)."""
+        data = plan.storage_data if isinstance(plan.storage_data, dict) else {}
+        ranks, members = data.get(_RANKS), data.get(_RANK)
+        if not isinstance(ranks, int) or ranks <= 1 or not dist.is_initialized():
+            return False
+        if dist.get_world_size() == ranks:
+            return None
+        if not isinstance(members, list) or len(members) != ranks:
+            return False
+        key = tuple(sorted(members))
+        if dist.get_rank() not in key:
+            return False
+        if key not in _GROUPS:
+            try:
+                _GROUPS[key] = dist.new_group(list(key), backend="gloo",
+                                              use_local_synchronization=True)
+            except TypeError:  # a torch without local synchronization: each rank its own
+                _GROUPS[key] = False
+        return _GROUPS[key]
 
     def _write(self, index: "_C.Checkpoint", jobs, planner: LoadPlanner) -> None:
         boxes, done = [], []
