@@ -256,10 +256,9 @@ def test_saved_at_4_loads_at_2_and_3_as_dcps_own_reader_does(saved, world, tmp_p
 
 # ---- hostile indexes and items (one process) ---------------------------------------------------
 
-def test_a_part_only_one_rank_reads_refuses_the_load_on_every_rank(saved, tmp_path):
-    """The embedding's last saved chunk (only the last rank of 2 reads it) points at another
-    tensor's archive: that rank's checks refuse it, and the agreement in read_data has the other
-    rank refuse too, before either wrote anything."""
+def _last_embed_chunk_elsewhere(saved, tmp_path):
+    """A copy of the saved checkpoint whose index points the embedding's last chunk (read by the
+    last loading rank alone) at another tensor's archive; its path."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     path = str(tmp_path / "ck")
@@ -272,6 +271,14 @@ def test_a_part_only_one_rank_reads_refuses_the_load_on_every_rank(saved, tmp_pa
     entry.relative_path, entry.offset, entry.length = (other.relative_path, other.offset,
                                                        other.length)
     _rewrite(path, md)
+    return path
+
+
+def test_a_part_only_one_rank_reads_refuses_the_load_on_every_rank(saved, tmp_path):
+    """The embedding's last saved chunk (only the last rank of 2 reads it) points at another
+    tensor's archive: that rank's checks refuse it, and the agreement in read_data has the other
+    rank refuse too, before either wrote anything."""
+    path = _last_embed_chunk_elsewhere(saved, tmp_path)
     ranks = run(2, {"what": "broken_load", "path": path}, str(tmp_path))
     assert all(r["unchanged"] for r in ranks), ranks
     assert "the index says" in ranks[1]["error"], ranks[1]
@@ -284,18 +291,7 @@ def test_a_refused_part_refuses_the_load_on_a_group_of_fewer_ranks_than_the_job(
     loading ranks agree among themselves (a group of their own, made by them alone), so the
     rank whose part is fine refuses too and neither wrote anything; the third rank is not
     involved."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    path = str(tmp_path / "ck")
-    shutil.copytree(saved, path)
-    md = _metadata(path)
-    chunks = md.state_dict_metadata["model.embed.weight"].chunks
-    last = max(chunks, key=lambda c: c.offsets[0])
-    entry = md.storage_data[MetadataIndex("model.embed.weight", last.offsets)]
-    other = md.storage_data[MetadataIndex("model.head.weight", torch.Size([0, 0]))]
-    entry.relative_path, entry.offset, entry.length = (other.relative_path, other.offset,
-                                                       other.length)
-    _rewrite(path, md)
+    path = _last_embed_chunk_elsewhere(saved, tmp_path)
     ranks = run(3, {"what": "broken_load", "path": path, "mesh_ranks": [1, 2]}, str(tmp_path))
     assert ranks[0] == {}, ranks
     assert all(r["unchanged"] for r in ranks[1:]), ranks

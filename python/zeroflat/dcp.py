@@ -45,7 +45,9 @@ __all__ = ["Reader"]
 
 # The key under which a load plan carries the number of loading ranks (prepare_global_plan).
 _RANKS = "zeroflat_ranks"
+# A rank's local plan carries its rank in the job; the global plan, every loading rank's.
 _RANK = "zeroflat_rank"
+_MEMBERS = "zeroflat_members"
 # The loading ranks' own gloo groups for the agreement, by their global ranks (a group of fewer
 # ranks than the job; made once, by those ranks alone).
 _GROUPS: Dict[Tuple[int, ...], object] = {}
@@ -216,7 +218,7 @@ class Reader(StorageReader):
                    for p in plans]
         data = {_RANKS: len(plans)}
         if all(isinstance(m, int) for m in members) and len(set(members)) == len(members):
-            data[_RANK] = members
+            data[_MEMBERS] = members
         return [dataclasses.replace(p, storage_data=dict(data)) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
@@ -298,7 +300,7 @@ class Reader(StorageReader):
         """The process group of the ranks that load (None: the default one), or False where
         they cannot agree (one rank, no process group, a plan not stamped by this reader)."""
         data = plan.storage_data if isinstance(plan.storage_data, dict) else {}
-        ranks, members = data.get(_RANKS), data.get(_RANK)
+        ranks, members = data.get(_RANKS), data.get(_MEMBERS)
         if not isinstance(ranks, int) or ranks <= 1 or not dist.is_initialized():
             return False
         if dist.get_world_size() == ranks:
