@@ -595,11 +595,16 @@ def test_options_and_tags_are_deepspeeds(tmp_path_factory, stage):
     (ckpt / "nolatest").mkdir(exist_ok=True)
     if not (ckpt / "nolatest" / TAG).exists():
         (ckpt / "nolatest" / TAG).symlink_to(ckpt / TAG)
+    # A folder whose name is not UTF-8 (a str as os.fsdecode makes it, as DeepSpeed takes it).
+    odd = os.fsdecode(b"folder-\xff")
+    if not (ckpt / odd).exists():
+        (ckpt / odd).symlink_to(ckpt, target_is_directory=True)
     variants = [
         {"name": "optimizer states off", "load": {"load_optimizer_states": False}},
         {"name": "scheduler off", "load": {"load_lr_scheduler_states": False}},
         {"name": "latest", "tag": None},
         {"name": "no latest", "tag": None, "dir": "nolatest"},
+        {"name": "a folder not UTF-8", "tag": None, "dir": odd},
         {"name": "one rank unserved", "unserved": True},
     ]
     if stage != 3:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import _C, _dropin
 from ._comm import all_reduce_ints
-from ._common import TORCH_DTYPES, dtype_name, native_path
+from ._common import TORCH_DTYPES, dtype_name, native_path, path_text
 from ._dropin import log, round_robin_offsets, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._progress import Watch
@@ -71,7 +71,7 @@ def why_not(engine, load_dir, custom_load_fn) -> Optional[str]:
     if getattr(zero_config, "pipeline_loading_checkpoint", False):
         return "zero_optimization.pipeline_loading_checkpoint asks DeepSpeed's serial load"
     if not os.path.isdir(os.fspath(load_dir)):
-        return f"{os.fspath(load_dir)} is not a folder"
+        return f"{path_text(load_dir)} is not a folder"
     return None
 
 
@@ -602,7 +602,7 @@ def _tag(engine, load_dir) -> Optional[str]:
     'latest_universal' when the config loads universal checkpoints)."""
     universal = _is_true(engine, "load_universal_checkpoint")
     name = "latest_universal" if universal else "latest"
-    path = os.path.join(os.fspath(load_dir), name)
+    path = os.path.join(os.fsdecode(os.fspath(load_dir)), name)
     if os.path.isfile(path):
         with open(path, "rb") as fd:
             data = fd.read(4097)
@@ -631,7 +631,7 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
                 load_module_only=load_module_only, custom_load_fn=custom_load_fn)
     reason = why_not(engine, load_dir, custom_load_fn)
     group = engine.optimizer.dp_process_group if _optimizer_kind(engine) else None
-    start = time.perf_counter()
+    start, where = time.perf_counter(), path_text(load_dir)
     # This rank's part, before the call's one agreement: the tag, the checkpoint opened, its small
     # values, the plan and its digest, every buffer read (no collective; lent tensors only).
     plan, ck, error, digest = None, None, None, 0
@@ -656,7 +656,7 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     # no tag, the lowest rank that failed, the highest and the lowest digest of the ranks' plans.
     no_tag = reason is None and error is None and tag is None
     unserved_error = None if reason is None else InvalidArgument(
-        f"load_checkpoint({os.fspath(load_dir)}) cannot be served on this rank ({reason}) where "
+        f"load_checkpoint({where}) cannot be served on this rank ({reason}) where "
         "other ranks can: every rank must load the same checkpoint the same way (DeepSpeed's "
         "load would leave the ranks different, or waiting); nothing of the engine was changed")
     try:
@@ -668,17 +668,17 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
         if plan is not None and (unserved or failing or any_no_tag or high != -low):
             plan.put_back()  # what was read into the optimizer's own tensors, undone
         # A refusal wins: what one rank refused never goes to DeepSpeed's own load on any rank.
-        _raise_failed(failing, error, group, f"{os.fspath(load_dir)} tag {tag}")
+        _raise_failed(failing, error, group, f"{where} tag {tag}")
         if unserved and any_served:  # the ranks see different things: none loads
-            _raise_failed(unserved, unserved_error, group, os.fspath(load_dir))
+            _raise_failed(unserved, unserved_error, group, where)
         if unserved:
             stats["resume_fallbacks"].append(reason)
-            log.warning("zeroflat: load_checkpoint(%s) is DeepSpeed's own: %s", load_dir, reason)
+            log.warning("zeroflat: load_checkpoint(%s) is DeepSpeed's own: %s", where, reason)
             return original(engine, load_dir, **args)
         if any_no_tag:
             log.warning("zeroflat: no 'latest' file in %s%s: pass the tag of the checkpoint to "
                         "load (DeepSpeed's own load_checkpoint returns (None, None) too)",
-                        load_dir, "" if no_tag else " as another rank sees it")
+                        where, "" if no_tag else " as another rank sees it")
             return None, None
         assert plan is not None and ck is not None
         if high != -low:
@@ -693,7 +693,7 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
                              "saved_world": ck.world, "world": plan.dp,
                              "bytes_read": plan.bytes_read, "bytes_in_place": plan.bytes_in_place,
                              "seconds": seconds})
-    load_path = engine._get_ckpt_name(load_dir, tag)
+    load_path = engine._get_ckpt_name(os.fsdecode(os.fspath(load_dir)), tag)
     if not os.path.exists(load_path):
         load_path = ck.files[plan.files.model][0]
     return load_path, plan.client_state()
