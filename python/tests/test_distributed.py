@@ -127,16 +127,33 @@ def check_shared_memory_all_gather(rank, world, group):
     in /dev/shm either way."""
     from zeroflat import _shm
 
-    def pattern(r, n):
-        return ((torch.arange(n, dtype=torch.int64) * 7 + r * 13) % 251).to(torch.uint8)
+    def pattern(r, n, salt=0):
+        return ((torch.arange(n, dtype=torch.int64) * 7 + r * 13 + salt * 31) % 251).to(
+            torch.uint8)
+
+    calls = [0]
 
     def gathered(win, slice_bytes):
+        # Each call's bytes differ from the last's, and one rank is slow to read each round
+        # after its barrier while the others go on: no barrier ends an exchange, so a round
+        # (of this exchange or the next) that wrote into the slots it still reads would show.
+        calls[0] += 1
         buf = torch.zeros(slice_bytes * world, dtype=torch.uint8)
-        buf[rank * slice_bytes: (rank + 1) * slice_bytes] = pattern(rank, slice_bytes)
-        win.all_gather(buf, slice_bytes)
+        buf[rank * slice_bytes: (rank + 1) * slice_bytes] = pattern(rank, slice_bytes, calls[0])
+        real_barrier = _shm.dist.barrier
+
+        def slow_barrier(*args, **kwargs):
+            real_barrier(*args, **kwargs)
+            time.sleep(0.03)
+        if rank == calls[0] % world:
+            _shm.dist.barrier = slow_barrier
+        try:
+            win.all_gather(buf, slice_bytes)
+        finally:
+            _shm.dist.barrier = real_barrier
         for r in range(world):
             assert torch.equal(buf[r * slice_bytes: (r + 1) * slice_bytes],
-                               pattern(r, slice_bytes)), f"rank {rank}: slice {r}"
+                               pattern(r, slice_bytes, calls[0])), f"rank {rank}: slice {r}"
 
     def left_behind():
         # The group's first rank makes the file and unlinks it before open() returns there.
@@ -156,13 +173,15 @@ def check_shared_memory_all_gather(rank, world, group):
     gathered(win, 1 << 20)  # one round
     gathered(win, 3 * win.slot_bytes + 123)  # four rounds, both slot sets, a ragged last one
     gathered(win, 1)
+    for _ in range(2 * world):  # one round each: every rank lags once after each slot set
+        gathered(win, 4096)
     del win
     assert not left_behind()
 
     # A rank that cannot map the window: every rank falls back.
     real_map = _shm._map
     if rank == world - 1:
-        def refuse(name, total):
+        def refuse(*args):
             raise OSError("not here")
         _shm._map = refuse
     try:
@@ -383,7 +402,7 @@ def hosts_worker(rank, world, port):
         # caller then takes the group's own all-gather).
         real_map = _shm._map
         if rank == 3:
-            def refuse(name, total):
+            def refuse(*args):
                 raise OSError("no room")
             _shm._map = refuse
         try:

@@ -278,13 +278,20 @@ class TorchComm:
                           what: str = "the all-gather of the flat buffer's partitions") -> None:
         """Every rank's slice ``[rank * slice_bytes, +slice_bytes)`` of the byte tensor ``buf``
         into every rank's ``buf``, in place (ranks of one host meet in shared memory)."""
-        # Every rank's byte count before anything is copied: a shorter peer would be overrun.
-        (least,), (most,) = self._range([slice_bytes], what)
+        self.all_gather_tensors([(buf, slice_bytes)], what)
+
+    def all_gather_tensors(self, items: List[Any], what: str) -> None:
+        """all_gather_tensor of each ``(buf, slice_bytes)`` in turn, the ranks' byte counts
+        compared once for all of them."""
+        # Every rank's byte counts before anything is copied: a shorter peer would be overrun.
+        least, most = self._range([n for _, n in items], what)
         if most != least:
-            raise InvalidArgument(f"the ranks passed all-gather slices of {least} to {most} "
-                                  "bytes; nothing was copied")
-        buf = buf[: slice_bytes * self.size]
-        self._run(what, lambda: self._all_gather(buf, slice_bytes))
+            k = next(i for i in range(len(items)) if least[i] != most[i])
+            raise InvalidArgument(f"the ranks passed all-gather slices of {least[k]} to "
+                                  f"{most[k]} bytes; nothing was copied")
+        for buf, slice_bytes in items:
+            part = buf[: slice_bytes * self.size]
+            self._run(what, lambda: self._all_gather(part, slice_bytes))
 
     def _range(self, values: List[int], what: str):
         """Each value's least and greatest over the ranks, in one all-reduce."""

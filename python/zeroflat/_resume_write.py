@@ -288,12 +288,14 @@ class EngineWriter:
                 or any(dist.get_process_group_ranks(g) != mine for g in groups)):
             opt.update_lp_params()
             return
+        items = []
         for i, flat in enumerate(flats):
             part = opt.parallel_partitioned_bit16_groups[i][self.rank]
             part.data.copy_(opt.single_partition_of_fp32_groups[i].data)
-            comm.all_gather_tensor(flat.view(-1).view(torch.uint8),
-                                   part.numel() * flat.element_size(),
-                                   f"the all-gather of group {i}'s 16-bit weights")
+            items.append((flat.view(-1).view(torch.uint8), part.numel() * flat.element_size()))
+        # The larger slices first: the window opened for them serves the rest.
+        items.sort(key=lambda item: -item[1])
+        comm.all_gather_tensors(items, "the all-gather of the groups' 16-bit weights")
 
     def write(self) -> None:
         """The engine takes what was read. Runs only after every rank has read everything."""

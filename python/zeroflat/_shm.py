@@ -11,26 +11,29 @@ Which ranks share a host is found the same way (``hosts``): each rank makes a fi
 memory. Within a host the ranks then meet in a window; between hosts they use the process group.
 
 Whether every rank of the group can map the same window is found by trying: rank 0 creates a
-file of a random name and reserves its pages (``posix_fallocate``, so that a full ``/dev/shm``
-is a clean error here rather than a SIGBUS later), every other rank opens it by name without
-creating it, and the ranks agree; anything short of every rank mapping it means the caller
-keeps to the process group's own all-gather. The file is unlinked as soon as every rank has it
-mapped: nothing is left behind, whatever happens next.
+file of a random name and the window's size, every other rank opens it by name without creating
+it, each rank has the pages of its own slots made (``MADV_POPULATE_WRITE``, all ranks at once,
+so that a full ``/dev/shm`` is a clean error here rather than a SIGBUS later), and the ranks
+agree; anything short of every rank mapping it means the caller keeps to the process group's
+own all-gather. The file is unlinked as soon as every rank has it mapped: nothing is left
+behind, whatever happens next.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
 import secrets
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 _WINDOW_BYTES = 32 << 20  # the whole ring, all ranks' slots together
 _PAGE = 4096
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels answer EINVAL
 _DIR = "/dev/shm"
 
 
@@ -56,6 +59,9 @@ class SharedWindow:
         self.size = size
         self.slot_bytes = slot_bytes
         self.window = window
+        # Rounds since the window opened: the ring's slot sets alternate across exchanges too,
+        # so that an exchange needs no barrier after its last round (see exchange).
+        self.rounds = 0
 
     @classmethod
     def open(cls, group, rank: int, size: int, slice_bytes: int) -> Optional["SharedWindow"]:
@@ -76,7 +82,7 @@ class SharedWindow:
             if not name:
                 return None
             try:
-                window = _map(name, total)
+                window = _map(name, total, [(k * size + rank) * slot for k in range(2)], slot)
             except OSError:
                 window = None
             ok = torch.tensor([1 if window is not None else 0], dtype=torch.int64)
@@ -104,10 +110,12 @@ class SharedWindow:
         """Rank j's ``buf[starts[j], starts[j] + slice_bytes)`` into every rank's ``buf`` at the
         same place (uint8, on the host), in place; ``starts`` the same on every rank."""
         n_ranks, slot, me = self.size, self.slot_bytes, self.rank
-        for k, off in enumerate(range(0, slice_bytes, slot)):
+        for off in range(0, slice_bytes, slot):
             n = min(slot, slice_bytes - off)
-            # Slot set k % 2: the barrier of round k - 1 saw every rank done reading this set in
-            # round k - 2, so it is free to overwrite.
+            # Slot set k % 2, k counted since the window opened: the barrier of round k - 1 (of
+            # this exchange or the one before) saw every rank done reading this set in round
+            # k - 2, so it is free to overwrite.
+            k, self.rounds = self.rounds, self.rounds + 1
             base = (k % 2) * n_ranks * slot
             mine = base + me * slot
             own = starts[me] + off
@@ -117,8 +125,8 @@ class SharedWindow:
                 if j != me:
                     at = base + j * slot
                     buf[starts[j] + off: starts[j] + off + n].copy_(self.window[at: at + n])
-        # Nobody reuses the window before every rank has read the last round.
-        dist.barrier(group=self.group)
+        # No barrier after the last round: this rank's buffer is complete, and the next round
+        # on the window (the next exchange's first) writes the other slot set.
 
 
 def hosts(group, rank: int, size: int) -> Optional[list]:
@@ -171,7 +179,8 @@ def hosts(group, rank: int, size: int) -> Optional[list]:
 
 
 def _create(total: int) -> str:
-    """A new file of ``total`` reserved bytes in /dev/shm, or "" when it cannot be made."""
+    """A new file of ``total`` bytes in /dev/shm (its pages not yet made), or "" when it cannot
+    be made."""
     if not os.path.isdir(_DIR):
         return ""
     name = os.path.join(_DIR, f"zeroflat-{os.getpid()}-{secrets.token_hex(8)}")
@@ -180,7 +189,7 @@ def _create(total: int) -> str:
     except OSError:
         return ""
     try:
-        os.posix_fallocate(fd, 0, total)
+        os.ftruncate(fd, total)  # its pages are made by the ranks, each its own slots (_map)
     except OSError:
         os.close(fd)
         os.unlink(name)
@@ -189,13 +198,26 @@ def _create(total: int) -> str:
     return name
 
 
-def _map(name: str, total: int) -> torch.Tensor:
-    """The file ``name``, which must exist and hold ``total`` bytes, mapped shared, as uint8."""
+def _map(name: str, total: int, own: Sequence[int] = (), own_bytes: int = 0) -> torch.Tensor:
+    """The file ``name``, which must exist and hold ``total`` bytes, mapped shared, as uint8,
+    with the pages of this rank's slots (``own_bytes`` from each offset in ``own``) made now:
+    an OSError, not a SIGBUS at the first write, where /dev/shm has no room for them."""
     fd = os.open(name, os.O_RDWR)  # never O_CREAT: another host's file must not be made here
     try:
         if os.fstat(fd).st_size != total:
             raise OSError(f"{name} is not the window's size")
         mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            for at in own:
+                try:
+                    mm.madvise(_MADV_POPULATE_WRITE, at, own_bytes)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    os.posix_fallocate(fd, at, own_bytes)  # a kernel before 5.14
+        except BaseException:
+            mm.close()
+            raise
     finally:
         os.close(fd)
     return torch.frombuffer(mm, dtype=torch.uint8)
