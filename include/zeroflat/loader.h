@@ -234,6 +234,12 @@ std::uint64_t read_checkpoint_boxes(const CheckpointIndex& checkpoint,
                                     std::span<const BoxRead> boxes, unsigned threads,
                                     bool sole_reader = false);
 
+// Every file that a tensor of the checkpoint lies in is there, a regular file, the file its
+// header was read from (its stamp: device, inode, size, modification time) and as long as the
+// header says; checked without reading (stat), so that ranks can agree on it before any of them
+// writes what it reads. Throws InvalidArgument naming the file and what changed.
+void check_checkpoint_files(const CheckpointIndex& checkpoint);
+
 // The word for a cached fraction: "cold" (under 10%), "warm" (over 90%), else "partly".
 std::string page_cache_word(double cached_fraction);
 

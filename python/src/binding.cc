@@ -897,6 +897,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return zf::checkpoint_pieces(ck, r);
           },
           py::arg("refs"))
+      // Every file its tensors lie in still the one its headers were read from
+      // (check_checkpoint_files): what a reader checks before the ranks agree.
+      .def("check_files",
+           [](const zf::CheckpointIndex& ck) {
+             py::gil_scoped_release nogil;
+             zf::check_checkpoint_files(ck);
+           })
       // Tensor `name` read whole into `out` (a contiguous CPU tensor of its element count):
       // converted to out's dtype as torch rounds when that is bf16, fp16 or fp32, else its
       // bytes as stored (out must then have exactly as many bytes).

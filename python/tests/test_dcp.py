@@ -180,12 +180,26 @@ def _hf_load(rank, mesh, job):
         return {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)])
                 for k, v in full.items()}
 
-    theirs = None
+    theirs, path, reader_class = None, job["path"], zeroflat.dcp.Reader
+    if job.get("replaced"):
+        # Each rank its own copy of the folder; the last rank's files are replaced (renamed
+        # over, the same bytes) after its reader read their headers.
+        path = f"{job['path']}.rank{rank}"
+        shutil.copytree(job["path"], path)
+        if rank == mesh.size() - 1:
+            class Replacing(zeroflat.dcp.Reader):
+                def read_metadata(self, *args, **kwargs):
+                    md = super().read_metadata(*args, **kwargs)
+                    for name in os.listdir(path):
+                        shutil.copyfile(os.path.join(path, name), os.path.join(path, "new"))
+                        os.replace(os.path.join(path, "new"), os.path.join(path, name))
+                    return md
+            reader_class = Replacing
     if not job.get("broken"):
         theirs = fresh()
-        dcp.load(theirs, storage_reader=HuggingFaceStorageReader(job["path"]))
+        dcp.load(theirs, storage_reader=HuggingFaceStorageReader(path))
         assert all(torch.equal(theirs[k].full_tensor(), full[k]) for k in full)
-    ours, reader, error = fresh(), zeroflat.dcp.Reader(job["path"]), None
+    ours, reader, error = fresh(), reader_class(path), None
     try:
         dcp.load(ours, storage_reader=reader)
     except CheckpointException as e:  # DCP's, a BaseException, carrying each rank's error
@@ -587,6 +601,18 @@ def test_hf_folders_dcp_saved_in_pieces_load_at_another_world(pieces, tmp_path):
     for r in run(2, {"what": "hf_load", "path": str(pieces)}, str(tmp_path)):
         assert r["error"] is None and r["equal"], r
         assert 0 < r["read"] <= r["share"] + 9 * 8, r
+
+
+def test_a_file_replaced_after_its_header_was_read_refuses_the_load_on_every_rank(pieces,
+                                                                                  tmp_path):
+    """Each rank reads its own copy of the folder; the last rank's files are replaced after its
+    reader read their headers: that rank refuses before the ranks agree, so the other refuses
+    too, and neither wrote anything."""
+    ranks = run(2, {"what": "hf_load", "path": str(pieces), "broken": True, "replaced": True},
+                str(tmp_path))
+    assert all(r["error"] and r["unchanged"] for r in ranks), ranks
+    assert "replaced since it was opened" in ranks[1]["error"], ranks[1]
+    assert "rank 1 refused its part of the load" in ranks[0]["error"], ranks[0]
 
 
 def test_hf_folders_dcp_saved_in_pieces_one_rank_and_a_missing_part(pieces, tmp_path):

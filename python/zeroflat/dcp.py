@@ -267,6 +267,9 @@ class Reader(StorageReader):
             index = ck.pieces([(req.storage_index.fqn, [int(o) for o in req.storage_index.offset]
                                 if req.storage_index.offset is not None else [])
                                for req in tensors])
+            # Its files still the ones whose headers were read (a file replaced, cut or gone
+            # since): refused here, before the ranks agree, not found by the reads after.
+            index.check_files()
         jobs = []
         for i, req in enumerate(tensors):
             target = planner.resolve_tensor(req).detach()

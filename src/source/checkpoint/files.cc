@@ -195,8 +195,9 @@ std::shared_ptr<const File> OpenFiles::get(std::uint32_t i) {
 // Every file of the checkpoint is there and as long as its header says: checked without opening
 // (so without descriptors), before the ranks agree, so that a missing shard is an error on every
 // rank before anything is read.
-void check_files_present(const CheckpointIndex& ck) {
+void check_files_present(const CheckpointIndex& ck, const std::vector<bool>& only) {
   for (std::size_t i = 0; i < ck.files.size(); ++i) {
+    if (!only.empty() && (i >= only.size() || !only[i])) continue;
     struct stat st {};
     if (::stat(ck.files[i].c_str(), &st) != 0) {
       throw InvalidArgument(ck.files[i] + ": " + std::strerror(errno) + " (a file of checkpoint " +

@@ -100,7 +100,7 @@ class OpenFiles {
 
 // Every file of the checkpoint is there and as long as its header says: checked without opening
 // (so without descriptors). Throws InvalidArgument naming the file.
-void check_files_present(const CheckpointIndex& ck);
+void check_files_present(const CheckpointIndex& ck, const std::vector<bool>& only = {});
 
 // Drops files' pages from the page cache. Dirty pages (a checkpoint just written) are not
 // dropped, so they are written back first.

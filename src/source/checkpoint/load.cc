@@ -267,6 +267,14 @@ std::uint64_t read_checkpoint_boxes(const CheckpointIndex& ck, std::span<const B
   return read;
 }
 
+void check_checkpoint_files(const CheckpointIndex& ck) {
+  std::vector<bool> used(ck.files.size(), false);
+  for (const CheckpointTensor& t : ck.tensors) {
+    if (t.file < used.size()) used[t.file] = true;
+  }
+  detail::check_files_present(ck, used);
+}
+
 std::string page_cache_word(double fraction) {
   return fraction < 0.1 ? "cold" : fraction > 0.9 ? "warm" : "partly";
 }
