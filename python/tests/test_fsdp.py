@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -254,7 +255,9 @@ def _bad_case(rank, mesh, case):
     import zeroflat.fsdp
 
     model = _empty_sharded(case["model_path"], torch.bfloat16, mesh)
-    before = _digest(model)
+    if case.get("counts"):  # a persistent buffer of the model's own
+        model.register_buffer("counts", torch.zeros(6, dtype=torch.int64))
+    before = _digest(model), model.counts.clone() if case.get("counts") else None
     path = case["path"]
     if case.get("rank_only") is not None and rank != case["rank_only"]:
         path = case["model_path"]  # only this rank's checkpoint is bad
@@ -268,14 +271,16 @@ def _bad_case(rank, mesh, case):
             self.coords[0], self.coords[2] = self.coords[2], self.coords[0]
         zeroflat.fsdp._Mesh.__init__ = swapped
     try:
-        zeroflat.fsdp.load(model, path)
+        zeroflat.fsdp.load(model, path, storage=case.get("storage", "read"))
     except Exception as e:  # noqa: BLE001 - the words are checked
         words = f"{type(e).__name__}: {e}"
     else:
         raise AssertionError(f"{case['name']}: the load did not fail")
-    assert _digest(model) == before, case["name"]
+    assert _digest(model) == before[0], case["name"]
+    assert before[1] is None or torch.equal(model.counts, before[1]), case["name"]
     words_wanted = case["words"]
-    if case.get("rank_only") is not None and rank != case["rank_only"]:
+    if case.get("rank_only") is not None and rank != case["rank_only"] and \
+            not case.get("both_find"):
         words_wanted = [f"rank {case['rank_only']} refused"]  # the others name the rank
     for w in words_wanted:
         assert w in words, (case["name"], words)
@@ -291,6 +296,17 @@ def _transformers_case(rank, mesh, case):
     dtype = getattr(torch, case["dtype"])
     replicate, shard = (case["mesh"] if len(case["mesh"]) == 2 else [1, case["mesh"][0]])
     config = DistributedConfig(fsdp_size=shard, dp_replicate_size=replicate)
+    if case.get("absent_on") is not None:
+        # This rank's copy has no config: it cannot build the model, and every rank says so
+        # at once (not the others waiting in the load until the process group's timeout).
+        path = case["path"] + ("-absent" if rank == case["absent_on"] else "")
+        t0 = time.monotonic()
+        try:
+            zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, distributed_config=config,
+                                        dtype=dtype)
+        except Exception as e:  # noqa: BLE001 - the words are checked
+            return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+        raise AssertionError("from_pretrained did not fail")
     ref = AutoModelForCausalLM.from_pretrained(case["path"], distributed_config=config,
                                                dtype=dtype)
     ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, case["path"],
@@ -459,6 +475,16 @@ def test_from_pretrained_is_transformers_fsdp2_load(checkpoints, world, tmp_path
         assert sum(r[k]["read"] for r in ranks) == _data_bytes(case["path"]) * replicas
 
 
+def test_from_pretrained_refuses_on_every_rank_when_one_cannot_build_the_model(checkpoints,
+                                                                              tmp_path):
+    ranks = run(2, [{"transformers": True, "mesh": [2], "path": checkpoints["dense_tied"],
+                     "dtype": "bfloat16", "absent_on": 1}], str(tmp_path))
+    (zero,), (one,) = ranks
+    assert "rank 1 could not build the model" in zero["error"], zero
+    assert "-absent" in one["error"], one
+    assert zero["seconds"] < 20 and one["seconds"] < 20, ranks
+
+
 def other_architectures():
     """Small models of other families, as their configs build them: Llama (untied), GPT-2 (tied,
     its Conv1D weights stored [in, out]; no dropout, so that the next steps compare) and
@@ -542,6 +568,34 @@ def test_bad_input_is_refused_on_every_rank_with_every_model_as_it_was(checkpoin
                   "path": checkpoints["tied_twin_differs"], "model_path": good,
                   "words": ["ties", "'lm_head.weight'", "different values"]})
     cases.append({"mesh": [2], "path": checkpoints["tied_twin_equal"], "dtype": "bfloat16"})
+    # Copies that differ only in their values (the same headers), on rank 1: every way a
+    # value reaches the model is compared (what the loads read, the shards used in place, a
+    # buffer read whole); each rank finds the other's bytes different in its own copy.
+    embed = "model.embed_tokens.weight"
+    resaved = root / "resaved"  # the file re-saved as the edits save it: the same header
+    shutil.copytree(good, resaved)
+    edit(embed, lambda t: None)(resaved)
+    for storage in ("read", "map"):
+        variant(f"other_values_{storage}", edit(embed, lambda t: t[embed].add_(1.0)),
+                ["hold different bytes"], rank_only=1)
+        cases[-1].update(storage=storage, both_find=True, model_path=str(resaved))
+
+    def add_counts(scale):
+        def change(path):
+            index = json.load(open(path / "model.safetensors.index.json"))
+            index["weight_map"]["counts"] = index["weight_map"][embed]
+            json.dump(index, open(path / "model.safetensors.index.json", "w"))
+            edit(embed, lambda t: t.update(counts=torch.arange(6) * scale))(path)
+        return change
+    counted = root / "counts"
+    shutil.copytree(good, counted)
+    add_counts(1)(counted)
+    variant("buffer_differs", add_counts(100), ["hold different bytes", "'counts'"], rank_only=1)
+    cases[-1].update(model_path=str(counted), counts=True, storage="map", both_find=True)
+    # strict=True (the default): a buffer of the model that the checkpoint does not hold.
+    cases.append({"bad": True, "name": "buffer_missing", "mesh": [2], "path": good,
+                  "model_path": good, "counts": True,
+                  "words": ["holds no tensor for the model's buffer 'counts'"]})
     ranks = run(2, cases, str(tmp_path))
     for r in ranks:
         assert len(r) == len(cases)

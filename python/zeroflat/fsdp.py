@@ -30,11 +30,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, _hf_names
+from . import _C, _fsdp_copies, _hf_names
 from ._common import DTYPES, bool_option, framework_memory, path_text
-from ._errors import InvalidArgument, NoFeasiblePlan
+from ._errors import NoFeasiblePlan
 from ._load import (_checkpoint, _dtype_text, _read_whole, _sources_of, _stored, call_loader,
-                    check_load_options, engine_and_comm, left_untied)
+                    check_load_options, engine_and_comm)
 from ._progress import Watch, check_callback
 
 log = logging.getLogger("zeroflat")
@@ -257,6 +257,8 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
                          if buffer is not None else None)
             results.append((members, report, buffer, lay, dtype, gathering))
     assert local_error is None and prep is not None
+    # What the loads did not compare between the ranks' copies: shards in place, buffers.
+    _fsdp_copies.check(prep, rank, world, group, copies, path)
     # Every rank read everything: the model takes it.
     t_read = time.perf_counter()
     with torch.no_grad():
@@ -280,7 +282,7 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
             _hand_over(m, m.mapped, assigned)
         if assigned:
             model.load_state_dict(assigned, strict=False, assign=True)
-        for local, value in prep.whole:
+        for _, local, value in prep.whole:
             local.copy_(value)
     bytes_read = sum(int(r[1].get("bytes_read") or 0) for r in results) + mapped_bytes
     done = time.perf_counter()
@@ -433,7 +435,7 @@ class _Prepared:
     def __init__(self, ck):
         self.ck = ck
         self.by_dtype: Dict[torch.dtype, List[_Member]] = {}
-        self.whole: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.whole: List[Tuple[str, torch.Tensor, torch.Tensor]] = []  # buffers read whole
         self.entries: List[str] = []
         self.device: Optional[torch.device] = None  # where the local shards live
         self.mesh_shape: List[int] = [1]
@@ -519,14 +521,14 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
     for name, b in _persistent_buffers(model):
         stored = _stored(name, [], ck) or _stored(name, rules(), ck)
         if stored is None:
-            if strict and b.device.type == "meta":
-                raise ValueError(f"buffer {name!r} is on the meta device and {ck.path} does not "
-                                 "hold it")
+            if strict or b.device.type == "meta":
+                raise ValueError(f"{ck.path} holds no tensor for the model's buffer {name!r}" + (
+                    " (on the meta device)" if not strict else "; strict=False leaves it as is"))
             continue
         local = _local(b)
         value = _read_whole(ck, name, [stored], [list(b.shape)], list(b.shape),
                             local.dtype if local.dtype in DTYPES else None, raw_dtype=local.dtype)
-        out.whole.append((local, value))
+        out.whole.append((name, local, value))
         out.entries.append(f"buffer {name} {list(b.shape)} {local.dtype}")
     return out
 
@@ -542,73 +544,6 @@ def _persistent_buffers(model: torch.nn.Module):
 
 def _rank(group) -> int:
     return dist.get_rank(group) if group is not None else 0
-
-
-def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed_config: Any, *,
-                    dtype: Optional[torch.dtype] = None, threads: Optional[int] = None,
-                    cold: bool = False, copies: str = "sampled", storage: str = "auto",
-                    progress: Optional[Callable[[Any], None]] = None,
-                    **from_config_kwargs) -> torch.nn.Module:
-    """The model Transformers' ``from_pretrained(path, distributed_config=...)`` returns (its
-    mesh, its FSDP2 plan, tied weights, dtypes, non-persistent buffers), built the way
-    Transformers builds it and loaded through ``load``: each rank reads its local shards'
-    bytes only. ``storage``: as ``load`` takes it; ``"auto"`` (the default) is ``"map"``, as
-    Transformers' own load maps its files (on a GPU nothing maps: the shards are read).
-    ``zeroflat.hf.from_pretrained(...,
-    distributed_config=...)`` comes here."""
-    from transformers import AutoConfig
-    from transformers import initialization as hf_init
-    from transformers.distributed import initialize_distributed_mesh
-
-    path = os.fspath(path)
-    check_load_options(cold=cold, round_robin=False, strict=True, master_dtype=None,
-                       threads=threads, margin_bytes=None, alignment_factor=2,
-                       param_align_bytes=0, dtype=dtype, deepspeed=None, read_plan=None,
-                       copies=copies, storage_bytes_per_second=0)
-    if storage not in ("auto", "read", "map"):
-        raise ValueError(f"storage={storage!r}: expected 'auto', 'read' or 'map'")
-    storage = "map" if storage == "auto" else storage
-    config = AutoConfig.from_pretrained(path)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype, None)
-    device, meshes = initialize_distributed_mesh(distributed_config)
-    if meshes is None:
-        raise ValueError(f"{distributed_config!r} describes one process: nothing is sharded "
-                         "(zeroflat.hf.from_pretrained loads the plain model then)")
-    # As Transformers builds it: on meta, untied (FSDP2 groups may not share a parameter
-    # across groups), the plan applied, materialized, tied again.
-    with torch.device("meta"), hf_init.no_tie_weights():
-        model = model_class.from_config(config, dtype=dtype, **from_config_kwargs)
-    model = type(model).maybe_distribute_model(model, distributed_config, meshes)
-    model.to_empty(device=device or "cpu")
-    # Tied weights of which the checkpoint holds every name load untied and are tied after only
-    # where the values agree, as Transformers ties them. The checkpoint is opened once; one that
-    # cannot be is left to the load, which raises its error on every rank.
-    checkpoint, both = path, {}
-    try:
-        checkpoint = _checkpoint(path)
-        both = _stored_twice(model, checkpoint)
-    except Exception:  # noqa: BLE001 - the load's agreement reports it on every rank
-        checkpoint, both = path, {}
-    own = {target: model.get_parameter(target) for target in both}
-    model.tie_weights()
-    for target, p in own.items():
-        _set_parameter(model, target, p)
-    with torch.no_grad():
-        for t in model.state_dict(keep_vars=True).values():
-            t._is_hf_initialized = True
-        model.initialize_weights()  # what no checkpoint holds: non-persistent buffers
-    model.zeroflat_report = load(model, checkpoint, threads=threads, cold=cold, copies=copies,
-                                 storage=storage, progress=progress)
-    for target, source in both.items():
-        if _equal_everywhere(model.get_parameter(target), model.get_parameter(source)):
-            _set_parameter(model, target, model.get_parameter(source))
-            continue
-        left_untied(model, target, source, path)
-    model.eval()
-    return model
 
 
 def _check_twins(ck: "_C.Checkpoint", names: List[str], source: str,
@@ -657,41 +592,3 @@ def _finder(model: torch.nn.Module, ck: "_C.Checkpoint",
             renamed.append(any(t.name not in own for t in ck.tensors()))
         return hit if hit is not None or not renamed[0] else _stored(name, rules(), ck)
     return find
-
-
-def _stored_twice(model: torch.nn.Module, ck: "_C.Checkpoint") -> Dict[str, str]:
-    """The model's tied weights (target -> source, as Transformers lists them) of which the
-    checkpoint holds both names (_finder's way)."""
-    expand = getattr(model, "get_expanded_tied_weights_keys", None)
-    pairs = expand(all_submodels=True) if callable(expand) else {}
-    if not pairs:
-        return {}
-    built: List[list] = []
-
-    def rules() -> list:
-        if not built:
-            built.append(_hf_names.converters(model))
-        return built[0]
-    find = _finder(model, ck, rules)
-    return {t: s for t, s in pairs.items() if find(t) is not None and find(s) is not None}
-
-
-def _set_parameter(model: torch.nn.Module, name: str, p: torch.nn.Parameter) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, p)
-
-
-def _equal_everywhere(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch.equal of two parameters; of two DTensors sharded alike, of their local shards on
-    every rank of their mesh (one all-reduce per mesh dimension, as Transformers compares)."""
-    DTensor = _dtensor_class()
-    if a.shape != b.shape:
-        return False
-    if (DTensor is None or not isinstance(a, DTensor) or not isinstance(b, DTensor)
-            or a.device_mesh != b.device_mesh or a.placements != b.placements):
-        return bool(torch.equal(a.detach(), b.detach()))
-    differ = torch.tensor(int(not torch.equal(a.to_local(), b.to_local())),
-                          device=a.to_local().device)
-    for d in range(a.device_mesh.ndim):
-        dist.all_reduce(differ, group=a.device_mesh.get_group(d))
-    return int(differ.item()) == 0

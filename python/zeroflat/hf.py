@@ -117,7 +117,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     ``distributed_config``: a Transformers ``DistributedConfig`` (``fsdp_size``,
     ``dp_replicate_size``): the model FSDP2-sharded as Transformers' own
     ``from_pretrained(..., distributed_config=...)`` shards it, each rank reading only its local
-    shards (``zeroflat.fsdp.from_pretrained``; ``dtype``, ``threads``, ``cold``, ``copies`` and
+    shards (``zeroflat._fsdp_pretrained``; ``dtype``, ``threads``, ``cold``, ``copies`` and
     ``progress`` apply, the ZeRO options do not; ``storage``: ``"auto"`` (the default) and
     ``"map"`` use the host shards that lie in the files as they are in place, mapped
     copy-on-write as Transformers' own load maps its files, ``"read"`` reads every shard into
@@ -152,11 +152,11 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     from transformers import AutoConfig
 
     if distributed_config is not None and _processes(distributed_config) > 1:
-        from . import fsdp
+        from . import _fsdp_pretrained
 
-        return fsdp.from_pretrained(model_class, path, distributed_config, dtype=dtype,
-                                    threads=threads, cold=cold, copies=copies,
-                                    storage=storage, progress=progress, **from_config_kwargs)
+        return _fsdp_pretrained.from_pretrained(
+            model_class, path, distributed_config, dtype=dtype, threads=threads, cold=cold,
+            copies=copies, storage=storage, progress=progress, **from_config_kwargs)
     if storage not in ("auto", "read"):
         raise ValueError(f"storage={storage!r}: shards are used in place only when FSDP2 shards "
                          "them (distributed_config); ZeRO's buffers are read")

@@ -1,0 +1,153 @@
+"""``zeroflat.hf.from_pretrained(..., distributed_config=...)``: the model Transformers 5's FSDP2
+load builds (its mesh, its plan, tied weights, dtypes), built the same way and loaded through
+``zeroflat.fsdp.load``; tied weights of which the checkpoint holds every name are tied after
+the load only where their values agree on every rank, as Transformers ties them."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C, _hf_names
+from ._comm import all_reduce_ints
+from ._common import path_text
+from ._errors import InvalidArgument
+from ._load import _checkpoint, check_load_options, left_untied
+from .fsdp import _dtensor_class, _finder, load
+
+def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed_config: Any, *,
+                    dtype: Optional[torch.dtype] = None, threads: Optional[int] = None,
+                    cold: bool = False, copies: str = "sampled", storage: str = "auto",
+                    progress: Optional[Callable[[Any], None]] = None,
+                    **from_config_kwargs) -> torch.nn.Module:
+    """The model Transformers' ``from_pretrained(path, distributed_config=...)`` returns (its
+    mesh, its FSDP2 plan, tied weights, dtypes, non-persistent buffers), built the way
+    Transformers builds it and loaded through ``load``: each rank reads its local shards'
+    bytes only. ``storage``: as ``load`` takes it; ``"auto"`` (the default) is ``"map"``, as
+    Transformers' own load maps its files (on a GPU nothing maps: the shards are read).
+    ``zeroflat.hf.from_pretrained(..., distributed_config=...)`` comes here. Collective: an
+    error of one rank's before the load (its config, its model) is raised on every rank."""
+    from transformers import AutoConfig
+    from transformers import initialization as hf_init
+    from transformers.distributed import initialize_distributed_mesh
+
+    path = os.fspath(path)
+    check_load_options(cold=cold, round_robin=False, strict=True, master_dtype=None,
+                       threads=threads, margin_bytes=None, alignment_factor=2,
+                       param_align_bytes=0, dtype=dtype, deepspeed=None, read_plan=None,
+                       copies=copies, storage_bytes_per_second=0)
+    if storage not in ("auto", "read", "map"):
+        raise ValueError(f"storage={storage!r}: expected 'auto', 'read' or 'map'")
+    storage = "map" if storage == "auto" else storage
+    # This rank's config and model: an error in either is every rank's before the load (a
+    # rank whose copy lacks config.json must not leave the others waiting in the load).
+    error, config = None, None
+    try:
+        config = AutoConfig.from_pretrained(path)
+        if dtype is None:
+            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            if isinstance(dtype, str):
+                dtype = getattr(torch, dtype, None)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it after the mesh is made
+        error = e
+    device, meshes = initialize_distributed_mesh(distributed_config)  # every rank makes it
+    if meshes is None:
+        raise ValueError(f"{distributed_config!r} describes one process: nothing is sharded "
+                         "(zeroflat.hf.from_pretrained loads the plain model then)")
+    model = None
+    if error is None:
+        try:
+            # As Transformers builds it: on meta, untied (FSDP2 groups may not share a parameter
+            # across groups), the plan applied, materialized, tied again.
+            with torch.device("meta"), hf_init.no_tie_weights():
+                model = model_class.from_config(config, dtype=dtype, **from_config_kwargs)
+            model = type(model).maybe_distribute_model(model, distributed_config, meshes)
+            model.to_empty(device=device or "cpu")
+        except Exception as e:  # noqa: BLE001 - as above
+            error = e
+    _agree(error, path)
+    # Tied weights of which the checkpoint holds every name load untied and are tied after only
+    # where the values agree, as Transformers ties them. The checkpoint is opened once; one that
+    # cannot be is left to the load, which raises its error on every rank.
+    checkpoint, both = path, {}
+    try:
+        checkpoint = _checkpoint(path)
+        both = _stored_twice(model, checkpoint)
+    except Exception:  # noqa: BLE001 - the load's agreement reports it on every rank
+        checkpoint, both = path, {}
+    own = {target: model.get_parameter(target) for target in both}
+    model.tie_weights()
+    for target, p in own.items():
+        _set_parameter(model, target, p)
+    with torch.no_grad():
+        for t in model.state_dict(keep_vars=True).values():
+            t._is_hf_initialized = True
+        model.initialize_weights()  # what no checkpoint holds: non-persistent buffers
+    model.zeroflat_report = load(model, checkpoint, threads=threads, cold=cold, copies=copies,
+                                 storage=storage, progress=progress, strict=False)
+    for target, source in both.items():
+        if _equal_everywhere(model.get_parameter(target), model.get_parameter(source)):
+            _set_parameter(model, target, model.get_parameter(source))
+            continue
+        left_untied(model, target, source, path)
+    model.eval()
+    return model
+
+
+def _stored_twice(model: torch.nn.Module, ck: "_C.Checkpoint") -> Dict[str, str]:
+    """The model's tied weights (target -> source, as Transformers lists them) of which the
+    checkpoint holds both names (_finder's way)."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    pairs = expand(all_submodels=True) if callable(expand) else {}
+    if not pairs:
+        return {}
+    built: List[list] = []
+
+    def rules() -> list:
+        if not built:
+            built.append(_hf_names.converters(model))
+        return built[0]
+    find = _finder(model, ck, rules)
+    return {t: s for t, s in pairs.items() if find(t) is not None and find(s) is not None}
+
+
+def _set_parameter(model: torch.nn.Module, name: str, p: torch.nn.Parameter) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, p)
+
+
+def _equal_everywhere(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal of two parameters; of two DTensors sharded alike, of their local shards on
+    every rank of their mesh (one all-reduce per mesh dimension, as Transformers compares)."""
+    DTensor = _dtensor_class()
+    if a.shape != b.shape:
+        return False
+    if (DTensor is None or not isinstance(a, DTensor) or not isinstance(b, DTensor)
+            or a.device_mesh != b.device_mesh or a.placements != b.placements):
+        return bool(torch.equal(a.detach(), b.detach()))
+    differ = torch.tensor(int(not torch.equal(a.to_local(), b.to_local())),
+                          device=a.to_local().device)
+    for d in range(a.device_mesh.ndim):
+        dist.all_reduce(differ, group=a.device_mesh.get_group(d))
+    return int(differ.item()) == 0
+
+
+def _agree(error: Optional[BaseException], path: str) -> None:
+    """Raises this rank's error; where several ranks build the model, first tells each whether
+    any failed (one all-reduce over the default group), and raises on each then."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    failed = all_reduce_ints([dist.get_rank() + 1 if error is not None else 0], None, "max",
+                             "the ranks' agreement on building the model (an all-reduce)",
+                             "from-pretrained")[0]
+    if error is not None:
+        raise error
+    if failed:
+        raise InvalidArgument(f"from_pretrained({path_text(path)}): rank {failed - 1} could not "
+                              "build the model (its error says why); nothing was loaded on this "
+                              "rank")
