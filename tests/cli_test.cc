@@ -970,8 +970,31 @@ TEST(CliLoad, EveryRankHoldsWhatRunFlattensAndReadsOnlyItsPartition) {
   EXPECT_NE(shown.err.find("[zeroflat] rank 0: load done in "), std::string::npos) << shown.err;
   EXPECT_NE(shown.err.find(": read " + all), std::string::npos) << shown.err;
   EXPECT_EQ(run("load " + bf16 + " --dp 2 --quiet", "ZEROFLAT_PROGRESS_SECONDS=0.0001").err, "");
+  // An interval past what a clock's deadline holds is the longest one, not a wait that never
+  // waits (a line per loop turn, the load never ending).
+  Result huge = run("load " + bf16 + " --dp 2 --json", "ZEROFLAT_PROGRESS_SECONDS=1e300");
+  EXPECT_EQ(huge.code, 0) << huge.err.substr(0, 2000);
+  EXPECT_LT(huge.err.size(), 4096u) << huge.err.substr(0, 2000);
   for (const std::string& d : {bf16, fp32_of_bf16, fp32_of_fp16})
     std::system(("rm -rf " + d).c_str());
+}
+
+TEST(CliLoad, APathThatIsNotUtf8StillGivesAJsonDocument) {
+  const std::string dir = checkpoint("load_utf8", "");
+  const std::string odd = dir + "\xff";
+  ASSERT_EQ(std::rename(dir.c_str(), odd.c_str()), 0);
+  // The path's byte shows as U+FFFD in the document; the load and its outcome are as for any
+  // other name (before: a complete load ended in a JSON library error, exit 1).
+  Result ok = run("load '" + odd + "' --dp 2 --json --quiet");
+  EXPECT_EQ(ok.code, 0) << ok.err;
+  EXPECT_EQ(json::parse(ok.out)["ranks"].size(), 2u) << ok.out;
+  Result fail = run("load '" + odd + "' --dp 2 --inject-read-error 10000@1 --json --quiet");
+  EXPECT_EQ(fail.code, 4) << fail.err;
+  EXPECT_EQ(json::parse(fail.out)["ranks"].size(), 2u) << fail.out;
+  Result layout = run("layout --model '" + odd + "' --dp 2 --json");
+  EXPECT_EQ(layout.code, 0) << layout.err;
+  EXPECT_NO_THROW((void)json::parse(layout.out)) << layout.out.substr(0, 400);
+  std::system(("rm -rf '" + odd + "'").c_str());
 }
 
 TEST(CliLoad, BadCheckpointsExit2AndAFailedReadExits4OnEveryRank) {

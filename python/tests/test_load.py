@@ -393,6 +393,20 @@ def test_a_long_load_reports_bytes_rate_and_time_left(tmp_path, monkeypatch, cap
     last = got[-1]
     assert isinstance(last, zeroflat.Progress) and last.finished and last.rank == 0
     assert last.done == last.total == read and last.seconds_left == 0
+    # An interval too long for the waits' timeouts is the longest one: the load ends, and its
+    # last report comes.
+    monkeypatch.setenv("ZEROFLAT_PROGRESS_SECONDS", "1e300")
+    import threading
+
+    died = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    got.clear()
+    with zeroflat.meta_parameters():
+        model = Big()
+    zeroflat.load_param_groups(model, path, device="cpu", deepspeed=None, dtype=torch.float32,
+                               threads=1, progress=got.append)
+    assert got and got[-1].finished and got[-1].done == read
+    assert not died, [d.exc_value for d in died]
     assert last.what == f"load {path}" and "(100%)" in last.line and "done in" in last.line
     assert [p.done for p in got] == sorted(p.done for p in got)
     assert all(not p.finished for p in got[:-1])

@@ -52,7 +52,8 @@ class Progress:
 
 
 def interval_seconds() -> float:
-    """ZEROFLAT_PROGRESS_SECONDS when it is a positive number, else 10."""
+    """ZEROFLAT_PROGRESS_SECONDS when it is a positive number (at most a million: a longer
+    wait is no line during any load, and overflows the waits' timeouts), else 10."""
     text = os.environ.get("ZEROFLAT_PROGRESS_SECONDS")
     if text:
         try:
@@ -60,7 +61,7 @@ def interval_seconds() -> float:
         except ValueError:
             value = 0.0
         if value > 0 and math.isfinite(value):
-            return value
+            return min(value, 1e6)
     return DEFAULT_SECONDS
 
 

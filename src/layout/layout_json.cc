@@ -68,7 +68,7 @@ void write_document(const Layout& l, std::ostream& out, std::optional<std::uint6
     head["offsets"] = l.offsets();
   }
   for (const auto& [k, v] : naming.extra.items()) head[k] = v;
-  std::string text = head.dump();
+  std::string text = head.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
   text.pop_back();  // the closing brace: the ranks follow
   out << text << ",\"ranks\":[";
   const std::uint64_t first = only_rank.value_or(0);
@@ -91,7 +91,7 @@ void write_document(const Layout& l, std::ostream& out, std::optional<std::uint6
                                    {"numel", f.numel}});
     }
     j["fragments"] = std::move(frags);
-    out << (r > first ? "," : "") << j.dump();
+    out << (r > first ? "," : "") << j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
   }
   out << "]}";
 }

@@ -46,7 +46,7 @@ void Zero3Layout::write_json(std::ostream& out, std::optional<std::uint64_t> onl
                                 {"numel", s.numel}});
   }
   head["sub_groups"] = std::move(subs);
-  std::string text = head.dump();
+  std::string text = head.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
   text.pop_back();  // the closing brace: the ranks follow
   out << text << ",\"ranks\":[";
   const std::uint64_t first = only_rank.value_or(0);
@@ -58,7 +58,7 @@ void Zero3Layout::write_json(std::ostream& out, std::optional<std::uint64_t> onl
     j["data_numel"] = data;
     j["padding"] = buffer_numel_ - data;
     j["groups_padding"] = groups_padding(r);
-    out << (r > first ? "," : "") << j.dump();
+    out << (r > first ? "," : "") << j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
   }
   out << "]}";
 }

@@ -377,7 +377,7 @@ namespace {
 
 // A JSON string literal of s.
 std::string json_string(const std::string& s) {
-  return nlohmann::json(s).dump();
+  return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 // A file write_pattern_checkpoint creates: always a new one. O_EXCL refuses any name that

@@ -352,7 +352,9 @@ int layout_zero3(const Args& args, const StageChoice& stage) {
   tail["left_out"] = std::move(left);
   tail["inputs"] = inputs.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(inputs);
   // The document's closing brace is held back: the tail's fields close it.
-  std::cout << ',' << tail.dump().substr(1) << '\n';
+  std::cout << ','
+            << tail.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace).substr(1)
+            << '\n';
   return kExitOk;
 }
 

@@ -117,7 +117,7 @@ int subcommand_load(const std::vector<std::string>& argv) {
     if (me == 0) {
       if (cfg.json) {
         Json doc{{"plan", mine.plan}, {"exit", kExitInfeasible}, {"error", mine.message}};
-        std::printf("%s\n", doc.dump(2).c_str());
+        std::printf("%s\n", doc.dump(2, ' ', false, Json::error_handler_t::replace).c_str());
       } else {
         std::fprintf(stderr, "zeroflat load: %s\n", mine.message.c_str());
       }

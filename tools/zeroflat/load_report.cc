@@ -110,7 +110,7 @@ void print_document(Json& doc, const Json& plan, const NodeFigures& node,
   doc["ranks"] = entries;
   doc["exit"] = exit;
   doc["error"] = first_error.empty() ? Json() : Json(first_error);
-  std::printf("%s\n", doc.dump(2).c_str());
+  std::printf("%s\n", doc.dump(2, ' ', false, Json::error_handler_t::replace).c_str());
 }
 
 void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,

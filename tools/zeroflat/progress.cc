@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -14,7 +15,9 @@ Progress::Progress(bool enabled) : enabled_(enabled), tty_(isatty(STDERR_FILENO)
   if (const char* s = std::getenv("ZEROFLAT_PROGRESS_SECONDS")) {
     char* end = nullptr;
     const double v = std::strtod(s, &end);
-    if (end != s && *end == '\0' && v > 0 && std::isfinite(v)) interval_ = v;
+    // At most a million seconds: a longer interval is no line at all during any load, and
+    // past about 9.2e9 s a deadline in steady_clock's nanoseconds would wrap into the past.
+    if (end != s && *end == '\0' && v > 0 && std::isfinite(v)) interval_ = std::min(v, 1e6);
   }
 }
 

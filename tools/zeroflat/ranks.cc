@@ -246,7 +246,7 @@ void run_ranks(std::uint64_t dp, Communicator* world, std::chrono::milliseconds 
 }
 
 std::vector<Json> exchange_entries(Communicator* control, const Json& entry) {
-  const std::string mine = entry.dump();
+  const std::string mine = entry.dump(-1, ' ', false, Json::error_handler_t::replace);
   if (control == nullptr || control->size() == 1) return {entry};
   std::unique_ptr<Device> host = make_device("cpu", DeviceOptions{1});
   std::array<std::uint64_t, 1> len{mine.size()};
