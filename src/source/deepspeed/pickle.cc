@@ -780,6 +780,33 @@ class Machine {
                                             : "a value)"));
   }
 
+  // The text of a str opcode, which must be UTF-8 (Python's pickle refuses other bytes there;
+  // the names and values it holds reach Python and JSON as text). Strict: no overlong forms,
+  // no surrogates, nothing past U+10FFFF.
+  std::string_view utf8(std::string_view text) {
+    for (std::size_t i = 0; i < text.size();) {
+      const auto c = static_cast<unsigned char>(text[i]);
+      const std::size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3
+                                                         : (c >> 3) == 0x1e ? 4 : 0;
+      bool ok = n > 0 && i + n <= text.size();
+      std::uint32_t cp = n == 1 ? c : n == 2 ? c & 0x1f : n == 3 ? c & 0x0f : c & 0x07;
+      for (std::size_t k = 1; ok && k < n; ++k) {
+        const auto b = static_cast<unsigned char>(text[i + k]);
+        ok = (b & 0xc0) == 0x80;
+        cp = cp << 6 | (b & 0x3f);
+      }
+      ok = ok && (n == 1 || (n == 2 && cp >= 0x80) || (n == 3 && cp >= 0x800) ||
+                  (n == 4 && cp >= 0x10000)) &&
+           cp <= 0x10ffff && (cp < 0xd800 || cp > 0xdfff);
+      if (!ok) {
+        throw fail("a str that is not UTF-8 (byte " + std::to_string(i) + " of its " +
+                   std::to_string(text.size()) + ")");
+      }
+      i += n;
+    }
+    return text;
+  }
+
   // UTF-8 text whose code points are all below 256, as the bytes they number.
   std::string latin1(const std::string& text, const std::string& fn) {
     std::string out;
@@ -983,9 +1010,9 @@ class Machine {
         return false;
       }
       case 'U': push(make_text(NodeKind::kString, bytes(le(1)))); return false;
-      case 'X': push(make_text(NodeKind::kString, bytes(le(4)))); return false;
-      case 0x8c: push(make_text(NodeKind::kString, bytes(le(1)))); return false;
-      case 0x8d: push(make_text(NodeKind::kString, bytes(le(8)))); return false;
+      case 'X': push(make_text(NodeKind::kString, utf8(bytes(le(4))))); return false;
+      case 0x8c: push(make_text(NodeKind::kString, utf8(bytes(le(1))))); return false;
+      case 0x8d: push(make_text(NodeKind::kString, utf8(bytes(le(8))))); return false;
       case 'B': push(make_text(NodeKind::kBytes, bytes(le(4)))); return false;
       case 'C': push(make_text(NodeKind::kBytes, bytes(le(1)))); return false;
       case 0x8e: push(make_text(NodeKind::kBytes, bytes(le(8)))); return false;
