@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -341,7 +342,24 @@ TEST(CliPlan, WarnsWhenTrainingWillNotFitAndDrawsTheSvg) {
     EXPECT_NE(content.find(tier), std::string::npos) << tier;
   }
   EXPECT_NE(content.find("capacity - margin"), std::string::npos);
+  // A FIFO is refused, not waited on; a link is refused, its target untouched; a regular file
+  // is replaced whole, nothing left beside it.
+  const std::string fifo = svg + ".fifo", link = svg + ".link";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(symlink(svg.c_str(), link.c_str()), 0);
+  for (const std::string& bad : {fifo, link}) {
+    Result b = run("plan --model qwen3-30b-a3b --dp 8 --device h100-80gb --svg " + bad);
+    EXPECT_EQ(b.code, 2) << b.err;
+    EXPECT_NE(b.err.find("is not a regular file"), std::string::npos) << b.err;
+  }
+  std::ifstream again(svg);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(again)), std::istreambuf_iterator<char>()),
+            content);
+  EXPECT_EQ(run("plan --model qwen3-30b-a3b --dp 4 --device h100-80gb --svg " + svg).code, 0);
+  std::remove(fifo.c_str());
+  std::remove(link.c_str());
   std::remove(svg.c_str());
+  EXPECT_FALSE(std::filesystem::exists(svg + ".zeroflat-" + std::to_string(getpid())));
 }
 
 TEST(CliPlan, BadInputExits2) {
@@ -423,6 +441,16 @@ TEST(CliInspect, ConfigJsonThroughInspectPlanAndLayout) {
   Result p = run("plan --model " + cfg + " --layers 4 --dp 2 --device h100-80gb --json");
   ASSERT_EQ(p.code, 0) << p.err;
   EXPECT_EQ(json::parse(p.out)["tier"], "device");
+  // The config's dtype, under the key Transformers 5 writes ("dtype") and the older one.
+  for (const std::string key : {"dtype", "torch_dtype"}) {
+    const std::string typed = write_temp(key + ".json", R"({"architectures": ["LlamaForCausalLM"],
+      "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000, ")" +
+                                                            key + R"(": "float32"})");
+    Result t = run("layout --model " + typed + " --dp 2 --json");
+    ASSERT_EQ(t.code, 0) << t.err;
+    EXPECT_EQ(json::parse(t.out)["dtype"], "fp32") << key;
+  }
   const std::string broken =
       write_temp("broken.json", R"({"architectures": ["LlamaForCausalLM"]})");
   Result b = run("plan --model " + broken + " --dp 2 --device h100-80gb");
@@ -993,7 +1021,8 @@ TEST(CliLoad, APathThatIsNotUtf8StillGivesAJsonDocument) {
   EXPECT_EQ(json::parse(fail.out)["ranks"].size(), 2u) << fail.out;
   Result layout = run("layout --model '" + odd + "' --dp 2 --json");
   EXPECT_EQ(layout.code, 0) << layout.err;
-  EXPECT_NO_THROW((void)json::parse(layout.out)) << layout.out.substr(0, 400);
+  json parsed;
+  EXPECT_NO_THROW(parsed = json::parse(layout.out)) << layout.out.substr(0, 400);
   std::system(("rm -rf '" + odd + "'").c_str());
 }
 

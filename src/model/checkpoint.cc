@@ -282,8 +282,13 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
     }
     for (const std::string& s : shard_names) files.push_back(dir / s);
   } else {
-    for (const auto& entry : fs::directory_iterator(path, ec)) {
-      if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
+    for (auto it = fs::directory_iterator(path, ec); !ec && it != fs::directory_iterator();
+         it.increment(ec)) {
+      if (it->path().extension() == ".safetensors") files.push_back(it->path());
+    }
+    if (ec) {
+      throw InvalidArgument(printable(path_text, 200) + ": cannot list the folder (" +
+                            ec.message() + ")");
     }
     std::sort(files.begin(), files.end());
   }

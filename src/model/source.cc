@@ -85,18 +85,26 @@ bool is_index_file(const fs::path& path) {
 }
 
 bool has_checkpoint_files(const fs::path& dir) {
-  if (fs::exists(dir / "model.safetensors.index.json")) return true;
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    if (entry.path().extension() == ".safetensors") return true;
+  const bool index = fs::exists(dir / "model.safetensors.index.json", ec);
+  if (!ec && index) return true;
+  for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    if (it->path().extension() == ".safetensors") return true;
+  }
+  if (ec) {
+    throw InvalidArgument(printable(dir.string(), 200) + ": cannot list the folder (" +
+                          ec.message() + ")");
   }
   return false;
 }
 
+// The config's dtype: "dtype", as Transformers 5 writes it, else the older "torch_dtype".
 std::optional<DType> config_dtype(const std::string& text, const std::string& source) {
   nlohmann::json doc = detail::parse_strict_json(text, source);
-  if (doc.is_object() && doc.contains("torch_dtype") && doc["torch_dtype"].is_string()) {
-    const std::string t = doc["torch_dtype"].get<std::string>();
+  for (const char* key : {"dtype", "torch_dtype"}) {
+    if (!doc.is_object() || !doc.contains(key) || !doc[key].is_string()) continue;
+    const std::string t = doc[key].get<std::string>();
     if (t == "float32") return DType::kFP32;
     if (t == "float16") return DType::kFP16;
     if (t == "bfloat16") return DType::kBF16;

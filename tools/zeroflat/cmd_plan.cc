@@ -1,6 +1,12 @@
 // `zeroflat plan`: which way of flattening fits, its peak memory and predicted time, and why the
 // others were not chosen; for a model and a node you may not have.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -16,6 +22,40 @@
 #include "zeroflat/size.h"
 
 namespace zeroflat::cli {
+namespace {
+
+// The chart into `path`, a new file or a regular one (replaced whole): a link, a FIFO, a device
+// or a folder there is refused, never followed or waited on; written beside it first and
+// renamed over it, so that a failed write leaves what was there.
+void write_svg(const std::string& path, const std::string& text) {
+  const std::string shown = "--svg " + printable(path, 200);
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    throw InvalidArgument(shown + ": exists and is not a regular file (a link, a FIFO, a device "
+                          "or a folder); name a new file or a regular one");
+  }
+  const std::string tmp = path + ".zeroflat-" + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throw InvalidArgument(shown + ": cannot write beside it (" + std::strerror(errno) + ")");
+  }
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n <= 0 && errno != EINTR) break;
+    if (n > 0) done += static_cast<std::size_t>(n);
+  }
+  const bool written = done == text.size();
+  const bool closed = ::close(fd) == 0;
+  if (!written || !closed || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    throw Error(shown + ": write failed (" + why + ")");
+  }
+}
+
+}  // namespace
+
 int subcommand_plan(const std::vector<std::string>& argv) {
   std::vector<std::string> preset_names;
   for (const DevicePreset& p : device_presets()) preset_names.push_back(p.name);
@@ -114,11 +154,9 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   const Candidate* chosen = plan.chosen_candidate();
 
   if (auto svg_path = args.get("svg")) {
-    std::ofstream out(*svg_path);
-    if (!out) throw InvalidArgument("--svg " + *svg_path + ": cannot write this file");
-    out << plan_svg(plan, in,
-                    model.name + ", dp " + std::to_string(options.dp) + ", " + preset.name);
-    if (!out.good()) throw Error("--svg " + *svg_path + ": write failed");
+    write_svg(*svg_path, plan_svg(plan, in,
+                                  model.name + ", dp " + std::to_string(options.dp) + ", " +
+                                      preset.name));
   }
 
   if (args.has("json")) {

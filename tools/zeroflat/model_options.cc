@@ -123,7 +123,7 @@ void add_layout_options(Parser& parser) {
                 "pad the buffer to a multiple of A * P elements (nccl_start_alignment_factor)",
                 "2");
   parser.option("dtype", "T", "element type: bf16, fp16 or fp32",
-                "the model's own (a config's torch_dtype, a checkpoint's), else bf16");
+                "the model's own (a config's dtype or torch_dtype, a checkpoint's), else bf16");
   parser.option("param-align-bytes", "B",
                 "start every parameter after the first at a multiple of B bytes (0: packed)", "0");
   parser.option("deepspeed", "V",
