@@ -1007,6 +1007,30 @@ TEST(CliLoad, EveryRankHoldsWhatRunFlattensAndReadsOnlyItsPartition) {
     std::system(("rm -rf " + d).c_str());
 }
 
+TEST(CliBench, EveryRowWithItsRatiosAndTargets) {
+  Result r = run("bench --quick --size 4MiB --rounds 1 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json doc = json::parse(r.out);
+  std::set<std::uint64_t> counts;
+  bool layout = false, plan = false;
+  for (const json& row : doc["rows"]) {
+    ASSERT_FALSE(row.contains("skipped")) << row.dump();
+    EXPECT_GT(row["seconds"].get<double>(), 0) << row.dump();
+    EXPECT_GT(row["vs_ceiling"].get<double>(), 0) << row.dump();
+    if (row["what"] == "flatten (copy only)" && row["device"] == "cpu") {
+      counts.insert(row["tensors"].get<std::uint64_t>());
+      EXPECT_GT(row["vs_peer"].get<double>(), 0) << row.dump();
+    }
+    layout = layout || row["what"] == "layout of 1M parameters";
+    plan = plan || row["what"].get<std::string>().rfind("plan of the seed model", 0) == 0;
+    if (row["what"] == "layout of 1M parameters") EXPECT_EQ(row["tensors"], 1000000u);
+  }
+  EXPECT_EQ(counts, (std::set<std::uint64_t>{1, 1000, 100000}));
+  EXPECT_TRUE(layout && plan) << r.out;
+  EXPECT_EQ(run("bench --size 1KiB").code, 2);
+  EXPECT_EQ(run("bench --rounds 0").code, 2);
+}
+
 TEST(CliLoad, APathThatIsNotUtf8StillGivesAJsonDocument) {
   const std::string dir = checkpoint("load_utf8", "");
   const std::string odd = dir + "\xff";

@@ -65,6 +65,8 @@ commands:
            checkpoint resumed at any world size, each rank reading only its share
   write-checkpoint
            a deterministic test checkpoint of a model (sharded, with an index), no downloads
+  bench    the flatten against a copy of the same bytes and a loop of per-tensor copies,
+           layout and plan against their budget: the benchmark matrix this machine runs
   help     show this text, or `zeroflat help COMMAND` for a command's options
 
 Every command takes --help. Exit codes: 0 ok, 2 invalid input, 3 no feasible plan,
@@ -124,6 +126,8 @@ int main(int argc, char** argv) {
       code = subcommand_load(args);
     } else if (command == "write-checkpoint") {
       code = subcommand_write_checkpoint(args);
+    } else if (command == "bench") {
+      code = subcommand_bench(args);
     } else {
       std::fprintf(stderr, "zeroflat: unknown command '%s'\n\n%s", printable(command).c_str(),
                    kUsage);

@@ -69,6 +69,7 @@ nlohmann::ordered_json rules_doc(const std::optional<ReleaseRules>& rules);
 std::string apply_release(const std::optional<ReleaseRules>& rules, ModelSpec& model,
                           const LayoutOptions& options);
 
+int subcommand_bench(const std::vector<std::string>& argv);
 int subcommand_layout(const std::vector<std::string>& argv);
 int subcommand_run(const std::vector<std::string>& argv);
 int subcommand_plan(const std::vector<std::string>& argv);

@@ -25,8 +25,8 @@ class Progress {
 
   // Starts a phase of `total` units (bytes, say); ends any phase still open. With `reads`, the
   // phase reports them until it ends: on a terminal a line redrawn up to 4 times a second, else a
-  // line every 10 s (ZEROFLAT_PROGRESS_SECONDS, a positive number, sets it) once the phase has
-  // run that long, so that short phases print only their start and end.
+  // line every 10 s (ZEROFLAT_PROGRESS_SECONDS, a positive number up to 1e6, sets it) once the
+  // phase has run that long, so that short phases print only their start and end.
   void begin(std::string what, std::uint64_t total,
              std::shared_ptr<const ReadProgress> reads = nullptr);
   // Adds done units; safe to call from any thread.
