@@ -46,11 +46,25 @@ def test_bad_values_are_refused_under_every_stage(checkpoint, zero3):
     accepted silently under ZeRO-3)."""
     init_deepspeed_rank(0, 1, free_port())
     for bad, match in ((dict(copies="bogus"), "copies 'bogus'"),
+                       (dict(copies=None), "copies=None"),
                        (dict(deepspeed="0.1.0"), "0.1.0"),
                        (dict(read_plan="fastest"), "read_plan 'fastest'")):
         with pytest.raises(ValueError, match=match):
             zeroflat.hf.from_pretrained(AutoModelForCausalLM, checkpoint, zero3=zero3, **bad)
     torch.distributed.destroy_process_group()
+
+
+def test_param_groups_and_zero3_of_the_wrong_kind_are_named(checkpoint):
+    """A string where the groups go (not its characters as names), and a ZeRO-3 config whose
+    zero_optimization is not a section: errors that say so."""
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    with zeroflat.meta_parameters():
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(TypeError, match="param_groups is a str"):
+        zeroflat.load_param_groups(model, checkpoint, param_groups="trainer", deepspeed=None)
+    with pytest.raises(ValueError, match="zero_optimization is 3"):
+        zeroflat.hf.from_pretrained(AutoModelForCausalLM, checkpoint,
+                                    zero3={"zero_optimization": 3})
 
 
 def copies_worker(rank, world, port, root, ours):

@@ -335,6 +335,10 @@ def _groups_of(model: torch.nn.Module, param_groups) -> List[List[torch.nn.Param
         param_groups = param_groups(model)
     if param_groups is None:
         return [list(model.parameters())]
+    if isinstance(param_groups, (str, bytes, dict, torch.Tensor)):
+        raise TypeError(f"param_groups is a {type(param_groups).__name__}: expected a list of "
+                        "groups (each a list of the model's parameters or their names, or a "
+                        "dict with 'params'), or a callable that returns one")
     out = []
     for gi, g in enumerate(param_groups):
         items = g["params"] if isinstance(g, dict) else g
@@ -623,6 +627,8 @@ def check_load_options(*, cold, round_robin, strict, master_dtype, threads, marg
         dtype_name(dtype, "dtype")
     probe = _C.FlattenOptions()
     probe.read_plan = read_plan
+    if not isinstance(copies, str):
+        raise ValueError(f"copies={copies!r}: expected 'sampled', 'full' or 'off'")
     probe.copies = copies
     if (isinstance(storage_bytes_per_second, bool)
             or not isinstance(storage_bytes_per_second, (int, float))

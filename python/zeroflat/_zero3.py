@@ -71,7 +71,11 @@ def resolve(zero3: Any) -> Any:
     else:
         raise TypeError(f"zero3 is {zero3!r}: expected \"auto\", True, False, a DeepSpeed config "
                         "dict, a path to one, an HfDeepSpeedConfig, or a deepspeed.zero.Init")
-    stage = (config.get("zero_optimization") or {}).get("stage")
+    section = config.get("zero_optimization") if isinstance(config, dict) else None
+    if not isinstance(section, dict):
+        raise ValueError(f"zero3: the DeepSpeed config's zero_optimization is {section!r}: "
+                         "expected a section such as {\"stage\": 3, ...}")
+    stage = section.get("stage")
     if stage != 3:
         raise ValueError(f"zero3: the DeepSpeed config's zero_optimization.stage is {stage!r}, "
                          "not 3")
