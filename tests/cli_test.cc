@@ -1007,6 +1007,17 @@ TEST(CliLoad, EveryRankHoldsWhatRunFlattensAndReadsOnlyItsPartition) {
     std::system(("rm -rf " + d).c_str());
 }
 
+TEST(CliLoad, NoFeasiblePlanGivesTheKeysOfEveryStoppedCommand) {
+  Result r = run("load --model qwen3-30b-a3b --layers 2 --device sim:1GiB --no-data --json");
+  EXPECT_EQ(r.code, 3) << r.err;
+  const json doc = json::parse(r.out);
+  EXPECT_EQ(doc["command"], "load");
+  EXPECT_EQ(doc["exit"], 3);
+  EXPECT_EQ(doc["error_kind"], "no feasible plan");
+  EXPECT_NE(doc["error"].get<std::string>().find("does not fit"), std::string::npos);
+  EXPECT_EQ(doc["plan"]["feasible"], false);
+}
+
 TEST(CliBench, EveryRowWithItsRatiosAndTargets) {
   Result r = run("bench --quick --size 4MiB --rounds 1 --json");
   ASSERT_EQ(r.code, 0) << r.err;

@@ -116,7 +116,12 @@ int subcommand_load(const std::vector<std::string>& argv) {
   if (mine.exit == kExitInfeasible) {
     if (me == 0) {
       if (cfg.json) {
-        Json doc{{"plan", mine.plan}, {"exit", kExitInfeasible}, {"error", mine.message}};
+        // The keys every stopped command's document has, the plan beside them.
+        Json doc{{"command", "load"},
+                 {"exit", kExitInfeasible},
+                 {"error_kind", "no feasible plan"},
+                 {"error", mine.message},
+                 {"plan", mine.plan}};
         std::printf("%s\n", doc.dump(2, ' ', false, Json::error_handler_t::replace).c_str());
       } else {
         std::fprintf(stderr, "zeroflat load: %s\n", mine.message.c_str());
