@@ -520,6 +520,17 @@ def test_a_truncated_data_file_is_refused(single):
         _load_single(single)
 
 
+def test_an_index_that_is_not_a_regular_file_is_refused_by_name(single):
+    """A FIFO in place of .metadata: refused naming it, never read (nor waited on), not taken
+    for a folder of safetensors files."""
+    index = os.path.join(single, ".metadata")
+    os.remove(index)
+    os.mkfifo(index)
+    with pytest.raises(BaseException, match=r"\.metadata") as e:
+        _load_single(single)
+    assert "no .safetensors files" not in str(e.value)
+
+
 def test_a_row_of_dcps_index_is_refused_in_a_torch_save_file(tmp_path):
     """The allow-list's rows say where they may be named: DCP's classes in a torch.save file
     (a DeepSpeed checkpoint, a DCP item) are refused as off the list there."""

@@ -106,7 +106,9 @@ class Reader(StorageReader):
             for f in os.listdir(p))
 
     def _is_dcp(self) -> bool:
-        return os.path.isfile(os.path.join(self.path, self._index)) or (
+        # Anything under the index's name (a FIFO, a link, a folder too): DCP's reader then
+        # refuses it by name, not as a folder without .safetensors files.
+        return os.path.lexists(os.path.join(self.path, self._index)) or (
             self._index == ".metadata" and self._rank_indexes())
 
     def _rank_indexes(self) -> bool:
@@ -131,7 +133,7 @@ class Reader(StorageReader):
         ``rank=`` for that rank's own ``__<rank>.metadata`` (its items alone, each rank loading
         what it saved), as it does with its own reader."""
         rank = kwargs.get("rank")
-        if rank is not None and not os.path.isfile(os.path.join(self.path, ".metadata")):
+        if rank is not None and not os.path.lexists(os.path.join(self.path, ".metadata")):
             index = f"__{int(rank)}.metadata"
             if index != self._index:
                 self._index, self._dcp, self._chunk_of = index, None, {}

@@ -121,7 +121,8 @@ void CheckpointSource::after(const FlatGroup&, Communicator* comm) {
         if (d != own[q * most + k]) {
           mismatch = "rank " + std::to_string(q) + " read layout bytes [" + std::to_string(lo) +
                      ", " + std::to_string(hi) + ") from its copy, and this rank's copy (rank " +
-                     std::to_string(me) + ") holds other bytes there: " + where(lo, q);
+                     std::to_string(me) + ") holds other bytes somewhere in them (they start at " +
+                     where(lo, q) + ")";
           break;
         }
       }

@@ -430,6 +430,12 @@ DcpCheckpoint open_dcp_checkpoint(const std::string& dir, const std::string& ind
                           "': a DCP index is '.metadata' or '__<rank>.metadata'");
   }
   if (!is_dcp_checkpoint(dir, index)) {
+    struct stat m {};
+    if (::lstat((dir + "/" + index).c_str(), &m) == 0) {
+      throw InvalidArgument(printable(dir + "/" + index, 200) +
+                            " is not a regular file (a FIFO, a device, a folder or a link to "
+                            "one): not a DCP checkpoint's index; nothing was read");
+    }
     throw InvalidArgument(printable(dir, 200) + ": not a DCP checkpoint (a folder holding the '" +
                           index + "' index that torch.distributed.checkpoint.save writes)");
   }
