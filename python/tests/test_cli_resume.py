@@ -6,6 +6,7 @@ its bytes are the ones `inspect --dp 3` plans. Bad input (a stage the checkpoint
 with, a rank's file missing, a safetensors load of a DeepSpeed folder) is exit 2 naming it."""
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -103,6 +104,21 @@ def test_bad_stages_and_missing_files_are_exit_2_naming_them(tmp_path_factory, t
         (dst / TAG / missing).unlink()
         r = zeroflat("load", dst, "--from", "deepspeed", "--dp", 3, expect_rc=2)
         assert missing in r.stderr, r.stderr
+
+
+def test_a_folder_without_latest_and_one_whose_latest_is_a_fifo(tmp_path_factory, tmp_path):
+    """Without 'latest', --tag names the folder for inspect as for load; a 'latest' that is a
+    FIFO is refused naming it (never read, nor taken for a folder of safetensors files)."""
+    dst = tmp_path / "nolatest"
+    shutil.copytree(saved(tmp_path_factory, None, 2, 2), dst)
+    (dst / "latest").unlink()
+    shown = json.loads(zeroflat("inspect", dst, "--tag", TAG, "--json").stdout)
+    loaded = resume(dst, "--tag", TAG, "--dp", 2)
+    assert shown["tag"] == TAG and loaded["exit"] == 0, (shown, loaded)
+    os.mkfifo(dst / "latest")
+    for args in (("inspect", dst), ("load", dst, "--from", "deepspeed", "--dp", 2)):
+        r = zeroflat(*args, expect_rc=2)
+        assert "latest" in r.stderr and "not a regular file" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("stage,saved_world", [(1, 2), (2, 2), (3, 2), (2, 1), (3, 1),

@@ -618,7 +618,10 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
     if (!dp) throw UsageError("--rank " + printable(*v) + " needs --dp");
     rank = parse_u64(*v, "--rank");
   }
-  if (is_deepspeed_checkpoint(path)) {
+  // With --tag, a folder whose tag folder holds DeepSpeed's files is one, 'latest' or not (as
+  // load --from deepspeed --tag reads it).
+  if (is_deepspeed_checkpoint(path) ||
+      (tag && tag->find('/') == std::string::npos && is_deepspeed_checkpoint(path + "/" + *tag))) {
     return inspect_deepspeed(path, tag, args.has("json"), dp, rank);
   }
   if (dp || tag) {

@@ -134,6 +134,12 @@ bool is_file(const fs::path& p) {
   std::error_code ec;
   return fs::is_regular_file(p, ec);
 }
+// Something under that name, of any kind (a FIFO or a dangling link too): what is there is
+// then read, and refused by name where it is not a regular file.
+bool present(const fs::path& p) {
+  std::error_code ec;
+  return fs::exists(fs::symlink_status(p, ec));
+}
 
 std::vector<std::string> list_folder(const fs::path& dir) {
   std::vector<std::string> out;
@@ -193,7 +199,7 @@ bool is_deepspeed_checkpoint(const std::string& dir) noexcept {
     if (dir.find('\0') != std::string::npos) return false;
     const fs::path root(dir);
     if (!is_dir(root)) return false;
-    if (is_file(root / "latest") || is_file(root / "latest_universal")) return true;
+    if (present(root / "latest") || present(root / "latest_universal")) return true;
     if (is_dir(root / "zero") && is_file(root / "mp_rank_00_model_states.pt")) return true;
     std::error_code ec;
     std::uint64_t seen = 0;
@@ -229,7 +235,7 @@ DeepSpeedCheckpoint open_deepspeed_checkpoint(const std::string& dir,
   } else {
     for (const char* latest : {"latest", "latest_universal"}) {
       const fs::path file = root / latest;
-      if (!is_file(file)) continue;
+      if (!present(file)) continue;
       const std::string t = trim(detail::read_small_file(file.string(), 4096, "a 'latest' file"));
       check_tag(t, shown(file.string()));
       folder = root / t;
