@@ -587,16 +587,16 @@ TEST(TorchFile, DuplicateKeysAndUnhashableKeysAreRefused) {
 
 TEST(TorchFile, AStrThatIsNotUtf8IsRefusedAsPythonsPickleRefusesIt) {
   // Good UTF-8 of every length passes (as a dict key and a value); each bad form is refused,
-  // under each of the three str opcodes, naming the byte.
+  // under each opcode that makes a str (protocol 2's byte strings too), naming the byte.
   Pickle good;
   good.op('}').mark().str("w\xc3\xa9ight \xe2\x82\xac \xf0\x9f\x99\x82").integer(1).op('u');
   EXPECT_NO_THROW((void)parse(archive(good.done())));
   for (const std::string bad : {"name\xff", "\xc3", "\xc0\xaf", "\xe0\x80\xaf",
                                 "\xed\xa0\x80", "\xf4\x90\x80\x80", "\x80", "a\xe2\x82"}) {
-    for (const char op : {'X', '\x8c', '\x8d'}) {
+    for (const char op : {'X', '\x8c', '\x8d', 'T', 'U'}) {
       Pickle p;
       p.op('}').mark().op(op);
-      put(p.b, bad.size(), op == 'X' ? 4 : op == '\x8c' ? 1 : 8);
+      put(p.b, bad.size(), op == 'X' || op == 'T' ? 4 : op == '\x8c' || op == 'U' ? 1 : 8);
       p.raw(bad).integer(1).op('u');
       const std::string m = error_of(archive(p.done()));
       EXPECT_NE(m.find("a str that is not UTF-8"), std::string::npos) << m;

@@ -185,6 +185,7 @@ def _hf_load(rank, mesh, job):
         # Each rank its own copy of the folder; the last rank's files are replaced (renamed
         # over, the same bytes) after its reader read their headers.
         path = f"{job['path']}.rank{rank}"
+        shutil.rmtree(path, ignore_errors=True)
         shutil.copytree(job["path"], path)
         if rank == mesh.size() - 1:
             class Replacing(zeroflat.dcp.Reader):

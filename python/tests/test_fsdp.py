@@ -482,7 +482,9 @@ def test_from_pretrained_refuses_on_every_rank_when_one_cannot_build_the_model(c
     (zero,), (one,) = ranks
     assert "rank 1 could not build the model" in zero["error"], zero
     assert "-absent" in one["error"], one
-    assert zero["seconds"] < 20 and one["seconds"] < 20, ranks
+    # Well inside the process group's timeout (the failing rank does not leave the other
+    # waiting in the load's collectives until then).
+    assert zero["seconds"] < 60 and one["seconds"] < 60, ranks
 
 
 def other_architectures():

@@ -281,15 +281,16 @@ class TorchComm:
         self.all_gather_tensors([(buf, slice_bytes)], what)
 
     def all_gather_tensors(self, items: List[Any], what: str) -> None:
-        """all_gather_tensor of each ``(buf, slice_bytes)`` in turn, the ranks' byte counts
-        compared once for all of them."""
+        """all_gather_tensor of each ``(buf, slice_bytes)``, the ranks' byte counts compared
+        once for all of them in the order given, then gathered the larger slices first (the
+        window opened for them serves the rest)."""
         # Every rank's byte counts before anything is copied: a shorter peer would be overrun.
         least, most = self._range([n for _, n in items], what)
         if most != least:
             k = next(i for i in range(len(items)) if least[i] != most[i])
-            raise InvalidArgument(f"the ranks passed all-gather slices of {least[k]} to "
-                                  f"{most[k]} bytes; nothing was copied")
-        for buf, slice_bytes in items:
+            raise InvalidArgument(f"{what}: the ranks passed slices of {least[k]} to {most[k]} "
+                                  f"bytes (item {k}); nothing was copied")
+        for buf, slice_bytes in sorted(items, key=lambda item: -item[1]):
             part = buf[: slice_bytes * self.size]
             self._run(what, lambda: self._all_gather(part, slice_bytes))
 

@@ -91,6 +91,8 @@ def check(prep, rank: int, world: int, group, copies: str, path: str) -> None:
     whole = [_digest([_bytes(value)]) for _, _, value in prep.whole]
     base = [sum(len(s) + len(whole) for s in spans[:q]) for q in range(world)]
     values = [0] * (base[-1] + len(spans[-1]) + len(whole))
+    if not values:  # nothing in place, no buffer (the same count on every rank)
+        return
     mine = [r for _, r in per_rank[rank]]
     views = [_bytes(m.mapped) for m, _ in per_rank[rank]]
     for i, (lo, hi) in enumerate(spans[rank]):
@@ -113,10 +115,10 @@ def check(prep, rank: int, world: int, group, copies: str, path: str) -> None:
                            for k, a, b in parts) != theirs[base[q] + i]:
                     k, a, _ = parts[0]
                     f, offset, _ = ranges[k]
-                    found = (f"rank {q} used bytes [{offset + a}, {offset + a + hi - lo}) of "
-                             f"{path_text(prep.ck.files[f])} (from parameter "
-                             f"{per_rank[q][k][0].aliases[0]!r} on) from its copy, and this "
-                             f"rank's copy (rank {rank}) holds other bytes there")
+                    found = (f"rank {q} used {hi - lo} bytes from its copy, starting at byte "
+                             f"{offset + a} of {path_text(prep.ck.files[f])} (parameter "
+                             f"{per_rank[q][k][0].aliases[0]!r}), and this rank's copy (rank "
+                             f"{rank}) holds other bytes somewhere in them")
                     break
             for j, (name, _, _) in enumerate(prep.whole):
                 if found is None and theirs[base[q] + len(spans[q]) + j] != whole[j]:
@@ -124,8 +126,8 @@ def check(prep, rank: int, world: int, group, copies: str, path: str) -> None:
                              f"this rank's (rank {rank})")
             if found is not None:
                 break
-    except OSError as e:
-        found = f"the check itself failed on rank {rank}: {e}"
+    except Exception as e:  # noqa: BLE001 - every rank must reach the second all-reduce
+        found = f"the check itself failed on rank {rank}: {type(e).__name__}: {e}"
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -18,6 +18,7 @@ from ._errors import InvalidArgument
 from ._load import _checkpoint, check_load_options, left_untied
 from .fsdp import _dtensor_class, _finder, load
 
+
 def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed_config: Any, *,
                     dtype: Optional[torch.dtype] = None, threads: Optional[int] = None,
                     cold: bool = False, copies: str = "sampled", storage: str = "auto",

@@ -293,8 +293,6 @@ class EngineWriter:
             part = opt.parallel_partitioned_bit16_groups[i][self.rank]
             part.data.copy_(opt.single_partition_of_fp32_groups[i].data)
             items.append((flat.view(-1).view(torch.uint8), part.numel() * flat.element_size()))
-        # The larger slices first: the window opened for them serves the rest.
-        items.sort(key=lambda item: -item[1])
         comm.all_gather_tensors(items, "the all-gather of the groups' 16-bit weights")
 
     def write(self) -> None:

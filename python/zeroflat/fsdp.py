@@ -523,7 +523,8 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
         if stored is None:
             if strict or b.device.type == "meta":
                 raise ValueError(f"{ck.path} holds no tensor for the model's buffer {name!r}" + (
-                    " (on the meta device)" if not strict else "; strict=False leaves it as is"))
+                    " (on the meta device)" if b.device.type == "meta"
+                    else "; strict=False leaves it as is"))
             continue
         local = _local(b)
         value = _read_whole(ck, name, [stored], [list(b.shape)], list(b.shape),

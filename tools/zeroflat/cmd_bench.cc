@@ -79,9 +79,11 @@ Workload make_workload(Device& d, std::uint64_t total, std::uint64_t count) {
     largest = std::max(largest, n * 2);
   }
   void* fill = d.allocate_host(largest);
-  std::memset(fill, 0x5a, largest);
   try {
-    for (std::uint64_t n : numels) {
+    for (std::size_t i = 0; i < numels.size(); ++i) {
+      const std::uint64_t n = numels[i];
+      // Each tensor its own bytes: a copy to the wrong place or in the wrong order shows.
+      std::memset(fill, static_cast<int>(1 + (i * 37) % 251), n * 2);
       w.storage.emplace_back(d, n * 2);
       d.copy(w.storage.back().data(), fill, n * 2);
       w.params.push_back(TensorRef{w.storage.back().data(), n,
@@ -101,10 +103,13 @@ Workload make_workload(Device& d, std::uint64_t total, std::uint64_t count) {
 }
 
 // Copy only (every destination already written once): the flatten, the ceiling and the loop of
-// per-tensor copies, `rounds` times each in turn; the medians.
+// per-tensor copies, `rounds` times each in turn; the medians. The loop: on the host one plain
+// memcpy per tensor (what a hand-written loop does), on a GPU one Device::copy per tensor (a
+// copy and a wait each, as a loop of synchronous copies).
 void measure_copy(Device& d, Row& row, unsigned rounds) {
   Workload w = make_workload(d, row.bytes, row.tensors);
   const std::uint64_t n = w.flat_bytes;
+  const bool host = d.host_accessible();
   DeviceBuffer flat(d, n), src(d, n), dst(d, n);
   d.gather(src.data(), n, w.segments);  // every buffer written once: no first touch timed
   d.copy(flat.data(), src.data(), n);
@@ -120,14 +125,27 @@ void measure_copy(Device& d, Row& row, unsigned rounds) {
   for (unsigned r = 0; r < rounds; ++r) {
     f.push_back(timed([&] { d.gather(flat.data(), n, w.segments); }));
     c.push_back(timed([&] { d.copy(dst.data(), src.data(), n); }));
+    if (r + 1 == rounds) {
+      // The copy's result first, then the loop's into a cleared buffer: each compared below.
+      if (d.checksum(dst.data(), n) != d.checksum(src.data(), n)) {
+        throw InternalError("bench: the copy left other bytes than its source");
+      }
+      d.gather(dst.data(), n, {});  // zeros: no segment covers any byte
+    }
     p.push_back(timed([&] {
       auto* out = static_cast<unsigned char*>(dst.data());
-      for (const Segment& s : w.segments) d.copy(out + s.dst_offset, s.src, s.num_bytes);
+      for (const Segment& s : w.segments) {
+        if (host) {
+          std::memcpy(out + s.dst_offset, s.src, s.num_bytes);
+        } else {
+          d.copy(out + s.dst_offset, s.src, s.num_bytes);
+        }
+      }
     }));
     vc.push_back(c.back() / f.back());
     vp.push_back(p.back() / f.back());
   }
-  // All three wrote the same bytes: the flatten's result is the layout the loop copied too.
+  // The flatten's result is the layout the loop built tensor by tensor (padding zero in both).
   if (d.checksum(flat.data(), n) != d.checksum(dst.data(), n)) {
     throw InternalError("bench: the flatten and the per-tensor copies left different bytes");
   }
@@ -206,7 +224,7 @@ std::string ratio_text(double x) {
 }  // namespace
 
 int subcommand_bench(const std::vector<std::string>& argv) {
-  Parser p("bench", "[--quick] [--size SIZE] [--rounds N] [--json]",
+  Parser p("bench", "[--quick] [--size SIZE] [--rounds N] [--no-gpu] [--json]",
            "The flatten's benchmark matrix on this machine, each row timed side by side in this\n"
            "process with the same threads: the flatten of N bf16 tensors into a DeepSpeed\n"
            "layout (the step every tier ends in) against one copy of the same bytes from a\n"
@@ -216,6 +234,7 @@ int subcommand_bench(const std::vector<std::string>& argv) {
            "100 ms budget. A GPU row runs where cuda:0 opens. Ratios are medians over the\n"
            "rounds of each round's ratio (above 1: zeroflat faster).");
   p.flag("quick", "fewer rows and rounds (a minute or less on a laptop)");
+  p.flag("no-gpu", "the host's rows only, even where cuda:0 opens");
   p.option("size", "SIZE",
            "the total size of the large rows (the shape is yours to choose; the smaller rows "
            "scale with it)",
@@ -250,12 +269,15 @@ int subcommand_bench(const std::vector<std::string>& argv) {
 
   std::vector<std::pair<std::string, std::unique_ptr<Device>>> devices;
   devices.emplace_back("cpu", make_device("cpu", DeviceOptions{threads}));
-  std::string gpu_note = "no GPU here (cuda:0 did not open)";
-  try {
-    devices.emplace_back("cuda:0", make_device("cuda:0", DeviceOptions{threads}));
-    gpu_note.clear();
-  } catch (const std::exception& e) {
-    gpu_note += std::string(": ") + e.what();
+  std::string gpu_note = "no GPU rows (--no-gpu)";
+  if (!args.has("no-gpu")) {
+    gpu_note = "no GPU here (cuda:0 did not open)";
+    try {
+      devices.emplace_back("cuda:0", make_device("cuda:0", DeviceOptions{threads}));
+      gpu_note.clear();
+    } catch (const std::exception& e) {
+      gpu_note += std::string(": ") + e.what();
+    }
   }
 
   std::vector<Row> rows;

@@ -134,11 +134,14 @@ bool is_file(const fs::path& p) {
   std::error_code ec;
   return fs::is_regular_file(p, ec);
 }
-// Something under that name, of any kind (a FIFO or a dangling link too): what is there is
-// then read, and refused by name where it is not a regular file.
+// A 'latest' to read: a regular file, or anything else under that name but a folder or a
+// dangling link (a FIFO, a device: read, and refused by name). A folder named so (as a
+// 'latest -> checkpoint-1000' link beside a model's safetensors) and a dangling link are not a
+// DeepSpeed 'latest', as DeepSpeed's own os.path.isfile says.
 bool present(const fs::path& p) {
   std::error_code ec;
-  return fs::exists(fs::symlink_status(p, ec));
+  const fs::file_status st = fs::status(p, ec);
+  return fs::exists(st) && !fs::is_directory(st);
 }
 
 std::vector<std::string> list_folder(const fs::path& dir) {

@@ -780,9 +780,12 @@ class Machine {
                                             : "a value)"));
   }
 
-  // The text of a str opcode, which must be UTF-8 (Python's pickle refuses other bytes there;
-  // the names and values it holds reach Python and JSON as text). Strict: no overlong forms,
-  // no surrogates, nothing past U+10FFFF.
+  // The text of a str opcode, which must be UTF-8: Python's pickle refuses other bytes there
+  // (torch.load decodes protocol 2's byte strings as UTF-8 too), and the names and values it
+  // holds reach Python and JSON as text. Strict: no overlong forms, nothing past U+10FFFF, and
+  // no lone surrogates, which Python's pickle lets through (surrogatepass) but which cannot
+  // cross to Python as text: such a str is refused by name here, not a UnicodeDecodeError
+  // later.
   std::string_view utf8(std::string_view text) {
     for (std::size_t i = 0; i < text.size();) {
       const auto c = static_cast<unsigned char>(text[i]);
@@ -1006,10 +1009,10 @@ class Machine {
       case 'T': {
         const std::int64_t n = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)));
         if (n < 0) throw fail("negative length " + std::to_string(n));
-        push(make_text(NodeKind::kString, bytes(static_cast<std::uint64_t>(n))));
+        push(make_text(NodeKind::kString, utf8(bytes(static_cast<std::uint64_t>(n)))));
         return false;
       }
-      case 'U': push(make_text(NodeKind::kString, bytes(le(1)))); return false;
+      case 'U': push(make_text(NodeKind::kString, utf8(bytes(le(1))))); return false;
       case 'X': push(make_text(NodeKind::kString, utf8(bytes(le(4))))); return false;
       case 0x8c: push(make_text(NodeKind::kString, utf8(bytes(le(1))))); return false;
       case 0x8d: push(make_text(NodeKind::kString, utf8(bytes(le(8))))); return false;
