@@ -1023,6 +1023,18 @@ TEST(CliLoad, NoFeasiblePlanGivesTheKeysOfEveryStoppedCommand) {
   EXPECT_EQ(doc["plan"]["feasible"], false);
 }
 
+TEST(CliLoad, AFolderNamedLatestBesideSafetensorsIsNoDeepSpeedCheckpoint) {
+  // A 'latest' folder (or a link to one, as training scripts leave) beside a model's files: the
+  // folder is a safetensors checkpoint still, for inspect and load alike.
+  const std::string dir = checkpoint("latest_dir", "");
+  ASSERT_EQ(::mkdir((dir + "/latest").c_str(), 0755), 0);
+  Result shown = run("inspect " + dir + " --json");
+  EXPECT_EQ(shown.code, 0) << shown.err;
+  EXPECT_GT(json::parse(shown.out)["tensors"].get<std::uint64_t>(), 0u) << shown.out;
+  EXPECT_EQ(run("load " + dir + " --dp 2 --quiet").code, 0);
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
 TEST(CliBench, EveryRowWithItsRatiosAndTargets) {
   Result r = run("bench --quick --size 4MiB --rounds 1 --no-gpu --json");
   ASSERT_EQ(r.code, 0) << r.err;
