@@ -66,6 +66,24 @@ TEST(Size, ParsesBytesAndUnits) {
   EXPECT_EQ(parse_size("1.5 GiB"), 3ull << 29);
   EXPECT_EQ(parse_size("2k"), 2000u);
   EXPECT_EQ(parse_size("15TiB"), 15ull << 40);
+  // Every unit format_bytes prints reads back.
+  EXPECT_EQ(parse_size("18.4 EB"), 18'400'000'000'000'000'000ull);
+  EXPECT_EQ(parse_size("2PB"), 2'000'000'000'000'000ull);
+  EXPECT_EQ(parse_size("3PiB"), 3ull << 50);
+  EXPECT_EQ(parse_size("15EiB"), 15ull << 60);
+  for (std::uint64_t v : {999ull, 1'430'000'000ull, 5ull << 40, 7'000'000'000'000'000ull}) {
+    EXPECT_GT(parse_size(format_bytes(v)), 0u) << format_bytes(v);
+  }
+  EXPECT_THROW((void)parse_size("16EiB"), InvalidArgument);  // past 64 bits
+}
+
+TEST(Size, NamesWhatTheSizeIsFor) {
+  try {
+    (void)parse_size("-1", "--margin");
+    ADD_FAILURE() << "accepted -1";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("--margin: size '-1'", 0), 0u) << e.what();
+  }
 }
 
 TEST(Size, RejectsWithTheText) {

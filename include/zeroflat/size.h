@@ -9,10 +9,13 @@
 
 namespace zeroflat {
 
-// Plain bytes ("1048576") or a number with a unit: B, KB/MB/GB/TB (powers of 1000),
-// KiB/MiB/GiB/TiB (powers of 1024), case-insensitive; fractions allowed ("1.5GB"). The result
-// must be a whole number of bytes that fits in 64 bits. Throws InvalidArgument naming the text.
+// Plain bytes ("1048576") or a number with a unit: B, KB/MB/GB/TB/PB/EB (powers of 1000),
+// KiB/MiB/GiB/TiB/PiB/EiB (powers of 1024), case-insensitive (every unit format_bytes prints);
+// fractions allowed ("1.5GB"). The result must be a whole number of bytes that fits in 64 bits.
+// Throws InvalidArgument naming the text.
 std::uint64_t parse_size(std::string_view text);
+// The same, the error also naming what the size is for (an option: "--margin").
+std::uint64_t parse_size(std::string_view text, std::string_view what);
 
 // A non-negative decimal integer that fits in 64 bits; what names the value in the error.
 std::uint64_t parse_u64(std::string_view text, std::string_view what);

@@ -35,6 +35,16 @@ std::uint64_t parse_u64(std::string_view text, std::string_view what) {
   return value;
 }
 
+std::uint64_t parse_size(std::string_view text, std::string_view what) {
+  try {
+    return parse_size(text);
+  } catch (const InvalidArgument& e) {
+    std::string message(what);
+    message.append(": ").append(e.what());
+    throw InvalidArgument(message);
+  }
+}
+
 std::uint64_t parse_size(std::string_view text) {
   auto fail = [&](const std::string& why) {
     return InvalidArgument("size '" + printable(text) + "': " + why +
@@ -67,10 +77,16 @@ std::uint64_t parse_size(std::string_view text) {
       {"gb", 1000ull * 1000 * 1000},
       {"t", 1000ull * 1000 * 1000 * 1000},
       {"tb", 1000ull * 1000 * 1000 * 1000},
+      {"p", 1000ull * 1000 * 1000 * 1000 * 1000},
+      {"pb", 1000ull * 1000 * 1000 * 1000 * 1000},
+      {"e", 1000ull * 1000 * 1000 * 1000 * 1000 * 1000},
+      {"eb", 1000ull * 1000 * 1000 * 1000 * 1000 * 1000},
       {"kib", 1ull << 10},
       {"mib", 1ull << 20},
       {"gib", 1ull << 30},
       {"tib", 1ull << 40},
+      {"pib", 1ull << 50},
+      {"eib", 1ull << 60},
   };
   std::uint64_t factor = 0;
   for (const Unit& u : kUnits) {

@@ -38,7 +38,7 @@ struct Registry {
       }
       const std::string_view what = spec.substr(colon + 1);
       const std::optional<DevicePreset> preset = find_preset(what);
-      DevicePreset node = preset ? *preset : generic_preset(parse_size(what));
+      DevicePreset node = preset ? *preset : generic_preset(parse_size(what, "sim:SIZE"));
       if (node.capacity_bytes == 0) {
         throw InvalidArgument("device '" + printable(spec) + "': the capacity must be positive");
       }

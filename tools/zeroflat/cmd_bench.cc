@@ -253,7 +253,7 @@ int subcommand_bench(const std::vector<std::string>& argv) {
   const bool quick = args.has("quick");
   std::uint64_t size = std::uint64_t{256} << 20;
   if (auto v = args.get("size")) {
-    size = parse_size(*v);
+    size = parse_size(*v, "--size");
     if (size < (std::uint64_t{1} << 20) || size > (std::uint64_t{1} << 40)) {
       throw InvalidArgument("--size " + printable(*v) + ": expected 1 MiB to 1 TiB");
     }

@@ -119,7 +119,7 @@ int subcommand_plan(const std::vector<std::string>& argv) {
   node.capacity_bytes = preset.capacity_bytes;
   node.free_bytes = model_bytes < preset.capacity_bytes ? preset.capacity_bytes - model_bytes : 0;
   if (auto v = args.get("free")) {
-    node.free_bytes = parse_size(*v);
+    node.free_bytes = parse_size(*v, "--free");
     if (node.free_bytes > preset.capacity_bytes) {
       throw InvalidArgument("--free " + *v + " is more than the device's capacity of " +
                             format_bytes(preset.capacity_bytes));
@@ -133,14 +133,14 @@ int subcommand_plan(const std::vector<std::string>& argv) {
     }
   }
   const std::uint64_t ranks_per_node = std::min<std::uint64_t>(options.dp, 8);
-  if (auto v = args.get("host")) preset.host_bytes_per_node = parse_size(*v);
+  if (auto v = args.get("host")) preset.host_bytes_per_node = parse_size(*v, "--host");
   node.host_free_bytes = preset.host_bytes_per_node / ranks_per_node;
-  if (auto v = args.get("host-free")) node.host_free_bytes = parse_size(*v);
+  if (auto v = args.get("host-free")) node.host_free_bytes = parse_size(*v, "--host-free");
   node.integrated = preset.integrated;
   PlanFacts facts = plan_facts(node, ranks_per_node);
   facts.bandwidths = preset.bandwidths;
   std::optional<std::uint64_t> margin;
-  if (auto v = args.get("margin")) margin = parse_size(*v);
+  if (auto v = args.get("margin")) margin = parse_size(*v, "--margin");
   const PlanInput in = make_plan_input(Layout::compute(model.numels(), options), model_bytes, facts,
                                        0, forced, margin);
   Plan plan = plan_group(in);

@@ -52,8 +52,9 @@ int subcommand_write_checkpoint(const std::vector<std::string>& argv) {
       args.get("dtype") ? parse_dtype(*args.get("dtype")) : model.dtype.value_or(DType::kBF16);
   std::optional<DType> values;
   if (auto v = args.get("values")) values = parse_dtype(*v);
-  const std::uint64_t shard =
-      args.get("shard-size") ? parse_size(*args.get("shard-size")) : std::uint64_t{5'000'000'000};
+  const std::uint64_t shard = args.get("shard-size")
+                                  ? parse_size(*args.get("shard-size"), "--shard-size")
+                                  : std::uint64_t{5'000'000'000};
   if (shard == 0) throw InvalidArgument("--shard-size 0: shards must hold something");
   const std::uint64_t total = model.numel() * element_size(dtype);
   // The disk must hold it: checked before the first byte is written.

@@ -168,7 +168,7 @@ LoadConfig load_config_from_args(const Args& args) {
     cfg.library.tier = read_plan_from_args(args, cfg.stage.zero3);
   }
   if (auto v = args.get("storage")) {
-    cfg.library.storage_bytes_per_second = static_cast<double>(parse_size(*v));
+    cfg.library.storage_bytes_per_second = static_cast<double>(parse_size(*v, "--storage"));
     if (cfg.library.storage_bytes_per_second <= 0)
       throw InvalidArgument("--storage " + printable(*v) + ": expected > 0");
   }
@@ -246,10 +246,10 @@ LoadConfig load_config_from_args(const Args& args) {
   if (cfg.setup.no_data && cfg.verify) {
     throw InvalidArgument("--verify needs data; drop --no-data");
   }
-  if (auto v = args.get("margin")) cfg.library.margin_bytes = parse_size(*v);
+  if (auto v = args.get("margin")) cfg.library.margin_bytes = parse_size(*v, "--margin");
   cfg.threads = threads_from_args(args);
   if (auto v = args.get("ring")) {
-    cfg.library.read.ring_chunk_bytes = parse_size(*v);
+    cfg.library.read.ring_chunk_bytes = parse_size(*v, "--ring");
     if (cfg.library.read.ring_chunk_bytes < 4096 ||
         cfg.library.read.ring_chunk_bytes > (std::uint64_t{1} << 32)) {
       throw InvalidArgument("--ring " + printable(*v) + ": expected 4KiB to 4GiB");

@@ -66,7 +66,7 @@ DeviceSetup device_setup_from_args(const Args& args, std::uint64_t dp) {
       throw InvalidArgument("--host is the host memory of a simulated node (--device sim:...); " +
                             pl.device_spec + " uses this machine's");
     }
-    pl.node_host_bytes = parse_size(*v);
+    pl.node_host_bytes = parse_size(*v, "--host");
   }
   if (pl.no_data && pl.kind != DeviceKind::kSim) {
     throw InvalidArgument("--no-data is for sim devices (--device sim:SIZE); " + pl.device_spec +

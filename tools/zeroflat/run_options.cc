@@ -70,7 +70,7 @@ RunConfig run_config_from_args(const Args& args) {
     throw InvalidArgument("--verify needs data; drop --no-data to verify on a sim device");
   }
   if (auto v = args.get("tier")) cfg.library.tier = parse_tier_choice(*v, "--tier");
-  if (auto v = args.get("margin")) cfg.library.margin_bytes = parse_size(*v);
+  if (auto v = args.get("margin")) cfg.library.margin_bytes = parse_size(*v, "--margin");
   if (auto v = args.get("repeat")) {
     cfg.repeat = parse_u64(*v, "--repeat");
     if (cfg.repeat == 0 || cfg.repeat > 1000) {
