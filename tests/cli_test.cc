@@ -1023,6 +1023,25 @@ TEST(CliLoad, NoFeasiblePlanGivesTheKeysOfEveryStoppedCommand) {
   EXPECT_EQ(doc["plan"]["feasible"], false);
 }
 
+TEST(CliHostile, APathWithATerminalSequenceReachesNoTerminal) {
+  // A folder whose name holds ESC [31m: the messages that quote it (a failed read, an invalid
+  // path) show '?' for the ESC, in the human output and on stderr alike.
+  const std::string dir = checkpoint("esc_name", "");
+  const std::string odd = dir + "\x1b[31m";
+  ASSERT_EQ(std::rename(dir.c_str(), odd.c_str()), 0);
+  for (const std::string& args :
+       {std::string("load '") + odd + "' --dp 2 --inject-read-error 10000@1 --quiet",
+        std::string("load '") + odd + "/nothing-here' --quiet",
+        std::string("inspect '") + odd + "/nothing-here'"}) {
+    Result r = run(args);
+    EXPECT_NE(r.code, 0) << args;
+    EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << args << "\n" << r.out;
+    EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << args << "\n" << r.err;
+    EXPECT_NE((r.out + r.err).find("?[31m"), std::string::npos) << args << "\n" << r.err;
+  }
+  std::system(("rm -rf '" + odd + "'").c_str());
+}
+
 TEST(CliLoad, AFolderNamedLatestBesideSafetensorsIsNoDeepSpeedCheckpoint) {
   // A 'latest' folder (or a link to one, as training scripts leave) beside a model's files: the
   // folder is a safetensors checkpoint still, for inspect and load alike.

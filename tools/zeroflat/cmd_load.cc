@@ -91,7 +91,9 @@ int subcommand_load(const std::vector<std::string>& argv) {
   const std::string why = load_memory_shortfall(cfg);
   const int short_rank = agree_on_failure(world.get(), !why.empty());
   if (short_rank >= 0) {
-    if (!why.empty()) std::fprintf(stderr, "zeroflat load: rank %d: %s\n", me, why.c_str());
+    if (!why.empty()) {
+      std::fprintf(stderr, "zeroflat load: rank %d: %s\n", me, terminal_text(why).c_str());
+    }
     return finish(kExitInfeasible);
   }
   Progress progress(!cfg.quiet && me == 0);
@@ -124,7 +126,7 @@ int subcommand_load(const std::vector<std::string>& argv) {
                  {"plan", mine.plan}};
         std::printf("%s\n", doc.dump(2, ' ', false, Json::error_handler_t::replace).c_str());
       } else {
-        std::fprintf(stderr, "zeroflat load: %s\n", mine.message.c_str());
+        std::fprintf(stderr, "zeroflat load: %s\n", terminal_text(mine.message).c_str());
       }
     }
     return finish(kExitInfeasible);

@@ -127,8 +127,8 @@ void print_deepspeed_report(const LoadConfig& cfg, const std::vector<Json>& entr
   for (const Json& e : entries) {
     if (!e.contains("bytes_read")) {
       std::printf("%-5llu error (loading %s): %s\n", static_cast<unsigned long long>(u64(e, "rank")),
-                  e.value("load", std::string("?")).c_str(),
-                  e.value("error", std::string("?")).c_str());
+                  terminal_text(e.value("load", std::string("?"))).c_str(),
+                  terminal_text(e.value("error", std::string("?"))).c_str());
       continue;
     }
     const double g = e["read_gbps"].is_number() ? e["read_gbps"].get<double>() : 0;
@@ -159,7 +159,7 @@ void print_deepspeed_report(const LoadConfig& cfg, const std::vector<Json>& entr
   bool all_verified = !entries.empty();
   for (const Json& e : entries) all_verified = all_verified && e.value("verified", false);
   if (cfg.verify) std::printf("verified: %s\n", all_verified ? "yes, every rank" : "NO");
-  if (!first_error.empty()) std::printf("error: %s\n", first_error.c_str());
+  if (!first_error.empty()) std::printf("error: %s\n", terminal_text(first_error).c_str());
 }
 
 }  // namespace zeroflat::cli

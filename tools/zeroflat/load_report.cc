@@ -176,7 +176,7 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
     if (!e.contains("bytes_read")) {
       std::printf("%-5llu error: %s\n",
                   static_cast<unsigned long long>(e["rank"].get<std::uint64_t>()),
-                  e.value("error", std::string("?")).c_str());
+                  terminal_text(e.value("error", std::string("?"))).c_str());
       continue;
     }
     const double g = e["read_gbps"].is_number() ? e["read_gbps"].get<double>() : 0;
@@ -202,7 +202,7 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
   if (!entries.empty() && entries.front()["checksum"].is_string()) {
     std::printf("checksum: %s\n", entries.front()["checksum"].get<std::string>().c_str());
   }
-  if (!first_error.empty()) std::printf("error: %s\n", first_error.c_str());
+  if (!first_error.empty()) std::printf("error: %s\n", terminal_text(first_error).c_str());
 }
 
 }  // namespace zeroflat::cli

@@ -21,8 +21,9 @@ namespace {
 std::string shown(const char* what) {
   constexpr std::size_t kMax = 4096;
   const std::string_view w(what);
-  if (w.size() <= kMax) return std::string(w);
-  return std::string(w.substr(0, kMax)) + "... (" + std::to_string(w.size() - kMax) +
+  using zeroflat::cli::terminal_text;
+  if (w.size() <= kMax) return terminal_text(w);
+  return terminal_text(w.substr(0, kMax)) + "... (" + std::to_string(w.size() - kMax) +
          " more characters)";
 }
 

@@ -34,6 +34,15 @@ bool looks_like_hub_id(const std::string& s) {
 
 }  // namespace
 
+std::string terminal_text(std::string_view text) {
+  std::string out(text);
+  for (char& c : out) {
+    const auto u = static_cast<unsigned char>(c);
+    if ((u < 0x20 && c != '\n' && c != '\t') || u == 0x7f) c = '?';
+  }
+  return out;
+}
+
 std::string resolve_model_path(const std::string& name_or_path) {
   std::error_code ec;
   if (catalog_config(name_or_path) || fs::exists(fs::symlink_status(name_or_path, ec)) ||

@@ -145,7 +145,8 @@ void print_run_report(const RunConfig& cfg, const Launched& run, int exit,
     print_human(cfg, run.entries, r0);
   }
   if (exit == kExitExecFailed) {
-    std::fprintf(stderr, "zeroflat run: execution failed: %s\n", first_error.c_str());
+    std::fprintf(stderr, "zeroflat run: execution failed: %s\n",
+                 terminal_text(first_error).c_str());
   } else if (exit == kExitOther) {
     bool verify_failed = false;
     for (const Json& e : run.entries) verify_failed |= e.contains("verify_error");
@@ -165,7 +166,7 @@ void print_infeasible(const RunConfig& cfg, const Json& plan, const std::string&
     doc["ranks"] = Json::array();
     print_json(doc);
   }
-  std::fprintf(stderr, "zeroflat run: %s\n", why.c_str());
+  std::fprintf(stderr, "zeroflat run: %s\n", terminal_text(why).c_str());
 }
 
 }  // namespace zeroflat::cli

@@ -32,6 +32,11 @@ ModelSpec model_from_args(const Args& args, const std::string& default_model);
 // InvalidArgument when an id is not in the cache, naming where it looked.
 std::string resolve_model_path(const std::string& name_or_path);
 
+// Text for a terminal: every control character but newline and tab (an ESC that would start a
+// terminal sequence, from a file's name or a checkpoint's contents) shown as '?'; bytes of
+// UTF-8 text kept.
+std::string terminal_text(std::string_view text);
+
 // --dp, --round-robin, --alignment-factor, --dtype, --param-align-bytes, --deepspeed.
 void add_layout_options(Parser& parser);
 // Validated layout options (InvalidArgument names the bad value). With a model, its declared
