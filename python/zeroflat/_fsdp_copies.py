@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -27,6 +27,14 @@ _WINDOWS = 16
 _CHUNK = 16 << 20
 
 
+def file_ranges(prep, members, dtype: torch.dtype, q: int) -> List[Optional[Tuple[int, ...]]]:
+    """Rank ``q``'s shard of each member as one (file, offset, bytes) range of the checkpoint's
+    files, where it lies there as it is (the library's shard_file_ranges), else None."""
+    ranges = _C.shard_file_ranges(prep.ck, [m.param for m in members], prep.mesh_shape,
+                                  prep.coords, [m.placements for m in members], q, DTYPES[dtype])
+    return [None if r is None else tuple(int(x) for x in r) for r in ranges]
+
+
 def mapped_ranges(prep, q: int) -> List[Tuple[object, Tuple[int, int, int]]]:
     """(member, (file, offset, bytes)) of rank ``q``'s shards used in place, in the order every
     rank lists them (the library's shard_file_ranges: the same parameters on every rank)."""
@@ -35,14 +43,11 @@ def mapped_ranges(prep, q: int) -> List[Tuple[object, Tuple[int, int, int]]]:
         members = [m for m in prep.by_dtype[dtype] if m.range is not None]
         if not members:
             continue
-        ranges = _C.shard_file_ranges(prep.ck, [m.param for m in members], prep.mesh_shape,
-                                      prep.coords, [m.placements for m in members], q,
-                                      DTYPES[dtype])
-        for m, r in zip(members, ranges):
+        for m, r in zip(members, file_ranges(prep, members, dtype, q)):
             if r is None:  # the library places the same parameters in place on every rank
                 raise InvalidArgument(f"parameter {m.aliases[0]!r} lies in the files as it is "
                                       f"for this rank, not for rank {q}")
-            out.append((m, tuple(int(x) for x in r)))
+            out.append((m, r))
     return out
 
 

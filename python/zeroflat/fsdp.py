@@ -383,11 +383,8 @@ def _choose_in_place(prep: "_Prepared", rank: int) -> None:
         members = [m for m in members if _is_dtensor(m.param_obj)]
         if not members:
             continue
-        ranges = _C.shard_file_ranges(prep.ck, [m.param for m in members], prep.mesh_shape,
-                                      prep.coords, [m.placements for m in members], rank,
-                                      DTYPES[dtype])
-        for m, r in zip(members, ranges):
-            m.range = None if r is None else tuple(int(x) for x in r)
+        for m, r in zip(members, _fsdp_copies.file_ranges(prep, members, dtype, rank)):
+            m.range = r
 
 
 def _map_in_place(prep: "_Prepared", threads: int, counts, world: int, cold: bool) -> int:
