@@ -199,7 +199,9 @@ void print_load_report(const LoadConfig& cfg, const std::vector<Json>& entries,
   bool all_verified = !entries.empty();
   for (const Json& e : entries) all_verified = all_verified && e.value("verified", false);
   if (cfg.verify) std::printf("verified: %s\n", all_verified ? "yes, every rank" : "NO");
-  if (!entries.empty() && entries.front()["checksum"].is_string()) {
+  // A rank that failed has no checksum (a const operator[] of a missing key is undefined).
+  if (!entries.empty() && entries.front().contains("checksum") &&
+      entries.front()["checksum"].is_string()) {
     std::printf("checksum: %s\n", entries.front()["checksum"].get<std::string>().c_str());
   }
   if (!first_error.empty()) std::printf("error: %s\n", terminal_text(first_error).c_str());
