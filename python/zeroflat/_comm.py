@@ -225,6 +225,19 @@ def all_reduce_ints(values: List[int], group, op: str, what: str, tag: str) -> L
     return [int(x) for x in t.tolist()]
 
 
+def raise_agreed(error: Optional[BaseException], group, what: str, tag: str,
+                 refused: Callable[[int], BaseException]) -> None:
+    """One all-reduce over ``group`` (the default group when None) telling every rank whether
+    any failed; then this rank's own ``error`` is raised, or, where another rank failed,
+    ``refused(that rank)`` (the lowest global rank that failed names it)."""
+    me = dist.get_rank()
+    failed = all_reduce_ints([me + 1 if error is not None else 0], group, "max", what, tag)[0]
+    if error is not None:
+        raise error
+    if failed:
+        raise refused(failed - 1)
+
+
 class TorchComm:
     """The collectives the engine needs, over a torch.distributed group (called from C++).
     ``failure`` keeps the process group's own error of the first collective that failed, for the

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _hf_names
-from ._comm import all_reduce_ints
+from ._comm import raise_agreed
 from ._common import path_text
 from ._errors import InvalidArgument
 from ._load import _checkpoint, check_load_options, left_untied
@@ -143,12 +143,7 @@ def _agree(error: Optional[BaseException], path: str) -> None:
         if error is not None:
             raise error
         return
-    failed = all_reduce_ints([dist.get_rank() + 1 if error is not None else 0], None, "max",
-                             "the ranks' agreement on building the model (an all-reduce)",
-                             "from-pretrained")[0]
-    if error is not None:
-        raise error
-    if failed:
-        raise InvalidArgument(f"from_pretrained({path_text(path)}): rank {failed - 1} could not "
-                              "build the model (its error says why); nothing was loaded on this "
-                              "rank")
+    raise_agreed(error, None, "the ranks' agreement on building the model (an all-reduce)",
+                 "from-pretrained", lambda rank: InvalidArgument(
+                     f"from_pretrained({path_text(path)}): rank {rank} could not build the model "
+                     "(its error says why); nothing was loaded on this rank"))

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from . import _C
-from ._comm import all_reduce_ints
+from ._comm import raise_agreed
 from ._common import DTYPES, FILE_DTYPES as _DTYPES, native_path
 
 __all__ = ["Reader"]
@@ -291,14 +291,10 @@ class Reader(StorageReader):
             if error is not None:
                 raise error
             return
-        me = dist.get_rank()
-        refused = all_reduce_ints([me + 1 if error is not None else 0], group, "max",
-                                  f"zeroflat.dcp.Reader({self.path!r})'s agreement", "dcp")[0]
-        if error is not None:
-            raise error
-        if refused:
-            raise ValueError(f"{self.path}: rank {refused - 1} refused its part of the load "
-                             "(its error says why); nothing was written on this rank")
+        raise_agreed(error, group, f"zeroflat.dcp.Reader({self.path!r})'s agreement", "dcp",
+                     lambda rank: ValueError(f"{self.path}: rank {rank} refused its part of the "
+                                             "load (its error says why); nothing was written on "
+                                             "this rank"))
 
     @staticmethod
     def _loading_group(plan: LoadPlan):
