@@ -67,6 +67,28 @@ def test_param_groups_and_zero3_of_the_wrong_kind_are_named(checkpoint):
                                     zero3={"zero_optimization": 3})
 
 
+def test_a_group_the_optimizer_keeps_nothing_of_is_refused_not_dropped(checkpoint):
+    """ZeRO-1/2 returns one FlatGroup per group, in order: a group that is empty, or holds only
+    frozen parameters, is refused naming its index (dropping it would shift every later group
+    against the optimizer's), and nothing is read."""
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    with zeroflat.meta_parameters():
+        model = AutoModelForCausalLM.from_config(config)
+    named = list(model.named_parameters())
+    frozen = named[0][1]
+    frozen.requires_grad_(False)
+    rest = [p for _, p in named[1:]]
+    for groups, index, what in (([[], rest + [frozen]], 0, "no parameters"),
+                                ([rest, [frozen]], 1, "none of its parameters")):
+        with pytest.raises(ValueError, match=rf"param_groups\[{index}\] has {what}"):
+            zeroflat.load_param_groups(model, checkpoint, param_groups=groups, deepspeed=None)
+        assert all(p.device.type == "meta" for p in model.parameters())
+    groups = zeroflat.load_param_groups(model, checkpoint, param_groups=[rest[:2], rest[2:]],
+                                        deepspeed=None, device="cpu")
+    assert [g.params for g in groups] == [list(model.parameters())[1:3],
+                                          list(model.parameters())[3:]]
+
+
 def copies_worker(rank, world, port, root, ours):
     """Each rank loads its own copy of the checkpoint; rank 1's differs by one byte."""
     init_deepspeed_rank(rank, world, port)

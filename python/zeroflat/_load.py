@@ -405,10 +405,18 @@ class _Flat:
         self.target = target
 
     def buffers(self, groups, model, rules):
+        """One buffer per group, of the parameters the optimizer keeps. A group left with none
+        is refused (as flatten_param_group refuses an empty group): the returned list could not
+        be one entry per group, and DeepSpeed's ZeRO-1/2 optimizer fails on such a group."""
         out = []
-        for group in groups:
+        for k, group in enumerate(groups):
             kept, _ = select(group, rules, trainable_only=True)
-            out.append([group[k] for k in kept])
+            if not kept:
+                what = "none of its" if group else "no"
+                raise ValueError(f"param_groups[{k}] has {what} parameters that the optimizer "
+                                 "keeps (trainable, and with elements where the release "
+                                 "leaves empty ones out): leave the group out")
+            out.append([group[i] for i in kept])
         return out
 
     def layout_options(self, dp: int, dtype: torch.dtype):
@@ -652,7 +660,9 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
                       storage_bytes_per_second: float = 0, zero3: Any = None,
                       progress: Optional[Callable[["Progress"], None]] = None) -> list:
     """Materializes every parameter of ``model`` from a safetensors checkpoint into the buffers
-    DeepSpeed's optimizer keeps, and returns one FlatGroup per buffer that has parameters.
+    DeepSpeed's optimizer keeps, and returns one FlatGroup per buffer that has parameters (under
+    ZeRO-1/2 one per group, in the groups' order: a group with no parameter that the optimizer
+    keeps is a ValueError).
 
     ZeRO-1/2 (``zero3`` None, the default): the trainable parameters of each optimizer group
     become views into that group's flat buffer in DeepSpeed's layout, each rank reading its
