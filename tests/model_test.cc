@@ -136,6 +136,24 @@ TEST(Transformer, MoeWithDenseLayersAndBiases) {
   EXPECT_THROW((void)build_transformer("mixed", c), InvalidArgument);
 }
 
+// The tensor limit speaks of tensors and says how many layers fit (it compared layers with
+// tensors: "1000000 layers is over zeroflat's limit of 10000000 tensors").
+TEST(Transformer, TooManyLayersAreRefusedInTensorsAndLayers) {
+  TransformerConfig c = *catalog_config("tiny-moe");
+  c.num_layers = 1'000'000;
+  try {
+    (void)build_transformer("deep", c);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    const std::string what = e.what();
+    const std::uint64_t per_layer = 16 + 1 + 3 * c.num_experts + 3;
+    EXPECT_NE(what.find("up to " + std::to_string(per_layer) + " tensors each"),
+              std::string::npos) << what;
+    EXPECT_NE(what.find("at most " + std::to_string(10'000'000 / per_layer) + " such layers"),
+              std::string::npos) << what;
+  }
+}
+
 // A config within every per-field limit whose embedding has 2^63 elements: its bytes do not fit
 // in 64 bits, so it is refused, naming the tensor, rather than built (inspect then printed its
 // size wrapped to a few gigabytes).

@@ -90,8 +90,10 @@ ModelSpec build_transformer(std::string name, const TransformerConfig& c) {
     if (c.num_layers > kMaxTensors / per_layer) {
       throw InvalidArgument(std::to_string(c.num_layers) + " layers" +
                             (moe ? " of " + std::to_string(c.num_experts) + " experts" : "") +
-                            " is over zeroflat's limit of " + std::to_string(kMaxTensors) +
-                            " tensors per model");
+                            " make up to " + std::to_string(per_layer) +
+                            " tensors each, over zeroflat's limit of " +
+                            std::to_string(kMaxTensors) + " tensors per model (at most " +
+                            std::to_string(kMaxTensors / per_layer) + " such layers)");
     }
   }
   // The dense layers by index, once: asking the list for every layer would take layers x list
