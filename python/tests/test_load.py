@@ -153,6 +153,22 @@ def test_load_param_groups_on_a_meta_module(tmp_path):
             model = Net()
         zeroflat.load_param_groups(model, other, device="cpu", deepspeed=None)
         assert model.steps.dtype == torch.int64 and torch.equal(model.steps, ref.steps), stored
+    # Both ways: a float buffer stored as integers (or float64) is converted too, as the copy
+    # converts it (it was refused while int64 buffers took floats).
+    class Scaled(Net):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.zeros(4, dtype=torch.float32))
+
+    scale = torch.tensor([1.0, -2.0, 3.0, 2.0**30 + 1], dtype=torch.float64)
+    for stored in (torch.int64, torch.int32, torch.float64):
+        other = save(tmp_path / f"scale_{stored}.safetensors",
+                     dict(state, scale=scale.to(stored)))
+        with zeroflat.meta_parameters():
+            model = Scaled()
+        zeroflat.load_param_groups(model, other, device="cpu", deepspeed=None)
+        want = scale.to(stored).to(torch.float32)
+        assert model.scale.dtype == torch.float32 and torch.equal(model.scale, want), stored
     # A name the checkpoint lacks, before anything is read.
     del state["body.bias"]
     bad = save(tmp_path / "bad.safetensors", state)

@@ -219,12 +219,15 @@ def _read_whole(ck: "_C.Checkpoint", what: str, names: List[str], shapes: List[S
     """The tensors named (each of the shape given), read whole and concatenated, as a CPU
     tensor of ``shape`` (converted to ``dtype``, or, when it is None, the bytes as stored for a
     ``raw_dtype`` buffer: read as the file's dtype, then converted as load_state_dict's copy
-    would where the two differ)."""
+    would where the two differ; so is a buffer of a dtype the library converts whose tensor is
+    stored in one it does not, such as int64 into float32)."""
     stored = [ck.find(n) for n in names]
     for t, want in zip(stored, shapes):
         if list(t.shape) != list(want):
             raise ValueError(f"{what!r} takes tensor {t.name!r} of {ck.path} as {list(want)}, "
                              f"but it is {list(t.shape)}")
+    if raw_dtype is not None and len(stored) == 1 and stored[0].type is None:
+        dtype = None
     if dtype is None:
         file_dtype = FILE_DTYPES.get(stored[0].dtype)
         if file_dtype is None:
