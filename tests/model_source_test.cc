@@ -334,11 +334,13 @@ TEST_F(Checkpoints, PiecesTileTheirWholeAndReadWhereTheyLie) {
   inspect_refuses("one rank's part");
   // A missing rank's file is a gap, not zeros.
   fs::remove(dir_ / "shard-2.safetensors");
-  refused("its pieces hold 16 of the 28 elements of the whole [7, 4]");
+  refused("its pieces (in shard-1.safetensors, shard-3.safetensors) hold 16 of the 28 elements "
+          "of the whole [7, 4]");
   refused("a rank's part of the folder missing?");
   // Two ranks' files placing pieces over each other.
   write("shard-2.safetensors", piece_file({3, 4}, {2, 0}, 4));
-  refused("its pieces at saved_offsets [0, 0] and [2, 0] overlap");
+  refused("its pieces at saved_offsets [0, 0] (shard-1.safetensors) and [2, 0] "
+          "(shard-2.safetensors) overlap");
   // Column pieces (Shard(1)) tile too.
   for (const char* f : {"shard-1.safetensors", "shard-2.safetensors", "shard-3.safetensors",
                         "shard-4.safetensors"}) {
@@ -353,6 +355,7 @@ TEST_F(Checkpoints, PiecesTileTheirWholeAndReadWhereTheyLie) {
   // One name, two dtypes; the same place twice; offsets of another rank; not counts.
   write("shard-2.safetensors", piece_file({5, 1}, {0, 3}, 4, "BF16"));
   refused("its pieces disagree");
+  refused("(shard-2.safetensors)");
   write("shard-2.safetensors", piece_file({5, 3}, {0, 0}, 4));
   refused("at saved_offsets [0, 0] is also in shard-1.safetensors");
   write("shard-2.safetensors", piece_file({5, 1}, {0, 3, 0}, 4));
