@@ -1023,6 +1023,24 @@ TEST(CliLoad, NoFeasiblePlanGivesTheKeysOfEveryStoppedCommand) {
   EXPECT_EQ(doc["plan"]["feasible"], false);
 }
 
+// A rehearsal's ranks keep their bookkeeping (plans, header entries, reads) on the host even on
+// a sim device: 600k tensors at 256 ranks in one process is ~150 GB. Refused before any rank
+// starts, with the document every stopped command gives (it was OOM-killed, and --json printed
+// nothing for a host shortfall).
+TEST(CliLoad, ARehearsalWhoseBookkeepingCannotFitIsRefusedWithItsDocument) {
+  Result r = run("load --model tiny-moe --layers 3000 --experts 64 --device sim:h100-80gb "
+                 "--no-data --dp 256 --json");
+  EXPECT_EQ(r.code, 3) << r.err;
+  const json doc = json::parse(r.out);
+  EXPECT_EQ(doc["command"], "load");
+  EXPECT_EQ(doc["exit"], 3);
+  EXPECT_EQ(doc["error_kind"], "no feasible plan");
+  const std::string error = doc["error"];
+  EXPECT_NE(error.find("the bookkeeping of 603,003 tensors"), std::string::npos) << error;
+  EXPECT_NE(error.find("Nothing was allocated"), std::string::npos) << error;
+  EXPECT_NE(r.err.find("256 rank(s) here"), std::string::npos) << r.err;
+}
+
 TEST(CliHostile, APathWithATerminalSequenceReachesNoTerminal) {
   // A folder whose name holds ESC [31m: the messages that quote it (a failed read, an invalid
   // path) show '?' for the ESC, in the human output and on stderr alike.

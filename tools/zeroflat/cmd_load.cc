@@ -94,6 +94,19 @@ int subcommand_load(const std::vector<std::string>& argv) {
     if (!why.empty()) {
       std::fprintf(stderr, "zeroflat load: rank %d: %s\n", me, terminal_text(why).c_str());
     }
+    if (me == 0 && cfg.json) {
+      // The keys every stopped command's document has.
+      const std::string message =
+          short_rank == 0 ? why
+                          : "rank " + std::to_string(short_rank) +
+                                " cannot load here: its host lacks the memory (its own message "
+                                "says how much)";
+      const Json doc{{"command", "load"},
+                     {"exit", kExitInfeasible},
+                     {"error_kind", "no feasible plan"},
+                     {"error", message}};
+      std::printf("%s\n", doc.dump(2, ' ', false, Json::error_handler_t::replace).c_str());
+    }
     return finish(kExitInfeasible);
   }
   Progress progress(!cfg.quiet && me == 0);

@@ -291,17 +291,28 @@ void settle_load_ranks(LoadConfig& cfg, const Args& args, Communicator* world) {
 }
 
 std::string load_memory_shortfall(const LoadConfig& cfg) {
-  if (cfg.setup.no_data || cfg.setup.kind == DeviceKind::kCuda) return "";
+  // Each rank's bookkeeping, kept on the host whatever the device: its plan, the header entries
+  // the ranks compare, its reads' lists, its report; about 650-700 bytes per tensor measured
+  // (ZeRO-2 and ZeRO-3, 40k tensors, 8 to 32 ranks). A rehearsal of many ranks in one process
+  // holds it once per rank, on a sim device too (1.2M tensors at 64 ranks is ~50 GB).
+  constexpr std::uint64_t kBookkeepingPerTensor = 1024;
+  std::uint64_t tensors = std::max<std::uint64_t>(cfg.ck.tensors.size(), cfg.params.size());
+  if (cfg.deepspeed) {
+    tensors = 0;
+    for (const DeepSpeedBuffer& b : cfg.deepspeed->plan.buffers) tensors += b.source.params.size();
+  }
+  const std::uint64_t bookkeeping = sat_mul(tensors, kBookkeepingPerTensor);
+  const bool host_data = !cfg.setup.no_data && cfg.setup.kind != DeviceKind::kCuda;
   std::uint64_t kept = 0;
   std::uint64_t largest = 0;  // a verify's largest tensor, read whole and converted
-  if (cfg.deepspeed) {
+  if (host_data && cfg.deepspeed) {
     kept = deepspeed_kept_bytes(cfg);
     for (const DeepSpeedBuffer& b : cfg.deepspeed->plan.buffers) {
       for (const LoadParam& p : b.source.params) {
         largest = std::max(largest, shape_numel(p.shape) * 4 * 2);
       }
     }
-  } else {
+  } else if (host_data) {
     std::vector<std::uint64_t> numels;
     numels.reserve(cfg.params.size());
     for (const LoadParam& p : cfg.params) numels.push_back(shape_numel(p.shape));
@@ -311,20 +322,31 @@ std::string load_memory_shortfall(const LoadConfig& cfg) {
     for (const CheckpointTensor& t : cfg.ck.tensors) largest = std::max(largest, t.bytes * 2);
   }
   // The buffers, the ceiling's scratch (about this rank's share of the files), a verify's
-  // largest tensor.
+  // largest tensor, the bookkeeping.
+  const bool ceiling = host_data && cfg.ceiling;
+  const bool verify = host_data && cfg.verify;
   const std::uint64_t per_rank =
-      kept + (cfg.ceiling ? cfg.checkpoint_bytes / cfg.library.layout.dp + 1 : 0) +
-      (cfg.verify ? largest : 0);
+      sat_add(kept + (ceiling ? cfg.checkpoint_bytes / cfg.library.layout.dp + 1 : 0) +
+                  (verify ? largest : 0),
+              bookkeeping);
   const std::optional<HostShortfall> s = host_shortfall(
       per_rank, cfg.setup.comm, cfg.library.layout.dp, cfg.library.probe.local_ranks);
   if (!s) return "";
+  std::string parts = host_data ? (cfg.deepspeed ? "the buffers it keeps" : "its flat buffer")
+                                : "";
+  if (ceiling) parts += ", the ceiling's scratch";
+  if (verify) parts += ", verification";
+  parts += (parts.empty() ? "" : " and ") + std::string("the bookkeeping of ") +
+           format_count(tensors) + " tensors";
+  const std::string fix =
+      host_data ? std::string("Try --no-ceiling, or rehearse with ") +
+                      (cfg.deepspeed ? "" : "--model NAME ") + "--device sim:SIZE --no-data"
+                : "Rehearse fewer ranks in this process (--dp), or run the ranks as processes "
+                  "(--comm mpi) over several machines";
   return "this load needs " + format_bytes(s->need) + " of this machine's memory (" +
          std::to_string(s->ranks_here) + " rank(s) here, each " + format_bytes(per_rank) +
-         (cfg.deepspeed ? " for the buffers it keeps" : " for its flat buffer") +
-         (cfg.ceiling ? ", the ceiling's scratch" : "") +
-         (cfg.verify ? " and verification" : "") + "), and " + format_bytes(s->usable) +
-         " is usable. Nothing was allocated. Try --no-ceiling, or rehearse with " +
-         (cfg.deepspeed ? "" : "--model NAME ") + "--device sim:SIZE --no-data";
+         " for " + parts + "), and " + format_bytes(s->usable) + " is usable. Nothing was " +
+         "allocated. " + fix;
 }
 
 }  // namespace zeroflat::cli
