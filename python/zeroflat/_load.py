@@ -408,17 +408,13 @@ class _Flat:
         self.target = target
 
     def buffers(self, groups, model, rules):
-        """One buffer per group, of the parameters the optimizer keeps. A group left with none
-        is refused (as flatten_param_group refuses an empty group): the returned list could not
-        be one entry per group, and DeepSpeed's ZeRO-1/2 optimizer fails on such a group."""
+        """One buffer per group, of the parameters the optimizer keeps; a group left with none
+        has an empty one, which is loaded as nothing and has no FlatGroup: DeepSpeed's engine
+        drops a client optimizer's empty groups before its ZeRO-1/2 optimizer numbers them, so
+        the FlatGroups follow its ``bit16_groups``."""
         out = []
-        for k, group in enumerate(groups):
+        for group in groups:
             kept, _ = select(group, rules, trainable_only=True)
-            if not kept:
-                what = "none of its" if group else "no"
-                raise ValueError(f"param_groups[{k}] has {what} parameters that the optimizer "
-                                 "keeps (trainable, and with elements where the release "
-                                 "leaves empty ones out): leave the group out")
             out.append([group[i] for i in kept])
         return out
 
@@ -664,8 +660,9 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
                       progress: Optional[Callable[["Progress"], None]] = None) -> list:
     """Materializes every parameter of ``model`` from a safetensors checkpoint into the buffers
     DeepSpeed's optimizer keeps, and returns one FlatGroup per buffer that has parameters (under
-    ZeRO-1/2 one per group, in the groups' order: a group with no parameter that the optimizer
-    keeps is a ValueError).
+    ZeRO-1/2 one per group in the groups' order, but for a group with none that the optimizer
+    keeps, which has none: DeepSpeed's engine drops an empty group from the optimizer, so the
+    list follows the groups its ZeRO optimizer numbers).
 
     ZeRO-1/2 (``zero3`` None, the default): the trainable parameters of each optimizer group
     become views into that group's flat buffer in DeepSpeed's layout, each rank reading its
