@@ -54,6 +54,15 @@ def tiny_mixtral():
                          head_dim=12, num_local_experts=3, num_experts_per_tok=2)
 
 
+def tiny_gptj():
+    """GPT-J computes its rotary table (a non-persistent buffer) in __init__ under the default
+    dtype; Transformers 5's load computes it again after the load, in float32."""
+    from transformers import GPTJConfig
+
+    return GPTJConfig(vocab_size=300, n_embd=48, n_layer=2, n_head=4, rotary_dim=8,
+                      n_positions=64, bos_token_id=0, eos_token_id=0)
+
+
 def write(config, path, dtype, seed=0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -73,6 +82,7 @@ def checkpoints():
         "dense_tied": write(tiny_dense(), os.path.join(root, "dense"), torch.bfloat16),
         "mixtral_legacy_names": write(tiny_mixtral(), os.path.join(root, "mixtral"),
                                       torch.bfloat16),
+        "gptj_rotary_table": write(tiny_gptj(), os.path.join(root, "gptj"), torch.bfloat16),
     }
     yield out
     shutil.rmtree(root, ignore_errors=True)
@@ -90,7 +100,8 @@ def same_model(a, b):
         assert torch.equal(ba[k], bb[k]), k
 
 
-@pytest.mark.parametrize("name", ["moe", "moe_tied_fp32", "dense_tied", "mixtral_legacy_names"])
+@pytest.mark.parametrize("name", ["moe", "moe_tied_fp32", "dense_tied", "mixtral_legacy_names",
+                                  "gptj_rotary_table"])
 def test_from_pretrained_equals_transformers(checkpoints, name):
     path = checkpoints[name]
     if name == "mixtral_legacy_names":  # the case this checkpoint is here for

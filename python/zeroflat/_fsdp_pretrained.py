@@ -83,10 +83,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
     model.tie_weights()
     for target, p in own.items():
         _set_parameter(model, target, p)
-    with torch.no_grad():
-        for t in model.state_dict(keep_vars=True).values():
-            t._is_hf_initialized = True
-        model.initialize_weights()  # what no checkpoint holds: non-persistent buffers
+    _hf_names.init_unheld(model)  # what no checkpoint holds: non-persistent buffers
     model.zeroflat_report = load(model, checkpoint, threads=threads, cold=cold, copies=copies,
                                  storage=storage, progress=progress, strict=False)
     for target, source in both.items():

@@ -3,13 +3,41 @@ same name; a name Transformers' renaming rules read from an older one (Mixtral's
 ``block_sparse_moe``, ``LayerNorm.gamma``); or the several tensors Transformers' conversion rule
 fuses into one parameter (a MoE layer's experts, stored one by one, stacked), each with the
 shape that rule expects of it. Owned by ``zeroflat.hf``; the loader asks it for every model (a
-model Transformers did not build has no rules, and only the same names count)."""
+model Transformers did not build has no rules, and only the same names count). Also what
+Transformers computes after a load rather than reads (``init_unheld``)."""
 
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
 Shape = List[int]
+
+
+def init_unheld(model) -> None:
+    """What Transformers 5's ``from_pretrained`` does after the load for the tensors no file
+    holds (non-persistent buffers: rotary and sinusoid tables): the model's own
+    ``initialize_weights``, outside the dtype the model was built in, every tensor of the state
+    dict marked as loaded first so that Transformers' guarded init functions skip them. A table
+    that ``__init__`` computed in the model's dtype (GPT-J's ``embed_positions``, under bf16)
+    comes out as Transformers' load gives it. Transformers 4 (no ``initialization`` module)
+    keeps what ``__init__`` computed, and so is this left."""
+    import torch
+
+    try:
+        from transformers import initialization  # noqa: F401 - Transformers 5
+    except ImportError:
+        return
+    initialize = getattr(model, "initialize_weights", None)
+    if initialize is None:
+        return
+    with torch.no_grad():
+        for t in model.state_dict(keep_vars=True).values():
+            t._is_hf_initialized = True
+        # A model built off the meta device had its init run in __init__, which marks every
+        # module as done: Transformers' load builds on meta, where none is.
+        for m in model.modules():
+            m.__dict__.pop("_is_hf_initialized", None)
+        initialize()
 
 
 def converters(model) -> list:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import _zero3
+from . import _hf_names, _zero3
 from ._load import _target, check_load_options, load_param_groups, meta_parameters
 from ._progress import check_callback
 from ._trainer import trainer_param_groups
@@ -223,6 +223,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
         zero3=init, progress=progress)
     for group in model.zeroflat_groups:
         group.master = None
+    _hf_names.init_unheld(model)  # non-persistent buffers, as Transformers computes them
     model.eval()
     if install_drop_in:
         from . import deepspeed as drop_in
