@@ -489,16 +489,21 @@ def test_from_pretrained_refuses_on_every_rank_when_one_cannot_build_the_model(c
 
 def other_architectures():
     """Small models of other families, as their configs build them: Llama (untied), GPT-2 (tied,
-    its Conv1D weights stored [in, out]; no dropout, so that the next steps compare) and
-    Mixtral (its experts stored one tensor each, stacked by Transformers' renaming rules)."""
-    from transformers import GPT2Config, LlamaConfig, MixtralConfig
+    its Conv1D weights stored [in, out]; no dropout, so that the next steps compare), Mixtral
+    (its experts stored one tensor each, stacked by Transformers' renaming rules) and GPT-NeoX
+    (its head stored as embed_out, a rule Transformers keeps under the class's name, which
+    fully_shard changes to FSDPGPTNeoXForCausalLM)."""
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig
 
     common = dict(vocab_size=1001, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)
     return {"llama": LlamaConfig(**common, tie_word_embeddings=False),
             "gpt2": GPT2Config(vocab_size=1001, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-            "mixtral": MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)}
+            "mixtral": MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+            "gpt_neox": GPTNeoXConfig(vocab_size=1001, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      hidden_dropout=0.0, attention_dropout=0.0)}
 
 
 def test_other_architectures_load_as_transformers_fsdp2_load_does(tmp_path):

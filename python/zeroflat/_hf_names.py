@@ -8,6 +8,7 @@ Transformers computes after a load rather than reads (``init_unheld``)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence, Tuple
 
 Shape = List[int]
@@ -44,23 +45,53 @@ def converters(model) -> list:
     """Transformers' own rules for the model's checkpoints: tensors renamed between the
     checkpoint and the model (a module that moved), and tensors the model fuses (the experts of a
     MoE layer stored one by one, held as one stacked parameter), when it has them. The legacy
-    rules are included: they only add names to look for."""
+    rules are included: they only add names to look for. Transformers looks rules up by class
+    name (GPT-NeoX's ``embed_out`` -> ``lm_head``); a model FSDP2 has sharded is asked as the
+    classes it was built with (see ``_built_classes``)."""
     try:
         from transformers import conversion_mapping as cm
     except ImportError:
         return []
+    with _built_classes(model):
+        try:
+            return list(cm.get_model_conversion_mapping(model, add_legacy=True) or [])
+        except TypeError:
+            try:
+                return list(cm.get_model_conversion_mapping(model) or [])
+            except Exception:  # noqa: BLE001 - another API: no rules known
+                return []
+        except Exception:  # noqa: BLE001 - an older or newer API: no rules known
+            try:
+                return list(cm.get_checkpoint_conversion_mapping(model.config.model_type) or [])
+            except Exception:  # noqa: BLE001
+                return []
+
+
+@contextlib.contextmanager
+def _built_classes(model):
+    """FSDP2's ``fully_shard`` gives each module it shards a class of its own (``FSDP<Name>``,
+    a subclass of ``FSDPModule`` and the module's class), under which Transformers finds none of
+    the class's rules: for the block's length each such module has its own class back (the
+    same object, only its ``__class__``), restored after whatever happens."""
+    swapped = []
     try:
-        return list(cm.get_model_conversion_mapping(model, add_legacy=True) or [])
-    except TypeError:
-        try:
-            return list(cm.get_model_conversion_mapping(model) or [])
-        except Exception:  # noqa: BLE001 - another API: no rules known
-            return []
-    except Exception:  # noqa: BLE001 - an older or newer API: no rules known
-        try:
-            return list(cm.get_checkpoint_conversion_mapping(model.config.model_type) or [])
-        except Exception:  # noqa: BLE001
-            return []
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = None
+    try:
+        if FSDPModule is not None:
+            for m in model.modules():
+                cls = type(m)
+                if isinstance(m, FSDPModule):
+                    base = next((b for b in cls.__bases__ if not issubclass(b, FSDPModule)),
+                                None)
+                    if base is not None:
+                        swapped.append((m, cls))
+                        m.__class__ = base
+        yield
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
 
 
 def _op(op) -> Tuple[str, Optional[int]]:
