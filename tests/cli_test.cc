@@ -355,15 +355,24 @@ TEST(CliPlan, WarnsWhenTrainingWillNotFitAndDrawsTheSvg) {
   std::ifstream again(svg);
   EXPECT_EQ(std::string((std::istreambuf_iterator<char>(again)), std::istreambuf_iterator<char>()),
             content);
+  // Replaced, it keeps its mode.
+  ASSERT_EQ(chmod(svg.c_str(), 0640), 0);
   EXPECT_EQ(run("plan --model qwen3-30b-a3b --dp 4 --device h100-80gb --svg " + svg).code, 0);
+  struct stat st {};
+  ASSERT_EQ(stat(svg.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
   std::remove(fifo.c_str());
   std::remove(link.c_str());
   std::remove(svg.c_str());
-  // Nothing left beside it (the CLI writes <svg>.zeroflat-<its pid> first, then renames it).
+  // A name of 250 bytes (NAME_MAX 255 leaves no room for a suffix) is written too.
+  const std::string longest = ::testing::TempDir() + std::string(250, 'p');
+  EXPECT_EQ(run("plan --model qwen3-30b-a3b --dp 4 --device h100-80gb --svg " + longest).code, 0);
+  EXPECT_TRUE(std::filesystem::is_regular_file(longest));
+  std::remove(longest.c_str());
+  // Nothing left beside it (the CLI writes .zeroflat-svg-<its pid> first, then renames it).
   const std::filesystem::path folder = std::filesystem::path(svg).parent_path();
-  const std::string stem = std::filesystem::path(svg).filename().string() + ".zeroflat-";
   for (const auto& e : std::filesystem::directory_iterator(folder)) {
-    EXPECT_NE(e.path().filename().string().rfind(stem, 0), 0u) << e.path();
+    EXPECT_NE(e.path().filename().string().rfind(".zeroflat-svg-", 0), 0u) << e.path();
   }
 }
 

@@ -24,20 +24,30 @@
 namespace zeroflat::cli {
 namespace {
 
-// The chart into `path`, a new file or a regular one (replaced whole): a link, a FIFO, a device
-// or a folder there is refused, never followed or waited on; written beside it first and
-// renamed over it, so that a failed write leaves what was there.
+// The chart into `path`, a new file or a regular one (replaced whole, its mode and, where this
+// process may, its owner kept): a link, a FIFO, a device or a folder there is refused, never
+// followed or waited on; written into a file of a short name of its own in the same folder
+// first (a name near NAME_MAX takes no suffix) and renamed over it, so that a failed write
+// leaves what was there.
 void write_svg(const std::string& path, const std::string& text) {
   const std::string shown = "--svg " + printable(path, 200);
   struct stat st {};
-  if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+  const bool exists = ::lstat(path.c_str(), &st) == 0;
+  if (exists && !S_ISREG(st.st_mode)) {
     throw InvalidArgument(shown + ": exists and is not a regular file (a link, a FIFO, a device "
                           "or a folder); name a new file or a regular one");
   }
-  const std::string tmp = path + ".zeroflat-" + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  const std::size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  const std::string tmp =
+      (slash == std::string::npos ? "" : dir) + ".zeroflat-svg-" + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
   if (fd < 0) {
     throw InvalidArgument(shown + ": cannot write beside it (" + std::strerror(errno) + ")");
+  }
+  if (exists) {
+    (void)::fchown(fd, st.st_uid, st.st_gid);  // only a privileged process may give it away
+    (void)::fchmod(fd, st.st_mode & 07777);
   }
   std::size_t done = 0;
   while (done < text.size()) {
