@@ -238,6 +238,38 @@ def raise_agreed(error: Optional[BaseException], group, what: str, tag: str,
         raise refused(failed - 1)
 
 
+def failing_word(error: Optional[BaseException], group) -> int:
+    """This rank's word in an agreement on errors that carries other words too (one all-reduce,
+    max): 0 when it has none, else world - rank (the maximum names the lowest rank that
+    failed). ``raise_failed`` takes the maximum."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    return world - rank if error is not None else 0
+
+
+def raise_failed(failing: int, error: Optional[BaseException], group, what: str,
+                 refused: Callable[[int, str], BaseException]) -> None:
+    """After such an agreement whose maximum of ``failing_word`` is ``failing``: nothing when no
+    rank failed; else (collective) one more all-reduce hands every rank the failing rank's
+    words (its first 245 bytes, 7 to an int64, only that rank writing), and every rank raises:
+    this rank its own error, the others ``refused(that rank, its words)``. ``raise_agreed`` is
+    the same without the words, for an agreement of its own."""
+    if failing == 0:
+        return
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    raw = b""
+    if error is not None and failing_word(error, group) == failing:
+        raw = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:245]
+    raw = raw.ljust(245, b"\0")
+    words = all_reduce_ints([int.from_bytes(raw[i:i + 7], "little") for i in range(0, 245, 7)],
+                            group, "max", f"the ranks' agreement on {what} (its reason)",
+                            f"agreement-{what}-why")
+    said = b"".join(w.to_bytes(7, "little") for w in words).rstrip(b"\0")
+    if error is not None:
+        raise error
+    raise refused(world - failing, said.decode("utf-8", "replace"))
+
+
 class TorchComm:
     """The collectives the engine needs, over a torch.distributed group (called from C++).
     ``failure`` keeps the process group's own error of the first collective that failed, for the

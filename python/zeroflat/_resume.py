@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _dropin
-from ._comm import all_reduce_ints
+from ._comm import all_reduce_ints, failing_word, raise_failed
 from ._common import TORCH_DTYPES, dtype_name, native_path, path_text
 from ._dropin import log, round_robin_offsets, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
@@ -77,36 +77,12 @@ def why_not(engine, load_dir, custom_load_fn) -> Optional[str]:
 
 # --- the ranks' agreement -----------------------------------------------------------------------
 
-def _failing(error: Optional[BaseException], group) -> int:
-    """This rank's word in an agreement on errors: 0 when it has none, else world - rank (the
-    maximum over the ranks names the lowest rank that failed)."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
-    return world - rank if error is not None else 0
-
-
 def _raise_failed(failing: int, error: Optional[BaseException], group, what: str) -> None:
-    """After an agreement whose maximum of _failing is ``failing``: nothing when no rank failed,
-    else (collective) every rank raises, this rank its own error, the others the failing rank's
-    words."""
-    if failing == 0:
-        return
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    # Every rank learned that one failed: one more all-reduce hands the others its words (the
-    # first 245 bytes, 7 to an int64, only the failing rank writing).
-    raw = b""
-    if error is not None and _failing(error, group) == failing:
-        raw = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:245]
-    raw = raw.ljust(245, b"\0")
-    words = all_reduce_ints([int.from_bytes(raw[i:i + 7], "little") for i in range(0, 245, 7)],
-                            group, "max", f"the ranks' agreement on {what} (its reason)",
-                            f"resume-{what}-why")
-    said = b"".join(w.to_bytes(7, "little") for w in words).rstrip(b"\0")
-    if error is not None:
-        raise error
-    raise InvalidArgument(f"resuming from a DeepSpeed checkpoint: {what} failed on rank "
-                          f"{world - failing}: {said.decode('utf-8', 'replace')}; nothing of the "
-                          "engine was changed")
+    """After an agreement on errors (_comm.failing_word): every rank raises where one failed,
+    the others the failing rank's words."""
+    raise_failed(failing, error, group, what, lambda rank, said: InvalidArgument(
+        f"resuming from a DeepSpeed checkpoint: {what} failed on rank {rank}: {said}; nothing "
+        "of the engine was changed"))
 
 
 # --- the checkpoint's small values --------------------------------------------------------------
@@ -411,6 +387,11 @@ class _Resume(EngineWriter):
             kw["group_numels"] = [[int(p.ds_numel) for p in params] for params in subs]
             kw["buffer_per_group"] = True  # each sub-group's tensors are the optimizer's own
             frozen = [p for p in self.names if p not in trained]
+            if not self.strict and self.ck.format != "universal":
+                # As DeepSpeed's load_module_strict=False: a frozen parameter the checkpoint
+                # does not hold (saved with exclude_frozen_parameters) keeps its values.
+                held = self.module_keys | {name for name, *_ in self.ck.frozen}
+                frozen = [p for p in frozen if self.names[p] in held]
             if frozen:
                 dtypes = {p.ds_tensor.dtype for p in frozen}
                 kw["frozen"] = [self.names[p] for p in frozen]
@@ -661,8 +642,8 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
         "load would leave the ranks different, or waiting); nothing of the engine was changed")
     try:
         unserved, any_served, any_no_tag, failing, high, low = all_reduce_ints(
-            [_failing(unserved_error, group), int(reason is None), int(no_tag),
-             _failing(error, group), digest, -digest],
+            [failing_word(unserved_error, group), int(reason is None), int(no_tag),
+             failing_word(error, group), digest, -digest],
             group, "max", "the ranks' agreement on serving load_checkpoint (an all-reduce)",
             "resume-serve")
         if plan is not None and (unserved or failing or any_no_tag or high != -low):
