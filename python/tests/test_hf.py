@@ -8,6 +8,7 @@ fp32 master partitions and three training steps equal plain Hugging Face + DeepS
 
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -132,6 +133,76 @@ def test_from_pretrained_equals_transformers(checkpoints, name):
                 assert p.data_ptr() == base + off * es
             assert fg.report["bytes_read"] > 0 and fg.master is None
         assert sum(len(fg.params) for fg in fgs) == len(list(ours.parameters()))
+
+
+def _save_bin(model, path, shards=1):
+    """What save_pretrained(safe_serialization=False) wrote: config.json and the state dict
+    torch.save'd (tied weights both, sharing one storage), whole or in `shards` files listed by
+    pytorch_model.bin.index.json."""
+    import json
+
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    state = model.state_dict()
+    if shards == 1:
+        torch.save(state, os.path.join(path, "pytorch_model.bin"))
+        return path
+    names = list(state)
+    weight_map = {}
+    for k in range(shards):
+        part = names[k::shards]
+        name = f"pytorch_model-{k + 1:05d}-of-{shards:05d}.bin"
+        torch.save({n: state[n] for n in part}, os.path.join(path, name))
+        weight_map.update({n: name for n in part})
+    with open(os.path.join(path, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
+
+
+def test_a_torch_saved_checkpoint_loads_as_transformers_loads_it(tmp_path):
+    """pytorch_model.bin, whole or in shards with its index (tied embeddings saved under both
+    names, one storage), read by the restricted reader: the same model as Transformers' own load
+    of the folder, and `zeroflat load` reads it and verifies every tensor. A file whose pickle
+    names code is refused naming the global (the code never runs); a training checkpoint that
+    keeps its state dict under a key, and a tensor saved as a view that is not contiguous, are
+    refused naming the entry."""
+    import subprocess
+
+    from test_torch_file import cli_path
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_dense(tie=True), dtype=torch.bfloat16)
+    for shards in (1, 3):
+        path = _save_bin(model, str(tmp_path / f"bin{shards}"), shards)
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, None, torch.bfloat16,
+                                           device="cpu")
+        same_model(ref, ours)
+        assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+        r = subprocess.run([str(cli_path()), "load", path, "--dp", "2", "--verify", "--quiet"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    bad = tmp_path / "bad"
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    state = dict(model.state_dict())
+    cases = [({**state, "x": Payload()}, "posix system"),
+             ({"model": state}, "'model' is a dict, not a tensor"),
+             ({**state, "lm_head.weight": state["lm_head.weight"].t()},
+              "'lm_head.weight' [40, 300] is stored as a view that is not contiguous")]
+    for saved, words in cases:
+        shutil.rmtree(bad, ignore_errors=True)
+        bad.mkdir()
+        model.config.save_pretrained(bad)
+        torch.save(saved, bad / "pytorch_model.bin")
+        with pytest.raises(zeroflat.Error, match=re.escape(words)):
+            zeroflat.hf.from_pretrained(AutoModelForCausalLM, str(bad), None, torch.bfloat16,
+                                        device="cpu")
+        assert not marker.exists()
 
 
 def test_groups_frozen_parameters_and_fp32_masters(checkpoints):

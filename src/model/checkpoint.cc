@@ -19,6 +19,7 @@
 #include "model/files.h"
 #include "model/strict_json.h"
 #include "model/tiling.h"
+#include "model/torch_state.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/cli/pattern.h"
@@ -266,14 +267,34 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
   out.path = path_text;
   std::vector<fs::path> files;
   std::map<std::string, std::string> weight_map;
-  // The index of a sharded checkpoint is its directory's model.safetensors.index.json. Given
-  // the index file itself, the checkpoint is the directory it describes: read as a safetensors
-  // file, its text would give a meaningless header length.
-  const bool index_given =
-      !fs::is_directory(path, ec) && path.filename().string().ends_with(".safetensors.index.json");
+  // The index of a sharded checkpoint is its directory's model.safetensors.index.json (or,
+  // for a checkpoint of torch.save'd shards, pytorch_model.bin.index.json). Given the index
+  // file itself, the checkpoint is the directory it describes: read as a safetensors file, its
+  // text would give a meaningless header length.
+  const std::string given = path.filename().string();
+  const bool index_given = !fs::is_directory(path, ec) &&
+                           (given.ends_with(".safetensors.index.json") ||
+                            given.ends_with(".bin.index.json"));
   const fs::path dir = index_given ? path.parent_path() : path;
-  const fs::path index = index_given ? path : path / "model.safetensors.index.json";
-  if (!index_given && !fs::is_directory(path, ec)) {
+  fs::path index = index_given ? path : path / "model.safetensors.index.json";
+  // A folder without safetensors files: Hugging Face's torch.save'd state dict, whole or in
+  // shards listed by its own index (read by the restricted reader; nothing in it runs).
+  bool torch_folder = false;
+  if (!index_given && fs::is_directory(path, ec) && !fs::exists(index, ec)) {
+    bool any = false;
+    for (auto it = fs::directory_iterator(path, ec); !ec && it != fs::directory_iterator();
+         it.increment(ec)) {
+      any = any || it->path().extension() == ".safetensors";
+    }
+    if (!any && fs::exists(path / "pytorch_model.bin.index.json", ec)) {
+      index = path / "pytorch_model.bin.index.json";
+    } else if (!any && fs::exists(path / "pytorch_model.bin", ec)) {
+      torch_folder = true;
+    }
+  }
+  if (torch_folder) {
+    files.push_back(path / "pytorch_model.bin");
+  } else if (!index_given && !fs::is_directory(path, ec)) {
     files.push_back(path);
   } else if (fs::exists(index, ec)) {
     const nlohmann::json doc = detail::parse_strict_json(
@@ -311,11 +332,37 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
   if (files.empty()) {
     throw InvalidArgument(fs::exists(index, ec)
                               ? index.string() + ": the index lists no tensors"
-                              : printable(path_text, 200) + ": no .safetensors files");
+                              : printable(path_text, 200) +
+                                    ": no .safetensors files (nor a pytorch_model.bin)");
   }
   std::map<std::pair<std::string, Shape>, std::string> seen;  // (tensor, offsets) -> file
   std::set<std::string> names;
   std::map<std::string, CheckpointTensor> empty_pieces;  // pieces mode: a name's first empty one
+  // One entry of file f: no name twice (per place, in pieces mode), each where the index says.
+  auto add = [&](const fs::path& f, CheckpointTensor entry) {
+    names.insert(entry.name);
+    if (options.pieces && entry.numel == 0) {
+      empty_pieces.emplace(entry.name, std::move(entry));
+      return;
+    }
+    auto [it, fresh] = seen.emplace(std::pair(entry.name, entry.piece_offsets),
+                                    f.filename().string());
+    if (!fresh) {
+      throw InvalidArgument(f.string() + ": tensor '" + printable(entry.name) + "'" +
+                            (options.pieces ? " at saved_offsets " +
+                                                  shape_to_string(entry.piece_offsets)
+                                            : std::string()) +
+                            " is also in " + it->second);
+    }
+    if (!weight_map.empty()) {
+      auto w = weight_map.find(entry.name);
+      if (w == weight_map.end() || w->second != f.filename().string()) {
+        throw InvalidArgument(f.string() + ": tensor '" + printable(entry.name) +
+                              "' is not where the index says it is");
+      }
+    }
+    out.tensors.push_back(std::move(entry));
+  };
   for (const fs::path& f : files) {
     if (!weight_map.empty() && !fs::exists(f, ec)) {
       // The index is what is wrong (or the download incomplete): say so, and name both.
@@ -332,6 +379,19 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
                             "' first), but that shard is missing: " +
                             printable(f.string(), 200) +
                             " does not exist (an incomplete download or copy?)");
+    }
+    // By name first: a safetensors file's header length can begin with a pickle's PROTO byte.
+    if (f.extension() != ".safetensors" && detail::is_torch_state_file(f.string())) {
+      const auto file = static_cast<std::uint32_t>(out.files.size());
+      detail::TorchStateShard shard = detail::torch_state_shard(f.string(), file);
+      out.files.push_back(f.string());
+      out.file_bytes.push_back(shard.file_bytes);
+      out.stamps.push_back(shard.stamp);
+      for (CheckpointTensor& entry : shard.tensors) {
+        if (options.pieces) entry.piece_offsets.assign(entry.shape.size(), 0);
+        add(f, std::move(entry));
+      }
+      continue;
     }
     const SafetensorsHeader h = read_safetensors_header(f.string());
     const std::map<std::string, Shape> placed = dcp_placements(f, h.metadata, options.pieces);
@@ -352,28 +412,7 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
                                 " have another count of dimensions");
         }
       }
-      names.insert(t.name);
-      if (options.pieces && t.numel == 0) {
-        empty_pieces.emplace(t.name, std::move(entry));
-        continue;
-      }
-      auto [it, fresh] = seen.emplace(std::pair(t.name, entry.piece_offsets),
-                                      f.filename().string());
-      if (!fresh) {
-        throw InvalidArgument(f.string() + ": tensor '" + printable(t.name) + "'" +
-                              (options.pieces ? " at saved_offsets " +
-                                                    shape_to_string(entry.piece_offsets)
-                                              : std::string()) +
-                              " is also in " + it->second);
-      }
-      if (!weight_map.empty()) {
-        auto w = weight_map.find(t.name);
-        if (w == weight_map.end() || w->second != f.filename().string()) {
-          throw InvalidArgument(f.string() + ": tensor '" + printable(t.name) +
-                                "' is not where the index says it is");
-        }
-      }
-      out.tensors.push_back(std::move(entry));
+      add(f, std::move(entry));
     }
   }
   for (const auto& [name, file] : weight_map) {

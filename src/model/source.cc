@@ -80,14 +80,18 @@ ModelSpec from_tensors(const std::string& name, const std::vector<TensorInfo>& t
 // directory: open_checkpoint reads the directory it describes.
 bool is_index_file(const fs::path& path) {
   std::error_code ec;
-  return path.filename().string().ends_with(".safetensors.index.json") &&
+  const std::string name = path.filename().string();
+  return (name.ends_with(".safetensors.index.json") || name.ends_with(".bin.index.json")) &&
          !fs::is_directory(path, ec);
 }
 
 bool has_checkpoint_files(const fs::path& dir) {
   std::error_code ec;
-  const bool index = fs::exists(dir / "model.safetensors.index.json", ec);
-  if (!ec && index) return true;
+  for (const char* name : {"model.safetensors.index.json", "pytorch_model.bin.index.json",
+                           "pytorch_model.bin"}) {
+    const bool there = fs::exists(dir / name, ec);
+    if (!ec && there) return true;
+  }
   for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator();
        it.increment(ec)) {
     if (it->path().extension() == ".safetensors") return true;

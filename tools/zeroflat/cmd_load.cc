@@ -24,8 +24,9 @@ int subcommand_load(const std::vector<std::string>& argv) {
            "       zeroflat load DIR --from deepspeed --dp N [--stage S] [--tag T] [--states LIST] "
            "[options]",
            "Loads a safetensors checkpoint (a .safetensors file, a directory of them with or\n"
-           "without model.safetensors.index.json, or a Hugging Face hub id org/name already in\n"
-           "the local hub cache) straight into every rank's flat buffer: each rank\n"
+           "without model.safetensors.index.json, a folder of pytorch_model.bin or its shards,\n"
+           "whose pickles are read without being run, or a Hugging Face hub id org/name\n"
+           "already in the local hub cache) straight into every rank's flat buffer: each rank\n"
            "reads only the bytes of its own partition, sorted by file offset, merged and split\n"
            "over its threads, straight into its slice of the buffer (through a ring of pinned\n"
            "chunks on a GPU), converting dtypes as torch does; one all-gather completes the\n"

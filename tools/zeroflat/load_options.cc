@@ -217,7 +217,7 @@ LoadConfig load_config_from_args(const Args& args) {
   } else {
     if (pos.empty()) {
       throw UsageError(
-          "name a checkpoint: a .safetensors file or a directory of them (or "
+          "name a checkpoint: a .safetensors file, a directory of them or of pytorch_model.bin (or "
           "--model NAME with --device sim:... --no-data to rehearse)");
     }
     for (const char* o : {"layers", "experts", "checkpoint-dtype"}) {
