@@ -1,7 +1,8 @@
 // Fuzz target for the parsers of untrusted model files: the first byte picks the safetensors
 // header parser, the config.json parser, the parser of `--numels @FILE` lists, the torch.save
 // reader (zip directory and pickle, then every value as the Python binding takes it: the
-// allow-list row of each value that names code, each tensor's bytes) or a DeepSpeed checkpoint
+// allow-list row of each value that names code, each tensor's bytes; then the same bytes as a
+// folder's pytorch_model.bin, its tensors read through the index) or a DeepSpeed checkpoint
 // folder (the rest of the input split into a module file and one rank's optimizer file, then
 // the folder's checks, the resume's plan at new worlds and each rank's reads in it, and every
 // target's source); a first byte of 250 or more picks DCP's `.metadata` index (the restricted
@@ -94,6 +95,26 @@ void pieces(std::span<const unsigned char> in) {
   }
 }
 
+// The same bytes as a Hugging Face folder's pytorch_model.bin: the state dict's checks, then every
+// small tensor read through the index as the loader reads a safetensors tensor.
+void state_dict_folder(std::span<const unsigned char> in) {
+  const std::filesystem::path dir = scratch() / "bin";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  write(dir / "pytorch_model.bin", in);
+  const zeroflat::CheckpointIndex ck = zeroflat::open_checkpoint(dir.string());
+  std::vector<unsigned char> out;
+  for (const zeroflat::CheckpointTensor& t : ck.tensors) {
+    if (ck.find(t.name) == nullptr) __builtin_trap();  // every entry found by its name
+    if (!t.type || t.numel > 4096) continue;
+    out.resize(t.numel * 4);
+    zeroflat::BoxRead box{t.name, std::vector<std::uint64_t>(t.shape.size(), 0),
+                          std::vector<std::uint64_t>(t.shape.begin(), t.shape.end()), out.data(),
+                          zeroflat::DType::kFP32};
+    (void)zeroflat::read_checkpoint_boxes(ck, std::vector<zeroflat::BoxRead>{box}, 1);
+  }
+}
+
 // A folder of one module file and one rank's optimizer file (ZeRO-1/2's names, or ZeRO-3's
 // when `zero3`), written fresh for each input.
 void folder(std::span<const unsigned char> in) {
@@ -152,6 +173,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       (void)f.find("a/0/b");
       std::uint64_t budget = f.file_bytes + (std::uint64_t{1} << 20);
       walk(f, f.root, file, budget);
+      state_dict_folder(file);
     } else if (parser == 2) {
       (void)zeroflat::parse_numels_file_text(text, "fuzz");
     } else if (parser == 1) {
