@@ -1,0 +1,40 @@
+"""zeroflat.hf.from_pretrained against Transformers' own from_pretrained over many model families
+(tiny random models written by save_pretrained, bf16, one process): every parameter and buffer
+(non-persistent ones too: rotary and sinusoid tables), which weights are tied, and the logits of
+one batch, bit for bit. Each family brings its own names, renaming rules, tied heads, buffers
+and fused tensors; scripts/architecture_check.py runs the same comparison over more families
+and through the ZeRO-3 and FSDP2 paths too."""
+
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+import zeroflat.hf  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+from architecture_check import _FP32_KEPT, FAMILIES, compare, tiny_config  # noqa: E402
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+# Every family of the script: their own names, renaming rules (gpt_neox's embed_out), Conv1D
+# weights stored [in, out] (gpt2), tables built in __init__ (gptj), fused query-key-value (bloom,
+# falcon), tied heads, stacked experts (mixtral, qwen3_moe), state-space layers (mamba, jamba).
+# The families whose routers Transformers keeps in fp32 compare as the values in the model's
+# dtype (docs/python.md: DeepSpeed's engines cast them).
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_family_loads_as_transformers_loads_it(family, tmp_path):
+    torch.manual_seed(0)
+    config = tiny_config(AutoConfig, family)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, tmp_path, None, torch.bfloat16,
+                                       device="cpu")
+    assert compare(ref, ours, config.vocab_size, cast_ok=family in _FP32_KEPT) == [], family
