@@ -35,6 +35,10 @@ struct CheckpointTensor {
   // whole's shape. Both empty in an index opened without pieces.
   Shape piece_offsets;
   Shape whole_shape;
+  // Another name of an earlier entry's bytes (a torch.save'd state dict keeps tied weights under
+  // every name, one storage): found by name, but not a tensor of its own, so readers that take
+  // every tensor (the CLI's group, inspect's counts) leave it out, as a safetensors save does.
+  bool alias = false;
 };
 
 // What a file was when its headers were read: a file replaced since (another run's file of the

@@ -170,8 +170,18 @@ def test_a_torch_saved_checkpoint_loads_as_transformers_loads_it(tmp_path):
 
     from test_torch_file import cli_path
 
+    import json
+
+    def cli(*args):
+        r = subprocess.run([str(cli_path()), *args], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_dense(tie=True), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "st")  # the tied head saved once
+    counted = json.loads(cli("inspect", str(tmp_path / "st"), "--json"))
     for shards in (1, 3):
         path = _save_bin(model, str(tmp_path / f"bin{shards}"), shards)
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
@@ -179,9 +189,23 @@ def test_a_torch_saved_checkpoint_loads_as_transformers_loads_it(tmp_path):
                                            device="cpu")
         same_model(ref, ours)
         assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
-        r = subprocess.run([str(cli_path()), "load", path, "--dp", "2", "--verify", "--quiet"],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
+        cli("load", path, "--dp", "2", "--verify", "--quiet")
+        # In one file the tied head's second name is an alias of the same bytes, not a tensor of
+        # its own: the same tensors and parameters as the safetensors copy. (Shards saved
+        # apart each hold their own copy: two tensors.)
+        got = json.loads(cli("inspect", path, "--json"))
+        extra = 0 if shards == 1 else 1
+        assert (got["tensors"], got["numel"]) == (counted["tensors"] + extra,
+                                                  counted["numel"] + extra * 300 * 40), got
+    # A file given by name, and a folder where another .safetensors (an adapter) lies beside
+    # pytorch_model.bin: the model is the .bin, as Transformers takes it.
+    single = json.loads(cli("layout", "--model", str(tmp_path / "bin1" / "pytorch_model.bin"),
+                            "--dp", "2", "--json"))
+    assert single["numel"] == counted["numel"]
+    from safetensors.torch import save_file
+    save_file({"lora": torch.zeros(2)}, str(tmp_path / "bin1" / "adapter_model.safetensors"))
+    assert json.loads(cli("inspect", str(tmp_path / "bin1"), "--json"))["numel"] == \
+        counted["numel"]
     bad = tmp_path / "bad"
     marker = tmp_path / "ran"
 
@@ -191,6 +215,8 @@ def test_a_torch_saved_checkpoint_loads_as_transformers_loads_it(tmp_path):
 
     state = dict(model.state_dict())
     cases = [({**state, "x": Payload()}, "posix system"),
+             ({**state, "": torch.zeros(1)}, "a tensor is named ''"),
+             ({**state, "__metadata__": torch.zeros(1)}, "a tensor is named '__metadata__'"),
              ({"model": state}, "'model' is a dict, not a tensor"),
              ({**state, "lm_head.weight": state["lm_head.weight"].t()},
               "'lm_head.weight' [40, 300] is stored as a view that is not contiguous")]

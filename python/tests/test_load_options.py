@@ -67,19 +67,23 @@ def test_param_groups_and_zero3_of_the_wrong_kind_are_named(checkpoint):
                                     zero3={"zero_optimization": 3})
 
 
-def test_a_group_without_a_parameter_the_optimizer_keeps_has_no_flat_group(checkpoint):
-    """ZeRO-1/2 returns a FlatGroup per group in order, but for a group that is empty or holds
-    only frozen parameters: DeepSpeed's engine removes a client optimizer's empty groups (every
-    release from 0.14), so the list lines up with its ZeRO optimizer's groups."""
+def test_an_empty_group_has_no_flat_group_and_a_frozen_one_is_refused(checkpoint):
+    """ZeRO-1/2 returns a FlatGroup per group in order, but for an empty group: DeepSpeed's
+    engine removes a client optimizer's empty groups (every release from 0.14), so the list
+    lines up with its ZeRO optimizer's groups. A group holding only frozen parameters, which
+    DeepSpeed keeps and its optimizer fails on, is refused naming its index, nothing read."""
     config = transformers.AutoConfig.from_pretrained(checkpoint)
     with zeroflat.meta_parameters():
         model = AutoModelForCausalLM.from_config(config)
     named = list(model.named_parameters())
     named[0][1].requires_grad_(False)
     names = [n for n, _ in named]
-    groups = zeroflat.load_param_groups(
-        model, checkpoint, param_groups=[[], names[1:3], [names[0]], names[3:]],
-        deepspeed=None, device="cpu")
+    with pytest.raises(ValueError, match=r"param_groups\[2\] holds 1 parameter\(s\), none"):
+        zeroflat.load_param_groups(model, checkpoint, deepspeed=None, device="cpu",
+                                   param_groups=[[], names[1:3], [names[0]], names[3:]])
+    assert all(p.device.type == "meta" for p in model.parameters())
+    groups = zeroflat.load_param_groups(model, checkpoint, param_groups=[[], names[1:3], names[3:]],
+                                        deepspeed=None, device="cpu")
     params = list(model.parameters())
     assert len(groups) == 2
     assert [id(p) for p in groups[0].params] == [id(p) for p in params[1:3]]

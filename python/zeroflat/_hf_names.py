@@ -9,9 +9,11 @@ Transformers computes after a load rather than reads (``init_unheld``)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import List, Optional, Sequence, Tuple
 
 Shape = List[int]
+_SWAP = threading.Lock()
 
 
 def init_unheld(model) -> None:
@@ -78,6 +80,7 @@ def _built_classes(model):
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
         FSDPModule = None
+    _SWAP.acquire()  # one lookup at a time: another would see the classes half swapped
     try:
         if FSDPModule is not None:
             for m in model.modules():
@@ -92,6 +95,7 @@ def _built_classes(model):
     finally:
         for m, cls in swapped:
             m.__class__ = cls
+        _SWAP.release()
 
 
 def _op(op) -> Tuple[str, Optional[int]]:

@@ -408,13 +408,20 @@ class _Flat:
         self.target = target
 
     def buffers(self, groups, model, rules):
-        """One buffer per group, of the parameters the optimizer keeps; a group left with none
-        has an empty one, which is loaded as nothing and has no FlatGroup: DeepSpeed's engine
-        drops a client optimizer's empty groups before its ZeRO-1/2 optimizer numbers them, so
-        the FlatGroups follow its ``bit16_groups``."""
+        """One buffer per group, of the parameters the optimizer keeps. An empty group has an
+        empty one, loaded as nothing, with no FlatGroup: DeepSpeed's engine drops a client
+        optimizer's empty groups before its ZeRO-1/2 optimizer numbers them, so the FlatGroups
+        follow its ``bit16_groups``. A group of parameters none of which it keeps is refused:
+        DeepSpeed keeps that group, and its ZeRO-1/2 optimizer fails on it (it reads the
+        group's first kept parameter)."""
         out = []
-        for group in groups:
+        for k, group in enumerate(groups):
             kept, _ = select(group, rules, trainable_only=True)
+            if group and not kept:
+                raise ValueError(f"param_groups[{k}] holds {len(group)} parameter(s), none of "
+                                 "which the optimizer keeps (frozen, or without elements "
+                                 "under this release's rules): DeepSpeed's ZeRO-1/2 optimizer "
+                                 "fails on such a group; leave it out")
             out.append([group[i] for i in kept])
         return out
 
@@ -660,9 +667,10 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
                       progress: Optional[Callable[["Progress"], None]] = None) -> list:
     """Materializes every parameter of ``model`` from a safetensors checkpoint into the buffers
     DeepSpeed's optimizer keeps, and returns one FlatGroup per buffer that has parameters (under
-    ZeRO-1/2 one per group in the groups' order, but for a group with none that the optimizer
-    keeps, which has none: DeepSpeed's engine drops an empty group from the optimizer, so the
-    list follows the groups its ZeRO optimizer numbers).
+    ZeRO-1/2 one per group in the groups' order, but for an empty group, which has none:
+    DeepSpeed's engine drops an empty group from the optimizer, so the list follows the groups
+    its ZeRO optimizer numbers; a group none of whose parameters the optimizer keeps is a
+    ValueError, as DeepSpeed's optimizer fails on it).
 
     ZeRO-1/2 (``zero3`` None, the default): the trainable parameters of each optimizer group
     become views into that group's flat buffer in DeepSpeed's layout, each rank reading its

@@ -277,18 +277,22 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
                             given.ends_with(".bin.index.json"));
   const fs::path dir = index_given ? path.parent_path() : path;
   fs::path index = index_given ? path : path / "model.safetensors.index.json";
-  // A folder without safetensors files: Hugging Face's torch.save'd state dict, whole or in
-  // shards listed by its own index (read by the restricted reader; nothing in it runs).
+  // A folder whose model is Hugging Face's torch.save'd state dict, whole or in shards listed
+  // by its own index (read by the restricted reader; nothing in it runs): as Transformers
+  // chooses, when no model.safetensors or model-*.safetensors is there (another .safetensors
+  // beside it, an adapter, is not the model).
   bool torch_folder = false;
   if (!index_given && fs::is_directory(path, ec) && !fs::exists(index, ec)) {
-    bool any = false;
+    bool model_safetensors = false;
     for (auto it = fs::directory_iterator(path, ec); !ec && it != fs::directory_iterator();
          it.increment(ec)) {
-      any = any || it->path().extension() == ".safetensors";
+      const std::string name = it->path().filename().string();
+      model_safetensors = model_safetensors || name == "model.safetensors" ||
+                          (name.starts_with("model-") && name.ends_with(".safetensors"));
     }
-    if (!any && fs::exists(path / "pytorch_model.bin.index.json", ec)) {
+    if (!model_safetensors && fs::exists(path / "pytorch_model.bin.index.json", ec)) {
       index = path / "pytorch_model.bin.index.json";
-    } else if (!any && fs::exists(path / "pytorch_model.bin", ec)) {
+    } else if (!model_safetensors && fs::exists(path / "pytorch_model.bin", ec)) {
       torch_folder = true;
     }
   }

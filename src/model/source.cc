@@ -8,6 +8,7 @@
 
 #include "common/saturate.h"
 #include "model/files.h"
+#include "model/torch_state.h"
 #include "model/model_size.h"
 #include "model/strict_json.h"
 #include "zeroflat/checkpoint.h"
@@ -45,6 +46,7 @@ Checkpoint read_checkpoint(const fs::path& path) {
   Checkpoint ck;
   ck.files = index.files.size();
   for (const CheckpointTensor& t : index.tensors) {
+    if (t.alias) continue;  // a tied weight's other name in a torch.save'd state dict
     ck.tensors.push_back(TensorInfo{t.name, zeroflat_dtype(t.dtype), t.shape, t.numel, t.bytes});
   }
   return ck;
@@ -162,7 +164,7 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
     Inspection i = inspect_path(path.string());
     return from_tensors(path.string(), i.tensors);
   }
-  if (is_index_file(path)) {
+  if (is_index_file(path) || detail::is_torch_state_file(path.string())) {
     no_overrides(path.string());
     return from_tensors(path.string(), read_checkpoint(path).tensors);
   }
@@ -184,9 +186,9 @@ Inspection inspect_path(const std::string& p) {
     out.source = "checkpoint";
     out.files = ck.files;
     out.tensors = std::move(ck.tensors);
-  } else if (path.extension() == ".safetensors") {
+  } else if (path.extension() == ".safetensors" || detail::is_torch_state_file(p)) {
     Checkpoint ck = read_checkpoint(path);
-    out.source = "safetensors";
+    out.source = path.extension() == ".safetensors" ? "safetensors" : "torch.save";
     out.files = 1;
     out.tensors = std::move(ck.tensors);
   } else {

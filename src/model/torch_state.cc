@@ -1,8 +1,12 @@
 // A torch.save'd state dict as checkpoint index entries (torch_state.h).
 #include "model/torch_state.h"
 
+#include <algorithm>
+#include <map>
 #include <string>
+#include <tuple>
 
+#include "model/files.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 #include "zeroflat/torch_file.h"
@@ -27,7 +31,22 @@ std::string index_dtype(const TorchTensor& t) {
 
 }  // namespace
 
-bool is_torch_state_file(const std::string& path) noexcept { return is_torch_file(path); }
+bool is_torch_state_file(const std::string& path) noexcept {
+  try {
+    // A zip archive; or a pickle's PROTO (torch's legacy format, which the reader refuses,
+    // saying so) unless the ninth byte opens a JSON header: a safetensors file whose header
+    // length begins with 0x80 looks like a pickle in its first two bytes.
+    const File file(path);
+    unsigned char head[9] = {};
+    const std::uint64_t n = std::min<std::uint64_t>(file.size(), sizeof head);
+    if (n < 2) return false;
+    file.read_at(head, n, 0);
+    if (n >= 4 && head[0] == 'P' && head[1] == 'K' && head[2] == 3 && head[3] == 4) return true;
+    return head[0] == 0x80 && head[1] >= 2 && head[1] <= 5 && !(n == 9 && head[8] == '{');
+  } catch (...) {
+    return false;
+  }
+}
 
 TorchStateShard torch_state_shard(const std::string& path, std::uint32_t file) {
   const TorchFile f = read_torch_file(path);
@@ -42,6 +61,8 @@ TorchStateShard torch_state_shard(const std::string& path, std::uint32_t file) {
   out.file_bytes = f.file_bytes;
   out.stamp = f.stamp;
   out.tensors.reserve(f.root.entries.size());
+  // (offset, bytes, dtype, shape) -> the first name: a later name of the same bytes is an alias.
+  std::map<std::tuple<std::uint64_t, std::uint64_t, std::string, Shape>, std::string> first;
   for (const TorchEntry& e : f.root.entries) {
     if (e.first.kind != TorchKind::kString) {
       throw InvalidArgument(where + ": a key of the state dict is a " +
@@ -50,6 +71,11 @@ TorchStateShard torch_state_shard(const std::string& path, std::uint32_t file) {
                             "), not a tensor's name");
     }
     const std::string name = printable(e.first.text, 200);
+    if (e.first.text.empty() || e.first.text == "__metadata__") {
+      throw InvalidArgument(where + ": a tensor is named '" + name +
+                            "', a name no checkpoint may give a tensor (safetensors refuses "
+                            "it)");
+    }
     if (e.second.kind != TorchKind::kTensor) {
       throw InvalidArgument(
           where + ": '" + name + "' is a " + std::string(torch_kind_name(e.second.kind)) +
@@ -75,6 +101,12 @@ TorchStateShard torch_state_shard(const std::string& path, std::uint32_t file) {
     entry.file = file;
     entry.offset = t.offset;
     entry.bytes = t.numel > 0 ? t.bytes : 0;
+    if (t.numel > 0) {
+      const auto [it, fresh] =
+          first.emplace(std::tuple(entry.offset, entry.bytes, entry.dtype, entry.shape),
+                        entry.name);
+      entry.alias = !fresh;
+    }
     out.tensors.push_back(std::move(entry));
   }
   return out;

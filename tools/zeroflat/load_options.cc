@@ -43,6 +43,7 @@ void group_from_checkpoint(LoadConfig& cfg, const Args& args) {
   std::map<DType, std::uint64_t> bytes_by_type;
   std::map<std::string, std::uint64_t> stored_bytes;  // by exact name, as stored
   for (const CheckpointTensor& t : cfg.ck.tensors) {
+    if (t.alias) continue;  // a tied weight's other name in a torch.save'd state dict
     if (!t.type) {
       cfg.left_out.push_back(t.name + " (" + t.dtype + ")");
       continue;
