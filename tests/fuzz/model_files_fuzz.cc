@@ -69,6 +69,20 @@ const std::filesystem::path& scratch() {
   return dir;
 }
 
+// Every tensor of `ck` of a dtype the loader converts and at most 4096 elements, read whole
+// into fp32 as the loader reads it.
+void read_small_tensors(const zeroflat::CheckpointIndex& ck) {
+  std::vector<unsigned char> out;
+  for (const zeroflat::CheckpointTensor& t : ck.tensors) {
+    if (!t.type || t.numel > 4096) continue;
+    out.resize(t.numel * 4);
+    zeroflat::BoxRead box{t.name, std::vector<std::uint64_t>(t.shape.size(), 0),
+                          std::vector<std::uint64_t>(t.shape.begin(), t.shape.end()), out.data(),
+                          zeroflat::DType::kFP32};
+    (void)zeroflat::read_checkpoint_boxes(ck, std::vector<zeroflat::BoxRead>{box}, 1);
+  }
+}
+
 // Two safetensors files (the input split as for folder()) opened with pieces; every piece
 // looked up by its place and, when small, read whole into its dtype.
 void pieces(std::span<const unsigned char> in) {
@@ -84,15 +98,7 @@ void pieces(std::span<const unsigned char> in) {
   std::vector<zeroflat::PieceRef> refs;
   for (const zeroflat::CheckpointTensor& t : ck.tensors) refs.push_back({t.name, t.piece_offsets});
   const zeroflat::CheckpointIndex got = zeroflat::checkpoint_pieces(ck, refs);
-  std::vector<unsigned char> out;
-  for (const zeroflat::CheckpointTensor& t : got.tensors) {
-    if (!t.type || t.numel > 4096) continue;
-    out.resize(t.numel * 4);
-    zeroflat::BoxRead box{t.name, std::vector<std::uint64_t>(t.shape.size(), 0),
-                          std::vector<std::uint64_t>(t.shape.begin(), t.shape.end()), out.data(),
-                          zeroflat::DType::kFP32};
-    (void)zeroflat::read_checkpoint_boxes(got, std::vector<zeroflat::BoxRead>{box}, 1);
-  }
+  read_small_tensors(got);
 }
 
 // The same bytes as a Hugging Face folder's pytorch_model.bin: the state dict's checks, then every
@@ -103,16 +109,10 @@ void state_dict_folder(std::span<const unsigned char> in) {
   std::filesystem::create_directories(dir);
   write(dir / "pytorch_model.bin", in);
   const zeroflat::CheckpointIndex ck = zeroflat::open_checkpoint(dir.string());
-  std::vector<unsigned char> out;
   for (const zeroflat::CheckpointTensor& t : ck.tensors) {
     if (ck.find(t.name) == nullptr) __builtin_trap();  // every entry found by its name
-    if (!t.type || t.numel > 4096) continue;
-    out.resize(t.numel * 4);
-    zeroflat::BoxRead box{t.name, std::vector<std::uint64_t>(t.shape.size(), 0),
-                          std::vector<std::uint64_t>(t.shape.begin(), t.shape.end()), out.data(),
-                          zeroflat::DType::kFP32};
-    (void)zeroflat::read_checkpoint_boxes(ck, std::vector<zeroflat::BoxRead>{box}, 1);
   }
+  read_small_tensors(ck);
 }
 
 // A folder of one module file and one rank's optimizer file (ZeRO-1/2's names, or ZeRO-3's
