@@ -14,8 +14,8 @@
 #include "common/saturate.h"
 #include "model/files.h"
 #include "model/tiling.h"
-#include "source/deepspeed/pickle.h"
-#include "source/deepspeed/torch_window.h"
+#include "model/pickle.h"
+#include "model/torch_window.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 

@@ -1,5 +1,5 @@
 // The zip reader of torch.save archives (zip.h): end records, central directory, local headers.
-#include "source/deepspeed/zip.h"
+#include "model/zip.h"
 
 #include <algorithm>
 #include <cstring>

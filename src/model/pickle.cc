@@ -2,7 +2,7 @@
 // and the allow-list of globals, in one table. One file past 700 lines on purpose: the machine is
 // one class whose opcodes share its stack, memo, marks and bounds, and the allow-list beside it
 // is what every global is checked against; split, the rules of one row would live in two files.
-#include "source/deepspeed/pickle.h"
+#include "model/pickle.h"
 
 #include <bit>
 #include <charconv>

@@ -13,9 +13,9 @@
 #include <unordered_set>
 
 #include "model/files.h"
-#include "source/deepspeed/pickle.h"
-#include "source/deepspeed/torch_window.h"
-#include "source/deepspeed/zip.h"
+#include "model/pickle.h"
+#include "model/torch_window.h"
+#include "model/zip.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 
