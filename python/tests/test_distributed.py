@@ -274,12 +274,12 @@ def check_a_resume_refusal_reaches_every_rank_in_its_words(rank, world, group):
     """One rank's refusal in the resume's agreement: that rank raises its own error, the others
     name it with its words (the first 245 bytes, any text)."""
     from zeroflat import _resume
-    from zeroflat._comm import all_reduce_ints
+    from zeroflat._comm import all_reduce_ints, failing_word
 
     for words in ("mp_rank_01_model_states.pt: entry 'ds_config' is bad", "é" * 300):
         mine = ValueError(words) if rank == 1 else None
         with pytest.raises(Exception) as e:
-            failing = all_reduce_ints([_resume._failing(mine, group)], group, "max", "test", "t")
+            failing = all_reduce_ints([failing_word(mine, group)], group, "max", "test", "t")
             _resume._raise_failed(failing[0], mine, group, "the model states")
         if rank == 1:
             assert e.value is mine
