@@ -212,6 +212,27 @@ TEST_F(Checkpoints, HeadersWinOverAConfigBesideThemAndGiveTheDtype) {
   EXPECT_EQ(inspect_path(dir_.string()).bytes_by_dtype.count("fp16"), 1u);
 }
 
+// A folder with Transformers' one-file checkpoint takes that file, as Transformers does: a
+// variant beside it holding the same names (model.fp16.safetensors) was refused as the same
+// tensor twice, and an adapter's tensors were taken for the model's.
+TEST_F(Checkpoints, ModelSafetensorsIsTheModelWhateverLiesBesideIt) {
+  write("model.safetensors",
+        file_with(R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 16));
+  write("model.fp16.safetensors",
+        file_with(R"({"w": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]}})", 8));
+  write("adapter_model.safetensors",
+        file_with(R"({"lora": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 8));
+  const CheckpointIndex ck = open_checkpoint(dir_.string());
+  ASSERT_EQ(ck.files.size(), 1u);
+  EXPECT_EQ(fs::path(ck.files[0]).filename(), "model.safetensors");
+  ASSERT_EQ(ck.tensors.size(), 1u);
+  EXPECT_EQ(ck.tensors[0].dtype, "F32");
+  // Without it, every .safetensors of the folder is read (shards of other writers).
+  fs::remove(dir_ / "model.safetensors");
+  fs::remove(dir_ / "model.fp16.safetensors");
+  EXPECT_EQ(open_checkpoint(dir_.string()).tensors.size(), 1u);
+}
+
 TEST_F(Checkpoints, FifosAreNotRead) {
   const std::string fifo = (dir_ / "x.safetensors").string();
   ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);

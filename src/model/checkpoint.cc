@@ -322,6 +322,10 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
       shard_names.insert(shard);
     }
     for (const std::string& s : shard_names) files.push_back(dir / s);
+  } else if (fs::exists(path / "model.safetensors", ec)) {
+    // Transformers' one-file checkpoint: the model, whatever else lies beside it (a variant such
+    // as model.fp16.safetensors holding the same names, an adapter).
+    files.push_back(path / "model.safetensors");
   } else {
     for (auto it = fs::directory_iterator(path, ec); !ec && it != fs::directory_iterator();
          it.increment(ec)) {
