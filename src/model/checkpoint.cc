@@ -159,67 +159,6 @@ bool entry_less(const CheckpointTensor& a, const CheckpointTensor& b) {
   return origin_of(a) < origin_of(b);
 }
 
-// Every name's pieces in an index opened with pieces (tensors sorted, empty pieces dropped):
-// one dtype and rank, no two overlapping, and together exactly the whole, whose shape each
-// piece is given. An error names the files of the pieces it speaks of.
-void check_tiling(std::vector<CheckpointTensor>& tensors, const std::vector<std::string>& files) {
-  auto in = [&](const CheckpointTensor& t) {
-    return " (" + printable(std::filesystem::path(files[t.file]).filename().string()) + ")";
-  };
-  for (std::size_t first = 0; first < tensors.size();) {
-    std::size_t end = first + 1;
-    while (end < tensors.size() && tensors[end].name == tensors[first].name) ++end;
-    const CheckpointTensor& a = tensors[first];
-    const std::string name = "tensor '" + printable(a.name) + "'";
-    Shape whole(a.shape.size(), 0);
-    for (std::size_t i = first; i < end; ++i) {
-      const CheckpointTensor& t = tensors[i];
-      if (t.dtype != a.dtype || t.shape.size() != a.shape.size()) {
-        throw InvalidArgument(name + ": its pieces disagree: " + a.dtype + " " +
-                              shape_to_string(a.shape) + " at saved_offsets " +
-                              shape_to_string(a.piece_offsets) + in(a) + ", " + t.dtype + " " +
-                              shape_to_string(t.shape) + " at saved_offsets " +
-                              shape_to_string(t.piece_offsets) + in(t));
-      }
-      for (std::size_t d = 0; d < whole.size(); ++d) {
-        whole[d] = std::max(whole[d], t.piece_offsets[d] + t.shape[d]);
-      }
-    }
-    std::vector<detail::Box> boxes;
-    for (std::size_t i = first; i < end; ++i) {
-      boxes.push_back(detail::Box{&tensors[i].piece_offsets, &tensors[i].shape});
-    }
-    const detail::TilingProblem problem = detail::tiling_problem(boxes, whole, true);
-    if (problem.overlap) {
-      const CheckpointTensor& x = tensors[first + problem.a];
-      const CheckpointTensor& y = tensors[first + problem.b];
-      throw InvalidArgument(name + ": its pieces at saved_offsets " +
-                            shape_to_string(x.piece_offsets) + in(x) + " and " +
-                            shape_to_string(y.piece_offsets) + in(y) + " overlap");
-    }
-    if (!problem.ok()) {
-      std::string held;
-      std::set<std::uint32_t> shown;
-      for (std::size_t i = first; i < end; ++i) {
-        if (!shown.insert(tensors[i].file).second) continue;
-        if (shown.size() > 4) {
-          held += ", ...";
-          break;
-        }
-        held += (held.empty() ? "" : ", ") +
-                printable(std::filesystem::path(files[tensors[i].file]).filename().string());
-      }
-      throw InvalidArgument(name + ": its pieces (in " + held + ") hold " +
-                            std::to_string(problem.covered) + " of the " +
-                            std::to_string(problem.total) + " elements of the whole " +
-                            shape_to_string(whole) +
-                            " they place it in (a rank's part of the folder missing?)");
-    }
-    for (std::size_t i = first; i < end; ++i) tensors[i].whole_shape = whole;
-    first = end;
-  }
-}
-
 }  // namespace
 
 const CheckpointTensor* CheckpointIndex::find(const std::string& name) const {
@@ -437,7 +376,7 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
     out.tensors.push_back(std::move(entry));
   }
   std::sort(out.tensors.begin(), out.tensors.end(), entry_less);
-  if (options.pieces) check_tiling(out.tensors, out.files);
+  if (options.pieces) detail::check_piece_tiling(out.tensors, out.files);
   return out;
 }
 

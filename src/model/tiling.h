@@ -4,8 +4,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/tensor.h"
 
 namespace zeroflat::detail {
@@ -32,5 +34,12 @@ struct TilingProblem {
 // the dimension with the most distinct offsets, only boxes that start before one ends along it
 // are compared with it.
 TilingProblem tiling_problem(const std::vector<Box>& boxes, const Shape& whole, bool cover);
+
+// Every name's pieces in an index opened with pieces (tensors sorted, empty pieces dropped): one
+// dtype and rank, no two overlapping, and together exactly the whole, whose shape each piece is
+// given (whole_shape). Throws InvalidArgument naming the tensor and its pieces' files (`files`,
+// the index's).
+void check_piece_tiling(std::vector<CheckpointTensor>& tensors,
+                        const std::vector<std::string>& files);
 
 }  // namespace zeroflat::detail
