@@ -620,6 +620,17 @@ TEST(TorchFile, ReadFromAPathReadsTheSame) {
     EXPECT_EQ(f.tensors[i].offset, g.tensors[i].offset);
   }
   EXPECT_EQ(f.path, path);
+  // A safetensors file whose header length is 0x280 starts 0x80 0x02, as a pickle's PROTO 2
+  // does: its ninth byte opens the JSON header, so it is not taken for torch's legacy format.
+  {
+    std::string st(8, '\0');
+    st[0] = '\x80';
+    st[1] = '\x02';
+    st += "{" + std::string(0x280 - 2, ' ') + "}";
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(st.data(), static_cast<std::streamsize>(st.size()));
+  }
+  EXPECT_FALSE(is_torch_file(path));
   fs::remove(path);
   EXPECT_FALSE(is_torch_file(path));
   EXPECT_THROW((void)read_torch_file(path), InvalidArgument);

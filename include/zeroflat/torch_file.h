@@ -301,8 +301,9 @@ TorchFile read_torch_file(const std::string& path);
 TorchFile parse_torch_file(std::span<const unsigned char> bytes, const std::string& source);
 
 // Whether `path` is a regular file that starts as a torch.save file does: a zip archive's local
-// header, or a pickle's PROTO (the legacy format, which read_torch_file refuses, saying why).
-// Reads at most 4 bytes; never blocks (files.h) and never throws.
+// header, or a pickle's PROTO 2 to 5 (the legacy format, which read_torch_file refuses, saying
+// why) that is not a safetensors header (a length beginning 0x80 02, then '{'). Reads at most 9
+// bytes; never blocks (files.h) and never throws.
 bool is_torch_file(const std::string& path) noexcept;
 
 // The elements of tensor t of file f (one of f.tensors), in row-major order, element_size bytes

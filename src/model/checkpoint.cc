@@ -24,6 +24,7 @@
 #include "zeroflat/model_source.h"
 #include "zeroflat/cli/pattern.h"
 #include "zeroflat/size.h"
+#include "zeroflat/torch_file.h"
 
 namespace zeroflat {
 namespace {
@@ -210,25 +211,28 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
   // for a checkpoint of torch.save'd shards, pytorch_model.bin.index.json). Given the index
   // file itself, the checkpoint is the directory it describes: read as a safetensors file, its
   // text would give a meaningless header length.
-  const std::string given = path.filename().string();
-  const bool index_given = !fs::is_directory(path, ec) &&
-                           (given.ends_with(".safetensors.index.json") ||
-                            given.ends_with(".bin.index.json"));
+  const bool index_given = detail::is_index_file(path_text);
   const fs::path dir = index_given ? path.parent_path() : path;
   fs::path index = index_given ? path : path / "model.safetensors.index.json";
-  // A folder whose model is Hugging Face's torch.save'd state dict, whole or in shards listed
-  // by its own index (read by the restricted reader; nothing in it runs): as Transformers
-  // chooses, when no model.safetensors or model-*.safetensors is there (another .safetensors
-  // beside it, an adapter, is not the model).
+  // A folder without that index, listed once: its .safetensors files; and whether its model is
+  // Hugging Face's torch.save'd state dict, whole or in shards listed by its own index (read by
+  // the restricted reader; nothing in it runs), as Transformers chooses: when no
+  // model.safetensors or model-*.safetensors is there (another .safetensors beside it, an
+  // adapter, is not the model).
+  std::vector<fs::path> listed;
+  std::error_code listing;  // why the folder could not be listed, when it is needed
   bool torch_folder = false;
   if (!index_given && fs::is_directory(path, ec) && !fs::exists(index, ec)) {
     bool model_safetensors = false;
-    for (auto it = fs::directory_iterator(path, ec); !ec && it != fs::directory_iterator();
-         it.increment(ec)) {
+    for (auto it = fs::directory_iterator(path, listing);
+         !listing && it != fs::directory_iterator(); it.increment(listing)) {
+      if (it->path().extension() != ".safetensors") continue;
+      listed.push_back(it->path());
       const std::string name = it->path().filename().string();
       model_safetensors = model_safetensors || name == "model.safetensors" ||
-                          (name.starts_with("model-") && name.ends_with(".safetensors"));
+                          name.starts_with("model-");
     }
+    std::sort(listed.begin(), listed.end());
     if (!model_safetensors && fs::exists(path / "pytorch_model.bin.index.json", ec)) {
       index = path / "pytorch_model.bin.index.json";
     } else if (!model_safetensors && fs::exists(path / "pytorch_model.bin", ec)) {
@@ -266,15 +270,11 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
     // as model.fp16.safetensors holding the same names, an adapter).
     files.push_back(path / "model.safetensors");
   } else {
-    for (auto it = fs::directory_iterator(path, ec); !ec && it != fs::directory_iterator();
-         it.increment(ec)) {
-      if (it->path().extension() == ".safetensors") files.push_back(it->path());
-    }
-    if (ec) {
+    if (listing) {
       throw InvalidArgument(printable(path_text, 200) + ": cannot list the folder (" +
-                            ec.message() + ")");
+                            listing.message() + ")");
     }
-    std::sort(files.begin(), files.end());
+    files = std::move(listed);
   }
   if (files.empty()) {
     throw InvalidArgument(fs::exists(index, ec)
@@ -328,7 +328,7 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
                             " does not exist (an incomplete download or copy?)");
     }
     // By name first: a safetensors file's header length can begin with a pickle's PROTO byte.
-    if (f.extension() != ".safetensors" && detail::is_torch_state_file(f.string())) {
+    if (f.extension() != ".safetensors" && is_torch_file(f.string())) {
       const auto file = static_cast<std::uint32_t>(out.files.size());
       detail::TorchStateShard shard = detail::torch_state_shard(f.string(), file);
       out.files.push_back(f.string());

@@ -15,6 +15,7 @@
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/size.h"
+#include "zeroflat/torch_file.h"
 
 namespace zeroflat {
 namespace {
@@ -76,15 +77,6 @@ ModelSpec from_tensors(const std::string& name, const std::vector<TensorInfo>& t
     }
   }
   return m;
-}
-
-// A sharded checkpoint's index file (model.safetensors.index.json) given in place of its
-// directory: open_checkpoint reads the directory it describes.
-bool is_index_file(const fs::path& path) {
-  std::error_code ec;
-  const std::string name = path.filename().string();
-  return (name.ends_with(".safetensors.index.json") || name.ends_with(".bin.index.json")) &&
-         !fs::is_directory(path, ec);
 }
 
 bool has_checkpoint_files(const fs::path& dir) {
@@ -164,7 +156,7 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
     Inspection i = inspect_path(path.string());
     return from_tensors(path.string(), i.tensors);
   }
-  if (is_index_file(path) || detail::is_torch_state_file(path.string())) {
+  if (detail::is_index_file(path.string()) || is_torch_file(path.string())) {
     no_overrides(path.string());
     return from_tensors(path.string(), read_checkpoint(path).tensors);
   }
@@ -181,12 +173,12 @@ Inspection inspect_path(const std::string& p) {
     Inspection c = inspect_path((path / "config.json").string());
     return c;
   }
-  if (fs::is_directory(path) || is_index_file(path)) {
+  if (fs::is_directory(path) || detail::is_index_file(path.string())) {
     Checkpoint ck = read_checkpoint(path);
     out.source = "checkpoint";
     out.files = ck.files;
     out.tensors = std::move(ck.tensors);
-  } else if (path.extension() == ".safetensors" || detail::is_torch_state_file(p)) {
+  } else if (path.extension() == ".safetensors" || is_torch_file(p)) {
     Checkpoint ck = read_checkpoint(path);
     out.source = path.extension() == ".safetensors" ? "safetensors" : "torch.save";
     out.files = 1;

@@ -836,13 +836,15 @@ TorchFile parse_torch_file(std::span<const unsigned char> bytes, const std::stri
 bool is_torch_file(const std::string& path) noexcept {
   try {
     const detail::File file(path);
-    unsigned char head[4] = {0, 0, 0, 0};
-    if (file.size() < 2) return false;
-    file.read_at(head, std::min<std::uint64_t>(file.size(), 4), 0);
-    if (file.size() >= 4 && head[0] == 'P' && head[1] == 'K' && head[2] == 3 && head[3] == 4) {
-      return true;
-    }
-    return head[0] == 0x80 && head[1] <= 5;
+    unsigned char head[9] = {};
+    const std::uint64_t n = std::min<std::uint64_t>(file.size(), sizeof head);
+    if (n < 2) return false;
+    file.read_at(head, n, 0);
+    if (n >= 4 && head[0] == 'P' && head[1] == 'K' && head[2] == 3 && head[3] == 4) return true;
+    // PROTO 2 to 5 (the legacy format pickles with protocol 2), unless the ninth byte opens a
+    // JSON header: a safetensors file whose header length begins with 0x80 looks like a pickle
+    // in its first two bytes.
+    return head[0] == 0x80 && head[1] >= 2 && head[1] <= 5 && !(n == 9 && head[8] == '{');
   } catch (...) {
     return false;
   }

@@ -1,12 +1,11 @@
 // A torch.save'd state dict as checkpoint index entries (torch_state.h).
 #include "model/torch_state.h"
 
-#include <algorithm>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <tuple>
 
-#include "model/files.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 #include "zeroflat/torch_file.h"
@@ -31,21 +30,11 @@ std::string index_dtype(const TorchTensor& t) {
 
 }  // namespace
 
-bool is_torch_state_file(const std::string& path) noexcept {
-  try {
-    // A zip archive; or a pickle's PROTO (torch's legacy format, which the reader refuses,
-    // saying so) unless the ninth byte opens a JSON header: a safetensors file whose header
-    // length begins with 0x80 looks like a pickle in its first two bytes.
-    const File file(path);
-    unsigned char head[9] = {};
-    const std::uint64_t n = std::min<std::uint64_t>(file.size(), sizeof head);
-    if (n < 2) return false;
-    file.read_at(head, n, 0);
-    if (n >= 4 && head[0] == 'P' && head[1] == 'K' && head[2] == 3 && head[3] == 4) return true;
-    return head[0] == 0x80 && head[1] >= 2 && head[1] <= 5 && !(n == 9 && head[8] == '{');
-  } catch (...) {
-    return false;
-  }
+bool is_index_file(const std::string& path) {
+  std::error_code ec;
+  const std::string name = std::filesystem::path(path).filename().string();
+  return (name.ends_with(".safetensors.index.json") || name.ends_with(".bin.index.json")) &&
+         !std::filesystem::is_directory(path, ec);
 }
 
 TorchStateShard torch_state_shard(const std::string& path, std::uint32_t file) {

@@ -26,7 +26,9 @@ struct TorchStateShard {
 // elements), and whatever read_torch_file refuses.
 TorchStateShard torch_state_shard(const std::string& path, std::uint32_t file);
 
-// Whether `path` is a regular file that starts as a torch.save file does (is_torch_file).
-bool is_torch_state_file(const std::string& path) noexcept;
+// Whether `path` names a sharded checkpoint's index (model.safetensors.index.json, or
+// pytorch_model.bin.index.json for torch.save'd shards) and is not a folder: given in place of
+// its directory, the checkpoint is the directory it describes.
+bool is_index_file(const std::string& path);
 
 }  // namespace zeroflat::detail
