@@ -236,9 +236,12 @@ TEST(MpiLoad, ProcessesHoldWhatThreadsHoldAndReadOnlyTheirPartition) {
   }
 }
 
-// A rank that exits before joining the MPI job (an argument only it refuses) leaves the others
-// in MPI's start-up, which has no timeout of its own; --start-timeout covers it: they end, exit 1,
-// saying why. (OpenMPI would otherwise end the job itself, unless told not to, as here.)
+// A rank that never joins the MPI job (it refused an argument only it was given, and lingers)
+// leaves the others in MPI's start-up, which has no timeout of its own; --start-timeout covers
+// it: they end, exit 1, saying why. The rank lingers because one that exits before the others
+// join lets mpirun end the job itself, at once and not always with a message, which would leave
+// the watchdog untested. (OpenMPI would also end the job on a non-zero exit, unless told not to,
+// as here.)
 TEST(MpiRun, ARankThatNeverJoinsEndsTheOthersWithinTheStartTimeout) {
   const std::string cli = ZEROFLAT_CLI_PATH;
   for (const char* command :
@@ -249,7 +252,7 @@ TEST(MpiRun, ARankThatNeverJoinsEndsTheOthersWithinTheStartTimeout) {
         "timeout 60 " + std::string(ZEROFLAT_MPIEXEC) +
         " -n 3 --oversubscribe --mca orte_abort_on_non_zero_status 0 sh -c 'if [ "
         "\"$OMPI_COMM_WORLD_RANK\" = 1 ]; then " +
-        cli + " run --frobnicate; echo exit1=$? >&2; else";
+        cli + " run --frobnicate; echo exit1=$? >&2; sleep 40; else";
     const auto t0 = std::chrono::steady_clock::now();
     Result r =
         run(std::string(command) +
@@ -258,19 +261,21 @@ TEST(MpiRun, ARankThatNeverJoinsEndsTheOthersWithinTheStartTimeout) {
             kRoot, launcher);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // Well under the lingering rank's 40 s: mpirun ends it once a rank has left.
     EXPECT_LT(seconds, 30.0);
     EXPECT_NE(r.err.find("exit1=2"), std::string::npos) << r.err;
-    // The others end by their own watchdog (exit 1, saying why), unless mpirun ends the job
-    // first because rank 1 left without joining (it may, when the others start slowly, as
-    // under the sanitizers): either way, nobody waits past the start-up's limit.
-    const bool ended_by_mpirun = r.err.find("mpirun has exited") != std::string::npos;
+    // Nothing ends the job before a watchdog does, so at least one of the others reports its
+    // own end; the other may be ended by mpirun first when it started later (a loaded machine,
+    // the sanitizers): either way, nobody waits past the start-up's limit.
+    EXPECT_NE(r.err.find("did not start within --start-timeout 2 s"), std::string::npos) << r.err;
+    int reported = 0;
     for (const char* other : {"exit0=", "exit2="}) {
       const std::size_t at = r.err.find(other);
-      if (at == std::string::npos && ended_by_mpirun) continue;
-      ASSERT_NE(at, std::string::npos) << r.err;
+      if (at == std::string::npos) continue;
+      ++reported;
       EXPECT_EQ(r.err.substr(at, 7), std::string(other) + "1") << r.err;
-      EXPECT_NE(r.err.find("did not start within --start-timeout 2 s"), std::string::npos) << r.err;
     }
+    EXPECT_GE(reported, 1) << r.err;
   }
 }
 
