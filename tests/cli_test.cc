@@ -1451,8 +1451,9 @@ double cpu_seconds_to_write(const std::string& config, const std::string& dir, s
     return s(u.ru_utime) + s(u.ru_stime);
   };
   const double before = children();
-  // Bounded: the quadratic writer would take many minutes for the large one.
-  Result r = run("write-checkpoint " + dir + " --model " + config, "", "timeout 120");
+  // Bounded: the quadratic writer would take many minutes for the large one. (Generous: the
+  // sanitizers' build, beside other tests, is many times slower; the ratio below is the check.)
+  Result r = run("write-checkpoint " + dir + " --model " + config, "", "timeout 600");
   EXPECT_EQ(r.code, 0) << r.err;
   said = r.out;
   return children() - before;
@@ -1477,7 +1478,6 @@ TEST(CliWriteCheckpoint, ThreeHundredThousandTensorsInLinearTime) {
   EXPECT_GT(tensors(said), 300'000u) << said;
   // Ten times the tensors: about ten times the time when linear, a hundred when quadratic.
   EXPECT_LT(t_large, 40 * std::max(t_small, 0.05)) << t_small << " s, then " << t_large << " s";
-  EXPECT_LT(t_large, 60.0);
   std::system(("rm -rf " + small + " " + large).c_str());
 }
 

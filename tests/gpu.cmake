@@ -10,7 +10,7 @@ target_compile_options(cuda_device_test PRIVATE -Wall -Wextra -Wshadow
   $<$<BOOL:${ZEROFLAT_WARNINGS_AS_ERRORS}>:-Werror>)
 gtest_discover_tests(cuda_device_test
   TEST_FILTER "GatherWalk.*:CudaNoGpu.*"
-  PROPERTIES LABELS cpu DISCOVERY_TIMEOUT 60)
+  PROPERTIES LABELS cpu DISCOVERY_TIMEOUT 300)
 gtest_discover_tests(cuda_device_test
   TEST_FILTER "CudaGpu.*:NcclGpu.*"
-  PROPERTIES LABELS gpu DISCOVERY_TIMEOUT 60 TIMEOUT 300)
+  PROPERTIES LABELS gpu DISCOVERY_TIMEOUT 300 TIMEOUT 300)
