@@ -424,6 +424,21 @@ TEST(CliInspect, ReadsARealFileAndRejectsMalformedOnesWithExit2) {
   EXPECT_EQ(run("inspect " + good).code, 0);
   // The model of a checkpoint file plans and lays out like any other.
   EXPECT_EQ(run("layout --model " + good + " --dp 2").code, 0);
+  // What the file holds decides, not its name: a safetensors file named .bin (or with no
+  // extension) is read as one, not as a config.json or a torch.save file.
+  for (const char* name : {"model.bin", "weights"}) {
+    std::ifstream in(good, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string renamed = write_temp(name, bytes);
+    Result n = run("inspect " + renamed + " --json");
+    ASSERT_EQ(n.code, 0) << name << "\n" << n.err;
+    const json d = json::parse(n.out);
+    EXPECT_EQ(d["source"], "safetensors") << name;
+    EXPECT_EQ(d["tensors"], 2) << name;
+    EXPECT_EQ(d["bytes"], 44) << name;
+    EXPECT_EQ(run("layout --model " + renamed + " --dp 2").code, 0) << name;
+    std::remove(renamed.c_str());
+  }
 
   const std::pair<std::string, std::string> bad[] = {
       {"short", "too short"},

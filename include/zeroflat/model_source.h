@@ -49,6 +49,10 @@ SafetensorsHeader parse_safetensors_header(std::span<const unsigned char> head,
 // Reads and parses the header of a .safetensors file, reading nothing of its data.
 SafetensorsHeader read_safetensors_header(const std::string& path);
 
+// Whether a file's first bytes are a safetensors header's (a little-endian length that fits the
+// file, then '{'), whatever its name: a safetensors file named .bin is one. Never throws.
+bool is_safetensors_file(const std::string& path) noexcept;
+
 // Parses a Hugging Face config.json for the supported architectures (Qwen3MoeForCausalLM,
 // Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM).
 TransformerConfig parse_hf_config(std::string_view text, const std::string& source);

@@ -224,4 +224,18 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
   return out;
 }
 
+bool is_safetensors_file(const std::string& path) noexcept {
+  try {
+    const detail::File file(path);
+    unsigned char head[9] = {};
+    if (file.size() < sizeof head) return false;
+    file.read_at(head, sizeof head, 0);
+    std::uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = n << 8 | head[static_cast<std::size_t>(i)];
+    return head[8] == '{' && n >= 2 && n <= kMaxHeaderBytes && n <= file.size() - 8;
+  } catch (...) {
+    return false;
+  }
+}
+
 }  // namespace zeroflat

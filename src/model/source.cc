@@ -151,7 +151,7 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
     no_overrides(path.string());
     return from_tensors(path.string(), read_checkpoint(path).tensors);
   }
-  if (path.extension() == ".safetensors") {
+  if (path.extension() == ".safetensors" || is_safetensors_file(path.string())) {
     no_overrides(path.string());
     Inspection i = inspect_path(path.string());
     return from_tensors(path.string(), i.tensors);
@@ -178,9 +178,11 @@ Inspection inspect_path(const std::string& p) {
     out.source = "checkpoint";
     out.files = ck.files;
     out.tensors = std::move(ck.tensors);
-  } else if (path.extension() == ".safetensors" || is_torch_file(p)) {
+  } else if (const bool safetensors =
+                 path.extension() == ".safetensors" || is_safetensors_file(p);
+             safetensors || is_torch_file(p)) {
     Checkpoint ck = read_checkpoint(path);
-    out.source = path.extension() == ".safetensors" ? "safetensors" : "torch.save";
+    out.source = safetensors ? "safetensors" : "torch.save";
     out.files = 1;
     out.tensors = std::move(ck.tensors);
   } else {
