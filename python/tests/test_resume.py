@@ -18,6 +18,7 @@ each release):
     test_resume.py save OUT STAGE WORLD OPTIONS_JSON
     test_resume.py resume CKPT STAGE WORLD OPTIONS_JSON RESULT_JSON"""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -927,6 +928,77 @@ def test_transformers_trainer_resumes_through_zeroflat(tmp_path, stage):
     assert got["zeroflat"] == got["deepspeed"] and len(got["zeroflat"]) == 6, got
 
 
+def _accelerate_main(out, mode, port, stage):
+    """One accelerate run on one rank (its DeepSpeed plugin, ZeRO-2 or 3): "save" trains 3 steps
+    and saves with ``save_state``; "deepspeed" and "zeroflat" build the same run afresh,
+    ``load_state`` it (which calls the engine's load_checkpoint with accelerate's own tag) and
+    train 3 steps more. Prints the losses as JSON."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
+                      ACCELERATE_USE_DEEPSPEED="true")
+    import importlib
+
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(comm_torch, "build_shm_op"):
+        comm_torch.build_shm_op = lambda: None
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    import zeroflat.deepspeed as zd
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=stage,
+                                                       gradient_accumulation_steps=1))
+    acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
+    model, opt, sched = acc.prepare(model, opt, sched)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen))
+            for _ in range(6)]
+    state = os.path.join(out, "state")
+    with zd.installed() if mode == "zeroflat" else contextlib.nullcontext():
+        if mode != "save":
+            acc.load_state(state)
+        losses = []
+        for x, y in data[:3] if mode == "save" else data[3:]:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    if mode == "save":
+        acc.save_state(state)
+    result = {"losses": losses, "resumes": zd.stats["resumes"],
+              "fallbacks": zd.stats["resume_fallbacks"], "lr": sched.get_last_lr()}
+    print("ACCELERATE " + json.dumps(result), flush=True)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_resumes_through_zeroflat(tmp_path, stage):
+    """accelerate's ``load_state`` under its DeepSpeed plugin calls the engine's load_checkpoint:
+    zeroflat serves it, and the steps after it, with the learning rate the scheduler restored,
+    are those after DeepSpeed's own load."""
+    pytest.importorskip("accelerate")  # scripts/setup.sh installs it: CI never skips
+    from reference import free_port
+
+    def main(mode):
+        r = subprocess.run([sys.executable, str(HERE / "test_resume.py"), "accelerate",
+                            str(tmp_path), mode, str(free_port()), str(stage)], env=_env(),
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        line = [x for x in r.stdout.splitlines() if x.startswith("ACCELERATE ")][-1]
+        return json.loads(line[len("ACCELERATE "):])
+
+    main("save")
+    own, got = main("deepspeed"), main("zeroflat")
+    assert own["resumes"] == [] and len(got["resumes"]) == 1 and got["fallbacks"] == [], got
+    assert got["losses"] == own["losses"] and len(got["losses"]) == 3, (got, own)
+    assert got["lr"] == own["lr"], (got, own)
+
+
 # ---- another world size ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world,saved_worlds", [(3, [2]), (2, [3, 4, 1])],
@@ -960,6 +1032,8 @@ if __name__ == "__main__":
         fork_deepspeed_ranks(_save_worker, world, out, stage, json.loads(opts))
     elif sys.argv[1] == "universal":
         _universal_main(sys.argv[2:])
+    elif sys.argv[1] == "accelerate":
+        _accelerate_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     elif sys.argv[1] == "trainer":
         _trainer_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     elif sys.argv[1] == "resume":
