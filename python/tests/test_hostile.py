@@ -377,6 +377,33 @@ def test_files_that_crashed_or_were_ambiguous_are_refused(tmp_path, marker):
     torch.save({"w": torch.tensor([1.0, 2.0])}, tmp_path / "a.pt")
     _zip_with_second_end_record(tmp_path / "a.pt", path, tmp_path / "a.pt")
     cases[path] = "second end-of-central-directory"
+    # A negative view: its stored bytes are not its values (torch.load negates them).
+    path = tmp_path / "negative.pt"
+    torch.save({"x": torch._neg_view(torch.arange(1.0, 5.0))}, path)
+    cases[path] = "sets 'neg'"
+    # An attribute that torch.load sets over the tensor's values (another tensor's).
+    path = tmp_path / "attribute.pt"
+    t = torch.arange(1.0, 5.0)
+    t.__dict__["data"] = torch.zeros(4)
+    torch.save({"x": t}, path)
+    cases[path] = "set 'data'"
+    # A storage record listed twice in two cases: torch's reader takes them for one name.
+    path = tmp_path / "cases.pt"
+    torch.save({"w": torch.arange(1.0, 5.0)}, tmp_path / "b.pt")
+    with zipfile.ZipFile(tmp_path / "b.pt") as z:
+        entries = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in entries:
+            if name.endswith("/data/0"):
+                z.writestr(name[:-len("data/0")] + "DATA/0", bytes(len(data)))
+            z.writestr(name, data)
+    cases[path] = "differ only in case"
+    # An attribute of the saver's own (DeepSpeed's ds_id) is beside the values: read.
+    path = tmp_path / "ds_id.pt"
+    t = torch.arange(1.0, 5.0)
+    t.ds_id = 3
+    torch.save({"x": t}, path)
+    assert torch.equal(_C.TorchFile(str(path)).value()["x"], torch.arange(1.0, 5.0))
     for path, expect in cases.items():
         with pytest.raises(InvalidArgument) as e:
             _C.TorchFile(str(path)).value()

@@ -588,6 +588,20 @@ class Machine {
           throw fail(fn + "'s metadata (argument 7): expected None or a dict, found a " +
                      std::string(node_kind_name(meta.kind)));
         }
+        // torch writes it only for a tensor with a bit such as 'neg' or 'conj' set: its values
+        // are not its stored bytes (a negative view reads back negated). Only bits set to False
+        // describe the stored bytes as they are.
+        for (std::size_t i = 0; meta.kind == NodeKind::kDict && i + 1 < meta.items.size();
+             i += 2) {
+          const Node& key = node(meta.items[i]);
+          const Node& value = node(meta.items[i + 1]);
+          if (value.kind == NodeKind::kBool && !value.flag) continue;
+          throw fail(fn + "'s metadata (argument 7) sets " +
+                     (key.kind == NodeKind::kString ? "'" + printable(key.text, 40) + "'"
+                                                    : std::string("a key")) +
+                     ": a view whose values are not its stored bytes (torch.save it after "
+                     "resolve_neg() / resolve_conj(), or as a plain tensor)");
+        }
       }
     }
     Node t;
@@ -650,6 +664,21 @@ class Machine {
         if (state.kind != NodeKind::kNone && state.kind != NodeKind::kDict) {
           throw fail(fn + "'s attributes (argument 4): expected a dict, found a " +
                      std::string(node_kind_name(state.kind)));
+        }
+        // torch sets each as an attribute of the tensor it rebuilt. Most are the saver's own
+        // (DeepSpeed's ds_id), kept by torch beside the values and dropped here; the tensor's
+        // own setters replace its values (data, real, imag): refused, as any key not a name.
+        for (std::size_t i = 0; state.kind == NodeKind::kDict && i + 1 < state.items.size();
+             i += 2) {
+          const Node& key = node(state.items[i]);
+          if (key.kind != NodeKind::kString) {
+            throw fail(fn + "'s attributes (argument 4): a key that is not a name (a " +
+                       std::string(node_kind_name(key.kind)) + ")");
+          }
+          if (key.text == "data" || key.text == "real" || key.text == "imag") {
+            throw fail(fn + "'s attributes (argument 4) set '" + key.text +
+                       "', which replaces the tensor's values with another's");
+          }
         }
         return rebuild_tensor(inner_args, *f);
       }

@@ -323,6 +323,24 @@ ZipArchive read_zip(const ByteSource& src) {
                  "' is listed twice");
     }
   }
+  // Nor twice in two cases: torch's reader finds a name whatever its case, taking the first
+  // such entry, where by_name takes the exact one; two readers must not read two files.
+  std::vector<std::pair<std::string, std::uint32_t>> folded(out.entries.size());
+  for (std::uint32_t i = 0; i < folded.size(); ++i) {
+    std::string f = out.entries[i].name;
+    for (char& c : f) {
+      if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+    }
+    folded[i] = {std::move(f), i};
+  }
+  std::sort(folded.begin(), folded.end());
+  for (std::size_t k = 1; k < folded.size(); ++k) {
+    if (folded[k].first == folded[k - 1].first) {
+      throw fail("entries '" + printable(out.entries[folded[k - 1].second].name, 120) +
+                 "' and '" + printable(out.entries[folded[k].second].name, 120) +
+                 "' differ only in case (torch's reader takes them for one name)");
+    }
+  }
   return out;
 }
 
