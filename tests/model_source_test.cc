@@ -233,6 +233,23 @@ TEST_F(Checkpoints, ModelSafetensorsIsTheModelWhateverLiesBesideIt) {
   EXPECT_EQ(open_checkpoint(dir_.string()).tensors.size(), 1u);
 }
 
+// Transformers' order: model.safetensors, then model.safetensors.index.json's shards (then
+// pytorch_model.bin and its index: test_hf.py), whatever else the folder holds.
+TEST_F(Checkpoints, AFolderIsReadAsTransformersChoosesItsModel) {
+  write("model.safetensors",
+        file_with(R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 16));
+  write("model-00001-of-00001.safetensors", shard({{"old.w", {4, 4}}}));
+  write("model.safetensors.index.json",
+        json{{"weight_map", {{"old.w", "model-00001-of-00001.safetensors"}}}}.dump());
+  CheckpointIndex ck = open_checkpoint(dir_.string());
+  ASSERT_EQ(ck.files.size(), 1u);
+  EXPECT_EQ(fs::path(ck.files[0]).filename(), "model.safetensors");
+  fs::remove(dir_ / "model.safetensors");
+  ck = open_checkpoint(dir_.string());
+  ASSERT_EQ(ck.tensors.size(), 1u);
+  EXPECT_EQ(ck.tensors[0].name, "old.w");
+}
+
 TEST_F(Checkpoints, FifosAreNotRead) {
   const std::string fifo = (dir_ / "x.safetensors").string();
   ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);

@@ -206,6 +206,21 @@ def test_a_torch_saved_checkpoint_loads_as_transformers_loads_it(tmp_path):
     save_file({"lora": torch.zeros(2)}, str(tmp_path / "bin1" / "adapter_model.safetensors"))
     assert json.loads(cli("inspect", str(tmp_path / "bin1"), "--json"))["numel"] == \
         counted["numel"]
+    # Transformers' order: pytorch_model.bin before older shards with their index, and before
+    # model-*.safetensors that no index lists (each holding other values here).
+    other = AutoModelForCausalLM.from_config(tiny_dense(tie=True), dtype=torch.bfloat16)
+    _save_bin(other, str(tmp_path / "other"), 3)
+    for f in (tmp_path / "other").glob("pytorch_model*"):  # its shards and their index
+        shutil.copy(f, tmp_path / "bin1" / f.name)
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()
+               if k != "lm_head.weight"},
+              str(tmp_path / "bin1" / "model-00001-of-00001.safetensors"))
+    path = str(tmp_path / "bin1")
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, None, torch.bfloat16,
+                                       device="cpu")
+    same_model(ref, ours)
+    assert torch.equal(ours.get_input_embeddings().weight, model.get_input_embeddings().weight)
     bad = tmp_path / "bad"
     marker = tmp_path / "ran"
 

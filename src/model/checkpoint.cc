@@ -213,37 +213,38 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
   // text would give a meaningless header length.
   const bool index_given = detail::is_index_file(path_text);
   const fs::path dir = index_given ? path.parent_path() : path;
-  fs::path index = index_given ? path : path / "model.safetensors.index.json";
-  // A folder without that index, listed once: its .safetensors files; and whether its model is
-  // Hugging Face's torch.save'd state dict, whole or in shards listed by its own index (read by
-  // the restricted reader; nothing in it runs), as Transformers chooses: when no
-  // model.safetensors or model-*.safetensors is there (another .safetensors beside it, an
-  // adapter, is not the model).
-  std::vector<fs::path> listed;
-  std::error_code listing;  // why the folder could not be listed, when it is needed
-  bool torch_folder = false;
-  if (!index_given && fs::is_directory(path, ec) && !fs::exists(index, ec)) {
-    bool model_safetensors = false;
-    for (auto it = fs::directory_iterator(path, listing);
-         !listing && it != fs::directory_iterator(); it.increment(listing)) {
-      if (it->path().extension() != ".safetensors") continue;
-      listed.push_back(it->path());
-      const std::string name = it->path().filename().string();
-      model_safetensors = model_safetensors || name == "model.safetensors" ||
-                          name.starts_with("model-");
-    }
-    std::sort(listed.begin(), listed.end());
-    if (!model_safetensors && fs::exists(path / "pytorch_model.bin.index.json", ec)) {
+  fs::path index = index_given ? path : fs::path();
+  // A folder's model, as Transformers chooses it: model.safetensors, else the shards of
+  // model.safetensors.index.json, else pytorch_model.bin, else the shards of
+  // pytorch_model.bin.index.json (torch.save'd state dicts, read by the restricted reader:
+  // nothing in them runs); whatever else lies beside the one chosen (a variant such as
+  // model.fp16.safetensors holding the same names, an adapter, older shards) is not the model.
+  // A folder with none of these is its .safetensors files, listed.
+  if (!index_given && fs::is_directory(path, ec)) {
+    if (fs::exists(path / "model.safetensors", ec)) {
+      files.push_back(path / "model.safetensors");
+    } else if (fs::exists(path / "model.safetensors.index.json", ec)) {
+      index = path / "model.safetensors.index.json";
+    } else if (fs::exists(path / "pytorch_model.bin", ec)) {
+      files.push_back(path / "pytorch_model.bin");
+    } else if (fs::exists(path / "pytorch_model.bin.index.json", ec)) {
       index = path / "pytorch_model.bin.index.json";
-    } else if (!model_safetensors && fs::exists(path / "pytorch_model.bin", ec)) {
-      torch_folder = true;
+    } else {
+      std::error_code listing;
+      for (auto it = fs::directory_iterator(path, listing);
+           !listing && it != fs::directory_iterator(); it.increment(listing)) {
+        if (it->path().extension() == ".safetensors") files.push_back(it->path());
+      }
+      if (listing) {
+        throw InvalidArgument(printable(path_text, 200) + ": cannot list the folder (" +
+                              listing.message() + ")");
+      }
+      std::sort(files.begin(), files.end());
     }
-  }
-  if (torch_folder) {
-    files.push_back(path / "pytorch_model.bin");
-  } else if (!index_given && !fs::is_directory(path, ec)) {
+  } else if (!index_given) {
     files.push_back(path);
-  } else if (fs::exists(index, ec)) {
+  }
+  if (!index.empty()) {
     const nlohmann::json doc = detail::parse_strict_json(
         detail::read_small_file(index.string(), kMaxHeaderBytes, "an index file"), index.string());
     if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
@@ -265,16 +266,6 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
       shard_names.insert(shard);
     }
     for (const std::string& s : shard_names) files.push_back(dir / s);
-  } else if (fs::exists(path / "model.safetensors", ec)) {
-    // Transformers' one-file checkpoint: the model, whatever else lies beside it (a variant such
-    // as model.fp16.safetensors holding the same names, an adapter).
-    files.push_back(path / "model.safetensors");
-  } else {
-    if (listing) {
-      throw InvalidArgument(printable(path_text, 200) + ": cannot list the folder (" +
-                            listing.message() + ")");
-    }
-    files = std::move(listed);
   }
   if (files.empty()) {
     throw InvalidArgument(fs::exists(index, ec)
