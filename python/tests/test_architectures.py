@@ -18,15 +18,15 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 import zeroflat.hf  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-from architecture_check import _FP32_KEPT, FAMILIES, compare, tiny_config  # noqa: E402
+from architecture_check import FAMILIES, compare, tiny_config  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 # Every family of the script: their own names, renaming rules (gpt_neox's embed_out), Conv1D
 # weights stored [in, out] (gpt2), tables built in __init__ (gptj), fused query-key-value (bloom,
 # falcon), tied heads, stacked experts (mixtral, qwen3_moe), state-space layers (mamba, jamba).
-# The families whose routers Transformers keeps in fp32 compare as the values in the model's
-# dtype (docs/python.md: DeepSpeed's engines cast them).
+# The parameters Transformers keeps in fp32 (DeepSeek-V3's router) compare as the values in
+# the model's dtype (docs/python.md: DeepSpeed's engines cast them).
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -37,4 +37,4 @@ def test_a_family_loads_as_transformers_loads_it(family, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, tmp_path, None, torch.bfloat16,
                                        device="cpu")
-    assert compare(ref, ours, config.vocab_size, cast_ok=family in _FP32_KEPT) == [], family
+    assert compare(ref, ours, config.vocab_size, fp32_cast=True) == [], family

@@ -43,6 +43,30 @@ def init_unheld(model) -> None:
         initialize()
 
 
+def build(make):
+    """The model ``make()`` builds, built as ``from_pretrained`` builds it: Transformers 4 turns
+    its weight init off (``no_init_weights``: an ``_init_weights`` that assigns ``.data``, as
+    Bamba's ``A_log``, cannot write into meta parameters, and the checkpoint's values replace
+    whatever it would compute) and then ties the weights itself, which its ``post_init`` leaves
+    to the load when init is off. Transformers 5 builds as it always does (``init_unheld`` runs
+    its init after the load)."""
+    try:
+        from transformers import initialization  # noqa: F401 - Transformers 5
+        return make()
+    except ImportError:
+        pass
+    try:
+        from transformers.modeling_utils import no_init_weights
+    except ImportError:
+        return make()
+    with no_init_weights():
+        model = make()
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+    return model
+
+
 def converters(model) -> list:
     """Transformers' own rules for the model's checkpoints: tensors renamed between the
     checkpoint and the model (a module that moved), and tensors the model fuses (the experts of a

@@ -205,7 +205,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     # makes the model's tensors and then its ZeRO-3 parameters: its group, dtype, devices.
     init = _zero3.init_object(ds_config, process_group) if ds_config is not None else None
     with meta_parameters(zero3=init):
-        model = build()
+        model = _hf_names.build(build)
     if init is not None or master_dtype is None:
         master = None
     elif master_dtype is torch.float32:
