@@ -86,6 +86,17 @@ if [[ "${ZEROFLAT_NO_PYTHON:-0}" != 1 ]]; then
       "deepspeed==$release" >&2
     mv "$target.partial" "$target"
   done
+  # Transformers 4 (its last release), tested beside the venv's 5 in its own folder, with the
+  # hub and tokenizers releases it takes (the venv's are Transformers 5's).
+  tf4="$venv/transformers-releases/4.57.6"
+  if [[ ! -f "$tf4/transformers/__init__.py" ]]; then
+    log "installing Transformers 4.57.6 into $tf4"
+    rm -rf "$tf4.partial"
+    "$venv/bin/python" -m pip install -q --no-deps --target "$tf4.partial" transformers==4.57.6 \
+      huggingface_hub==0.36.0 tokenizers==0.22.1 requests==2.34.2 urllib3==2.8.0 \
+      certifi==2026.10.19.post1 charset_normalizer==3.5.3 idna==3.21 >&2
+    mv "$tf4.partial" "$tf4"
+  fi
   python_args=(-DPython3_EXECUTABLE="$venv/bin/python")
 fi
 

@@ -7,6 +7,8 @@ and through the ZeRO-3 and FSDP2 paths too."""
 
 import logging
 import os
+import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -38,3 +40,24 @@ def test_a_family_loads_as_transformers_loads_it(family, tmp_path):
     ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, tmp_path, None, torch.bfloat16,
                                        device="cpu")
     assert compare(ref, ours, config.vocab_size, fp32_cast=True) == [], family
+
+
+def test_transformers_4_loads_as_zeroflat_loads():
+    """The same comparison under Transformers 4 (4.57.6, installed beside the venv's 5 by
+    scripts/setup.sh), every family of the script: its from_pretrained builds with weight init
+    off and ties the weights after, which zeroflat's build must do too (Bamba's init failed on
+    meta parameters; the heads were left untied)."""
+    target = pathlib.Path(sys.prefix) / "transformers-releases" / "4.57.6"
+    if not (target / "transformers" / "__init__.py").is_file():
+        pytest.fail(f"Transformers 4.57.6 is not installed at {target} (scripts/setup.sh "
+                    "installs it)")
+    script = pathlib.Path(__file__).parents[2] / "scripts" / "architecture_check.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(target)] + sys.path[1:]))
+    r = subprocess.run([sys.executable, str(script), "--paths", "zero"], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert "4.57.6" in subprocess.run(
+        [sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+        env=env, capture_output=True, text=True, timeout=120).stdout
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"{len(FAMILIES)} of {len(FAMILIES)} the same" in r.stdout, r.stdout[-3000:]
