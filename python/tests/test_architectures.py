@@ -61,3 +61,30 @@ def test_transformers_4_loads_as_zeroflat_loads():
         env=env, capture_output=True, text=True, timeout=120).stdout
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"{len(FAMILIES)} of {len(FAMILIES)} the same" in r.stdout, r.stdout[-3000:]
+    # A config that ties the embeddings over a checkpoint holding another lm_head: Transformers
+    # 4 ties them all the same (the embedding's values), where 5 leaves them untied (test_hf.py).
+    r = subprocess.run([sys.executable, "-c", _TIED_UNDER_4, str(script.parent)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "SAME []" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+_TIED_UNDER_4 = """
+import json, os, sys, tempfile, torch
+sys.path.insert(0, sys.argv[1])
+from architecture_check import compare
+from transformers import AutoModelForCausalLM, LlamaConfig
+import zeroflat.hf
+d = tempfile.mkdtemp()
+torch.manual_seed(3)
+AutoModelForCausalLM.from_config(LlamaConfig(
+    vocab_size=300, hidden_size=40, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)).to(
+    torch.bfloat16).save_pretrained(d)
+c = json.load(open(os.path.join(d, "config.json")))
+c["tie_word_embeddings"] = True
+json.dump(c, open(os.path.join(d, "config.json"), "w"))
+ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, d, None, torch.bfloat16, device="cpu")
+assert ref.lm_head.weight is ref.model.embed_tokens.weight
+print("SAME", compare(ref, ours, 300))
+"""

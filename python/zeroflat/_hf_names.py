@@ -67,6 +67,24 @@ def build(make):
     return model
 
 
+def keeps_tied(model) -> bool:
+    """Whether tied weights stay tied when the checkpoint holds their names with different
+    values: Transformers 4 ties them all the same (the input embedding's values, the other
+    name's tensor unused); Transformers 5, and a model not of Transformers, leaves them untied
+    (``_load._untie_differing``)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    if not isinstance(model, PreTrainedModel):
+        return False
+    try:
+        from transformers import initialization  # noqa: F401 - Transformers 5
+        return False
+    except ImportError:
+        return True
+
+
 def converters(model) -> list:
     """Transformers' own rules for the model's checkpoints: tensors renamed between the
     checkpoint and the model (a module that moved), and tensors the model fuses (the experts of a

@@ -276,7 +276,10 @@ def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
     """Tied weights (one Parameter under several names) of which the checkpoint holds several
     names with different values are untied, as Transformers (5.x) leaves them when it loads such
     a checkpoint: each name gets its own Parameter and its own tensor, and a warning says so.
-    Names whose tensors hold the same values stay tied."""
+    Names whose tensors hold the same values stay tied. Under Transformers 4 they all stay tied,
+    as it ties them (``_hf_names.keeps_tied``)."""
+    if _hf_names.keeps_tied(model):
+        return
     for key, names in list(aliases.items()):
         if len(names) < 2:
             continue
