@@ -248,6 +248,12 @@ TEST_F(Checkpoints, AFolderIsReadAsTransformersChoosesItsModel) {
   ck = open_checkpoint(dir_.string());
   ASSERT_EQ(ck.tensors.size(), 1u);
   EXPECT_EQ(ck.tensors[0].name, "old.w");
+  // A folder that happens to be named model.safetensors is not the model file (Transformers
+  // asks isfile): the index is still read.
+  fs::create_directory(dir_ / "model.safetensors");
+  ck = open_checkpoint(dir_.string());
+  ASSERT_EQ(ck.tensors.size(), 1u);
+  EXPECT_EQ(ck.tensors[0].name, "old.w");
 }
 
 TEST_F(Checkpoints, FifosAreNotRead) {

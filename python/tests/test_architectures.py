@@ -86,5 +86,17 @@ json.dump(c, open(os.path.join(d, "config.json"), "w"))
 ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
 ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, d, None, torch.bfloat16, device="cpu")
 assert ref.lm_head.weight is ref.model.embed_tokens.weight
-print("SAME", compare(ref, ours, 300))
+same = compare(ref, ours, 300)
+# Tied and saved under both names over one storage (torch.save of the state dict): loaded tied,
+# and no tensor of the file is said to be left over.
+import logging
+said = []
+logging.getLogger("zeroflat").addHandler(type("H", (logging.Handler,), {
+    "emit": lambda self, r: said.append(r.getMessage())})())
+torch.save(ref.state_dict(), os.path.join(d, "pytorch_model.bin"))
+os.remove(os.path.join(d, "model.safetensors"))
+ours = zeroflat.hf.from_pretrained(AutoModelForCausalLM, d, None, torch.bfloat16, device="cpu")
+assert ours.lm_head.weight is ours.model.embed_tokens.weight
+assert not [m for m in said if "not the model's" in m], said
+print("SAME", same)
 """

@@ -278,14 +278,18 @@ def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
     a checkpoint: each name gets its own Parameter and its own tensor, and a warning says so.
     Names whose tensors hold the same values stay tied. Under Transformers 4 they all stay tied,
     as it ties them (``_hf_names.keeps_tied``)."""
-    if _hf_names.keeps_tied(model):
-        return
+    keep = _hf_names.keeps_tied(model)
     for key, names in list(aliases.items()):
         if len(names) < 2:
             continue
         p = params[key]
         stored = {n: s for n in names if (s := _stored(n, rules, ck)) is not None}
         if len(set(stored.values())) < 2:
+            continue
+        if keep:
+            # Tied as Transformers 4 ties them: the first name's tensor; the others are the
+            # model's names all the same, not tensors left over.
+            used.update(stored.values())
             continue
         want = dtype or p.dtype
         if want not in DTYPES:

@@ -219,15 +219,16 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
   // pytorch_model.bin.index.json (torch.save'd state dicts, read by the restricted reader:
   // nothing in them runs); whatever else lies beside the one chosen (a variant such as
   // model.fp16.safetensors holding the same names, an adapter, older shards) is not the model.
-  // A folder with none of these is its .safetensors files, listed.
+  // A folder with none of these is its .safetensors files, listed. (Files: a folder named
+  // model.safetensors is not one, as Transformers' isfile says.)
   if (!index_given && fs::is_directory(path, ec)) {
-    if (fs::exists(path / "model.safetensors", ec)) {
+    if (fs::is_regular_file(path / "model.safetensors", ec)) {
       files.push_back(path / "model.safetensors");
-    } else if (fs::exists(path / "model.safetensors.index.json", ec)) {
+    } else if (fs::is_regular_file(path / "model.safetensors.index.json", ec)) {
       index = path / "model.safetensors.index.json";
-    } else if (fs::exists(path / "pytorch_model.bin", ec)) {
+    } else if (fs::is_regular_file(path / "pytorch_model.bin", ec)) {
       files.push_back(path / "pytorch_model.bin");
-    } else if (fs::exists(path / "pytorch_model.bin.index.json", ec)) {
+    } else if (fs::is_regular_file(path / "pytorch_model.bin.index.json", ec)) {
       index = path / "pytorch_model.bin.index.json";
     } else {
       std::error_code listing;
