@@ -18,11 +18,9 @@ are placed at the top of a state, inside lists, tuples and dict keys, in an opti
 the client state and in `ds_config`."""
 
 import json
-import os
 import pathlib
 import struct
 import subprocess
-import sys
 import zipfile
 
 import pytest
