@@ -530,6 +530,17 @@ class Machine {
     }
     return n;
   }
+  // The items of a dict that may be None (key, value, key, value, ...; none for None).
+  const std::vector<std::uint32_t>& none_or_dict(std::uint32_t i, const std::string& what) {
+    static const std::vector<std::uint32_t> kNoItems;
+    const Node& n = node(i);
+    if (n.kind == NodeKind::kNone) return kNoItems;
+    if (n.kind != NodeKind::kDict) {
+      throw fail(what + ": expected None or a dict, found a " +
+                 std::string(node_kind_name(n.kind)));
+    }
+    return n.items;
+  }
   const Node& expect_seq(std::uint32_t i, const std::string& what) {
     const Node& n = node(i);
     if (n.kind != NodeKind::kTuple && n.kind != NodeKind::kList) {
@@ -583,18 +594,14 @@ class Machine {
                                                   : std::string()));
       }
       if (a.size() == 7) {
-        const Node& meta = node(a[6]);
-        if (meta.kind != NodeKind::kNone && meta.kind != NodeKind::kDict) {
-          throw fail(fn + "'s metadata (argument 7): expected None or a dict, found a " +
-                     std::string(node_kind_name(meta.kind)));
-        }
         // torch writes it only for a tensor with a bit such as 'neg' or 'conj' set: its values
         // are not its stored bytes (a negative view reads back negated). Only bits set to False
         // describe the stored bytes as they are.
-        for (std::size_t i = 0; meta.kind == NodeKind::kDict && i + 1 < meta.items.size();
-             i += 2) {
-          const Node& key = node(meta.items[i]);
-          const Node& value = node(meta.items[i + 1]);
+        const std::vector<std::uint32_t>& meta =
+            none_or_dict(a[6], fn + "'s metadata (argument 7)");
+        for (std::size_t i = 0; i + 1 < meta.size(); i += 2) {
+          const Node& key = node(meta[i]);
+          const Node& value = node(meta[i + 1]);
           if (value.kind == NodeKind::kBool && !value.flag) continue;
           throw fail(fn + "'s metadata (argument 7) sets " +
                      (key.kind == NodeKind::kString ? "'" + printable(key.text, 40) + "'"
@@ -660,17 +667,13 @@ class Machine {
                      "run its own code)");
         }
         const std::vector<std::uint32_t> inner_args = args_of(a[2], fn + "'s argument 3");
-        const Node& state = node(a[3]);
-        if (state.kind != NodeKind::kNone && state.kind != NodeKind::kDict) {
-          throw fail(fn + "'s attributes (argument 4): expected a dict, found a " +
-                     std::string(node_kind_name(state.kind)));
-        }
         // torch sets each as an attribute of the tensor it rebuilt. Most are the saver's own
         // (DeepSpeed's ds_id), kept by torch beside the values and dropped here; the tensor's
         // own setters replace its values (data, real, imag): refused, as any key not a name.
-        for (std::size_t i = 0; state.kind == NodeKind::kDict && i + 1 < state.items.size();
-             i += 2) {
-          const Node& key = node(state.items[i]);
+        const std::vector<std::uint32_t>& state =
+            none_or_dict(a[3], fn + "'s attributes (argument 4)");
+        for (std::size_t i = 0; i + 1 < state.size(); i += 2) {
+          const Node& key = node(state[i]);
           if (key.kind != NodeKind::kString) {
             throw fail(fn + "'s attributes (argument 4): a key that is not a name (a " +
                        std::string(node_kind_name(key.kind)) + ")");
