@@ -17,6 +17,13 @@
 namespace zeroflat {
 namespace {
 
+// A safetensors file's first 8 bytes: its JSON header's length, little-endian.
+std::uint64_t header_length(const unsigned char* head) {
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = n << 8 | head[i];
+  return n;
+}
+
 bool get_u64(const nlohmann::json& v, std::uint64_t* out) {
   if (v.is_number_unsigned()) {
     *out = v.get<std::uint64_t>();
@@ -78,8 +85,7 @@ SafetensorsHeader parse_safetensors_header(std::span<const unsigned char> head,
     throw fail("too short for a safetensors file (" + std::to_string(file_size) +
                " bytes; the header length alone takes 8)");
   }
-  std::uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = n << 8 | head[static_cast<std::size_t>(i)];
+  const std::uint64_t n = header_length(head.data());
   // A file of another kind fails here, on a length that is its first 8 bytes read as a number:
   // say what a safetensors file holds there, and what this one seems to be.
   if (n > kMaxHeaderBytes) {
@@ -211,8 +217,7 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
   std::vector<unsigned char> head(std::min<std::uint64_t>(file_size, 8));
   file.read_at(head.data(), head.size(), 0);
   if (head.size() == 8) {
-    std::uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = n << 8 | head[static_cast<std::size_t>(i)];
+    const std::uint64_t n = header_length(head.data());
     // Read the JSON only when its length is plausible; the parser reports the rest.
     if (n <= kMaxHeaderBytes && n <= file_size - 8) {
       head.resize(8 + n);
@@ -230,8 +235,7 @@ bool is_safetensors_file(const std::string& path) noexcept {
     unsigned char head[9] = {};
     if (file.size() < sizeof head) return false;
     file.read_at(head, sizeof head, 0);
-    std::uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = n << 8 | head[static_cast<std::size_t>(i)];
+    const std::uint64_t n = header_length(head);
     return head[8] == '{' && n >= 2 && n <= kMaxHeaderBytes && n <= file.size() - 8;
   } catch (...) {
     return false;
