@@ -16,6 +16,16 @@ Shape = List[int]
 _SWAP = threading.Lock()
 
 
+def _transformers_5() -> bool:
+    """Whether the Transformers installed is 5 or later (it has the ``initialization`` module;
+    4 has not)."""
+    try:
+        from transformers import initialization  # noqa: F401 - Transformers 5
+    except ImportError:
+        return False
+    return True
+
+
 def init_unheld(model) -> None:
     """What Transformers 5's ``from_pretrained`` does after the load for the tensors no file
     holds (non-persistent buffers: rotary and sinusoid tables): the model's own
@@ -26,9 +36,7 @@ def init_unheld(model) -> None:
     keeps what ``__init__`` computed, and so is this left."""
     import torch
 
-    try:
-        from transformers import initialization  # noqa: F401 - Transformers 5
-    except ImportError:
+    if not _transformers_5():
         return
     initialize = getattr(model, "initialize_weights", None)
     if initialize is None:
@@ -50,11 +58,8 @@ def build(make):
     whatever it would compute) and then ties the weights itself, which its ``post_init`` leaves
     to the load when init is off. Transformers 5 builds as it always does (``init_unheld`` runs
     its init after the load)."""
-    try:
-        from transformers import initialization  # noqa: F401 - Transformers 5
+    if _transformers_5():
         return make()
-    except ImportError:
-        pass
     try:
         from transformers.modeling_utils import no_init_weights
     except ImportError:
@@ -76,13 +81,7 @@ def keeps_tied(model) -> bool:
         from transformers import PreTrainedModel
     except ImportError:
         return False
-    if not isinstance(model, PreTrainedModel):
-        return False
-    try:
-        from transformers import initialization  # noqa: F401 - Transformers 5
-        return False
-    except ImportError:
-        return True
+    return isinstance(model, PreTrainedModel) and not _transformers_5()
 
 
 def converters(model) -> list:
