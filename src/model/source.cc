@@ -110,6 +110,11 @@ std::optional<DType> config_dtype(const std::string& text, const std::string& so
   return std::nullopt;
 }
 
+// A safetensors file by its name or, whatever its name (a .bin, none), by its first bytes.
+bool safetensors_file(const fs::path& path) {
+  return path.extension() == ".safetensors" || is_safetensors_file(path.string());
+}
+
 }  // namespace
 
 ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& overrides) {
@@ -151,7 +156,7 @@ ModelSpec load_model(const std::string& name_or_path, const ModelOverrides& over
     no_overrides(path.string());
     return from_tensors(path.string(), read_checkpoint(path).tensors);
   }
-  if (path.extension() == ".safetensors" || is_safetensors_file(path.string())) {
+  if (safetensors_file(path)) {
     no_overrides(path.string());
     Inspection i = inspect_path(path.string());
     return from_tensors(path.string(), i.tensors);
@@ -178,9 +183,7 @@ Inspection inspect_path(const std::string& p) {
     out.source = "checkpoint";
     out.files = ck.files;
     out.tensors = std::move(ck.tensors);
-  } else if (const bool safetensors =
-                 path.extension() == ".safetensors" || is_safetensors_file(p);
-             safetensors || is_torch_file(p)) {
+  } else if (const bool safetensors = safetensors_file(path); safetensors || is_torch_file(p)) {
     Checkpoint ck = read_checkpoint(path);
     out.source = safetensors ? "safetensors" : "torch.save";
     out.files = 1;
