@@ -859,6 +859,20 @@ def test_each_release_resumes_its_own_checkpoints(tmp_path_factory, release):
 
 # ---- the Transformers Trainer ------------------------------------------------------------------
 
+def _client_run(kind, out, mode, stage):
+    """One run of a client's script (this file's ``trainer`` or ``accelerate`` mode) in a fresh
+    process: the JSON it printed on its line marked with the kind."""
+    from reference import free_port
+
+    r = subprocess.run([sys.executable, str(HERE / "test_resume.py"), kind, str(out), mode,
+                        str(free_port()), str(stage)], env=_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    mark = kind.upper() + " "
+    line = [x for x in r.stdout.splitlines() if x.startswith(mark)][-1]
+    return json.loads(line[len(mark):])
+
+
 def _trainer_main(out, mode, port, stage=2):
     """One Trainer run on one rank (DeepSpeed ZeRO-2 or 3, fp32: the Trainer asks a GPU for bf16):
     "save" trains 4 steps and saves; "resume" trains to step 6 from checkpoint-4 twice, with
@@ -909,16 +923,8 @@ def test_transformers_trainer_resumes_through_zeroflat(tmp_path, stage):
     """Trainer.train(resume_from_checkpoint=...) calls the engine's load_checkpoint: under the
     drop-in zeroflat serves it, and the steps after the resume are DeepSpeed's own (ZeRO-3: a
     Llama's norms are persistent parameters, gathered whole by the resume)."""
-    from reference import free_port
-
     def main(mode):
-        r = subprocess.run([sys.executable, str(HERE / "test_resume.py"), "trainer",
-                            str(tmp_path / "out"), mode, str(free_port()), str(stage)],
-                           env=_env(),
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        line = [x for x in r.stdout.splitlines() if x.startswith("TRAINER ")][-1]
-        return json.loads(line[len("TRAINER "):])
+        return _client_run("trainer", tmp_path / "out", mode, stage)
 
     main("save")
     got = main("resume")
@@ -982,15 +988,8 @@ def test_accelerate_resumes_through_zeroflat(tmp_path, stage):
     zeroflat serves it, and the steps after it, with the learning rate the scheduler restored,
     are those after DeepSpeed's own load."""
     pytest.importorskip("accelerate")  # scripts/setup.sh installs it: CI never skips
-    from reference import free_port
-
     def main(mode):
-        r = subprocess.run([sys.executable, str(HERE / "test_resume.py"), "accelerate",
-                            str(tmp_path), mode, str(free_port()), str(stage)], env=_env(),
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        line = [x for x in r.stdout.splitlines() if x.startswith("ACCELERATE ")][-1]
-        return json.loads(line[len("ACCELERATE "):])
+        return _client_run("accelerate", tmp_path, mode, stage)
 
     main("save")
     own, got = main("deepspeed"), main("zeroflat")
