@@ -61,6 +61,9 @@ def _config(stage, opts):
                                        "warmup_num_steps": 10}}}
     if opts.get("universal"):
         config["checkpoint"] = {"load_universal": True}
+    if opts.get("bf16_optimizer"):
+        # bf16 ZeRO-1 with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer.
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
 
@@ -127,6 +130,8 @@ def _fp32(engine):
     opt = engine.optimizer
     if hasattr(opt, "fp32_partitioned_groups_flat"):
         return list(opt.fp32_partitioned_groups_flat)
+    if hasattr(opt, "fp32_groups_flat_partition"):  # BF16_Optimizer
+        return list(opt.fp32_groups_flat_partition)
     return list(opt.single_partition_of_fp32_groups)
 
 
@@ -147,9 +152,10 @@ def _padding(engine):
                 at += n
             masks.append(mask)
     else:
-        for i, t in enumerate(opt.single_partition_of_fp32_groups):
+        paddings = opt.group_paddings if hasattr(opt, "group_paddings") else opt.groups_padding
+        for i, t in enumerate(_fp32(engine)):
             mask = torch.zeros(t.numel(), dtype=torch.bool)
-            pad = opt.groups_padding[i]
+            pad = paddings[i]
             if pad:
                 mask[t.numel() - pad:] = True
             masks.append(mask)
@@ -350,6 +356,10 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
                             os.replace(path + ".other", path)
 
             zeroflat._C.DeepSpeedCheckpoint = Cut
+        if opts.get("fault") == "signature":
+            # A release whose optimizer's load_state_dict takes other arguments (0.14's
+            # BF16_Optimizer requires checkpoint_folder): refused before anything is written.
+            engine.optimizer.load_state_dict = lambda state_dict_list, required, **kw: None
         if opts.get("other_copy") and rank == world - 1:
             # This rank's copy of the checkpoint differs from the others' under the same path,
             # as on hosts that each hold a copy: it opens another folder and shows the path the
@@ -405,6 +415,7 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
                 zr._LOADS.update(loads)
                 zr._Resume.read = real_read
     report["error"] = error
+    report["optimizer"] = type(engine.optimizer).__name__
     report["resumes"] = zd.stats["resumes"][resumes:]
     report["fallbacks"] = zd.stats["resume_fallbacks"][fallbacks:]
     report["progress"] = [[p.rank, p.done, p.total, p.finished] for p in progress]
@@ -632,6 +643,41 @@ def test_options_and_tags_are_deepspeeds(tmp_path_factory, stage):
                 served([r])
 
 
+def test_bf16_optimizer_resumes_as_deepspeeds_own_load(tmp_path_factory):
+    """bf16 ZeRO-1 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer), saved at 2
+    ranks, resumed at 2: bit for bit DeepSpeed's own load and its next 3 steps, with the
+    optimizer's states, without them and module only, frozen values and buffers restored; at
+    3, what DeepSpeed's universal load gives."""
+    ckpt = saved(tmp_path_factory, 1, 2, bf16_optimizer=True, touch="all-zero12")
+    variants = [
+        {"name": "all"},
+        {"name": "optimizer states off", "load": {"load_optimizer_states": False}},
+        {"name": "module only", "load": {"load_module_only": True}},
+    ]
+    frozen = (Model().frozen.detach().to(torch.bfloat16) + 1).float().tolist()
+    for variant, ranks in zip(variants, resume(ckpt, 1, 2, reference="deepspeed",
+                                               variants=variants, bf16_optimizer=True)):
+        served(ranks)
+        for r in ranks:
+            assert r["optimizer"] == "BF16_Optimizer", r["optimizer"]
+            assert r["frozen"] == frozen and r["buffers"]["scale"] == [1.0, 2.0, 3.0]
+            if variant["name"] == "all":
+                # A fresh engine's fp32 master is read into in place.
+                assert r["resumes"][0]["bytes_in_place"] > 0, r["resumes"]
+                assert r["counters"] == [2, 8, 0]
+    # At 3 ranks: straight from the saved per-rank files, and from the universal folder, each
+    # what ds_to_universal and DeepSpeed's universal load give (a checkpoint whose frozen values
+    # and buffers are the fresh model's: DeepSpeed's universal load restores none of them).
+    ckpt = saved(tmp_path_factory, 1, 2, bf16_optimizer=True)
+    universal([ckpt])
+    variants = [{"name": "2>3"}, {"name": "universal folder 2>3", "our_tag": f"{TAG}_universal"}]
+    base = tmp_path_factory.mktemp("resume_bf16_to_3")
+    for ranks in resume(base, 1, 3, reference="universal", bf16_optimizer=True,
+                        variants=[dict(v, dir=str(ckpt)) for v in variants]):
+        served(ranks)
+        assert all(r["optimizer"] == "BF16_Optimizer" for r in ranks)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_an_optimizer_offloaded_to_the_host_resumes_as_deepspeeds_own_load(tmp_path_factory,
                                                                           stage):
@@ -742,6 +788,7 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_engine_unchanged(tmp
         {"name": "shapes", "hidden": 19, "expect": "fc1.weight"},
         {"name": "fault", "dir": "bad/fault", "fault": "truncate", "expect": ""},
         {"name": "late", "fault": "late", "expect": "injected failure"},
+        {"name": "signature", "fault": "signature", "expect": "takes other arguments"},
     ]
     reports = resume(ckpt, 2, 2, variants=variants)
     for variant, ranks in zip(variants, reports):
@@ -840,7 +887,7 @@ def test_each_release_resumes_its_own_checkpoints(tmp_path_factory, release):
     """A ZeRO-2 (round-robin) and a ZeRO-3 (sub-groups) checkpoint saved by each supported
     release, resumed under that release at 2 ranks: bit for bit its own load_checkpoint (ZeRO-2:
     and the next 3 steps; ZeRO-3: what was loaded, its steps not being reproducible between
-    processes under these releases)."""
+    processes under these releases); and one of BF16_Optimizer where the release has it."""
 
     opts = {"round_robin": True, "sub_group_size": 100, "touch": "buffer"}
     ckpt = saved(tmp_path_factory, 0, 2, release=release, stages=[2, 3], **opts)
@@ -855,6 +902,13 @@ def test_each_release_resumes_its_own_checkpoints(tmp_path_factory, release):
                         **opts):
         served(ranks)
         assert all(r["buffers"]["scale"] == [1.0, 2.0, 3.0] for r in ranks)
+    if (0, 17, 0) <= tuple(int(x) for x in release.split(".")) <= (0, 18, 5):
+        return  # these releases run bf16 ZeRO-1 with fp32 accumulation without BF16_Optimizer
+    # bf16 ZeRO-1 with fp32 gradient accumulation (BF16_Optimizer), its steps compared.
+    ckpt = saved(tmp_path_factory, 1, 2, release=release, bf16_optimizer=True, touch="buffer")
+    ranks = resume(ckpt, 1, 2, release=release, reference="deepspeed", bf16_optimizer=True)
+    served(ranks)
+    assert all(r["optimizer"] == "BF16_Optimizer" for r in ranks)
 
 
 # ---- the Transformers Trainer ------------------------------------------------------------------

@@ -18,7 +18,8 @@ saved at or another, no pickle executed.
   as it was, those tensors put back first.
 
 What zeroflat does not serve on any rank (pipeline or model parallelism, MoE, NVMe offload, a
-custom load function, elastic checkpoints, an optimizer other than DeepSpeed's ZeRO ones) is
+custom load function, elastic checkpoints, an optimizer other than DeepSpeed's ZeRO ones and
+BF16_Optimizer, its bf16 ZeRO-1 with fp32 gradient accumulation) is
 DeepSpeed's own ``load_checkpoint``, with one warning saying why; what some ranks cannot serve
 and others can is refused on every rank."""
 
@@ -38,7 +39,7 @@ from ._dropin import log, round_robin_offsets, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._progress import Watch
 from ._resume_inplace import OwnBytes, lend, plan_digest
-from ._resume_write import EngineWriter, _is_true, _optimizer_kind
+from ._resume_write import EngineWriter, _is_true, _optimizer_kind, zero_names
 
 # The loader's door for each placement a resume plan names (zeroflat/resume.h).
 _LOADS = {"slice": _C.load_slice, "partitions": _C.load_partitions}
@@ -54,7 +55,8 @@ def why_not(engine, load_dir, custom_load_fn) -> Optional[str]:
         return "the engine does not use ZeRO"
     if _optimizer_kind(engine) is None:
         return (f"its optimizer is {type(getattr(engine, 'optimizer', None)).__name__} (zeroflat "
-                "resumes DeepSpeedZeroOptimizer and DeepSpeedZeroOptimizer_Stage3)")
+                "resumes DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3 and "
+                "BF16_Optimizer)")
     if getattr(engine, "has_moe_layers", False):
         return "MoE layers keep expert files of their own"
     if type(engine.module).__name__ == "PipelineModule" or getattr(engine, "mp_world_size", 1) > 1:
@@ -175,7 +177,7 @@ class _Resume(EngineWriter):
                  load_lr_scheduler_states: bool, load_module_only: bool):
         self.engine = engine
         self.ck = ck
-        self.opt = engine.optimizer
+        self.opt = zero_names(engine.optimizer)
         self.stage3 = _optimizer_kind(engine) == "DeepSpeedZeroOptimizer_Stage3"
         self.group = self.opt.dp_process_group
         self.dp = dist.get_world_size(self.group) if dist.is_initialized() else 1

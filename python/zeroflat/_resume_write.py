@@ -15,11 +15,45 @@ from ._comm import collective
 from ._errors import InvalidArgument
 
 
+# The optimizers a resume serves: ZeRO-1/2's, ZeRO-3's, and bf16 ZeRO-1 with fp32 gradient
+# accumulation's (read through ZeroNames).
+_SERVED = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
+
+
 def _optimizer_kind(engine) -> Optional[str]:
     name = type(getattr(engine, "optimizer", None)).__name__
-    if name in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
-        return name
-    return None
+    return name if name in _SERVED else None
+
+
+class ZeroNames:
+    """BF16_Optimizer under DeepSpeedZeroOptimizer's names, as a resume reads and writes it:
+    the same layout (each group's trainable parameters in order in one flat buffer, padded to
+    a multiple of 2 x dp elements, cut into equal partitions; no round-robin, no loss scaler)
+    kept under other names. Everything else is the optimizer's own."""
+
+    _NAMES = {"bit16_groups": "bf16_groups", "round_robin_bit16_groups": "bf16_groups",
+              "bit16_groups_flat": "bf16_groups_flat",
+              "single_partition_of_fp32_groups": "fp32_groups_flat_partition",
+              "parallel_partitioned_bit16_groups": "bf16_partitioned_groups",
+              "groups_padding": "group_paddings"}
+    loss_scaler = None
+    dynamic_loss_scale = False
+    overflow = False
+
+    def __init__(self, opt):
+        self._opt = opt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._opt, self._NAMES.get(name, name))
+
+    @property
+    def round_robin_bit16_indices(self) -> List[List[int]]:
+        return [list(range(len(g))) for g in self._opt.bf16_groups]
+
+
+def zero_names(opt):
+    """The running optimizer as a resume reads it (ZeroNames for BF16_Optimizer)."""
+    return ZeroNames(opt) if type(opt).__name__ == "BF16_Optimizer" else opt
 
 
 def _is_true(engine, method: str) -> bool:
@@ -246,15 +280,26 @@ class EngineWriter:
                 sd["param_slice_mappings"] = opt._param_slice_mappings
         return sd
 
-    def _load_optimizer(self, sd: Dict[str, Any]) -> None:
+    def _optimizer_call(self, sd: Dict[str, Any]):
+        """The running optimizer's load_state_dict and the arguments it takes for ``sd`` (this
+        rank's entry of a list; the release's keywords: 0.14's BF16_Optimizer requires
+        checkpoint_folder), checked against its signature before anything is written."""
         import inspect
 
-        opt = self.opt
+        fn = self.opt.load_state_dict
         states = [None] * self.dp
         states[self.rank] = sd
-        kwargs = {"load_optimizer_states": True, "load_from_fp32_weights": self.from_fp32}
-        accepted = inspect.signature(opt.load_state_dict).parameters
-        opt.load_state_dict(states, **{k: v for k, v in kwargs.items() if k in accepted})
+        kwargs = {"load_optimizer_states": True, "load_from_fp32_weights": self.from_fp32,
+                  "checkpoint_folder": None}
+        signature = inspect.signature(fn)
+        kwargs = {k: v for k, v in kwargs.items() if k in signature.parameters}
+        try:
+            signature.bind(states, **kwargs)
+        except TypeError as e:
+            name = type(self.engine.optimizer).__name__
+            raise InvalidArgument(f"{name}.load_state_dict of this DeepSpeed release takes other "
+                                  f"arguments ({e}); nothing of the engine was changed") from None
+        return lambda: fn(states, **kwargs)
 
     def _set_weights_zero3(self, fp32: List[torch.Tensor]) -> None:
         """ZeRO-3 without the optimizer's states: the 16-bit partitions from the fp32 master read,
@@ -301,6 +346,7 @@ class EngineWriter:
         # The optimizer's state dict first: whatever could fail, fails before the first write.
         try:
             sd = self._state_dict() if self.with_states else None
+            load_optimizer = self._optimizer_call(sd) if sd is not None else None
         except BaseException:
             self.put_back()  # the tensors read into, as they were
             raise
@@ -321,8 +367,8 @@ class EngineWriter:
                     buf.copy_(value.reshape(buf.shape))
         weights = self.values[self.targets()[0]]
         if self.stage3:
-            if sd is not None:
-                self._load_optimizer(sd)
+            if load_optimizer is not None:
+                load_optimizer()
             else:
                 self._set_weights_zero3(weights)
                 persistent = getattr(opt, "persistent_parameters", None)
@@ -336,8 +382,8 @@ class EngineWriter:
                 if part.data_ptr() != master.data_ptr():  # else read straight into it
                     master.data.copy_(part)
             self._update_16bit()
-            if sd is not None:
-                self._load_optimizer(sd)
+            if load_optimizer is not None:
+                load_optimizer()
         if hasattr(opt, "checkpoint_event_epilogue") and not self._gather_persistent():
             opt.checkpoint_event_epilogue()
         self._write_engine()
