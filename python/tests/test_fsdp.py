@@ -53,6 +53,9 @@ def checkpoints():
         "dense_tied": write(tiny_dense(True), os.path.join(root, "dense_tied"), torch.bfloat16),
         "dense_fp32": write(tiny_dense(False), os.path.join(root, "dense_fp32"), torch.float32),
         "moe": write(tiny_moe(), os.path.join(root, "moe"), torch.bfloat16),
+        # torch.save's pytorch_model.bin shards, as Transformers saved them before safetensors.
+        "dense_bin": write(tiny_dense(False), os.path.join(root, "dense_bin"), torch.bfloat16,
+                           safe_serialization=False),
         "root": root,
     }
     # A tied model's checkpoint that holds the tied head too, with other values or the same.
@@ -429,6 +432,9 @@ def test_every_rank_holds_what_a_full_load_then_fully_shard_gives(checkpoints, w
                "storage": "map"},
               {"mesh": [world], "path": checkpoints["moe"], "dtype": "bfloat16",
                "storage": "map"}]
+    if world == 2:  # pytorch_model.bin shards, read and used in place, trained on
+        cases += [{"mesh": [2], "path": checkpoints["dense_bin"], "dtype": "bfloat16",
+                   "storage": storage, "steps": True} for storage in ("read", "map")]
     if world == 4:  # HSDP with each replica reading its whole shard; replicas="auto" on 2
         # nodes of 2 ranks (a replica group across nodes: split), and on one node of 4 (read)
         cases.append({"mesh": [2, 2], "path": checkpoints["moe"], "dtype": "bfloat16",

@@ -128,8 +128,9 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
          progress: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
     """Fills every parameter and persistent buffer of ``model`` (sharded by FSDP2's
     ``fully_shard``, its parameters materialized: ``model.to_empty(device=...)`` after building
-    on meta) from the safetensors checkpoint ``checkpoint`` (a ``.safetensors`` file, a
-    directory of them with or without an index, or a ``_C.Checkpoint``). Each rank reads the
+    on meta) from the checkpoint ``checkpoint`` (a ``.safetensors`` or ``pytorch_model.bin``
+    file, a folder whose model is chosen as Transformers chooses it, or a ``_C.Checkpoint``;
+    ``load_param_groups`` takes the same). Each rank reads the
     bytes of its own local shards only: a DTensor's local tensor (``to_local()``) receives its
     elements of the checkpoint's tensor (``Shard(d)`` as torch.chunk cuts it along each mesh
     dimension, ``Replicate()`` whole), converted to the local tensor's dtype. Parameters that are
