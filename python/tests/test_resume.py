@@ -887,7 +887,8 @@ def test_each_release_resumes_its_own_checkpoints(tmp_path_factory, release):
     """A ZeRO-2 (round-robin) and a ZeRO-3 (sub-groups) checkpoint saved by each supported
     release, resumed under that release at 2 ranks: bit for bit its own load_checkpoint (ZeRO-2:
     and the next 3 steps; ZeRO-3: what was loaded, its steps not being reproducible between
-    processes under these releases); and one of BF16_Optimizer where the release has it."""
+    processes under these releases); and one of BF16_Optimizer where the release has it. The
+    ZeRO-2 and ZeRO-3 ones resumed under the installed release too, as after an upgrade."""
 
     opts = {"round_robin": True, "sub_group_size": 100, "touch": "buffer"}
     ckpt = saved(tmp_path_factory, 0, 2, release=release, stages=[2, 3], **opts)
@@ -902,6 +903,11 @@ def test_each_release_resumes_its_own_checkpoints(tmp_path_factory, release):
                         **opts):
         served(ranks)
         assert all(r["buffers"]["scale"] == [1.0, 2.0, 3.0] for r in ranks)
+    # The same checkpoints resumed after an upgrade: under the installed release, bit for bit
+    # its own load of them, and the next 3 steps.
+    variants = [{"name": f"zero{s} upgraded", "stage": s, "dir": f"z{s}"} for s in (2, 3)]
+    for ranks in resume(ckpt, 2, 2, reference="deepspeed", variants=variants, **opts):
+        served(ranks)
     if (0, 17, 0) <= tuple(int(x) for x in release.split(".")) <= (0, 18, 5):
         return  # these releases run bf16 ZeRO-1 with fp32 accumulation without BF16_Optimizer
     # bf16 ZeRO-1 with fp32 gradient accumulation (BF16_Optimizer), its steps compared.
