@@ -169,8 +169,10 @@ def _data(t, mask):
     return t
 
 
-def snapshot(engine):
-    """Everything a resume restores, cloned to the host (padding as zeros)."""
+def snapshot(engine, by_name=False):
+    """Everything a resume restores, cloned to the host (padding as zeros); ``by_name``: also
+    each trained parameter's whole fp32 master and Adam states, by its name, as DeepSpeed's own
+    accessors gather them (collective): the same values whatever the partitions' layout."""
     opt = engine.optimizer
     stage3 = hasattr(opt, "fp32_partitioned_groups_flat")
     masks = _padding(engine)
@@ -199,6 +201,16 @@ def snapshot(engine):
     out["counters"] = (engine.global_steps, engine.global_samples, engine.skipped_steps)
     out["scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler else None
     out["loss_scale"] = float(getattr(opt, "loss_scale", 0) or 0)
+    if by_name:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        # The states' fragments are linked lazily (at the first step): linked here, as a step
+        # would, to read them.
+        opt._lazy_init_hp_params_optimizer_state()
+        out["by_name"] = {
+            n: [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, k)
+                                                for k in ("exp_avg", "exp_avg_sq")]
+            for n, p in engine.module.named_parameters() if p.requires_grad}
     return out
 
 
@@ -286,6 +298,7 @@ def _reference(rank, ckpt, stage, opts):
     """The reference's load (DeepSpeed's own, or its universal path), what it restored, and
     its next 3 steps."""
     ckpt, stage, kwargs = _load_args(ckpt, stage, opts)
+    opts = dict(opts, **opts.get("reference_opts", {}))  # the reference engine's own options
     ref_path, ref_client = "", None
     if opts.get("reference") == "deepspeed":
         ref_engine = _engine(stage, opts)
@@ -427,7 +440,8 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
     report["path"] = path
     if opts.get("client_keys"):
         report["client_values"] = {k: client.get(k) for k in opts["client_keys"]}
-    ours = snapshot(engine)
+    ours = snapshot(engine, opts.get("by_name", False))
+    by_name = ours.pop("by_name", None)  # reported, not compared: the test checks it
     if "whole" in ours:
         _check_whole(engine)
         report["whole"], report["params"] = len(ours["whole"]), len(ours["status"])
@@ -478,6 +492,9 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
                 report["steps_not_compared"] = True
             else:
                 same(ref["after"], after, skip=skip)
+    if by_name is not None:
+        report["by_name"] = {n: [t.float().reshape(-1).tolist() for t in v]
+                             for n, v in by_name.items()}
     report["counters"] = list(ours["counters"])
     report["buffers"] = {k: v.tolist() for k, v in ours["buffers"].items()}
     report["frozen"] = ours["lp"]["frozen"].float().tolist()
@@ -605,6 +622,57 @@ def test_same_world_is_deepspeeds_own_load(tmp_path_factory):
             assert {"epoch", "note", "best"} <= set(r["client"])
             if variant["stage"] < 3:
                 assert r["frozen"] == frozen
+
+
+def test_a_checkpoint_of_another_layout_gives_each_parameter_its_values(tmp_path_factory):
+    """ZeRO-1 and ZeRO-2 checkpoints saved with round-robin gradients, resumed by engines
+    without (ZeRO-2's, and BF16_Optimizer's, which never is): every parameter's fp32 master,
+    Adam states and 16-bit weights, the buffers, counters and scheduler are what DeepSpeed's own
+    load into an engine of the saved layout gives (DeepSpeed's own load into these engines
+    copies the partitions as they are: parameters get other parameters' values)."""
+    ckpt = saved(tmp_path_factory, 0, 2, stages=[1, 2, 3], round_robin=True, sub_group_size=100,
+                 touch="all-zero12")
+    # The fp32 partitions and states are laid out otherwise by construction: compared by
+    # parameter (by_name).
+    layout = {"round_robin": False, "reference_opts": {"round_robin": True,
+                                                        "bf16_optimizer": False},
+              "skip": ["/fp32", "/states", "/loss_scale"], "steps_unchecked": True,
+              "by_name": True}
+    variants = [dict(layout, name="ZeRO-2 round-robin into ZeRO-2", stage=2, dir="z2"),
+                dict(layout, name="ZeRO-1 round-robin into BF16_Optimizer", stage=1, dir="z1",
+                     bf16_optimizer=True)]
+    for variant, ranks in zip(variants, resume(ckpt, 0, 2, reference="deepspeed",
+                                               variants=variants)):
+        want = _saved_by_name(ckpt / variant["dir"], 2)
+        for r in ranks:
+            assert r["error"] is None, (variant["name"], r["error"])
+            assert r["fallbacks"] == [] and len(r["resumes"]) == 1, r
+            assert r["optimizer"] == ("BF16_Optimizer" if variant.get("bf16_optimizer") else
+                                      "DeepSpeedZeroOptimizer")
+            assert r["by_name"].keys() == want.keys()
+            for name, values in want.items():
+                assert r["by_name"][name] == values, (variant["name"], name)
+
+
+def _saved_by_name(ckpt, world):
+    """Each trained parameter's fp32 master, exp_avg and exp_avg_sq as a ZeRO-1/2 checkpoint
+    saved at ``world`` ranks holds them: the ranks' partitions end to end, each group's
+    parameters back to back in the order its param_shapes lists them (DeepSpeed saves them in
+    its buffer's order: round-robin where the saving engine was)."""
+    model = torch.load(ckpt / TAG / "mp_rank_00_model_states.pt", weights_only=False)
+    optim = [torch.load(ckpt / TAG / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                        weights_only=False)["optimizer_state_dict"] for r in range(world)]
+    out = {}
+    for g, shapes in enumerate(model["param_shapes"]):
+        flats = [torch.cat([o["single_partition_of_fp32_groups"][g] for o in optim])]
+        flats += [torch.cat([o["base_optimizer_state"]["state"][g][k] for o in optim])
+                  for k in ("exp_avg", "exp_avg_sq")]
+        at = 0
+        for name, shape in shapes.items():
+            n = shape.numel()
+            out[name] = [f[at:at + n].float().tolist() for f in flats]
+            at += n
+    return out
 
 
 # ---- load_checkpoint's options -----------------------------------------------------------------
