@@ -53,9 +53,9 @@ def checkpoints():
         "dense_tied": write(tiny_dense(True), os.path.join(root, "dense_tied"), torch.bfloat16),
         "dense_fp32": write(tiny_dense(False), os.path.join(root, "dense_fp32"), torch.float32),
         "moe": write(tiny_moe(), os.path.join(root, "moe"), torch.bfloat16),
-        # torch.save's pytorch_model.bin shards, as Transformers saved them before safetensors.
-        "dense_bin": write(tiny_dense(False), os.path.join(root, "dense_bin"), torch.bfloat16,
-                           safe_serialization=False),
+        # torch.save's pytorch_model.bin shards with their index, as Transformers saved them
+        # before safetensors (the same model as dense_fp32's, in bf16).
+        "dense_bin": _bin_of(tiny_dense(False), os.path.join(root, "dense_bin")),
         "root": root,
     }
     # A tied model's checkpoint that holds the tied head too, with other values or the same.
@@ -63,6 +63,21 @@ def checkpoints():
         out[name] = _with_head(out["dense_tied"], os.path.join(root, name), same)
     yield out
     shutil.rmtree(root, ignore_errors=True)
+
+
+def _bin_of(config, path):
+    from test_hf import _save_bin
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 1.3)
+    _save_bin(model, path, shards=3)
+    names = os.listdir(path)
+    assert sum(n.endswith(".bin") for n in names) == 3, names
+    assert not any(n.endswith(".safetensors") for n in names), names
+    return path
 
 
 def _with_head(src, dst, same):
@@ -167,12 +182,13 @@ class _PerNode:
 
 
 def _file_mappings():
-    """[(start, end)] of this process's mappings of safetensors files (/proc/self/maps)."""
+    """[(start, end)] of this process's mappings of checkpoint files, safetensors or
+    pytorch_model.bin (/proc/self/maps)."""
     out = []
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split()
-            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+            if len(fields) >= 6 and fields[5].endswith((".safetensors", ".bin")):
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 out.append((lo, hi))
     return out

@@ -64,13 +64,13 @@ def tiny_gptj():
                       n_positions=64, bos_token_id=0, eos_token_id=0)
 
 
-def write(config, path, dtype, seed=0, **save):
+def write(config, path, dtype, seed=0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # values far from zero, so that rounding differences would show
         for p in model.parameters():
             p.normal_(0, 1.3)
-    model.save_pretrained(path, max_shard_size="60KB", **save)
+    model.save_pretrained(path, max_shard_size="60KB")
     return path
 
 
