@@ -59,6 +59,9 @@ def _config(stage, opts):
               "scheduler": {"type": "WarmupLR",
                             "params": {"warmup_min_lr": 5e-3, "warmup_max_lr": 1e-2,
                                        "warmup_num_steps": 10}}}
+    if opts.get("no_grad_norm"):  # an engine that computes no gradient norm, so no clipping
+        zero["compute_grad_norm"] = False
+        config["gradient_clipping"] = 0.0
     if opts.get("universal"):
         config["checkpoint"] = {"load_universal": True}
     if opts.get("bf16_optimizer"):
@@ -517,6 +520,9 @@ def _env(release=None):
             pytest.fail(f"DeepSpeed {release} is not installed at {rel} (scripts/setup.sh "
                         "installs it)")
         paths.insert(0, str(rel))
+        # Releases before 0.16 load their own checkpoints with torch.load's old default
+        # (weights_only=False), which torch 2.6 changed: the files are these tests' own.
+        env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(paths + env.get("PYTHONPATH", "").split(os.pathsep))
     return env
 
@@ -747,9 +753,15 @@ def test_bf16_optimizer_resumes_as_deepspeeds_own_load(tmp_path_factory):
                 # A fresh engine's fp32 master is read into in place.
                 assert r["resumes"][0]["bytes_in_place"] > 0, r["resumes"]
                 assert r["counters"] == [2, 8, 0]
+    # At 3 ranks, the frozen values and buffers restored too (DeepSpeed's universal load
+    # restores none of them: no reference).
+    for ranks in resume(ckpt, 1, 3, bf16_optimizer=True, variants=[{"name": "2>3 touched"}]):
+        for r in ranks:
+            assert r["error"] is None and r["fallbacks"] == [] and len(r["resumes"]) == 1, r
+            assert r["frozen"] == frozen and r["buffers"]["scale"] == [1.0, 2.0, 3.0]
     # At 3 ranks: straight from the saved per-rank files, and from the universal folder, each
     # what ds_to_universal and DeepSpeed's universal load give (a checkpoint whose frozen values
-    # and buffers are the fresh model's: DeepSpeed's universal load restores none of them).
+    # and buffers are the fresh model's).
     ckpt = saved(tmp_path_factory, 1, 2, bf16_optimizer=True)
     universal([ckpt])
     variants = [{"name": "2>3"}, {"name": "universal folder 2>3", "our_tag": f"{TAG}_universal"}]
@@ -862,6 +874,13 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_engine_unchanged(tmp
     state["when"] = datetime.date(2026, 12, 1)  # a global no DeepSpeed checkpoint names
     torch.save(state, d / model)
     _copy(ckpt, "fault")
+    d = _copy(ckpt, "noversion")  # a release no version can be read from (hand-edited files)
+    for path in [d / model] + [d / optim.replace("rank_1", f"rank_{r}") for r in (0, 1)]:
+        state = torch.load(path, weights_only=False)
+        state["ds_version"] = "unknown"
+        if "optimizer_state_dict" in state:
+            state["optimizer_state_dict"]["ds_version"] = "unknown"
+        torch.save(state, path)
     variants = [
         {"name": "truncated", "dir": "bad/truncated", "expect": optim},
         {"name": "missing", "dir": "bad/missing", "expect": "missing"},
@@ -871,6 +890,8 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_engine_unchanged(tmp
         {"name": "fault", "dir": "bad/fault", "fault": "truncate", "expect": ""},
         {"name": "late", "fault": "late", "expect": "injected failure"},
         {"name": "signature", "fault": "signature", "expect": "takes other arguments"},
+        {"name": "no version", "dir": "bad/noversion", "expect": "ds_version"},
+        {"name": "clipping", "no_grad_norm": True, "expect": "compute_grad_norm=false"},
     ]
     reports = resume(ckpt, 2, 2, variants=variants)
     for variant, ranks in zip(variants, reports):
@@ -974,9 +995,6 @@ def test_each_release_resumes_its_own_checkpoints(tmp_path_factory, release):
 
     opts = {"round_robin": True, "sub_group_size": 100, "touch": "buffer"}
     ckpt = saved(tmp_path_factory, 0, 2, release=release, stages=[2, 3], **opts)
-    # Releases before 0.16 load their own checkpoints with torch.load's old default
-    # (weights_only=False), which torch 2.6 changed: the files are this test's own.
-    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
     # One set of ranks: ZeRO-2 (its steps compared) before any ZeRO-3 engine exists, then
     # ZeRO-3 (what was loaded compared, no steps).
     variants = [{"name": f"zero{s}", "stage": s, "dir": f"z{s}", "steps_unchecked": s == 3}

@@ -177,6 +177,29 @@ class EngineWriter:
             if step is not None and not (torch.is_tensor(step) or isinstance(step, (int, float))):
                 raise InvalidArgument(f"{self._where(f.optim, 'step')}: expected a number or a "
                                       f"tensor, found {type(step).__name__}")
+        # What the running optimizer's load_state_dict stops at, after the engine is written:
+        # its arguments; ZeRO-1/2's and BF16_Optimizer's the saving release's version.
+        self._load_call_checked = self._load_call()
+        if not self.stage3:
+            from packaging.version import InvalidVersion, parse
+
+            version = small.get("ds_version") or self.ck.ds_version
+            try:
+                readable = bool(version) and parse(str(version)) is not None
+            except InvalidVersion:
+                readable = False
+            if not readable:
+                raise InvalidArgument(
+                    f"{self._where(f.optim, 'ds_version')}: {version!r}, no DeepSpeed release a "
+                    "version can be read from (DeepSpeed's own load stops at it)")
+        clip = small.get("clip_grad")
+        clip = getattr(self.opt, "clip_grad", None) if clip is None else clip
+        if (getattr(self.opt, "compute_grad_norm", True) is False
+                and isinstance(clip, (int, float)) and clip > 0.0):
+            raise InvalidArgument(f"{self._where(f.optim, 'clip_grad')}: {clip}, a checkpoint "
+                                  "with gradient clipping, and the engine runs "
+                                  "zero_optimization.compute_grad_norm=false (DeepSpeed's own "
+                                  "load refuses it too)")
 
     def _kept_states(self):
         """The state the running optimizer keeps for a partition: (the names it keeps per
@@ -280,26 +303,33 @@ class EngineWriter:
                 sd["param_slice_mappings"] = opt._param_slice_mappings
         return sd
 
-    def _optimizer_call(self, sd: Dict[str, Any]):
-        """The running optimizer's load_state_dict and the arguments it takes for ``sd`` (this
-        rank's entry of a list; the release's keywords: 0.14's BF16_Optimizer requires
-        checkpoint_folder), checked against its signature before anything is written."""
+    def _load_call(self):
+        """The running optimizer's load_state_dict and the keywords it takes (the release's:
+        0.14's BF16_Optimizer requires checkpoint_folder; a signature with ``**kwargs`` takes
+        them all), bound to its signature: refused here, before anything is read or written,
+        where it takes other arguments."""
         import inspect
 
         fn = self.opt.load_state_dict
-        states = [None] * self.dp
-        states[self.rank] = sd
         kwargs = {"load_optimizer_states": True, "load_from_fp32_weights": self.from_fp32,
                   "checkpoint_folder": None}
-        signature = inspect.signature(fn)
-        kwargs = {k: v for k, v in kwargs.items() if k in signature.parameters}
         try:
-            signature.bind(states, **kwargs)
-        except TypeError as e:
+            signature = inspect.signature(fn)
+            params = signature.parameters.values()
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+                kwargs = {k: v for k, v in kwargs.items() if k in signature.parameters}
+            signature.bind([None] * self.dp, **kwargs)
+        except (TypeError, ValueError) as e:
             name = type(self.engine.optimizer).__name__
             raise InvalidArgument(f"{name}.load_state_dict of this DeepSpeed release takes other "
                                   f"arguments ({e}); nothing of the engine was changed") from None
-        return lambda: fn(states, **kwargs)
+        return fn, kwargs
+
+    def _load_optimizer(self, sd: Dict[str, Any]) -> None:
+        fn, kwargs = self._load_call_checked
+        states = [None] * self.dp
+        states[self.rank] = sd
+        fn(states, **kwargs)
 
     def _set_weights_zero3(self, fp32: List[torch.Tensor]) -> None:
         """ZeRO-3 without the optimizer's states: the 16-bit partitions from the fp32 master read,
@@ -346,7 +376,6 @@ class EngineWriter:
         # The optimizer's state dict first: whatever could fail, fails before the first write.
         try:
             sd = self._state_dict() if self.with_states else None
-            load_optimizer = self._optimizer_call(sd) if sd is not None else None
         except BaseException:
             self.put_back()  # the tensors read into, as they were
             raise
@@ -367,8 +396,8 @@ class EngineWriter:
                     buf.copy_(value.reshape(buf.shape))
         weights = self.values[self.targets()[0]]
         if self.stage3:
-            if load_optimizer is not None:
-                load_optimizer()
+            if sd is not None:
+                self._load_optimizer(sd)
             else:
                 self._set_weights_zero3(weights)
                 persistent = getattr(opt, "persistent_parameters", None)
@@ -382,8 +411,8 @@ class EngineWriter:
                 if part.data_ptr() != master.data_ptr():  # else read straight into it
                     master.data.copy_(part)
             self._update_16bit()
-            if load_optimizer is not None:
-                load_optimizer()
+            if sd is not None:
+                self._load_optimizer(sd)
         if hasattr(opt, "checkpoint_event_epilogue") and not self._gather_persistent():
             opt.checkpoint_event_epilogue()
         self._write_engine()
