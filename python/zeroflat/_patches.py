@@ -212,7 +212,8 @@ TABLE: Tuple[Entry, ...] = (
           "large host zeros (the gradient partitions it makes to initialize its state) are a "
           "fresh mapping, left untouched until written"),
     Entry(f"{_DS}.engine.DeepSpeedEngine.load_checkpoint", _ALL, "install()",
-          "resumes a ZeRO-1/2 or ZeRO-3 checkpoint with each rank reading only its own bytes, at "
+          "resumes a ZeRO-1/2 or ZeRO-3 checkpoint (bf16 ZeRO-1 with fp32 gradient "
+          "accumulation's BF16_Optimizer too) with each rank reading only its own bytes, at "
           "any world size, no pickle executed (what it does not serve is DeepSpeed's own call, "
           "with a warning saying why)"),
     Entry(f"{_DS}.engine.DeepSpeedEngine._broadcast_model", _ALL, "install()",
@@ -265,6 +266,12 @@ READS: Tuple[Entry, ...] = (
           "epilogue's gather of the persistent parameters is one all-gather where their "
           "partitions are plain (no hpZ, quantized or NVMe partitions) and take at most 64 MiB, "
           "else the release's"),
+    Entry("BF16_Optimizer: bf16_groups, bf16_groups_flat, fp32_groups_flat_partition, "
+          "bf16_partitioned_groups, group_paddings, optimizer, clip_grad, partition_count, "
+          "_param_slice_mappings, update_lp_params, load_state_dict (0.14's requires "
+          "checkpoint_folder)", _ALL, "load_checkpoint()",
+          "read under DeepSpeedZeroOptimizer's names (ZeroNames): the same layout, no "
+          "round-robin, no loss scaler"),
     Entry("zero.Init: _convert_to_deepspeed_param, dtype, local_device, remote_device, "
           "pin_memory, ds_process_group, _keep_in_fp32, param_id (class), "
           "_add_tensor_creation_wrappers, tensor_overrides", _ALL, "ZeRO-3 loading",
