@@ -183,7 +183,7 @@ class EngineWriter:
         if not self.stage3:
             from packaging.version import InvalidVersion, parse
 
-            version = small.get("ds_version") or self.ck.ds_version
+            version = self._saved_version()
             try:
                 readable = bool(version) and parse(str(version)) is not None
             except InvalidVersion:
@@ -200,6 +200,10 @@ class EngineWriter:
                                   "with gradient clipping, and the engine runs "
                                   "zero_optimization.compute_grad_norm=false (DeepSpeed's own "
                                   "load refuses it too)")
+
+    def _saved_version(self) -> Any:
+        """The release that saved the checkpoint: the optimizer file's, else the module file's."""
+        return self.small["optimizer"].get("ds_version") or self.ck.ds_version
 
     def _kept_states(self):
         """The state the running optimizer keeps for a partition: (the names it keeps per
@@ -282,7 +286,7 @@ class EngineWriter:
         sd.setdefault("loss_scaler", opt.loss_scaler)
         sd.setdefault("dynamic_loss_scale", opt.dynamic_loss_scale)
         sd.setdefault("overflow", opt.overflow)
-        sd["ds_version"] = small.get("ds_version") or self.ck.ds_version
+        sd["ds_version"] = self._saved_version()
         sd["partition_count"] = opt.partition_count
         if self.stage3:
             from deepspeed.runtime.zero.config import ZeroStageEnum
