@@ -51,6 +51,12 @@ def init_unheld(model) -> None:
         initialize()
 
 
+def computes_unheld(model) -> bool:
+    """Whether ``init_unheld`` computes the model's non-persistent buffers (a Transformers 5
+    model: its ``initialize_weights``)."""
+    return _transformers_5() and callable(getattr(model, "initialize_weights", None))
+
+
 def build(make):
     """The model ``make()`` builds, built as ``from_pretrained`` builds it: Transformers 4 turns
     its weight init off (``no_init_weights``: an ``_init_weights`` that assigns ``.data``, as

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, _fsdp_copies, _hf_names
+from . import _C, _fsdp_copies, _fsdp_model as _model, _hf_names
 from ._common import DTYPES, bool_option, framework_memory, path_text
 from ._errors import NoFeasiblePlan
 from ._load import (_checkpoint, _dtype_text, _read_whole, _sources_of, _stored, call_loader,
@@ -42,12 +42,8 @@ log = logging.getLogger("zeroflat")
 __all__ = ["load"]
 
 
-def _dtensor_class():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch before 2.4
-        return None
-    return DTensor
+_dtensor_class = _model.dtensor_class
+_is_dtensor = _model.is_dtensor
 
 
 class _Mesh:
@@ -124,17 +120,38 @@ def _group(process_group) -> Any:
 def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpoint"], *,
          process_group: Any = "default", threads: Optional[int] = None, cold: bool = False,
          copies: str = "sampled", strict: bool = True, keep_tensors: bool = False,
-         replicas: str = "auto", storage: str = "read",
+         replicas: str = "auto", storage: str = "read", overwrite: bool = False,
          progress: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
     """Fills every parameter and persistent buffer of ``model`` (sharded by FSDP2's
-    ``fully_shard``, its parameters materialized: ``model.to_empty(device=...)`` after building
-    on meta) from the checkpoint ``checkpoint`` (a ``.safetensors`` or ``pytorch_model.bin``
-    file, a folder whose model is chosen as Transformers chooses it, or a ``_C.Checkpoint``;
-    ``load_param_groups`` takes the same). Each rank reads the
-    bytes of its own local shards only: a DTensor's local tensor (``to_local()``) receives its
-    elements of the checkpoint's tensor (``Shard(d)`` as torch.chunk cuts it along each mesh
-    dimension, ``Replicate()`` whole), converted to the local tensor's dtype. Parameters that are
-    not DTensors, and buffers, are read whole.
+    ``fully_shard``: on the meta device as built, or materialized) from the checkpoint
+    ``checkpoint`` (a ``.safetensors`` or ``pytorch_model.bin`` file, a folder whose model is
+    chosen as Transformers chooses it, or a ``_C.Checkpoint``; ``load_param_groups`` takes the
+    same). Each rank reads the bytes of its own local shards only: a DTensor's local tensor
+    (``to_local()``) receives its elements of the checkpoint's tensor (``Shard(d)`` as
+    torch.chunk cuts it along each mesh dimension, ``Replicate()`` whole), converted to the local
+    tensor's dtype. Parameters that are not DTensors, and buffers, are read whole.
+
+    Every parameter object stays the model's: an optimizer built before the load (the Trainer's,
+    accelerate's ``prepare(model, optimizer)``) stays attached to the parameters it holds. A
+    materialized DTensor keeps its local tensor, whose storage becomes the loaded shard (no
+    second pass over the memory; FSDP2 takes it as its sharded data through the hook it keeps
+    for loads, re-padding only an uneven shard); ``keep_tensors=True`` copies the values into the
+    storage the local tensors had instead (one more pass; for whoever holds that storage). A
+    model on the meta device (built there, ``fully_shard`` applied, not materialized: no rank
+    ever holds the whole model) gets its shards in place of the meta ones, each parameter the
+    same object (``torch.utils.swap_tensors``), on the mesh's device (the host under FSDP2's
+    CPU offload); its non-persistent buffers on meta (rotary ``inv_freq``, which no checkpoint
+    holds) are computed as the model's own initialisation computes them (Transformers 5's
+    ``initialize_weights``, as its own load on meta does), and a model that cannot compute them
+    is refused before anything is read (build it with ``zeroflat.meta_parameters()``: parameters
+    on meta, buffers computed). Do not ``to_empty`` a model before the load: its non-persistent
+    buffers would hold whatever memory held.
+
+    ``overwrite``: an optimizer that holds the model's parameters and already has state for
+    them (steps taken, or a checkpoint resumed into it: the Trainer resumes before its
+    callbacks' ``on_train_begin``) makes the load refuse, on every rank, nothing read or changed
+    (loading then would leave the optimizer's state for other weights, and overwrite what the
+    resume loaded); ``True`` loads all the same.
 
     ``process_group``: the ranks that load together (``"default"``: the default group when
     torch.distributed runs with more than one rank, else one process); the model's mesh must
@@ -144,12 +161,6 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     any model is changed unless every rank read everything. ``strict``: a buffer the checkpoint
     does not hold is an error (else left as it is). ``threads``, ``cold``, ``copies`` and
     ``progress``: as ``zeroflat.load_param_groups`` takes them.
-
-    ``keep_tensors``: False (the default) hands each DTensor parameter its loaded shard as a new
-    local tensor, through ``model.load_state_dict(..., assign=True)`` as FSDP2 supports it (no
-    second pass over the memory; FSDP2 re-pads an uneven shard at its first forward): build the
-    optimizer after the load, as after any assign. True copies the values into the parameters'
-    existing local tensors (an optimizer built before keeps its parameters; one more pass).
 
     ``replicas``: where the mesh has a dimension along which every DTensor is ``Replicate()``
     (HSDP's replica groups), ``"split"`` has the replicas of each shard read a part of it each
@@ -177,7 +188,7 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     ``read_seconds`` until every rank read everything, ``assign_seconds`` after: the replicas'
     all-gather, then the shards handed to the model), ``replicas_split``, ``bytes_mapped`` (of
     ``bytes_read``, the bytes of the shards used in place), ``rank``, ``world``, and each load's
-    report under ``loads``."""
+    report under ``loads``, ``materialized`` (whether the model was on the meta device)."""
     t0 = time.perf_counter()
     local_error: Optional[BaseException] = None
     prep = None
@@ -189,11 +200,12 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
                            copies=copies, storage_bytes_per_second=0)
         check_callback(progress)
         bool_option("keep_tensors", keep_tensors)
+        bool_option("overwrite", overwrite)
         if replicas not in ("auto", "split", "read"):
             raise ValueError(f"replicas={replicas!r}: expected 'auto', 'split' or 'read'")
         if storage not in ("read", "map"):
             raise ValueError(f"storage={storage!r}: expected 'read' or 'map'")
-        prep = _prepare(model, checkpoint, group, strict)
+        prep = _prepare(model, checkpoint, group, strict, keep_tensors, overwrite)
         if replicas != "read":
             _split_replicas(prep, _rank(group), only_across_nodes=replicas == "auto")
         if storage == "map" and not keep_tensors:
@@ -263,7 +275,6 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     # Every rank read everything: the model takes it.
     t_read = time.perf_counter()
     with torch.no_grad():
-        assigned = {}
         for members, report, buffer, lay, dtype, gathering in results:
             if buffer is None:
                 continue
@@ -275,22 +286,29 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
             for m, off in zip(members, lay["offsets"]):
                 view = (_assemble(prep, m, off, blocks) if blocks is not None else
                         flat[off: off + m.local.numel()].view(m.local.shape))
-                if keep_tensors or not _is_dtensor(m.param_obj):
-                    m.local.copy_(view)
-                    continue
-                _hand_over(m, view, assigned)
+                if (keep_tensors or not _is_dtensor(m.param_obj)) and not m.local.is_meta:
+                    m.local.copy_(view)  # a plain parameter is read whole: copied, as before
+                else:
+                    _model.hand_over(m, view)
         for m in (m for ms in prep.by_dtype.values() for m in ms if m.mapped is not None):
-            _hand_over(m, m.mapped, assigned)
-        if assigned:
-            model.load_state_dict(assigned, strict=False, assign=True)
-        for _, local, value in prep.whole:
-            local.copy_(value)
+            _model.hand_over(m, m.mapped)
+        for name, local, value in prep.whole:
+            if local.is_meta:
+                _model.set_buffer(model, name, value.to(prep.device))
+            else:
+                local.copy_(value)
+        # FSDP2 takes each DTensor's new storage as its sharded data (its load hook, which
+        # re-pads an uneven shard and pins an offloaded one): the state dict is empty, nothing
+        # else is loaded.
+        if any(_is_dtensor(m.param_obj) for ms in prep.by_dtype.values() for m in ms):
+            model.load_state_dict({}, strict=False)
+        _model.compute_unheld(model, prep)
     bytes_read = sum(int(r[1].get("bytes_read") or 0) for r in results) + mapped_bytes
     done = time.perf_counter()
     return {"rank": rank, "world": world, "bytes_read": bytes_read, "share": prep.share(rank),
             "seconds": done - t0, "read_seconds": t_read - t0, "assign_seconds": done - t_read,
             "replicas_split": prep.replica is not None, "bytes_mapped": mapped_bytes,
-            "loads": [r[1] for r in results]}
+            "materialized": prep.meta, "loads": [r[1] for r in results]}
 
 
 class _Member:
@@ -361,20 +379,6 @@ def _batches(prep: "_Prepared") -> List[Tuple[torch.dtype, List["_Member"]]]:
             for dtype in sorted(prep.by_dtype, key=str)]
 
 
-def _hand_over(m: "_Member", local: torch.Tensor, assigned: Dict[str, Any]) -> None:
-    """The shard (read or mapped) as the parameter's new local tensor, under each of its names:
-    no second pass over the memory (FSDP2 takes it as its sharded data, re-padding only an
-    uneven shard)."""
-    DTensor = _dtensor_class()
-    p = m.param_obj
-    new = torch.nn.Parameter(
-        DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                           stride=p.stride()),
-        requires_grad=p.requires_grad)
-    for name in m.aliases:
-        assigned[name] = new
-
-
 def _choose_in_place(prep: "_Prepared", rank: int) -> None:
     """storage="map": the DTensor shards on the host that the library finds in the files as they
     are (shard_file_ranges: the same parameters on every rank) are used in place, not read."""
@@ -424,11 +428,6 @@ def _assemble(prep: "_Prepared", m: "_Member", off: int, blocks: List[torch.Tens
     return out
 
 
-def _is_dtensor(t) -> bool:
-    DTensor = _dtensor_class()
-    return DTensor is not None and isinstance(t, DTensor)
-
-
 class _Prepared:
     def __init__(self, ck):
         self.ck = ck
@@ -440,6 +439,8 @@ class _Prepared:
         self.coords: List[List[int]] = [[0]]
         self.mesh: Optional[_Mesh] = None
         self.replica = None  # the replica group's process group, when replicas split reads
+        self.meta = False  # the model's parameters were on the meta device
+        self.unheld: List[Tuple[str, torch.Tensor]] = []  # its non-persistent buffers on meta
 
     def share(self, rank: int) -> int:
         """The file bytes of this rank's shards (the library's count)."""
@@ -449,10 +450,12 @@ class _Prepared:
                    for ms in self.by_dtype.values())
 
 
-def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepared:
+def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool, keep_tensors: bool,
+             overwrite: bool) -> _Prepared:
     """Every check of this rank and every whole read, before the ranks meet."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}: expected a torch.nn.Module")
+    _model.reshard(model)
     ck = _checkpoint(checkpoint)
     out = _Prepared(ck)
     DTensor = _dtensor_class()
@@ -478,17 +481,53 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
     mesh = _Mesh(first.device_mesh, group)
     out.mesh, out.mesh_shape, out.coords = mesh, mesh.shape, mesh.coords
     out.entries.append(f"mesh {mesh.shape} {mesh.mesh.device_type}")
+    if not overwrite:
+        busy = _model.optimizers_with_state(by_id)
+        if busy:
+            raise ValueError(
+                f"an optimizer holds the model's parameters and already has state for them: "
+                f"{'; '.join(busy)} (steps taken, or a checkpoint resumed into it: the Trainer "
+                "resumes before its callbacks' on_train_begin); loading now would overwrite "
+                "those weights and leave the optimizer's state for other ones. Load before the "
+                "optimizer has state (zeroflat.hf.from_pretrained(..., fsdp2=True) loads when "
+                "the model is sharded, before any resume), or pass overwrite=True to load all "
+                "the same")
+    fsdp_params = _model.fsdp_params(model)
+    metas = [p for p in by_id.values() if p.is_meta or _local(p).is_meta]
+    if metas:
+        if len(metas) != len(by_id):
+            raise ValueError(f"{len(metas)} of the model's {len(by_id)} parameters are on the "
+                             "meta device: zeroflat.fsdp.load fills a model built on meta (all "
+                             "of it) or a materialized one")
+        if keep_tensors:
+            raise ValueError("keep_tensors=True copies into the parameters' local tensors; the "
+                             "model is on the meta device, which has none: leave keep_tensors "
+                             "out (every parameter object stays the model's either way)")
+        import weakref
+
+        held = [aliases[id(p)][0] for p in metas if weakref.getweakrefcount(p)]
+        if held:
+            raise ValueError(f"parameter {held[0]!r} (and {len(held) - 1} more) is referenced "
+                             "weakly: its meta tensor cannot be exchanged for its shard in place")
+        out.meta = True
+        out.unheld = _model.meta_unheld(model)
+        if out.unheld and not _hf_names.computes_unheld(model):
+            raise ValueError(
+                f"the model's non-persistent buffer {out.unheld[0][0]!r} (and "
+                f"{len(out.unheld) - 1} more) is on the meta device: no checkpoint holds it and "
+                "zeroflat cannot compute it for this model; build the model with "
+                "zeroflat.meta_parameters() (parameters on meta, buffers computed) instead of "
+                "torch.device('meta')")
     missing = []
     for pid, p in by_id.items():
         name = aliases[pid][0]
-        if p.device.type == "meta" or _local(p).device.type == "meta":
-            raise ValueError(f"parameter {name!r} is on the meta device: materialize the sharded "
-                             "model first (model.to_empty(device='cpu'))")
         local = _local(p)
+        device = (_model.target_device(p, mesh if _is_dtensor(p) else None,
+                                       fsdp_params.get(pid)) if out.meta else local.device)
         if out.device is None:
-            out.device = local.device
-        elif local.device != out.device:
-            raise ValueError(f"parameter {name!r} lives on {local.device}, others on "
+            out.device = device
+        elif device != out.device:
+            raise ValueError(f"parameter {name!r} lives on {device}, others on "
                              f"{out.device}: zeroflat.fsdp.load reads into one device")
         if local.dtype not in DTYPES:
             raise TypeError(f"parameter {name!r} is {local.dtype}: zeroflat loads bfloat16, "
@@ -500,7 +539,8 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
             continue
         placements = _placements(p, mesh, name)
         shard = _C.local_shard(list(p.shape), mesh.shape, placements, mesh.coords[_rank(group)])
-        if list(shard["shape"]) != list(local.shape) or not local.is_contiguous():
+        if list(shard["shape"]) != list(local.shape) or not (local.is_meta or
+                                                             local.is_contiguous()):
             raise ValueError(f"parameter {name!r}: its local shard is {list(local.shape)}, but "
                              f"{placements} on mesh {mesh.shape} give {shard['shape']} at this "
                              "rank's coordinate (a placement zeroflat does not read?)")
@@ -519,10 +559,9 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool) -> _Prepar
     for name, b in _persistent_buffers(model):
         stored = _stored(name, [], ck) or _stored(name, rules(), ck)
         if stored is None:
-            if strict or b.device.type == "meta":
+            if strict or b.is_meta:
                 raise ValueError(f"{ck.path} holds no tensor for the model's buffer {name!r}" + (
-                    " (on the meta device)" if b.device.type == "meta"
-                    else "; strict=False leaves it as is"))
+                    " (on the meta device)" if b.is_meta else "; strict=False leaves it as is"))
             continue
         local = _local(b)
         value = _read_whole(ck, name, [stored], [list(b.shape)], list(b.shape),
