@@ -5,17 +5,21 @@ the load only where their values agree on every rank, as Transformers ties them.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from . import _C, _hf_names
+from . import _C, _hf_names, _patches
 from ._comm import raise_agreed
 from ._common import path_text
 from ._errors import InvalidArgument
-from ._load import _checkpoint, check_load_options, left_untied
+from ._load import _checkpoint, check_load_options, left_untied, meta_parameters
+from ._progress import check_callback
 from .fsdp import _dtensor_class, _finder, load
 
 
@@ -144,3 +148,131 @@ def _agree(error: Optional[BaseException], path: str) -> None:
                  "from-pretrained", lambda rank: InvalidArgument(
                      f"from_pretrained({path_text(path)}): rank {rank} could not build the model "
                      "(its error says why); nothing was loaded on this rank"))
+
+
+# ---- fsdp2=True: built on meta, filled when FSDP2 shards it ----------------------------------
+
+# The models waiting for their weights (model -> the load's options), and the patch of
+# fully_shard that fills them, in place while any waits.
+_waiting: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, Any]]" = weakref.WeakKeyDictionary()
+_applied: Optional[_patches.Applied] = None
+_lock = threading.RLock()
+
+
+def sharded_later(model_class: Any, path: Union[str, os.PathLike], *,
+                  dtype: Optional[torch.dtype] = None, threads: Optional[int] = None,
+                  cold: bool = False, copies: str = "sampled", storage: str = "auto",
+                  progress: Optional[Callable[[Any], None]] = None,
+                  **from_config_kwargs) -> torch.nn.Module:
+    """``zeroflat.hf.from_pretrained(..., fsdp2=True)``: the model built from its config with its
+    parameters on the meta device (its buffers computed, as ``meta_parameters()`` builds), for
+    FSDP2 to shard where the caller's framework shards it (the Trainer's and accelerate's
+    ``prepare``, or the caller's own ``fully_shard``); when ``fully_shard`` is applied to the
+    model (or to a module that holds it: a PEFT wrapper), its shards are filled from ``path``
+    by ``zeroflat.fsdp.load`` at once, collectively, every parameter object kept (an optimizer
+    given to ``prepare`` stays attached). Before then the model has no weights: a forward
+    raises, saying so."""
+    path = os.fspath(path)
+    check_load_options(cold=cold, round_robin=False, strict=True, master_dtype=None,
+                       threads=threads, margin_bytes=None, alignment_factor=2,
+                       param_align_bytes=0, dtype=dtype, deepspeed=None, read_plan=None,
+                       copies=copies, storage_bytes_per_second=0)
+    check_callback(progress)
+    if storage not in ("auto", "read", "map"):
+        raise ValueError(f"storage={storage!r}: expected 'auto', 'read' or 'map'")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+    _checkpoint(path)  # a folder without a model, or a malformed header: refused now
+
+    def build():
+        if hasattr(model_class, "from_config"):
+            return model_class.from_config(config, dtype=dtype, **from_config_kwargs)
+        return model_class._from_config(config, dtype=dtype, **from_config_kwargs)
+
+    with meta_parameters():
+        model = _hf_names.build(build)
+    model.eval()
+    # accelerate's FSDP2 prepare re-points the optimizer from the parameters it had to the
+    # sharded ones by each parameter's data_ptr(), which is 0 for every tensor on meta: all would
+    # map to one. Each parameter answers a key of its own until its shard replaces it
+    # (swap_tensors takes this attribute away with the meta tensor).
+    for p in {id(p): p for p in model.parameters()}.values():
+        p.data_ptr = functools.partial(int, id(p))
+    options = {"path": path, "threads": threads, "cold": cold, "copies": copies,
+               "storage": "map" if storage == "auto" else storage, "progress": progress}
+    options["hook"] = model.register_forward_pre_hook(_not_filled)
+    with _lock:
+        _waiting[model] = options
+        _install()
+    return model
+
+
+def waiting(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (from ``from_pretrained(..., fsdp2=True)``) still waits for FSDP2 to
+    shard it."""
+    with _lock:
+        return model in _waiting
+
+
+def _not_filled(module, args):
+    raise RuntimeError(
+        f"{type(module).__name__} has no weights yet: zeroflat.hf.from_pretrained(..., "
+        "fsdp2=True) loads them when FSDP2 shards the model (fully_shard on the model or on a "
+        "module holding it, as the Trainer's and accelerate's prepare do)" + (
+            "; its load failed (the error was raised where it was sharded)"
+            if not waiting(module) else ""))
+
+
+def _install() -> None:
+    global _applied
+    if _applied is None:
+        _applied = _patches.apply(_patches.FULLY_SHARD(_on_fully_shard))
+
+
+def _uninstall() -> None:
+    global _applied
+    if _applied is not None and not _waiting:
+        _patches.restore(_applied)
+        _applied = None
+
+
+def _on_fully_shard(original, module, *args, **kwargs):
+    out = original(module, *args, **kwargs)
+    roots = list(module) if isinstance(module, (list, tuple)) else [module]
+    with _lock:
+        due = [m for m in list(_waiting.keys())
+               if any(r is m or any(x is m for x in r.modules()) for r in roots)]
+    for model in due:
+        _fill(model)
+    return out
+
+
+def _fill(model: torch.nn.Module) -> None:
+    with _lock:
+        options = _waiting.pop(model)
+        _uninstall()
+    _refuse_broadcast_loading()
+    model.zeroflat_report = load(model, options["path"], threads=options["threads"],
+                                 cold=options["cold"], copies=options["copies"],
+                                 storage=options["storage"], progress=options["progress"],
+                                 strict=False)
+    _hf_names.init_unheld(model)  # non-persistent buffers, as Transformers' load computes them
+    options["hook"].remove()
+
+
+def _refuse_broadcast_loading() -> None:
+    """accelerate's cpu_ram_efficient_loading has its first rank broadcast the weights it loaded
+    after FSDP2 shards the model; a model of fsdp2=True has none to broadcast."""
+    flag = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "")
+    if flag.strip().lower() in ("1", "true", "yes"):
+        raise InvalidArgument(
+            "zeroflat.hf.from_pretrained(..., fsdp2=True) fills every rank's shards itself, and "
+            "FSDP's cpu_ram_efficient_loading would then broadcast the first rank's weights over "
+            "them from a model that never held any: leave cpu_ram_efficient_loading off "
+            "(fsdp_config / FSDP plugin): zeroflat's load is already that, each rank reading "
+            "only its shards")

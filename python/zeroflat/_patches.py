@@ -155,6 +155,14 @@ def _name(owner: Any) -> str:
     return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None) or repr(owner)
 
 
+def FULLY_SHARD(hook: Callable[..., Any]) -> List[Patch]:  # noqa: N802 - a table's name
+    """FSDP2's ``fully_shard`` where callers look it up when they shard (accelerate's and the
+    Trainer's prepare import it from ``torch.distributed.fsdp`` at each call), with ``hook`` in
+    its place."""
+    return [Patch("torch.distributed.fsdp", "fully_shard", hook=hook),
+            Patch("torch.distributed._composable.fsdp", "fully_shard", hook=hook, optional=True)]
+
+
 # --- the table ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -221,6 +229,15 @@ TABLE: Tuple[Entry, ...] = (
           "(one checkpoint, one seed) the broadcast of the whole model from the first rank is "
           "left out, else it runs as DeepSpeed's; DeepSpeed's MoE and ZeRO-3 parameters are "
           "always DeepSpeed's"),
+    # FSDP2.
+    Entry("torch.distributed.fsdp.fully_shard (and torch.distributed._composable.fsdp's)",
+          "torch", "while a model of zeroflat.hf.from_pretrained(..., fsdp2=True) waits",
+          "when FSDP2 shards such a model (the Trainer's and accelerate's prepare), its shards "
+          "are filled by zeroflat.fsdp.load right after, every parameter object kept"),
+    Entry("torch.distributed.checkpoint.FileSystemReader (the package's, filesystem's and "
+          "_storage_utils')", "torch", "zeroflat.dcp.install()",
+          "the readers DCP's load, the Trainer's and accelerate's FSDP checkpoints construct are "
+          "zeroflat.dcp's, handing back to DCP's own what they do not serve"),
     # Building a model for loading.
     Entry("torch.nn.Module.register_parameter", "torch", "zeroflat.meta_parameters()",
           "parameters are made on the meta device (no memory, no initialization)"),

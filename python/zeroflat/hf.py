@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import _hf_names, _zero3
+from ._common import bool_option
 from ._load import _target, check_load_options, load_param_groups, meta_parameters
 from ._progress import check_callback
 from ._trainer import trainer_param_groups
@@ -76,7 +77,8 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
                     storage_bytes_per_second: float = 0, zero3: Any = "auto",
                     progress: Optional[Callable[[Any], None]] = None,
                     master_dtype: Any = "auto", distributed_config: Any = None,
-                    storage: str = "auto", **from_config_kwargs) -> torch.nn.Module:
+                    fsdp2: bool = False, storage: str = "auto",
+                    **from_config_kwargs) -> torch.nn.Module:
     """The model of checkpoint directory ``path`` (its ``config.json`` and safetensors files),
     every trainable parameter a view into the flat buffer DeepSpeed's ZeRO-1/2 will build for
     its optimizer group, filled from the files by the library's loader.
@@ -124,6 +126,19 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     memory of its own: ``zeroflat.fsdp.load``). ``model.zeroflat_report`` holds the load's report. A config of one
     process shards nothing (as Transformers): the plain load below.
 
+    ``fsdp2=True``: for a framework that shards the model with FSDP2 itself (the Trainer's
+    ``fsdp`` arguments with ``fsdp_version`` 2, accelerate's FSDP plugin, a ``fully_shard`` of
+    your own): the model is built with its parameters on the meta device (no rank builds the
+    whole model; buffers computed) and returned at once; when ``fully_shard`` is applied to it
+    (or to a module holding it), its shards are filled right there by ``zeroflat.fsdp.load``,
+    each rank reading only its own, every parameter object kept, so the optimizer handed to
+    ``prepare`` stays attached and a Trainer's ``resume_from_checkpoint``, loaded after
+    ``prepare``, is never overwritten (``zeroflat._fsdp_pretrained.sharded_later``).
+    ``dtype``, ``threads``, ``cold``, ``copies``, ``storage`` and ``progress`` apply;
+    ``model.zeroflat_report`` holds the load's report once it ran. Not with
+    ``distributed_config`` (which shards at load time) nor with FSDP's
+    ``cpu_ram_efficient_loading`` (refused when the model is sharded: zeroflat's load is that).
+
     ``zero3``: DeepSpeed ZeRO-3. ``"auto"`` (the default) loads for ZeRO-3 when Transformers
     would build the model inside ``zero.Init``: a live ``HfDeepSpeedConfig`` whose config says
     stage 3 (``TrainingArguments(deepspeed=...)`` made before the load;
@@ -151,6 +166,16 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], process_gro
     before DeepSpeed makes anything (NotImplementedError)."""
     from transformers import AutoConfig
 
+    bool_option("fsdp2", fsdp2)
+    if fsdp2:
+        if distributed_config is not None:
+            raise ValueError("fsdp2=True leaves the sharding to FSDP2 where your framework applies "
+                             "it; distributed_config shards at load time: pass one of them")
+        from . import _fsdp_pretrained
+
+        return _fsdp_pretrained.sharded_later(
+            model_class, path, dtype=dtype, threads=threads, cold=cold, copies=copies,
+            storage=storage, progress=progress, **from_config_kwargs)
     if distributed_config is not None and _processes(distributed_config) > 1:
         from . import _fsdp_pretrained
 
