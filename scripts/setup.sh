@@ -67,7 +67,7 @@ if [[ "${ZEROFLAT_NO_PYTHON:-0}" != 1 ]]; then
     log "making the Python environment $venv"
     /usr/bin/python3 -m venv "$venv"
   fi
-  if ! "$venv/bin/python" -c "import importlib.metadata as m; [m.version(p) for p in ('torch', 'pytest', 'scikit-build-core', 'deepspeed', 'transformers', 'accelerate')]" 2>/dev/null; then
+  if ! "$venv/bin/python" -c "import importlib.metadata as m; [m.version(p) for p in ('torch', 'pytest', 'scikit-build-core', 'deepspeed', 'transformers', 'accelerate', 'zstandard')]" 2>/dev/null; then
     log "installing torch, DeepSpeed, Transformers and the test tools into $venv (pip; the torch wheel is large)"
     "$venv/bin/python" -m pip install -q --upgrade pip >&2
     "$venv/bin/python" -m pip install -q -r "$here/python/requirements.txt" >&2

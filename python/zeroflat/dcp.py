@@ -11,6 +11,12 @@ of checkpoint:
     from torch.distributed.checkpoint import load
     load(state_dict, storage_reader=zeroflat.dcp.Reader(path))
 
+or, for the readers that DCP, the Trainer, accelerate and torchtitan construct themselves,
+``zeroflat.dcp.install()`` (or ``with zeroflat.dcp.installed(): ...``): every
+``FileSystemReader`` and ``HuggingFaceStorageReader`` made while it is in place reads through
+``Reader``, and hands back to DCP's own what it does not serve (a checkpoint saved through DCP's
+stream transforms), with one warning; ``zeroflat.dcp.stats`` counts both.
+
 Each rank's requests (DCP's load planner asks for the part of each saved chunk its local
 shards overlap) become one batch of exact byte ranges, read in parallel by the library's reader
 (``_C.Checkpoint.read_boxes``: one pread per row run, neighbours merged, converted to the
@@ -37,11 +43,15 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
-from . import _C
+import contextlib
+import logging
+import threading
+
+from . import _C, _patches
 from ._comm import raise_agreed
 from ._common import DTYPES, FILE_DTYPES as _DTYPES, native_path
 
-__all__ = ["Reader"]
+__all__ = ["Reader", "install", "installed", "uninstall", "is_installed", "stats"]
 
 # The key under which a load plan carries the number of loading ranks (prepare_global_plan).
 _RANKS = "zeroflat_ranks"
@@ -372,3 +382,163 @@ class Reader(StorageReader):
         buf.seek(0)
         self.bytes_read += self._value_bytes.get(fqn, 0)
         return buf
+
+
+# ---- the install: the readers DCP and its callers construct --------------------------------------
+
+log = logging.getLogger("zeroflat.dcp")
+
+# What the installed readers did since the process started: loads served by zeroflat, loads
+# handed back to DCP's own reader, and why each was handed back.
+stats = {"served": 0, "handed_back": 0, "handed_back_reasons": []}
+
+_lock = threading.RLock()
+_applied: Optional[_patches.Applied] = None
+_warned: set = set()
+# What Reader refuses that DCP's own reader reads, and so is handed back to it: the restricted
+# reader has parsed the whole index first (only allow-listed classes), so what DCP then
+# unpickles is such an index.
+_HANDED_BACK = ("DCP's stream transforms",)
+
+
+def _installed_class(base: type, reader_args) -> type:
+    """``base`` (DCP's FileSystemReader or HuggingFaceStorageReader) reading through ``Reader``:
+    a subclass (isinstance checks still hold) that decides at the load's first call whether
+    zeroflat serves the checkpoint, and otherwise runs ``base``'s own methods."""
+
+    class Installed(base):  # type: ignore[misc, valid-type]
+        __doc__ = (f"DCP's {base.__name__} while zeroflat.dcp.install() is in place: reads "
+                   "through zeroflat.dcp.Reader, or hands back to DCP's own what it does not "
+                   "serve.")
+
+        def __init__(self, path, *args, **kwargs):
+            super().__init__(path, *args, **kwargs)
+            self._zeroflat = Reader(path, **reader_args(*args, **kwargs))
+            self._served: Optional[bool] = None
+
+        def reset(self, checkpoint_id=None) -> None:
+            super().reset(checkpoint_id)
+            self._zeroflat.reset(checkpoint_id)
+            self._served = None
+
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            if self._served is None:
+                try:
+                    metadata = self._zeroflat.read_metadata(*args, **kwargs)
+                except ValueError as e:
+                    if not any(words in str(e) for words in _HANDED_BACK):
+                        raise
+                    self._hand_back(str(e))
+                    return super().read_metadata(*args, **kwargs)
+                self._serve()
+                return metadata
+            if self._served:
+                return self._zeroflat.read_metadata(*args, **kwargs)
+            return super().read_metadata(*args, **kwargs)
+
+        def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
+            if self._served is None:  # a rank given the metadata, not reading it
+                if any(getattr(info, "transform_descriptors", None)
+                       for info in (metadata.storage_data or {}).values()
+                       if not isinstance(info, str)):
+                    self._hand_back("the checkpoint was saved through DCP's stream transforms")
+                else:
+                    self._serve()
+            if self._served:
+                self._zeroflat.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            else:
+                super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+        def prepare_local_plan(self, plan):
+            return (self._zeroflat if self._served else super()).prepare_local_plan(plan)
+
+        def prepare_global_plan(self, plans):
+            return (self._zeroflat if self._served else super()).prepare_global_plan(plans)
+
+        def read_data(self, plan, planner):
+            return (self._zeroflat if self._served else super()).read_data(plan, planner)
+
+        @property
+        def bytes_read(self) -> int:
+            return self._zeroflat.bytes_read
+
+        def _serve(self) -> None:
+            self._served = True
+            with _lock:
+                stats["served"] += 1
+
+        def _hand_back(self, why: str) -> None:
+            self._served = False
+            reason = f"{self.path}: {why}"
+            with _lock:
+                stats["handed_back"] += 1
+                stats["handed_back_reasons"].append(reason)
+                first = why not in _warned
+                _warned.add(why)
+            if first:
+                log.warning("zeroflat.dcp: handed back to DCP's own %s: %s", base.__name__,
+                            reason)
+
+    Installed.__name__ = Installed.__qualname__ = base.__name__
+    Installed.__module__ = __name__
+    return Installed
+
+
+def _patches_now() -> List[_patches.Patch]:
+    from torch.distributed.checkpoint import filesystem
+
+    fs = _installed_class(filesystem.FileSystemReader, lambda *a, **k: {})
+    out = [_patches.Patch(owner, "FileSystemReader", value=fs, optional=optional)
+           for owner, optional in (("torch.distributed.checkpoint", False),
+                                   ("torch.distributed.checkpoint.filesystem", False),
+                                   ("torch.distributed.checkpoint._storage_utils", True),
+                                   ("torch.distributed.checkpoint.format_utils", True))]
+    try:
+        from torch.distributed.checkpoint import hf_storage
+    except ImportError:  # a torch without DCP's Hugging Face reader
+        return out
+    hf = _installed_class(hf_storage.HuggingFaceStorageReader,
+                          lambda thread_count=1, *a, **k: {})
+    out += [_patches.Patch(owner, "HuggingFaceStorageReader", value=hf, optional=True)
+            for owner in ("torch.distributed.checkpoint",
+                          "torch.distributed.checkpoint.hf_storage")]
+    return out
+
+
+def install() -> None:
+    """Makes the readers DCP and its callers construct zeroflat's: ``FileSystemReader`` (what
+    ``dcp.load(state_dict, checkpoint_id=...)`` makes, and the Trainer's and accelerate's FSDP
+    checkpoints, ``load_state``, and torchtitan use) and ``HuggingFaceStorageReader``. Each
+    reads through ``Reader``, or, for a checkpoint it does not serve (saved through DCP's stream
+    transforms), hands back to DCP's own reader with one warning; ``stats`` counts both. The
+    readers are subclasses of DCP's own (``isinstance`` holds). Installing twice is harmless;
+    nothing is patched at import (docs/patches.md)."""
+    global _applied
+    with _lock:
+        if _applied is None:
+            _applied = _patches.apply(_patches_now())
+
+
+def uninstall() -> None:
+    """Puts DCP's readers back. Harmless when not installed."""
+    global _applied
+    with _lock:
+        if _applied is not None:
+            _patches.restore(_applied)
+            _applied = None
+
+
+def is_installed() -> bool:
+    return _applied is not None
+
+
+@contextlib.contextmanager
+def installed():
+    """``with zeroflat.dcp.installed(): trainer.train(resume_from_checkpoint=...)``"""
+    was = is_installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()
