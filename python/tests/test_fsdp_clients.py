@@ -105,26 +105,43 @@ def _trainer(case, path, out):
     import zeroflat.fsdp
     import zeroflat.hf
 
+    from transformers import DistributedConfig
+
     model_kind = case["model"]
-    if model_kind == "plain":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    elif model_kind == "zeroflat":
-        model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, fsdp2=True,
-                                            dtype=torch.float32)
-    else:  # "random": the callback loads
-        model = _random_model(path)
+    try:
+        if model_kind == "plain":
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        elif model_kind == "zeroflat":
+            model = zeroflat.hf.from_pretrained(AutoModelForCausalLM, path, fsdp2=True,
+                                                dtype=torch.float32)
+        elif model_kind == "sharded_at_load":  # Transformers' own distributed_config
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=WORLD))
+        elif model_kind == "zeroflat_sharded_at_load":
+            model = zeroflat.hf.from_pretrained(
+                AutoModelForCausalLM, path, dtype=torch.float32,
+                distributed_config=DistributedConfig(fsdp_size=WORLD))
+        else:  # "random": the callback loads
+            model = _random_model(path)
+    except Exception as e:  # noqa: BLE001 - the words are the result
+        return {"error": f"{type(e).__name__}: {e}"}
     callbacks = []
     if case.get("callback"):
         class LoadPretrained(TrainerCallback):
             def on_train_begin(self, args, state, control, model=None, **kwargs):
                 zeroflat.fsdp.load(model, path)
         callbacks.append(LoadPretrained())
-    args = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=2, max_steps=STEPS, save_steps=2,
-        save_strategy="steps", report_to=[], logging_steps=1, seed=0, data_seed=0,
-        use_cpu=True, fsdp=True,
-        fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"})
-    trainer = Trainer(model=model, args=args, train_dataset=_data(), callbacks=callbacks)
+    fsdp = {} if case.get("no_fsdp") else {
+        "fsdp": True, "fsdp_config": {"version": 2, "state_dict_type": "SHARDED_STATE_DICT",
+                                      **case.get("fsdp_config", {})}}
+    try:
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=2, max_steps=STEPS, save_steps=2,
+            save_strategy=case.get("save", "steps"), report_to=[], logging_steps=1, seed=0,
+            data_seed=0, use_cpu=True, **fsdp)
+        trainer = Trainer(model=model, args=args, train_dataset=_data(), callbacks=callbacks)
+    except Exception as e:  # noqa: BLE001 - the words are the result
+        return {"error": f"{type(e).__name__}: {e}"}
     if case.get("dcp"):
         zeroflat.dcp.install()
     before = dict(zeroflat.dcp.stats)
@@ -444,3 +461,35 @@ def test_a_model_waiting_for_fsdp2_says_so(checkpoint):
         zeroflat.hf.from_pretrained(AutoModelForCausalLM, checkpoint, fsdp2=True,
                                     distributed_config=DistributedConfig(fsdp_size=2))
     del model
+
+
+def test_the_trainer_and_models_sharded_at_load_time_or_on_broadcast(checkpoint, tmp_path):
+    """The ways that do not combine, each as Transformers' own: a model sharded at load time
+    (distributed_config) trains under a Trainer without fsdp arguments, equal to Transformers'
+    own such model, and both are refused checkpoints with optimizer state in the same words;
+    with the Trainer's fsdp arguments both are refused by accelerate in the same words
+    (python.md: use fsdp2=True). fsdp2=True with cpu_ram_efficient_loading is refused, saying
+    to leave it off."""
+    cases = [
+        {"kind": "trainer", "model": "sharded_at_load", "out": "own", "no_fsdp": True,
+         "save": "no"},
+        {"kind": "trainer", "model": "zeroflat_sharded_at_load", "out": "ours", "no_fsdp": True,
+         "save": "no"},
+        {"kind": "trainer", "model": "sharded_at_load", "out": "own_saves", "no_fsdp": True},
+        {"kind": "trainer", "model": "zeroflat_sharded_at_load", "out": "ours_saves",
+         "no_fsdp": True},
+        {"kind": "trainer", "model": "sharded_at_load", "out": "own_fsdp", "save": "no"},
+        {"kind": "trainer", "model": "zeroflat_sharded_at_load", "out": "ours_fsdp",
+         "save": "no"},
+        {"kind": "trainer", "model": "zeroflat", "out": "broadcast", "save": "no",
+         "fsdp_config": {"cpu_ram_efficient_loading": True}},
+    ]
+    own, ours, own_saves, ours_saves, own_fsdp, ours_fsdp, broadcast = run(
+        cases, checkpoint, str(tmp_path))
+    _equal(ours, own, "distributed_config without the Trainer's fsdp arguments")
+    for theirs, mine, what in ((own_saves, ours_saves, "checkpoints"),
+                               (own_fsdp, ours_fsdp, "the Trainer's fsdp arguments")):
+        for r, (t, m) in enumerate(zip(theirs, mine)):
+            assert "error" in t and "error" in m, (what, r, t, m)
+            assert t["error"] == m["error"], (what, r, t["error"], m["error"])
+    _refused(broadcast, ["cpu_ram_efficient_loading", "leave"], "cpu_ram_efficient_loading")

@@ -268,11 +268,25 @@ def _fill(model: torch.nn.Module) -> None:
 def _refuse_broadcast_loading() -> None:
     """accelerate's cpu_ram_efficient_loading has its first rank broadcast the weights it loaded
     after FSDP2 shards the model; a model of fsdp2=True has none to broadcast."""
-    flag = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "")
-    if flag.strip().lower() in ("1", "true", "yes"):
+    if _broadcast_loading():
         raise InvalidArgument(
             "zeroflat.hf.from_pretrained(..., fsdp2=True) fills every rank's shards itself, and "
             "FSDP's cpu_ram_efficient_loading would then broadcast the first rank's weights over "
             "them from a model that never held any: leave cpu_ram_efficient_loading off "
             "(fsdp_config / FSDP plugin): zeroflat's load is already that, each rank reading "
             "only its shards")
+
+
+def _broadcast_loading() -> bool:
+    """Whether the FSDP plugin in use (accelerate's, live while it prepares the model; else the
+    environment the Trainer's arguments and the plugin set) has cpu_ram_efficient_loading on."""
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:
+        AcceleratorState = None
+    if AcceleratorState is not None and AcceleratorState._shared_state:
+        plugin = getattr(AcceleratorState(), "fsdp_plugin", None)
+        if plugin is not None:
+            return bool(getattr(plugin, "cpu_ram_efficient_loading", False))
+    flag = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "")
+    return flag.strip().lower() in ("1", "true", "yes")
