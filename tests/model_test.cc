@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include "model/tiling.h"
 #include "zeroflat/error.h"
 
 namespace zeroflat {
@@ -211,3 +212,90 @@ TEST(ModelSpecSizes, NumelSaturatesAndBytesThatDoNotFitAreRefused) {
 
 }  // namespace
 }  // namespace zeroflat
+
+// ---- tiling_problem: a tensor's chunks or pieces, no two sharing an element -------------------
+
+namespace {
+
+struct Boxes {
+  std::vector<zeroflat::Shape> offsets, sizes;
+  void add(zeroflat::Shape o, zeroflat::Shape s) {
+    offsets.push_back(std::move(o));
+    sizes.push_back(std::move(s));
+  }
+  std::vector<zeroflat::detail::Box> view() const {
+    std::vector<zeroflat::detail::Box> out;
+    for (std::size_t i = 0; i < offsets.size(); ++i) out.push_back({&offsets[i], &sizes[i]});
+    return out;
+  }
+};
+
+}  // namespace
+
+TEST(Tiling, AGridOfChunksTilesAndAMovedChunkOverlapsOrLeavesAHole) {
+  Boxes b;  // a 6 x 8 tensor cut 3 x 2, as Shard(0) and Shard(1) of a 3 x 2 mesh cut it
+  for (std::int64_t r = 0; r < 3; ++r)
+    for (std::int64_t c = 0; c < 2; ++c) b.add({2 * r, 4 * c}, {2, 4});
+  auto p = zeroflat::detail::tiling_problem(b.view(), {6, 8}, true);
+  EXPECT_TRUE(p.ok());
+  EXPECT_EQ(p.covered, 48u);
+  b.offsets[4] = {2, 4};  // moved onto chunk 3
+  p = zeroflat::detail::tiling_problem(b.view(), {6, 8}, true);
+  EXPECT_TRUE(p.overlap);
+  EXPECT_EQ(p.a, 3u);
+  EXPECT_EQ(p.b, 4u);
+  b.offsets[4] = {4, 0};
+  b.offsets[5] = {0, 4};  // chunk 5 onto chunk 1 as well: overlap at once
+  EXPECT_TRUE(zeroflat::detail::tiling_problem(b.view(), {6, 8}, true).overlap);
+  Boxes hole;  // one chunk left out: no overlap, 40 of 48 elements
+  for (std::int64_t r = 0; r < 3; ++r)
+    for (std::int64_t c = 0; c < 2; ++c)
+      if (r != 1 || c != 1) hole.add({2 * r, 4 * c}, {2, 4});
+  hole.add({2, 4}, {0, 4});  // an empty chunk shares nothing
+  p = zeroflat::detail::tiling_problem(hole.view(), {6, 8}, true);
+  EXPECT_FALSE(p.overlap);
+  EXPECT_EQ(p.covered, 40u);
+  EXPECT_FALSE(p.ok());
+}
+
+TEST(Tiling, OverlapsFoundOffTheGridInTwoAndThreeDimensions) {
+  Boxes b;  // uneven boxes whose cut points make a large grid: the sweep decides
+  b.add({0, 0}, {5, 1});
+  b.add({1, 1}, {1, 7});
+  b.add({3, 2}, {4, 1});
+  b.add({4, 0}, {1, 2});  // shares (4, 0) with box 0
+  auto p = zeroflat::detail::tiling_problem(b.view(), {8, 8}, false);
+  EXPECT_TRUE(p.overlap);
+  EXPECT_EQ(p.a, 0u);
+  EXPECT_EQ(p.b, 3u);
+  b.offsets[3] = {5, 0};
+  EXPECT_FALSE(zeroflat::detail::tiling_problem(b.view(), {8, 8}, false).overlap);
+  Boxes c;
+  c.add({0, 0, 0}, {2, 2, 2});
+  c.add({1, 1, 1}, {1, 1, 1});
+  p = zeroflat::detail::tiling_problem(c.view(), {3, 3, 3}, false);
+  EXPECT_TRUE(p.overlap);
+  Boxes z;  // a 0-d tensor: two chunks of its one element
+  z.add({}, {});
+  z.add({}, {});
+  EXPECT_TRUE(zeroflat::detail::tiling_problem(z.view(), {}, true).overlap);
+}
+
+TEST(Tiling, AStaircaseOfAMillionChunksIsCheckedInNLogN) {
+  // Chunk i holds [i, n) x [i, i + 1): apart from every other, yet each spans all the later ones
+  // along the first dimension and none lines up (a grid of n^2 cells): a pairwise check is
+  // quadratic (10^12 comparisons); the sweep takes a logarithm per chunk.
+  constexpr std::int64_t n = 1000000;
+  Boxes b;
+  b.offsets.reserve(n);
+  b.sizes.reserve(n);
+  for (std::int64_t i = 0; i < n; ++i) b.add({i, i}, {n - i, 1});
+  const auto p = zeroflat::detail::tiling_problem(b.view(), {n, n}, false);
+  EXPECT_FALSE(p.overlap);
+  EXPECT_FALSE(p.too_many);
+  b.offsets[n - 1] = {n - 2, n - 2};  // now inside chunk n - 2
+  b.sizes[n - 1] = {1, 1};
+  const auto q = zeroflat::detail::tiling_problem(b.view(), {n, n}, false);
+  EXPECT_TRUE(q.overlap);
+  EXPECT_EQ(q.b, static_cast<std::size_t>(n - 1));
+}

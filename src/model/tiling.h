@@ -24,15 +24,19 @@ struct TilingProblem {
   std::size_t a = 0, b = 0;
   std::uint64_t covered = 0;  // elements the boxes hold together
   std::uint64_t total = 0;    // elements of the whole (saturated at 2^64 - 1)
-  bool ok() const { return !overlap && covered == total; }
+  bool too_many = false;      // no grid, more than 3 dimensions, too many pairs to compare
+  bool ok() const { return !overlap && !too_many && covered == total; }
 };
 
 // Whether `boxes` (each of whole.size() dimensions, offsets and sizes in [0, 2^62), none
 // reaching past `whole`, checked by the caller) overlap and, where `cover`, hold each element of
-// `whole` once (else `covered` is set to `total`: only overlaps count). k boxes cost k log k when
-// they are cut along one dimension, as FSDP2's Shard(d) cuts them: sorted by their offset along
-// the dimension with the most distinct offsets, only boxes that start before one ends along it
-// are compared with it.
+// `whole` once (else `covered` is set to `total`: only overlaps count). Boxes with no element
+// overlap nothing. Time n log n for n boxes whatever their layout in one or two dimensions: on
+// the grid their cut points make, where it has at most 4 cells per box (the chunks of any save,
+// in any number of dimensions), each box marks its cells; else a sweep along one dimension with
+// the boxes spanning it kept in an ordered map (two dimensions: a staircase of a million chunks
+// included). With three or more dimensions and no such grid, at most 2^26 pairs are compared
+// and `too_many` is set past them (no save makes such an index).
 TilingProblem tiling_problem(const std::vector<Box>& boxes, const Shape& whole, bool cover);
 
 // Every name's pieces in an index opened with pieces (tensors sorted, empty pieces dropped): one

@@ -183,6 +183,11 @@ void check_chunks_tile(const Walker& w, const std::string& where, const DcpItem&
     throw w.fail(where, "its chunks at offsets " + offsets_text(item.chunks[p.a].offsets) +
                             " and " + offsets_text(item.chunks[p.b].offsets) + " overlap");
   }
+  if (p.too_many) {
+    throw w.fail(where, "its " + std::to_string(item.chunks.size()) +
+                            " chunks form no grid and are too many to check for overlap (no "
+                            "save places chunks so)");
+  }
   if (!p.ok()) {
     throw w.fail(where, "its chunks hold " + std::to_string(p.covered) + " of its " +
                             std::to_string(p.total) +
