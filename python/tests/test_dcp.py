@@ -442,7 +442,7 @@ def test_a_global_of_torch_save_files_is_refused_in_an_index(single):
     md.storage_meta.modules = [OrderedDict(a=1)]
     _rewrite(single, md)
     with pytest.raises(BaseException, match=r"collections OrderedDict' is allowed in torch.save files "
-                                        r"only, not in DCP .metadata"):
+                                        r"and DCP values only, not in DCP .metadata"):
         _C.DcpCheckpoint(single)
 
 
@@ -463,6 +463,46 @@ def test_a_value_naming_code_is_refused_before_anything_is_written(single, tmp_p
     with pytest.raises(BaseException, match=r"posix system.*not on the allow-list"):
         _load_single(single)
     assert not marker.exists()
+
+
+def test_a_value_naming_deepspeeds_classes_is_refused_in_a_dcp_file(single, tmp_path):
+    """DeepSpeed's rows of the allow-list are its checkpoints' only: a DCP bytes item holding a
+    LossScaler is refused, nothing of DeepSpeed imported or made, the model unchanged; an
+    object's saved attributes may not name Python's own machinery (__getattr__, __reduce_ex__,
+    ...), in any file."""
+    import io
+    import subprocess
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from zeroflat import _C
+
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    buf = io.BytesIO()
+    torch.save({"lr": loss_scaler.LossScaler(1.0)}, buf)
+    with open(os.path.join(single, "extra.distcp"), "wb") as f:
+        f.write(buf.getvalue())
+    md = _metadata(single)
+    info = md.storage_data[MetadataIndex("optim.param_groups.0.lr")]
+    info.relative_path, info.offset, info.length = "extra.distcp", 0, len(buf.getvalue())
+    _rewrite(single, md)
+    with pytest.raises(BaseException, match=r"LossScaler' is allowed in torch\.save files only, "
+                                            r"not in DCP values"):
+        _load_single(single)
+    # In a fresh process: the refusal imports nothing of DeepSpeed.
+    code = ("import sys, zeroflat._C as C\n"
+            f"ck = C.DcpCheckpoint({single!r})\n"
+            "try:\n    ck.value('optim.param_groups.0.lr')\nexcept Exception as e:\n"
+            "    print('refused', 'LossScaler' in str(e))\n"
+            "print('deepspeed' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["refused", "True", "False"], (r.stdout, r.stderr[-2000:])
+    scaler = loss_scaler.LossScaler(1.0)
+    scaler.__dict__["__getattr__"] = 5
+    path = tmp_path / "scaler.pt"
+    torch.save({"loss_scaler": scaler}, path)
+    with pytest.raises(BaseException, match=r"sets '__getattr__', a name of Python's own"):
+        _C.TorchFile(str(path))
 
 
 @pytest.mark.parametrize("case", ["outside", "past_end", "dtype", "shape", "missing_entry",
@@ -547,8 +587,10 @@ def test_a_row_of_dcps_index_is_refused_in_a_torch_save_file(tmp_path):
         _C.TorchFile(str(path))
     rows = {(m, n): where for m, n, _, _, _, where in _C.allowed_globals()}
     assert rows[("torch.distributed.checkpoint.metadata", "Metadata")] == "DCP .metadata"
-    assert rows[("torch._utils", "_rebuild_tensor_v2")] == "torch.save files"
-    assert rows[("torch", "Size")] == "torch.save files and DCP .metadata"
+    assert rows[("torch._utils", "_rebuild_tensor_v2")] == "torch.save files and DCP values"
+    assert rows[("torch", "Size")] == "torch.save files, DCP .metadata and DCP values"
+    # DeepSpeed's classes: its checkpoints only (one allow-list per format).
+    assert rows[("deepspeed.runtime.fp16.loss_scaler", "LossScaler")] == "torch.save files"
 
 
 def _cli(*args):

@@ -19,7 +19,9 @@ namespace {
 
 using R = GlobalRole;
 
-constexpr unsigned kBoth = kTorchSave | kDcpMetadata;
+constexpr unsigned kAll = kTorchSave | kDcpValue | kDcpMetadata;
+// DeepSpeed's own classes: its checkpoints only, never a DCP file (one allow-list per format).
+constexpr unsigned kDeepSpeed = kTorchSave;
 constexpr const char* kDcpModule = "torch.distributed.checkpoint.metadata";
 
 // Every global the machine resolves, where, and why. Nothing else is ever named by a file and
@@ -47,7 +49,7 @@ constexpr AllowedGlobal kAllowed[] = {
     {"torch", "BoolStorage", R::kStorage, "bool", "storage type of bool tensors"},
     {"torch", "UntypedStorage", R::kStorage, "uint8", "a storage saved as itself, in bytes"},
     {"torch", "Size", R::kSize, nullptr, "shapes: DeepSpeed's param_shapes, DCP's sizes",
-     kBoth},
+     kAll},
     {"torch", "device", R::kDevice, nullptr, "a device named in a saved state"},
     {"collections", "OrderedDict", R::kOrderedDict, nullptr,
      "state dicts, and every tensor's (empty) backward hooks"},
@@ -61,9 +63,9 @@ constexpr AllowedGlobal kAllowed[] = {
     {"__builtin__", "bytes", R::kEncode, nullptr, "empty bytes under protocol 2: bytes()"},
     {"builtins", "bytes", R::kEncode, nullptr, "the same, under protocol 3 and later"},
     {"torch", "float16", R::kValue, nullptr, "a dtype as a value: DynamicLossScaler's dtype",
-     kBoth},
-    {"torch", "bfloat16", R::kValue, nullptr, "a dtype as a value", kBoth},
-    {"torch", "float32", R::kValue, nullptr, "a dtype as a value", kBoth},
+     kAll},
+    {"torch", "bfloat16", R::kValue, nullptr, "a dtype as a value", kAll},
+    {"torch", "float32", R::kValue, nullptr, "a dtype as a value", kAll},
     {"torch", "float64", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
     {"torch", "int64", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
     {"torch", "int32", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
@@ -73,15 +75,16 @@ constexpr AllowedGlobal kAllowed[] = {
     {"torch", "bool", R::kValue, nullptr, "a tensor's dtype in DCP's metadata", kDcpMetadata},
     {"__builtin__", "getattr", R::kGetattr, nullptr,
      "how Python 3.11+ pickles an enum member (protocol 2 names builtins so)"},
-    {"builtins", "getattr", R::kGetattr, nullptr, "the same, under protocol 3 and later", kBoth},
+    {"builtins", "getattr", R::kGetattr, nullptr, "the same, under protocol 3 and later", kAll},
     {"deepspeed.runtime.zero.config", "ZeroStageEnum", R::kEnum, nullptr,
-     "DeepSpeed's zero_stage in every optimizer file"},
+     "DeepSpeed's zero_stage in every optimizer file", kDeepSpeed},
     {"deepspeed.utils.tensor_fragment", "fragment_address", R::kObject, nullptr,
-     "DeepSpeed's param_slice_mappings: each parameter's (numel, start) in a partition"},
+     "DeepSpeed's param_slice_mappings: each parameter's (numel, start) in a partition",
+     kDeepSpeed},
     {"deepspeed.runtime.fp16.loss_scaler", "LossScaler", R::kObject, nullptr,
-     "DeepSpeed's static loss scaler (bf16 and fp32 runs)"},
+     "DeepSpeed's static loss scaler (bf16 and fp32 runs)", kDeepSpeed},
     {"deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler", R::kObject, nullptr,
-     "DeepSpeed's dynamic loss scaler (fp16 runs)"},
+     "DeepSpeed's dynamic loss scaler (fp16 runs)", kDeepSpeed},
     // A DCP checkpoint's index (FileSystemWriter pickles its Metadata): plain dataclasses, read
     // by the library (dcp_checkpoint.h), never made into Python objects from the file.
     {kDcpModule, "Metadata", R::kObject, nullptr, "DCP's index: every item and where it is stored",
@@ -682,6 +685,7 @@ class Machine {
             throw fail(fn + "'s attributes (argument 4) set '" + key.text +
                        "', which replaces the tensor's values with another's");
           }
+          refuse_dunder(key.text, fn + "'s attributes (argument 4)");
         }
         return rebuild_tensor(inner_args, *f);
       }
@@ -876,6 +880,15 @@ class Machine {
     return add(std::move(o));
   }
 
+  // An attribute named __like_this__ is Python's own machinery (__reduce_ex__, __class__,
+  // __dict__): a file's value there would decide what code runs on the object later.
+  void refuse_dunder(const std::string& name, const std::string& where) {
+    if (name.size() >= 4 && name.starts_with("__") && name.ends_with("__")) {
+      throw fail(where + " sets '" + printable(name, 100) + "', a name of Python's own "
+                 "machinery (a value there would choose the code run on the object)");
+    }
+  }
+
   void build(std::uint32_t inst, std::uint32_t state) {
     Node& o = node(inst);
     if (o.kind == NodeKind::kDict && o.tag == "collections.OrderedDict") {
@@ -919,6 +932,14 @@ class Machine {
     if (d.kind != NodeKind::kDict && d.kind != NodeKind::kNone) {
       throw fail("an object's state: expected a dict, found a " +
                  std::string(node_kind_name(d.kind)));
+    }
+    for (std::size_t i = 0; d.kind == NodeKind::kDict && i + 1 < d.items.size(); i += 2) {
+      const Node& key = node(d.items[i]);
+      if (key.kind != NodeKind::kString) {
+        throw fail("the state of '" + global_text(kAllowed[o.ref]) + "': an attribute that is "
+                   "not a name (a " + std::string(node_kind_name(key.kind)) + ")");
+      }
+      refuse_dunder(key.text, "the state of '" + global_text(kAllowed[o.ref]) + "'");
     }
     node(inst).state = d.kind == NodeKind::kDict ? s : kNoNode;
   }
@@ -1259,8 +1280,15 @@ PickleGraph run_pickle(std::span<const unsigned char> data, const std::string& s
 }
 
 const char* scope_name(unsigned scopes) noexcept {
-  if (scopes == kBoth) return "torch.save files and DCP .metadata";
-  return scopes == kDcpMetadata ? "DCP .metadata" : "torch.save files";
+  switch (scopes) {
+    case kTorchSave: return "torch.save files";
+    case kDcpMetadata: return "DCP .metadata";
+    case kDcpValue: return "DCP values";
+    case kTorchSave | kDcpValue: return "torch.save files and DCP values";
+    case kDcpMetadata | kDcpValue: return "DCP .metadata and DCP values";
+    case kTorchSave | kDcpMetadata: return "torch.save files and DCP .metadata";
+    default: return "torch.save files, DCP .metadata and DCP values";
+  }
 }
 
 }  // namespace zeroflat::detail

@@ -35,8 +35,11 @@ enum class GlobalRole : std::uint8_t {
 
 // The files a row may be named in: the scopes run_pickle is asked to read.
 enum Scope : unsigned {
-  kTorchSave = 1,    // torch.save archives' data.pkl (DeepSpeed's checkpoints, DCP's items)
+  kTorchSave = 1,    // torch.save archives' data.pkl (DeepSpeed's checkpoints)
   kDcpMetadata = 2,  // a DCP checkpoint's .metadata (pickle.dump of its Metadata)
+  kDcpValue = 4,     // a DCP bytes item: a torch.save archive inside a .distcp file (an
+                     // optimizer's hyperparameters): plain values and tensors, none of
+                     // DeepSpeed's classes
 };
 
 struct AllowedGlobal {
@@ -45,10 +48,11 @@ struct AllowedGlobal {
   GlobalRole role;
   const char* dtype;   // kStorage: torch's dtype name of its elements
   const char* reason;  // one line: why it is on the list
-  unsigned scopes = kTorchSave;  // where a file may name it
+  unsigned scopes = kTorchSave | kDcpValue;  // where a file may name it
 };
 
-// "torch.save files", "DCP .metadata" or "torch.save files and DCP .metadata".
+// The kinds of file `scopes` names, in words ("torch.save files", "DCP .metadata", "DCP
+// values", joined by "and").
 const char* scope_name(unsigned scopes) noexcept;
 
 // The allow-list: every global the machine resolves. One table, in pickle.cc.

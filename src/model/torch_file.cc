@@ -487,7 +487,8 @@ std::string trim_end(std::string s) {
   return s;
 }
 
-TorchFile parse(const detail::ByteSource& src, const std::string& given) {
+TorchFile parse(const detail::ByteSource& src, const std::string& given,
+                detail::Scope scope = detail::kTorchSave) {
   const std::string file = printable(given, 200);
   TorchFile out;
   out.path = given;
@@ -542,7 +543,7 @@ TorchFile parse(const detail::ByteSource& src, const std::string& given) {
   out.pickle_bytes = data.size();
   const detail::PickleGraph graph = detail::run_pickle(
       std::span(reinterpret_cast<const unsigned char*>(data.data()), data.size()),
-      file + ", entry '" + printable(pkl->name, 200) + "'");
+      file + ", entry '" + printable(pkl->name, 200) + "'", scope);
   out.protocol = graph.protocol;
   out.globals = graph.globals;
   measure(graph, file);
@@ -818,7 +819,7 @@ TorchFile read_torch_window(const File& file, std::uint64_t offset, std::uint64_
   const std::string name = file.path() + " (the item at bytes " + std::to_string(offset) + "+" +
                            std::to_string(length) + ")";
   const WindowSource src(file, offset, length, name);
-  TorchFile out = parse(src, name);
+  TorchFile out = parse(src, name, kDcpValue);  // a DCP item: DCP values' rows only
   out.path = file.path();
   out.stamp = file.stamp();
   for (TorchTensor& t : out.tensors) t.offset += offset;

@@ -10,7 +10,8 @@
 namespace zeroflat::detail {
 
 // Reads the archive at bytes [offset, offset + length) of the open file as read_torch_file
-// reads a whole file (the same checks, the archive's own offsets taken from its first byte).
+// reads a whole file (the same checks, the archive's own offsets taken from its first byte),
+// its pickle by the allow-list's rows for DCP values (none of DeepSpeed's classes).
 // The result's offsets (TorchTensor::offset, TorchStorage::offset) are of the whole file, its
 // path the file's, file_bytes the archive's length, stamp the file's; read_torch_tensor reads
 // its tensors. Throws InvalidArgument naming the file and the byte range.
