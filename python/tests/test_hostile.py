@@ -581,3 +581,31 @@ def test_universal_step_as_a_number_loads_and_a_missing_fp32_is_named(tmp_path_f
     r = cli("inspect", d, "--json")
     assert r.returncode == 2 and "fp32.pt: missing" in r.stderr and victim.name in r.stderr, \
         r.stderr[-800:]
+
+
+def test_an_index_that_leaves_out_a_tensor_its_shard_holds_is_named(tmp_path):
+    """A Hugging Face index that does not list a tensor its shard holds, or places it in another
+    shard: refused naming the shard that holds it, the tensor and the index, for every reader."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from zeroflat import _C
+
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({"a": torch.zeros(4), "b": torch.ones(3)}, str(tmp_path / first),
+              metadata={"format": "pt"})
+    save_file({"c": torch.zeros(2), "d": torch.ones(5)}, str(tmp_path / second),
+              metadata={"format": "pt"})
+    weight_map = {"a": first, "b": first, "c": second}
+    for extra, words in ((None, "which its index model.safetensors.index.json does not list"),
+                         (first, f"which its index model.safetensors.index.json places in "
+                                 f"{first}")):
+        if extra is not None:
+            weight_map["d"] = extra
+        with open(tmp_path / "model.safetensors.index.json", "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+        for pieces in (False, True):
+            with pytest.raises(ValueError) as e:
+                _C.Checkpoint(str(tmp_path), pieces=pieces)
+            assert f"{second} holds tensor 'd', {words}" in str(e.value), str(e.value)

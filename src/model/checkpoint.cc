@@ -295,9 +295,15 @@ CheckpointIndex open_checkpoint(const std::string& path_text, const CheckpointOp
     }
     if (!weight_map.empty()) {
       auto w = weight_map.find(entry.name);
-      if (w == weight_map.end() || w->second != f.filename().string()) {
-        throw InvalidArgument(f.string() + ": tensor '" + printable(entry.name) +
-                              "' is not where the index says it is");
+      if (w == weight_map.end()) {
+        throw InvalidArgument(f.string() + " holds tensor '" + printable(entry.name) +
+                              "', which its index " + printable(index.filename().string()) +
+                              " does not list (an index of another save, or edited?)");
+      }
+      if (w->second != f.filename().string()) {
+        throw InvalidArgument(f.string() + " holds tensor '" + printable(entry.name) +
+                              "', which its index " + printable(index.filename().string()) +
+                              " places in " + printable(w->second, 200));
       }
     }
     out.tensors.push_back(std::move(entry));
