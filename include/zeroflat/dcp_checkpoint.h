@@ -83,6 +83,11 @@ struct DcpCheckpoint {
   std::uint64_t metadata_bytes = 0;
   std::uint64_t tensor_bytes = 0;   // every tensor item's bytes
   std::uint64_t chunks = 0;         // every tensor item's chunks
+  // The save's StorageMeta, where the index holds one: its checkpoint_id (a path saved as a
+  // PosixPath is its text), save_id and modules.
+  bool storage_meta = false;
+  std::optional<std::string> checkpoint_id, save_id;
+  std::vector<std::string> modules;
   // The item of that fqn, or null. O(log n).
   const DcpItem* find(const std::string& fqn) const;
   std::vector<std::uint32_t> by_fqn;  // indices of items sorted by fqn

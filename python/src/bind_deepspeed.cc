@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -282,18 +283,29 @@ void bind_deepspeed(py::module_& m) {
            py::arg("path"), py::arg("index") = ".metadata")
       .def_property_readonly("path", [](const zf::DcpCheckpoint& c) { return os_name(c.dir); })
       .def_readonly("version", &zf::DcpCheckpoint::version)
+      // The save's StorageMeta as (checkpoint_id, save_id, modules), or None.
+      .def_property_readonly("storage_meta",
+                             [](const zf::DcpCheckpoint& c) -> py::object {
+                               if (!c.storage_meta) return py::none();
+                               return py::make_tuple(c.checkpoint_id, c.save_id, c.modules);
+                             })
       .def_property_readonly("files",
                              [](const zf::DcpCheckpoint& c) { return os_names(c.files); })
       .def_readonly("file_bytes", &zf::DcpCheckpoint::file_bytes)
-      // Every item: (fqn, is_bytes, dtype, size, requires_grad, [(offsets, sizes, length)],
-      // planner path or None); dtype is torch's name ("" for bytes items).
+      // Every item: (fqn, is_bytes, dtype, size, requires_grad, [(offsets, sizes, length,
+      // relative path, offset)], planner path or None); dtype is torch's name ("" for bytes
+      // items); each chunk's archive is bytes [offset, offset + length) of the file at its
+      // path relative to the folder.
       .def("items",
            [](const zf::DcpCheckpoint& ck) {
              py::list out;
              for (const zf::DcpItem& it : ck.items) {
                py::list chunks;
                for (const zf::DcpChunk& c : it.chunks) {
-                 chunks.append(py::make_tuple(c.offsets, c.sizes, c.length));
+                 chunks.append(py::make_tuple(
+                     c.offsets, c.sizes, c.length,
+                     os_name(std::filesystem::path(ck.files[c.file]).filename().string()),
+                     c.offset));
                }
                py::object path = py::none();
                if (!it.path.empty()) {

@@ -845,6 +845,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("shape", &zf::CheckpointTensor::shape)
       .def_readonly("numel", &zf::CheckpointTensor::numel)
       .def_readonly("bytes", &zf::CheckpointTensor::bytes)
+      .def_readonly("file", &zf::CheckpointTensor::file)  // index into the checkpoint's files
       // Where the tensor starts in its whole and the whole's shape (a checkpoint opened with
       // pieces, checkpoint.h): the origin and its own shape for a tensor stored whole.
       .def_property_readonly("offsets",

@@ -688,3 +688,63 @@ def test_hf_folders_dcp_saved_in_pieces_one_rank_and_a_missing_part(pieces, tmp_
     # both ways to read it.
     with pytest.raises(ValueError, match="consolidate the folder first.*zeroflat.dcp.Reader"):
         _C.Checkpoint(str(pieces))
+
+
+def test_read_metadata_is_dcps_own_but_for_what_nothing_runs_for(tmp_path):
+    """read_metadata gives what FileSystemReader gives: every item, every storage record (the
+    file, offset and length of each saved item, keyed as the save keyed it, the chunk's index
+    too), the save's storage_meta (save_id, modules) with this reader's own load_id, made at
+    construction and again at each reset; checkpoint_id is the path. The one difference on
+    purpose: a checkpoint_id saved as a path comes back as its text."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import zeroflat.dcp
+
+    path = str(tmp_path / "ck")
+    dcp.save({"w": torch.randn(8, 4), "b": torch.randn(3).bfloat16(), "step": 3},
+             checkpoint_id=path)
+    theirs = FileSystemReader(path).read_metadata()
+    reader = zeroflat.dcp.Reader(path)
+    first = reader.load_id
+    ours = reader.read_metadata()
+
+    def keyed(md):
+        return {(k.fqn, None if k.offset is None else tuple(k.offset), k.index): v
+                for k, v in md.storage_data.items()}
+    assert keyed(ours) == keyed(theirs)
+    assert ours.state_dict_metadata.keys() == theirs.state_dict_metadata.keys()
+    assert ours.storage_meta.save_id == theirs.storage_meta.save_id is not None
+    assert ours.storage_meta.modules == theirs.storage_meta.modules
+    assert str(ours.storage_meta.checkpoint_id) == str(theirs.storage_meta.checkpoint_id)
+    assert ours.storage_meta.load_id == first and first
+    reader.reset()
+    assert reader.load_id != first and reader.read_metadata().storage_meta.load_id == reader.load_id
+    assert reader.checkpoint_id == path
+
+
+def test_an_index_of_older_torch_naming_sharded_tensors_tensor_properties_loads(single):
+    """Indexes saved by torch releases before DCP had its own TensorProperties name the one of
+    torch.distributed._shard.sharded_tensor.metadata (and its MEM_FORMAT_ENCODING): read as
+    DCP's own reader reads them (its compatibility test loads such a checkpoint)."""
+    from torch.distributed._shard.sharded_tensor import metadata as old
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = _metadata(single)
+    for item in md.state_dict_metadata.values():
+        if isinstance(item, TensorStorageMetadata):
+            p = item.properties
+            item.properties = old.TensorProperties(dtype=p.dtype, layout=p.layout,
+                                                   requires_grad=p.requires_grad,
+                                                   memory_format=p.memory_format,
+                                                   pin_memory=p.pin_memory)
+    _rewrite(single, md)
+    with open(os.path.join(single, ".metadata"), "rb") as f:
+        assert b"sharded_tensor.metadata" in f.read()
+    ours = _load_single(single)
+    torch.manual_seed(4)
+    theirs = Net()
+    msd, osd = get_state_dict(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2))
+    dcp.load({"model": msd, "optim": osd}, storage_reader=dcp.FileSystemReader(single),
+             no_dist=True)
+    for (n, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        assert torch.equal(a, b), n

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import uuid
 
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -41,6 +42,7 @@ from torch.futures import Future
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                    Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 import contextlib
@@ -61,6 +63,20 @@ _MEMBERS = "zeroflat_members"
 # The loading ranks' own gloo groups for the agreement, by their global ranks (a group of fewer
 # ranks than the job; made once, by those ranks alone).
 _GROUPS: Dict[Tuple[int, ...], object] = {}
+try:  # HuggingFaceStorageReader's record of a piece (torch 2.8 and later)
+    from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+except ImportError:  # an older torch: the same fields
+    @dataclasses.dataclass
+    class _HFStorageInfo:  # type: ignore[no-redef]
+        relative_path: str
+        shape: torch.Size
+        dtype: torch.dtype
+
+
+def _new_id() -> str:
+    return str(uuid.uuid4())
+
+
 # torch's dtype names a DCP index may give (the library checked them against its list).
 _TORCH_DTYPES = {str(d).split(".")[-1]: d for d in _DTYPES.values()}
 
@@ -93,7 +109,9 @@ class Reader(StorageReader):
         # DCP: (fqn, chunk offsets or None for a bytes item) -> chunk index in the item.
         self._chunk_of: Dict[Tuple[str, Optional[Tuple[int, ...]]], int] = {}
         self._value_bytes: Dict[str, int] = {}  # DCP: a bytes item's length in its file
-        self.load_id: Optional[str] = None
+        # This load's id, handed to the planner in the metadata's storage_meta, as DCP's
+        # readers make one: at construction and at each reset.
+        self.load_id: str = _new_id()
         self.bytes_read = 0
 
     # --- StorageReader ------------------------------------------------------------------------
@@ -103,8 +121,13 @@ class Reader(StorageReader):
             self.path = os.fspath(checkpoint_id)
             self._ck = self._dcp = None
             self._index = ".metadata"
-        self.load_id = str(checkpoint_id) if checkpoint_id is not None else None
+        self.load_id = _new_id()
         self.bytes_read = 0
+
+    @property
+    def checkpoint_id(self) -> Union[str, os.PathLike]:
+        """The checkpoint this reader reads (its path), as DCP's readers name it."""
+        return self.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
@@ -152,7 +175,9 @@ class Reader(StorageReader):
                 f"{self.path}: no .metadata, only ranks' own indexes (__<rank>.metadata: a save "
                 "without collectives); DCP's load reads them with rank=")
         metadata = self._dcp_metadata() if self._is_dcp() else self._safetensors_metadata()
-        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def _safetensors_metadata(self) -> Metadata:
@@ -174,7 +199,10 @@ class Reader(StorageReader):
                 tensors[t.name] = TensorStorageMetadata(
                     properties=TensorProperties(dtype=dtype), size=torch.Size(list(t.whole)),
                     chunks=[chunk])
-            storage[MetadataIndex(fqn=t.name, offset=offsets)] = t.name
+            # HuggingFaceStorageReader's record of where each piece is.
+            storage[MetadataIndex(fqn=t.name, offset=offsets)] = _HFStorageInfo(
+                relative_path=os.path.basename(ck.files[t.file]),
+                shape=torch.Size(list(t.shape)), dtype=dtype)
         return Metadata(state_dict_metadata=tensors, storage_data=storage)
 
     def _dcp_metadata(self) -> Metadata:
@@ -185,24 +213,32 @@ class Reader(StorageReader):
         for fqn, is_bytes, dtype, size, requires_grad, chunks, path in ck.items():
             if path is not None:
                 planner[fqn] = path
+            # DCP's own record of where each saved item is (the file, its bytes), keyed as
+            # the save keyed it (the chunk's index in its item too).
             if is_bytes:
                 items[fqn] = BytesStorageMetadata()
-                storage[MetadataIndex(fqn=fqn)] = fqn
+                _, _, length, relative, offset = chunks[0]
+                storage[MetadataIndex(fqn=fqn)] = _StorageInfo(relative, offset, length)
                 self._chunk_of[(fqn, None)] = 0
-                self._value_bytes[fqn] = chunks[0][2]
+                self._value_bytes[fqn] = length
                 continue
             metas = []
-            for i, (offsets, sizes, _) in enumerate(chunks):
+            for i, (offsets, sizes, length, relative, offset) in enumerate(chunks):
                 metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets),
                                                   sizes=torch.Size(sizes)))
-                storage[MetadataIndex(fqn=fqn, offset=torch.Size(offsets))] = fqn
+                storage[MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=i)] = (
+                    _StorageInfo(relative, offset, length))
                 self._chunk_of[(fqn, tuple(offsets))] = i
             items[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=_TORCH_DTYPES[dtype],
                                             requires_grad=requires_grad),
                 size=torch.Size(size), chunks=metas)
+        saved = ck.storage_meta
+        meta = (StorageMeta(checkpoint_id=saved[0], save_id=saved[1],
+                            modules=list(saved[2])) if saved is not None else None)
         return Metadata(state_dict_metadata=items, storage_data=storage,
-                        planner_data=planner or None, version=ck.version or None)
+                        planner_data=planner or None, version=ck.version or None,
+                        storage_meta=meta)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args,
                               **kwargs) -> None:

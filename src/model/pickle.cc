@@ -104,6 +104,12 @@ constexpr AllowedGlobal kAllowed[] = {
      kDcpMetadata},
     {kDcpModule, "_MEM_FORMAT_ENCODING", R::kEnum, nullptr,
      "DCP: TensorProperties' memory format, as a member of this enum", kDcpMetadata},
+    // The same two as torch releases before DCP had its own named them (a checkpoint of then).
+    {"torch.distributed._shard.sharded_tensor.metadata", "TensorProperties", R::kStateObject,
+     nullptr, "DCP: TensorProperties, as older torch releases' indexes name it", kDcpMetadata},
+    {"torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING", R::kEnum,
+     nullptr, "DCP: its memory format, as older torch releases' indexes name the enum",
+     kDcpMetadata},
     {"torch.serialization", "_get_layout", R::kLayout, nullptr,
      "DCP: TensorProperties' layout, only 'torch.strided'", kDcpMetadata},
     {"torch.distributed.checkpoint.filesystem", "_StorageInfo", R::kObject, nullptr,
@@ -1261,7 +1267,8 @@ std::span<const AllowedGlobal> allowed_globals() { return kAllowed; }
 
 std::span<const EnumMember> enum_members(const AllowedGlobal& cls) {
   if (cls.role == R::kEnum && std::string_view(cls.name) == "ZeroStageEnum") return kZeroStages;
-  if (cls.role == R::kEnum && std::string_view(cls.name) == "_MEM_FORMAT_ENCODING") {
+  if (cls.role == R::kEnum && (std::string_view(cls.name) == "_MEM_FORMAT_ENCODING" ||
+                                std::string_view(cls.name) == "MEM_FORMAT_ENCODING")) {
     return kMemFormats;
   }
   return {};

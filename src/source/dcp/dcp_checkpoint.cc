@@ -270,6 +270,29 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
   if (const std::uint32_t v = Walker::get(meta, "version"); !w.is_none(v)) {
     out.version = printable(w.text(v, "version"), 64);
   }
+  // The save's own record (StorageMeta): its checkpoint_id, save_id and modules, as the save
+  // wrote them (DCP's reader hands them on, with its own load_id).
+  if (const std::uint32_t sm = Walker::get(meta, "storage_meta"); !w.is_none(sm)) {
+    const auto m = w.fields(sm, "StorageMeta", "storage_meta");
+    out.storage_meta = true;
+    auto text_or_none = [&](const char* field) -> std::optional<std::string> {
+      const std::uint32_t v = Walker::get(m, field);
+      if (w.is_none(v)) return std::nullopt;
+      return w.text(v, std::string("storage_meta's ") + field);
+    };
+    out.checkpoint_id = text_or_none("checkpoint_id");
+    out.save_id = text_or_none("save_id");
+    if (const std::uint32_t v = Walker::get(m, "modules"); !w.is_none(v)) {
+      const Node& list = w.node(v);
+      if (list.kind != NodeKind::kList && list.kind != NodeKind::kTuple) {
+        throw w.fail("storage_meta's modules", "expected a list of names, found " +
+                                                   w.describe(list));
+      }
+      for (const std::uint32_t x : list.items) {
+        out.modules.push_back(w.text(x, "storage_meta's modules"));
+      }
+    }
+  }
 
   // Every item and its chunks.
   const std::uint32_t sdm = Walker::get(meta, "state_dict_metadata");
@@ -320,7 +343,8 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
     }
     item.requires_grad = w.flag(p[2], where + "'s requires_grad");
     const Node& fmt = w.node(p[3]);
-    if (fmt.kind != NodeKind::kEnum || w.class_of(fmt) != "_MEM_FORMAT_ENCODING") {
+    if (fmt.kind != NodeKind::kEnum || (w.class_of(fmt) != "_MEM_FORMAT_ENCODING" &&
+                                        w.class_of(fmt) != "MEM_FORMAT_ENCODING")) {
       throw w.fail(where, "its memory format is " + w.describe(fmt) + ", not DCP's encoding");
     }
     (void)w.flag(p[4], where + "'s pin_memory");
