@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -1642,6 +1643,63 @@ TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {
       EXPECT_EQ(e[r].find("InvalidArgument"), std::string::npos) << e[r];
     }
   }
+}
+
+}  // namespace
+}  // namespace zeroflat
+
+namespace zeroflat {
+namespace {
+
+// The ring on a simulated device whose host link is slow, from a simulated slow disk: the team
+// reads several windows at once (one thread per window would read at one thread's pace: a
+// window is one piece), and the copies to the device run beside the reads, so that the load
+// takes about the longer of the two, not their sum. Times are slept, not computed: they hold on
+// a loaded machine.
+TEST_F(LoaderTest, TheRingReadsWindowsInParallelAndOverlapsThemWithTheCopies) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  constexpr unsigned kThreads = 4;
+  constexpr double kThreadRead = 4e6;  // bytes per second, each reader thread
+  constexpr std::uint64_t kWindow = 64 << 10;
+  constexpr double kLatency = 0.002;
+  FlattenOptions o = load_options();
+  o.tier = Tier::kLoad;
+  o.read.through_ring = true;
+  o.read.ring_chunk_bytes = kWindow;
+  o.read.ring_depth = 16;
+  o.read.threads = kThreads;
+  o.read.simulated_read_bytes_per_second = kThreadRead;
+  const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
+  const std::uint64_t n = want.size();
+  const std::uint64_t windows = (n + kWindow - 1) / kWindow;
+  ASSERT_GE(windows, 16u);
+  // The link: as slow as the team's reads together, so that neither hides the other.
+  const double link = kThreadRead * kThreads;
+  auto load_seconds = [&](double link_bytes_per_second, double latency) {
+    DeviceOptions d{kThreads};
+    d.link_bytes_per_second = link_bytes_per_second;
+    d.link_latency_seconds = latency;
+    std::unique_ptr<Device> dev = make_device("sim:h100-80gb", d);
+    const auto t0 = std::chrono::steady_clock::now();
+    const FlattenResult res = load_flat_group(ck, params, *dev, nullptr, o);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_TRUE(res.feasible());
+    EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), n), 0);
+    return s;
+  };
+  std::uint64_t file_bytes = 0;
+  for (const CheckpointTensor& t : ck.tensors) file_bytes += t.bytes;
+  const double reads = static_cast<double>(file_bytes) / kThreadRead;  // at one thread's pace
+  const double read_only = load_seconds(0, 0);
+  const double copies = static_cast<double>(windows) * kLatency + static_cast<double>(n) / link;
+  const double both = load_seconds(link, kLatency);
+  // Every thread reading: about a quarter of one thread's time (at most 60% of it).
+  EXPECT_LT(read_only, 0.6 * reads) << "reads " << reads << " s at one thread's pace";
+  // Overlapped: about the longer of the two (at most 80% of their sum).
+  EXPECT_LT(both, 0.8 * (read_only + copies))
+      << "read only " << read_only << " s, copies " << copies << " s, both " << both << " s";
+  EXPECT_GT(both, copies);  // the copies took their time
 }
 
 }  // namespace

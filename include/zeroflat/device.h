@@ -162,6 +162,11 @@ struct DeviceOptions {
   // sim devices only: the host memory of the simulated node, in bytes (shared by its local
   // ranks). None: the preset's node (sim:h100-80gb), else a generic node (hardware.h).
   std::optional<std::uint64_t> node_host_bytes = std::nullopt;
+  // sim devices only: the host-to-device link, simulated: each copy() takes at least
+  // link_latency_seconds + bytes / link_bytes_per_second (the copy waits out the rest), as a
+  // synchronous pinned cudaMemcpy does; 0: copies at host memory speed, no latency.
+  double link_bytes_per_second = 0;
+  double link_latency_seconds = 0;
 };
 
 using DeviceFactory =

@@ -74,9 +74,12 @@ struct ReadOptions {
   // a cold load is measured without root. May differ.
   bool cold = false;
   // The staging ring, for devices the host cannot write: depth chunks of chunk_bytes of pinned
-  // host memory. Must match.
-  std::uint64_t ring_chunk_bytes = std::uint64_t{16} << 20;
-  unsigned ring_depth = 4;
+  // host memory (64 MiB by default). The reader's team fills several chunks at once, each
+  // thread the next part of whatever chunk is in flight, while a copier thread moves each full
+  // chunk to the device: a depth of several times the threads of one rank keeps them all
+  // reading while the copies run (files.h, fill_through_ring). Must match.
+  std::uint64_t ring_chunk_bytes = std::uint64_t{4} << 20;
+  unsigned ring_depth = 16;
   // Testing aid: go through the ring on a host device too. Must match.
   bool through_ring = false;
   // Reader threads; 0: the device's team (default_num_threads of the local ranks). May differ.
@@ -85,6 +88,10 @@ struct ReadOptions {
   CopyCheck copies = CopyCheck::kSampled;
   // Testing aid: this rank's reads fail once this many bytes have been read, as an I/O error.
   std::optional<std::uint64_t> fail_after_bytes;
+  // Testing aid: each reader thread reads at most this many bytes per second (a slow disk,
+  // simulated: the thread waits out the rest of each piece's time); 0: as fast as it can. May
+  // differ.
+  double simulated_read_bytes_per_second = 0;
   // Counts this rank's planned and read bytes as the load runs, for a display on another
   // thread (progress.h); none: not counted. May differ.
   std::shared_ptr<ReadProgress> progress;

@@ -1,6 +1,9 @@
 // The `sim:SIZE` device.
 #include "device/sim_device.h"
 
+#include <chrono>
+#include <thread>
+
 #include <sys/mman.h>
 
 #include "device/host_kernels.h"
@@ -14,7 +17,13 @@ SimDevice::SimDevice(std::string name, const DevicePreset& node, const DeviceOpt
       node_(node),
       capacity_(node.capacity_bytes),
       no_data_(options.no_data),
-      host_(options) {}
+      host_(options),
+      link_bytes_per_second_(options.link_bytes_per_second),
+      link_latency_seconds_(options.link_latency_seconds) {
+  if (!(link_bytes_per_second_ >= 0) || !(link_latency_seconds_ >= 0)) {
+    throw InvalidArgument("a simulated link needs a bandwidth and a latency of at least 0");
+  }
+}
 
 void* SimDevice::map(std::uint64_t num_bytes) {
   if (!no_data_) return host_allocate(num_bytes);
@@ -68,7 +77,16 @@ void SimDevice::release_host(void* ptr, std::uint64_t num_bytes) noexcept {
 }
 
 void SimDevice::copy(void* dst, const void* src, std::uint64_t num_bytes) {
+  const auto t0 = std::chrono::steady_clock::now();
   if (!no_data_) host_.copy(dst, src, num_bytes);
+  if (link_bytes_per_second_ > 0 || link_latency_seconds_ > 0) {
+    const double seconds =
+        link_latency_seconds_ + (link_bytes_per_second_ > 0
+                                     ? static_cast<double>(num_bytes) / link_bytes_per_second_
+                                     : 0.0);
+    std::this_thread::sleep_until(t0 + std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                           std::chrono::duration<double>(seconds)));
+  }
 }
 
 void SimDevice::gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) {

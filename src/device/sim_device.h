@@ -31,7 +31,8 @@ class SimDevice final : public Device {
   // capacity (that is the device's), counted apart.
   void* allocate_host(std::uint64_t num_bytes) override;
   void release_host(void* ptr, std::uint64_t num_bytes) noexcept override;
-  // Without data: copies nothing.
+  // Without data: copies nothing. With a simulated link (DeviceOptions::link_*): takes the
+  // link's latency plus the bytes' time at its bandwidth, at least.
   void copy(void* dst, const void* src, std::uint64_t num_bytes) override;
   // Without data: checks the segments, copies nothing.
   void gather(void* dst, std::uint64_t num_bytes, std::span<const Segment> segments) override;
@@ -52,6 +53,8 @@ class SimDevice final : public Device {
   std::uint64_t capacity_;
   bool no_data_;
   CpuDevice host_;                     // the threads and kernels of the backed mode
+  double link_bytes_per_second_ = 0;   // the simulated host link (0: none)
+  double link_latency_seconds_ = 0;
   void* map(std::uint64_t num_bytes);  // address space or host memory
   void unmap(void* ptr, std::uint64_t num_bytes) noexcept;
   ByteCounter device_bytes_;

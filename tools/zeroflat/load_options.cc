@@ -90,8 +90,11 @@ void add_load_options(Parser& p) {
   p.option("margin", "SIZE", "device bytes the plan never uses", "min(3% of capacity, 1 GiB)");
   p.option("threads", "N", "reader threads per rank", "cores / ranks on this host");
   p.option("ring", "SIZE", "devices the host cannot write: the size of each pinned staging chunk",
-           "16MiB");
-  p.option("ring-depth", "N", "devices the host cannot write: staging chunks in the ring", "4");
+           "4MiB");
+  p.option("ring-depth", "N",
+           "devices the host cannot write: staging chunks in the ring (the threads fill several "
+           "at once while full ones are copied)",
+           "16");
   p.flag("cold",
          "drop the checkpoint's files from the page cache first (posix_fadvise), for "
          "the load and for the ceiling: a cold read without root");

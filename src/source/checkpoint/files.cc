@@ -9,9 +9,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <mutex>
 #include <new>
 #include <thread>
 
@@ -242,13 +245,15 @@ double cached_fraction_of(const CheckpointIndex& ck, const std::vector<Read>& re
 }
 
 Reader::Reader(OpenFiles& files, DType to, unsigned threads,
-               std::optional<std::uint64_t> fail_after, ReadProgress* progress)
+               std::optional<std::uint64_t> fail_after, ReadProgress* progress,
+               double read_bytes_per_second)
     : files_(files),
       to_(to),
       es_(element_size(to)),
       pool_(threads),
       fail_after_(fail_after),
-      progress_(progress) {}
+      progress_(progress),
+      read_bytes_per_second_(read_bytes_per_second) {}
 
 void Reader::fill(unsigned char* dst, std::uint64_t n, const std::vector<Read>& reads) {
   // The gaps first (padding between and after parameters).
@@ -303,31 +308,100 @@ void Reader::run(const std::vector<Piece>& pieces) {
     std::vector<unsigned char> scratch;
     for (std::size_t k = next++; k < pieces.size() && !failed_; k = next++) {
       if (ahead > 0) prefetch(k + ahead);
-      const Piece& p = pieces[k];
-      const Read& r = *p.read;
-      const std::uint64_t fes = element_size(r.from);
-      unsigned char* out = p.base + r.dst + p.skip / fes * es_;
-      unsigned char* into = out;
-      if (r.from != to_) {
-        try {
-          scratch.resize(p.bytes);
-        } catch (const std::bad_alloc&) {
-          fail(OutOfMemory("cannot allocate " + format_bytes(p.bytes) +
-                           " of host scratch to convert " + files_.path(r.file)));
-          return;
+      if (!read_piece(pieces[k], scratch)) return;
+    }
+  });
+}
+
+bool Reader::read_piece(const Piece& p, std::vector<unsigned char>& scratch) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Read& r = *p.read;
+  const std::uint64_t fes = element_size(r.from);
+  unsigned char* out = p.base + r.dst + p.skip / fes * es_;
+  unsigned char* into = out;
+  if (r.from != to_) {
+    try {
+      scratch.resize(p.bytes);
+    } catch (const std::bad_alloc&) {
+      fail(OutOfMemory("cannot allocate " + format_bytes(p.bytes) +
+                       " of host scratch to convert " + files_.path(r.file)));
+      return false;
+    }
+    into = scratch.data();
+  }
+  // The kernel copies into pages it faults in one by one; faulted in first, in one call, they
+  // cost less (prefault_for_write). Only where they are not there yet (three pages sampled, a
+  // microsecond): over resident pages (a reload into a reused buffer, the conversion scratch
+  // after its first piece) the call would cost a tenth of the read's copy for nothing.
+  if (mostly_untouched(into, p.bytes, 3)) prefault_for_write(into, p.bytes);
+  if (!read_exactly(r.file, into, p.bytes, r.src + p.skip)) return false;
+  if (r.from != to_) convert_range(out, to_, into, r.from, p.bytes / fes);
+  bytes_ += p.bytes;
+  if (progress_ != nullptr) progress_->done.fetch_add(p.bytes, std::memory_order_relaxed);
+  if (read_bytes_per_second_ > 0) {  // the simulated slow disk: this piece's time at its pace
+    std::this_thread::sleep_until(
+        t0 + std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(
+                 static_cast<double>(p.bytes) / read_bytes_per_second_)));
+  }
+  return true;
+}
+
+void Reader::fill_windows(std::uint64_t n, const std::vector<Read>& reads, std::uint64_t window,
+                          unsigned char* ring, std::uint64_t depth,
+                          const std::function<void(std::uint64_t)>& open,
+                          const std::function<void(std::uint64_t, std::uint64_t)>& full) {
+  // Every window's reads and pieces up front (window k's pieces land in slot k % depth), in
+  // window order: the team takes them in that order, so window k's pieces are all taken before
+  // any of window k + depth's, whose opening waits for window k's copy: no thread waits for a
+  // window that a waiting thread would have to read.
+  const std::uint64_t windows = window == 0 ? 0 : (n + window - 1) / window;
+  std::vector<std::vector<Read>> in_window(windows);
+  std::vector<Piece> pieces;
+  std::vector<std::uint64_t> window_of;  // of each piece
+  for (std::uint64_t k = 0; k < windows; ++k) {
+    const std::uint64_t lo = k * window, hi = std::min(n, lo + window);
+    in_window[k] = detail::window(reads, lo, hi, es_);
+    const std::size_t before = pieces.size();
+    add_pieces(ring + (k % depth) * window, in_window[k], pieces);
+    if (pieces.size() == before) pieces.push_back(Piece{ring + (k % depth) * window, nullptr, 0, 0});
+    window_of.resize(pieces.size(), k);
+  }
+  std::vector<std::atomic<std::size_t>> left(windows);
+  for (std::uint64_t k = 0; k < windows; ++k) left[k] = 0;
+  for (const std::uint64_t k : window_of) ++left[k];
+  std::vector<std::once_flag> opened(windows);
+  const std::size_t ahead = files_.exact() ? pool_.size() : 0;
+  const auto prefetch = [&](std::size_t k) {
+    if (k >= pieces.size() || pieces[k].read == nullptr) return;
+    files_.ask_ahead(pieces[k].read->file, pieces[k].read->src + pieces[k].skip, pieces[k].bytes);
+  };
+  for (std::size_t k = 0; k < ahead; ++k) prefetch(k);
+  std::atomic<std::size_t> next{0};
+  pool_.run([&](unsigned) {
+    std::vector<unsigned char> scratch;
+    for (std::size_t i = next++; i < pieces.size() && !failed_; i = next++) {
+      if (ahead > 0) prefetch(i + ahead);
+      const std::uint64_t k = window_of[i];
+      const std::uint64_t slot = k % depth;
+      std::call_once(opened[k], [&] {
+        open(slot);
+        if (failed_) return;
+        // The window's gaps (padding between and after parameters) zeroed in its slot.
+        const std::uint64_t len = std::min(window, n - k * window);
+        std::vector<std::pair<std::uint64_t, std::uint64_t>> covered;
+        for (const Read& r : in_window[k]) covered.emplace_back(r.dst, r.dst + dst_bytes(r, es_));
+        std::sort(covered.begin(), covered.end());
+        unsigned char* base = ring + slot * window;
+        std::uint64_t at = 0;
+        for (const auto& [lo, hi] : covered) {
+          if (lo > at) std::memset(base + at, 0, lo - at);
+          at = std::max(at, hi);
         }
-        into = scratch.data();
-      }
-      // The kernel copies into pages it faults in one by one; faulted in first, in one call,
-      // they cost less (prefault_for_write). Only where they are not there yet (three pages
-      // sampled, a microsecond): over resident pages (a reload into a reused buffer, the
-      // conversion scratch after its first piece) the call would cost a tenth of the read's
-      // copy for nothing.
-      if (mostly_untouched(into, p.bytes, 3)) prefault_for_write(into, p.bytes);
-      if (!read_exactly(r.file, into, p.bytes, r.src + p.skip)) return;
-      if (r.from != to_) convert_range(out, to_, into, r.from, p.bytes / fes);
-      bytes_ += p.bytes;
-      if (progress_ != nullptr) progress_->done.fetch_add(p.bytes, std::memory_order_relaxed);
+        if (len > at) std::memset(base + at, 0, len - at);
+      });
+      if (failed_) return;
+      if (pieces[i].read != nullptr && !read_piece(pieces[i], scratch)) return;
+      if (left[k].fetch_sub(1) == 1) full(k, slot);
     }
   });
 }
@@ -364,6 +438,8 @@ void fill_through_ring(Reader& reader, Device& device, unsigned char* dst, std::
   std::vector<bool> busy(depth, false);
   bool done = false;
   std::string copy_error;
+  // One copier: each full window to the device as soon as it is complete, in whatever order
+  // the windows complete, while the team goes on reading the next ones into the other slots.
   std::thread copier([&] {
     for (;;) {
       std::pair<std::uint64_t, std::uint64_t> job;
@@ -400,21 +476,25 @@ void fill_through_ring(Reader& reader, Device& device, unsigned char* dst, std::
     copier.join();
   };
   try {
-    for (std::uint64_t w = 0, k = 0; w < n && !reader.failed(); w += chunk, ++k) {
-      const std::uint64_t slot = k % depth;
-      {
-        std::unique_lock<std::mutex> lock(m);
-        cv.wait(lock, [&] { return !busy[slot]; });
-        busy[slot] = true;
-      }
-      const std::uint64_t len = std::min(chunk, n - w);
-      reader.fill(ring + slot * chunk, len, window(reads, w, w + len, es));
-      {
-        std::lock_guard<std::mutex> lock(m);
-        full.emplace_back(slot, w);
-      }
-      cv.notify_all();
-    }
+    (void)es;
+    reader.fill_windows(
+        n, reads, chunk, ring, depth,
+        [&](std::uint64_t slot) {
+          // A slot is free once the copy of the window before in it is done; a failed read
+          // (the window before never completes) or copy ends the wait.
+          std::unique_lock<std::mutex> lock(m);
+          while (busy[slot] && !reader.failed() && copy_error.empty()) {
+            cv.wait_for(lock, std::chrono::milliseconds(20));
+          }
+          busy[slot] = true;
+        },
+        [&](std::uint64_t k, std::uint64_t slot) {
+          {
+            std::lock_guard<std::mutex> lock(m);
+            full.emplace_back(slot, k * chunk);
+          }
+          cv.notify_all();
+        });
   } catch (...) {
     stop_copier();
     throw;

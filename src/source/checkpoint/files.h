@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <exception>
 #include <list>
 #include <memory>
@@ -118,8 +119,9 @@ double cached_fraction_of(const CheckpointIndex& ck, const std::vector<Read>& re
 class Reader {
  public:
   // progress: counts each piece read into `done` (the caller counts what it plans); may be null.
+  // read_bytes_per_second: a simulated slow disk (ReadOptions' testing aid; 0: none).
   Reader(OpenFiles& files, DType to, unsigned threads, std::optional<std::uint64_t> fail_after,
-         ReadProgress* progress = nullptr);
+         ReadProgress* progress = nullptr, double read_bytes_per_second = 0);
 
   // Fills dst[0, n) from the reads (dst offsets relative to dst): zeros where no read lands.
   // A failure is kept (failed(), rethrow()), not thrown.
@@ -132,6 +134,17 @@ class Reader {
     const std::vector<Read>* reads = nullptr;
   };
   void fill_many(std::span<const Destination> destinations);
+  // dst[0, n) window by window through a ring of `depth` slots of `window` bytes (slot k % depth
+  // holds window k, its gaps zeroed): the team reads several windows at once, each thread the
+  // next piece of whatever window is in flight, so that every thread reads while full windows
+  // are copied out. Before the first byte of window k lands, open(slot) returns once the slot is
+  // free (it waits for the copy of window k - depth); once its last byte has landed, full(k,
+  // slot) is called on the thread that read it. A failure is kept, as fill's; open() must then
+  // return (it may poll failed()).
+  void fill_windows(std::uint64_t n, const std::vector<Read>& reads, std::uint64_t window,
+                    unsigned char* ring, std::uint64_t depth,
+                    const std::function<void(std::uint64_t slot)>& open,
+                    const std::function<void(std::uint64_t k, std::uint64_t slot)>& full);
 
   // Throws what failed (its type kept: OutOfMemory, ResourceExhausted, Error), naming the file,
   // byte range and tensor.
@@ -153,6 +166,8 @@ class Reader {
   void add_pieces(unsigned char* base, const std::vector<Read>& reads, std::vector<Piece>& out);
   // The team reads the pieces, in their order.
   void run(const std::vector<Piece>& pieces);
+  // One piece, read (and converted) where it lands; false once something failed.
+  bool read_piece(const Piece& p, std::vector<unsigned char>& scratch);
 
   template <typename E>
   void fail(const E& e) {
@@ -167,6 +182,7 @@ class Reader {
   ThreadPool pool_;
   std::optional<std::uint64_t> fail_after_;
   ReadProgress* progress_;
+  double read_bytes_per_second_ = 0;
   std::atomic<std::uint64_t> read_so_far_{0};
   std::atomic<std::uint64_t> bytes_{0};
   std::atomic<bool> failed_{false};

@@ -295,7 +295,8 @@ void CheckpointSource::read(void* dst, std::uint64_t flat_offset, std::uint64_t 
   files_.advise_reads(reads.size() > 1 && part_bytes / reads.size() < (8u << 20));
   const auto t0 = Clock::now();
   ReadProgress* progress = options_.read.progress.get();
-  Reader reader(files_, layout_->options().dtype, threads_, fail_after, progress);
+  Reader reader(files_, layout_->options().dtype, threads_, fail_after, progress,
+                options_.read.simulated_read_bytes_per_second);
   if (stage == nullptr) {
     reader.fill(at, bytes, reads);
   } else {
