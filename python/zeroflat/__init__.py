@@ -1,5 +1,7 @@
-"""zeroflat for PyTorch: a parameter group flattened into DeepSpeed's ZeRO-1/2 layout, or a model
-loaded straight from a checkpoint into DeepSpeed's ZeRO-1/2 flat buffers or ZeRO-3 partitions.
+"""zeroflat for PyTorch: a parameter group flattened into DeepSpeed's ZeRO-1/2 layout; a model
+loaded straight from a checkpoint into DeepSpeed's ZeRO-1/2 flat buffers or ZeRO-3 partitions,
+or into PyTorch FSDP2's DTensor shards; a DeepSpeed checkpoint resumed at any world size; a DCP
+checkpoint read without unpickling anything.
 
     fg = zeroflat.flatten_param_group(params, process_group)
     fg.flat, fg.partition, fg.master, fg.tier, fg.layout, fg.report
@@ -21,8 +23,12 @@ and the ZeRO-1/2 placement), ``_zero3`` (the ZeRO-3 placement), ``_common`` (wha
 FlatGroup, argument checks, DeepSpeed's release rules as the library states them), ``_comm`` (the
 collectives over torch.distributed), ``_patches`` (every change made to DeepSpeed, Transformers
 and torch, one mechanism; docs/patches.md), ``_errors``; ``hf`` (Transformers), ``deepspeed``
-(the drop-in; ``_stage3`` and ``_dropin`` are its parts) and ``_trainer`` (the Trainer's groups)
-on top.
+(the drop-in; ``_stage3`` and ``_dropin`` are its parts, and ``_resume``, ``_resume_write`` and
+``_resume_inplace`` its ``engine.load_checkpoint``) and ``_trainer`` (the Trainer's groups) on
+top; ``fsdp`` (FSDP2's shards: ``fsdp.load``; ``_fsdp_model`` what a load does to the model's
+objects, ``_fsdp_copies`` the ranks' copies, ``_fsdp_pretrained`` Transformers' FSDP2 loads),
+``dcp`` (PyTorch DCP's ``StorageReader``, and ``install()`` for the readers DCP constructs),
+``_hf_names`` (Transformers' names), ``_progress`` and ``_shm`` beside them.
 """
 
 from __future__ import annotations

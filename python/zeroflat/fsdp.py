@@ -1,7 +1,10 @@
 """A Hugging Face checkpoint straight into a model already sharded by PyTorch FSDP2
 (``fully_shard``: parameters as DTensors): each rank reads only the bytes of its own local
 shards, through the library's loader (``_C.load_shards``: the DTensor placement of the one
-pipeline; every layout and read is the library's, Python computes none).
+pipeline; every layout and read of the load is the library's). Python chooses where HSDP's
+replicas cut a shard between them (``_split_replicas``, each part's shape the library's
+``local_shard``) and checks the ranks' copies of what the load does not read itself (the
+shards used in place and buffers read whole, ``_fsdp_copies``).
 
     model = build_on_meta(); fully_shard(...); model.to_empty(device="cpu")
     zeroflat.fsdp.load(model, "/path/to/checkpoint")
