@@ -419,12 +419,17 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
 
             zr._LOADS.update({k: failing(v) for k, v in loads.items()})
             zr._Resume.read = read
+        import zeroflat._resume_write as zw
+
+        zw.FAIL_AT = opts.get("fail_at")  # the write fails at that step (testing aid)
         try:
             path, client = engine.load_checkpoint(
                 ckpt, **(dict(kwargs, tag=opts["our_tag"]) if opts.get("our_tag") else kwargs))
         except Exception as e:  # noqa: BLE001 - the test says which errors it expects
             error = f"{type(e).__name__}: {e}"
         finally:
+            zw.FAIL_AT = None
+            report["write_steps"] = zw.STEPS
             zeroflat._C.DeepSpeedCheckpoint = real
             zr.why_not = real_why
             if opts.get("fault") == "late":
@@ -901,6 +906,47 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_engine_unchanged(tmp
             assert r["resumes"] == [] and r["fallbacks"] == [], r
         # The rank that found it names the file and the entry; the others name that rank.
         assert any(variant["expect"] in r["error"] for r in ranks), (variant["name"], ranks)
+
+
+@pytest.mark.parametrize("family", ["zero2", "bf16", "zero3"])
+def test_a_write_failing_at_any_step_leaves_every_engine_as_it_was(tmp_path_factory, family):
+    """The write is all or nothing by construction: made to fail at each of its steps in turn
+    (a test hook), for ZeRO-1/2, BF16_Optimizer and ZeRO-3, every rank raises and every rank's
+    engine is bit for bit as before (its 16-bit weights, fp32 master, optimizer states and
+    groups, buffers, scheduler, counters; ZeRO-3's partitions, statuses and whole persistent
+    parameters); past its last step the write succeeds. And the reproduction: a checkpoint whose
+    optimizer states were re-saved without 'step' (torch's Adam refuses it with a KeyError in
+    its load_state_dict, after zeroflat wrote the weights) leaves every engine as it was."""
+    stage = {"zero2": 2, "bf16": 1, "zero3": 3}[family]
+    opts = {"bf16_optimizer": True} if family == "bf16" else {}
+    ckpt = saved(tmp_path_factory, stage, 2, touch="buffer", **opts)
+    if family == "zero2":
+        d = _copy(ckpt, "nostep")
+        for path in d.glob("*optim_states.pt"):
+            state = torch.load(path, weights_only=False)
+            for entry in state["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+                entry.pop("step", None)
+            torch.save(state, path)
+    steps = 24
+    variants = [{"name": "whole"}] + [{"name": f"fail at {k}", "fail_at": k}
+                                       for k in range(1, steps + 1)]
+    if family == "zero2":
+        variants.append({"name": "no step", "dir": "bad/nostep"})
+    reports = resume(ckpt, stage, 2, variants=variants, **opts)
+    whole = reports[0]
+    assert all(r["error"] is None for r in whole), whole
+    total = whole[0]["write_steps"]
+    assert 5 <= total < steps, total  # every step tried, and one more that succeeds
+    for variant, ranks in zip(variants[1:], reports[1:]):
+        k = variant.get("fail_at")
+        for r in ranks:
+            if k is not None and k > total:
+                assert r["error"] is None, (variant["name"], r["error"])
+                continue
+            assert r["error"] is not None and r["unchanged"], (variant["name"], r)
+            assert r["resumes"] == [], (variant["name"], r)
+            words = "injected failure at step" if k is not None else "step"
+            assert words in r["error"], (variant["name"], r["error"])
 
 
 def test_ranks_whose_copies_differ_are_refused_with_every_engine_unchanged(tmp_path_factory):

@@ -675,7 +675,8 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
     stats["resumes"].append({"dir": os.fspath(load_dir), "tag": str(tag), "format": ck.format,
                              "saved_world": ck.world, "world": plan.dp,
                              "bytes_read": plan.bytes_read, "bytes_in_place": plan.bytes_in_place,
-                             "seconds": seconds})
+                             "seconds": seconds,
+                             "record_seconds": getattr(plan, "record_seconds", 0.0)})
     load_path = engine._get_ckpt_name(os.fsdecode(os.fspath(load_dir)), tag)
     if not os.path.exists(load_path):
         load_path = ck.files[plan.files.model][0]

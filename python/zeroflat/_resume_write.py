@@ -6,14 +6,22 @@ from the fp32 master, frozen parameters, buffers, the scheduler and the counters
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ._comm import collective
+from ._resume_undo import Undo
 from ._errors import InvalidArgument
 
+
+# Testing aid: the write fails at its step FAIL_AT (1, 2, ...: each step one change to the engine
+# or a call that may change it), as an exception from DeepSpeed, torch or a scheduler there
+# would; STEPS: how many steps the last write took.
+FAIL_AT: Optional[int] = None
+STEPS = 0
 
 # The optimizers a resume serves: ZeRO-1/2's, ZeRO-3's, and bf16 ZeRO-1 with fp32 gradient
 # accumulation's (read through ZeroNames).
@@ -49,6 +57,14 @@ class ZeroNames:
     @property
     def round_robin_bit16_indices(self) -> List[List[int]]:
         return [list(range(len(g))) for g in self._opt.bf16_groups]
+
+
+def _step(what: str) -> None:
+    """One step of the write done: where the testing aid FAIL_AT makes it fail."""
+    global STEPS
+    STEPS += 1
+    if FAIL_AT is not None and STEPS == FAIL_AT:
+        raise RuntimeError(f"injected failure at step {STEPS} of the write ({what}; testing aid)")
 
 
 def zero_names(opt):
@@ -375,16 +391,85 @@ class EngineWriter:
         comm.all_gather_tensors(items, "the all-gather of the groups' 16-bit weights")
 
     def write(self) -> None:
-        """The engine takes what was read. Runs only after every rank has read everything."""
-        opt = self.opt
-        # The optimizer's state dict first: whatever could fail, fails before the first write.
+        """The engine takes what was read. Runs only after every rank has read everything.
+        All or nothing: what the write may change is recorded first (Undo), and a failure at
+        any point puts it all back, then the tensors read into (put_back), and raises; then,
+        where several ranks resume, they agree, and a rank whose write succeeded puts its engine
+        back too and raises naming the rank that failed."""
+        global STEPS
+        STEPS = 0
+        undo = Undo()
+        error: Optional[BaseException] = None
         try:
-            sd = self._state_dict() if self.with_states else None
-        except BaseException:
+            t0 = time.perf_counter()
+            self._record(undo)
+            self.record_seconds = time.perf_counter() - t0
+            self._write()
+        except BaseException as e:  # noqa: BLE001 - put back, then raised (below or agreed)
+            error = e
+        if error is not None:
+            undo.restore()
             self.put_back()  # the tensors read into, as they were
-            raise
+            if not isinstance(error, Exception) or self.dp <= 1 or self.group is None:
+                raise error
+        if self.dp > 1 and self.group is not None:
+            from ._comm import raise_agreed
+
+            try:
+                raise_agreed(error, self.group, "the ranks' agreement on the written engine",
+                             "resume-written", lambda rank: InvalidArgument(
+                                 f"resuming from {self.ck.dir}: rank {rank} failed to write its "
+                                 "engine (its error says why); this rank's engine was put back "
+                                 "as it was"))
+            except BaseException:
+                if error is None:  # this rank's write succeeded: put back too
+                    undo.restore()
+                    self.put_back()
+                raise
+        elif error is not None:
+            raise error
+        self._lent = []
+
+    def _record(self, undo: Undo) -> None:
+        """Everything the write may change, recorded (Undo) before the first change."""
+        opt, engine = self.opt, self.engine
+        real = getattr(opt, "_opt", opt)  # BF16_Optimizer under ZeroNames: the object itself
+        undo.state(real)
+        undo.state(getattr(real, "optimizer", None))
+        # The flat buffers first: the parameters' views of them are not recorded again.
+        if self.stage3:
+            for flat in list(getattr(opt, "fp16_partitioned_groups_flat", []) or []):
+                undo.tensor(flat)
+            for flat in list(getattr(opt, "fp32_partitioned_groups_flat", []) or []):
+                undo.tensor(flat)
+        else:
+            for flat in opt.bit16_groups_flat:
+                undo.tensor(flat)
+            for master in opt.single_partition_of_fp32_groups:
+                undo.tensor(master)
+        for p in self.names:
+            undo.tensor(p.ds_tensor if self.stage3 else p.data)
+            if self.stage3:
+                undo.data(p)
+        for buf in self._persistent_buffers().values():
+            undo.tensor(buf)
+        for name in ("lr_scheduler", "random_ltd_scheduler"):
+            undo.state(getattr(engine, name, None))
+        loader = getattr(engine, "training_dataloader", None)
+        undo.state(getattr(loader, "data_sampler", None) if loader is not None else None)
+        for name in ("loaded_checkpoint_dp_world_size", "loaded_checkpoint_mp_world_size",
+                     "sparse_tensor_module_names", "global_steps", "global_samples",
+                     "skipped_steps"):
+            undo.attr(engine, name)
+
+    def _write(self) -> None:
+        opt = self.opt
+        # The optimizer's state dict first: whatever it finds, it finds before the first write.
+        sd = self._state_dict() if self.with_states else None
+        _step("the optimizer's state dict")
         if hasattr(opt, "checkpoint_event_prologue"):
             opt.checkpoint_event_prologue()
+            _step("the checkpoint prologue")
         # Frozen parameters and buffers.
         for p, name in self.names.items():
             value = self.frozen.get(name)
@@ -393,20 +478,25 @@ class EngineWriter:
             target = p.ds_tensor if self.stage3 else p
             with torch.no_grad():
                 target.data.copy_(value.reshape(target.shape))
+            _step(f"frozen parameter {name}")
         for name, buf in self._persistent_buffers().items():
             value = self.buffers.get(name)
             if value is not None:
                 with torch.no_grad():
                     buf.copy_(value.reshape(buf.shape))
+                _step(f"buffer {name}")
         weights = self.values[self.targets()[0]]
         if self.stage3:
             if sd is not None:
                 self._load_optimizer(sd)
+                _step("the optimizer's load_state_dict")
             else:
                 self._set_weights_zero3(weights)
+                _step("the 16-bit partitions")
                 persistent = getattr(opt, "persistent_parameters", None)
                 if persistent:
                     persistent[0].partition(persistent)
+                    _step("the persistent parameters partitioned")
         else:
             # The 16-bit buffers first: from the fp32 master read, or from the 16-bit slice
             # read (its fp32 copy rounds back to the same bits), and one all-gather.
@@ -414,11 +504,15 @@ class EngineWriter:
                 master = opt.single_partition_of_fp32_groups[k]
                 if part.data_ptr() != master.data_ptr():  # else read straight into it
                     master.data.copy_(part)
+                _step(f"the fp32 master of group {k}")
             self._update_16bit()
+            _step("the 16-bit weights")
             if sd is not None:
                 self._load_optimizer(sd)
+                _step("the optimizer's load_state_dict")
         if hasattr(opt, "checkpoint_event_epilogue") and not self._gather_persistent():
             opt.checkpoint_event_epilogue()
+        _step("the checkpoint epilogue")
         self._write_engine()
 
     def _gather_persistent(self) -> bool:
@@ -501,8 +595,10 @@ class EngineWriter:
         engine.loaded_checkpoint_dp_world_size = small.get("dp_world_size", self.ck.world)
         if self.module_only:
             return
+        _step("the loaded world size")
         if self.with_scheduler and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(small["lr_scheduler"])
+            _step("the scheduler's load_state_dict")
         if (_is_true(engine, "random_ltd_enabled") and
                 getattr(engine, "random_ltd_scheduler", None) is not None and
                 "random_ltd" in small):
@@ -521,10 +617,12 @@ class EngineWriter:
                             if not (n in self.module_keys and n not in names)}
                     engine.sparse_tensor_module_names = kept | {n for n in names if n in params}
         engine.global_steps = small["global_steps"]
+        _step("global_steps")
         engine.global_samples = small.get("global_samples",
                                           engine.global_steps * engine.train_batch_size())
         engine.skipped_steps = small["skipped_steps"]
         engine.loaded_checkpoint_mp_world_size = small["mp_world_size"]
+        _step("the counters")
 
     def client_state(self) -> Dict[str, Any]:
         """What DeepSpeed's load_checkpoint returns as client_state: the module file's keys it
