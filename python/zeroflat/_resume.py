@@ -197,6 +197,7 @@ class _Resume(EngineWriter):
         self.bytes_read = 0
         self.bytes_in_place = 0  # read straight into the optimizer's own tensors
         self._lent: list = []  # how to put those back, until the engine takes what was read
+        self._lent_tensors: list = []  # the optimizer's tensors read into (put_back restores)
         self._check()
 
     # - checks -----------------------------------------------------------------------------------
@@ -485,6 +486,7 @@ class _Resume(EngineWriter):
         """The optimizer's tensors read into, as they were (the resume failed before the engine
         took what was read)."""
         lent, self._lent = self._lent, []
+        self._lent_tensors = []
         with torch.no_grad():
             for put in lent:
                 put()
@@ -522,6 +524,7 @@ class _Resume(EngineWriter):
             self._lent.remove(put)
         elif lent is not None:
             self.bytes_in_place += lent.numel() * lent.element_size()
+            self._lent_tensors.append(lent)
         if report["outcome"] == "infeasible":
             raise NoFeasiblePlan(f"resuming {what}: {report['reason']}", report)
         self.bytes_read += int(report.get("bytes_read") or 0)

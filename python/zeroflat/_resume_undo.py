@@ -17,9 +17,12 @@ class Undo:
     engine's counters; a parameter's data and status). ``restore`` puts it all back, in reverse
     order, with no collective."""
 
-    def __init__(self) -> None:
+    def __init__(self, put_back: Optional[List[torch.Tensor]] = None) -> None:
+        """``put_back``: tensors restored otherwise (the optimizer's tensors a resume read
+        into, which it puts back from the 16-bit weights or to zeros): not recorded."""
         self._tensors: List[Any] = []  # (tensor, its values on the host)
         self._seen: List[Any] = []     # (device, first byte, end) of each tensor recorded
+        self._skip = {(t.device, t.data_ptr()) for t in (put_back or [])}
         self._objects: List[Any] = []  # (object, its attributes as they were)
         self._attrs: List[Any] = []    # (object, name, value or _MISSING)
 
@@ -30,6 +33,8 @@ class Undo:
             return
         lo = t.data_ptr()
         hi = lo + t.numel() * t.element_size()
+        if (t.device, lo) in self._skip:
+            return
         if any(d == t.device and a <= lo and hi <= b for d, a, b in self._seen):
             return
         self._seen.append((t.device, lo, hi))

@@ -376,6 +376,7 @@ class EngineWriter:
         zeroflat's (ranks of one host meet in shared memory; gloo's sockets took seconds for a
         few hundred MB), else DeepSpeed's own."""
         opt, comm = self.opt, getattr(self, "_comm", None)
+        self._gathered = True
         flats = list(opt.bit16_groups_flat)
         groups = list(opt.real_dp_process_group)
         mine = dist.get_process_group_ranks(self.group) if comm is not None else None
@@ -398,7 +399,8 @@ class EngineWriter:
         back too and raises naming the rank that failed."""
         global STEPS
         STEPS = 0
-        undo = Undo()
+        undo = Undo(put_back=getattr(self, "_lent_tensors", []))
+        self._gathered = False
         error: Optional[BaseException] = None
         try:
             t0 = time.perf_counter()
@@ -413,22 +415,29 @@ class EngineWriter:
             if not isinstance(error, Exception) or self.dp <= 1 or self.group is None:
                 raise error
         if self.dp > 1 and self.group is not None:
-            from ._comm import raise_agreed
+            # One all-reduce: the lowest rank that failed, and whether any rank's write reached
+            # the 16-bit weights' all-gather (each rank recorded only its own partition of them:
+            # the others' parts come back by the same all-gather, once every rank put back).
+            from ._comm import all_reduce_ints
 
-            try:
-                raise_agreed(error, self.group, "the ranks' agreement on the written engine",
-                             "resume-written", lambda rank: InvalidArgument(
-                                 f"resuming from {self.ck.dir}: rank {rank} failed to write its "
-                                 "engine (its error says why); this rank's engine was put back "
-                                 "as it was"))
-            except BaseException:
+            me = dist.get_rank()
+            failed, gathered = all_reduce_ints(
+                [me + 1 if error is not None else 0, int(self._gathered)], self.group, "max",
+                "the ranks' agreement on the written engine", "resume-written")
+            if failed:
                 if error is None:  # this rank's write succeeded: put back too
                     undo.restore()
                     self.put_back()
-                raise
+                if gathered and not self.stage3:
+                    self._update_16bit()  # every rank's restored partition, to every rank
+                if error is not None:
+                    raise error
+                raise InvalidArgument(
+                    f"resuming from {self.ck.dir}: rank {failed - 1} failed to write its engine "
+                    "(its error says why); this rank's engine was put back as it was")
         elif error is not None:
             raise error
-        self._lent = []
+        self._lent, self._lent_tensors = [], []
 
     def _record(self, undo: Undo) -> None:
         """Everything the write may change, recorded (Undo) before the first change."""
@@ -443,11 +452,16 @@ class EngineWriter:
             for flat in list(getattr(opt, "fp32_partitioned_groups_flat", []) or []):
                 undo.tensor(flat)
         else:
-            for flat in opt.bit16_groups_flat:
-                undo.tensor(flat)
+            # This rank's partition of each group's 16-bit weights: the rest of the flat buffer
+            # is the other ranks' partitions, which the all-gather brings back (write).
+            for parts in opt.parallel_partitioned_bit16_groups:
+                undo.tensor(parts[self.rank])
             for master in opt.single_partition_of_fp32_groups:
                 undo.tensor(master)
+        grouped = set() if self.stage3 else {id(p) for g in opt.bit16_groups for p in g}
         for p in self.names:
+            if id(p) in grouped:
+                continue  # in its group's flat buffer
             undo.tensor(p.ds_tensor if self.stage3 else p.data)
             if self.stage3:
                 undo.data(p)
