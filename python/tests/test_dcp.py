@@ -446,20 +446,26 @@ def test_a_global_of_torch_save_files_is_refused_in_an_index(single):
         _C.DcpCheckpoint(single)
 
 
-def test_a_value_naming_code_is_refused_before_anything_is_written(single, tmp_path):
+def _value_is(path, value):
+    """The checkpoint's optimizer lr item re-pointed to a torch.save of ``{"lr": value}`` in a
+    file of its own."""
     import io
 
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    marker = tmp_path / "ran"
     buf = io.BytesIO()
-    torch.save({"lr": Payload(marker)}, buf)
-    with open(os.path.join(single, "extra.distcp"), "wb") as f:
+    torch.save({"lr": value}, buf)
+    with open(os.path.join(path, "extra.distcp"), "wb") as f:
         f.write(buf.getvalue())
-    md = _metadata(single)
+    md = _metadata(path)
     info = md.storage_data[MetadataIndex("optim.param_groups.0.lr")]
     info.relative_path, info.offset, info.length = "extra.distcp", 0, len(buf.getvalue())
-    _rewrite(single, md)
+    _rewrite(path, md)
+
+
+def test_a_value_naming_code_is_refused_before_anything_is_written(single, tmp_path):
+    marker = tmp_path / "ran"
+    _value_is(single, Payload(marker))
     with pytest.raises(BaseException, match=r"posix system.*not on the allow-list"):
         _load_single(single)
     assert not marker.exists()
@@ -470,22 +476,12 @@ def test_a_value_naming_deepspeeds_classes_is_refused_in_a_dcp_file(single, tmp_
     LossScaler is refused, nothing of DeepSpeed imported or made, the model unchanged; an
     object's saved attributes may not name Python's own machinery (__getattr__, __reduce_ex__,
     ...), in any file."""
-    import io
     import subprocess
-
-    from torch.distributed.checkpoint.metadata import MetadataIndex
 
     from zeroflat import _C
 
     loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
-    buf = io.BytesIO()
-    torch.save({"lr": loss_scaler.LossScaler(1.0)}, buf)
-    with open(os.path.join(single, "extra.distcp"), "wb") as f:
-        f.write(buf.getvalue())
-    md = _metadata(single)
-    info = md.storage_data[MetadataIndex("optim.param_groups.0.lr")]
-    info.relative_path, info.offset, info.length = "extra.distcp", 0, len(buf.getvalue())
-    _rewrite(single, md)
+    _value_is(single, loss_scaler.LossScaler(1.0))
     with pytest.raises(BaseException, match=r"LossScaler' is allowed in torch\.save files only, "
                                             r"not in DCP values"):
         _load_single(single)

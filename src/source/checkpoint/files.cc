@@ -297,20 +297,21 @@ void Reader::run(const std::vector<Piece>& pieces) {
   // for now (each thread one piece ahead of its current one), so the disk always has the next
   // reads queued and never a byte outside them.
   const std::size_t ahead = files_.exact() ? pool_.size() : 0;
-  const auto prefetch = [&](std::size_t k) {
-    if (k >= pieces.size()) return;
-    const Piece& p = pieces[k];
-    files_.ask_ahead(p.read->file, p.read->src + p.skip, p.bytes);
-  };
-  for (std::size_t k = 0; k < ahead; ++k) prefetch(k);
+  for (std::size_t k = 0; k < ahead; ++k) ask_ahead(pieces, k);
   std::atomic<std::size_t> next{0};
   pool_.run([&](unsigned) {
     std::vector<unsigned char> scratch;
     for (std::size_t k = next++; k < pieces.size() && !failed_; k = next++) {
-      if (ahead > 0) prefetch(k + ahead);
+      if (ahead > 0) ask_ahead(pieces, k + ahead);
       if (!read_piece(pieces[k], scratch)) return;
     }
   });
+}
+
+void Reader::ask_ahead(const std::vector<Piece>& pieces, std::size_t k) {
+  if (k >= pieces.size() || pieces[k].read == nullptr) return;
+  const Piece& p = pieces[k];
+  files_.ask_ahead(p.read->file, p.read->src + p.skip, p.bytes);
 }
 
 bool Reader::read_piece(const Piece& p, std::vector<unsigned char>& scratch) {
@@ -371,16 +372,12 @@ void Reader::fill_windows(std::uint64_t n, const std::vector<Read>& reads, std::
   for (const std::uint64_t k : window_of) ++left[k];
   std::vector<std::once_flag> opened(windows);
   const std::size_t ahead = files_.exact() ? pool_.size() : 0;
-  const auto prefetch = [&](std::size_t k) {
-    if (k >= pieces.size() || pieces[k].read == nullptr) return;
-    files_.ask_ahead(pieces[k].read->file, pieces[k].read->src + pieces[k].skip, pieces[k].bytes);
-  };
-  for (std::size_t k = 0; k < ahead; ++k) prefetch(k);
+  for (std::size_t k = 0; k < ahead; ++k) ask_ahead(pieces, k);
   std::atomic<std::size_t> next{0};
   pool_.run([&](unsigned) {
     std::vector<unsigned char> scratch;
     for (std::size_t i = next++; i < pieces.size() && !failed_; i = next++) {
-      if (ahead > 0) prefetch(i + ahead);
+      if (ahead > 0) ask_ahead(pieces, i + ahead);
       const std::uint64_t k = window_of[i];
       const std::uint64_t slot = k % depth;
       std::call_once(opened[k], [&] {

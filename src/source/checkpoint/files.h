@@ -166,6 +166,9 @@ class Reader {
   void add_pieces(unsigned char* base, const std::vector<Read>& reads, std::vector<Piece>& out);
   // The team reads the pieces, in their order.
   void run(const std::vector<Piece>& pieces);
+  // Exact read-ahead: with the kernel's own off, the piece a thread will take next is asked
+  // for now (each thread one piece ahead of its current one; none past the end).
+  void ask_ahead(const std::vector<Piece>& pieces, std::size_t k);
   // One piece, read (and converted) where it lands; false once something failed.
   bool read_piece(const Piece& p, std::vector<unsigned char>& scratch);
 
