@@ -154,7 +154,8 @@ def _agree(error: Optional[BaseException], path: str) -> None:
 
 # The models waiting for their weights (model -> the load's options), and the patch of
 # fully_shard that fills them, in place while any waits.
-_waiting: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, Any]]" = weakref.WeakKeyDictionary()
+_waiting: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, Any]]" = (
+    weakref.WeakKeyDictionary())
 _applied: Optional[_patches.Applied] = None
 _lock = threading.RLock()
 
@@ -284,9 +285,13 @@ def _broadcast_loading() -> bool:
         from accelerate.state import AcceleratorState
     except ImportError:
         AcceleratorState = None
+    plugin = None
     if AcceleratorState is not None and AcceleratorState._shared_state:
-        plugin = getattr(AcceleratorState(), "fsdp_plugin", None)
-        if plugin is not None:
-            return bool(getattr(plugin, "cpu_ram_efficient_loading", False))
+        try:
+            plugin = getattr(AcceleratorState(), "fsdp_plugin", None)
+        except Exception:  # noqa: BLE001 - a state being set up: the environment says
+            plugin = None
+    if plugin is not None:
+        return bool(getattr(plugin, "cpu_ram_efficient_loading", False))
     flag = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "")
     return flag.strip().lower() in ("1", "true", "yes")
