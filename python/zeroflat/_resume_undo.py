@@ -49,7 +49,8 @@ class Undo:
         self._objects.append((obj, dict(vars(obj))))
         state = getattr(obj, "state", None)
         if isinstance(state, dict):
-            saved = {k: dict(v) if isinstance(v, dict) else v for k, v in state.items()}
+            # Each entry as it is, with its contents (a dict of one parameter's state).
+            saved = {k: (v, dict(v) if isinstance(v, dict) else None) for k, v in state.items()}
             self._attrs.append((state, None, saved))
             for v in state.values():
                 for t in (v.values() if isinstance(v, dict) else ()):
@@ -73,11 +74,11 @@ class Undo:
             for obj, name, value in reversed(self._attrs):
                 if name is None and isinstance(obj, dict):  # an optimizer's state: its entries
                     obj.clear()
-                    for k, v in value.items():
-                        if isinstance(v, dict) and isinstance(obj.get(k), dict):
-                            obj[k].clear()
-                            obj[k].update(v)
-                        obj[k] = v
+                    for k, (entry, contents) in value.items():
+                        if contents is not None:
+                            entry.clear()
+                            entry.update(contents)
+                        obj[k] = entry
                 elif name is None:  # param_groups: the groups and their entries
                     obj[:] = [g for g, _ in value]
                     for g, entries in value:

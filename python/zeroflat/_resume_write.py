@@ -435,8 +435,6 @@ class EngineWriter:
                 raise InvalidArgument(
                     f"resuming from {self.ck.dir}: rank {failed - 1} failed to write its engine "
                     "(its error says why); this rank's engine was put back as it was")
-        elif error is not None:
-            raise error
         self._lent, self._lent_tensors = [], []
 
     def _record(self, undo: Undo) -> None:

@@ -475,8 +475,7 @@ def _installed_class(base: type, reader_args) -> type:
         def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
             if self._served is None:  # a rank given the metadata, not reading it
                 if any(getattr(info, "transform_descriptors", None)
-                       for info in (metadata.storage_data or {}).values()
-                       if not isinstance(info, str)):
+                       for info in (metadata.storage_data or {}).values()):
                     self._hand_back("the checkpoint was saved through DCP's stream transforms")
                 else:
                     self._serve()

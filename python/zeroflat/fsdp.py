@@ -495,8 +495,9 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool, keep_tenso
                 "optimizer has state (zeroflat.hf.from_pretrained(..., fsdp2=True) loads when "
                 "the model is sharded, before any resume), or pass overwrite=True to load all "
                 "the same")
-    fsdp_params = _model.fsdp_params(model)
     metas = [p for p in by_id.values() if p.is_meta or _local(p).is_meta]
+    # FSDP2's record of its parameters: where a meta parameter's shard goes.
+    fsdp_params = _model.fsdp_params(model) if metas else {}
     if metas:
         if len(metas) != len(by_id):
             raise ValueError(f"{len(metas)} of the model's {len(by_id)} parameters are on the "
