@@ -466,9 +466,10 @@ def test_a_model_waiting_for_fsdp2_says_so(checkpoint):
 def test_the_trainer_and_models_sharded_at_load_time_or_on_broadcast(checkpoint, tmp_path):
     """The ways that do not combine, each as Transformers' own: a model sharded at load time
     (distributed_config) trains under a Trainer without fsdp arguments, equal to Transformers'
-    own such model, and both are refused checkpoints with optimizer state in the same words;
-    with the Trainer's fsdp arguments both are refused by accelerate in the same words
-    (python.md: use fsdp2=True). fsdp2=True with cpu_ram_efficient_loading is refused, saying
+    own such model, and both are refused checkpoints with optimizer state in the same words
+    (which say what to do); with the Trainer's fsdp arguments accelerate refuses Transformers'
+    own, and zeroflat's is refused before, saying to load with fsdp2=True or to drop the fsdp
+    arguments. fsdp2=True with cpu_ram_efficient_loading is refused, saying
     to leave it off."""
     cases = [
         {"kind": "trainer", "model": "sharded_at_load", "out": "own", "no_fsdp": True,
@@ -487,9 +488,13 @@ def test_the_trainer_and_models_sharded_at_load_time_or_on_broadcast(checkpoint,
     own, ours, own_saves, ours_saves, own_fsdp, ours_fsdp, broadcast = run(
         cases, checkpoint, str(tmp_path))
     _equal(ours, own, "distributed_config without the Trainer's fsdp arguments")
-    for theirs, mine, what in ((own_saves, ours_saves, "checkpoints"),
-                               (own_fsdp, ours_fsdp, "the Trainer's fsdp arguments")):
-        for r, (t, m) in enumerate(zip(theirs, mine)):
-            assert "error" in t and "error" in m, (what, r, t, m)
-            assert t["error"] == m["error"], (what, r, t["error"], m["error"])
+    for r, (t, m) in enumerate(zip(own_saves, ours_saves)):
+        assert "error" in t and "error" in m, ("checkpoints", r, t, m)
+        assert t["error"] == m["error"], ("checkpoints", r, t["error"], m["error"])
+        assert "save_only_model=True" in m["error"], m["error"]  # it says what to do
+    # With the Trainer's fsdp arguments, accelerate refuses Transformers' own such model in words
+    # that do not say what to do; zeroflat's is refused first, saying it.
+    _refused(own_fsdp, ["model and optimizer must be passed together"], "Transformers' own")
+    _refused(ours_fsdp, ["sharded when it was loaded", "fsdp2=True", "drop the fsdp arguments"],
+             "the Trainer's fsdp arguments")
     _refused(broadcast, ["cpu_ram_efficient_loading", "leave"], "cpu_ram_efficient_loading")

@@ -96,7 +96,60 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
             continue
         left_untied(model, target, source, path)
     model.eval()
+    _watch_prepare(model)
     return model
+
+
+# ---- a model sharded at load time meets FSDP2 in accelerate --------------------------------
+
+# The models of from_pretrained(..., distributed_config=...) still alive, and the patch of
+# accelerate's prepare that refuses, in words saying what to do, the one call that cannot work
+# with them: their optimizer prepared alone with FSDP2 on (the Trainer's fsdp arguments), where
+# accelerate raises "a model and optimizer must be passed together" and Transformers' own
+# distributed_config models fail the same way.
+_sharded_at_load: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_prepare_applied: Optional[_patches.Applied] = None
+
+
+def _watch_prepare(model: torch.nn.Module) -> None:
+    global _prepare_applied
+    with _lock:
+        _sharded_at_load.add(model)
+        if _prepare_applied is None:
+            try:
+                _prepare_applied = _patches.apply(_patches.ACCELERATE_PREPARE(_on_prepare))
+            except RuntimeError:  # no accelerate: nothing to guard
+                return
+    weakref.finalize(model, _unwatch_prepare)
+
+
+def _unwatch_prepare() -> None:
+    global _prepare_applied
+    with _lock:
+        if _prepare_applied is not None and not len(_sharded_at_load):
+            _patches.restore(_prepare_applied)
+            _prepare_applied = None
+
+
+def _on_prepare(original, accelerator, *args, **kwargs):
+    if getattr(accelerator, "is_fsdp2", False) and not any(
+            isinstance(a, torch.nn.Module) for a in args):
+        held = {id(p) for a in args if isinstance(a, torch.optim.Optimizer)
+                for g in a.param_groups for p in g["params"]}
+        with _lock:
+            models = list(_sharded_at_load)
+        if held and any(id(p) in held for m in models for p in m.parameters()):
+            raise InvalidArgument(
+                "this model was sharded when it was loaded (zeroflat.hf.from_pretrained(..., "
+                "distributed_config=...)), and FSDP2 is on in accelerate as well (the Trainer's "
+                "fsdp arguments, or accelerate's FSDP plugin), which would shard it a second "
+                "time: accelerate cannot prepare its optimizer. Either keep the fsdp arguments "
+                "and load with zeroflat.hf.from_pretrained(model_class, path, fsdp2=True): FSDP2 "
+                "shards the model as those arguments say and zeroflat fills the shards "
+                "(checkpoints and resume_from_checkpoint work); or keep distributed_config and "
+                "drop the fsdp arguments (the model trains as it was sharded; Transformers then "
+                "saves no optimizer state: save_only_model=True)")
+    return original(accelerator, *args, **kwargs)
 
 
 def _stored_twice(model: torch.nn.Module, ck: "_C.Checkpoint") -> Dict[str, str]:

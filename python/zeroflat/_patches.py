@@ -163,6 +163,12 @@ def FULLY_SHARD(hook: Callable[..., Any]) -> List[Patch]:  # noqa: N802 - a tabl
             Patch("torch.distributed._composable.fsdp", "fully_shard", hook=hook, optional=True)]
 
 
+def ACCELERATE_PREPARE(hook: Callable[..., Any]) -> List[Patch]:  # noqa: N802 - a table's name
+    """accelerate's ``Accelerator.prepare``, with ``hook`` in its place (a release without it:
+    nothing)."""
+    return [Patch("accelerate.accelerator.Accelerator", "prepare", hook=hook, optional=True)]
+
+
 # --- the table ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -234,6 +240,12 @@ TABLE: Tuple[Entry, ...] = (
           "torch", "while a model of zeroflat.hf.from_pretrained(..., fsdp2=True) waits",
           "when FSDP2 shards such a model (the Trainer's and accelerate's prepare), its shards "
           "are filled by zeroflat.fsdp.load right after, every parameter object kept"),
+    Entry("accelerate.accelerator.Accelerator.prepare", "accelerate",
+          "while a model of zeroflat.hf.from_pretrained(..., distributed_config=...) lives",
+          "an optimizer of such a model prepared alone with FSDP2 on (the Trainer's fsdp "
+          "arguments, which would shard the model a second time) is refused in words that say "
+          "what to do (fsdp2=True, or no fsdp arguments) before accelerate's own error; "
+          "everything else is accelerate's call unchanged"),
     Entry("torch.distributed.checkpoint.FileSystemReader (the package's, filesystem's and "
           "_storage_utils')", "torch", "zeroflat.dcp.install()",
           "the readers DCP's load, the Trainer's and accelerate's FSDP checkpoints construct are "
