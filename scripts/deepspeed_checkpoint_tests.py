@@ -92,7 +92,9 @@ and the other ops' that need a built op skip.
 A killed run goes on with ``--workdir DIR --resume`` (the tests that finished are kept, from the
 events files); pytest's temporary folders are under the work folder (PYTEST_DEBUG_TEMPROOT), the
 logs, each hang's dump (logs/hang-*.txt), results.json and summary.json too.
-"""
+
+Past 700 lines on purpose: one file run against any DeepSpeed source tree, without the package
+of this project on the path of the tests it runs."""
 
 from __future__ import annotations
 

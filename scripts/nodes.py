@@ -46,7 +46,9 @@ up (the copies do not fit, a copy failed); 77 this machine lacks a kernel featur
 root, no block-I/O cgroup controller, unshare or mount refused, the copies on a filesystem without
 a block device), with a one-line reason; 124 the timeout; 130, 143, 129 interrupted by SIGINT,
 SIGTERM, SIGHUP.
-"""
+
+Past 700 lines on purpose: one standard-library file that a user copies to the machine and
+runs as root, without the package."""
 
 import argparse
 import ctypes

@@ -17,7 +17,7 @@
 #include "zeroflat/checksum.h"
 #include "zeroflat/device.h"
 #include "zeroflat/error.h"
-#include "zeroflat/cli/pattern.h"
+#include "common/pattern.h"
 #include "zeroflat/runtime.h"
 #include "zeroflat/size.h"
 #include "zeroflat/tensor.h"

@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "zeroflat/cli/pattern.h"
+#include "common/pattern.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/error.h"
 #include "zeroflat/flatten.h"

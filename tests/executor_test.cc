@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "zeroflat/checksum.h"
-#include "zeroflat/cli/pattern.h"
+#include "common/pattern.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/error.h"
 #include "zeroflat/plan.h"

@@ -24,7 +24,6 @@ set(uses_source common system layout model device comm plan exec)
 set(room_of_checksum common)
 set(room_of_dtype common)
 set(room_of_error common)
-set(room_of_pattern common)
 set(room_of_progress common)
 set(room_of_runtime common)
 set(room_of_size common)
@@ -73,8 +72,8 @@ function(check_room_includes room files)
     file(STRINGS "${f}" lines REGEX "^[ \t]*#[ \t]*include[ \t]*\"")
     foreach(line ${lines})
       string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*\"([^\"]*)\".*$" "\\1" inc "${line}")
-      if(inc MATCHES "^zeroflat/(cli/)?([a-z_0-9]+)\\.h$")
-        set(header "${CMAKE_MATCH_2}")
+      if(inc MATCHES "^zeroflat/([a-z_0-9]+)\\.h$")
+        set(header "${CMAKE_MATCH_1}")
         if(header STREQUAL "config")
           continue()  # the generated list of backends: anyone may ask
         elseif(header STREQUAL "zeroflat")
@@ -112,10 +111,8 @@ foreach(room ${rooms})
   check_room_includes(${room} "${files}")
 endforeach()
 
-# Public headers: each includes only what its room may use. Those under cli/ serve the command
-# line (and the library's own pipeline); they are not the API a program calls, and have rooms
-# all the same.
-file(GLOB headers "${SOURCE_DIR}/include/zeroflat/*.h" "${SOURCE_DIR}/include/zeroflat/cli/*.h")
+# Public headers: each includes only what its room may use.
+file(GLOB headers "${SOURCE_DIR}/include/zeroflat/*.h")
 foreach(h ${headers})
   get_filename_component(name "${h}" NAME_WE)
   if(name STREQUAL "zeroflat")

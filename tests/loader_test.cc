@@ -2,6 +2,8 @@
 // every file and buffer dtype, 1 to 3 ranks, round-robin or not, direct or through the ring),
 // each rank reads only its partition's bytes, bad checkpoints are refused before any read, a
 // read that fails midway fails every rank with nothing kept, and the rehearsal's accounting.
+// Past 700 lines on purpose: every placement and read plan is checked against the same
+// reference layouts and checkpoint writers, which live here.
 #include "zeroflat/loader.h"
 
 #include <gtest/gtest.h>
@@ -25,7 +27,7 @@
 
 #include "device/host_kernels.h"
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/cli/pattern.h"
+#include "common/pattern.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/device.h"
 #include "zeroflat/dtensor.h"

@@ -3,7 +3,8 @@
 // or short storages, tensors past their storage, deep or self-referring or exploding states,
 // huge declared lengths) refused with InvalidArgument naming the file and the entry; a real
 // torch.save archive (the fuzz corpus' seed) listed as torch saved it; and the reads of a
-// resume at a new world size, against the layouts they come from.
+// resume at a new world size, against the layouts they come from. Past 700 lines on purpose:
+// the hand-built archives and pickles every case needs are built here, by one set of helpers.
 #include "zeroflat/torch_file.h"
 
 #include <gtest/gtest.h>

@@ -14,8 +14,8 @@
 // executor (executor.h), checkpoints and model sources (checkpoint.h, model.h,
 // model_source.h, torch_file.h, deepspeed_checkpoint.h, dcp_checkpoint.h) and the JSON
 // reports (report.h).
-// agree.h is the ranks' agreement the doors run. Headers under zeroflat/cli/ serve the command
-// line and are not part of this API.
+// agree.h is the ranks' agreement the doors run; rehearsal.h is `zeroflat run`'s rehearsal of a
+// model from a deterministic pattern.
 #pragma once
 
 #include "zeroflat/checkpoint.h"
@@ -39,6 +39,7 @@
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
 #include "zeroflat/progress.h"
+#include "zeroflat/rehearsal.h"
 #include "zeroflat/release.h"
 #include "zeroflat/report.h"
 #include "zeroflat/resume.h"

@@ -16,13 +16,10 @@
 #include "zeroflat/error.h"
 #include "zeroflat/resume.h"
 #include "zeroflat/torch_file.h"
+#include "bind.h"
 #include "os_names.h"
 
-namespace py = pybind11;
-namespace zf = zeroflat;
-using zeroflat_python::os_name;
-using zeroflat_python::os_names;
-
+namespace zeroflat_python {
 namespace {
 
 at::ScalarType scalar_type_named(const std::string& name, const std::string& where) {
@@ -450,3 +447,5 @@ void bind_deepspeed(py::module_& m) {
           },
           py::arg("target"), py::arg("names"), py::arg("numels"));
 }
+
+}  // namespace zeroflat_python

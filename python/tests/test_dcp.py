@@ -5,7 +5,10 @@ load, every rank's local shards and optimizer states alike, the next steps' loss
 each rank reading its share; and hostile indexes and items refused naming the global or the
 field, before anything is written, nothing run (a marker file proves it).
 
-Run as a script, it is one rank's worker (the tests start them)."""
+Run as a script, it is one rank's worker (the tests start them).
+
+Past 700 lines on purpose: the hostile cases edit the same saved checkpoint that the equality
+cases load, with the same helpers."""
 
 import json
 import os

@@ -2,7 +2,10 @@
 torch's Tensor.to rounds (every 16-bit value, every midpoint, random fp32 bit patterns, NaN and
 infinities), and load_param_groups on a plain module built on the meta device (groups, frozen
 parameters, buffers, tied weights, bad names), checked against the state dict it was written
-from."""
+from.
+
+Past 700 lines on purpose: the conversions and the loads share the checkpoint writers and the
+reference state dicts built here."""
 
 import json
 import os

@@ -16,7 +16,10 @@ DeepSpeed checkpoints saved here (gloo, the CPU accelerator):
 Run as a script, it saves a checkpoint or runs one resume on its ranks (the tests run it under
 each release):
     test_resume.py save OUT STAGE WORLD OPTIONS_JSON
-    test_resume.py resume CKPT STAGE WORLD OPTIONS_JSON RESULT_JSON"""
+    test_resume.py resume CKPT STAGE WORLD OPTIONS_JSON RESULT_JSON
+
+Past 700 lines on purpose: every case resumes checkpoints saved by the same helpers, in
+ranks started by the same worker, against DeepSpeed's own load of the same files."""
 
 import contextlib
 import json

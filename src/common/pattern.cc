@@ -1,5 +1,5 @@
 // The rehearsal fill pattern: a cheap integer hash of (tensor, element), masked to finite values.
-#include "zeroflat/cli/pattern.h"
+#include "common/pattern.h"
 
 #include <cstring>
 

@@ -1,5 +1,5 @@
 // Rehearsals (rehearsal.h): the pattern in and out, verification, the timing rounds.
-#include "zeroflat/cli/rehearsal.h"
+#include "zeroflat/rehearsal.h"
 
 #include <algorithm>
 #include <atomic>
@@ -11,7 +11,7 @@
 #include "common/clock.h"
 #include "common/thread_pool.h"
 #include "device/cpu_device.h"
-#include "zeroflat/cli/pattern.h"
+#include "common/pattern.h"
 #include "zeroflat/error.h"
 #include "zeroflat/executor.h"
 #include "zeroflat/size.h"

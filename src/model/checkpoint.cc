@@ -22,7 +22,7 @@
 #include "model/torch_state.h"
 #include "zeroflat/error.h"
 #include "zeroflat/model_source.h"
-#include "zeroflat/cli/pattern.h"
+#include "common/pattern.h"
 #include "zeroflat/size.h"
 #include "zeroflat/torch_file.h"
 

@@ -10,7 +10,7 @@
 #include "cli/run.h"
 #include "zeroflat/checksum.h"
 #include "zeroflat/agree.h"
-#include "zeroflat/cli/rehearsal.h"
+#include "zeroflat/rehearsal.h"
 #include "zeroflat/device.h"
 #include "zeroflat/engine.h"
 #include "zeroflat/error.h"

@@ -1,0 +1,316 @@
+// zeroflat._C's front doors: a group flattened (engine.h), loaded from a checkpoint whole, as a
+// slice, as ZeRO-3 partitions or as DTensor shards (loader.h), the shards that lie in the files
+// as they are (mapped.h), and a shard's extent (dtensor.h). Each releases the GIL while the
+// library runs.
+#include <functional>
+#include <tuple>
+
+#include "bind.h"
+#include "os_names.h"
+
+namespace zeroflat_python {
+namespace {
+
+// The buffer's uint8 tensor (the library's handle on it is dropped with the result), or None.
+py::object owned(TorchDevice& device, const zf::DeviceBuffer& b) {
+  if (!b) return py::none();
+  return py::cast(device.tensor(reinterpret_cast<std::uintptr_t>(b.data())));
+}
+
+// The layout a result's steps filled, as Python takes it: what a caller needs to place its
+// parameters (each one's offset and elements, the buffer's and a partition's elements), not the
+// ranks' bookkeeping (zeroflat.layout() has that).
+py::dict layout_dict(const zf::Layout& l) {
+  py::dict d;
+  d["dp"] = l.options().dp;
+  d["alignment"] = l.alignment();
+  d["dtype"] = std::string(zf::dtype_name(l.options().dtype));
+  d["numel"] = l.numel();
+  d["padding"] = l.padding();
+  d["flat_numel"] = l.flat_numel();
+  d["flat_bytes"] = l.flat_bytes();
+  d["partition_numel"] = l.partition_numel();
+  d["partition_bytes"] = l.partition_bytes();
+  d["order"] = l.order();
+  d["offsets"] = l.offsets();
+  d["numels"] = l.numels();
+  return d;
+}
+
+// A front door's result for Python: (report, buffer, master, layout): the library's document of
+// this rank (report.h), the buffer's and the master's uint8 tensors (None when nothing fits, or
+// without a master), and the layout the steps filled (layout_dict).
+py::tuple result_tuple(TorchDevice& device, const zf::FlattenResult& r, py::object report) {
+  py::dict layout = layout_dict(r.complete() ? r.group().layout : r.input.layout);
+  if (!r.feasible()) return py::make_tuple(report, py::none(), py::none(), layout);
+  return py::make_tuple(report, owned(device, r.group().flat), owned(device, r.master), layout);
+}
+
+// One group through the front door on this rank (engine.h). Returns the report (a dict: the
+// probe, the plan, the outcome) and the flat buffer's and the master's uint8 tensors (None when
+// there is none). Raises InvalidArgument on every rank for a bad group, options that differ, or
+// any rank's local_error.
+py::tuple flatten(TorchDevice& device, py::object comm_impl,
+                  const std::vector<std::uintptr_t>& ptrs,
+                  const std::vector<std::vector<std::int64_t>>& shapes, zf::FlattenOptions o,
+                  const std::function<void()>& release_originals, bool defer_release) {
+  std::vector<zf::TensorRef> params;
+  std::uint64_t model_bytes = 0;
+  if (o.local_error.empty()) {
+    try {
+      zf::validate(o.layout);
+      if (ptrs.size() != shapes.size()) {
+        throw zf::InvalidArgument(std::to_string(ptrs.size()) + " pointers for " +
+                                  std::to_string(shapes.size()) + " shapes");
+      }
+      for (std::size_t i = 0; i < ptrs.size(); ++i) {
+        const std::uint64_t numel = zf::shape_numel(shapes[i]);
+        params.push_back(zf::TensorRef{reinterpret_cast<void*>(ptrs[i]), numel, shapes[i],
+                                       o.layout.dtype, &device});
+        model_bytes += numel * zf::element_size(o.layout.dtype);
+      }
+    } catch (const zf::Error& e) {
+      o.local_error = e.what();
+      params.clear();
+      model_bytes = 0;
+    }
+  }
+  // defer_release: when the originals' release comes after the buffer is complete (the device
+  // tier's last step), the caller rebinds every parameter itself right after, which frees them
+  // there (as DeepSpeed's own flatten leaves it): this step does not.
+  bool complete = false;
+  auto on_step = o.execute.on_step;
+  o.execute.on_step = [&](std::size_t k, const zf::Step& step) {
+    if (step.op == zf::Op::kRepoint) complete = true;
+    if (on_step) on_step(k, step);
+  };
+  bool deferred = false;
+  std::unique_ptr<PyCommunicator> comm;
+  if (!comm_impl.is_none()) comm = std::make_unique<PyCommunicator>(comm_impl);
+
+  device.count_originals(model_bytes);
+  bool released = false;
+  zf::FlattenResult r;
+  {
+    py::gil_scoped_release nogil;
+    try {
+      r = zf::flatten_param_group(params, device, comm.get(), o, [&] {
+        device.uncount_originals(model_bytes);
+        released = true;
+        if (defer_release && complete) {
+          deferred = true;
+          return;
+        }
+        py::gil_scoped_acquire gil;
+        release_originals();
+      });
+    } catch (...) {
+      if (!released) device.uncount_originals(model_bytes);
+      throw;
+    }
+  }
+  if (!released) device.uncount_originals(model_bytes);
+  // The library's document of this rank's flatten (report.h), and what only the binding knows.
+  py::object report = parse_json(zf::result_json(r));
+  report["release_deferred"] = deferred;
+  return result_tuple(device, r, report);
+}
+
+// One of the loader's doors (loader.h): load_flat_group or load_partitions.
+using LoadDoor =
+    std::function<zf::FlattenResult(const zf::CheckpointIndex&, std::span<const zf::LoadParam>,
+                                     zf::Device&, zf::Communicator*, const zf::FlattenOptions&)>;
+
+// A checkpoint's group loaded on this rank through `door`: (report, buffer, master, layout) as
+// flatten returns them. `checkpoint` None: this rank could not open it (its local_error says
+// why). Raises InvalidArgument on every rank for a bad group or checkpoint, options that differ,
+// or any rank's local_error; Error on every rank when a read fails.
+py::tuple load_through(const LoadDoor& door, TorchDevice& device, py::object comm_impl,
+                       py::object checkpoint, std::vector<zf::LoadParam> params,
+                       zf::FlattenOptions o) {
+  static const zf::CheckpointIndex kNone;
+  const zf::CheckpointIndex& ck =
+      checkpoint.is_none() ? kNone : checkpoint.cast<const zf::CheckpointIndex&>();
+  if (o.local_error.empty()) {
+    try {
+      zf::validate(o.layout);
+      if (checkpoint.is_none()) throw zf::InvalidArgument("no checkpoint");
+    } catch (const zf::Error& e) {
+      o.local_error = e.what();
+    }
+  }
+  if (!o.local_error.empty()) params.clear();
+  std::unique_ptr<PyCommunicator> comm;
+  if (!comm_impl.is_none()) comm = std::make_unique<PyCommunicator>(comm_impl);
+  zf::FlattenResult r;
+  {
+    py::gil_scoped_release nogil;
+    r = door(ck, params, device, comm.get(), o);
+  }
+  return result_tuple(device, r, parse_json(zf::result_json(r)));
+}
+
+// The whole flat buffer on every rank (load_flat_group).
+py::tuple load(TorchDevice& device, py::object comm_impl, py::object checkpoint,
+               std::vector<zf::LoadParam> params, zf::FlattenOptions o) {
+  return load_through(&zf::load_flat_group, device, std::move(comm_impl), std::move(checkpoint),
+                      std::move(params), std::move(o));
+}
+
+// ZeRO-3: this rank's own partition of every parameter, back to back in the order of params
+// (load_partitions; options.layout.dp = the ranks of comm); the layout's offsets and numels are
+// the partitions'. The master, when asked, is the buffer's fp32 copy.
+py::tuple load_partitions(TorchDevice& device, py::object comm_impl, py::object checkpoint,
+                          std::vector<zf::LoadParam> params, zf::FlattenOptions o) {
+  return load_through(&zf::load_partitions, device, std::move(comm_impl), std::move(checkpoint),
+                      std::move(params), std::move(o));
+}
+
+// ZeRO-1/2's optimizer partition alone: this rank's slice of the flat layout (load_slice); the
+// buffer tensor holds partition_bytes.
+py::tuple load_slice(TorchDevice& device, py::object comm_impl, py::object checkpoint,
+                     std::vector<zf::LoadParam> params, zf::FlattenOptions o) {
+  return load_through(&zf::load_slice, device, std::move(comm_impl), std::move(checkpoint),
+                      std::move(params), std::move(o));
+}
+
+// DTensor placements as torch prints them ("Shard(0)", "Replicate()"), per parameter.
+std::vector<std::vector<zf::MeshPlacement>> placements_of(
+    const std::vector<std::vector<std::string>>& texts) {
+  std::vector<std::vector<zf::MeshPlacement>> out;
+  for (const auto& per : texts) {
+    out.emplace_back();
+    for (const std::string& t : per) out.back().push_back(zf::parse_placement(t));
+  }
+  return out;
+}
+
+// DTensor shards: this rank's local shard of every parameter, padded, back to back in the order
+// of params (load_shards); mesh, coords (per rank of comm) and placements (per parameter, as
+// torch prints them) make the spec. A spec that does not parse is this rank's local error.
+py::tuple load_shards(TorchDevice& device, py::object comm_impl, py::object checkpoint,
+                      std::vector<zf::LoadParam> params, zf::FlattenOptions o,
+                      std::vector<std::uint64_t> mesh,
+                      std::vector<std::vector<std::uint64_t>> coords,
+                      const std::vector<std::vector<std::string>>& placements) {
+  zf::ShardSpec spec{std::move(mesh), std::move(coords), {}};
+  if (o.local_error.empty()) {
+    try {
+      spec.placements = placements_of(placements);
+    } catch (const zf::Error& e) {
+      o.local_error = e.what();
+    }
+  }
+  if (!o.local_error.empty()) spec.placements.assign(params.size(), {});
+  return load_through(
+      [&spec](const zf::CheckpointIndex& ck, std::span<const zf::LoadParam> ps, zf::Device& d,
+              zf::Communicator* c, const zf::FlattenOptions& opts) {
+        return zf::load_shards(ck, ps, spec, d, c, opts);
+      },
+      device, std::move(comm_impl), std::move(checkpoint), std::move(params), std::move(o));
+}
+
+// The file bytes rank `rank` reads for its shards (shards_read_bytes).
+std::uint64_t shards_read_bytes(const zf::CheckpointIndex& ck,
+                                const std::vector<zf::LoadParam>& params,
+                                std::vector<std::uint64_t> mesh,
+                                std::vector<std::vector<std::uint64_t>> coords,
+                                const std::vector<std::vector<std::string>>& placements,
+                                std::uint64_t rank) {
+  const zf::ShardSpec spec{std::move(mesh), std::move(coords), placements_of(placements)};
+  return zf::shards_read_bytes(ck, params, spec, rank);
+}
+
+// This rank's shards that lie in the checkpoint's files as they are (mapped.h's
+// shard_file_ranges): per parameter, (file, offset, bytes), or None where it must be read.
+py::list shard_file_ranges(const zf::CheckpointIndex& ck, const std::vector<zf::LoadParam>& params,
+                           std::vector<std::uint64_t> mesh,
+                           std::vector<std::vector<std::uint64_t>> coords,
+                           const std::vector<std::vector<std::string>>& placements,
+                           std::uint64_t rank, const std::string& dtype) {
+  const zf::ShardSpec spec{std::move(mesh), std::move(coords), placements_of(placements)};
+  const auto where = zf::shard_file_ranges(ck, params, spec, rank, zf::parse_dtype(dtype));
+  py::list out;
+  for (const auto& r : where) {
+    if (r) {
+      out.append(py::make_tuple(r->file, r->offset, r->bytes));
+    } else {
+      out.append(py::none());
+    }
+  }
+  return out;
+}
+
+// The ranges (file, offset, bytes) mapped privately and brought in (map_file_ranges): a uint8
+// tensor over each, which keeps its mapping alive.
+py::list map_file_ranges(const zf::CheckpointIndex& ck,
+                         const std::vector<std::tuple<std::uint32_t, std::uint64_t, std::uint64_t>>&
+                             ranges,
+                         unsigned threads, const std::shared_ptr<zf::ReadProgress>& progress,
+                         bool sole_reader, bool cold) {
+  std::vector<zf::FileRange> rs;
+  for (const auto& [file, offset, bytes] : ranges) rs.push_back({file, offset, bytes});
+  zf::MappedRanges mapped;
+  {
+    py::gil_scoped_release nogil;
+    mapped = zf::map_file_ranges(ck, rs, {threads, progress.get(), sole_reader, cold});
+  }
+  py::list out;
+  for (std::size_t k = 0; k < rs.size(); ++k) {
+    if (rs[k].bytes == 0) {  // an empty shard
+      out.append(torch::empty({0}, torch::TensorOptions().dtype(torch::kUInt8)));
+      continue;
+    }
+    std::shared_ptr<const void> keep = mapped.keep(k);
+    out.append(torch::from_blob(
+        mapped.data(k), {static_cast<std::int64_t>(rs[k].bytes)},
+        [keep](void*) mutable { keep.reset(); }, torch::TensorOptions().dtype(torch::kUInt8)));
+  }
+  return out;
+}
+
+// The shard mesh coordinate `coord` holds of a tensor of shape `shape` (dtensor.h): its local
+// shape, global offsets, elements, padded elements and the number of runs it reads.
+py::dict local_shard(const zf::Shape& shape, const std::vector<std::uint64_t>& mesh,
+                     const std::vector<std::string>& placements,
+                     const std::vector<std::uint64_t>& coord) {
+  std::vector<zf::MeshPlacement> pl;
+  for (const std::string& t : placements) pl.push_back(zf::parse_placement(t));
+  const zf::LocalShard s = zf::local_shard(shape, mesh, pl, coord);
+  py::dict d;
+  d["shape"] = s.shape;
+  d["offsets"] = s.offsets;
+  d["numel"] = s.numel;
+  d["padded_numel"] = s.padded_numel;
+  d["runs"] = s.runs.size();
+  return d;
+}
+
+}  // namespace
+
+void bind_loads(py::module_& m) {
+  m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"), py::arg("shapes"),
+        py::arg("options"), py::kw_only(), py::arg("release_originals"),
+        py::arg("defer_release") = false);
+  m.def("load", &load, py::arg("device"), py::arg("comm"), py::arg("checkpoint"), py::arg("params"),
+        py::arg("options"));
+  m.def("load_partitions", &load_partitions, py::arg("device"), py::arg("comm"),
+        py::arg("checkpoint"), py::arg("params"), py::arg("options"));
+  m.def("load_shards", &load_shards, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
+        py::arg("params"), py::arg("options"), py::arg("mesh"), py::arg("coords"),
+        py::arg("placements"));
+  m.def("shards_read_bytes", &shards_read_bytes, py::arg("checkpoint"), py::arg("params"),
+        py::arg("mesh"), py::arg("coords"), py::arg("placements"), py::arg("rank"));
+  m.def("shard_file_ranges", &shard_file_ranges, py::arg("checkpoint"), py::arg("params"),
+        py::arg("mesh"), py::arg("coords"), py::arg("placements"), py::arg("rank"),
+        py::arg("dtype"));
+  m.def("map_file_ranges", &map_file_ranges, py::arg("checkpoint"), py::arg("ranges"),
+        py::arg("threads") = 0, py::arg("progress") = nullptr, py::arg("sole_reader") = false,
+        py::arg("cold") = false);
+  m.def("local_shard", &local_shard, py::arg("shape"), py::arg("mesh"), py::arg("placements"),
+        py::arg("coord"));
+  m.def("load_slice", &load_slice, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
+        py::arg("params"), py::arg("options"));
+}
+
+}  // namespace zeroflat_python
