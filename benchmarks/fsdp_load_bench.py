@@ -320,8 +320,9 @@ import sys, zeroflat._C as C
 ck = C.Checkpoint(sys.argv[1]); world, rank = int(sys.argv[2]), int(sys.argv[3])
 ts = ck.tensors()
 params = [C.LoadParam(name=t.name, shape=list(t.shape)) for t in ts]
-print(C.shards_read_bytes(ck, params, [world], [[r] for r in range(world)],
-                          [["Shard(0)"] for _ in ts], rank))
+where = C.LoadPlacement("shards", mesh=[world], coords=[[r] for r in range(world)],
+                       placements=[["Shard(0)"] for _ in ts])
+print(C.load_read_bytes(ck, params, where, C.LayoutOptions(dp=world), rank))
 """
 
 

@@ -23,6 +23,7 @@
 #include "cli_run.h"
 #include "sanitizers.h"
 #include "zeroflat/hardware.h"
+#include "zeroflat/loader.h"
 #include "zeroflat/size.h"
 
 namespace {
@@ -946,6 +947,79 @@ json checksums_of_run(const std::string& args) {
   Result r = run("run " + args + " --repeat 1 --json --quiet");
   EXPECT_EQ(r.code, 0) << args << "\n" << r.err;
   return json::parse(r.out)["ranks"][0]["checksum"];
+}
+
+// inspect --dp / --mesh on a safetensors checkpoint: each rank's reads of the load as the loader
+// plans them, equal to what `zeroflat load` reports reading (ZeRO-1/2's slices before the
+// all-gather, ZeRO-3's partitions) and, for FSDP2's and HSDP's shards, to the library's
+// load_read_bytes, every byte read once per replica; bad combinations are usage errors.
+TEST(CliInspect, EachRanksReadsOfALoadAreWhatTheLoadReads) {
+  using namespace zeroflat;  // NOLINT: the library's own figures, beside the command's
+  const std::string dir = checkpoint("inspect_reads", "--dtype bf16");
+  const std::pair<std::string, std::string> zero[] = {{"--dp 2", "--dp 2 --read-plan load"},
+                                                      {"--dp 3 --stage 3", "--dp 3 --stage 3"}};
+  for (const auto& [inspect, load] : zero) {
+    SCOPED_TRACE(inspect);
+    Result shown = run("inspect " + dir + " " + inspect + " --json");
+    ASSERT_EQ(shown.code, 0) << shown.err;
+    Result loaded = run("load " + dir + " " + load + " --json --quiet");
+    ASSERT_EQ(loaded.code, 0) << loaded.err;
+    const json doc = json::parse(shown.out)["load"];
+    const json ranks = json::parse(loaded.out)["ranks"];
+    ASSERT_EQ(doc["ranks"].size(), ranks.size());
+    for (std::size_t r = 0; r < ranks.size(); ++r) {
+      EXPECT_EQ(doc["ranks"][r]["bytes"], ranks[r]["bytes_read"]) << r;
+      EXPECT_GT(doc["ranks"][r]["bytes"].get<std::uint64_t>(), 0u);
+    }
+  }
+  const CheckpointIndex ck = open_checkpoint(dir);
+  std::vector<LoadParam> params;
+  std::uint64_t total = 0;
+  for (const CheckpointTensor& t : ck.tensors) {
+    params.push_back(LoadParam{t.name, t.shape, {}});
+    total += t.bytes;
+  }
+  const MeshPlacement rep{MeshPlacement::Kind::kReplicate, 0};
+  const MeshPlacement s0{MeshPlacement::Kind::kShard, 0};
+  for (const std::string mesh : {"3", "2x2"}) {
+    SCOPED_TRACE("--mesh " + mesh);
+    Result shown = run("inspect " + dir + " --mesh " + mesh + " --json");
+    ASSERT_EQ(shown.code, 0) << shown.err;
+    const json doc = json::parse(shown.out)["load"];
+    ShardSpec spec;
+    spec.mesh = mesh == "3" ? std::vector<std::uint64_t>{3} : std::vector<std::uint64_t>{2, 2};
+    for (std::uint64_t r = 0; r < doc["world"].get<std::uint64_t>(); ++r) {
+      spec.coords.push_back(mesh == "3" ? std::vector<std::uint64_t>{r}
+                                        : std::vector<std::uint64_t>{r / 2, r % 2});
+    }
+    spec.placements.assign(params.size(), mesh == "3" ? std::vector<MeshPlacement>{s0}
+                                                      : std::vector<MeshPlacement>{rep, s0});
+    std::uint64_t sum = 0;
+    for (std::size_t r = 0; r < spec.coords.size(); ++r) {
+      const std::uint64_t bytes = doc["ranks"][r]["bytes"].get<std::uint64_t>();
+      EXPECT_EQ(bytes, load_read_bytes(ck, params, LoadPlacement::sharded(spec), LayoutOptions{},
+                                       r));
+      EXPECT_EQ(doc["ranks"][r]["coord"], json(spec.coords[r]));
+      sum += bytes;
+    }
+    EXPECT_EQ(sum, total * (mesh == "3" ? 1 : 2));  // once per replica
+  }
+  // One rank, each read listed: they add up to its bytes.
+  Result one = run("inspect " + dir + " --mesh 2 --rank 1 --json");
+  ASSERT_EQ(one.code, 0) << one.err;
+  const json rank1 = json::parse(one.out)["load"]["ranks"];
+  ASSERT_EQ(rank1.size(), 1u);
+  std::uint64_t listed = 0;
+  for (const json& x : rank1[0]["read_list"]) listed += x["bytes"].get<std::uint64_t>();
+  EXPECT_EQ(listed, rank1[0]["bytes"].get<std::uint64_t>());
+  Result text = run("inspect " + dir + " --mesh 2x2");
+  EXPECT_EQ(text.code, 0);
+  EXPECT_NE(text.out.find("rank 3:"), std::string::npos) << text.out;
+  for (const std::string bad :
+       {"--mesh 2 --dp 2", "--mesh 0", "--mesh 2x", "--mesh 2 --rank 2", "--stage 3",
+        "--dp 2 --stage 4", "--mesh 2 --tag x"}) {
+    EXPECT_EQ(run("inspect " + dir + " " + bad).code, 2) << bad;
+  }
 }
 
 TEST(CliLoad, EveryRankHoldsWhatRunFlattensAndReadsOnlyItsPartition) {

@@ -6,8 +6,8 @@
 // reference layouts and checkpoint writers, which live here.
 #include "zeroflat/loader.h"
 
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -18,16 +18,16 @@
 #include <fstream>
 #include <functional>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "common/pattern.h"
 #include "device/host_kernels.h"
 #include "zeroflat/checkpoint.h"
-#include "common/pattern.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/device.h"
 #include "zeroflat/dtensor.h"
@@ -38,6 +38,13 @@
 
 namespace zeroflat {
 namespace {
+
+// The layout options of a world of `world` ranks (ZeRO-3 partitions and shards take only dp).
+LayoutOptions world_layout(std::uint64_t world) {
+  LayoutOptions o;
+  o.dp = world;
+  return o;
+}
 
 // The loader's options as the tests take them: no master partition unless a test asks.
 FlattenOptions load_options() {
@@ -183,11 +190,12 @@ TEST_F(LoaderTest, EveryRankHoldsTheLayoutOfTheTensorsAndReadsOnlyItsPartition) 
             std::vector<std::uint64_t> read(dp, 0);
             on_ranks(dp, [&](int r, Communicator* comm) {
               std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
-              const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+              const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, comm, o);
               ASSERT_TRUE(res.feasible());
               ASSERT_EQ(res.group().layout.flat_bytes(), want.size());
               EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
-              EXPECT_EQ(verify_loaded(ck, params, *dev, res.group()), "");
+              EXPECT_EQ(verify_load(ck, params, LoadPlacement::flat(), *dev, res.group(), 1, 0),
+                        "");
               read[r] = res.read->bytes;
               // Exactly the partition's elements, at the file's element size.
               const Layout& l = res.group().layout;
@@ -222,7 +230,7 @@ TEST_F(LoaderTest, AnFp32FileOfBf16ValuesLoadsAsTheBf16Pattern) {
   FlattenOptions o = load_options();
   o.layout.dtype = DType::kBF16;
   std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
-  const FlattenResult res = load_flat_group(ck, params, *dev, nullptr, o);
+  const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, nullptr, o);
   // Parameter i (natural order) holds the bf16 pattern i: what `zeroflat run --model DIR`
   // fills it with.
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -243,7 +251,7 @@ TEST_F(LoaderTest, TiedWeightsShareOneTensor) {
   const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
   on_ranks(2, [&](int, Communicator* comm) {
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-    const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+    const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, comm, o);
     EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
     EXPECT_EQ(std::memcmp(res.group().views.back().data, res.group().views.front().data,
                           res.group().views.front().numel * 2),
@@ -293,7 +301,7 @@ TEST_F(LoaderTest, BadGroupsAreRefusedOnEveryRankBeforeAnyRead) {
       FlattenOptions o = load_options();
       o.layout.dp = 2;
       if (r == 0) o.local_error = rank0_error;
-      load_flat_group(ck, r == 1 ? mine : theirs, dev, c, o);
+      load(ck, r == 1 ? mine : theirs, LoadPlacement::flat(), dev, c, o);
     });
   };
   // A missing tensor, named.
@@ -379,16 +387,17 @@ TEST_F(LoaderTest, AFusedParameterConcatenatesItsTensorsInOrder) {
     const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
     on_ranks(dp, [&](int r, Communicator* comm) {
       std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-      const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+      const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, comm, o);
       EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
-      EXPECT_EQ(verify_loaded(ck, params, *dev, res.group()), "");
-      EXPECT_EQ(res.read->bytes, partition_read_bytes(ck, params, o.layout, r));
+      EXPECT_EQ(verify_load(ck, params, LoadPlacement::flat(), *dev, res.group(), 1, 0), "");
+      EXPECT_EQ(res.read->bytes, load_read_bytes(ck, params, LoadPlacement::flat(), o.layout, r));
     });
   }
   // Sources that do not hold the parameter's element count.
   std::vector<LoadParam> bad = {LoadParam{"fused", {5, shape[0], shape[1]}, stack}};
   std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-  const std::string m = error_of([&] { load_flat_group(ck, bad, *dev, nullptr, load_options()); });
+  const std::string m =
+      error_of([&] { load(ck, bad, LoadPlacement::flat(), *dev, nullptr, load_options()); });
   EXPECT_NE(m.find("'fused'"), std::string::npos) << m;
   EXPECT_NE(m.find("elements"), std::string::npos) << m;
 }
@@ -420,8 +429,8 @@ TEST_F(LoaderTest, BadCheckpointsAreRefusedNamingFileAndTensor) {
     const CheckpointIndex ck = open_checkpoint(dir);
     fs::resize_file(ck.files.front(), ck.file_bytes.front() / 2);
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-    const std::string m =
-        error_of([&] { load_flat_group(ck, params_of(ck), *dev, nullptr, load_options()); });
+    const std::string m = error_of(
+        [&] { load(ck, params_of(ck), LoadPlacement::flat(), *dev, nullptr, load_options()); });
     EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
     EXPECT_NE(m.find(ck.files.front()), std::string::npos) << m;
     EXPECT_NE(m.find("truncated"), std::string::npos) << m;
@@ -457,13 +466,14 @@ TEST_F(LoaderTest, BadCheckpointsAreRefusedNamingFileAndTensor) {
     f.close();
     const CheckpointIndex ck = open_checkpoint(dir);
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-    const std::string m =
-        error_of([&] { load_flat_group(ck, params_of(ck), *dev, nullptr, load_options()); });
+    const std::string m = error_of(
+        [&] { load(ck, params_of(ck), LoadPlacement::flat(), *dev, nullptr, load_options()); });
     EXPECT_NE(m.find("'ids'"), std::string::npos) << m;
     EXPECT_NE(m.find("I64"), std::string::npos) << m;
     // Without it, the rest loads.
     std::vector<LoadParam> floats = {LoadParam{"a", {4}, {}}};
-    const FlattenResult res = load_flat_group(ck, floats, *dev, nullptr, load_options());
+    const FlattenResult res =
+        load(ck, floats, LoadPlacement::flat(), *dev, nullptr, load_options());
     EXPECT_EQ(res.read->bytes, 8u);
     fs::remove_all(dir);
   }
@@ -486,7 +496,7 @@ TEST_F(LoaderTest, ReadPlansFillTheSameBufferAndAreChosenByTopology) {
       const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
       on_ranks(dp, [&](int, Communicator* comm) {
         std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-        const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+        const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, comm, o);
         EXPECT_EQ(res.chosen().tier, Tier::kLoadWhole);
         EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
         EXPECT_EQ(res.read->bytes, all);
@@ -512,7 +522,7 @@ TEST_F(LoaderTest, ReadPlansFillTheSameBufferAndAreChosenByTopology) {
     o.storage_bytes_per_second = c.storage;
     on_ranks(2, [&](int, Communicator* comm) {
       std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-      const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+      const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, comm, o);
       EXPECT_EQ(res.chosen().tier, c.want) << res.plan.reason;
       EXPECT_EQ(res.plan.candidates.size(), 2u);
       EXPECT_NE(res.plan.reason.find(tier_name(c.want)), std::string::npos);
@@ -534,7 +544,7 @@ TEST_F(LoaderTest, ReadPlansFillTheSameBufferAndAreChosenByTopology) {
         o.layout.dp = 2;
         o.tier = Tier::kLoadWhole;
         o.read.copies = CopyCheck::kFull;
-        load_flat_group(mine, params_of(mine), dev, c, o);
+        load(mine, params_of(mine), LoadPlacement::flat(), dev, c, o);
       });
   for (int r = 0; r < 2; ++r) {
     EXPECT_NE(errors[r].find("hold different bytes"), std::string::npos) << errors[r];
@@ -543,19 +553,16 @@ TEST_F(LoaderTest, ReadPlansFillTheSameBufferAndAreChosenByTopology) {
   fs::remove_all(other);
 }
 
-// The front doors a test can load through.
-using LoadDoor = FlattenResult (*)(const CheckpointIndex&, std::span<const LoadParam>, Device&,
-                                   Communicator*, const FlattenOptions&);
-
 // Two ranks, each loading its own copy of the checkpoint (as on two nodes); the errors, or "".
 std::vector<std::string> load_two_copies(const std::string& a, const std::string& b,
-                                         CopyCheck copies, LoadDoor door = &load_flat_group) {
+                                         CopyCheck copies,
+                                         const LoadPlacement& where = LoadPlacement::flat()) {
   return errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
     const CheckpointIndex ck = open_checkpoint(r == 0 ? a : b);
     FlattenOptions o = load_options();
     o.layout.dp = 2;
     o.read.copies = copies;
-    door(ck, params_of(ck), dev, c, o);
+    load(ck, params_of(ck), where, dev, c, o);
   });
 }
 
@@ -579,7 +586,7 @@ TEST_F(LoaderTest, ASliceIsTheRanksPartitionOfTheFlatBufferAndNothingMore) {
           const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
           on_ranks(dp, [&](int r, Communicator* comm) {
             std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
-            const FlattenResult res = load_slice(ck, params, *dev, comm, o);
+            const FlattenResult res = load(ck, params, LoadPlacement::slice(), *dev, comm, o);
             ASSERT_TRUE(res.complete()) << res.plan.reason << res.execution.error;
             EXPECT_EQ(res.chosen().tier, Tier::kLoadSlice);
             for (const Step& s : res.chosen().steps) {
@@ -592,8 +599,8 @@ TEST_F(LoaderTest, ASliceIsTheRanksPartitionOfTheFlatBufferAndNothingMore) {
             EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data() + r * sb, sb), 0);
             ASSERT_TRUE(res.master);
             EXPECT_EQ(std::memcmp(res.master.data(), want.data() + r * sb, sb), 0);
-            EXPECT_EQ(res.read->bytes, partition_read_bytes(ck, params, o.layout,
-                                                            static_cast<std::uint64_t>(r)));
+            EXPECT_EQ(res.read->bytes, load_read_bytes(ck, params, LoadPlacement::slice(), o.layout,
+                                                       static_cast<std::uint64_t>(r)));
             EXPECT_EQ(res.execution.measured_peak_device_bytes, res.predicted_peak_device_bytes);
             // The slice, never the whole buffer; and the master, built as the slice is read.
             EXPECT_EQ(res.predicted_peak_device_bytes, sb + res.master.num_bytes());
@@ -619,10 +626,10 @@ TEST_F(LoaderTest, VerifySliceChecksTheRanksSliceAgainstTheTensorsAndItsPaddingA
       on_ranks(dp, [&](int r, Communicator* comm) {
         const auto rank = static_cast<std::uint64_t>(r);
         std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-        const FlattenResult res = load_slice(ck, params, *dev, comm, o);
+        const FlattenResult res = load(ck, params, LoadPlacement::slice(), *dev, comm, o);
         ASSERT_TRUE(res.complete()) << res.plan.reason << res.execution.error;
         const FlatGroup& g = res.group();
-        EXPECT_EQ(verify_slice(ck, params, *dev, g, rank), "");
+        EXPECT_EQ(verify_load(ck, params, LoadPlacement::slice(), *dev, g, o.layout.dp, rank), "");
         auto* bytes = static_cast<unsigned char*>(g.flat.data());
         // A data element of the slice: the parameter holding it is named.
         const RankLayout mine = g.layout.rank(rank, false);
@@ -630,7 +637,8 @@ TEST_F(LoaderTest, VerifySliceChecksTheRanksSliceAgainstTheTensorsAndItsPaddingA
         const Fragment& f = mine.fragments.back();
         const std::uint64_t at = (f.partition_offset + f.numel - 1) * 4 + 1;
         bytes[at] ^= 0x10;
-        const std::string m = verify_slice(ck, params, *dev, g, rank);
+        const std::string m =
+            verify_load(ck, params, LoadPlacement::slice(), *dev, g, o.layout.dp, rank);
         EXPECT_NE(m.find("'" + params[f.param].name + "'"), std::string::npos) << m;
         bytes[at] ^= 0x10;
         // A padding byte (the interior alignment gaps and the trailing padding).
@@ -642,20 +650,25 @@ TEST_F(LoaderTest, VerifySliceChecksTheRanksSliceAgainstTheTensorsAndItsPaddingA
           if (data[e]) continue;
           ASSERT_EQ(bytes[e * 4], 0);
           bytes[e * 4 + 2] = 1;
-          const std::string pad = verify_slice(ck, params, *dev, g, rank);
+          const std::string pad =
+              verify_load(ck, params, LoadPlacement::slice(), *dev, g, o.layout.dp, rank);
           EXPECT_EQ(pad, "padding byte " + std::to_string(e * 4 + 2) + " is not zero");
           bytes[e * 4 + 2] = 0;
           ++paddings_changed;
           break;
         }
-        EXPECT_EQ(verify_slice(ck, params, *dev, g, rank), "");
+        EXPECT_EQ(verify_load(ck, params, LoadPlacement::slice(), *dev, g, o.layout.dp, rank), "");
         // Another rank's slice, another group, a rank outside the layout.
         if (dp > 1) {
-          EXPECT_NE(verify_slice(ck, params, *dev, g, (rank + 1) % o.layout.dp), "");
+          EXPECT_NE(verify_load(ck, params, LoadPlacement::slice(), *dev, g, o.layout.dp,
+                                (rank + 1) % o.layout.dp),
+                    "");
         }
-        EXPECT_NE(verify_slice(ck, std::span(params).first(params.size() - 1), *dev, g, rank),
+        EXPECT_NE(verify_load(ck, std::span(params).first(params.size() - 1),
+                              LoadPlacement::slice(), *dev, g, o.layout.dp, rank),
                   "");
-        EXPECT_NE(verify_slice(ck, params, *dev, g, o.layout.dp).find("outside"),
+        EXPECT_NE(verify_load(ck, params, LoadPlacement::slice(), *dev, g, o.layout.dp, o.layout.dp)
+                      .find("outside"),
                   std::string::npos);
       });
     }
@@ -724,14 +737,13 @@ TEST_F(LoaderTest, CopiesWhoseBytesDifferAreRefusedOnEveryRank) {
     f.write(&c, 1);
   }
   // ZeRO-3's partitions and a slice alone (no rank holds another's bytes) are checked as well.
-  for (LoadDoor door : {&load_flat_group, &load_partitions, &load_slice}) {
+  for (const LoadPlacement& where :
+       {LoadPlacement::flat(), LoadPlacement::partitions(), LoadPlacement::slice()}) {
     for (const auto& [dir, check] :
          {std::pair{many, CopyCheck::kSampled}, std::pair{one, CopyCheck::kFull}}) {
-      SCOPED_TRACE(std::string(copy_check_name(check)) +
-                   (door == &load_partitions ? " partitions"
-                    : door == &load_slice    ? " slice"
-                                             : ""));
-      const std::vector<std::string> e = load_two_copies(*bf16_dir_, dir, check, door);
+      SCOPED_TRACE(std::string(copy_check_name(check)) + " " +
+                   std::string(load_placement_name(where.kind)));
+      const std::vector<std::string> e = load_two_copies(*bf16_dir_, dir, check, where);
       for (int r = 0; r < 2; ++r) {
         EXPECT_NE(e[r].find("hold different bytes"), std::string::npos) << e[r];
         EXPECT_EQ(e[r].find("InvalidArgument"), std::string::npos) << e[r];
@@ -745,7 +757,7 @@ TEST_F(LoaderTest, CopiesWhoseBytesDifferAreRefusedOnEveryRank) {
     // Identical copies pass every check.
     for (CopyCheck check : {CopyCheck::kOff, CopyCheck::kSampled, CopyCheck::kFull}) {
       const std::string same = copy_checkpoint(*bf16_dir_, "same");
-      const std::vector<std::string> e = load_two_copies(*bf16_dir_, same, check, door);
+      const std::vector<std::string> e = load_two_copies(*bf16_dir_, same, check, where);
       EXPECT_EQ(e[0], "");
       EXPECT_EQ(e[1], "");
       fs::remove_all(same);
@@ -769,7 +781,8 @@ TEST_F(LoaderTest, ASourceOfTheRightSizeButAnotherShapeIsRefused) {
                                         {two_d->name, two_d->name},
                                         {transposed, transposed}}};
   std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-  const std::string m = error_of([&] { load_flat_group(ck, p, *dev, nullptr, load_options()); });
+  const std::string m =
+      error_of([&] { load(ck, p, LoadPlacement::flat(), *dev, nullptr, load_options()); });
   EXPECT_NE(m.find("InvalidArgument"), std::string::npos) << m;
   EXPECT_NE(m.find("'" + two_d->name + "'"), std::string::npos) << m;
   EXPECT_NE(m.find(shape_to_string(transposed)), std::string::npos) << m;
@@ -778,7 +791,8 @@ TEST_F(LoaderTest, ASourceOfTheRightSizeButAnotherShapeIsRefused) {
                    {2, two_d->shape[0], two_d->shape[1]},
                    {two_d->name, two_d->name},
                    {two_d->shape, two_d->shape}};
-  EXPECT_EQ(load_flat_group(ck, p, *dev, nullptr, load_options()).read->bytes, 2 * two_d->bytes);
+  EXPECT_EQ(load(ck, p, LoadPlacement::flat(), *dev, nullptr, load_options()).read->bytes,
+            2 * two_d->bytes);
 }
 
 TEST(Loader, ManyShardsLoadUnderALowOpenFileLimit) {
@@ -801,7 +815,8 @@ TEST(Loader, ManyShardsLoadUnderALowOpenFileLimit) {
   {
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
     try {
-      const FlattenResult res = load_flat_group(ck, params_of(ck), *dev, nullptr, load_options());
+      const FlattenResult res =
+          load(ck, params_of(ck), LoadPlacement::flat(), *dev, nullptr, load_options());
       const auto* p = static_cast<const unsigned char*>(res.group().flat.data());
       flat.assign(p, p + res.group().layout.flat_bytes());
     } catch (const std::exception& e) {
@@ -849,7 +864,7 @@ TEST_F(LoaderTest, AReadInPartsGatheredAsTheyArriveFillsTheSameBuffer) {
           // The ranks take the fewest parts any of them asks for.
           mine.execute.gather_parts = parts + (parts > 1 ? static_cast<std::uint32_t>(r) : 0);
           std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-          const FlattenResult res = load_flat_group(ck, params, *dev, comm, mine);
+          const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, comm, mine);
           ASSERT_TRUE(res.complete()) << res.execution.error;
           ASSERT_GE(res.input.layout.partition_bytes(), parts * (64u << 10));
           EXPECT_EQ(res.execution.gather_parts, parts);
@@ -871,7 +886,7 @@ TEST_F(LoaderTest, AReadInPartsGatheredAsTheyArriveFillsTheSameBuffer) {
         for (std::size_t k = 0; k < steps.size(); ++k) {
           if (steps[k].op == Op::kRead && r == 1) o.execute.fault_step = k;
         }
-        const FlattenResult res = load_flat_group(ck, params, dev, c, o);
+        const FlattenResult res = load(ck, params, LoadPlacement::flat(), dev, c, o);
         if (!res.complete()) throw Error(res.execution.error);
       });
   for (int r = 0; r < 2; ++r) {
@@ -888,7 +903,7 @@ TEST_F(LoaderTest, AReadInPartsGatheredAsTheyArriveFillsTheSameBuffer) {
         o.execute.gather_parts = 4;
         const std::uint64_t slice = layout_of(params, o.layout).partition_bytes();
         if (r == 1) o.read.fail_after_bytes = slice * 3 / 4;
-        load_flat_group(ck, params, dev, c, o);
+        load(ck, params, LoadPlacement::flat(), dev, c, o);
       });
   EXPECT_NE(late[1].find("bytes ["), std::string::npos) << late[1];
   EXPECT_NE(late[0].find("rank 1"), std::string::npos) << late[0];
@@ -908,7 +923,7 @@ TEST_F(LoaderTest, TheMasterPartitionIsBuiltAsTheSliceIsRead) {
       const std::vector<unsigned char> want = expected_flat(ck, params, o.layout);
       on_ranks(dp, [&](int r, Communicator* comm) {
         std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
-        const FlattenResult res = load_flat_group(ck, params, *dev, comm, o);
+        const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, comm, o);
         ASSERT_TRUE(res.complete()) << res.execution.error;
         const Layout& l = res.group().layout;
         ASSERT_GE(l.partition_bytes(), parts * (64u << 10));
@@ -938,7 +953,7 @@ TEST_F(LoaderTest, TheMasterPartitionIsBuiltAsTheSliceIsRead) {
         o.execute.gather_parts = 4;
         const std::uint64_t slice = layout_of(params, o.layout).partition_bytes();
         if (r == 1) o.read.fail_after_bytes = slice * 3 / 4;
-        const FlattenResult res = load_flat_group(ck, params, dev, c, o);
+        const FlattenResult res = load(ck, params, LoadPlacement::flat(), dev, c, o);
         EXPECT_FALSE(res.master);
         EXPECT_EQ(dev.memory_info().allocated_bytes, 0u);
         if (!res.complete()) throw Error(res.execution.error);
@@ -997,7 +1012,7 @@ TEST_F(LoaderTest, AReadRunsAtMostTwoPartsAheadOfTheirAllGathers) {
     FlattenOptions one = o;
     one.execute.gather_parts = 1;
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-    const FlattenResult res = load_flat_group(ck, params, *dev, comm, one);
+    const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, comm, one);
     ASSERT_TRUE(res.complete()) << res.execution.error;
     whole_reads[r] = res.read->reads;
   });
@@ -1006,7 +1021,7 @@ TEST_F(LoaderTest, AReadRunsAtMostTwoPartsAheadOfTheirAllGathers) {
     mine.read.progress = std::make_shared<ReadProgress>();
     SlowPartGathers slow(comm, mine.read.progress.get());
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-    const FlattenResult res = load_flat_group(ck, params, *dev, &slow, mine);
+    const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, &slow, mine);
     ASSERT_TRUE(res.complete()) << res.execution.error;
     EXPECT_EQ(res.execution.gather_parts, 6u);
     EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
@@ -1016,8 +1031,8 @@ TEST_F(LoaderTest, AReadRunsAtMostTwoPartsAheadOfTheirAllGathers) {
     ASSERT_EQ(slow.parts.size(), 6u);
     const std::uint64_t slice = res.input.layout.partition_bytes();
     for (std::size_t i = 0; i < slow.parts.size(); ++i) {
-      const std::uint64_t part_after_next = i + 2 < slow.parts.size() ? slow.parts[i + 2].first
-                                                                       : slice;
+      const std::uint64_t part_after_next =
+          i + 2 < slow.parts.size() ? slow.parts[i + 2].first : slice;
       EXPECT_LE(slow.parts[i].second, part_after_next) << "part " << i;
       EXPECT_GE(slow.parts[i].second, i + 1 < slow.parts.size() ? slow.parts[i + 1].first : slice)
           << "part " << i;
@@ -1040,7 +1055,7 @@ TEST_F(LoaderTest, AReadThatFailsMidwayFailsEveryRankAndKeepsNothing) {
             o.tier = Tier::kLoad;  // the other ranks learn of the failure at the all-gather
             o.execute.gather_parts = parts;
             if (r == 1) o.read.fail_after_bytes = 100'000;
-            load_flat_group(ck, params, dev, c, o);
+            load(ck, params, LoadPlacement::flat(), dev, c, o);
           });
       // The failing rank names the file, the tensor and the byte range; the others name it.
       EXPECT_NE(errors[1].find(".safetensors"), std::string::npos) << errors[1];
@@ -1072,7 +1087,8 @@ TEST(Loader, TheSeedsFortyEightLayersRehearsedOnEightSimulatedH100s) {
       o.layout.dp = 8;
       o.probe.local_ranks = 8;
       const FlattenResult res =
-          (partitions ? load_partitions : load_flat_group)(ck, params, *dev, comm, o);
+          load(ck, params, partitions ? LoadPlacement::partitions() : LoadPlacement::flat(), *dev,
+               comm, o);
       ASSERT_TRUE(res.feasible()) << res.plan.reason;
       EXPECT_EQ(res.execution.measured_peak_device_bytes, res.predicted_peak_device_bytes);
       // The buffer alone on the device: no second copy, ever.
@@ -1102,7 +1118,7 @@ TEST(Loader, ABufferThatDoesNotFitIsReportedWithNothingAllocated) {
   std::vector<LoadParam> params;
   for (const TensorSpec& t : m.tensors) params.push_back(LoadParam{t.name, t.shape, {}});
   std::unique_ptr<Device> dev = make_device("sim:1GiB", DeviceOptions{1, true});
-  const FlattenResult res = load_flat_group(ck, params, *dev, nullptr, load_options());
+  const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, nullptr, load_options());
   EXPECT_FALSE(res.feasible());
   EXPECT_NE(res.plan.reason.find("exceeds"), std::string::npos) << res.plan.reason;
   EXPECT_EQ(dev->memory_info().peak_allocated_bytes, 0u);
@@ -1118,11 +1134,11 @@ TEST_F(LoaderTest, TheCeilingReadsTheBytesAskedForAndVerifyCatchesACorruptByte) 
   EXPECT_EQ(measure_read_ceiling(ck, 0, total * 2, 1, false).bytes, total);
   const std::vector<LoadParam> params = params_of(ck);
   std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-  const FlattenResult res = load_flat_group(ck, params, *dev, nullptr, load_options());
-  ASSERT_EQ(verify_loaded(ck, params, *dev, res.group()), "");
+  const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, nullptr, load_options());
+  ASSERT_EQ(verify_load(ck, params, LoadPlacement::flat(), *dev, res.group(), 1, 0), "");
   static_cast<unsigned char*>(res.group().flat.data())[res.group().layout.offsets()[5] * 2 + 3] ^=
       1;
-  const std::string m = verify_loaded(ck, params, *dev, res.group());
+  const std::string m = verify_load(ck, params, LoadPlacement::flat(), *dev, res.group(), 1, 0);
   EXPECT_NE(m.find(params[5].name), std::string::npos) << m;
   // A cached file reads as cached.
   EXPECT_GT(cached_fraction(ck.files.front(), 0, ck.file_bytes.front()), 0.5);
@@ -1182,13 +1198,15 @@ TEST_F(LoaderTest, ZeRO3EveryRankReadsOnlyItsPartitionsIntoTheStage3Buffer) {
             const std::vector<unsigned char> want =
                 expected_partitions(ck, params, dtype, world, r);
             std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
-            const FlattenResult res = load_partitions(ck, params, *dev, comm, o);
+            const FlattenResult res = load(ck, params, LoadPlacement::partitions(), *dev, comm, o);
             ASSERT_TRUE(res.feasible()) << res.plan.reason;
             EXPECT_EQ(res.chosen().tier, Tier::kLoadPartitions);
             for (const Step& s : res.chosen().steps) EXPECT_NE(s.op, Op::kAllGather);
             ASSERT_EQ(res.group().layout.flat_bytes(), want.size());
             EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
-            EXPECT_EQ(verify_partitions(ck, params, *dev, res.group(), world, r), "");
+            EXPECT_EQ(
+                verify_load(ck, params, LoadPlacement::partitions(), *dev, res.group(), world, r),
+                "");
             // The views are the partitions, at the Stage 3 offsets.
             std::vector<std::uint64_t> numels;
             for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
@@ -1201,7 +1219,8 @@ TEST_F(LoaderTest, ZeRO3EveryRankReadsOnlyItsPartitionsIntoTheStage3Buffer) {
                         static_cast<const unsigned char*>(res.group().flat.data()) +
                             z.offsets()[i] * element_size(dtype));
             }
-            EXPECT_EQ(res.read->bytes, partitions_read_bytes(ck, params, world, r));
+            EXPECT_EQ(res.read->bytes, load_read_bytes(ck, params, LoadPlacement::partitions(),
+                                                       world_layout(world), r));
             read[r] = res.read->bytes;
             EXPECT_EQ(res.execution.measured_peak_device_bytes, res.predicted_peak_device_bytes);
             EXPECT_EQ(res.execution.measured_peak_host_bytes, res.chosen().profile.peak_host_bytes);
@@ -1255,9 +1274,9 @@ TEST_F(LoaderTest, DTensorShardsEveryRankReadsOnlyItsLocalShards) {
   const MeshPlacement s0{MeshPlacement::Kind::kShard, 0};
   std::uint64_t total = 0;
   for (const CheckpointTensor& t : ck.tensors) total += t.bytes;
-  for (const ShardCase& c :
-       {ShardCase{{1}, false, false}, ShardCase{{2}, false, false}, ShardCase{{3}, false, false},
-        ShardCase{{4}, false, false}, ShardCase{{3}, false, true}, ShardCase{{2, 2}, true, false}}) {
+  for (const ShardCase& c : {ShardCase{{1}, false, false}, ShardCase{{2}, false, false},
+                             ShardCase{{3}, false, false}, ShardCase{{4}, false, false},
+                             ShardCase{{3}, false, true}, ShardCase{{2, 2}, true, false}}) {
     const ShardSpec spec = shard_spec(params, c);
     const std::uint64_t world = spec.coords.size();
     for (DType dtype : {DType::kBF16, DType::kFP32}) {
@@ -1284,13 +1303,13 @@ TEST_F(LoaderTest, DTensorShardsEveryRankReadsOnlyItsLocalShards) {
           want.insert(want.end(), part.begin(), part.end());
         }
         std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
-        const FlattenResult res = load_shards(ck, params, spec, *dev, comm, o);
+        const FlattenResult res = load(ck, params, LoadPlacement::sharded(spec), *dev, comm, o);
         ASSERT_TRUE(res.feasible()) << res.plan.reason;
         EXPECT_EQ(res.chosen().tier, Tier::kLoadPartitions);
         ASSERT_EQ(res.group().layout.flat_bytes(), want.size());
         EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), want.size()), 0);
-        EXPECT_EQ(res.read->bytes,
-                  shards_read_bytes(ck, params, spec, static_cast<std::uint64_t>(r)));
+        EXPECT_EQ(res.read->bytes, load_read_bytes(ck, params, LoadPlacement::sharded(spec),
+                                                   LayoutOptions{}, static_cast<std::uint64_t>(r)));
         read[static_cast<std::size_t>(r)] = res.read->bytes;
       });
       std::uint64_t sum = 0;
@@ -1308,7 +1327,7 @@ TEST_F(LoaderTest, DTensorShardsEveryRankReadsOnlyItsLocalShards) {
   o.layout.dp = 2;
   on_ranks(2, [&](int, Communicator* comm) {
     std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
-    EXPECT_THROW(load_shards(ck, params, bad, *dev, comm, o), InvalidArgument);
+    EXPECT_THROW(load(ck, params, LoadPlacement::sharded(bad), *dev, comm, o), InvalidArgument);
     EXPECT_EQ(dev->memory_info().allocated_bytes, 0u);
   });
 }
@@ -1317,6 +1336,59 @@ TEST_F(LoaderTest, DTensorShardsEveryRankReadsOnlyItsLocalShards) {
 // (Shard(0) and Replicate() of the file's dtype; none where a conversion or strided runs need a
 // read), each rank's range holds exactly its shard's bytes, map_file_ranges maps them with those
 // values, counts them, and a write to the memory leaves the file as it was.
+// One load for every placement (loader.h's LoadPlacement): on each rank the reads planned_reads
+// lists before the load are exactly the bytes the load reports, load_read_bytes agrees, the
+// planned reads land inside the rank's buffer, verify_load finds the buffer equal to the tensors
+// read whole, and finds a byte changed in it.
+TEST_F(LoaderTest, EveryPlacementIsOneLoadWhosePlannedReadsAreWhatItReadsAndVerified) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  struct Case {
+    LoadPlacement where;
+    std::uint64_t world;
+  };
+  const std::vector<Case> cases = {
+      {LoadPlacement::flat(), 2},
+      {LoadPlacement::slice(), 3},
+      {LoadPlacement::partitions(), 3},
+      {LoadPlacement::sharded(shard_spec(params, ShardCase{{2}, false, false})), 2},
+      {LoadPlacement::sharded(shard_spec(params, ShardCase{{3}, false, true})), 3},
+      {LoadPlacement::sharded(shard_spec(params, ShardCase{{2, 2}, true, false})), 4}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(load_placement_name(c.where.kind)) + " on " +
+                 std::to_string(c.world) + " ranks");
+    FlattenOptions o = load_options();
+    o.layout.dp = c.world;
+    o.read.threads = 2;
+    // The flat buffer's reads are planned for kLoad (each rank its slice, then the all-gather).
+    if (c.where.kind == LoadPlacement::Kind::kFlat) o.tier = Tier::kLoad;
+    on_ranks(static_cast<int>(c.world), [&](int r, Communicator* comm) {
+      const auto rank = static_cast<std::uint64_t>(r);
+      const std::vector<PlannedRead> planned = planned_reads(ck, params, c.where, o.layout, rank);
+      std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+      const FlattenResult res = load(ck, params, c.where, *dev, comm, o);
+      ASSERT_TRUE(res.feasible()) << res.plan.reason;
+      ASSERT_TRUE(res.read);
+      std::uint64_t bytes = 0;
+      const std::uint64_t es = element_size(o.layout.dtype);
+      for (const PlannedRead& x : planned) {
+        bytes += x.bytes;
+        EXPECT_LE((x.dest + x.numel) * es, res.group().flat.num_bytes());
+      }
+      EXPECT_EQ(bytes, res.read->bytes);
+      EXPECT_EQ(bytes, load_read_bytes(ck, params, c.where, o.layout, rank));
+      EXPECT_GT(bytes, 0u);
+      EXPECT_EQ(verify_load(ck, params, c.where, *dev, res.group(), c.world, rank), "");
+      // A byte of the rank's first planned read changed: verify names a difference.
+      ASSERT_FALSE(planned.empty());
+      auto* p = static_cast<unsigned char*>(res.group().flat.data()) + planned.front().dest * es;
+      *p = static_cast<unsigned char>(*p ^ 0x5a);
+      EXPECT_NE(verify_load(ck, params, c.where, *dev, res.group(), c.world, rank), "");
+      *p = static_cast<unsigned char>(*p ^ 0x5a);
+    });
+  }
+}
+
 TEST_F(LoaderTest, ShardsThatLieInTheFilesAreMappedInPlace) {
   const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
   const std::vector<LoadParam> params = params_of(ck);
@@ -1344,8 +1416,8 @@ TEST_F(LoaderTest, ShardsThatLieInTheFilesAreMappedInPlace) {
         if (r == 0) chosen.push_back(ranges[i].has_value());
         EXPECT_EQ(ranges[i].has_value(), chosen[i]) << params[i].name << ": ranks disagree";
         if (!ranges[i]) continue;
-        const LocalShard sh = local_shard(params[i].shape, spec.mesh, spec.placements[i],
-                                          spec.coords[r]);
+        const LocalShard sh =
+            local_shard(params[i].shape, spec.mesh, spec.placements[i], spec.coords[r]);
         EXPECT_EQ(ranges[i]->bytes, sh.numel * 2) << params[i].name;
         const std::vector<unsigned char> whole = values_of(ck, params[i], DType::kBF16);
         want.emplace_back();
@@ -1448,13 +1520,11 @@ TEST_F(LoaderTest, BoxesOfTensorsAreTheirElementsAndOnlyTheirBytes) {
         for (std::size_t d = 0; d < t.shape.size(); ++d) {
           const auto n = static_cast<std::uint64_t>(t.shape[d]);
           const std::uint64_t lo = d + 1 == t.shape.size() ? n / 3 : 0;
-          const std::uint64_t len = d + 1 == t.shape.size() ? std::max<std::uint64_t>(1, n / 3)
-                                                              : n;
+          const std::uint64_t len = d + 1 == t.shape.size() ? std::max<std::uint64_t>(1, n / 3) : n;
           b.offsets.push_back(std::min(lo, n - 1));
           b.sizes.push_back(n == 0 ? 0 : std::min(len, n - std::min(lo, n - 1)));
         }
-        const std::vector<unsigned char> whole =
-            values_of(ck, LoadParam{t.name, t.shape, {}}, to);
+        const std::vector<unsigned char> whole = values_of(ck, LoadParam{t.name, t.shape, {}}, to);
         std::vector<unsigned char> want;
         std::uint64_t elems = 0;
         for (const ElementRun& r : box_runs(t.shape, b.offsets, b.sizes)) {
@@ -1473,14 +1543,14 @@ TEST_F(LoaderTest, BoxesOfTensorsAreTheirElementsAndOnlyTheirBytes) {
     }
     const CheckpointTensor& t = ck.tensors[0];
     std::vector<unsigned char> out(shape_numel(t.shape) * 4);
-    BoxRead outside{t.name, std::vector<std::uint64_t>(t.shape.size(), 1), {}, out.data(),
-                    DType::kFP32};
+    BoxRead outside{
+        t.name, std::vector<std::uint64_t>(t.shape.size(), 1), {}, out.data(), DType::kFP32};
     for (std::int64_t n : t.shape) outside.sizes.push_back(static_cast<std::uint64_t>(n));
     EXPECT_THROW(read_checkpoint_boxes(ck, std::vector<BoxRead>{outside}, 1), InvalidArgument);
     BoxRead missing{"no.such.tensor", {0}, {1}, out.data(), DType::kFP32};
     EXPECT_THROW(read_checkpoint_boxes(ck, std::vector<BoxRead>{missing}, 1), InvalidArgument);
-    BoxRead nowhere{t.name, std::vector<std::uint64_t>(t.shape.size(), 0), {}, nullptr,
-                    DType::kFP32};
+    BoxRead nowhere{
+        t.name, std::vector<std::uint64_t>(t.shape.size(), 0), {}, nullptr, DType::kFP32};
     for (std::int64_t n : t.shape) nowhere.sizes.push_back(static_cast<std::uint64_t>(n));
     EXPECT_THROW(read_checkpoint_boxes(ck, std::vector<BoxRead>{nowhere}, 1), InvalidArgument);
   }
@@ -1493,9 +1563,8 @@ void write_rows_file(const std::filesystem::path& file,
   nlohmann::json h = nlohmann::json::object();
   std::uint64_t at = 0;
   for (const auto& [name, rows] : tensors) {
-    h[name] = {{"dtype", "F32"},
-               {"shape", {rows, kRow / 4}},
-               {"data_offsets", {at, at + rows * kRow}}};
+    h[name] = {
+        {"dtype", "F32"}, {"shape", {rows, kRow / 4}}, {"data_offsets", {at, at + rows * kRow}}};
     at += rows * kRow;
   }
   const std::string header = h.dump();
@@ -1581,7 +1650,7 @@ TEST(LoadSlice, FilesNoOtherRankReadsAreReadWithTheKernelsReadAhead) {
     o.read.copies = CopyCheck::kOff;
     on_ranks(2, [&](int, Communicator* comm) {
       std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{1});
-      const FlattenResult res = load_slice(ck, params, *dev, comm, o);
+      const FlattenResult res = load(ck, params, LoadPlacement::slice(), *dev, comm, o);
       ASSERT_TRUE(res.complete()) << res.plan.reason << res.execution.error;
     });
     if (both) {
@@ -1602,7 +1671,7 @@ TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {
   std::vector<std::string> e = errors_on_ranks(3, [&](int r, Communicator* c, Device& dev) {
     FlattenOptions o = load_options();
     o.layout.dp = 3;
-    load_partitions(ck, r == 2 ? missing : good, dev, c, o);
+    load(ck, r == 2 ? missing : good, LoadPlacement::partitions(), dev, c, o);
   });
   for (int r = 0; r < 3; ++r) EXPECT_NE(e[r].find("InvalidArgument"), std::string::npos) << e[r];
   EXPECT_NE(e[2].find("no.such.weight"), std::string::npos) << e[2];
@@ -1611,21 +1680,21 @@ TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {
     FlattenOptions o = load_options();
     o.layout.dp = 2;
     o.layout.round_robin = true;
-    load_partitions(ck, good, dev, c, o);
+    load(ck, good, LoadPlacement::partitions(), dev, c, o);
   });
   for (int r = 0; r < 2; ++r) EXPECT_NE(e[r].find("round-robin"), std::string::npos) << e[r];
   e = errors_on_ranks(2, [&](int, Communicator* c, Device& dev) {
     FlattenOptions o = load_options();
     o.layout.dp = 2;
     o.tier = Tier::kLoad;
-    load_partitions(ck, good, dev, c, o);
+    load(ck, good, LoadPlacement::partitions(), dev, c, o);
   });
   for (int r = 0; r < 2; ++r) EXPECT_NE(e[r].find("load-partitions"), std::string::npos) << e[r];
   // Ranks of which one loads partitions and one the flat buffer disagree before any read.
   e = errors_on_ranks(2, [&](int r, Communicator* c, Device& dev) {
     FlattenOptions o = load_options();
     o.layout.dp = 2;
-    (r == 0 ? load_partitions : load_flat_group)(ck, good, dev, c, o);
+    load(ck, good, r == 0 ? LoadPlacement::partitions() : LoadPlacement::flat(), dev, c, o);
   });
   for (int r = 0; r < 2; ++r) EXPECT_NE(e[r].find("InvalidArgument"), std::string::npos) << e[r];
   // A read that fails midway on rank 1: every rank fails, no buffer or ring is kept.
@@ -1636,7 +1705,7 @@ TEST_F(LoaderTest, ZeRO3ErrorsAreRaisedOnEveryRankWithNothingKept) {
       o.read.through_ring = ring;
       o.read.ring_chunk_bytes = 16384;
       if (r == 1) o.read.fail_after_bytes = 50'000;
-      load_partitions(ck, good, dev, c, o);
+      load(ck, good, LoadPlacement::partitions(), dev, c, o);
     });
     EXPECT_NE(e[1].find(".safetensors"), std::string::npos) << e[1];
     EXPECT_NE(e[1].find("bytes ["), std::string::npos) << e[1];
@@ -1684,7 +1753,7 @@ TEST_F(LoaderTest, TheRingReadsWindowsInParallelAndOverlapsThemWithTheCopies) {
     d.link_latency_seconds = latency;
     std::unique_ptr<Device> dev = make_device("sim:h100-80gb", d);
     const auto t0 = std::chrono::steady_clock::now();
-    const FlattenResult res = load_flat_group(ck, params, *dev, nullptr, o);
+    const FlattenResult res = load(ck, params, LoadPlacement::flat(), *dev, nullptr, o);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_TRUE(res.feasible());
     EXPECT_EQ(std::memcmp(res.group().flat.data(), want.data(), n), 0);

@@ -2,7 +2,7 @@
 // type of every front door. One call takes a group from its original storage to its flat buffer
 // on every rank of the group, the way every caller should (C++ programs, the CLI's run, the
 // Python package and the DeepSpeed drop-in all go through it). A group read from a checkpoint
-// enters through load_flat_group or load_partitions (loader.h): every door leads to the one
+// enters through load (loader.h), for any placement: every door leads to the one
 // pipeline, which asks the group's source (where its values are now) and its placement (what
 // each rank must hold at the end) and never branches on either:
 //
@@ -97,8 +97,7 @@ struct ReadOptions {
   std::shared_ptr<ReadProgress> progress;
 };
 
-// The options of every front door: flatten_param_group here, load_flat_group and
-// load_partitions (loader.h).
+// The options of every front door: flatten_param_group here, load (loader.h).
 struct FlattenOptions {
   // The layout (dp = the ranks of comm). Must match on every rank.
   LayoutOptions layout;

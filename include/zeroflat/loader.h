@@ -7,10 +7,11 @@
 //   with pread straight into its buffer (through a ring of pinned chunks on a device the host
 //   cannot write), converted to the buffer's dtype as torch's Tensor.to rounds.
 // - Who reads what is the read plan (plan.h), chosen by the cost model or forced
-//   (FlattenOptions::tier): load_flat_group's kLoad (each rank its slice, one all-gather) or
-//   kLoadWhole (each rank the whole buffer from its node's page cache, no all-gather);
-//   load_partitions' kLoadPartitions (each rank only its ZeRO-3 partitions). No rank holds a
-//   second copy of the group: the device holds the buffer and at most the ring.
+//   (FlattenOptions::tier), for the placement (LoadPlacement below): ZeRO-1/2's whole buffer
+//   (kLoad: each rank its slice, one all-gather; kLoadWhole: each rank the whole buffer from
+//   its node's page cache), its slice alone (kLoadSlice), ZeRO-3's partitions or DTensor shards
+//   (kLoadPartitions: each rank only its own). No rank holds a second copy of the group: the
+//   device holds the buffer and at most the ring. One call, load(), for every placement.
 // - Collective, as flatten_param_group: every rank of comm calls it with the same checkpoint,
 //   group and options (compared first). An error found on one rank (a missing or mis-shaped
 //   tensor, a shard it cannot open, a read that fails) is an error on every rank, after which no
@@ -65,66 +66,70 @@ struct LoadParam {
   std::vector<Shape> source_shapes;
 };
 
-// ZeRO-1/2: every rank ends with the whole flat buffer of params (options.layout), each
-// parameter a view into it (result.group().views; their names come from params). Collective
-// (see above). Throws InvalidArgument for a bad group, checkpoint or options on any rank, or
-// ranks whose options or checkpoint headers differ (before anything is read);
-// ResourceExhausted when the system refuses a file or a thread; OutOfMemory when the buffer
-// cannot be allocated; Error naming the file, tensor and byte range when a read fails midway or
-// the ranks' copies hold different bytes (on every rank, the buffer released). No feasible plan
-// is reported in the result (nothing allocated). result.read says what this rank read.
-FlattenResult load_flat_group(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
-                              Device& device, Communicator* comm, const FlattenOptions& options);
+// Where a load places a group on each rank: the one value that load, load_read_bytes,
+// planned_reads and verify_load take, whatever the framework.
+//   kFlat        ZeRO-1/2: every rank ends with the whole flat buffer of params (options.layout),
+//                each parameter a view into it (result.group().views; their names come from
+//                params). The read plan is the cost model's (or FlattenOptions::tier): kLoad
+//                (each rank its slice, one all-gather) or kLoadWhole (each rank the whole
+//                buffer from its node's page cache, no all-gather).
+//   kSlice       ZeRO-1/2's optimizer partition alone: each rank reads only its slice
+//                [r * S, (r + 1) * S) of the flat layout of params (options.layout) and keeps
+//                just that (read plan kLoadSlice, no all-gather): what a rank's optimizer holds
+//                of a group, such as its fp32 master partition or an optimizer state, read in
+//                the buffer's dtype. group().layout is the whole flat layout, group().flat holds
+//                only this rank's slice (partition_bytes: its partition(0)); the views are not
+//                re-pointed (a slice holds pieces of parameters).
+//   kPartitions  ZeRO-3 (zero3.h): each rank reads only its own partition of every parameter,
+//                elements [r * p, min((r + 1) * p, n)) of the parameter's sources concatenated
+//                (the elements past n zero), into its buffer: the partitions back to back in
+//                the order of params, as the Stage 3 optimizer's lp_param_buffer holds them (a
+//                caller with several optimizer groups passes them in group order: no padding
+//                between groups). options.layout.dp is the world (the ranks of comm);
+//                round_robin and param_align_bytes are refused (InvalidArgument),
+//                alignment_factor is ignored; the tier is none or kLoadPartitions.
+//                group().layout is the rank buffer's (zero3_buffer_layout: dp 1, partition
+//                numels as its parameters), group().views the partitions (1-D views, p_i
+//                elements each), and master, when asked, the fp32 copy of the whole buffer.
+//   kShards      DTensor shards (dtensor.h: FSDP2's Shard(0), HSDP's (Replicate(), Shard(0)),
+//                any Shard(d) and Replicate() a mesh holds): each rank reads only the elements
+//                of its local shard of every parameter (shards.placements[i] on shards.mesh,
+//                the rank's coordinate shards.coords[rank]) into its buffer: the shards back to
+//                back in the order of params, each padded to LocalShard::padded_numel with zeros
+//                (the same layout on every rank). The options' rules are kPartitions'; the spec
+//                is part of what the ranks compare, and one that does not describe comm's ranks
+//                and params is InvalidArgument (validate in dtensor.h). group().layout is the
+//                rank buffer's (dp 1, the padded shards as its parameters), group().views the
+//                padded shards (1-D; a shard's local tensor is the first LocalShard::numel
+//                elements of its view, row-major in LocalShard::shape).
+// Only kFlat gathers; under the others no rank reads another's bytes.
+struct LoadPlacement {
+  enum class Kind : std::uint8_t { kFlat, kSlice, kPartitions, kShards };
+  Kind kind = Kind::kFlat;
+  ShardSpec shards;  // kShards only
 
-// ZeRO-3 (zero3.h): each rank reads only its own partition of every parameter, elements
-// [r * p, min((r + 1) * p, n)) of the parameter's sources concatenated (converted to the buffer's
-// dtype; the elements past n zero), into its buffer: the partitions back to back in the order of
-// params, as the Stage 3 optimizer's lp_param_buffer holds them (a caller with several optimizer
-// groups passes them in group order: the buffer has no padding between groups). No all-gather,
-// no rank reads another's bytes: the read plan is kLoadPartitions, on the same memory and cost
-// models; a failed read is an error on every rank with nothing kept, as for load_flat_group.
-// Collective over comm with the same rules and options as load_flat_group, except:
-// options.layout.dp is the world (the ranks of comm) and its dtype the buffer's; round_robin and
-// param_align_bytes are refused (InvalidArgument), alignment_factor is ignored; the tier is none
-// or kLoadPartitions. The result's group().layout is the rank buffer's (zero3_buffer_layout:
-// dp 1, partition numels as its parameters), group().views the partitions (1-D views, p_i
-// elements each), read->bytes this rank's partitions' file bytes (partitions_read_bytes), and
-// master, when asked, the fp32 copy of the whole buffer.
-FlattenResult load_partitions(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
-                              Device& device, Communicator* comm, const FlattenOptions& options);
+  static LoadPlacement flat() { return {}; }
+  static LoadPlacement slice() { return {Kind::kSlice, {}}; }
+  static LoadPlacement partitions() { return {Kind::kPartitions, {}}; }
+  static LoadPlacement sharded(ShardSpec spec) { return {Kind::kShards, std::move(spec)}; }
+};
 
-// DTensor shards (dtensor.h: FSDP2's Shard(0), HSDP's (Replicate(), Shard(0)), any Shard(d) and
-// Replicate() a mesh holds): each rank reads only the elements of its local shard of every
-// parameter (spec.placements[i] on spec.mesh, the rank's coordinate spec.coords[rank]), straight
-// from the checkpoint (converted to the buffer's dtype), into its buffer: the shards back to
-// back in the order of params, each padded to LocalShard::padded_numel with zeros (the same
-// layout on every rank). No all-gather, no rank reads another's bytes (read plan
-// kLoadPartitions). Collective over comm with the rules and options of load_partitions; the
-// spec is part of what the ranks compare. InvalidArgument for a spec that does not describe
-// comm's ranks and params (validate in dtensor.h). The result's group().layout is the rank
-// buffer's (dp 1, the padded shards as its parameters), group().views the padded shards (1-D;
-// a shard's local tensor is the first LocalShard::numel elements of its view, row-major in
-// LocalShard::shape), read->bytes this rank's shards' file bytes (shards_read_bytes).
-FlattenResult load_shards(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
-                          const ShardSpec& spec, Device& device, Communicator* comm,
-                          const FlattenOptions& options);
+// "flat", "slice", "partitions", "shards".
+std::string_view load_placement_name(LoadPlacement::Kind kind) noexcept;
+// The kind load_placement_name prints; InvalidArgument naming `what` for any other text.
+LoadPlacement::Kind parse_load_placement(std::string_view text, std::string_view what);
 
-// The file bytes rank `rank` reads for its shards of `params` under spec: what load_shards
-// reports as bytes_read, known before it runs. Throws InvalidArgument as partition_read_bytes
-// does, and for a spec that does not describe its ranks and params.
-std::uint64_t shards_read_bytes(const CheckpointIndex& checkpoint,
-                                std::span<const LoadParam> params, const ShardSpec& spec,
-                                std::uint64_t rank);
-
-// ZeRO-1/2's optimizer partition alone: each rank reads only its slice [r * S, (r + 1) * S) of
-// the flat layout of params (options.layout) and keeps just that (read plan kLoadSlice, no
-// all-gather): what a rank's optimizer holds of a group, such as its fp32 master partition or an
-// optimizer state, read in the buffer's dtype. Collective with the rules of load_flat_group. The
-// result's group().layout is the whole flat layout, group().flat holds only this rank's slice
-// (partition_bytes: its partition(0)), the views are not re-pointed (a slice holds pieces of
-// parameters), and read->bytes is this rank's slice's file bytes (partition_read_bytes).
-FlattenResult load_slice(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
-                         Device& device, Communicator* comm, const FlattenOptions& options);
+// The group `params` built from the checkpoint on this rank, placed as `placement` says.
+// Collective (see above). Throws InvalidArgument for a bad group, checkpoint, placement or
+// options on any rank, or ranks whose options or checkpoint headers differ (before anything is
+// read); ResourceExhausted when the system refuses a file or a thread; OutOfMemory when the
+// buffer cannot be allocated; Error naming the file, tensor and byte range when a read fails
+// midway or the ranks' copies hold different bytes (on every rank, the buffer released). No
+// feasible plan is reported in the result (nothing allocated). result.read says what this rank
+// read: read->bytes is load_read_bytes of its rank.
+FlattenResult load(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
+                   const LoadPlacement& placement, Device& device, Communicator* comm,
+                   const FlattenOptions& options);
 
 // The read ceiling of the same files: `bytes` of the checkpoint's data (every file from its
 // first tensor on, in file order, as one sequence) from byte `skip` on (wrapping at the end;
@@ -144,48 +149,30 @@ ReadCeiling measure_read_ceiling(const CheckpointIndex& checkpoint, std::uint64_
                                  std::uint64_t bytes, unsigned threads, bool cold,
                                  Device* device = nullptr);
 
-// Every parameter of a loaded group against its tensor read whole, on its own, from the file and
-// converted to the buffer's dtype; every padding byte against zero; every view against its
-// layout offset. "" when all hold, else the first difference (parameter, file, element). Reads
-// the whole checkpoint; copies device memory through host staging where the host cannot read it.
-std::string verify_loaded(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
-                          Device& device, const FlatGroup& group);
+// A loaded group of rank `rank` of `world` (load with `placement`) against its tensors read
+// whole, on their own, from the files and converted to the buffer's dtype: each parameter's
+// elements in the buffer (its whole data, its slice's part, its partition, its shard) against
+// the same elements of its tensors, every other byte of the buffer zero, every view at its
+// layout offset (a slice re-points none). "" when all hold, else the first difference
+// (parameter, file, element). Reads every tensor the rank holds a part of; copies device memory
+// through host staging where the host cannot read it. `world` is the ranks of the load (kFlat
+// and kSlice: the layout's dp; kShards: the spec's ranks).
+std::string verify_load(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
+                        const LoadPlacement& placement, Device& device, const FlatGroup& group,
+                        std::uint64_t world, std::uint64_t rank);
 
-// verify_loaded for load_partitions' buffer of rank `rank` of `world`: each parameter's
-// partition against the same elements of its tensors read whole and converted, the padding past
-// its data zero, each view at its offset. "" when all hold, else the first difference.
-std::string verify_partitions(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
-                              Device& device, const FlatGroup& group, std::uint64_t world,
+// The file bytes rank `rank` reads for its buffer of `params` laid out with `layout` under
+// `placement` (layout.dp: the world; kShards: the spec's ranks): what load reports as
+// bytes_read (of a kFlat load, under its first read plan, kLoad), known before it runs. Throws
+// InvalidArgument for a parameter the checkpoint does not hold, a rank outside the world, or a
+// placement that does not describe it.
+std::uint64_t load_read_bytes(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
+                              const LoadPlacement& placement, const LayoutOptions& layout,
                               std::uint64_t rank);
 
-// verify_loaded for load_slice's buffer of rank `rank` (group.layout: the whole flat layout of
-// params; group.flat: the slice [r * S, (r + 1) * S) alone): each parameter's elements in the
-// slice against the same elements of its tensors read whole and converted, every other byte of
-// the slice zero. The views are not checked (a slice re-points none); a parameter with no
-// element in the slice is not read. "" when all hold, else the first difference.
-std::string verify_slice(const CheckpointIndex& checkpoint, std::span<const LoadParam> params,
-                         Device& device, const FlatGroup& group, std::uint64_t rank);
-
-// The file bytes rank `rank` reads for its partition of `params` laid out with `layout`: what
-// load_flat_group reports as bytes_read, known before it runs. Throws InvalidArgument for a
-// parameter the checkpoint does not hold.
-std::uint64_t partition_read_bytes(const CheckpointIndex& checkpoint,
-                                   std::span<const LoadParam> params, const LayoutOptions& layout,
-                                   std::uint64_t rank);
-
-// The same for load_partitions: the file bytes of rank `rank`'s partitions of every parameter on
-// `world` ranks. Throws InvalidArgument as partition_read_bytes does.
-std::uint64_t partitions_read_bytes(const CheckpointIndex& checkpoint,
-                                    std::span<const LoadParam> params, std::uint64_t world,
-                                    std::uint64_t rank);
-
-// Where a load places a group: ZeRO-1/2's slice of the flat layout (load_slice), or ZeRO-3's
-// partitions back to back (load_partitions).
-enum class LoadPlacement : std::uint8_t { kSlice, kPartitions };
-
 // One file read a load issues: `bytes` of file `file` (an index into checkpoint.files) from
-// `offset`, `numel` elements that land at element `dest` of the rank's buffer (its slice; its
-// partitions back to back).
+// `offset`, `numel` elements that land at element `dest` of the rank's buffer (the whole flat
+// buffer; its slice; its partitions or shards back to back).
 struct PlannedRead {
   std::uint32_t file = 0;
   std::uint64_t offset = 0;
@@ -194,13 +181,12 @@ struct PlannedRead {
   std::uint64_t numel = 0;
 };
 
-// The reads rank `rank` issues for its buffer of `params` laid out with `layout` (layout.dp: the
-// world) under `placement`: the kRead steps of the loader's read plan for that placement, in
-// order, known before anything is read. Their bytes are what the load reports as bytes_read.
-// Throws InvalidArgument as partition_read_bytes does, and for a rank outside the world.
+// The reads rank `rank` issues for its buffer (load_read_bytes' arguments): the kRead steps of
+// the loader's read plan for the placement (kFlat: kLoad), in order, known before anything is
+// read. Their bytes sum to load_read_bytes. Throws as load_read_bytes does.
 std::vector<PlannedRead> planned_reads(const CheckpointIndex& checkpoint,
                                        std::span<const LoadParam> params,
-                                       const LayoutOptions& layout, LoadPlacement placement,
+                                       const LoadPlacement& placement, const LayoutOptions& layout,
                                        std::uint64_t rank);
 
 // Tensor `name` of the checkpoint read whole into dst (host memory, t->numel elements of `to`):

@@ -44,7 +44,7 @@ struct FileRange {
 // loader reads it (a conversion, a shard of several runs, a parameter several tensors make up).
 // Which parameters have a range depends on the checkpoint, shapes and placements only: the same
 // on every rank, so that the ranks' loads of the rest agree. Throws InvalidArgument as
-// shards_read_bytes does.
+// load_read_bytes does for the shards.
 std::vector<std::optional<FileRange>> shard_file_ranges(const CheckpointIndex& checkpoint,
                                                         std::span<const LoadParam> params,
                                                         const ShardSpec& spec, std::uint64_t rank,

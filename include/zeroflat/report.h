@@ -30,8 +30,8 @@ std::string candidate_json(const Candidate& candidate, bool with_steps);
 // numbered lines.
 std::string plan_json(const Plan& plan, const PlanInput& input);
 
-// One rank's result of any front door (engine.h: flatten_param_group; loader.h:
-// load_flat_group, load_partitions), the same keys for the same facts whatever the source and
+// One rank's result of any front door (engine.h: flatten_param_group; loader.h: load, for any
+// placement), the same keys for the same facts whatever the source and
 // placement, and whether the group fits or not:
 //   rank                         this rank (of comm)
 //   tier                         the chosen tier or read plan, or null when none fits

@@ -68,7 +68,7 @@ struct ResumeBuffer {
   std::string target;                  // "fp32", "module", an optimizer state's name, "frozen"
   // ZeRO-1/2: its optimizer group; ZeRO-3: its sub-group with buffer_per_group, else none
   std::optional<std::uint64_t> group;
-  LoadPlacement placement = LoadPlacement::kSlice;
+  LoadPlacement placement = LoadPlacement::slice();  // slice (ZeRO-1/2), partitions (ZeRO-3)
   LayoutOptions layout;                // dp: the world; dtype: the buffer's
   DeepSpeedSource source;              // the saved runs, one LoadParam per parameter
   std::vector<std::uint64_t> numels;   // its parameters' element counts, in order
@@ -131,8 +131,8 @@ struct ResumeRank {
 };
 ResumeRank resume_rank(const ResumePlan& plan, std::uint64_t rank);
 
-// Runs a buffer's load on this rank: load_slice or load_partitions as its placement says, with
-// options.layout set to the buffer's. Collective over comm, as those are.
+// Runs a buffer's load on this rank: load() with its placement and options.layout set to the
+// buffer's. Collective over comm, as load is.
 FlattenResult load_resume_buffer(const ResumeBuffer& buffer, Device& device, Communicator* comm,
                                  FlattenOptions options);
 

@@ -5,8 +5,10 @@
 // checks, master partition) for one group on every rank:
 // - engine.h: flatten_param_group(), a group from its original storage on the device to its
 //   ZeRO-1/2 flat buffer; FlattenOptions and FlattenResult, the options and result of every door.
-// - loader.h: load_flat_group() and load_partitions(), a group straight from a checkpoint into
-//   ZeRO-1/2's flat buffer or ZeRO-3's partitions, each rank reading only its share.
+// - loader.h: load(), a group straight from a checkpoint into the buffers a LoadPlacement names
+//   (ZeRO-1/2's flat buffer or its slice, ZeRO-3's partitions, DTensor shards), each rank
+//   reading only its share; load_read_bytes(), planned_reads() and verify_load() take the same
+//   placement.
 // - resume.h: plan_resume(), a DeepSpeed checkpoint resumed at any world size: the buffers each
 //   rank keeps, their sources and placements, and each rank's reads.
 // The other headers are their parts, usable alone: the layouts (layout.h, zero3.h, release.h),

@@ -158,8 +158,8 @@ std::optional<zf::DType> dtype_or_none(const std::optional<std::string>& name, c
   return t;
 }
 
-const char* placement_name(zf::LoadPlacement p) {
-  return p == zf::LoadPlacement::kSlice ? "slice" : "partitions";
+std::string placement_name(const zf::LoadPlacement& p) {
+  return std::string(zf::load_placement_name(p.kind));
 }
 
 }  // namespace

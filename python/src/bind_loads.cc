@@ -1,7 +1,7 @@
-// zeroflat._C's front doors: a group flattened (engine.h), loaded from a checkpoint whole, as a
-// slice, as ZeRO-3 partitions or as DTensor shards (loader.h), the shards that lie in the files
-// as they are (mapped.h), and a shard's extent (dtensor.h). Each releases the GIL while the
-// library runs.
+// zeroflat._C's front doors: a group flattened (engine.h), loaded from a checkpoint by the one
+// load of loader.h for any placement (whole, a slice, ZeRO-3 partitions, DTensor shards), the
+// shards that lie in the files as they are (mapped.h), and a shard's extent (dtensor.h). Each
+// releases the GIL while the library runs.
 #include <functional>
 #include <tuple>
 
@@ -116,64 +116,6 @@ py::tuple flatten(TorchDevice& device, py::object comm_impl,
   return result_tuple(device, r, report);
 }
 
-// One of the loader's doors (loader.h): load_flat_group or load_partitions.
-using LoadDoor =
-    std::function<zf::FlattenResult(const zf::CheckpointIndex&, std::span<const zf::LoadParam>,
-                                     zf::Device&, zf::Communicator*, const zf::FlattenOptions&)>;
-
-// A checkpoint's group loaded on this rank through `door`: (report, buffer, master, layout) as
-// flatten returns them. `checkpoint` None: this rank could not open it (its local_error says
-// why). Raises InvalidArgument on every rank for a bad group or checkpoint, options that differ,
-// or any rank's local_error; Error on every rank when a read fails.
-py::tuple load_through(const LoadDoor& door, TorchDevice& device, py::object comm_impl,
-                       py::object checkpoint, std::vector<zf::LoadParam> params,
-                       zf::FlattenOptions o) {
-  static const zf::CheckpointIndex kNone;
-  const zf::CheckpointIndex& ck =
-      checkpoint.is_none() ? kNone : checkpoint.cast<const zf::CheckpointIndex&>();
-  if (o.local_error.empty()) {
-    try {
-      zf::validate(o.layout);
-      if (checkpoint.is_none()) throw zf::InvalidArgument("no checkpoint");
-    } catch (const zf::Error& e) {
-      o.local_error = e.what();
-    }
-  }
-  if (!o.local_error.empty()) params.clear();
-  std::unique_ptr<PyCommunicator> comm;
-  if (!comm_impl.is_none()) comm = std::make_unique<PyCommunicator>(comm_impl);
-  zf::FlattenResult r;
-  {
-    py::gil_scoped_release nogil;
-    r = door(ck, params, device, comm.get(), o);
-  }
-  return result_tuple(device, r, parse_json(zf::result_json(r)));
-}
-
-// The whole flat buffer on every rank (load_flat_group).
-py::tuple load(TorchDevice& device, py::object comm_impl, py::object checkpoint,
-               std::vector<zf::LoadParam> params, zf::FlattenOptions o) {
-  return load_through(&zf::load_flat_group, device, std::move(comm_impl), std::move(checkpoint),
-                      std::move(params), std::move(o));
-}
-
-// ZeRO-3: this rank's own partition of every parameter, back to back in the order of params
-// (load_partitions; options.layout.dp = the ranks of comm); the layout's offsets and numels are
-// the partitions'. The master, when asked, is the buffer's fp32 copy.
-py::tuple load_partitions(TorchDevice& device, py::object comm_impl, py::object checkpoint,
-                          std::vector<zf::LoadParam> params, zf::FlattenOptions o) {
-  return load_through(&zf::load_partitions, device, std::move(comm_impl), std::move(checkpoint),
-                      std::move(params), std::move(o));
-}
-
-// ZeRO-1/2's optimizer partition alone: this rank's slice of the flat layout (load_slice); the
-// buffer tensor holds partition_bytes.
-py::tuple load_slice(TorchDevice& device, py::object comm_impl, py::object checkpoint,
-                     std::vector<zf::LoadParam> params, zf::FlattenOptions o) {
-  return load_through(&zf::load_slice, device, std::move(comm_impl), std::move(checkpoint),
-                      std::move(params), std::move(o));
-}
-
 // DTensor placements as torch prints them ("Shard(0)", "Replicate()"), per parameter.
 std::vector<std::vector<zf::MeshPlacement>> placements_of(
     const std::vector<std::vector<std::string>>& texts) {
@@ -185,40 +127,66 @@ std::vector<std::vector<zf::MeshPlacement>> placements_of(
   return out;
 }
 
-// DTensor shards: this rank's local shard of every parameter, padded, back to back in the order
-// of params (load_shards); mesh, coords (per rank of comm) and placements (per parameter, as
-// torch prints them) make the spec. A spec that does not parse is this rank's local error.
-py::tuple load_shards(TorchDevice& device, py::object comm_impl, py::object checkpoint,
-                      std::vector<zf::LoadParam> params, zf::FlattenOptions o,
-                      std::vector<std::uint64_t> mesh,
-                      std::vector<std::vector<std::uint64_t>> coords,
-                      const std::vector<std::vector<std::string>>& placements) {
-  zf::ShardSpec spec{std::move(mesh), std::move(coords), {}};
+// A load's placement as Python gives it (zeroflat._C.LoadPlacement): the kind by name and, for
+// shards, the mesh, each rank's coordinate and each parameter's placements as torch prints them,
+// parsed where they are used (a load's parse error is this rank's local error).
+struct PyPlacement {
+  std::string kind = "flat";
+  std::vector<std::uint64_t> mesh;
+  std::vector<std::vector<std::uint64_t>> coords;
+  std::vector<std::vector<std::string>> placements;
+
+  zf::LoadPlacement parse() const {
+    zf::LoadPlacement p;
+    p.kind = zf::parse_load_placement(kind, "placement");
+    if (p.kind == zf::LoadPlacement::Kind::kShards) {
+      p.shards = zf::ShardSpec{mesh, coords, placements_of(placements)};
+    } else if (!mesh.empty() || !coords.empty() || !placements.empty()) {
+      throw zf::InvalidArgument("placement '" + kind + "' takes no mesh, coords or placements");
+    }
+    return p;
+  }
+};
+
+// A checkpoint's group loaded on this rank as `placement` says (loader.h's load): (report,
+// buffer, master, layout) as flatten returns them. `checkpoint` None: this rank could not open
+// it (its local_error says why); a placement that does not parse is this rank's local error too.
+// Raises InvalidArgument on every rank for a bad group, checkpoint or placement, options that
+// differ, or any rank's local_error; Error on every rank when a read fails.
+py::tuple load(TorchDevice& device, py::object comm_impl, py::object checkpoint,
+               std::vector<zf::LoadParam> params, zf::FlattenOptions o,
+               const PyPlacement& placement) {
+  static const zf::CheckpointIndex kNone;
+  const zf::CheckpointIndex& ck =
+      checkpoint.is_none() ? kNone : checkpoint.cast<const zf::CheckpointIndex&>();
+  zf::LoadPlacement where;
   if (o.local_error.empty()) {
     try {
-      spec.placements = placements_of(placements);
+      zf::validate(o.layout);
+      where = placement.parse();
+      if (checkpoint.is_none()) throw zf::InvalidArgument("no checkpoint");
     } catch (const zf::Error& e) {
       o.local_error = e.what();
     }
   }
-  if (!o.local_error.empty()) spec.placements.assign(params.size(), {});
-  return load_through(
-      [&spec](const zf::CheckpointIndex& ck, std::span<const zf::LoadParam> ps, zf::Device& d,
-              zf::Communicator* c, const zf::FlattenOptions& opts) {
-        return zf::load_shards(ck, ps, spec, d, c, opts);
-      },
-      device, std::move(comm_impl), std::move(checkpoint), std::move(params), std::move(o));
-}
-
-// The file bytes rank `rank` reads for its shards (shards_read_bytes).
-std::uint64_t shards_read_bytes(const zf::CheckpointIndex& ck,
-                                const std::vector<zf::LoadParam>& params,
-                                std::vector<std::uint64_t> mesh,
-                                std::vector<std::vector<std::uint64_t>> coords,
-                                const std::vector<std::vector<std::string>>& placements,
-                                std::uint64_t rank) {
-  const zf::ShardSpec spec{std::move(mesh), std::move(coords), placements_of(placements)};
-  return zf::shards_read_bytes(ck, params, spec, rank);
+  if (!o.local_error.empty()) {
+    params.clear();
+    // The kind as given, so that the ranks compare the same placement's options; no parameter.
+    try {
+      where.kind = zf::parse_load_placement(placement.kind, "placement");
+    } catch (const zf::Error&) {
+      where.kind = zf::LoadPlacement::Kind::kFlat;
+    }
+    where.shards = zf::ShardSpec{placement.mesh, placement.coords, {}};
+  }
+  std::unique_ptr<PyCommunicator> comm;
+  if (!comm_impl.is_none()) comm = std::make_unique<PyCommunicator>(comm_impl);
+  zf::FlattenResult r;
+  {
+    py::gil_scoped_release nogil;
+    r = zf::load(ck, params, where, device, comm.get(), o);
+  }
+  return result_tuple(device, r, parse_json(zf::result_json(r)));
 }
 
 // This rank's shards that lie in the checkpoint's files as they are (mapped.h's
@@ -243,11 +211,11 @@ py::list shard_file_ranges(const zf::CheckpointIndex& ck, const std::vector<zf::
 
 // The ranges (file, offset, bytes) mapped privately and brought in (map_file_ranges): a uint8
 // tensor over each, which keeps its mapping alive.
-py::list map_file_ranges(const zf::CheckpointIndex& ck,
-                         const std::vector<std::tuple<std::uint32_t, std::uint64_t, std::uint64_t>>&
-                             ranges,
-                         unsigned threads, const std::shared_ptr<zf::ReadProgress>& progress,
-                         bool sole_reader, bool cold) {
+py::list map_file_ranges(
+    const zf::CheckpointIndex& ck,
+    const std::vector<std::tuple<std::uint32_t, std::uint64_t, std::uint64_t>>& ranges,
+    unsigned threads, const std::shared_ptr<zf::ReadProgress>& progress, bool sole_reader,
+    bool cold) {
   std::vector<zf::FileRange> rs;
   for (const auto& [file, offset, bytes] : ranges) rs.push_back({file, offset, bytes});
   zf::MappedRanges mapped;
@@ -292,15 +260,35 @@ void bind_loads(py::module_& m) {
   m.def("flatten", &flatten, py::arg("device"), py::arg("comm"), py::arg("ptrs"), py::arg("shapes"),
         py::arg("options"), py::kw_only(), py::arg("release_originals"),
         py::arg("defer_release") = false);
+  // A load's placement (loader.h's LoadPlacement): "flat", "slice", "partitions", or "shards"
+  // with the mesh, each rank's coordinate and each parameter's placements.
+  py::class_<PyPlacement>(m, "LoadPlacement")
+      .def(py::init([](const std::string& kind, std::vector<std::uint64_t> mesh,
+                       std::vector<std::vector<std::uint64_t>> coords,
+                       std::vector<std::vector<std::string>> placements) {
+             return PyPlacement{kind, std::move(mesh), std::move(coords), std::move(placements)};
+           }),
+           py::arg("kind"), py::kw_only(), py::arg("mesh") = std::vector<std::uint64_t>{},
+           py::arg("coords") = std::vector<std::vector<std::uint64_t>>{},
+           py::arg("placements") = std::vector<std::vector<std::string>>{})
+      .def_readonly("kind", &PyPlacement::kind)
+      .def_readonly("mesh", &PyPlacement::mesh)
+      .def_readonly("coords", &PyPlacement::coords)
+      .def_readonly("placements", &PyPlacement::placements)
+      .def("check", [](const PyPlacement& p) { p.parse(); })
+      .def("__repr__", [](const PyPlacement& p) { return "LoadPlacement('" + p.kind + "')"; });
+  // The one load, for every placement.
   m.def("load", &load, py::arg("device"), py::arg("comm"), py::arg("checkpoint"), py::arg("params"),
-        py::arg("options"));
-  m.def("load_partitions", &load_partitions, py::arg("device"), py::arg("comm"),
-        py::arg("checkpoint"), py::arg("params"), py::arg("options"));
-  m.def("load_shards", &load_shards, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
-        py::arg("params"), py::arg("options"), py::arg("mesh"), py::arg("coords"),
-        py::arg("placements"));
-  m.def("shards_read_bytes", &shards_read_bytes, py::arg("checkpoint"), py::arg("params"),
-        py::arg("mesh"), py::arg("coords"), py::arg("placements"), py::arg("rank"));
+        py::arg("options"), py::arg("placement"));
+  // The file bytes rank `rank` reads for its buffer (load_read_bytes; layout.dp: the world).
+  m.def(
+      "load_read_bytes",
+      [](const zf::CheckpointIndex& ck, const std::vector<zf::LoadParam>& params,
+         const PyPlacement& placement, const zf::LayoutOptions& layout, std::uint64_t rank) {
+        return zf::load_read_bytes(ck, params, placement.parse(), layout, rank);
+      },
+      py::arg("checkpoint"), py::arg("params"), py::arg("placement"), py::arg("layout"),
+      py::arg("rank"));
   m.def("shard_file_ranges", &shard_file_ranges, py::arg("checkpoint"), py::arg("params"),
         py::arg("mesh"), py::arg("coords"), py::arg("placements"), py::arg("rank"),
         py::arg("dtype"));
@@ -309,8 +297,6 @@ void bind_loads(py::module_& m) {
         py::arg("cold") = false);
   m.def("local_shard", &local_shard, py::arg("shape"), py::arg("mesh"), py::arg("placements"),
         py::arg("coord"));
-  m.def("load_slice", &load_slice, py::arg("device"), py::arg("comm"), py::arg("checkpoint"),
-        py::arg("params"), py::arg("options"));
 }
 
 }  // namespace zeroflat_python

@@ -1,8 +1,8 @@
 """ZeRO-3 through the binding: zero3_layout's sub-groups are the ones DeepSpeed's own
-_create_fp16_sub_groups cuts (the installed release's code, run on stand-in parameters), and
-load_partitions on 2 gloo ranks gives each rank exactly torch's own slicing of every tensor
-(flattened, padded to a multiple of the world, rank r's chunk; bf16 from an fp32 file), with an
-error on one rank raised on both."""
+_create_fp16_sub_groups cuts (the installed release's code, run on stand-in parameters), and the
+library's load with the partitions placement on 2 gloo ranks gives each rank exactly torch's own
+slicing of every tensor (flattened, padded to a multiple of the world, rank r's chunk; bf16 from
+an fp32 file), with an error on one rank raised on both."""
 
 import os
 import random
@@ -79,7 +79,8 @@ def worker(rank, world, port, path):
         params = [_C.LoadParam(name=n, shape=list(t.shape)) for n, t in src.items()]
         options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=world, dtype="bf16"), threads=1,
                                      master=False)
-        report, flat, master, _ = _C.load_partitions(engine, comm, ck, params, options)
+        report, flat, master, _ = _C.load(engine, comm, ck, params, options,
+                                          _C.LoadPlacement("partitions"))
         assert report["tier"] == "load-partitions"
         assert master is None
         # torch's own slicing: flattened, padded to a multiple of the world, rank r's chunk.
@@ -98,7 +99,7 @@ def worker(rank, world, port, path):
         # A tensor one rank lacks: InvalidArgument on both, before anything is read.
         bad = params + ([_C.LoadParam(name="missing", shape=[2])] if rank == 1 else [])
         with pytest.raises(_C.InvalidArgument):
-            _C.load_partitions(engine, comm, ck, bad, options)
+            _C.load(engine, comm, ck, bad, options, _C.LoadPlacement("partitions"))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -405,22 +405,22 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
         if opts.get("fault") == "late":
             # A load that fails after the ones before it read straight into the optimizer's
             # own tensors (the fp32 master comes first): every rank fails at its last buffer.
-            loads, planned = dict(zr._LOADS), {}
+            import zeroflat._load as zl
+
+            real_call, planned = zl.call_loader, {}
             real_read = zr._Resume.read
 
             def read(self, threads, agreed=True):
                 planned["count"] = len(self._plan.buffers)
                 return real_read(self, threads, agreed)
 
-            def failing(door):
-                def call(*a, **k):
-                    planned["done"] = planned.get("done", 0) + 1
-                    if planned["done"] == planned["count"]:
-                        raise zeroflat.Error("injected failure of the last load (test)")
-                    return door(*a, **k)
-                return call
+            def failing(*a, **k):
+                planned["done"] = planned.get("done", 0) + 1
+                if planned["done"] == planned["count"]:
+                    raise zeroflat.Error("injected failure of the last load (test)")
+                return real_call(*a, **k)
 
-            zr._LOADS.update({k: failing(v) for k, v in loads.items()})
+            zl.call_loader = failing
             zr._Resume.read = read
         import zeroflat._resume_write as zw
 
@@ -436,7 +436,7 @@ def _resume_one(rank, world, ckpt, stage, opts, ref):
             zeroflat._C.DeepSpeedCheckpoint = real
             zr.why_not = real_why
             if opts.get("fault") == "late":
-                zr._LOADS.update(loads)
+                zl.call_loader = real_call
                 zr._Resume.read = real_read
     report["error"] = error
     report["optimizer"] = type(engine.optimizer).__name__

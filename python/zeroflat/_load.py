@@ -405,7 +405,7 @@ class _Flat:
     (trainable ones; zero-element ones left out from 0.19.8), every rank holding the whole
     buffer; the parameters become views into it; the rest is read whole into its own storage."""
 
-    door = "load"
+    kind = "flat"  # the library's placement (loader.h's LoadPlacement)
 
     def __init__(self, round_robin: bool, alignment_factor: int, param_align_bytes: int,
                  target: torch.device):
@@ -613,15 +613,14 @@ def engine_and_comm(target: torch.device, threads: Optional[int], dp: int, proce
     return engine, nthreads, comm, comm.rank
 
 
-def call_loader(fn, engine, comm, ck, params, options, local_error: Optional[BaseException],
-                what: str):
-    """``fn(engine, comm, ck, params, options)``, one of the loader's collective calls
-    (``_C.load``, ``_C.load_partitions``): this rank's own error (``local_error``, which
-    ``options`` carries to the others) raised as it was found; a collective that failed, in
-    whichever step, as CommError in zeroflat's words with the process group's own error
-    chained."""
+def call_loader(placement: "_C.LoadPlacement", engine, comm, ck, params, options,
+                local_error: Optional[BaseException], what: str):
+    """The library's one load (``_C.load``) of ``params`` placed as ``placement`` says, a
+    collective call: this rank's own error (``local_error``, which ``options`` carries to the
+    others) raised as it was found; a collective that failed, in whichever step, as CommError in
+    zeroflat's words with the process group's own error chained."""
     try:
-        return fn(engine, comm, ck, params, options)
+        return _C.load(engine, comm, ck, params, options, placement)
     except InvalidArgument:
         if local_error is not None:
             raise local_error from None  # this rank's own error, as it was found
@@ -782,7 +781,7 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
     engine, nthreads, comm, rank = engine_and_comm(target, threads if ok else 1, dp,
                                                    process_group)
     path = prep.ck.path if ok else path_text(checkpoint)
-    door = getattr(_C, placement.door if placement is not None else "load")
+    where = _C.LoadPlacement(placement.kind if placement is not None else "flat")
 
     # One load per buffer on every rank, and at least one: the first carries any rank's own
     # error and compares the whole model, so that every rank raises at the same point and skips
@@ -820,12 +819,12 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
             options.must_match = [f"buffer {k} of {calls}", f"device {target.type}",
                                   f"master {master_dtype}",
                                   f"deepspeed rules {rules.rules if ok and rules else None}",
-                                  f"placement {getattr(placement, 'door', None)}"]
+                                  f"placement {where.kind}"]
             if k == 0 and ok:
                 options.must_match = options.must_match + prep.entries
             report, flat_bytes, master_bytes, lay = call_loader(
-                door, engine, comm if dp > 1 else None, prep.ck if ok else None, params, options,
-                local_error, f"loading buffer {k} of {path}")
+                where, engine, comm if dp > 1 else None, prep.ck if ok else None, params,
+                options, local_error, f"loading buffer {k} of {path}")
             report["dp"] = dp
             report["deepspeed"] = rules.to_dict() if ok and rules else None
             if report["outcome"] == "infeasible":

@@ -5,7 +5,8 @@ saved at or another, no pickle executed.
 - The folder is read by the library (``_C.DeepSpeedCheckpoint``: zip directories and pickles by
   a reader that refuses any global outside its list; never ``torch.load``).
 - The fp32 master and each partitioned optimizer state are loads of the one pipeline
-  (``_C.load_slice`` for ZeRO-1/2, ``_C.load_partitions`` for ZeRO-3) from the saved runs that
+  (the library's load with the plan's placement: the slice for ZeRO-1/2, the partitions for
+  ZeRO-3) from the saved runs that
   hold this rank's new partition, laid out by the running release's rules and checked against
   the optimizer's own bookkeeping.
 - What was read becomes the state dict the running release's own ``optimizer.load_state_dict``
@@ -40,9 +41,6 @@ from ._errors import InvalidArgument, NoFeasiblePlan
 from ._progress import Watch
 from ._resume_inplace import OwnBytes, lend, plan_digest
 from ._resume_write import EngineWriter, _is_true, _optimizer_kind, zero_names
-
-# The loader's door for each placement a resume plan names (zeroflat/resume.h).
-_LOADS = {"slice": _C.load_slice, "partitions": _C.load_partitions}
 
 
 # --- which calls zeroflat serves ----------------------------------------------------------------
@@ -513,7 +511,7 @@ class _Resume(EngineWriter):
             self._lent.append(put)
         try:
             report, buffer, _, lay = call_loader(
-                _LOADS[b.placement], engine, comm if self.dp > 1 else None, b.index, b.params,
+                _C.LoadPlacement(b.placement), engine, comm if self.dp > 1 else None, b.index, b.params,
                 options, None, f"resuming {what} from {self.ck.dir}")
         finally:
             engine.adopt(None)

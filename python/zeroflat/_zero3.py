@@ -296,10 +296,11 @@ def building(init):
 class Partitions:
     """ZeRO-3's placement of ``load_param_groups``: two buffers (the optimizer groups' trainable
     parameters, groups in order, as the Stage 3 optimizer's lp_param_buffer; and every other
-    parameter), each rank reading its own partition of every parameter (``_C.load_partitions``);
+    parameter), each rank reading its own partition of every parameter (the library's load with
+    the "partitions" placement);
     then every parameter a ZeRO-3 parameter of ``init``."""
 
-    door = "load_partitions"
+    kind = "partitions"  # the library's placement (loader.h's LoadPlacement)
     tier = "load-partitions"
 
     def __init__(self, zero3: Any, process_group):

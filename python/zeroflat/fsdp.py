@@ -1,6 +1,6 @@
 """A Hugging Face checkpoint straight into a model already sharded by PyTorch FSDP2
 (``fully_shard``: parameters as DTensors): each rank reads only the bytes of its own local
-shards, through the library's loader (``_C.load_shards``: the DTensor placement of the one
+shards, through the library's loader (``_C.load`` with the "shards" placement of the one
 pipeline; every layout and read of the load is the library's). Python chooses where HSDP's
 replicas cut a shard between them (``_split_replicas``, each part's shape the library's
 ``local_shard``) and checks the ranks' copies of what the load does not read itself (the
@@ -262,8 +262,8 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
             params = [m.param for m in members]
             placements = [m.placements for m in members]
             report, buffer, _, lay = call_loader(
-                lambda e, c, ck, ps, o: _C.load_shards(e, c, ck, ps, o, mesh_shape, coords,
-                                                       placements),
+                _C.LoadPlacement("shards", mesh=mesh_shape, coords=coords,
+                                 placements=placements),
                 engine, comm if world > 1 else None, prep.ck if prep is not None else None,
                 params, options, local_error, f"loading {path} into FSDP2 shards")
             if report["outcome"] == "infeasible":
@@ -447,9 +447,10 @@ class _Prepared:
 
     def share(self, rank: int) -> int:
         """The file bytes of this rank's shards (the library's count)."""
-        spec = (self.mesh_shape, self.coords)
-        return sum(_C.shards_read_bytes(self.ck, [m.param for m in ms], *spec,
-                                        [m.placements for m in ms], rank)
+        layout = _C.LayoutOptions(dp=len(self.coords))
+        return sum(_C.load_read_bytes(self.ck, [m.param for m in ms], _C.LoadPlacement(
+                       "shards", mesh=self.mesh_shape, coords=self.coords,
+                       placements=[m.placements for m in ms]), layout, rank)
                    for ms in self.by_dtype.values())
 
 

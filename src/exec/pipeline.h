@@ -1,5 +1,4 @@
-// The one pipeline behind every front door (flatten_param_group in engine.h, load_flat_group and
-// load_partitions in loader.h): check -> probe -> agree -> plan -> check -> execute -> after ->
+// The one pipeline behind every front door (flatten_param_group in engine.h, load in loader.h): check -> probe -> agree -> plan -> check -> execute -> after ->
 // master, for a group whatever its values come from (its Source) and wherever they must end (its
 // Placement). Both are values the pipeline asks; it never branches on which they are.
 #pragma once

@@ -10,6 +10,7 @@
 #include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/error.h"
 #include "zeroflat/deepspeed_checkpoint.h"
+#include "zeroflat/loader.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/resume.h"
 #include "zeroflat/size.h"
@@ -413,7 +414,7 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
       for (const ResumeBuffer& b : plan->buffers) {
         buffers.push_back(Json{{"target", b.target},
                                {"group", group_json(b.group)},
-                               {"placement", b.placement == LoadPlacement::kSlice
+                               {"placement", b.placement.kind == LoadPlacement::Kind::kSlice
                                                  ? "load-slice"
                                                  : "load-partitions"},
                                {"dtype", std::string(dtype_name(b.layout.dtype))},
@@ -569,10 +570,132 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
   return kExitOk;
 }
 
+// --mesh: "N" (FSDP2: Shard(0) over N ranks) or "A x B x ..." (the last dimension shards with
+// Shard(0), the others replicate: HSDP's "RxS").
+std::vector<std::uint64_t> parse_mesh(const std::string& text) {
+  std::vector<std::uint64_t> mesh;
+  std::size_t at = 0;
+  std::uint64_t ranks = 1;
+  while (true) {
+    const std::size_t x = text.find('x', at);
+    const std::uint64_t n = parse_u64(text.substr(at, x - at), "--mesh");
+    if (n == 0 || n > kMaxDp || ranks > kMaxDp / n) {
+      throw UsageError("--mesh " + printable(text) + ": expected sizes of 1 or more whose " +
+                       "product is at most " + std::to_string(kMaxDp) + " ranks");
+    }
+    ranks *= n;
+    mesh.push_back(n);
+    if (x == std::string::npos) break;
+    at = x + 1;
+  }
+  if (mesh.size() > 8) throw UsageError("--mesh " + printable(text) + ": at most 8 dimensions");
+  return mesh;
+}
+
+// What each rank of a load of the checkpoint at `path` reads: the group `zeroflat load` loads
+// (every bf16, fp16 and fp32 tensor, in natural name order, in the dtype holding most of its
+// bytes) under `where` (its ranks: `world`), each rank's reads as the loader plans them
+// (planned_reads: what the load reports as bytes_read).
+Json load_reads(const std::string& path, const LoadPlacement& where, std::uint64_t world,
+                std::optional<std::uint64_t> only_rank, bool text) {
+  const CheckpointIndex ck = open_checkpoint(path);
+  std::vector<LoadParam> params;
+  std::map<DType, std::uint64_t> by_type;
+  for (const CheckpointTensor& t : ck.tensors) {
+    if (t.alias || !t.type) continue;
+    params.push_back(LoadParam{t.name, t.shape, {}});
+    by_type[*t.type] += t.bytes;
+  }
+  if (params.empty()) throw InvalidArgument(path + " holds no bf16, fp16 or fp32 tensor to load");
+  LayoutOptions layout;
+  layout.dp = world;
+  std::uint64_t most = 0;
+  for (const auto& [type, b] : by_type) {
+    if (b > most) {
+      most = b;
+      layout.dtype = type;
+    }
+  }
+  if (only_rank && *only_rank >= world) {
+    throw UsageError("--rank " + std::to_string(*only_rank) + ": outside the " +
+                     std::to_string(world) + " ranks");
+  }
+  if (!only_rank && world > kMaxInspectRankParams / std::max<std::uint64_t>(params.size(), 1)) {
+    throw UsageError(std::to_string(world) + " ranks x " + std::to_string(params.size()) +
+                     " parameters is more than the " + format_count(kMaxInspectRankParams) +
+                     " one inspect lays out: name one rank with --rank R");
+  }
+  Json doc{{"placement", std::string(load_placement_name(where.kind))},
+           {"world", world},
+           {"dtype", std::string(dtype_name(layout.dtype))},
+           {"params", params.size()}};
+  if (where.kind == LoadPlacement::Kind::kShards) {
+    doc["mesh"] = where.shards.mesh;
+    Json pl = Json::array();
+    for (const MeshPlacement& m : where.shards.placements.front()) pl.push_back(placement_name(m));
+    doc["placements"] = pl;
+  }
+  if (text) {
+    std::string how = "ZeRO";
+    if (where.kind == LoadPlacement::Kind::kShards) {
+      how = "mesh";
+      for (std::size_t d = 0; d < where.shards.mesh.size(); ++d) {
+        how += (d == 0 ? " " : " x ") + std::to_string(where.shards.mesh[d]);
+      }
+    }
+    std::printf("%s load on %llu rank%s (%s), %s parameters in %s: each rank's reads\n",
+                std::string(load_placement_name(where.kind)).c_str(),
+                static_cast<unsigned long long>(world), world == 1 ? "" : "s", how.c_str(),
+                format_count(params.size()).c_str(),
+                std::string(dtype_name(layout.dtype)).c_str());
+  }
+  Json ranks = Json::array();
+  const std::uint64_t first = only_rank.value_or(0);
+  const std::uint64_t end = only_rank ? *only_rank + 1 : world;
+  for (std::uint64_t r = first; r < end; ++r) {
+    const std::vector<PlannedRead> reads = planned_reads(ck, params, where, layout, r);
+    std::map<std::uint32_t, std::uint64_t> files;
+    std::uint64_t bytes = 0;
+    for (const PlannedRead& x : reads) {
+      files[x.file] += x.bytes;
+      bytes += x.bytes;
+    }
+    Json e{{"rank", r}, {"bytes", bytes}, {"reads", reads.size()}};
+    if (where.kind == LoadPlacement::Kind::kShards) e["coord"] = where.shards.coords[r];
+    Json fs = Json::array();
+    for (const auto& [f, b] : files) {
+      fs.push_back(Json{{"file", f}, {"path", ck.files[f]}, {"bytes", b}});
+    }
+    e["files"] = fs;
+    if (only_rank) {
+      Json list = Json::array();
+      for (const PlannedRead& x : reads) {
+        list.push_back(Json{{"file", x.file},
+                            {"offset", x.offset},
+                            {"bytes", x.bytes},
+                            {"dest", x.dest},
+                            {"numel", x.numel}});
+      }
+      e["read_list"] = list;
+    }
+    if (text) {
+      std::printf("  rank %llu: %s read%s, %s from %s file%s\n",
+                  static_cast<unsigned long long>(r), format_count(reads.size()).c_str(),
+                  reads.size() == 1 ? "" : "s", format_bytes(bytes).c_str(),
+                  format_count(files.size()).c_str(), files.size() == 1 ? "" : "s");
+    }
+    ranks.push_back(std::move(e));
+  }
+  doc["ranks"] = std::move(ranks);
+  return doc;
+}
+
 }  // namespace
 
 int subcommand_inspect(const std::vector<std::string>& argv) {
-  Parser p("inspect", "PATH [--json] [--largest N] [--tag TAG] [--dp N [--rank R]]",
+  Parser p("inspect",
+           "PATH [--json] [--largest N] [--tag TAG] [--dp N [--stage S] | --mesh N|AxB] "
+           "[--rank R]",
            "Reads a checkpoint directory (*.safetensors, optionally with\n"
            "model.safetensors.index.json), a single .safetensors file, or a Hugging Face\n"
            "config.json, headers only, and reports the tensor count, parameter count, bytes per\n"
@@ -581,6 +704,8 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
            "checkpoint folder (the one holding 'latest', or a tag folder) reports the saving\n"
            "run's stage, world size and release, its groups, optimizer states, frozen parameters\n"
            "and buffers; with --dp N, which files and bytes each rank of a world of N would read.\n"
+           "For a safetensors checkpoint, --dp N (ZeRO) or --mesh (FSDP2, HSDP) lists each\n"
+           "rank's reads of the load, as the loader plans them: what the load reports reading.\n"
            "A PyTorch DCP folder (the '.metadata' and '.distcp' files torch.distributed.\n"
            "checkpoint.save writes) is read by the same restricted reader: its tensors, chunks,\n"
            "bytes per dtype and the values it saved as bytes.\n"
@@ -589,15 +714,22 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
   p.option("largest", "N", "how many of the largest tensors to list", "5");
   p.option("tag", "TAG", "DeepSpeed: the tag folder to read (default: the one 'latest' names)");
   p.option("dp", "N", "DeepSpeed: the reads of each rank of a new world of N ranks, as the "
-           "resume issues them");
-  p.option("rank", "R", "DeepSpeed, with --dp: only rank R's reads (a large world's)");
+           "resume issues them; a safetensors checkpoint: each rank's reads of a ZeRO load on "
+           "N ranks (`zeroflat load --dp N`)");
+  p.option("stage", "S", "with --dp on a safetensors checkpoint: 1 or 2 (the flat buffer, each "
+           "rank its slice before the all-gather) or 3 (each rank its partitions)", "2");
+  p.option("mesh", "N|AxB", "a safetensors checkpoint: each rank's reads of an FSDP2 load on a "
+           "mesh of N ranks (Shard(0)), or of HSDP's AxB (Replicate() over A, Shard(0) over B)");
+  p.option("rank", "R", "with --dp or --mesh: only rank R's reads (a large world's), each read "
+           "listed");
   p.flag("json", "print one JSON document");
   p.allow_positionals(1);
   p.epilog(
       "examples:\n  zeroflat inspect model.safetensors\n  zeroflat inspect ./Qwen3-30B-A3B/\n"
       "  zeroflat inspect config.json --json\n  zeroflat inspect "
       "ckpt/step2/mp_rank_00_model_states.pt\n"
-      "  zeroflat inspect ckpt/ --dp 4\n  zeroflat inspect dcp_checkpoint/");
+      "  zeroflat inspect ckpt/ --dp 4\n  zeroflat inspect dcp_checkpoint/\n"
+      "  zeroflat inspect ./Qwen3-30B-A3B/ --mesh 2x8 --rank 3");
   std::optional<Args> parsed = p.parse_or_help(argv);
   if (!parsed) return kExitOk;
   const Args& args = *parsed;
@@ -613,20 +745,42 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
     }
   }
   std::optional<std::string> tag = args.get("tag");
+  std::optional<std::vector<std::uint64_t>> mesh;
+  if (auto v = args.get("mesh")) {
+    if (dp) throw UsageError("--dp and --mesh: give one (ZeRO's ranks, or FSDP2's mesh)");
+    mesh = parse_mesh(*v);
+  }
   std::optional<std::uint64_t> rank;
   if (auto v = args.get("rank")) {
-    if (!dp) throw UsageError("--rank " + printable(*v) + " needs --dp");
+    if (!dp && !mesh) throw UsageError("--rank " + printable(*v) + " needs --dp or --mesh");
     rank = parse_u64(*v, "--rank");
+  }
+  std::optional<std::uint64_t> stage;
+  if (auto v = args.get("stage")) {
+    if (!dp) throw UsageError("--stage " + printable(*v) + " needs --dp");
+    stage = parse_u64(*v, "--stage");
+    if (*stage < 1 || *stage > 3) throw UsageError("--stage " + printable(*v) + ": 1, 2 or 3");
   }
   // With --tag, a folder whose tag folder holds DeepSpeed's files is one, 'latest' or not (as
   // load --from deepspeed --tag reads it).
   if (is_deepspeed_checkpoint(path) ||
       (tag && tag->find('/') == std::string::npos && is_deepspeed_checkpoint(path + "/" + *tag))) {
+    if (mesh || stage) {
+      throw UsageError("--mesh and --stage apply to safetensors checkpoints; a DeepSpeed folder "
+                       "resumes at --dp N ranks under its own stage");
+    }
     return inspect_deepspeed(path, tag, args.has("json"), dp, rank);
   }
-  if (dp || tag) {
-    throw UsageError("--dp and --tag apply to DeepSpeed checkpoint folders; " +
-                     printable(path, 200) + " is not one");
+  if (tag) {
+    throw UsageError("--tag applies to DeepSpeed checkpoint folders; " + printable(path, 200) +
+                     " is not one");
+  }
+  const bool reads = dp || mesh;
+  if (reads && (is_torch_file(path) || is_dcp_checkpoint(path) ||
+                is_dcp_checkpoint(path, "__0.metadata"))) {
+    throw UsageError("--dp and --mesh list a load's reads of a safetensors checkpoint (or a "
+                     "DeepSpeed folder's resume with --dp); " + printable(path, 200) +
+                     " is a torch.save file or a DCP folder");
   }
   if (is_torch_file(path)) return inspect_torch(path, args.has("json"), largest);
   if (is_dcp_checkpoint(path)) return inspect_dcp(path, args.has("json"), largest);
@@ -637,6 +791,41 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
                           "index: load it through DCP's load (zeroflat.dcp.Reader reads it)");
   }
   Inspection in = inspect_path(path);
+  if (reads && in.source == "config") {
+    throw UsageError("--dp and --mesh list a load's reads of a checkpoint; " +
+                     printable(path, 200) + " is a config.json");
+  }
+  // The load whose reads are listed: ZeRO's at --dp (stage 3: the partitions), or FSDP2's
+  // shards on --mesh (each rank's coordinate in row-major order, as torch's mesh numbers them).
+  const std::uint64_t world = [&] {
+    if (dp) return *dp;
+    std::uint64_t n = 1;
+    if (mesh) {
+      for (std::uint64_t m : *mesh) n *= m;
+    }
+    return n;
+  }();
+  auto placement_for = [&]() -> LoadPlacement {
+    if (!mesh) return stage.value_or(2) == 3 ? LoadPlacement::partitions() : LoadPlacement::flat();
+    ShardSpec spec;
+    spec.mesh = *mesh;
+    for (std::uint64_t r = 0; r < world; ++r) {
+      std::vector<std::uint64_t> coord(mesh->size());
+      std::uint64_t rest = r;
+      for (std::size_t d = mesh->size(); d-- > 0;) {
+        coord[d] = rest % (*mesh)[d];
+        rest /= (*mesh)[d];
+      }
+      spec.coords.push_back(std::move(coord));
+    }
+    std::vector<MeshPlacement> per(mesh->size(), MeshPlacement{});
+    per.back() = MeshPlacement{MeshPlacement::Kind::kShard, 0};
+    const CheckpointIndex ck = open_checkpoint(path);
+    for (const CheckpointTensor& t : ck.tensors) {
+      if (!t.alias && t.type) spec.placements.push_back(per);
+    }
+    return LoadPlacement::sharded(std::move(spec));
+  };
   std::vector<const TensorInfo*> order;
   for (const TensorInfo& t : in.tensors) order.push_back(&t);
   std::stable_sort(order.begin(), order.end(),
@@ -660,6 +849,7 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
                                 {"numel", t->numel},
                                 {"bytes", t->bytes}});
     }
+    if (reads) doc["load"] = load_reads(path, placement_for(), world, rank, false);
     std::printf("%s\n",
                 doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace).c_str());
     return kExitOk;
@@ -678,6 +868,7 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
                 printable(t->dtype).c_str(), shape_to_string(t->shape).c_str(),
                 format_bytes(t->bytes).c_str());
   }
+  if (reads) load_reads(path, placement_for(), world, rank, true);
   return kExitOk;
 }
 

@@ -2,8 +2,8 @@
 // rank of the new world reads only its share of the saved fp32 master weights and partitioned
 // optimizer states: the saved runs that hold its elements are the loader's checkpoint
 // (deepspeed_source), one load call per buffer it keeps, as the Python resume reads them
-// (python/zeroflat/_resume.py): under ZeRO-1/2 load_slice of each optimizer group's flat
-// layout at the new world, under ZeRO-3 load_partitions of every trainable parameter.
+// (python/zeroflat/_resume.py): under ZeRO-1/2 the slice of each optimizer group's flat layout
+// at the new world, under ZeRO-3 the partitions of every trainable parameter, each a load().
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -297,10 +297,8 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
     progress.begin("verify every buffer against the saved tensors read whole", 0);
     for (std::size_t i = 0; i < results.size(); ++i) {
       const DeepSpeedBuffer& b = ds.plan.buffers[i];
-      const std::string f =
-          zero3 ? verify_partitions(b.source.index, b.source.params, device, results[i].group(),
-                                    dp, rank)
-                : verify_slice(b.source.index, b.source.params, device, results[i].group(), rank);
+      const std::string f = verify_load(b.source.index, b.source.params, b.placement, device,
+                                        results[i].group(), dp, rank);
       loads[i]["verified"] = f.empty();
       if (!f.empty() && failure.empty()) failure = what(b) + ": " + f;
     }

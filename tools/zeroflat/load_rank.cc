@@ -89,6 +89,8 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   const DeviceSetup& pl = cfg.setup;
   RankContext ctx = rank_context(cfg, rank, control);
   std::unique_ptr<Device>& device = ctx.device;
+  const LoadPlacement placement =
+      cfg.stage.zero3 ? LoadPlacement::partitions() : LoadPlacement::flat();
 
   // The ceiling: as many bytes of the same files read sequentially, before the load and again
   // after it (memory and cache conditions shift between the two); the faster is kept.
@@ -96,9 +98,7 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   std::uint64_t ceiling_bytes = 0;
   const bool with_ceiling = cfg.ceiling && !pl.no_data;
   if (with_ceiling) {
-    ceiling_bytes = cfg.stage.zero3
-                        ? partitions_read_bytes(cfg.ck, cfg.params, cfg.library.layout.dp, rank)
-                        : partition_read_bytes(cfg.ck, cfg.params, cfg.library.layout, rank);
+    ceiling_bytes = load_read_bytes(cfg.ck, cfg.params, placement, cfg.library.layout, rank);
     measure_ceiling(cfg, rank, ceiling_bytes, *device, control, progress, ceiling);
   }
   FlattenResult res;
@@ -106,8 +106,7 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
                      (pl.no_data ? "account for its reads" : "load"),
                  0, ctx.options.read.progress);
   try {
-    res = (cfg.stage.zero3 ? load_partitions : load_flat_group)(cfg.ck, cfg.params, *device,
-                                                                ctx.comm, ctx.options);
+    res = load(cfg.ck, cfg.params, placement, *device, ctx.comm, ctx.options);
   } catch (const InvalidArgument&) {
     throw;  // bad input, the same verdict on every rank: exit 2
   } catch (const Error& err) {
@@ -135,10 +134,8 @@ LoadOutcome load_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* c
   }
   if (cfg.verify) {
     progress.begin("verify against every tensor read whole", 0);
-    const std::string failure = cfg.stage.zero3
-                                    ? verify_partitions(cfg.ck, cfg.params, *device, res.group(),
-                                                        cfg.library.layout.dp, rank)
-                                    : verify_loaded(cfg.ck, cfg.params, *device, res.group());
+    const std::string failure = verify_load(cfg.ck, cfg.params, placement, *device, res.group(),
+                                            cfg.library.layout.dp, rank);
     progress.end();
     record_verification(cfg, failure, out);
   } else {

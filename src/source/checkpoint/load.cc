@@ -1,7 +1,8 @@
-// The loader's front doors (loader.h): the checkpoint as the source of the one pipeline, for
-// the flat buffer (ZeRO-1/2) and for ZeRO-3's partitions; and what a rank would read, known
-// before it reads.
+// The loader's front door (loader.h): the checkpoint as the source of the one pipeline, for any
+// placement (the flat buffer, its slice, ZeRO-3's partitions, DTensor shards); and what a rank
+// would read, known before it reads.
 #include <map>
+#include <memory>
 
 #include "common/convert.h"
 #include "source/checkpoint/source.h"
@@ -14,7 +15,7 @@
 namespace zeroflat {
 namespace {
 
-// Both front doors: the checkpoint as the pipeline's source, for either placement.
+// The checkpoint as the pipeline's source, for any placement.
 FlattenResult load_group(const CheckpointIndex& ck, std::span<const LoadParam> params,
                          Device& device, Communicator* comm, const FlattenOptions& options,
                          detail::Placement& placement) {
@@ -62,103 +63,116 @@ std::uint64_t read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> p
   return bytes;
 }
 
-}  // namespace
-
-FlattenResult load_flat_group(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                              Device& device, Communicator* comm, const FlattenOptions& options) {
-  detail::FlatPlacement placement;
-  return load_group(ck, params, device, comm, options, placement);
-}
-
-FlattenResult load_partitions(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                              Device& device, Communicator* comm, const FlattenOptions& options) {
-  detail::PartitionsPlacement placement;
-  return load_group(ck, params, device, comm, options, placement);
-}
-
-namespace {
 std::vector<Shape> shapes_of(std::span<const LoadParam> params) {
   std::vector<Shape> out;
   out.reserve(params.size());
   for (const LoadParam& p : params) out.push_back(p.shape);
   return out;
 }
+
+// The pipeline's placement for a load's.
+std::unique_ptr<detail::Placement> placement_of(const LoadPlacement& where,
+                                                std::span<const LoadParam> params) {
+  switch (where.kind) {
+    case LoadPlacement::Kind::kFlat:
+      return std::make_unique<detail::FlatPlacement>();
+    case LoadPlacement::Kind::kSlice:
+      return std::make_unique<detail::SlicePlacement>();
+    case LoadPlacement::Kind::kPartitions:
+      return std::make_unique<detail::PartitionsPlacement>();
+    case LoadPlacement::Kind::kShards:
+      return std::make_unique<detail::ShardsPlacement>(where.shards, shapes_of(params));
+  }
+  throw InvalidArgument("a load placement of no known kind");
+}
+
+// The ranks of a load with `layout` under `where` (the spec's for shards).
+std::uint64_t world_of(const LoadPlacement& where, const LayoutOptions& layout) {
+  return where.kind == LoadPlacement::Kind::kShards ? where.shards.coords.size() : layout.dp;
+}
+
 }  // namespace
 
-FlattenResult load_shards(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                          const ShardSpec& spec, Device& device, Communicator* comm,
-                          const FlattenOptions& options) {
-  detail::ShardsPlacement placement(spec, shapes_of(params));
+std::string_view load_placement_name(LoadPlacement::Kind kind) noexcept {
+  switch (kind) {
+    case LoadPlacement::Kind::kFlat:
+      return "flat";
+    case LoadPlacement::Kind::kSlice:
+      return "slice";
+    case LoadPlacement::Kind::kPartitions:
+      return "partitions";
+    case LoadPlacement::Kind::kShards:
+      return "shards";
+  }
+  return "?";
+}
+
+LoadPlacement::Kind parse_load_placement(std::string_view text, std::string_view what) {
+  for (LoadPlacement::Kind k : {LoadPlacement::Kind::kFlat, LoadPlacement::Kind::kSlice,
+                                LoadPlacement::Kind::kPartitions, LoadPlacement::Kind::kShards}) {
+    if (text == load_placement_name(k)) return k;
+  }
+  throw InvalidArgument(std::string(what) + " '" + printable(std::string(text)) +
+                        "': expected flat, slice, partitions or shards");
+}
+
+FlattenResult load(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                   const LoadPlacement& where, Device& device, Communicator* comm,
+                   const FlattenOptions& options) {
   FlattenOptions o = options;
-  // What every rank must hold identically: the mesh, each rank's coordinate, each placement.
-  std::string mesh = "shards mesh";
-  for (std::uint64_t n : spec.mesh) mesh += " " + std::to_string(n);
-  o.must_match.push_back(mesh);
-  for (std::size_t r = 0; r < spec.coords.size(); ++r) {
-    std::string c = "shards rank " + std::to_string(r) + " at";
-    for (std::uint64_t x : spec.coords[r]) c += " " + std::to_string(x);
-    o.must_match.push_back(c);
+  if (where.kind == LoadPlacement::Kind::kShards) {
+    // What every rank must hold identically: the mesh, each rank's coordinate, each placement.
+    const ShardSpec& spec = where.shards;
+    std::string mesh = "shards mesh";
+    for (std::uint64_t n : spec.mesh) mesh += " " + std::to_string(n);
+    o.must_match.push_back(mesh);
+    for (std::size_t r = 0; r < spec.coords.size(); ++r) {
+      std::string c = "shards rank " + std::to_string(r) + " at";
+      for (std::uint64_t x : spec.coords[r]) c += " " + std::to_string(x);
+      o.must_match.push_back(c);
+    }
+    for (std::size_t p = 0; p < spec.placements.size(); ++p) {
+      std::string c = "shards parameter " + std::to_string(p);
+      for (const MeshPlacement& m : spec.placements[p]) c += " " + placement_name(m);
+      o.must_match.push_back(c);
+    }
   }
-  for (std::size_t p = 0; p < spec.placements.size(); ++p) {
-    std::string c = "shards parameter " + std::to_string(p);
-    for (const MeshPlacement& m : spec.placements[p]) c += " " + placement_name(m);
-    o.must_match.push_back(c);
-  }
-  return load_group(ck, params, device, comm, o, placement);
+  const std::unique_ptr<detail::Placement> placement = placement_of(where, params);
+  return load_group(ck, params, device, comm, o, *placement);
 }
 
-std::uint64_t shards_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                                const ShardSpec& spec, std::uint64_t rank) {
-  FlattenOptions o;
-  o.layout.dp = spec.coords.size();
-  return read_bytes(ck, params, o, detail::ShardsPlacement(spec, shapes_of(params)),
-                    spec.coords.size(), rank);
-}
-
-FlattenResult load_slice(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                         Device& device, Communicator* comm, const FlattenOptions& options) {
-  detail::SlicePlacement placement;
-  return load_group(ck, params, device, comm, options, placement);
-}
-
-std::uint64_t partition_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                                   const LayoutOptions& layout, std::uint64_t rank) {
+std::uint64_t load_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                              const LoadPlacement& where, const LayoutOptions& layout,
+                              std::uint64_t rank) {
   FlattenOptions o;
   o.layout = layout;
-  return read_bytes(ck, params, o, detail::FlatPlacement(), layout.dp, rank);
+  o.layout.dp = world_of(where, layout);
+  return read_bytes(ck, params, o, *placement_of(where, params), o.layout.dp, rank);
 }
 
-std::uint64_t partitions_read_bytes(const CheckpointIndex& ck, std::span<const LoadParam> params,
-                                    std::uint64_t world, std::uint64_t rank) {
-  FlattenOptions o;
-  o.layout.dp = world;
-  return read_bytes(ck, params, o, detail::PartitionsPlacement(), world, rank);
-}
-
-std::vector<PlannedRead> planned_reads(const CheckpointIndex& ck,
-                                       std::span<const LoadParam> params,
-                                       const LayoutOptions& layout, LoadPlacement where,
+std::vector<PlannedRead> planned_reads(const CheckpointIndex& ck, std::span<const LoadParam> params,
+                                       const LoadPlacement& where, const LayoutOptions& layout,
                                        std::uint64_t rank) {
-  const std::uint64_t world = layout.dp;
+  const std::uint64_t world = world_of(where, layout);
   if (rank >= world) {
     throw InvalidArgument("rank " + std::to_string(rank) + " of " + std::to_string(world));
   }
-  const detail::SlicePlacement slice;
-  const detail::PartitionsPlacement partitions;
-  const detail::Placement& placement =
-      where == LoadPlacement::kSlice ? static_cast<const detail::Placement&>(slice) : partitions;
+  const std::unique_ptr<detail::Placement> placement = placement_of(where, params);
   FlattenOptions o;
   o.layout = layout;
+  o.layout.dp = world;
   const detail::Sources sources = detail::resolve_all(ck, params);
   std::vector<std::uint64_t> numels;
   for (const LoadParam& p : params) numels.push_back(shape_numel(p.shape));
-  const Layout l = placement.layout(numels, o);
-  const detail::SourceRuns runs = placement.runs(numels, world, rank);
+  const Layout l = placement->layout(numels, o);
+  const detail::SourceRuns runs = placement->runs(numels, world, rank);
   const std::uint64_t es = l.element_size();
-  // The buffer holds the rank's slot (a slice: [slot * S, (slot + 1) * S) of the layout).
-  const std::uint64_t base = placement.slot(rank) * l.partition_bytes();
+  // Where the rank's buffer starts in the layout: the whole layout (ZeRO-1/2's flat buffer,
+  // the rank's own ZeRO-3 or shard buffer), or its slot alone (a slice).
+  const std::uint64_t base =
+      (placement->slot(rank) - placement->buffer_slot(rank)) * l.partition_bytes();
   std::vector<PlannedRead> out;
-  for (const Step& s : load_steps(l, placement.slot(rank), 0, placement.read_plans()[0])) {
+  for (const Step& s : load_steps(l, placement->slot(rank), 0, placement->read_plans()[0])) {
     if (s.op != Op::kRead) continue;
     for (const detail::Read& r :
          detail::reads_for(l, sources, runs, s.flat_offset, s.flat_offset + s.bytes)) {

@@ -146,7 +146,7 @@ ResumePlan plan_resume(const DeepSpeedCheckpoint& ck, const ResumeOptions& o) {
         ResumeBuffer b;
         b.target = target;
         if (o.buffer_per_group) b.group = k;
-        b.placement = LoadPlacement::kPartitions;
+        b.placement = LoadPlacement::partitions();
         b.layout = base;
         std::vector<std::string> n;
         for (std::size_t g = first; g < last; ++g) {
@@ -164,7 +164,7 @@ ResumePlan plan_resume(const DeepSpeedCheckpoint& ck, const ResumeOptions& o) {
       ResumeBuffer b;
       b.target = target;
       b.group = g;
-      b.placement = LoadPlacement::kSlice;
+      b.placement = LoadPlacement::slice();
       b.layout = flat_options(dtype);
       b.numels = numels[g];
       b.source = deepspeed_source(ck, target, names[g], numels[g]);
@@ -183,7 +183,7 @@ ResumePlan plan_resume(const DeepSpeedCheckpoint& ck, const ResumeOptions& o) {
     }
     ResumeBuffer b;
     b.target = "frozen";
-    b.placement = LoadPlacement::kPartitions;
+    b.placement = LoadPlacement::partitions();
     b.layout = base;
     b.layout.dtype = o.frozen_dtype.value_or(weights);
     b.numels = o.frozen_numels;
@@ -218,14 +218,14 @@ ResumePlan plan_resume(const DeepSpeedCheckpoint& ck, const ResumeOptions& o) {
 }
 
 std::uint64_t resume_kept_bytes(const ResumeBuffer& b) {
-  return b.placement == LoadPlacement::kPartitions
+  return b.placement.kind == LoadPlacement::Kind::kPartitions
              ? zero3_buffer_layout(b.numels, b.layout).flat_bytes()
              : Layout::compute(b.numels, b.layout).partition_bytes();
 }
 
 ResumeRankBuffer resume_rank_buffer(const ResumeBuffer& b, std::uint64_t rank) {
   ResumeRankBuffer out;
-  out.reads = planned_reads(b.source.index, b.source.params, b.layout, b.placement, rank);
+  out.reads = planned_reads(b.source.index, b.source.params, b.placement, b.layout, rank);
   for (const PlannedRead& r : out.reads) {
     out.read_bytes += r.bytes;
     out.data_numel += r.numel;
@@ -238,7 +238,7 @@ ResumeRankBuffer resume_rank_buffer(const ResumeBuffer& b, std::uint64_t rank) {
     }
     return 4;
   };
-  if (b.placement == LoadPlacement::kPartitions) {
+  if (b.placement.kind == LoadPlacement::Kind::kPartitions) {
     const Layout l = zero3_buffer_layout(b.numels, b.layout);
     out.kept_bytes = l.flat_bytes();
     out.partition_numel = l.flat_numel();
@@ -277,8 +277,7 @@ ResumeRank resume_rank(const ResumePlan& plan, std::uint64_t rank) {
 FlattenResult load_resume_buffer(const ResumeBuffer& b, Device& device, Communicator* comm,
                                  FlattenOptions options) {
   options.layout = b.layout;
-  return (b.placement == LoadPlacement::kSlice ? load_slice : load_partitions)(
-      b.source.index, b.source.params, device, comm, options);
+  return load(b.source.index, b.source.params, b.placement, device, comm, options);
 }
 
 }  // namespace zeroflat

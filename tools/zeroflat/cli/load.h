@@ -52,7 +52,7 @@ struct LoadConfig {
   // ring, copies), this host's ranks (probe.local_ranks). Only rank-specific fields (the names,
   // the fault injection, must_match) are set per rank.
   FlattenOptions library;
-  StageChoice stage;  // --stage 3: ZeRO-3's partitions (load_partitions), else the flat buffer
+  StageChoice stage;  // --stage 3: ZeRO-3's partitions, else the flat buffer
   DeviceSetup setup;
   unsigned threads = 0;
   bool verify = false;
@@ -155,8 +155,8 @@ bool from_deepspeed(const Args& args);
 void deepspeed_config(LoadConfig& cfg, const Args& args);
 // The bytes each rank keeps (every buffer; the ranks' are equal), for the host's room.
 std::uint64_t deepspeed_kept_bytes(const LoadConfig& cfg);
-// One rank's resume: every buffer loaded in turn (each a collective of load_slice or
-// load_partitions), kept, then the ceiling and verification; one entry for the rank.
+// One rank's resume: every buffer loaded in turn (each a collective load() of its placement),
+// kept, then the ceiling and verification; one entry for the rank.
 LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Communicator* control,
                                 Progress& progress);
 // A line for stderr before the ranks start.
