@@ -1339,7 +1339,8 @@ TEST_F(LoaderTest, DTensorShardsEveryRankReadsOnlyItsLocalShards) {
 // One load for every placement (loader.h's LoadPlacement): on each rank the reads planned_reads
 // lists before the load are exactly the bytes the load reports, load_read_bytes agrees, the
 // planned reads land inside the rank's buffer, verify_load finds the buffer equal to the tensors
-// read whole, and finds a byte changed in it.
+// read whole, and finds a byte changed in it; the bytes the copies check reads are counted
+// (copy_check_read_bytes), and none without the check.
 TEST_F(LoaderTest, EveryPlacementIsOneLoadWhosePlannedReadsAreWhatItReadsAndVerified) {
   const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
   const std::vector<LoadParam> params = params_of(ck);
@@ -1378,6 +1379,10 @@ TEST_F(LoaderTest, EveryPlacementIsOneLoadWhosePlannedReadsAreWhatItReadsAndVeri
       EXPECT_EQ(bytes, res.read->bytes);
       EXPECT_EQ(bytes, load_read_bytes(ck, params, c.where, o.layout, rank));
       EXPECT_GT(bytes, 0u);
+      // The copies check (sampled) read other ranks' windows from this rank's copy: counted
+      // beside bytes_read, at most 16 windows of 64 KiB per read range of each other rank.
+      EXPECT_GT(res.read->copy_check_read_bytes, 0u);
+      EXPECT_LE(res.read->copy_check_read_bytes, res.read->copy_check_bytes);
       EXPECT_EQ(verify_load(ck, params, c.where, *dev, res.group(), c.world, rank), "");
       // A byte of the rank's first planned read changed: verify names a difference.
       ASSERT_FALSE(planned.empty());
@@ -1387,6 +1392,16 @@ TEST_F(LoaderTest, EveryPlacementIsOneLoadWhosePlannedReadsAreWhatItReadsAndVeri
       *p = static_cast<unsigned char>(*p ^ 0x5a);
     });
   }
+  FlattenOptions off = load_options();
+  off.layout.dp = 2;
+  off.read.copies = CopyCheck::kOff;
+  on_ranks(2, [&](int, Communicator* comm) {
+    std::unique_ptr<Device> dev = make_device("cpu", DeviceOptions{2});
+    const FlattenResult res = load(ck, params, LoadPlacement::partitions(), *dev, comm, off);
+    ASSERT_TRUE(res.read);
+    EXPECT_EQ(res.read->copy_check_read_bytes, 0u);
+    EXPECT_EQ(res.read->copy_check_bytes, 0u);
+  });
 }
 
 TEST_F(LoaderTest, ShardsThatLieInTheFilesAreMappedInPlace) {

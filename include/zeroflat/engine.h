@@ -161,9 +161,12 @@ struct ReadReport {
   double cached_fraction = 0;
   std::string page_cache;
   double seconds = 0;  // reading (conversion and staging included)
-  // The copies check (ReadOptions::copies): bytes this rank read again to compare, and how
-  // long.
+  // The copies check (ReadOptions::copies): bytes this rank hashed to compare (of its own buffer
+  // or read again), the file bytes among them it read again (other ranks' windows, as its own
+  // copy holds them; beside `bytes`: all this rank read is bytes + copy_check_read_bytes), and
+  // how long.
   std::uint64_t copy_check_bytes = 0;
+  std::uint64_t copy_check_read_bytes = 0;
   double copy_check_seconds = 0;
 };
 

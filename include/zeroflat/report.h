@@ -71,8 +71,10 @@ std::string plan_json(const Plan& plan, const PlanInput& input);
 //   page_cache, cached_fraction  only from files: where the bytes were before they were read
 //                                ("cold", "warm", "partly"; 0 to 1); null when nothing was read
 //   copy_check_bytes,            only from files: the check of the ranks' copies of the
-//   copy_check_seconds           checkpoint, bytes this rank read or hashed again to compare,
-//                                and how long (0 without one)
+//   copy_check_read_bytes,       checkpoint: bytes this rank hashed to compare, the file bytes
+//   copy_check_seconds           among them it read (beside bytes_read: this rank read
+//                                bytes_read + copy_check_read_bytes in all), and how long (0
+//                                without one)
 // All sizes are bytes and all times seconds.
 std::string result_json(const FlattenResult& result);
 

@@ -238,6 +238,11 @@ def _equal_case(rank, mesh, case):
     if getattr(ours.config, "tie_word_embeddings", False):
         assert ours.lm_head.weight is ours.model.embed_tokens.weight
     assert report["bytes_read"] == report["share"], report
+    # The copies check (sampled, the default) read other ranks' windows, counted beside
+    # bytes_read: at most 16 windows of 64 KiB per other rank, of the library's loads and of the
+    # shards used in place or buffers read whole.
+    checked = report["copy_check_read_bytes"]
+    assert (checked > 0) == (report["world"] > 1), report
     out = {"read": report["bytes_read"], "mapped": report["bytes_mapped"]}
     if storage == "map":
         # The shards of the file's dtype are the file's bytes, mapped (FSDP2 keeps an even

@@ -85,11 +85,12 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def check(prep, rank: int, world: int, group, copies: str, path: str) -> None:
+def check(prep, rank: int, world: int, group, copies: str, path: str) -> int:
     """Raises InvalidArgument on every rank where some rank's copy holds other bytes than
-    another's, in what this rank and the others used in place or read whole. Collective."""
+    another's, in what this rank and the others used in place or read whole. Collective.
+    Returns the file bytes this rank read to compare (other ranks' windows)."""
     if world <= 1 or copies == "off":
-        return
+        return 0
     per_rank = [mapped_ranges(prep, q) for q in range(world)]
     spans = [_spans(sum(r[2] for _, r in per_rank[q]), q, copies == "full")
              for q in range(world)]
@@ -97,7 +98,7 @@ def check(prep, rank: int, world: int, group, copies: str, path: str) -> None:
     base = [sum(len(s) + len(whole) for s in spans[:q]) for q in range(world)]
     values = [0] * (base[-1] + len(spans[-1]) + len(whole))
     if not values:  # nothing in place, no buffer (the same count on every rank)
-        return
+        return 0
     mine = [r for _, r in per_rank[rank]]
     views = [_bytes(m.mapped) for m, _ in per_rank[rank]]
     for i, (lo, hi) in enumerate(spans[rank]):
@@ -105,11 +106,12 @@ def check(prep, rank: int, world: int, group, copies: str, path: str) -> None:
     values[base[rank] + len(spans[rank]): base[rank] + len(spans[rank]) + len(whole)] = whole
     what = f"the ranks' comparison of their copies of {path} (an all-reduce)"
     theirs = all_reduce_ints(values, group, "max", what, "fsdp-copies")
-    found, fds = None, {}
+    found, fds, read = None, {}, [0]
 
     def pread(f: int, offset: int, n: int) -> bytes:
         if f not in fds:
             fds[f] = os.open(os.fsencode(prep.ck.files[f]), os.O_RDONLY)
+        read[0] += n
         return os.pread(fds[f], n, offset)
     try:
         for q in (q for q in range(world) if q != rank):
@@ -143,3 +145,4 @@ def check(prep, rank: int, world: int, group, copies: str, path: str) -> None:
         raise InvalidArgument(f"the ranks' copies of {path} hold different bytes: {said}; every "
                               "rank must read an identical copy (nothing of any model was "
                               "changed)")
+    return read[0]

@@ -190,8 +190,11 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     read: its shards', or its part of them when the replicas split), ``seconds`` (of which
     ``read_seconds`` until every rank read everything, ``assign_seconds`` after: the replicas'
     all-gather, then the shards handed to the model), ``replicas_split``, ``bytes_mapped`` (of
-    ``bytes_read``, the bytes of the shards used in place), ``rank``, ``world``, and each load's
-    report under ``loads``, ``materialized`` (whether the model was on the meta device)."""
+    ``bytes_read``, the bytes of the shards used in place), ``copy_check_read_bytes`` (the file
+    bytes the copies check read again, other ranks' windows as this rank's copy holds them: all
+    this rank read is ``bytes_read`` + ``copy_check_read_bytes``), ``rank``, ``world``, and each
+    load's report under ``loads``, ``materialized`` (whether the model was on the meta
+    device)."""
     t0 = time.perf_counter()
     local_error: Optional[BaseException] = None
     prep = None
@@ -274,7 +277,7 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
             results.append((members, report, buffer, lay, dtype, gathering))
     assert local_error is None and prep is not None
     # What the loads did not compare between the ranks' copies: shards in place, buffers.
-    _fsdp_copies.check(prep, rank, world, group, copies, path)
+    checked_bytes = _fsdp_copies.check(prep, rank, world, group, copies, path)
     # Every rank read everything: the model takes it.
     t_read = time.perf_counter()
     with torch.no_grad():
@@ -307,10 +310,12 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
             model.load_state_dict({}, strict=False)
         _model.compute_unheld(model, prep)
     bytes_read = sum(int(r[1].get("bytes_read") or 0) for r in results) + mapped_bytes
+    checked_bytes += sum(int(r[1].get("copy_check_read_bytes") or 0) for r in results)
     done = time.perf_counter()
     return {"rank": rank, "world": world, "bytes_read": bytes_read, "share": prep.share(rank),
             "seconds": done - t0, "read_seconds": t_read - t0, "assign_seconds": done - t_read,
             "replicas_split": prep.replica is not None, "bytes_mapped": mapped_bytes,
+            "copy_check_read_bytes": checked_bytes,
             "materialized": prep.meta, "loads": [r[1] for r in results]}
 
 

@@ -85,6 +85,7 @@ std::string result_json(const FlattenResult& r) {
     j["page_cache"] = read ? Json(rd.page_cache) : Json();
     j["cached_fraction"] = read ? Json(rd.cached_fraction) : Json();
     j["copy_check_bytes"] = rd.copy_check_bytes;
+    j["copy_check_read_bytes"] = rd.copy_check_read_bytes;
     j["copy_check_seconds"] = rd.copy_check_seconds;
   }
   add_master_and_probes(j, r.master, r.master_seconds, r.master_error, r.probe, r.host_probe);

@@ -220,7 +220,7 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
   Json loads = Json::array();
   Json& plans = out.plan;
   plans = Json::array();
-  std::uint64_t bytes_read = 0, reads = 0, copy_bytes = 0, kept = 0, share = 0;
+  std::uint64_t bytes_read = 0, reads = 0, copy_bytes = 0, copy_read_bytes = 0, kept = 0, share = 0;
   std::uint64_t predicted_peak = 0, measured_peak = 0;
   double read_seconds = 0, seconds = 0, total_seconds = 0, copy_seconds = 0, cached = 0;
   bool read_any = false;
@@ -267,7 +267,7 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
     for (const char* key : {"bytes_read", "reads", "read_seconds", "read_gbps", "page_cache",
                             "cached_fraction", "seconds", "total_seconds",
                             "predicted_peak_device_bytes", "measured_peak_device_bytes",
-                            "copy_check_bytes"}) {
+                            "copy_check_bytes", "copy_check_read_bytes"}) {
       l[key] = e[key];
     }
     bytes_read += e["bytes_read"].get<std::uint64_t>();
@@ -276,6 +276,7 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
     seconds += e["seconds"].get<double>();
     total_seconds += e["total_seconds"].get<double>();
     copy_bytes += e["copy_check_bytes"].get<std::uint64_t>();
+    copy_read_bytes += e["copy_check_read_bytes"].get<std::uint64_t>();
     copy_seconds += e["copy_check_seconds"].get<double>();
     if (e["cached_fraction"].is_number()) {
       read_any = true;
@@ -336,6 +337,7 @@ LoadOutcome load_deepspeed_rank(const LoadConfig& cfg, std::uint64_t rank, Commu
   e["predicted_peak_device_bytes"] = predicted_peak;
   e["measured_peak_device_bytes"] = measured_peak;
   e["copy_check_bytes"] = copy_bytes;
+  e["copy_check_read_bytes"] = copy_read_bytes;
   e["copy_check_seconds"] = copy_seconds;
   if (with_ceiling) e["ceiling"] = ceiling_json(*ceiling);
   record_verification(cfg, failure, out);

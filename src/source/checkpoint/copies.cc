@@ -116,6 +116,7 @@ void CheckpointSource::after(const FlatGroup&, Communicator* comm) {
           reader.fill(mine.data(), hi - lo, reads);
           reader.rethrow();
           report_.copy_check_bytes += source_bytes(reads);
+          report_.copy_check_read_bytes += source_bytes(reads);
           d = checksum_serial(mine.data(), hi - lo);
         }
         if (d != own[q * most + k]) {
