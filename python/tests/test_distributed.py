@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
+import zeroflat._comm  # noqa: E402  (used directly below)
 from reference import Tiny, deepspeed_flat, end_rank, start_ranks, tiny_model  # noqa: E402
 
 

@@ -33,16 +33,36 @@ objects, ``_fsdp_copies`` the ranks' copies, ``_fsdp_pretrained`` Transformers' 
 
 from __future__ import annotations
 
+import importlib
+from typing import Any, List
+
 from . import _C
-from ._common import (TESTED_DEEPSPEED_RELEASES, FlatGroup, installed_deepspeed, layout,
-                      release_rules)
 from ._errors import (CommError, Error, ExecutionError, InternalError, InvalidArgument,
                       NoFeasiblePlan, OutOfMemory, ResourceExhausted, Unsupported)
-from ._flatten import flatten_param_group, flatten_param_groups
-from ._load import load_param_groups, meta_parameters
-from ._progress import Progress
 
 __version__ = _C.__version__
+
+# The rest of the API, imported where it is first used: ``import zeroflat.dcp`` (a DCP load)
+# pays for the reader alone, not for the ZeRO loads and their collectives.
+_LAZY = {
+    "TESTED_DEEPSPEED_RELEASES": "._common", "FlatGroup": "._common",
+    "installed_deepspeed": "._common", "layout": "._common", "release_rules": "._common",
+    "flatten_param_group": "._flatten", "flatten_param_groups": "._flatten",
+    "load_param_groups": "._load", "meta_parameters": "._load", "Progress": "._progress",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'zeroflat' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "CommError",

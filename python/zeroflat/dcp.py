@@ -50,7 +50,6 @@ import logging
 import threading
 
 from . import _C, _patches
-from ._comm import raise_agreed
 from ._common import DTYPES, FILE_DTYPES as _DTYPES, native_path
 
 __all__ = ["Reader", "install", "installed", "uninstall", "is_installed", "stats"]
@@ -337,6 +336,8 @@ class Reader(StorageReader):
             if error is not None:
                 raise error
             return
+        from ._comm import raise_agreed  # the collectives, only where ranks agree
+
         raise_agreed(error, group, f"zeroflat.dcp.Reader({self.path!r})'s agreement", "dcp",
                      lambda rank: ValueError(f"{self.path}: rank {rank} refused its part of the "
                                              "load (its error says why); nothing was written on "
