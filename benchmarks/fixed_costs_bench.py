@@ -121,7 +121,7 @@ def rank_main(rank, world, port, path, stage, out):
         setattr(owner, name, wrapper)
 
     timed(transformers.AutoConfig, "from_pretrained", "config")
-    timed(_load, "_checkpoint", "open")
+    timed(_load, "checkpoint_of", "open")
     timed(_load, "_prepare", "prepare", minus=("open",))
     timed(_load, "call_loader", "library")
     timed(_load._Flat, "finish", "finish")

@@ -38,7 +38,10 @@ at 4 ranks cold >= 1.3 x faster; at another world size >= 5 x faster than ds_to_
 load. Exit status 1 when a target is not met, 2 when the losses differ. --quick: a 20 MB
 model, ZeRO-2 and 3, 2>2 and 2>3, warm only, one round (about a minute on 2 idle cores).
 Two sizes worth showing: the default (2.2 GB) and --hidden 512 --layers 8 (33 M parameters,
-0.46 GB), where fixed costs weigh most.
+0.46 GB), where fixed costs weigh most; and --hidden 1024 --layers 1 --vocab 24000 (0.44 GB,
+one wide block and a large embedding). After each row, where zeroflat's call spent its time
+on its slowest rank (stats["resumes"]' phases: open the folder, read the small values, plan,
+read the buffers, the ranks' agreement, write the engine).
 """
 
 import argparse
@@ -190,6 +193,8 @@ def rank_main(rank, world, port, job):
         if mode == "zeroflat":
             out["served"] = len(zd.stats["resumes"]) == 1 and not zd.stats["resume_fallbacks"]
             out["library_bytes"] = zd.stats["resumes"][0]["bytes_read"] if out["served"] else 0
+            # Where zeroflat's call spent its time on this rank (seconds per phase).
+            out["phases"] = zd.stats["resumes"][0].get("phases", {}) if out["served"] else {}
     rank_done(job, rank, out)
 
 
@@ -225,9 +230,11 @@ def universal(src, timeout, cold):
 
 
 def summarize(rows):
-    return {"seconds": max(r["seconds"] for r in rows), "rchar": max(r["rchar"] for r in rows),
+    slowest = max(rows, key=lambda r: r["seconds"])
+    return {"seconds": slowest["seconds"], "rchar": max(r["rchar"] for r in rows),
             "read_bytes": max(r["read_bytes"] for r in rows), "rss": max(r["rss"] for r in rows),
-            "share": max(r["share"] for r in rows), "losses": [r["loss"] for r in rows]}
+            "share": max(r["share"] for r in rows), "losses": [r["loss"] for r in rows],
+            "phases": slowest.get("phases", {})}
 
 
 def median(values):
@@ -421,6 +428,12 @@ def main():
                           f"{row['speedup']:.2f} x, rounds "
                           f"{', '.join(f'{x:.2f}' for x in row['round_speedups'])})",
                           file=sys.stderr)
+                    phases = row["zeroflat"].get("phases") or {}
+                    if phases:
+                        print("resume_bench:   zeroflat per phase (its slowest rank, median "
+                              "round): " + ", ".join(f"{k} {v * 1e3:.0f} ms"
+                                                     for k, v in phases.items()),
+                              file=sys.stderr)
     finally:
         if not a.dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -1404,6 +1404,30 @@ TEST_F(LoaderTest, EveryPlacementIsOneLoadWhosePlannedReadsAreWhatItReadsAndVeri
   });
 }
 
+// read_ahead asks the kernel for a rank's planned reads, merged by file in file order: at least
+// their bytes and no more than the files hold; a file gone since the index was read is skipped,
+// never an error (the load reports it).
+TEST_F(LoaderTest, ReadAheadAsksForTheRanksReadsAndSkipsWhatItCannotOpen) {
+  const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
+  const std::vector<LoadParam> params = params_of(ck);
+  std::uint64_t files = 0;
+  for (const std::string& f : ck.files) files += fs::file_size(f);
+  for (std::uint64_t r = 0; r < 3; ++r) {
+    const std::vector<PlannedRead> reads =
+        planned_reads(ck, params, LoadPlacement::partitions(), world_layout(3), r);
+    std::uint64_t bytes = 0;
+    for (const PlannedRead& x : reads) bytes += x.bytes;
+    const std::uint64_t asked = read_ahead(ck, reads);
+    EXPECT_GE(asked, bytes);
+    EXPECT_LE(asked, files);
+  }
+  EXPECT_EQ(read_ahead(ck, {}), 0u);
+  CheckpointIndex gone = ck;
+  for (std::string& f : gone.files) f += ".missing";
+  EXPECT_EQ(read_ahead(gone, planned_reads(ck, params, LoadPlacement::flat(), world_layout(2), 0)),
+            0u);
+}
+
 TEST_F(LoaderTest, ShardsThatLieInTheFilesAreMappedInPlace) {
   const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
   const std::vector<LoadParam> params = params_of(ck);

@@ -195,6 +195,12 @@ void bind_deepspeed(py::module_& m) {
           r = zf::resume_rank(plan, rank);
         }
         return py::make_tuple(r.kept_bytes, r.share_bytes, r.read_bytes);
+      })
+      // Every byte this rank's buffers read, asked of the kernel at once in file order
+      // (resume_read_ahead): the bytes asked for.
+      .def("read_ahead", [](const zf::ResumePlan& plan, std::uint64_t rank) {
+        py::gil_scoped_release nogil;
+        return zf::resume_read_ahead(plan, rank);
       });
   m.def(
       "plan_resume",

@@ -610,6 +610,13 @@ def served(reports):
         rank, done, total, finished = r["progress"][-1]
         assert rank == r["rank"] and finished and done == total, r["progress"]
         assert 0.9 * read <= done <= read, (read, r["progress"])
+        # The buffers' bytes were asked of the kernel first, in file order (the union of their
+        # reads, ranges a little apart merged; two buffers of a universal checkpoint read the
+        # same fp32 file), and the call's time is told by phase.
+        resume = r["resumes"][0]
+        assert (resume["read_ahead_bytes"] > 0) == (read > 0), resume
+        assert set(resume["phases"]) == {"open", "small", "plan", "read", "agree", "write"}
+        assert 0 <= sum(resume["phases"].values()) <= resume["seconds"] * 1.001 + 1e-3, resume
 
 
 # ---- the same world size -----------------------------------------------------------------------

@@ -2,15 +2,17 @@
 parameter object kept (a local tensor re-pointed to its loaded shard, a meta one swapped for
 it), a model on the meta device given its shards' device and its non-persistent buffers, FSDP2's
 own record of its parameters read where torch lets it be, and the optimizers that already hold
-state for the parameters found."""
+state for the parameters found; and how a model's names are found in a checkpoint (``finder``).
+The FSDP2 modules' one internal module: what ``fsdp`` and ``_fsdp_pretrained`` share."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _hf_names
+from . import _C, _hf_names
+from ._load import stored_name
 
 
 def dtensor_class():
@@ -137,3 +139,20 @@ def optimizers_with_state(by_id: Dict[int, torch.nn.Parameter]) -> List[str]:
             out.append(f"{type(o).__name__} (holding {len(held)} of them, with state for "
                        f"{stated})")
     return out
+
+
+def finder(model: torch.nn.Module, ck: "_C.Checkpoint",
+            rules: Callable[[], list]) -> Callable[[str], Optional[str]]:
+    """A name's tensor in the checkpoint, or None: under the name itself, else (only where the
+    checkpoint has names the model does not) under Transformers' renaming rules (``rules()``,
+    asked for only then)."""
+    renamed: List[bool] = []
+
+    def find(name: str) -> Optional[str]:
+        hit = stored_name(name, [], ck)
+        if hit is None and not renamed:
+            own = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+            own.update(n for n, _ in model.named_buffers())
+            renamed.append(any(t.name not in own for t in ck.tensors()))
+        return hit if hit is not None or not renamed[0] else stored_name(name, rules(), ck)
+    return find

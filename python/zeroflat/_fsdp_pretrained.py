@@ -18,9 +18,10 @@ from . import _C, _hf_names, _patches
 from ._comm import raise_agreed
 from ._common import path_text
 from ._errors import InvalidArgument
-from ._load import _checkpoint, check_load_options, left_untied, meta_parameters
+from ._load import checkpoint_of, check_load_options, left_untied, meta_parameters
 from ._progress import check_callback
-from .fsdp import _dtensor_class, _finder, load
+from ._fsdp_model import dtensor_class, finder
+from .fsdp import load
 
 
 def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed_config: Any, *,
@@ -79,7 +80,7 @@ def from_pretrained(model_class: Any, path: Union[str, os.PathLike], distributed
     # cannot be is left to the load, which raises its error on every rank.
     checkpoint, both = path, {}
     try:
-        checkpoint = _checkpoint(path)
+        checkpoint = checkpoint_of(path)
         both = _stored_twice(model, checkpoint)
     except Exception:  # noqa: BLE001 - the load's agreement reports it on every rank
         checkpoint, both = path, {}
@@ -154,7 +155,7 @@ def _on_prepare(original, accelerator, *args, **kwargs):
 
 def _stored_twice(model: torch.nn.Module, ck: "_C.Checkpoint") -> Dict[str, str]:
     """The model's tied weights (target -> source, as Transformers lists them) of which the
-    checkpoint holds both names (_finder's way)."""
+    checkpoint holds both names (_fsdp_model.finder's way)."""
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     pairs = expand(all_submodels=True) if callable(expand) else {}
     if not pairs:
@@ -165,7 +166,7 @@ def _stored_twice(model: torch.nn.Module, ck: "_C.Checkpoint") -> Dict[str, str]
         if not built:
             built.append(_hf_names.converters(model))
         return built[0]
-    find = _finder(model, ck, rules)
+    find = finder(model, ck, rules)
     return {t: s for t, s in pairs.items() if find(t) is not None and find(s) is not None}
 
 
@@ -177,7 +178,7 @@ def _set_parameter(model: torch.nn.Module, name: str, p: torch.nn.Parameter) -> 
 def _equal_everywhere(a: torch.Tensor, b: torch.Tensor) -> bool:
     """torch.equal of two parameters; of two DTensors sharded alike, of their local shards on
     every rank of their mesh (one all-reduce per mesh dimension, as Transformers compares)."""
-    DTensor = _dtensor_class()
+    DTensor = dtensor_class()
     if a.shape != b.shape:
         return False
     if (DTensor is None or not isinstance(a, DTensor) or not isinstance(b, DTensor)
@@ -241,7 +242,7 @@ def sharded_later(model_class: Any, path: Union[str, os.PathLike], *,
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None)
-    _checkpoint(path)  # a folder without a model, or a malformed header: refused now
+    checkpoint_of(path)  # a folder without a model, or a malformed header: refused now
 
     def build():
         if hasattr(model_class, "from_config"):

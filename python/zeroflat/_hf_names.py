@@ -82,7 +82,7 @@ def keeps_tied(model) -> bool:
     """Whether tied weights stay tied when the checkpoint holds their names with different
     values: Transformers 4 ties them all the same (the input embedding's values, the other
     name's tensor unused); Transformers 5, and a model not of Transformers, leaves them untied
-    (``_load._untie_differing``)."""
+    (``_load.untie_differing``)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:

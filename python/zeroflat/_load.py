@@ -174,7 +174,7 @@ def _register_on_meta(original, module, name, param):
         module._parameters[name] = moved
 
 
-def _checkpoint(checkpoint) -> "_C.Checkpoint":
+def checkpoint_of(checkpoint) -> "_C.Checkpoint":
     if isinstance(checkpoint, _C.Checkpoint):
         return checkpoint
     if not isinstance(checkpoint, (str, bytes, os.PathLike)):
@@ -185,12 +185,12 @@ def _checkpoint(checkpoint) -> "_C.Checkpoint":
 
 # --- parameters to checkpoint tensors ---------------------------------------------------------
 
-def _stored(name: str, rules: list, ck: "_C.Checkpoint") -> Optional[str]:
+def stored_name(name: str, rules: list, ck: "_C.Checkpoint") -> Optional[str]:
     """The tensor that holds ``name`` under its own name or one it was renamed from, or None."""
     return next((c for c in _hf_names.checkpoint_names(name, rules) if ck.has(c)), None)
 
 
-def _sources_of(names: List[str], shape: Sequence[int], rules: list,
+def sources_of(names: List[str], shape: Sequence[int], rules: list,
                 ck: "_C.Checkpoint") -> Optional[Tuple[List[str], List[Shape]]]:
     """The checkpoint tensors holding a parameter known by these names (tied weights have
     several; a checkpoint usually holds one of them), each also under the names Transformers'
@@ -198,7 +198,7 @@ def _sources_of(names: List[str], shape: Sequence[int], rules: list,
     is ValueError naming both."""
     shape = list(shape)
     for name in names:
-        stored = _stored(name, rules, ck)
+        stored = stored_name(name, rules, ck)
         if stored is not None:
             have = list(ck.find(stored).shape)
             if have != shape:
@@ -213,7 +213,7 @@ def _sources_of(names: List[str], shape: Sequence[int], rules: list,
     return None
 
 
-def _read_whole(ck: "_C.Checkpoint", what: str, names: List[str], shapes: List[Shape], shape,
+def read_whole(ck: "_C.Checkpoint", what: str, names: List[str], shapes: List[Shape], shape,
                 dtype: Optional[torch.dtype],
                 raw_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The tensors named (each of the shape given), read whole and concatenated, as a CPU
@@ -270,7 +270,7 @@ def left_untied(model: torch.nn.Module, name: str, other: str, path: str) -> Non
                 tied.pop(target)
 
 
-def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
+def untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
                      params: Dict[int, torch.nn.Parameter], rules: list, ck: "_C.Checkpoint",
                      dtype: Optional[torch.dtype], used: set) -> None:
     """Tied weights (one Parameter under several names) of which the checkpoint holds several
@@ -283,7 +283,7 @@ def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
         if len(names) < 2:
             continue
         p = params[key]
-        stored = {n: s for n in names if (s := _stored(n, rules, ck)) is not None}
+        stored = {n: s for n in names if (s := stored_name(n, rules, ck)) is not None}
         if len(set(stored.values())) < 2:
             continue
         if keep:
@@ -297,7 +297,7 @@ def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
         shape = list(p.shape)
         values: Dict[str, torch.Tensor] = {}
         for s in dict.fromkeys(stored.values()):
-            values[s] = _read_whole(ck, s, [s], [shape], shape, want)
+            values[s] = read_whole(ck, s, [s], [shape], shape, want)
         first = next(n for n in names if n in stored)
         reference = values[stored[first]]
         used.update(stored.values())
@@ -319,7 +319,7 @@ def _untie_differing(model: torch.nn.Module, aliases: Dict[int, List[str]],
         params[id(p)] = p
 
 
-def _target(device: Any) -> torch.device:
+def target_of(device: Any) -> torch.device:
     """Where ZeRO-1/2's buffers live: ``device``, else the current CUDA device if there is one,
     else the CPU."""
     if device is None:
@@ -500,7 +500,7 @@ def _prepare(model, checkpoint, placement, param_groups, dtype: Optional[torch.d
     others."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}: expected a torch.nn.Module")
-    ck = _checkpoint(checkpoint)
+    ck = checkpoint_of(checkpoint)
 
     names_rules = _hf_names.converters(model)
     aliases: Dict[int, List[str]] = {}
@@ -509,7 +509,7 @@ def _prepare(model, checkpoint, placement, param_groups, dtype: Optional[torch.d
         aliases.setdefault(id(p), []).append(name)
         by_id[id(p)] = p
     used: set = set()
-    _untie_differing(model, aliases, by_id, names_rules, ck, dtype, used)
+    untie_differing(model, aliases, by_id, names_rules, ck, dtype, used)
 
     groups = _groups_of(model, param_groups)
     grouped = set()
@@ -525,7 +525,7 @@ def _prepare(model, checkpoint, placement, param_groups, dtype: Optional[torch.d
     missing = []
     sources: Dict[int, Tuple[List[str], List[Shape]]] = {}
     for name, p in model.named_parameters():
-        src = _sources_of(aliases[id(p)], p.shape, names_rules, ck)
+        src = sources_of(aliases[id(p)], p.shape, names_rules, ck)
         if src is None:
             missing.append(name)
             continue
@@ -537,7 +537,7 @@ def _prepare(model, checkpoint, placement, param_groups, dtype: Optional[torch.d
                          f"model: {shown}")
     buffers = []
     for name, b in model.named_buffers():
-        stored = _stored(name, names_rules, ck)
+        stored = stored_name(name, names_rules, ck)
         if stored is not None:
             buffers.append((name, b, stored))
             used.add(stored)
@@ -564,7 +564,7 @@ def _prepare(model, checkpoint, placement, param_groups, dtype: Optional[torch.d
             name = out.names[id(p)]
             params.append(_C.LoadParam(name=name, shape=list(p.shape), sources=srcs,
                                        source_shapes=shapes))
-            out.entries.append(f"buffer {k} {_dtype_text(gdtype)}: {name} {list(p.shape)} <- "
+            out.entries.append(f"buffer {k} {dtype_text(gdtype)}: {name} {list(p.shape)} <- "
                                f"{','.join(srcs)}")
         in_buffers.update(id(p) for p in members)
         out.buffers_params.append(list(members))
@@ -580,10 +580,10 @@ def _prepare(model, checkpoint, placement, param_groups, dtype: Optional[torch.d
             raise TypeError(f"parameter {name!r} is {want}: zeroflat loads bfloat16, float16 "
                             "and float32 parameters")
         srcs, shapes = sources[id(p)]
-        out.params.append((name, p, _read_whole(ck, name, srcs, shapes, p.shape, want)))
-        out.entries.append(f"parameter {name} {list(p.shape)} {_dtype_text(want)}")
+        out.params.append((name, p, read_whole(ck, name, srcs, shapes, p.shape, want)))
+        out.entries.append(f"parameter {name} {list(p.shape)} {dtype_text(want)}")
     for name, b, stored in buffers:
-        host = _read_whole(ck, name, [stored], [list(b.shape)], b.shape,
+        host = read_whole(ck, name, [stored], [list(b.shape)], b.shape,
                            b.dtype if b.dtype in DTYPES else None, raw_dtype=b.dtype)
         out.buffers.append((name, host))
         out.entries.append(f"buffer {name} {list(host.shape)} {host.dtype}")
@@ -595,7 +595,7 @@ def _prepare(model, checkpoint, placement, param_groups, dtype: Optional[torch.d
     return out
 
 
-def _dtype_text(dtype: torch.dtype) -> str:
+def dtype_text(dtype: torch.dtype) -> str:
     return DTYPES.get(dtype, str(dtype))
 
 
@@ -754,7 +754,7 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
             if dtype is not None and dtype != placement.dtype:
                 raise ValueError(f"dtype={dtype} does not apply under ZeRO-3: the parameters "
                                  f"take zero.Init's dtype ({placement.dtype})")
-            if device is not None and _target(device) != placement.target:
+            if device is not None and target_of(device) != placement.target:
                 raise ValueError(f"device={device!r} does not apply under ZeRO-3: the partitions "
                                  f"live on zero.Init's device ({placement.target})")
             for name, value, default in (("round_robin", round_robin, False),
@@ -768,7 +768,7 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
             if rules is not None:
                 check_release_options(layout_options(1, round_robin, alignment_factor,
                                                      torch.bfloat16, param_align_bytes), rules)
-            placement = _Flat(round_robin, alignment_factor, param_align_bytes, _target(device))
+            placement = _Flat(round_robin, alignment_factor, param_align_bytes, target_of(device))
         prep = _prepare(model, checkpoint, placement, param_groups, dtype, rules, strict)
     except Exception as e:  # noqa: BLE001 - whatever it is, every rank must learn of it
         local_error = e

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 from . import _C
 
@@ -176,3 +176,17 @@ class Watch:
         while not self._stop.wait(self.interval):
             self._report()
             self._beat()
+
+
+class Phases:
+    """Where a call's time goes: ``end(name)`` adds the seconds since the last ``end`` (or the
+    start) to phase ``name``; ``seconds`` holds them, in the order first ended."""
+
+    def __init__(self, start: Optional[float] = None):
+        self.seconds: Dict[str, float] = {}
+        self._mark = time.perf_counter() if start is None else start
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._mark
+        self._mark = now

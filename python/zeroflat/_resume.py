@@ -38,9 +38,9 @@ from ._comm import all_reduce_ints, failing_word, raise_failed
 from ._common import TORCH_DTYPES, dtype_name, native_path, path_text
 from ._dropin import log, round_robin_offsets, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
-from ._progress import Watch
+from ._progress import Phases, Watch
 from ._resume_inplace import OwnBytes, lend, plan_digest
-from ._resume_write import EngineWriter, _is_true, _optimizer_kind, zero_names
+from ._resume_write import EngineWriter, is_true, optimizer_kind, zero_names
 
 
 # --- which calls zeroflat serves ----------------------------------------------------------------
@@ -49,9 +49,9 @@ def why_not(engine, load_dir, custom_load_fn) -> Optional[str]:
     """Why this call is DeepSpeed's own, or None when zeroflat serves it (this rank's view)."""
     if custom_load_fn is not None:
         return "a custom_load_fn is DeepSpeed's to call"
-    if not _is_true(engine, "zero_optimization"):
+    if not is_true(engine, "zero_optimization"):
         return "the engine does not use ZeRO"
-    if _optimizer_kind(engine) is None:
+    if optimizer_kind(engine) is None:
         return (f"its optimizer is {type(getattr(engine, 'optimizer', None)).__name__} (zeroflat "
                 "resumes DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3 and "
                 "BF16_Optimizer)")
@@ -59,7 +59,7 @@ def why_not(engine, load_dir, custom_load_fn) -> Optional[str]:
         return "MoE layers keep expert files of their own"
     if type(engine.module).__name__ == "PipelineModule" or getattr(engine, "mp_world_size", 1) > 1:
         return "pipeline and model parallelism keep files per stage and model-parallel rank"
-    if _is_true(engine, "zero_nvme_offload_optimizer"):
+    if is_true(engine, "zero_nvme_offload_optimizer"):
         return "the optimizer is offloaded to NVMe"
     opt = engine.optimizer
     if getattr(opt, "elastic_checkpoint", False):
@@ -176,7 +176,7 @@ class _Resume(EngineWriter):
         self.engine = engine
         self.ck = ck
         self.opt = zero_names(engine.optimizer)
-        self.stage3 = _optimizer_kind(engine) == "DeepSpeedZeroOptimizer_Stage3"
+        self.stage3 = optimizer_kind(engine) == "DeepSpeedZeroOptimizer_Stage3"
         self.group = self.opt.dp_process_group
         self.dp = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
@@ -185,7 +185,7 @@ class _Resume(EngineWriter):
         self.with_states = bool(load_optimizer_states) and not self.module_only
         self.with_scheduler = bool(load_lr_scheduler_states)
         self.load_optimizer_states = bool(load_optimizer_states)
-        self.from_fp32 = _is_true(engine, "zero_load_from_fp32_weights")
+        self.from_fp32 = is_true(engine, "zero_load_from_fp32_weights")
         self.names: Dict[Any, str] = dict(engine.param_names)
         self.files = _Files(ck, self.rank, self.stage3)
         self.small: Dict[str, Any] = {}
@@ -450,6 +450,11 @@ class _Resume(EngineWriter):
             torch.device("cpu"), threads, self.dp, self.group if self.dp > 1 else None,
             host_memory="torch")
         self._comm = comm
+        if agreed:
+            # Every byte of every buffer asked of the kernel now, in file order: the loads below
+            # (one per buffer, each its own pass) find their bytes in flight or cached, so a
+            # rank's optimizer file is read once, in order.
+            self.read_ahead_bytes = plan.read_ahead(self.rank)
         _, _, expected = plan.rank_bytes(self.rank)
         watch = Watch(f"resume from {self.ck.dir}", self.rank, self.dp, _dropin.progress,
                       expected)
@@ -584,7 +589,7 @@ class _Resume(EngineWriter):
 def _tag(engine, load_dir) -> Optional[str]:
     """The tag DeepSpeed's load_checkpoint would take without one: the 'latest' file's (or
     'latest_universal' when the config loads universal checkpoints)."""
-    universal = _is_true(engine, "load_universal_checkpoint")
+    universal = is_true(engine, "load_universal_checkpoint")
     name = "latest_universal" if universal else "latest"
     path = os.path.join(os.fsdecode(os.fspath(load_dir)), name)
     if os.path.isfile(path):
@@ -614,28 +619,33 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
                 load_lr_scheduler_states=load_lr_scheduler_states,
                 load_module_only=load_module_only, custom_load_fn=custom_load_fn)
     reason = why_not(engine, load_dir, custom_load_fn)
-    group = engine.optimizer.dp_process_group if _optimizer_kind(engine) else None
+    group = engine.optimizer.dp_process_group if optimizer_kind(engine) else None
     start, where = time.perf_counter(), path_text(load_dir)
     # This rank's part, before the call's one agreement: the tag, the checkpoint opened, its small
     # values, the plan and its digest, every buffer read (no collective; lent tensors only).
     plan, ck, error, digest = None, None, None, 0
+    phases = Phases(start)  # where the call's time goes on this rank (stats["resumes"])
     if reason is None:
         try:
             if tag is None:
                 tag = _tag(engine, load_dir)
             if tag is not None:
                 ck = _C.DeepSpeedCheckpoint(native_path(load_dir), native_path(str(tag)))
+                phases.end("open")
                 plan = _Resume(engine, ck, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only)
                 plan.read_small()
+                phases.end("small")
                 digest = plan.prepare()
+                phases.end("plan")
         except Exception as e:  # noqa: BLE001 - every rank must learn of it before anything is read
             error = e
     threads = getattr(engine, "_zeroflat_threads", None)
     if plan is not None and error is None:
         error = plan.read(threads)
+        phases.end("read")
     # One all-reduce (max): the lowest rank that cannot serve, whether any can, whether any found
     # no tag, the lowest rank that failed, the highest and the lowest digest of the ranks' plans.
     no_tag = reason is None and error is None and tag is None
@@ -671,12 +681,15 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
         if plan is not None:
             plan.put_back()
         raise
+    phases.end("agree")
     plan.write()
+    phases.end("write")
     seconds = time.perf_counter() - start
     stats["resumes"].append({"dir": os.fspath(load_dir), "tag": str(tag), "format": ck.format,
                              "saved_world": ck.world, "world": plan.dp,
                              "bytes_read": plan.bytes_read, "bytes_in_place": plan.bytes_in_place,
-                             "seconds": seconds,
+                             "seconds": seconds, "phases": phases.seconds,
+                             "read_ahead_bytes": getattr(plan, "read_ahead_bytes", 0),
                              "record_seconds": getattr(plan, "record_seconds", 0.0)})
     load_path = engine._get_ckpt_name(os.fsdecode(os.fspath(load_dir)), tag)
     if not os.path.exists(load_path):

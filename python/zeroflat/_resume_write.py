@@ -28,7 +28,7 @@ STEPS = 0
 _SERVED = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
 
 
-def _optimizer_kind(engine) -> Optional[str]:
+def optimizer_kind(engine) -> Optional[str]:
     name = type(getattr(engine, "optimizer", None)).__name__
     return name if name in _SERVED else None
 
@@ -72,7 +72,7 @@ def zero_names(opt):
     return ZeroNames(opt) if type(opt).__name__ == "BF16_Optimizer" else opt
 
 
-def _is_true(engine, method: str) -> bool:
+def is_true(engine, method: str) -> bool:
     fn = getattr(engine, method, None)
     return bool(fn()) if callable(fn) else False
 
@@ -611,12 +611,12 @@ class EngineWriter:
         if self.with_scheduler and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(small["lr_scheduler"])
             _step("the scheduler's load_state_dict")
-        if (_is_true(engine, "random_ltd_enabled") and
+        if (is_true(engine, "random_ltd_enabled") and
                 getattr(engine, "random_ltd_scheduler", None) is not None and
                 "random_ltd" in small):
             engine.random_ltd_scheduler.load_state_dict(small["random_ltd"])
         if (getattr(engine, "training_dataloader", None) is not None and
-                _is_true(engine, "curriculum_learning_enabled") and "data_sampler" in small):
+                is_true(engine, "curriculum_learning_enabled") and "data_sampler" in small):
             engine.training_dataloader.data_sampler.load_state_dict(small["data_sampler"])
         if hasattr(engine, "sparse_tensor_module_names"):
             names = small.get("sparse_tensor_module_names", small.get("csr_tensor_module_names"))

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import _C, _fsdp_copies, _fsdp_model as _model, _hf_names
 from ._common import DTYPES, bool_option, framework_memory, path_text
 from ._errors import NoFeasiblePlan
-from ._load import (_checkpoint, _dtype_text, _read_whole, _sources_of, _stored, call_loader,
+from ._load import (checkpoint_of, dtype_text, read_whole, sources_of, stored_name, call_loader,
                     check_load_options, engine_and_comm)
 from ._progress import Watch, check_callback
 
@@ -259,7 +259,7 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
                 local_error = local_error or e
             if local_error is not None:
                 options.local_error = f"{type(local_error).__name__}: {local_error}"
-            options.must_match = [f"fsdp load {k} of {calls}", f"dtype {_dtype_text(dtype)}"]
+            options.must_match = [f"fsdp load {k} of {calls}", f"dtype {dtype_text(dtype)}"]
             if k == 0 and prep is not None:
                 options.must_match = options.must_match + prep.entries
             params = [m.param for m in members]
@@ -465,7 +465,7 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool, keep_tenso
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}: expected a torch.nn.Module")
     _model.reshard(model)
-    ck = _checkpoint(checkpoint)
+    ck = checkpoint_of(checkpoint)
     out = _Prepared(ck)
     DTensor = _dtensor_class()
     # Transformers' renaming rules only add names to look for: asked for (a few hundred regular
@@ -481,7 +481,7 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool, keep_tenso
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
         by_id[id(p)] = p
-    lookup = _finder(model, ck, rules)
+    lookup = _model.finder(model, ck, rules)
     first = next((p for p in by_id.values() if DTensor is not None and isinstance(p, DTensor)),
                  None)
     if first is None:
@@ -542,8 +542,8 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool, keep_tenso
         if local.dtype not in DTYPES:
             raise TypeError(f"parameter {name!r} is {local.dtype}: zeroflat loads bfloat16, "
                             "float16 and float32 parameters")
-        src = (_sources_of(aliases[pid], list(p.shape), [], ck)
-               or _sources_of(aliases[pid], list(p.shape), rules(), ck))
+        src = (sources_of(aliases[pid], list(p.shape), [], ck)
+               or sources_of(aliases[pid], list(p.shape), rules(), ck))
         if src is None:
             missing.append(name)
             continue
@@ -560,21 +560,21 @@ def _prepare(model: torch.nn.Module, checkpoint, group, strict: bool, keep_tenso
                              source_shapes=src[1])
         out.by_dtype.setdefault(local.dtype, []).append(
             _Member(aliases[pid], param, p, local, placements))
-        out.entries.append(f"parameter {name} {list(p.shape)} {_dtype_text(local.dtype)} "
+        out.entries.append(f"parameter {name} {list(p.shape)} {dtype_text(local.dtype)} "
                            f"{' '.join(placements)} <- {','.join(src[0])}")
     if missing:
         shown = ", ".join(repr(m) for m in missing[:8]) + (", ..." if len(missing) > 8 else "")
         raise ValueError(f"{ck.path} holds no tensor for {len(missing)} parameter(s) of the "
                          f"model: {shown}")
     for name, b in _persistent_buffers(model):
-        stored = _stored(name, [], ck) or _stored(name, rules(), ck)
+        stored = stored_name(name, [], ck) or stored_name(name, rules(), ck)
         if stored is None:
             if strict or b.is_meta:
                 raise ValueError(f"{ck.path} holds no tensor for the model's buffer {name!r}" + (
                     " (on the meta device)" if b.is_meta else "; strict=False leaves it as is"))
             continue
         local = _local(b)
-        value = _read_whole(ck, name, [stored], [list(b.shape)], list(b.shape),
+        value = read_whole(ck, name, [stored], [list(b.shape)], list(b.shape),
                             local.dtype if local.dtype in DTYPES else None, raw_dtype=local.dtype)
         out.whole.append((name, local, value))
         out.entries.append(f"buffer {name} {list(b.shape)} {local.dtype}")
@@ -597,9 +597,9 @@ def _rank(group) -> int:
 def _check_twins(ck: "_C.Checkpoint", names: List[str], source: str,
                  lookup: Callable[[str], Optional[str]], shard: dict, dtype: torch.dtype) -> None:
     """A tied parameter (one parameter, several names) of which the checkpoint holds other
-    names too (``lookup``, _finder's): this rank's rows of each must equal those of the tensor
-    it reads (``source``), else ValueError naming both, which the load's agreement raises on
-    every rank, nothing changed (a tied parameter holds one value)."""
+    names too (``lookup``, _fsdp_model.finder's): this rank's rows of each must equal those of
+    the tensor it reads (``source``), else ValueError naming both, which the load's agreement
+    raises on every rank, nothing changed (a tied parameter holds one value)."""
     others = []
     for n in names:
         stored = lookup(n)
@@ -623,20 +623,3 @@ def _check_twins(ck: "_C.Checkpoint", names: List[str], source: str,
                 "the model before sharding it (tie_word_embeddings=False), or load with "
                 "zeroflat.hf.from_pretrained, which leaves such weights untied as Transformers "
                 "does")
-
-
-def _finder(model: torch.nn.Module, ck: "_C.Checkpoint",
-            rules: Callable[[], list]) -> Callable[[str], Optional[str]]:
-    """A name's tensor in the checkpoint, or None: under the name itself, else (only where the
-    checkpoint has names the model does not) under Transformers' renaming rules (``rules()``,
-    asked for only then)."""
-    renamed: List[bool] = []
-
-    def find(name: str) -> Optional[str]:
-        hit = _stored(name, [], ck)
-        if hit is None and not renamed:
-            own = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-            own.update(n for n, _ in model.named_buffers())
-            renamed.append(any(t.name not in own for t in ck.tensors()))
-        return hit if hit is not None or not renamed[0] else _stored(name, rules(), ck)
-    return find

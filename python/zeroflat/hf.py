@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from . import _hf_names, _zero3
 from ._common import bool_option
-from ._load import _target, check_load_options, load_param_groups, meta_parameters
+from ._load import target_of, check_load_options, load_param_groups, meta_parameters
 from ._progress import check_callback
 from ._trainer import trainer_param_groups
 
@@ -59,7 +59,7 @@ def _default_group():
 def _wants_master(dtype: Optional[torch.dtype], device: Any, install_drop_in: bool) -> bool:
     """master_dtype="auto": whether a DeepSpeed ZeRO-1/2 optimizer built through the drop-in
     may take the host buffers' master partitions (see from_pretrained)."""
-    if dtype not in (torch.bfloat16, torch.float16) or _target(device).type != "cpu":
+    if dtype not in (torch.bfloat16, torch.float16) or target_of(device).type != "cpu":
         return False
     from . import deepspeed as drop_in
 

@@ -501,4 +501,32 @@ void fill_through_ring(Reader& reader, Device& device, unsigned char* dst, std::
   if (!copy_error.empty()) throw Error("copying to " + device.name() + ": " + copy_error);
 }
 
+std::uint64_t read_ahead(std::vector<PathRange> ranges) {
+  constexpr std::uint64_t kGap = std::uint64_t{1} << 20;
+  std::sort(ranges.begin(), ranges.end(), [](const PathRange& a, const PathRange& b) {
+    return a.path != b.path ? a.path < b.path : a.offset < b.offset;
+  });
+  std::uint64_t asked = 0;
+  for (std::size_t k = 0; k < ranges.size();) {
+    const std::string& path = ranges[k].path;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    std::size_t next = k;
+    while (next < ranges.size() && ranges[next].path == path) ++next;
+    for (std::size_t i = k; i < next && fd >= 0;) {
+      const std::uint64_t lo = ranges[i].offset;
+      std::uint64_t hi = lo + ranges[i].bytes;
+      for (++i; i < next && ranges[i].offset <= hi + kGap; ++i) {
+        hi = std::max(hi, ranges[i].offset + ranges[i].bytes);
+      }
+      if (hi > lo && posix_fadvise(fd, static_cast<off_t>(lo), static_cast<off_t>(hi - lo),
+                                   POSIX_FADV_WILLNEED) == 0) {
+        asked += hi - lo;
+      }
+    }
+    if (fd >= 0) ::close(fd);
+    k = next;
+  }
+  return asked;
+}
+
 }  // namespace zeroflat::detail

@@ -201,4 +201,16 @@ void fill_through_ring(Reader& reader, Device& device, unsigned char* dst, std::
                        const std::vector<Read>& reads, unsigned char* ring,
                        std::uint64_t ring_bytes, unsigned depth, std::uint64_t es);
 
+// Bytes [offset, offset + bytes) of the file at `path`.
+struct PathRange {
+  std::string path;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+};
+
+// Asks the kernel now for every range (POSIX_FADV_WILLNEED), file by file in file order, ranges
+// closer than 1 MiB merged: the reads to come find their bytes in flight. Returns the bytes
+// asked for. Only advice: a file that cannot be opened is skipped (its read reports it).
+std::uint64_t read_ahead(std::vector<PathRange> ranges);
+
 }  // namespace zeroflat::detail

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "source/checkpoint/files.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 #include "zeroflat/zero3.h"
@@ -272,6 +273,19 @@ ResumeRank resume_rank(const ResumePlan& plan, std::uint64_t rank) {
   }
   for (const ResumeSmall& s : plan.small) out.small_bytes += s.tensor.bytes;
   return out;
+}
+
+std::uint64_t resume_read_ahead(const ResumePlan& plan, std::uint64_t rank) {
+  // Every buffer's reads together, by file path: the buffers' indexes name the same files.
+  std::vector<detail::PathRange> ranges;
+  for (const ResumeBuffer& b : plan.buffers) {
+    const CheckpointIndex& ck = b.source.index;
+    for (const PlannedRead& r :
+         planned_reads(ck, b.source.params, b.placement, b.layout, rank)) {
+      if (r.file < ck.files.size()) ranges.push_back({ck.files[r.file], r.offset, r.bytes});
+    }
+  }
+  return detail::read_ahead(std::move(ranges));
 }
 
 FlattenResult load_resume_buffer(const ResumeBuffer& b, Device& device, Communicator* comm,
