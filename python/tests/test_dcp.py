@@ -719,6 +719,18 @@ def test_read_metadata_is_dcps_own_but_for_what_nothing_runs_for(tmp_path):
     reader.reset()
     assert reader.load_id != first and reader.read_metadata().storage_meta.load_id == reader.load_id
     assert reader.checkpoint_id == path
+    # The reader DCP constructs under install() shows one load id: the metadata zeroflat read
+    # carries it (PyTorch's test_compatibility checks this of FileSystemReader), after a reset
+    # too.
+    with zeroflat.dcp.installed():
+        from torch.distributed.checkpoint import FileSystemReader as Installed
+
+        installed = Installed(path)
+        assert installed.read_metadata().storage_meta.load_id == installed.load_id
+        before = installed.load_id
+        installed.reset()
+        assert installed.load_id != before
+        assert installed.read_metadata().storage_meta.load_id == installed.load_id
 
 
 def test_an_index_of_older_torch_naming_sharded_tensors_tensor_properties_loads(single):

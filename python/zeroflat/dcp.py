@@ -452,11 +452,19 @@ def _installed_class(base: type, reader_args) -> type:
             super().__init__(path, *args, **kwargs)
             self._zeroflat = Reader(path, **reader_args(*args, **kwargs))
             self._served: Optional[bool] = None
+            self._same_load_id()
 
         def reset(self, checkpoint_id=None) -> None:
             super().reset(checkpoint_id)
             self._zeroflat.reset(checkpoint_id)
             self._served = None
+            self._same_load_id()
+
+        def _same_load_id(self) -> None:
+            # One load, one id: the metadata zeroflat reads carries the id this reader shows.
+            own = getattr(self, "load_id", None)
+            if own is not None:
+                self._zeroflat.load_id = own
 
         def read_metadata(self, *args, **kwargs) -> Metadata:
             if self._served is None:
