@@ -116,12 +116,11 @@ def rank_main(rank, world, port, job):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, DistributedConfig
 
-    import zeroflat.fsdp
-    import zeroflat.hf
-
     path, method = job["path"], job["method"]
     config = DistributedConfig(fsdp_size=world)
-    # Imports are not a load's cost: every module any side imports while it loads, first.
+    # Every module of torch and Transformers any side imports while it loads, first: they are
+    # the user's program's before any load. zeroflat's own are imported inside the timed call,
+    # as a user's first call pays them.
     import importlib
 
     import transformers.modeling_utils  # noqa: F401
@@ -153,6 +152,8 @@ def rank_main(rank, world, port, job):
             model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
                                                          dtype=torch.bfloat16, **on_device)
         elif method in ("zeroflat", "zeroflat-map"):
+            import zeroflat.hf
+
             # One rank shards nothing: the plain load (read), as Transformers' is its plain load.
             storage = ({} if world == 1 else
                        {"storage": "map" if method == "zeroflat-map" else "read"})
@@ -166,11 +167,13 @@ def rank_main(rank, world, port, job):
             from torch.distributed.checkpoint import HuggingFaceStorageReader
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            import zeroflat.dcp
+            if method == "zeroflat-dcp":  # its import timed, as a user's first call pays it
+                import zeroflat.dcp
 
-            reader = (zeroflat.dcp.Reader(path) if method == "zeroflat-dcp" else
-                      HuggingFaceStorageReader(path, thread_count=(
-                          job["dcp_threads"] if method == "dcp-best" else 1)))
+                reader = zeroflat.dcp.Reader(path)
+            else:
+                reader = HuggingFaceStorageReader(path, thread_count=(
+                    job["dcp_threads"] if method == "dcp-best" else 1))
             dcp.load(get_model_state_dict(model), storage_reader=reader)
         if cuda:
             torch.cuda.synchronize()
