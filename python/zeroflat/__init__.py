@@ -33,7 +33,6 @@ objects, ``_fsdp_copies`` the ranks' copies, ``_fsdp_pretrained`` Transformers' 
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, List
 
 from . import _C
@@ -44,19 +43,23 @@ __version__ = _C.__version__
 
 # The rest of the API, imported where it is first used: ``import zeroflat.dcp`` (a DCP load)
 # pays for the reader alone, not for the ZeRO loads and their collectives.
+# Each name and the module of the package that defines it (fixed here, never from input).
 _LAZY = {
-    "TESTED_DEEPSPEED_RELEASES": "._common", "FlatGroup": "._common",
-    "installed_deepspeed": "._common", "layout": "._common", "release_rules": "._common",
-    "flatten_param_group": "._flatten", "flatten_param_groups": "._flatten",
-    "load_param_groups": "._load", "meta_parameters": "._load", "Progress": "._progress",
+    "TESTED_DEEPSPEED_RELEASES": "_common", "FlatGroup": "_common",
+    "installed_deepspeed": "_common", "layout": "_common", "release_rules": "_common",
+    "flatten_param_group": "_flatten", "flatten_param_groups": "_flatten",
+    "load_param_groups": "_load", "meta_parameters": "_load", "Progress": "_progress",
 }
 
 
 def __getattr__(name: str) -> Any:
-    where = _LAZY.get(name)
-    if where is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'zeroflat' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where, __name__), name)
+    from . import _common, _flatten, _load, _progress
+
+    module = {"_common": _common, "_flatten": _flatten, "_load": _load,
+              "_progress": _progress}[_LAZY[name]]
+    value = getattr(module, name)
     globals()[name] = value
     return value
 
