@@ -592,11 +592,44 @@ std::vector<std::uint64_t> parse_mesh(const std::string& text) {
   return mesh;
 }
 
+// The load whose reads inspect lists: ZeRO's on --dp ranks (stage 3: the partitions), or
+// FSDP2's shards on a --mesh.
+struct ReadsAsked {
+  std::optional<std::uint64_t> dp;
+  std::optional<std::uint64_t> stage;
+  std::optional<std::vector<std::uint64_t>> mesh;
+};
+
+// That load's placement for `params` on its `world` ranks: a mesh's ranks at their row-major
+// coordinates (as torch's mesh numbers them), each parameter Shard(0) on the mesh's last
+// dimension and Replicate() on the others.
+LoadPlacement placement_asked(const ReadsAsked& asked, std::size_t params, std::uint64_t world) {
+  if (!asked.mesh) {
+    return asked.stage.value_or(2) == 3 ? LoadPlacement::partitions() : LoadPlacement::flat();
+  }
+  const std::vector<std::uint64_t>& mesh = *asked.mesh;
+  ShardSpec spec;
+  spec.mesh = mesh;
+  for (std::uint64_t r = 0; r < world; ++r) {
+    std::vector<std::uint64_t> coord(mesh.size());
+    std::uint64_t rest = r;
+    for (std::size_t d = mesh.size(); d-- > 0;) {
+      coord[d] = rest % mesh[d];
+      rest /= mesh[d];
+    }
+    spec.coords.push_back(std::move(coord));
+  }
+  std::vector<MeshPlacement> per(mesh.size(), MeshPlacement{});
+  per.back() = MeshPlacement{MeshPlacement::Kind::kShard, 0};
+  spec.placements.assign(params, per);
+  return LoadPlacement::sharded(std::move(spec));
+}
+
 // What each rank of a load of the checkpoint at `path` reads: the group `zeroflat load` loads
 // (every bf16, fp16 and fp32 tensor, in natural name order, in the dtype holding most of its
-// bytes) under `where` (its ranks: `world`), each rank's reads as the loader plans them
-// (planned_reads: what the load reports as bytes_read).
-Json load_reads(const std::string& path, const LoadPlacement& where, std::uint64_t world,
+// bytes) placed as `asked` says, each rank's reads as the loader plans them (planned_reads:
+// what the load reports as bytes_read).
+Json load_reads(const std::string& path, const ReadsAsked& asked,
                 std::optional<std::uint64_t> only_rank, bool text) {
   const CheckpointIndex ck = open_checkpoint(path);
   std::vector<LoadParam> params;
@@ -607,6 +640,11 @@ Json load_reads(const std::string& path, const LoadPlacement& where, std::uint64
     by_type[*t.type] += t.bytes;
   }
   if (params.empty()) throw InvalidArgument(path + " holds no bf16, fp16 or fp32 tensor to load");
+  std::uint64_t world = asked.dp.value_or(1);
+  if (asked.mesh) {
+    for (std::uint64_t m : *asked.mesh) world *= m;
+  }
+  const LoadPlacement where = placement_asked(asked, params.size(), world);
   LayoutOptions layout;
   layout.dp = world;
   std::uint64_t most = 0;
@@ -795,37 +833,7 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
     throw UsageError("--dp and --mesh list a load's reads of a checkpoint; " +
                      printable(path, 200) + " is a config.json");
   }
-  // The load whose reads are listed: ZeRO's at --dp (stage 3: the partitions), or FSDP2's
-  // shards on --mesh (each rank's coordinate in row-major order, as torch's mesh numbers them).
-  const std::uint64_t world = [&] {
-    if (dp) return *dp;
-    std::uint64_t n = 1;
-    if (mesh) {
-      for (std::uint64_t m : *mesh) n *= m;
-    }
-    return n;
-  }();
-  auto placement_for = [&]() -> LoadPlacement {
-    if (!mesh) return stage.value_or(2) == 3 ? LoadPlacement::partitions() : LoadPlacement::flat();
-    ShardSpec spec;
-    spec.mesh = *mesh;
-    for (std::uint64_t r = 0; r < world; ++r) {
-      std::vector<std::uint64_t> coord(mesh->size());
-      std::uint64_t rest = r;
-      for (std::size_t d = mesh->size(); d-- > 0;) {
-        coord[d] = rest % (*mesh)[d];
-        rest /= (*mesh)[d];
-      }
-      spec.coords.push_back(std::move(coord));
-    }
-    std::vector<MeshPlacement> per(mesh->size(), MeshPlacement{});
-    per.back() = MeshPlacement{MeshPlacement::Kind::kShard, 0};
-    const CheckpointIndex ck = open_checkpoint(path);
-    for (const CheckpointTensor& t : ck.tensors) {
-      if (!t.alias && t.type) spec.placements.push_back(per);
-    }
-    return LoadPlacement::sharded(std::move(spec));
-  };
+  const ReadsAsked asked{dp, stage, mesh};
   std::vector<const TensorInfo*> order;
   for (const TensorInfo& t : in.tensors) order.push_back(&t);
   std::stable_sort(order.begin(), order.end(),
@@ -849,7 +857,7 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
                                 {"numel", t->numel},
                                 {"bytes", t->bytes}});
     }
-    if (reads) doc["load"] = load_reads(path, placement_for(), world, rank, false);
+    if (reads) doc["load"] = load_reads(path, asked, rank, false);
     std::printf("%s\n",
                 doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace).c_str());
     return kExitOk;
@@ -868,7 +876,7 @@ int subcommand_inspect(const std::vector<std::string>& argv) {
                 printable(t->dtype).c_str(), shape_to_string(t->shape).c_str(),
                 format_bytes(t->bytes).c_str());
   }
-  if (reads) load_reads(path, placement_for(), world, rank, true);
+  if (reads) load_reads(path, asked, rank, true);
   return kExitOk;
 }
 
