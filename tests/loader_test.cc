@@ -27,6 +27,7 @@
 
 #include "common/pattern.h"
 #include "device/host_kernels.h"
+#include "source/checkpoint/files.h"
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/device.h"
@@ -1404,27 +1405,33 @@ TEST_F(LoaderTest, EveryPlacementIsOneLoadWhosePlannedReadsAreWhatItReadsAndVeri
   });
 }
 
-// read_ahead asks the kernel for a rank's planned reads, merged by file in file order: at least
-// their bytes and no more than the files hold; a file gone since the index was read is skipped,
-// never an error (the load reports it).
+// read_ahead (what a resume asks of the kernel before its loads) asks for a rank's planned reads,
+// merged by file in file order: at least their bytes and no more than the files hold; a file
+// gone since the index was read is skipped, never an error (the load reports it).
 TEST_F(LoaderTest, ReadAheadAsksForTheRanksReadsAndSkipsWhatItCannotOpen) {
   const CheckpointIndex ck = open_checkpoint(*bf16_dir_);
   const std::vector<LoadParam> params = params_of(ck);
   std::uint64_t files = 0;
   for (const std::string& f : ck.files) files += fs::file_size(f);
+  const auto ranges = [](const CheckpointIndex& index, const std::vector<PlannedRead>& reads) {
+    std::vector<detail::PathRange> out;
+    for (const PlannedRead& r : reads) out.push_back({index.files[r.file], r.offset, r.bytes});
+    return out;
+  };
   for (std::uint64_t r = 0; r < 3; ++r) {
     const std::vector<PlannedRead> reads =
         planned_reads(ck, params, LoadPlacement::partitions(), world_layout(3), r);
     std::uint64_t bytes = 0;
     for (const PlannedRead& x : reads) bytes += x.bytes;
-    const std::uint64_t asked = read_ahead(ck, reads);
+    const std::uint64_t asked = detail::read_ahead(ranges(ck, reads));
     EXPECT_GE(asked, bytes);
     EXPECT_LE(asked, files);
   }
-  EXPECT_EQ(read_ahead(ck, {}), 0u);
+  EXPECT_EQ(detail::read_ahead({}), 0u);
   CheckpointIndex gone = ck;
   for (std::string& f : gone.files) f += ".missing";
-  EXPECT_EQ(read_ahead(gone, planned_reads(ck, params, LoadPlacement::flat(), world_layout(2), 0)),
+  EXPECT_EQ(detail::read_ahead(ranges(
+                gone, planned_reads(ck, params, LoadPlacement::flat(), world_layout(2), 0))),
             0u);
 }
 

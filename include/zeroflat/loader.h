@@ -189,14 +189,6 @@ std::vector<PlannedRead> planned_reads(const CheckpointIndex& checkpoint,
                                        const LoadPlacement& placement, const LayoutOptions& layout,
                                        std::uint64_t rank);
 
-// Asks the kernel now for the bytes of `reads` (POSIX_FADV_WILLNEED), file by file in file
-// order, ranges closer than 1 MiB merged: for several loads of one rank from the same files
-// (a resume's buffers), one pass over each file in file order, in flight while the loads run
-// and find their bytes arriving, where each load alone would make a pass of its own. Returns
-// the bytes asked for. Only advice: a file that cannot be opened is left for the loads to
-// report.
-std::uint64_t read_ahead(const CheckpointIndex& checkpoint, std::span<const PlannedRead> reads);
-
 // Tensor `name` of the checkpoint read whole into dst (host memory, t->numel elements of `to`):
 // converted to `to` as torch rounds, or, when to is none, its bytes as stored (any dtype, for a
 // model's integer buffers). Throws InvalidArgument for a tensor the checkpoint does not hold or

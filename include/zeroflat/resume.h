@@ -131,10 +131,12 @@ struct ResumeRank {
 };
 ResumeRank resume_rank(const ResumePlan& plan, std::uint64_t rank);
 
-// Asks the kernel for every byte rank `rank` reads for the plan's buffers at once, in file order
-// (read_ahead in loader.h): the rank's loads, one per buffer, then find their bytes in flight or
-// in the page cache, one pass over each file for all of them. Returns the bytes asked for.
-std::uint64_t resume_read_ahead(const ResumePlan& plan, std::uint64_t rank);
+// Asks the kernel for every byte a rank reads for the plan's buffers at once (its figures'
+// reads, resume_rank), merged by file in file order (POSIX_FADV_WILLNEED): the rank's loads,
+// one per buffer, then find their bytes in flight or in the page cache, one pass over each file
+// for all of them. Returns the bytes asked for. Only advice: a file that cannot be opened is
+// left for the loads to report.
+std::uint64_t resume_read_ahead(const ResumePlan& plan, const ResumeRank& rank);
 
 // Runs a buffer's load on this rank: load() with its placement and options.layout set to the
 // buffer's. Collective over comm, as load is.

@@ -197,10 +197,11 @@ void bind_deepspeed(py::module_& m) {
         return py::make_tuple(r.kept_bytes, r.share_bytes, r.read_bytes);
       })
       // Every byte this rank's buffers read, asked of the kernel at once in file order
-      // (resume_read_ahead): the bytes asked for.
+      // (resume_read_ahead), from the same figures as rank_bytes: (bytes asked for, read_bytes).
       .def("read_ahead", [](const zf::ResumePlan& plan, std::uint64_t rank) {
         py::gil_scoped_release nogil;
-        return zf::resume_read_ahead(plan, rank);
+        const zf::ResumeRank r = zf::resume_rank(plan, rank);
+        return std::make_pair(zf::resume_read_ahead(plan, r), r.read_bytes);
       });
   m.def(
       "plan_resume",

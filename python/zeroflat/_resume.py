@@ -454,8 +454,9 @@ class _Resume(EngineWriter):
             # Every byte of every buffer asked of the kernel now, in file order: the loads below
             # (one per buffer, each its own pass) find their bytes in flight or cached, so a
             # rank's optimizer file is read once, in order.
-            self.read_ahead_bytes = plan.read_ahead(self.rank)
-        _, _, expected = plan.rank_bytes(self.rank)
+            self.read_ahead_bytes, expected = plan.read_ahead(self.rank)
+        else:
+            _, _, expected = plan.rank_bytes(self.rank)
         watch = Watch(f"resume from {self.ck.dir}", self.rank, self.dp, _dropin.progress,
                       expected)
         # A slice or partitions placement gathers nothing: each load reads this rank's own bytes.

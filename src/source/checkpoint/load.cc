@@ -188,15 +188,6 @@ std::vector<PlannedRead> planned_reads(const CheckpointIndex& ck, std::span<cons
   return out;
 }
 
-std::uint64_t read_ahead(const CheckpointIndex& ck, std::span<const PlannedRead> reads) {
-  std::vector<detail::PathRange> ranges;
-  ranges.reserve(reads.size());
-  for (const PlannedRead& r : reads) {
-    if (r.file < ck.files.size()) ranges.push_back({ck.files[r.file], r.offset, r.bytes});
-  }
-  return detail::read_ahead(std::move(ranges));
-}
-
 std::string_view copy_check_name(CopyCheck check) noexcept {
   switch (check) {
     case CopyCheck::kOff:

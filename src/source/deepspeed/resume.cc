@@ -275,13 +275,12 @@ ResumeRank resume_rank(const ResumePlan& plan, std::uint64_t rank) {
   return out;
 }
 
-std::uint64_t resume_read_ahead(const ResumePlan& plan, std::uint64_t rank) {
+std::uint64_t resume_read_ahead(const ResumePlan& plan, const ResumeRank& rank) {
   // Every buffer's reads together, by file path: the buffers' indexes name the same files.
   std::vector<detail::PathRange> ranges;
-  for (const ResumeBuffer& b : plan.buffers) {
-    const CheckpointIndex& ck = b.source.index;
-    for (const PlannedRead& r :
-         planned_reads(ck, b.source.params, b.placement, b.layout, rank)) {
+  for (std::size_t i = 0; i < plan.buffers.size() && i < rank.buffers.size(); ++i) {
+    const CheckpointIndex& ck = plan.buffers[i].source.index;
+    for (const PlannedRead& r : rank.buffers[i].reads) {
       if (r.file < ck.files.size()) ranges.push_back({ck.files[r.file], r.offset, r.bytes});
     }
   }
