@@ -739,6 +739,56 @@ DeepSpeedCheckpoint zero12(const std::vector<std::uint64_t>& numels, std::uint64
   return ck;
 }
 
+// The plan's small values are what the running model reads whole: its frozen parameters and its
+// buffers from the module file, by name (one the file lacks left out; another element count
+// refused); without the running model's names, the checkpoint's own.
+TEST(ResumePlan, SmallValuesAreTheRunningModelsFrozenParametersAndBuffers) {
+  DeepSpeedCheckpoint ck = zero12({64, 8}, 2);
+  auto module_tensor = [](const std::string& name, std::uint64_t numel, std::uint64_t offset) {
+    DeepSpeedTensor t;
+    t.path = "module/" + name;
+    t.dtype = "bf16";
+    t.type = DType::kBF16;
+    t.element_size = 2;
+    t.numel = numel;
+    t.offset = offset;
+    t.bytes = 2 * numel;
+    return t;
+  };
+  ck.module = {module_tensor("p0", 64, 0), module_tensor("emb.w", 5, 200),
+               module_tensor("norm.count", 3, 300), module_tensor("old.buf", 2, 400)};
+  ck.buffer_names = {"old.buf"};
+  auto names = [](const ResumePlan& plan) {
+    std::vector<std::string> out;
+    for (const ResumeSmall& s : plan.small) out.push_back(s.target + ":" + s.name);
+    return out;
+  };
+  ResumeOptions ro;
+  ro.world = 3;
+  ro.frozen = {"emb.w", "not.saved"};
+  ro.frozen_numels = {5, 9};
+  ro.buffers = std::vector<std::string>{"norm.count", "absent"};
+  ResumePlan plan = plan_resume(ck, ro);
+  EXPECT_EQ(names(plan),
+            (std::vector<std::string>{"step:", "module:emb.w", "module:norm.count"}));
+  EXPECT_EQ(plan.small[1].tensor.offset, 200u);
+  EXPECT_EQ(plan.small[2].tensor.bytes, 6u);
+  // Without the running model's buffers: the checkpoint's buffer_names.
+  ro.buffers.reset();
+  EXPECT_EQ(names(plan_resume(ck, ro)),
+            (std::vector<std::string>{"step:", "module:emb.w", "module:old.buf"}));
+  ro.frozen_numels = {6, 9};
+  try {
+    plan_resume(ck, ro);
+    FAIL() << "a frozen parameter of another element count was planned";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'emb.w' holds 5 elements"), std::string::npos)
+        << e.what();
+  }
+  ro.frozen_numels = {5};
+  EXPECT_THROW(plan_resume(ck, ro), InvalidArgument);  // names and counts must pair up
+}
+
 TEST(ResumePlan, Zero12EveryElementOnceFromTheRankThatSavedIt) {
   const std::vector<std::uint64_t> numels{481, 13, 13, 7, 100, 1};
   for (std::uint64_t saved : {1, 2, 3}) {

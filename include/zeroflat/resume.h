@@ -48,11 +48,16 @@ struct ResumeOptions {
   // keeps each sub-group in a tensor of its own, so that a caller can read into those), not one
   // over every group. The same bytes either way.
   bool buffer_per_group = false;
-  // ZeRO-3: parameters the optimizer does not train whose partitions are read too (target
-  // "frozen"), names and element counts. Empty: none.
+  // Parameters the optimizer does not train, names and element counts. ZeRO-3: their
+  // partitions are read too (target "frozen"); ZeRO-1/2: their whole tensors from the module
+  // file are the plan's small values (one the file does not hold is left out). Empty: none
+  // (ZeRO-1/2: the checkpoint's own frozen parameters are its small values).
   std::vector<std::string> frozen;
   std::vector<std::uint64_t> frozen_numels;
   std::optional<DType> frozen_dtype;  // their buffer's dtype; none: the 16-bit weights'.
+  // The running model's persistent buffers, read whole from the module file (small values;
+  // one the file does not hold is left out). None: the checkpoint's own (its buffer_names).
+  std::optional<std::vector<std::string>> buffers;
   // ZeRO-1/2's flat layout as the new run's optimizer keeps it; none: the saving run's
   // (round_robin_gradients, and 16 bytes of parameter alignment when it aligned them).
   std::optional<bool> round_robin;

@@ -179,11 +179,21 @@ void bind_deepspeed(py::module_& m) {
           py::return_value_policy::reference_internal)
       .def_property_readonly("params",
                              [](const zf::ResumeBuffer& b) { return b.source.params; });
+  // A tensor the resume reads whole (resume.h's ResumeSmall): its file and place in that file's
+  // state, which DeepSpeedCheckpoint.value(file, path) makes.
+  py::class_<zf::ResumeSmall>(m, "ResumeSmall")
+      .def_readonly("target", &zf::ResumeSmall::target)
+      .def_readonly("group", &zf::ResumeSmall::group)
+      .def_readonly("name", &zf::ResumeSmall::name)
+      .def_property_readonly("file", [](const zf::ResumeSmall& s) { return s.tensor.file; })
+      .def_property_readonly("path", [](const zf::ResumeSmall& s) { return s.tensor.path; })
+      .def_property_readonly("bytes", [](const zf::ResumeSmall& s) { return s.tensor.bytes; });
   py::class_<zf::ResumePlan>(m, "ResumePlan")
       .def_readonly("stage", &zf::ResumePlan::stage)
       .def_readonly("world", &zf::ResumePlan::world)
       .def_readonly("targets", &zf::ResumePlan::targets)
       .def_readonly("buffers", &zf::ResumePlan::buffers, py::return_value_policy::reference_internal)
+      .def_readonly("small", &zf::ResumePlan::small)
       .def_readonly("left_out", &zf::ResumePlan::left_out)
       .def_readonly("params", &zf::ResumePlan::params)
       // This rank's figures: (kept_bytes, share_bytes, read_bytes) over its buffers, from the
@@ -210,6 +220,7 @@ void bind_deepspeed(py::module_& m) {
          std::vector<std::vector<std::string>> groups,
          std::vector<std::vector<std::uint64_t>> group_numels, bool buffer_per_group,
          std::vector<std::string> frozen, std::vector<std::uint64_t> frozen_numels, std::optional<std::string> frozen_dtype,
+         std::optional<std::vector<std::string>> buffers,
          std::optional<bool> round_robin, std::optional<bool> parameter_alignment,
          std::uint64_t alignment_factor, std::optional<std::string> weights_dtype) {
         zf::ResumeOptions o;
@@ -223,6 +234,7 @@ void bind_deepspeed(py::module_& m) {
         o.frozen = std::move(frozen);
         o.frozen_numels = std::move(frozen_numels);
         o.frozen_dtype = dtype_or_none(frozen_dtype, "frozen_dtype");
+        o.buffers = std::move(buffers);
         o.round_robin = round_robin;
         o.parameter_alignment = parameter_alignment;
         o.alignment_factor = alignment_factor;
@@ -237,7 +249,8 @@ void bind_deepspeed(py::module_& m) {
       py::arg("buffer_per_group") = false,
       py::arg("frozen") = std::vector<std::string>{},
       py::arg("frozen_numels") = std::vector<std::uint64_t>{},
-      py::arg("frozen_dtype") = py::none(), py::arg("round_robin") = py::none(),
+      py::arg("frozen_dtype") = py::none(), py::arg("buffers") = py::none(),
+      py::arg("round_robin") = py::none(),
       py::arg("parameter_alignment") = py::none(), py::arg("alignment_factor") = 2,
       py::arg("weights_dtype") = py::none());
 

@@ -23,8 +23,9 @@ and the ZeRO-1/2 placement), ``_zero3`` (the ZeRO-3 placement), ``_common`` (wha
 FlatGroup, argument checks, DeepSpeed's release rules as the library states them), ``_comm`` (the
 collectives over torch.distributed), ``_patches`` (every change made to DeepSpeed, Transformers
 and torch, one mechanism; docs/patches.md), ``_errors``; ``hf`` (Transformers), ``deepspeed``
-(the drop-in; ``_stage3`` and ``_dropin`` are its parts, and ``_resume``, ``_resume_write`` and
-``_resume_inplace`` its ``engine.load_checkpoint``) and ``_trainer`` (the Trainer's groups) on
+(the drop-in; ``_stage3`` and ``_dropin`` are its parts, and ``_resume``, ``_resume_write``,
+``_resume_family`` (one adapter per optimizer family), ``_resume_undo`` and ``_resume_inplace``
+its ``engine.load_checkpoint``) and ``_trainer`` (the Trainer's groups) on
 top; ``fsdp`` (FSDP2's shards: ``fsdp.load``; ``_fsdp_model`` what a load does to the model's
 objects, ``_fsdp_copies`` the ranks' copies, ``_fsdp_pretrained`` Transformers' FSDP2 loads),
 ``dcp`` (PyTorch DCP's ``StorageReader``, and ``install()`` for the readers DCP constructs),

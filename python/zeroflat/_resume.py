@@ -35,12 +35,13 @@ import torch.distributed as dist
 
 from . import _C, _dropin
 from ._comm import all_reduce_ints, failing_word, raise_failed
-from ._common import TORCH_DTYPES, dtype_name, native_path, path_text
-from ._dropin import log, round_robin_offsets, stats
+from ._common import TORCH_DTYPES, native_path, path_text
+from ._dropin import log, stats
 from ._errors import InvalidArgument, NoFeasiblePlan
 from ._progress import Phases, Watch
+from ._resume_family import family_of, is_true, optimizer_kind
 from ._resume_inplace import OwnBytes, lend, plan_digest
-from ._resume_write import EngineWriter, is_true, optimizer_kind, zero_names
+from ._resume_write import EngineWriter
 
 
 # --- which calls zeroflat serves ----------------------------------------------------------------
@@ -97,7 +98,7 @@ def _segment(key: Any) -> str:
 class _Files:
     """The checkpoint's files by role, and the small values of the ones this rank reads."""
 
-    def __init__(self, ck, rank: int, stage3: bool):
+    def __init__(self, ck, rank: int):
         self.ck = ck
         files = ck.files
         self.universal = ck.format == "universal"
@@ -124,7 +125,6 @@ class _Files:
         else:
             self.optim = None
             self.optim_prefix = ""
-        self.stage3 = stage3
 
     def value(self, file: int, path: str) -> Any:
         # The binding makes every value: plain data, tensors, and what the reader's allow-list
@@ -175,11 +175,12 @@ class _Resume(EngineWriter):
                  load_lr_scheduler_states: bool, load_module_only: bool):
         self.engine = engine
         self.ck = ck
-        self.opt = zero_names(engine.optimizer)
-        self.stage3 = optimizer_kind(engine) == "DeepSpeedZeroOptimizer_Stage3"
-        self.group = self.opt.dp_process_group
+        self.group = engine.optimizer.dp_process_group
         self.dp = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        # Everything that differs between ZeRO-1/2, BF16_Optimizer and ZeRO-3.
+        self.family = family_of(engine, self.rank, self.dp, self.group)
+        self.opt = self.family.opt
         self.strict = bool(load_module_strict)
         self.module_only = bool(load_module_only)
         self.with_states = bool(load_optimizer_states) and not self.module_only
@@ -187,7 +188,7 @@ class _Resume(EngineWriter):
         self.load_optimizer_states = bool(load_optimizer_states)
         self.from_fp32 = is_true(engine, "zero_load_from_fp32_weights")
         self.names: Dict[Any, str] = dict(engine.param_names)
-        self.files = _Files(ck, self.rank, self.stage3)
+        self.files = _Files(ck, self.rank)
         self.small: Dict[str, Any] = {}
         self.values: Dict[str, List[torch.Tensor]] = {}
         self.frozen: Dict[str, torch.Tensor] = {}
@@ -211,7 +212,7 @@ class _Resume(EngineWriter):
 
     def _check(self) -> None:
         ck, engine = self.ck, self.engine
-        if ck.format != "universal" and (ck.zero_stage == 3) != self.stage3:
+        if ck.format != "universal" and (ck.zero_stage == 3) != (self.family.stage == 3):
             raise InvalidArgument(
                 f"{ck.dir}: a ZeRO-{ck.zero_stage} checkpoint, and the engine runs "
                 f"ZeRO-{engine.zero_optimization_stage()}: resume with the stage it was saved "
@@ -244,7 +245,7 @@ class _Resume(EngineWriter):
                 if trained and name not in trained:
                     raise InvalidArgument(f"{ck.dir}: the checkpoint's optimizer holds no "
                                           f"parameter {name!r}, which the engine trains")
-                shape = tuple(p.ds_shape) if self.stage3 else tuple(p.shape)
+                shape = self.family.shape(p)
                 saved_shape = self._saved_shape(name)
                 if saved_shape is not None and tuple(saved_shape) != shape:
                     raise InvalidArgument(f"{ck.dir}: parameter {name!r} is {list(saved_shape)} "
@@ -263,71 +264,58 @@ class _Resume(EngineWriter):
     # - the optimizer's groups -------------------------------------------------------------------
 
     def _sub_groups(self) -> List[List[torch.nn.Parameter]]:
-        """The optimizer's flat partitions' parameters: ZeRO-1/2's groups (group order), ZeRO-3's
+        """The optimizer's partitions' parameters: ZeRO-1/2's groups (group order), ZeRO-3's
         sub-groups."""
-        if self.stage3:
-            return [list(g) for g in self.opt.fp16_groups]
-        return [list(g) for g in self.opt.bit16_groups]
-
-    def _offsets(self, i: int) -> List[int]:
-        """ZeRO-1/2 group i's parameters' offsets in its flat buffer, in group order."""
-        opt = self.opt
-        rr = list(opt.round_robin_bit16_groups[i])
-        paddings = getattr(opt, "round_robin_bit16_padding", None)
-        pads = list(paddings[i]) if paddings is not None else [0] * len(rr)
-        rr_offsets = round_robin_offsets(opt, i, [p.numel() for p in rr], pads)
-        indices = opt.round_robin_bit16_indices[i]
-        return [rr_offsets[indices[k]] for k in range(len(rr))]
+        return self.family.partitions()
 
     # - reading ----------------------------------------------------------------------------------
 
     def targets(self) -> List[str]:
         """What this rank reads per partition: "fp32" (the master), "module" (ZeRO-1/2's 16-bit
         weights), and each partitioned optimizer state."""
-        if self.stage3:
-            weights = "fp32"
-        else:
-            weights = "fp32" if (self.with_states and self.from_fp32) else "module"
+        weights = self.family.weights_target(self.with_states, self.from_fp32)
         if self.ck.format == "universal" and weights == "module":
             weights = "fp32"  # universal files hold no 16-bit weights; fp32 rounds to the same
         return [weights] + (list(self.ck.partitioned_states()) if self.with_states else [])
 
     def read_small(self) -> None:
-        """The small values (module file's bookkeeping, the optimizer's scalars and
-        param_groups, frozen parameters and buffers under ZeRO-1/2): local reads."""
+        """The module file's bookkeeping and the optimizer's scalars and param_groups: local
+        reads. The tensors read whole (frozen parameters under ZeRO-1/2, buffers) are the plan's
+        small values (take_small)."""
         f = self.files
         keys = f.module_keys()
-        module_keys = set(self.ck.keys(f.model, "module")) if "module" in keys else set()
-        small = {}
-        for key in keys:
-            if key in ("module", "optimizer"):
-                continue
-            if key == "frozen_param_fragments" and self.stage3 and self.dp != self.ck.world:
-                continue  # another world's fragments: the new partitions are read below
-            small[key] = f.module_value(key)
-        self.small = small
-        self.module_keys = module_keys
-        # Buffers from the module file (ZeRO-3 saves them whole in every rank's file).
-        for name in self._persistent_buffers():
-            if name in module_keys:
-                self.buffers[name] = f.value(f.model, "module/" + _segment(name))
-        # ZeRO-1/2's frozen parameters, whole (the module file's, else its fragments).
-        trained = {p for params in self._sub_groups() for p in params}
-        for p, name in self.names.items():
-            if p in trained or self.stage3:
-                continue
-            fragments = small.get("frozen_param_fragments") or {}
-            if name in fragments and fragments[name].numel() == p.numel():
-                self.frozen[name] = fragments[name]
-            elif name in module_keys:
-                self.frozen[name] = f.value(f.model, "module/" + _segment(name))
-            elif self.strict:
-                raise InvalidArgument(f"{self.ck.dir}: no values of frozen parameter {name!r}")
-        for name, t in self.frozen.items():
-            self.bytes_read += t.numel() * t.element_size()
-        # The optimizer's scalars.
+        self.module_keys = set(self.ck.keys(f.model, "module")) if "module" in keys else set()
+        self.small = {key: f.module_value(key) for key in keys
+                      if key not in ("module", "optimizer")
+                      and self.family.keeps_small(key, self.ck.world)}
         if self.with_states:
             self.small["optimizer"] = self._optimizer_small()
+
+    def _frozen_whole(self) -> List[Any]:
+        """The parameters read whole (frozen, under ZeRO-1/2): not in an optimizer partition."""
+        if not self.family.reads_frozen_whole():
+            return []
+        trained = {p for params in self._sub_groups() for p in params}
+        return [p for p in self.names if p not in trained]
+
+    def take_small(self, plan) -> None:
+        """The plan's small values this rank takes (frozen parameters under ZeRO-1/2, buffers),
+        then everything read so far checked against the engine."""
+        buffers = self._persistent_buffers()
+        frozen = {self.names[p] for p in self._frozen_whole()}
+        for s in plan.small:
+            if s.target != "module":
+                continue  # an optimizer state read whole: among the optimizer's scalars
+            if s.name in frozen:
+                self.frozen[s.name] = self.ck.value(s.file, s.path)
+                self.bytes_read += s.bytes
+            elif s.name in buffers:
+                self.buffers[s.name] = self.ck.value(s.file, s.path)
+        missing = sorted(frozen - set(self.frozen))
+        if missing and self.strict:
+            raise InvalidArgument(f"{self.ck.dir}: no values of frozen parameter {missing[0]!r} "
+                                  "in the module file; load_module_strict=False keeps the "
+                                  "model's")
         self._check_small()
 
     def _optimizer_small(self) -> Dict[str, Any]:
@@ -378,34 +366,17 @@ class _Resume(EngineWriter):
     def plan(self):
         """The library's plan of this resume (zeroflat/resume.h): this rank's buffers, their
         sources, layouts and placements, for the running engine's groups and layout choices."""
-        opt, subs = self.opt, self._sub_groups()
+        subs = self._sub_groups()
         targets = self.targets()
-        trained = {p for params in subs for p in params}
-        kw = dict(world=self.dp, stage=3 if self.stage3 else 2, states=targets[1:],
+        kw = dict(world=self.dp, stage=self.family.stage, states=targets[1:],
                   module_weights=targets[0] == "module",
                   groups=[[self.names[p] for p in params] for params in subs])
-        if self.stage3:
-            kw["group_numels"] = [[int(p.ds_numel) for p in params] for params in subs]
-            kw["buffer_per_group"] = True  # each sub-group's tensors are the optimizer's own
-            frozen = [p for p in self.names if p not in trained]
-            if not self.strict and self.ck.format != "universal":
-                # As DeepSpeed's load_module_strict=False: a frozen parameter the checkpoint
-                # does not hold (saved with exclude_frozen_parameters) keeps its values.
-                held = self.module_keys | {name for name, *_ in self.ck.frozen}
-                frozen = [p for p in frozen if self.names[p] in held]
-            if frozen:
-                dtypes = {p.ds_tensor.dtype for p in frozen}
-                kw["frozen"] = [self.names[p] for p in frozen]
-                kw["frozen_numels"] = [int(p.ds_numel) for p in frozen]
-                kw["frozen_dtype"] = (dtype_name(dtypes.pop(), "frozen dtype")
-                                      if len(dtypes) == 1 else "fp32")
-            self._frozen_params = frozen
-        else:
-            kw["group_numels"] = [[p.numel() for p in params] for params in subs]
-            kw["round_robin"] = bool(getattr(opt, "round_robin_gradients", False))
-            kw["parameter_alignment"] = bool(getattr(opt, "parameter_alignment", False))
-            kw["alignment_factor"] = int(getattr(opt, "nccl_start_alignment_factor", 2))
-            kw["weights_dtype"] = dtype_name(opt.bit16_groups_flat[0].dtype, "16-bit dtype")
+        kw.update(self.family.plan_options(self))
+        frozen = self._frozen_whole()
+        if frozen:
+            kw["frozen"] = [self.names[p] for p in frozen]
+            kw["frozen_numels"] = [p.numel() for p in frozen]
+        kw["buffers"] = list(self._persistent_buffers())
         return _C.plan_resume(self.ck, **kw)
 
     def prepare(self) -> int:
@@ -417,15 +388,17 @@ class _Resume(EngineWriter):
         import hashlib
 
         self._plan = plan = self.plan()
+        self.take_small(plan)
         subs = self._sub_groups()
         self._must_match = [f"resume {self.ck.dir} tag {self.ck.tag}", f"format {self.ck.format}",
                             f"saved world {self.ck.world} release {self.ck.ds_version}",
                             f"targets {plan.targets}", f"partitions {len(subs)}",
-                            f"stage3 {self.stage3}", f"world {self.dp}", plan_digest(plan)]
+                            f"stage {self.family.stage}", f"world {self.dp}",
+                            plan_digest(plan)]
         h = hashlib.sha256()
         for item in self._must_match:
             h.update(item.encode("utf-8", "replace") + b"\0")
-        for params in subs + [getattr(self, "_frozen_params", [])]:
+        for params in subs + [getattr(self.family, "frozen", [])]:
             h.update(repr([self.names[p] for p in params]).encode("utf-8", "replace"))
         for b in plan.buffers:
             h.update(b.index.header_digest().to_bytes(8, "little"))
@@ -449,7 +422,7 @@ class _Resume(EngineWriter):
         engine, nthreads, comm, _ = engine_and_comm(
             torch.device("cpu"), threads, self.dp, self.group if self.dp > 1 else None,
             host_memory="torch")
-        self._comm = comm
+        self.family.comm = comm
         if agreed:
             # Every byte of every buffer asked of the kernel now, in file order: the loads below
             # (one per buffer, each its own pass) find their bytes in flight or cached, so a
@@ -497,8 +470,7 @@ class _Resume(EngineWriter):
 
     def _read_buffer(self, b, must_match, engine, nthreads, comm, counts) -> None:
         """One buffer of the plan: its load, then its partitions as the optimizer keeps them
-        (ZeRO-1/2: the group's slice; ZeRO-3: each sub-group's partitions, or the frozen
-        parameters')."""
+        (the family's take)."""
         from ._load import call_loader
 
         what = b.target if b.group is None else f"{b.target} of group {b.group}"
@@ -507,18 +479,15 @@ class _Resume(EngineWriter):
         options.layout = b.layout
         options.must_match = must_match + [f"target {b.target}", f"group {b.group}",
                                            f"parameters {len(b.numels)}"]
-        if b.placement == "slice":
-            # Checked against the optimizer's own bookkeeping: the offsets of its flat buffer.
-            options.expected_offsets = self._offsets(b.group)
-            options.expected_flat_numel = self.opt.bit16_groups_flat[b.group].numel()
-        lent, put = lend(self.opt, self.stage3, self.rank, b)
+        self.family.load_checks(b, options)
+        lent, put = lend(self.family, b)
         if lent is not None:
             engine.adopt(lent)
             self._lent.append(put)
         try:
             report, buffer, _, lay = call_loader(
-                _C.LoadPlacement(b.placement), engine, comm if self.dp > 1 else None, b.index, b.params,
-                options, None, f"resuming {what} from {self.ck.dir}")
+                _C.LoadPlacement(b.placement), engine, comm if self.dp > 1 else None, b.index,
+                b.params, options, None, f"resuming {what} from {self.ck.dir}")
         finally:
             engine.adopt(None)
         if lent is not None and buffer is not None and buffer.data_ptr() != lent.data_ptr():
@@ -532,60 +501,8 @@ class _Resume(EngineWriter):
         if report["outcome"] == "infeasible":
             raise NoFeasiblePlan(f"resuming {what}: {report['reason']}", report)
         self.bytes_read += int(report.get("bytes_read") or 0)
-        dtype = TORCH_DTYPES[b.layout.dtype]
-        if b.placement == "slice":
-            n = lay["partition_numel"]
-            want = self.opt.single_partition_of_fp32_groups[b.group].numel()
-            if n != want:
-                raise InvalidArgument(f"resuming group {b.group}: zeroflat's partition holds {n} "
-                                      f"elements, DeepSpeed's {want}")
-            esize = torch.tensor([], dtype=dtype).element_size()
-            # In its group's place, never by arrival order (DeepSpeed 0.19 refuses a ZeRO-1/2
-            # group with nothing trained; should one come, the others keep their places).
-            values = self.values.setdefault(
-                b.target, [torch.zeros(0, dtype=dtype) for _ in self.opt.bit16_groups])
-            values[int(b.group)] = buffer[: n * esize].view(dtype)
-            return
-        flat = buffer[: lay["flat_bytes"]].view(dtype)
-        if b.target == "frozen":
-            subs = [self._frozen_params]
-        elif b.group is not None:
-            subs = [self._sub_groups()[int(b.group)]]  # one sub-group's buffer
-        else:
-            subs = self._sub_groups()
-        parts, k = [], 0
-        for sub in subs:
-            pieces = []
-            for p in sub:
-                n, off = int(lay["numels"][k]), int(lay["offsets"][k])
-                if n != p.ds_tensor.numel():
-                    raise InvalidArgument(f"resuming {self.names[p]!r}: zeroflat's partition "
-                                          f"holds {n} elements, DeepSpeed's {p.ds_tensor.numel()}")
-                pieces.append((off, n))
-                k += 1
-            # The buffer packs the partitions back to back: a sub-group is a view of it (a copy
-            # into fresh memory cost seconds of page faults at a few hundred MB).
-            start = pieces[0][0] if pieces else 0
-            packed = all(a + n == c for (a, n), (c, _) in zip(pieces, pieces[1:]))
-            if packed:
-                end = pieces[-1][0] + pieces[-1][1] if pieces else 0
-                parts.append(flat[start:end])
-            else:
-                parts.append(torch.cat([flat[a:a + n] for a, n in pieces]))
-        if b.target != "frozen" and b.group is not None:
-            # In its sub-group's place (a sub-group with nothing trained has no buffer).
-            values = self.values.setdefault(
-                b.target, [torch.zeros(0, dtype=dtype) for _ in self._sub_groups()])
-            values[int(b.group)] = parts[0]
-            return
-        if b.target != "frozen":
-            self.values[b.target] = parts
-            return
-        at = 0
-        for p in self._frozen_params:
-            n = p.ds_tensor.numel()
-            self.frozen[self.names[p]] = parts[0][at:at + n]
-            at += n
+        self.family.take(self, b, buffer, lay, TORCH_DTYPES[b.layout.dtype])
+
 
 def _tag(engine, load_dir) -> Optional[str]:
     """The tag DeepSpeed's load_checkpoint would take without one: the 'latest' file's (or

@@ -14,33 +14,28 @@ from . import _C
 from ._errors import InvalidArgument
 
 
-def lend(opt, stage3: bool, rank: int, b):
+def lend(family, b):
     """The optimizer's own tensor that buffer ``b`` may be read straight into (no buffer of
     the load's own: no fresh memory to fault in, no copy after), and how to put its values
     back exactly should the resume fail before the engine takes what was read; (None, None)
     where the load takes a buffer of its own. Lent only where putting back is exact: the fp32
     master while it is the up-cast of its 16-bit partition (an engine not yet stepped), an
-    optimizer state while all its elements are zero."""
+    optimizer state while all its elements are zero. ``family``: the running optimizer
+    (_resume_family)."""
     if b.group is None or b.target in ("module", "frozen"):
         return None, None
     k = int(b.group)
-    masters = opt.fp32_partitioned_groups_flat if stage3 else \
-        opt.single_partition_of_fp32_groups
+    masters = family.masters()
     if k >= len(masters):
         return None, None
     master = masters[k]
     if b.target == "fp32":
-        if stage3:
-            flats = getattr(opt, "fp16_partitioned_groups_flat", None) or []
-            bit16 = flats[k] if k < len(flats) else None
-        else:
-            parts = opt.parallel_partitioned_bit16_groups[k]
-            bit16 = parts[rank] if rank < len(parts) else None
+        bit16 = family.bit16(k)
         if (not _plain(master, torch.float32) or bit16 is None
                 or not _plain(bit16, bit16.dtype, master) or not _upcast_of(master, bit16)):
             return None, None
         return master, lambda: master.copy_(bit16)
-    state = opt.optimizer.state.get(master, {}).get(b.target)
+    state = family.opt.optimizer.state.get(master, {}).get(b.target)
     if (not torch.is_tensor(state) or not _plain(state, torch.float32, master)
             or bool(state.any())):
         return None, None

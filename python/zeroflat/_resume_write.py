@@ -12,9 +12,9 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ._comm import collective
-from ._resume_undo import Undo
 from ._errors import InvalidArgument
+from ._resume_family import is_true
+from ._resume_undo import Undo
 
 
 # Testing aid: the write fails at its step FAIL_AT (1, 2, ...: each step one change to the engine
@@ -22,42 +22,6 @@ from ._errors import InvalidArgument
 # would; STEPS: how many steps the last write took.
 FAIL_AT: Optional[int] = None
 STEPS = 0
-
-# The optimizers a resume serves: ZeRO-1/2's, ZeRO-3's, and bf16 ZeRO-1 with fp32 gradient
-# accumulation's (read through ZeroNames).
-_SERVED = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
-
-
-def optimizer_kind(engine) -> Optional[str]:
-    name = type(getattr(engine, "optimizer", None)).__name__
-    return name if name in _SERVED else None
-
-
-class ZeroNames:
-    """BF16_Optimizer under DeepSpeedZeroOptimizer's names, as a resume reads and writes it:
-    the same layout (each group's trainable parameters in order in one flat buffer, padded to
-    a multiple of 2 x dp elements, cut into equal partitions; no round-robin, no loss scaler)
-    kept under other names. Everything else is the optimizer's own."""
-
-    _NAMES = {"bit16_groups": "bf16_groups", "round_robin_bit16_groups": "bf16_groups",
-              "bit16_groups_flat": "bf16_groups_flat",
-              "single_partition_of_fp32_groups": "fp32_groups_flat_partition",
-              "parallel_partitioned_bit16_groups": "bf16_partitioned_groups",
-              "groups_padding": "group_paddings"}
-    loss_scaler = None
-    dynamic_loss_scale = False
-    overflow = False
-
-    def __init__(self, opt):
-        self._opt = opt
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._opt, self._NAMES.get(name, name))
-
-    @property
-    def round_robin_bit16_indices(self) -> List[List[int]]:
-        return [list(range(len(g))) for g in self._opt.bf16_groups]
-
 
 def _step(what: str) -> None:
     """One step of the write done: where the testing aid FAIL_AT makes it fail."""
@@ -67,31 +31,10 @@ def _step(what: str) -> None:
         raise RuntimeError(f"injected failure at step {STEPS} of the write ({what}; testing aid)")
 
 
-def zero_names(opt):
-    """The running optimizer as a resume reads it (ZeroNames for BF16_Optimizer)."""
-    return ZeroNames(opt) if type(opt).__name__ == "BF16_Optimizer" else opt
-
-
-def is_true(engine, method: str) -> bool:
-    fn = getattr(engine, method, None)
-    return bool(fn()) if callable(fn) else False
-
-
-# The most bytes zeroflat's one all-gather of ZeRO-3's persistent parameters takes (every rank's
-# partitions of all of them): what it saves is latency, which larger gathers do not need, and
-# their bytes are held twice while copied out.
-_PERSISTENT_GATHER_BYTES = 64 << 20
-
-
-def _on_nvme(location: Any) -> bool:
-    """Whether a ZeRO-3 partition's final_location is NVMe (OffloadDeviceEnum.nvme; DeepSpeed
-    marks partitions that are not with the string 'not-nvme')."""
-    return getattr(location, "value", location) == "nvme"
-
-
 class EngineWriter:
     """Methods of ``_Resume`` that check and write the engine; they read its attributes (engine,
-    opt, ck, files, small, values, frozen, buffers, names, stage3, ...)."""
+    family, opt, ck, files, small, values, frozen, buffers, names, ...). What differs between
+    optimizer families is the family's (_resume_family)."""
 
     # - what write() takes, checked before anything is written ----------------------------------
 
@@ -196,7 +139,7 @@ class EngineWriter:
         # What the running optimizer's load_state_dict stops at, after the engine is written:
         # its arguments; ZeRO-1/2's and BF16_Optimizer's the saving release's version.
         self._load_call_checked = self._load_call()
-        if not self.stage3:
+        if self.family.checks_release():
             from packaging.version import InvalidVersion, parse
 
             version = self._saved_version()
@@ -249,9 +192,7 @@ class EngineWriter:
 
     def _partition_tensors(self) -> List[torch.Tensor]:
         """The fp32 partitions the inner optimizer steps (its state's keys)."""
-        if self.stage3:
-            return list(getattr(self.opt, "fp32_partitioned_groups_flat", []))
-        return list(self.opt.single_partition_of_fp32_groups)
+        return self.family.masters()
 
     # - writing ----------------------------------------------------------------------------------
 
@@ -266,10 +207,7 @@ class EngineWriter:
         if groups is None:
             groups = own  # elastic checkpoints keep none: the engine's own (count checked before)
         # Which new partition belongs to which group, and each group's saved state values.
-        if self.stage3:
-            owner = [int(opt.sub_group_to_group_id[k]) for k in range(len(weights))]
-        else:
-            owner = list(range(len(weights)))
+        owner = [self.family.owner(k) for k in range(len(weights))]
         state, new_groups = {}, []
         for g, group in enumerate(groups):
             entry = {k: v for k, v in group.items() if k != "params"}
@@ -304,23 +242,7 @@ class EngineWriter:
         sd.setdefault("overflow", opt.overflow)
         sd["ds_version"] = self._saved_version()
         sd["partition_count"] = opt.partition_count
-        if self.stage3:
-            from deepspeed.runtime.zero.config import ZeroStageEnum
-
-            sd["zero_stage"] = ZeroStageEnum.weights
-            sd["optimizer_state_dict"] = base
-            sd["fp32_flat_groups"] = weights
-        else:
-            sd.setdefault("clip_grad", opt.clip_grad)
-            sd["zero_stage"] = small.get("zero_stage") or (
-                2 if getattr(opt, "partition_gradients", False) else 1)
-            sd["base_optimizer_state"] = base
-            sd["single_partition_of_fp32_groups"] = weights
-            sd["group_paddings"] = list(opt.groups_padding)
-            if hasattr(opt, "round_robin_bit16_padding"):
-                sd["param_alignment_paddings"] = opt.round_robin_bit16_padding
-            if hasattr(opt, "_param_slice_mappings"):
-                sd["param_slice_mappings"] = opt._param_slice_mappings
+        self.family.state_dict(sd, small, weights, base)
         return sd
 
     def _load_call(self):
@@ -345,51 +267,12 @@ class EngineWriter:
                                   f"arguments ({e}); nothing of the engine was changed") from None
         return fn, kwargs
 
-    def _load_optimizer(self, sd: Dict[str, Any]) -> None:
+    def load_optimizer(self, sd: Dict[str, Any]) -> None:
+        """The running optimizer's load_state_dict of this rank's state dict (checked first)."""
         fn, kwargs = self._load_call_checked
         states = [None] * self.dp
         states[self.rank] = sd
         fn(states, **kwargs)
-
-    def _set_weights_zero3(self, fp32: List[torch.Tensor]) -> None:
-        """ZeRO-3 without the optimizer's states: the 16-bit partitions from the fp32 master read,
-        then the master from them (DeepSpeed's _restore_from_bit16_weights)."""
-        opt = self.opt
-        for k, part in enumerate(fp32):
-            flat = opt.fp16_partitioned_groups_flat[k]
-            if flat is not None and flat.numel() == part.numel():
-                flat.data.copy_(part)
-                for p, q in zip(opt.fp16_partitioned_groups[k],
-                                opt.unflatten(flat, opt.fp16_partitioned_groups[k])):
-                    p.data = q.data
-            else:
-                at = 0
-                for p in opt.fp16_groups[k]:
-                    n = p.ds_tensor.numel()
-                    p.ds_tensor.data.copy_(part[at:at + n])
-                    at += n
-        opt._restore_from_bit16_weights()
-
-    def _update_16bit(self) -> None:
-        """DeepSpeed's update_lp_params: each rank's 16-bit partition from its fp32 master, then
-        one all-gather per group. Where the buffers are host memory, the all-gather is
-        zeroflat's (ranks of one host meet in shared memory; gloo's sockets took seconds for a
-        few hundred MB), else DeepSpeed's own."""
-        opt, comm = self.opt, getattr(self, "_comm", None)
-        self._gathered = True
-        flats = list(opt.bit16_groups_flat)
-        groups = list(opt.real_dp_process_group)
-        mine = dist.get_process_group_ranks(self.group) if comm is not None else None
-        if (comm is None or any(f.device.type != "cpu" or not f.is_contiguous() for f in flats)
-                or any(dist.get_process_group_ranks(g) != mine for g in groups)):
-            opt.update_lp_params()
-            return
-        items = []
-        for i, flat in enumerate(flats):
-            part = opt.parallel_partitioned_bit16_groups[i][self.rank]
-            part.data.copy_(opt.single_partition_of_fp32_groups[i].data)
-            items.append((flat.view(-1).view(torch.uint8), part.numel() * flat.element_size()))
-        comm.all_gather_tensors(items, "the all-gather of the groups' 16-bit weights")
 
     def write(self) -> None:
         """The engine takes what was read. Runs only after every rank has read everything.
@@ -400,7 +283,7 @@ class EngineWriter:
         global STEPS
         STEPS = 0
         undo = Undo(put_back=getattr(self, "_lent_tensors", []))
-        self._gathered = False
+        self.family.gathered = False
         error: Optional[BaseException] = None
         try:
             t0 = time.perf_counter()
@@ -422,14 +305,15 @@ class EngineWriter:
 
             me = dist.get_rank()
             failed, gathered = all_reduce_ints(
-                [me + 1 if error is not None else 0, int(self._gathered)], self.group, "max",
+                [me + 1 if error is not None else 0, int(self.family.gathered)], self.group,
+                "max",
                 "the ranks' agreement on the written engine", "resume-written")
             if failed:
                 if error is None:  # this rank's write succeeded: put back too
                     undo.restore()
                     self.put_back()
-                if gathered and not self.stage3:
-                    self._update_16bit()  # every rank's restored partition, to every rank
+                self.family.gathered = bool(gathered)
+                self.family.after_failure()
                 if error is not None:
                     raise error
                 raise InvalidArgument(
@@ -439,30 +323,10 @@ class EngineWriter:
 
     def _record(self, undo: Undo) -> None:
         """Everything the write may change, recorded (Undo) before the first change."""
-        opt, engine = self.opt, self.engine
-        real = getattr(opt, "_opt", opt)  # BF16_Optimizer under ZeroNames: the object itself
+        engine, real = self.engine, self.family.real  # the optimizer itself (not ZeroNames)
         undo.state(real)
         undo.state(getattr(real, "optimizer", None))
-        # The flat buffers first: the parameters' views of them are not recorded again.
-        if self.stage3:
-            for flat in list(getattr(opt, "fp16_partitioned_groups_flat", []) or []):
-                undo.tensor(flat)
-            for flat in list(getattr(opt, "fp32_partitioned_groups_flat", []) or []):
-                undo.tensor(flat)
-        else:
-            # This rank's partition of each group's 16-bit weights: the rest of the flat buffer
-            # is the other ranks' partitions, which the all-gather brings back (write).
-            for parts in opt.parallel_partitioned_bit16_groups:
-                undo.tensor(parts[self.rank])
-            for master in opt.single_partition_of_fp32_groups:
-                undo.tensor(master)
-        grouped = set() if self.stage3 else {id(p) for g in opt.bit16_groups for p in g}
-        for p in self.names:
-            if id(p) in grouped:
-                continue  # in its group's flat buffer
-            undo.tensor(p.ds_tensor if self.stage3 else p.data)
-            if self.stage3:
-                undo.data(p)
+        self.family.record(undo, self.names)
         for buf in self._persistent_buffers().values():
             undo.tensor(buf)
         for name in ("lr_scheduler", "random_ltd_scheduler"):
@@ -487,7 +351,7 @@ class EngineWriter:
             value = self.frozen.get(name)
             if value is None:
                 continue
-            target = p.ds_tensor if self.stage3 else p
+            target = self.family.frozen_tensor(p)
             with torch.no_grad():
                 target.data.copy_(value.reshape(target.shape))
             _step(f"frozen parameter {name}")
@@ -497,109 +361,11 @@ class EngineWriter:
                 with torch.no_grad():
                     buf.copy_(value.reshape(buf.shape))
                 _step(f"buffer {name}")
-        weights = self.values[self.targets()[0]]
-        if self.stage3:
-            if sd is not None:
-                self._load_optimizer(sd)
-                _step("the optimizer's load_state_dict")
-            else:
-                self._set_weights_zero3(weights)
-                _step("the 16-bit partitions")
-                persistent = getattr(opt, "persistent_parameters", None)
-                if persistent:
-                    persistent[0].partition(persistent)
-                    _step("the persistent parameters partitioned")
-        else:
-            # The 16-bit buffers first: from the fp32 master read, or from the 16-bit slice
-            # read (its fp32 copy rounds back to the same bits), and one all-gather.
-            for k, part in enumerate(weights):
-                master = opt.single_partition_of_fp32_groups[k]
-                if part.data_ptr() != master.data_ptr():  # else read straight into it
-                    master.data.copy_(part)
-                _step(f"the fp32 master of group {k}")
-            self._update_16bit()
-            _step("the 16-bit weights")
-            if sd is not None:
-                self._load_optimizer(sd)
-                _step("the optimizer's load_state_dict")
-        if hasattr(opt, "checkpoint_event_epilogue") and not self._gather_persistent():
+        self.family.write_weights(self, self.values[self.targets()[0]], sd, _step)
+        if hasattr(opt, "checkpoint_event_epilogue") and not self.family.epilogue():
             opt.checkpoint_event_epilogue()
         _step("the checkpoint epilogue")
         self._write_engine()
-
-    def _gather_persistent(self) -> bool:
-        """ZeRO-3's checkpoint epilogue (the persistent parameters whole again from every rank's
-        16-bit partition) in one all-gather, where DeepSpeed's runs one per parameter (on gloo,
-        each a few milliseconds of latency). The same values in the same places: each parameter's
-        data its ranks' partitions end to end, cut to its elements, in storage of its own. While
-        they are copied out, the gathered bytes are held twice: at most _PERSISTENT_GATHER_BYTES
-        (DeepSpeed's epilogue runs for more).
-        False, nothing done, where DeepSpeed's own epilogue must run (_plain_persistent). Every
-        rank decides alike (the same engine configuration)."""
-        todo = self._plain_persistent()
-        if todo is None:
-            return False
-        if not todo:
-            return True  # the epilogue has nothing to gather (and no secondary tensors)
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-        device = todo[0].ds_tensor.device
-        sizes = [p.ds_tensor.numel() * p.ds_tensor.element_size() for p in todo]
-        slot = sum(sizes)
-        out = torch.empty(slot * self.dp, dtype=torch.uint8, device=device)
-        part = torch.cat([p.ds_tensor.detach().reshape(-1).view(torch.uint8) for p in todo])
-        collective("the all-gather of ZeRO-3's persistent parameters", self.group,
-                   "resume-persistent",
-                   lambda: dist.all_gather_into_tensor(out, part, group=self.group))
-        rows = out.view(self.dp, slot)
-        at = 0
-        for p, n in zip(todo, sizes):
-            # A tensor of the parameter's own (its partitions of every rank, in rank order).
-            whole = torch.empty(self.dp * p.ds_tensor.numel(), dtype=p.ds_tensor.dtype,
-                                device=device)
-            whole.view(torch.uint8).view(self.dp, n).copy_(rows[:, at:at + n])
-            p.data = whole.narrow(0, 0, p.ds_numel).view(p.ds_shape).data
-            p.ds_status = ZeroParamStatus.AVAILABLE
-            at += n
-        return True
-
-    def _plain_persistent(self) -> Optional[List[Any]]:
-        """The persistent parameters the epilogue would gather, where zeroflat's one all-gather
-        can: None for another stage, secondary (hpZ) or quantized partitions, partitions on
-        NVMe or on another device than the parameter, another process group than the engine's,
-        a backend/device pair other than gloo with host tensors or nccl with GPU ones, more
-        than _PERSISTENT_GATHER_BYTES gathered, or anything unexpected of the release
-        (DeepSpeed's own epilogue then runs)."""
-        opt = self.opt
-        if not self.stage3 or not dist.is_initialized():
-            return None
-        try:
-            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-            if any(getattr(p, "ds_secondary_tensor", None) is not None
-                   for group in opt.fp16_groups for p in group):
-                return None
-            todo = [p for p in list(opt.persistent_parameters or [])
-                    if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-            if not todo:
-                return todo
-            backend = str(dist.get_backend(self.group))
-            mine = dist.get_process_group_ranks(self.group)
-            device = todo[0].ds_tensor.device
-            if backend not in ("gloo", "nccl") or (device.type == "cpu") == (backend == "nccl"):
-                return None
-            for p in todo:
-                t = p.ds_tensor
-                if (t.device != device or p.data.device != device or not t.is_contiguous()
-                        or hasattr(t, "ds_quant_scale") or t.numel() != t.ds_numel
-                        or _on_nvme(getattr(t, "final_location", None))
-                        or dist.get_process_group_ranks(p.ds_process_group) != mine):
-                    return None
-            gathered = self.dp * sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
-                                     for p in todo)
-            return todo if gathered <= _PERSISTENT_GATHER_BYTES else None
-        except Exception:  # noqa: BLE001 - a release unlike those known: its own epilogue
-            return None
 
     def _write_engine(self) -> None:
         """The engine's bookkeeping, as DeepSpeed's _load_checkpoint restores it."""

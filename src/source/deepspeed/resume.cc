@@ -4,6 +4,8 @@
 #include "zeroflat/resume.h"
 
 #include <algorithm>
+#include <string_view>
+#include <unordered_map>
 
 #include "source/checkpoint/files.h"
 #include "zeroflat/error.h"
@@ -172,16 +174,11 @@ ResumePlan plan_resume(const DeepSpeedCheckpoint& ck, const ResumeOptions& o) {
       plan.buffers.push_back(std::move(b));
     }
   }
-  if (!o.frozen.empty()) {
-    if (!zero3) {
-      throw InvalidArgument("plan_resume: frozen partitions are ZeRO-3's (ZeRO-1/2 keep frozen "
-                            "parameters whole: small values)");
-    }
-    if (o.frozen_numels.size() != o.frozen.size()) {
-      throw InvalidArgument("plan_resume: " + std::to_string(o.frozen.size()) +
-                            " frozen names, " + std::to_string(o.frozen_numels.size()) +
-                            " element counts");
-    }
+  if (o.frozen_numels.size() != o.frozen.size()) {
+    throw InvalidArgument("plan_resume: " + std::to_string(o.frozen.size()) + " frozen names, " +
+                          std::to_string(o.frozen_numels.size()) + " element counts");
+  }
+  if (zero3 && !o.frozen.empty()) {
     ResumeBuffer b;
     b.target = "frozen";
     b.placement = LoadPlacement::partitions();
@@ -206,12 +203,37 @@ ResumePlan plan_resume(const DeepSpeedCheckpoint& ck, const ResumeOptions& o) {
       }
     }
   }
+  // The module file's tensors by name (its state_dict's keys): one pass, not one per name.
+  std::unordered_map<std::string_view, const DeepSpeedTensor*> by_path;
+  for (const DeepSpeedTensor& t : ck.module) by_path.emplace(t.path, &t);
+  auto module_tensor = [&](const std::string& name) -> const DeepSpeedTensor* {
+    TorchValue key;
+    key.kind = TorchKind::kString;
+    key.text = name;
+    const auto it = by_path.find("module/" + torch_path_segment(key));
+    return it == by_path.end() ? nullptr : it->second;
+  };
+  if (!zero3 && !o.frozen.empty()) {
+    // The running engine's frozen parameters, whole, from the module file's state_dict (as
+    // DeepSpeed's load_module_state_dict takes them, whichever parameters the saving run froze);
+    // one the file does not hold is left out (the caller's strictness decides).
+    for (std::size_t i = 0; i < o.frozen.size(); ++i) {
+      const DeepSpeedTensor* t = module_tensor(o.frozen[i]);
+      if (t == nullptr) continue;
+      if (t->numel != o.frozen_numels[i]) {
+        throw InvalidArgument(shown(ck) + ": frozen parameter '" + o.frozen[i] + "' holds " +
+                              std::to_string(t->numel) + " elements in the module file, the " +
+                              "model's " + std::to_string(o.frozen_numels[i]));
+      }
+      plan.small.push_back({"module", std::nullopt, o.frozen[i], *t});
+    }
+  }
   for (const DeepSpeedFrozen& fz : ck.frozen) {
-    if (zero3 || fz.fragments.empty()) continue;
+    if (zero3 || !o.frozen.empty() || fz.fragments.empty()) continue;
     plan.small.push_back({"module", std::nullopt, fz.name, fz.fragments.front()});
   }
-  for (const std::string& b : ck.buffer_names) {
-    if (const DeepSpeedTensor* t = ck.find_module(b)) {
+  for (const std::string& b : o.buffers ? *o.buffers : ck.buffer_names) {
+    if (const DeepSpeedTensor* t = module_tensor(b)) {
       plan.small.push_back({"module", std::nullopt, b, *t});
     }
   }
