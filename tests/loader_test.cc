@@ -27,6 +27,7 @@
 
 #include "common/pattern.h"
 #include "device/host_kernels.h"
+#include "model/files.h"
 #include "source/checkpoint/files.h"
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/comm.h"
@@ -1516,6 +1517,113 @@ TEST_F(LoaderTest, ShardsThatLieInTheFilesAreMappedInPlace) {
   const auto ranges = shard_file_ranges(odd, params, one, 0, DType::kBF16);
   EXPECT_FALSE(ranges.front().has_value());
   EXPECT_TRUE(ranges.back().has_value());
+}
+
+// What ranks took outside a load (shards used in place, values read whole) is compared by the
+// library as a load compares its reads: equal copies pass, and the file bytes read to compare
+// are the other ranks' (every byte of them under "full"); a changed byte in one rank's copy, or
+// a value one rank read otherwise, is every rank's InvalidArgument, the finder naming the file
+// and the parameter.
+TEST_F(LoaderTest, TakenCopiesAreComparedLikeALoadsReads) {
+  constexpr int kRanks = 3;
+  const std::string same = temp_dir("taken_same");
+  const std::string other = temp_dir("taken_other");
+  fs::copy(*bf16_dir_, same, fs::copy_options::recursive);
+  fs::copy(*bf16_dir_, other, fs::copy_options::recursive);
+  // Rank q takes every third tensor from q on, whole, in the order of the index.
+  auto ranges_of = [](const CheckpointIndex& ck, int q) {
+    std::vector<FileRange> out;
+    for (std::size_t i = q; i < ck.tensors.size(); i += kRanks) {
+      out.push_back({ck.tensors[i].file, ck.tensors[i].offset, ck.tensors[i].bytes});
+    }
+    return out;
+  };
+  struct Outcome {
+    std::uint64_t read = 0;
+    std::string error;
+  };
+  // Rank 2 reads the copy in `other`; `value_of(q)` is the value rank q read whole.
+  auto run = [&](CopyCheck mode, const std::function<std::string(int)>& value_of) {
+    LocalGroup group(kRanks, std::chrono::seconds(30));
+    std::vector<Outcome> out(kRanks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        std::unique_ptr<Communicator> comm = group.rank(r);
+        try {
+          const CheckpointIndex ck = open_checkpoint(r == 2 ? other : same);
+          TakenBytes taken;
+          std::vector<std::vector<unsigned char>> held;
+          for (int q = 0; q < kRanks; ++q) {
+            taken.ranges.push_back(ranges_of(ck, q));
+            taken.what.emplace_back();
+            for (const FileRange& f : taken.ranges.back()) {
+              taken.what.back().push_back("tensor at " + std::to_string(f.offset));
+            }
+          }
+          for (const FileRange& f : taken.ranges[r]) {
+            held.emplace_back(f.bytes);
+            detail::File(ck.files[f.file]).read_at(held.back().data(), f.bytes, f.offset);
+            taken.mine.push_back(held.back().data());
+          }
+          const std::string value = value_of(r);
+          taken.value_names = {"buffer 'counts'"};
+          taken.values = {std::span<const unsigned char>(
+              reinterpret_cast<const unsigned char*>(value.data()), value.size())};
+          out[r].read = check_taken_copies(ck, taken, *comm, mode);
+        } catch (const InvalidArgument& e) {
+          out[r].error = e.what();
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    return out;
+  };
+  const CheckpointIndex ck = open_checkpoint(same);
+  auto total = [&](int q) {
+    std::uint64_t n = 0;
+    for (const FileRange& f : ranges_of(ck, q)) n += f.bytes;
+    return n;
+  };
+  auto alike = [](int) { return std::string("1234"); };
+  for (CopyCheck mode : {CopyCheck::kSampled, CopyCheck::kFull}) {
+    const std::vector<Outcome> ok = run(mode, alike);
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(ok[r].error, "") << "rank " << r;
+      std::uint64_t others = 0;
+      for (int q = 0; q < kRanks; ++q) others += q == r ? 0 : total(q);
+      if (mode == CopyCheck::kFull) EXPECT_EQ(ok[r].read, others) << "rank " << r;
+      EXPECT_GT(ok[r].read, 0u) << "rank " << r;
+      EXPECT_LE(ok[r].read, others) << "rank " << r;
+    }
+  }
+  // A value one rank read otherwise.
+  const std::vector<Outcome> value =
+      run(CopyCheck::kSampled, [](int q) { return std::string(q == 1 ? "1235" : "1234"); });
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_NE(value[r].error.find("hold different bytes"), std::string::npos) << value[r].error;
+    EXPECT_NE(value[r].error.find("buffer 'counts' as the ranks read it"), std::string::npos)
+        << value[r].error;
+  }
+  // One byte of rank 0's first tensor changed in rank 2's copy.
+  const FileRange first = ranges_of(ck, 0).front();
+  {
+    const std::string path = other + "/" + fs::path(ck.files[first.file]).filename().string();
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(first.offset));
+    const char c = static_cast<char>(f.get());
+    f.seekp(static_cast<std::streamoff>(first.offset));
+    f.put(static_cast<char>(c ^ 0x5a));
+  }
+  const std::vector<Outcome> bad = run(CopyCheck::kFull, alike);
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_NE(bad[r].error.find("hold different bytes"), std::string::npos) << bad[r].error;
+  }
+  EXPECT_NE(bad[2].error.find("rank 0 used"), std::string::npos) << bad[2].error;
+  EXPECT_NE(bad[2].error.find("tensor at " + std::to_string(first.offset)), std::string::npos)
+      << bad[2].error;
+  fs::remove_all(same);
+  fs::remove_all(other);
 }
 
 // Mapping is refused, nothing left mapped: a range outside its file, a file replaced since its

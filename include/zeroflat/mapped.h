@@ -11,12 +11,16 @@
 // new end unreadable (SIGBUS on access); a file rewritten in place changes the values of the
 // pages not yet written. Replacing the file by a rename, as checkpoint writers do, changes
 // nothing of a mapping.
+//
+// check_taken_copies compares the ranks' copies in what they took so (and in values read whole
+// outside a load), as a load compares its own reads.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "zeroflat/checkpoint.h"
@@ -93,5 +97,32 @@ class MappedRanges {
 // cannot be read (an I/O error). Nothing stays mapped when it throws.
 MappedRanges map_file_ranges(const CheckpointIndex& checkpoint, std::span<const FileRange> ranges,
                              const MapOptions& options = {});
+
+// What a rank took from its copy of the checkpoint outside a load (load() compares its own
+// reads: FlattenOptions' copies): ranges used where they lie (mapped shards) and values read
+// whole (a model's buffers).
+struct TakenBytes {
+  // Per rank, the ranges it took, listed in the same order on every rank; `what` names each
+  // (a parameter) for the error.
+  std::vector<std::vector<FileRange>> ranges;
+  std::vector<std::vector<std::string>> what;
+  // This rank's bytes of its own ranges, as it took them (a range of 0 bytes: any pointer).
+  std::vector<const unsigned char*> mine;
+  // The values read whole, the same on every rank: what each is, for the error ("buffer
+  // 'counts'"), and this rank's bytes of it.
+  std::vector<std::string> value_names;
+  std::vector<std::span<const unsigned char>> values;
+};
+
+// The ranks' copies compared in what they took, by the loads' rule (copies): each rank digests
+// windows of its ranges' bytes, laid end to end (kSampled: 16 windows of 64 KiB spread over
+// them, placed by its rank; kFull, or 1 MiB or less: every byte), and every value; the ranks
+// exchange the digests in one all-reduce; each rank then digests the other ranks' windows as
+// its own copy of the files holds them (read with pread) and compares, and every value's
+// digest is compared across the ranks. One more all-reduce makes a difference every rank's
+// InvalidArgument, named by the rank that found it (file, byte, parameter or value). Returns
+// the file bytes this rank read to compare. Collective; nothing for one rank or kOff.
+std::uint64_t check_taken_copies(const CheckpointIndex& checkpoint, const TakenBytes& taken,
+                                 Communicator& comm, CopyCheck mode);
 
 }  // namespace zeroflat

@@ -237,6 +237,45 @@ py::list map_file_ranges(
   return out;
 }
 
+// The ranks' copies compared in what they took outside a load (mapped.h's check_taken_copies):
+// `ranges` per rank, (file, offset, bytes, name) of each range it took, in the same order on
+// every rank; `mine` this rank's bytes of its own (host tensors); `values` (name, host tensor)
+// read whole. Returns the file bytes this rank read to compare. Collective.
+std::uint64_t check_taken_copies(
+    const zf::CheckpointIndex& ck, py::object comm_impl,
+    const std::vector<std::vector<std::tuple<std::uint32_t, std::uint64_t, std::uint64_t,
+                                             std::string>>>& ranges,
+    const std::vector<torch::Tensor>& mine,
+    const std::vector<std::pair<std::string, torch::Tensor>>& values, const std::string& copies) {
+  const zf::CopyCheck mode = zf::parse_copy_check(copies, "copies");
+  auto bytes_of = [](const torch::Tensor& t, const std::string& what) {
+    if (!t.device().is_cpu() || !t.is_contiguous()) {
+      throw zf::InvalidArgument("check_taken_copies: " + what +
+                                " must be a contiguous host tensor");
+    }
+    return std::span<const unsigned char>(static_cast<const unsigned char*>(t.data_ptr()),
+                                          static_cast<std::size_t>(t.nbytes()));
+  };
+  zf::TakenBytes taken;
+  for (const auto& rank : ranges) {
+    taken.ranges.emplace_back();
+    taken.what.emplace_back();
+    for (const auto& [file, offset, bytes, name] : rank) {
+      taken.ranges.back().push_back({file, offset, bytes});
+      taken.what.back().push_back(name);
+    }
+  }
+  for (const torch::Tensor& t : mine) taken.mine.push_back(bytes_of(t, "a range's bytes").data());
+  for (const auto& [name, t] : values) {
+    taken.value_names.push_back(name);
+    taken.values.push_back(bytes_of(t, "value '" + name + "'"));
+  }
+  if (comm_impl.is_none()) return 0;
+  PyCommunicator comm(comm_impl);
+  py::gil_scoped_release nogil;
+  return zf::check_taken_copies(ck, taken, comm, mode);
+}
+
 // The shard mesh coordinate `coord` holds of a tensor of shape `shape` (dtensor.h): its local
 // shape, global offsets, elements, padded elements and the number of runs it reads.
 py::dict local_shard(const zf::Shape& shape, const std::vector<std::uint64_t>& mesh,
@@ -295,6 +334,8 @@ void bind_loads(py::module_& m) {
   m.def("map_file_ranges", &map_file_ranges, py::arg("checkpoint"), py::arg("ranges"),
         py::arg("threads") = 0, py::arg("progress") = nullptr, py::arg("sole_reader") = false,
         py::arg("cold") = false);
+  m.def("check_taken_copies", &check_taken_copies, py::arg("checkpoint"), py::arg("comm"),
+        py::arg("ranges"), py::arg("mine"), py::arg("values"), py::arg("copies"));
   m.def("local_shard", &local_shard, py::arg("shape"), py::arg("mesh"), py::arg("placements"),
         py::arg("coord"));
 }

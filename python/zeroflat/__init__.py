@@ -18,8 +18,9 @@ fits (on the device, sharded across the ranks, staged through the host, or on th
 anything moves; a failure at any step leaves every parameter holding its original values.
 Loaded, each rank reads only its share of the checkpoint. See docs/python.md.
 
-The package: ``_flatten`` (flatten_param_group), ``_load`` (load_param_groups: the one load loop,
-and the ZeRO-1/2 placement), ``_zero3`` (the ZeRO-3 placement), ``_common`` (what they share:
+The package: ``_flatten`` (flatten_param_group), ``_load`` (load_param_groups, and
+``run_loads``: the one load loop, which ZeRO-1/2, ZeRO-3, FSDP2 and the resume's buffers each
+hand a placement; the ZeRO-1/2 placement), ``_zero3`` (the ZeRO-3 placement), ``_common`` (what they share:
 FlatGroup, argument checks, DeepSpeed's release rules as the library states them), ``_comm`` (the
 collectives over torch.distributed), ``_patches`` (every change made to DeepSpeed, Transformers
 and torch, one mechanism; docs/patches.md), ``_errors``; ``hf`` (Transformers), ``deepspeed``

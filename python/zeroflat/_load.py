@@ -1,8 +1,10 @@
 """zeroflat.load_param_groups: a model's parameters built straight from a safetensors checkpoint
-into DeepSpeed's buffers by the library's loader (loader.h), in one loop for every placement:
-ZeRO-1/2's flat buffers (each rank reads its partition and one all-gather completes the buffer,
-or, for ranks of one host, each reads the whole buffer from the host's page cache), or ZeRO-3's
-partitions (``_zero3``: each rank reads only its own partition of every parameter).
+into DeepSpeed's buffers by the library's loader (loader.h): ZeRO-1/2's flat buffers (each rank
+reads its partition and one all-gather completes the buffer, or, for ranks of one host, each
+reads the whole buffer from the host's page cache), or ZeRO-3's partitions (``_zero3``: each
+rank reads only its own partition of every parameter). ``run_loads`` is the package's one load
+loop: these loads, FSDP2's shards (``fsdp``) and a resume's buffers (``_resume``) each hand it
+their placement values.
 
 Past 700 lines on purpose: the one loop serves every placement, and its options, their checks
 and the errors every rank must agree on are read together; the ZeRO-3 specifics are in
@@ -632,6 +634,80 @@ def call_loader(placement: "_C.LoadPlacement", engine, comm, ck, params, options
         raise CommError(f"{what}: {e}") from (failure or e)
 
 
+class Load:
+    """One load of the loop (run_loads): where its parameters go (a ``_C.LoadPlacement``), the
+    parameters, ``configure(options)`` (what its FlattenOptions take besides the loop's: the
+    layout, a master, checks; an error raised there is this rank's, agreed with the others),
+    ``must_match`` (what every rank must hold identically for it), ``into`` (a tensor of the
+    caller's the load reads straight into, or None), ``what`` (the words of a failed
+    collective), ``infeasible`` (the words of a plan that does not fit, ``{reason}`` the
+    planner's), ``notes`` (entries added to its report) and ``source`` (its checkpoint, where
+    not the loop's)."""
+
+    __slots__ = ("placement", "params", "configure", "must_match", "into", "what", "infeasible",
+                 "notes", "source")
+
+    def __init__(self, placement: "_C.LoadPlacement", params: Sequence[Any], *,
+                 configure: Optional[Callable[["_C.FlattenOptions"], None]] = None,
+                 must_match: Sequence[str] = (), into: Optional[torch.Tensor] = None,
+                 what: str = "loading", infeasible: str = "{reason}",
+                 notes: Optional[Dict[str, Any]] = None, source: Any = None):
+        self.placement, self.params, self.configure = placement, list(params), configure
+        self.must_match, self.into, self.what = list(must_match), into, what
+        self.infeasible, self.notes, self.source = infeasible, dict(notes or {}), source
+
+
+def run_loads(loads: Sequence[Load], *, engine, comm, ck, threads: int, target: torch.device,
+              counts, cold: bool = False, copies: str = "sampled",
+              local_error: Optional[BaseException] = None, entries: Sequence[str] = (),
+              after: Optional[Callable[[int, Any, Any, Any], None]] = None) -> List[tuple]:
+    """The one load loop, for every placement and caller (ZeRO-1/2's flat buffers, ZeRO-3's
+    partitions, FSDP2's shards, a resume's buffers): one library load per ``Load``, in order,
+    and at least one (an empty flat one when there is none), collective over ``comm`` (None for
+    one process). The first carries ``local_error`` (this rank's, raised on every rank at the
+    loader's agreement) and ``entries`` (what the whole call must hold identically), so that
+    every rank raises at the same point; a later load with no parameters is skipped on every
+    rank alike. ``after(k, report, buffer, lay)`` runs as each load returns (an all-gather
+    started beside the next read). Returns (report, buffer, master, lay) per load, Nones for
+    one skipped; a plan that does not fit is NoFeasiblePlan in the load's words."""
+    loads = list(loads) or [Load(_C.LoadPlacement("flat"), [])]
+    out: List[tuple] = []
+    for k, load in enumerate(loads):
+        if k > 0 and not load.params:
+            out.append((None, None, None, None))
+            continue
+        options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=comm.size if comm else 1),
+                                    threads=threads, master=False)
+        options.progress = counts
+        try:
+            options.cold = bool(cold)
+            options.copies = copies
+            framework_memory(options, target)
+            if load.configure is not None:
+                load.configure(options)
+        except Exception as e:  # noqa: BLE001 - a bad value is this rank's own error, agreed
+            local_error = local_error or e
+        if local_error is not None:
+            options.local_error = f"{type(local_error).__name__}: {local_error}"
+        options.must_match = load.must_match + (list(entries) if k == 0 else [])
+        if load.into is not None:
+            engine.adopt(load.into)
+        try:
+            report, buffer, master, lay = call_loader(
+                load.placement, engine, comm, ck if load.source is None else load.source,
+                load.params, options, local_error, load.what)
+        finally:
+            if load.into is not None:
+                engine.adopt(None)
+        report.update(load.notes)
+        if report["outcome"] == "infeasible":
+            raise NoFeasiblePlan(load.infeasible.format(reason=report["reason"]), report)
+        if after is not None:
+            after(k, report, buffer, lay)
+        out.append((report, buffer, master, lay))
+    return out
+
+
 def check_load_options(*, cold, round_robin, strict, master_dtype, threads, margin_bytes,
                        alignment_factor, param_align_bytes, dtype, deepspeed, read_plan, copies,
                        storage_bytes_per_second) -> Optional["_C.ReleaseRules"]:
@@ -783,54 +859,41 @@ def load_param_groups(model: torch.nn.Module, checkpoint: Union[str, os.PathLike
     path = prep.ck.path if ok else path_text(checkpoint)
     where = _C.LoadPlacement(placement.kind if placement is not None else "flat")
 
-    # One load per buffer on every rank, and at least one: the first carries any rank's own
-    # error and compares the whole model, so that every rank raises at the same point and skips
-    # the same empty buffers after it.
-    loaded = []
+    # One load per buffer (the one loop, run_loads).
     calls = max(1, len(prep.load_params)) if ok else 1
+    loads = []
+    for k in range(calls):
+        members = prep.buffers_params[k] if ok and k < len(prep.buffers_params) else []
+        params = prep.load_params[k] if members else []
+
+        def configure(options, k=k, params=bool(params)):
+            options.read_plan = read_plan
+            options.storage_bytes_per_second = float(storage_bytes_per_second)
+            if ok and k < len(prep.dtypes):
+                options.layout = placement.layout_options(dp, prep.dtypes[k])
+                options.margin_bytes = None if margin_bytes is None else int(margin_bytes)
+                options.master = params and master_dtype == torch.float32
+                if isinstance(placement, _Flat):
+                    options.release = rules
+        loads.append(Load(
+            where, params, configure=configure,
+            must_match=[f"buffer {k} of {calls}", f"device {target.type}",
+                        f"master {master_dtype}",
+                        f"deepspeed rules {rules.rules if ok and rules else None}",
+                        f"placement {where.kind}"],
+            what=f"loading buffer {k} of {path}",
+            infeasible=f"buffer {k} does not fit on {target}: {{reason}}; nothing was read",
+            notes={"dp": dp, "deepspeed": rules.to_dict() if ok and rules else None}))
     watch = Watch(f"load {path}", rank, dp, progress if ok else None)
     with watch:
-        for k in range(calls):
-            members = prep.buffers_params[k] if ok and k < len(prep.buffers_params) else []
-            params = prep.load_params[k] if members else []
-            if k > 0 and not params:
-                loaded.append((members, None, None, None, None))
-                continue
-            options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=dp), threads=nthreads,
-                                        master=False)
-            options.progress = watch.counts
-            try:
-                options.cold = bool(cold)
-                options.read_plan = read_plan
-                options.copies = copies
-                options.storage_bytes_per_second = float(storage_bytes_per_second)
-                if ok:
-                    framework_memory(options, target)
-                if ok and k < len(prep.dtypes):
-                    options.layout = placement.layout_options(dp, prep.dtypes[k])
-                    options.margin_bytes = None if margin_bytes is None else int(margin_bytes)
-                    options.master = bool(params) and master_dtype == torch.float32
-                    if isinstance(placement, _Flat):
-                        options.release = rules
-            except Exception as e:  # noqa: BLE001 - a bad value is this rank's own error, agreed
-                local_error = local_error or e
-            if local_error is not None:
-                options.local_error = f"{type(local_error).__name__}: {local_error}"
-            options.must_match = [f"buffer {k} of {calls}", f"device {target.type}",
-                                  f"master {master_dtype}",
-                                  f"deepspeed rules {rules.rules if ok and rules else None}",
-                                  f"placement {where.kind}"]
-            if k == 0 and ok:
-                options.must_match = options.must_match + prep.entries
-            report, flat_bytes, master_bytes, lay = call_loader(
-                where, engine, comm if dp > 1 else None, prep.ck if ok else None, params,
-                options, local_error, f"loading buffer {k} of {path}")
-            report["dp"] = dp
-            report["deepspeed"] = rules.to_dict() if ok and rules else None
-            if report["outcome"] == "infeasible":
-                raise NoFeasiblePlan(f"buffer {k} does not fit on {target}: "
-                                     f"{report['reason']}; nothing was read", report)
-            loaded.append((members, report, flat_bytes, master_bytes, lay))
+        results = run_loads(loads, engine=engine, comm=comm if dp > 1 else None,
+                            ck=prep.ck if ok else None, threads=nthreads, target=target,
+                            counts=watch.counts, cold=cold, copies=copies,
+                            local_error=local_error, entries=prep.entries if ok else ())
+    loaded = []
+    for k, (report, flat_bytes, master_bytes, lay) in enumerate(results):
+        members = prep.buffers_params[k] if k < len(prep.buffers_params) else []
+        loaded.append((members, report, flat_bytes, master_bytes, lay))
     assert local_error is None and prep is not None
     # Every rank has its buffers: the model's parameters become their views.
     return placement.finish(model, loaded, prep, rank, dp, master_dtype, engine)

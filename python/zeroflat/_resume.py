@@ -37,7 +37,7 @@ from . import _C, _dropin
 from ._comm import all_reduce_ints, failing_word, raise_failed
 from ._common import TORCH_DTYPES, native_path, path_text
 from ._dropin import log, stats
-from ._errors import InvalidArgument, NoFeasiblePlan
+from ._errors import InvalidArgument
 from ._progress import Phases, Watch
 from ._resume_family import family_of, is_true, optimizer_kind
 from ._resume_inplace import OwnBytes, lend, plan_digest
@@ -436,9 +436,8 @@ class _Resume(EngineWriter):
         own = OwnBytes(comm.rank, comm.size) if comm is not None and agreed else comm
         try:
             with watch:
-                for b in plan.buffers:
-                    self._read_buffer(b, [] if agreed else self._must_match, engine, nthreads,
-                                      own, watch.counts)
+                self._read_buffers(plan, [] if agreed else self._must_match, engine, nthreads,
+                                   own if self.dp > 1 else None, watch.counts)
             if not agreed and comm is not None:
                 # Every load ran the loader's agreement and none found the difference: it is in
                 # what only the digest covers (the engine's parameter names).
@@ -468,40 +467,47 @@ class _Resume(EngineWriter):
             for put in lent:
                 put()
 
-    def _read_buffer(self, b, must_match, engine, nthreads, comm, counts) -> None:
-        """One buffer of the plan: its load, then its partitions as the optimizer keeps them
-        (the family's take)."""
-        from ._load import call_loader
+    def _read_buffers(self, plan, must_match, engine, nthreads, comm, counts) -> None:
+        """The plan's buffers, one load each (_load's one loop), then each buffer's partitions
+        as the optimizer keeps them (the family's take)."""
+        from ._load import Load, run_loads
 
-        what = b.target if b.group is None else f"{b.target} of group {b.group}"
-        options = _C.FlattenOptions(threads=nthreads, master=False, copies="off")
-        options.progress = counts
-        options.layout = b.layout
-        options.must_match = must_match + [f"target {b.target}", f"group {b.group}",
-                                           f"parameters {len(b.numels)}"]
-        self.family.load_checks(b, options)
-        lent, put = lend(self.family, b)
-        if lent is not None:
-            engine.adopt(lent)
-            self._lent.append(put)
-        try:
-            report, buffer, _, lay = call_loader(
-                _C.LoadPlacement(b.placement), engine, comm if self.dp > 1 else None, b.index,
-                b.params, options, None, f"resuming {what} from {self.ck.dir}")
-        finally:
-            engine.adopt(None)
-        if lent is not None and buffer is not None and buffer.data_ptr() != lent.data_ptr():
-            # The load took a buffer of its own: the lent tensor is put back now.
-            with torch.no_grad():
-                put()
-            self._lent.remove(put)
-        elif lent is not None:
-            self.bytes_in_place += lent.numel() * lent.element_size()
-            self._lent_tensors.append(lent)
-        if report["outcome"] == "infeasible":
-            raise NoFeasiblePlan(f"resuming {what}: {report['reason']}", report)
-        self.bytes_read += int(report.get("bytes_read") or 0)
-        self.family.take(self, b, buffer, lay, TORCH_DTYPES[b.layout.dtype])
+        loads, lent = [], []
+        for b in plan.buffers:
+            what = b.target if b.group is None else f"{b.target} of group {b.group}"
+            tensor, put = lend(self.family, b)
+            if tensor is not None:
+                self._lent.append(put)  # put back should anything fail from here on
+            lent.append((tensor, put))
+
+            def configure(options, b=b):
+                options.layout = b.layout
+                self.family.load_checks(b, options)
+            loads.append(Load(_C.LoadPlacement(b.placement), b.params, configure=configure,
+                              must_match=must_match + [f"target {b.target}", f"group {b.group}",
+                                                       f"parameters {len(b.numels)}"],
+                              into=tensor, source=b.index,
+                              what=f"resuming {what} from {self.ck.dir}",
+                              infeasible=f"resuming {what}: {{reason}}"))
+
+        def take(k, report, buffer, lay):
+            b, (tensor, put) = plan.buffers[k], lent[k]
+            if tensor is None:
+                pass
+            elif buffer is not None and buffer.data_ptr() != tensor.data_ptr():
+                # The load took a buffer of its own: the lent tensor is put back now.
+                with torch.no_grad():
+                    put()
+                self._lent.remove(put)
+            elif tensor is not None:
+                self.bytes_in_place += tensor.numel() * tensor.element_size()
+                self._lent_tensors.append(tensor)
+            self.bytes_read += int(report.get("bytes_read") or 0)
+            self.family.take(self, b, buffer, lay, TORCH_DTYPES[b.layout.dtype])
+
+        if loads:
+            run_loads(loads, engine=engine, comm=comm, ck=None, threads=nthreads,
+                      target=torch.device("cpu"), counts=counts, copies="off", after=take)
 
 
 def _tag(engine, load_dir) -> Optional[str]:

@@ -1,10 +1,11 @@
 """A Hugging Face checkpoint straight into a model already sharded by PyTorch FSDP2
 (``fully_shard``: parameters as DTensors): each rank reads only the bytes of its own local
-shards, through the library's loader (``_C.load`` with the "shards" placement of the one
-pipeline; every layout and read of the load is the library's). Python chooses where HSDP's
+shards, through the library's loader (``_load.run_loads``, the package's one load loop, with the
+"shards" placement of the one pipeline; every layout and read of the load is the library's). Python chooses where HSDP's
 replicas cut a shard between them (``_split_replicas``, each part's shape the library's
-``local_shard``) and checks the ranks' copies of what the load does not read itself (the
-shards used in place and buffers read whole, ``_fsdp_copies``).
+``local_shard``) and has the library compare the ranks' copies of what the load does not read
+itself (the shards used in place and buffers read whole: ``_fsdp_copies`` hands them to
+``check_taken_copies``).
 
     model = build_on_meta(); fully_shard(...); model.to_empty(device="cpu")
     zeroflat.fsdp.load(model, "/path/to/checkpoint")
@@ -34,10 +35,9 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _fsdp_copies, _fsdp_model as _model, _hf_names
-from ._common import DTYPES, bool_option, framework_memory, path_text
-from ._errors import NoFeasiblePlan
-from ._load import (checkpoint_of, dtype_text, read_whole, sources_of, stored_name, call_loader,
-                    check_load_options, engine_and_comm)
+from ._common import DTYPES, bool_option, path_text
+from ._load import (Load, checkpoint_of, check_load_options, dtype_text, engine_and_comm,
+                    read_whole, run_loads, sources_of, stored_name)
 from ._progress import Watch, check_callback
 
 log = logging.getLogger("zeroflat")
@@ -230,13 +230,33 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
     mesh_shape = prep.mesh_shape if prep is not None else [world]
     coords = prep.coords if prep is not None else [[r] for r in range(world)]
 
-    # One load per dtype of the local shards, and at least one: the first carries any rank's
-    # own error and compares the whole model, so that every rank raises at the same point.
-    # Split among replicas, each load's all-gather over the replica group runs (gloo's or
-    # NCCL's own thread) while the next dtype's load reads.
+    # One load per dtype of the local shards (the one loop, run_loads). Split among replicas,
+    # each load's all-gather over the replica group runs (gloo's or NCCL's own thread) while the
+    # next dtype's load reads.
     batches = _batches(prep) if prep is not None else []
     calls = max(1, len(batches))
-    results = []
+    loads = []
+    for k, (dtype, members) in enumerate(batches):
+        def configure(options, dtype=dtype):
+            options.layout = _C.LayoutOptions(dp=world, dtype=DTYPES[dtype])
+        loads.append(Load(
+            _C.LoadPlacement("shards", mesh=mesh_shape, coords=coords,
+                             placements=[m.placements for m in members]),
+            [m.param for m in members], configure=configure,
+            must_match=[f"fsdp load {k} of {calls}", f"dtype {dtype_text(dtype)}"],
+            what=f"loading {path} into FSDP2 shards",
+            infeasible="the shards do not fit: {reason}; nothing was read"))
+    if not loads:  # none, and at least one: it carries this rank's error
+        loads.append(Load(_C.LoadPlacement("shards", mesh=mesh_shape, coords=coords,
+                                           placements=[]), [],
+                          must_match=["fsdp load 0 of 1", "dtype bf16"],
+                          what=f"loading {path} into FSDP2 shards"))
+    gatherings: Dict[int, Any] = {}
+
+    def gather(k, report, buffer, lay):
+        if buffer is not None and k < len(batches):
+            gatherings[k] = _gather_replicas(prep, buffer[: lay["flat_bytes"]], batches[k][0])
+
     watch = Watch(f"load {path}", rank, world, progress if prep is not None else None)
     mapped_bytes = 0
     with watch:
@@ -245,39 +265,17 @@ def load(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, "_C.Checkpo
                 mapped_bytes = _map_in_place(prep, nthreads, watch.counts, world, cold)
             except Exception as e:  # noqa: BLE001 - every rank must learn of it
                 local_error = e
-        for k in range(calls):
-            dtype, members = batches[k] if k < len(batches) else (torch.bfloat16, [])
-            options = _C.FlattenOptions(layout=_C.LayoutOptions(dp=world), threads=nthreads,
-                                        master=False)
-            options.progress = watch.counts
-            try:
-                options.cold = bool(cold)
-                options.copies = copies
-                options.layout = _C.LayoutOptions(dp=world, dtype=DTYPES[dtype])
-                framework_memory(options, target)
-            except Exception as e:  # noqa: BLE001
-                local_error = local_error or e
-            if local_error is not None:
-                options.local_error = f"{type(local_error).__name__}: {local_error}"
-            options.must_match = [f"fsdp load {k} of {calls}", f"dtype {dtype_text(dtype)}"]
-            if k == 0 and prep is not None:
-                options.must_match = options.must_match + prep.entries
-            params = [m.param for m in members]
-            placements = [m.placements for m in members]
-            report, buffer, _, lay = call_loader(
-                _C.LoadPlacement("shards", mesh=mesh_shape, coords=coords,
-                                 placements=placements),
-                engine, comm if world > 1 else None, prep.ck if prep is not None else None,
-                params, options, local_error, f"loading {path} into FSDP2 shards")
-            if report["outcome"] == "infeasible":
-                raise NoFeasiblePlan(f"the shards do not fit: {report['reason']}; nothing was "
-                                     "read", report)
-            gathering = (_gather_replicas(prep, buffer[: lay["flat_bytes"]], dtype)
-                         if buffer is not None else None)
-            results.append((members, report, buffer, lay, dtype, gathering))
+        loaded = run_loads(loads, engine=engine, comm=comm if world > 1 else None,
+                           ck=prep.ck if prep is not None else None, threads=nthreads,
+                           target=target, counts=watch.counts, cold=cold, copies=copies,
+                           local_error=local_error,
+                           entries=prep.entries if prep is not None else (), after=gather)
+    results = [(batches[k][1], report, buffer, lay, batches[k][0], gatherings.get(k))
+               for k, (report, buffer, _, lay) in enumerate(loaded)
+               if k < len(batches) and report is not None]
     assert local_error is None and prep is not None
     # What the loads did not compare between the ranks' copies: shards in place, buffers.
-    checked_bytes = _fsdp_copies.check(prep, rank, world, group, copies, path)
+    checked_bytes = _fsdp_copies.check(prep, comm, world, copies)
     # Every rank read everything: the model takes it.
     t_read = time.perf_counter()
     with torch.no_grad():
