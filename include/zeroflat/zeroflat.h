@@ -14,7 +14,7 @@
 // The other headers are their parts, usable alone: the layouts (layout.h, zero3.h, release.h),
 // the planner (plan.h), the probe (probe.h), devices (device.h), communicators (comm.h), the
 // executor (executor.h), checkpoints and model sources (checkpoint.h, model.h,
-// model_source.h, torch_file.h, deepspeed_checkpoint.h, dcp_checkpoint.h) and the JSON
+// model_source.h, deepspeed_checkpoint.h, dcp_checkpoint.h) and the JSON
 // reports (report.h).
 // agree.h is the ranks' agreement the doors run; rehearsal.h is `zeroflat run`'s rehearsal of a
 // model from a deterministic pattern.

@@ -5,7 +5,8 @@
 // environment), bind_device.cc, bind_checkpoint.cc (checkpoint.h), bind_options.cc,
 // bind_loads.cc (the front doors: engine.h, loader.h, mapped.h, dtensor.h), bind_layouts.cc
 // (layout.h, release.h, zero3.h), bind_deepspeed.cc (DeepSpeed and DCP checkpoints, the resume).
-// Only the public API is used.
+// Only the public API is used, and, in bind_deepspeed.cc, the library's private torch.save
+// reader, whose saved states the binding makes Python values of.
 #pragma once
 
 #include <pybind11/functional.h>

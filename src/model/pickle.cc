@@ -10,9 +10,9 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "model/torch_file.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
-#include "zeroflat/torch_file.h"
 
 namespace zeroflat::detail {
 namespace {

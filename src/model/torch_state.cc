@@ -6,9 +6,9 @@
 #include <string>
 #include <tuple>
 
+#include "model/torch_file.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
-#include "zeroflat/torch_file.h"
 
 namespace zeroflat::detail {
 namespace {

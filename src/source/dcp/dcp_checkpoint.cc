@@ -15,7 +15,9 @@
 #include "model/files.h"
 #include "model/tiling.h"
 #include "model/pickle.h"
+#include "model/torch_file.h"
 #include "model/torch_window.h"
+#include "source/saved_state.h"
 #include "zeroflat/error.h"
 #include "zeroflat/size.h"
 

@@ -160,8 +160,8 @@ class SourceBuilder {
     out_.index.path = ck.dir;
     for (const DeepSpeedFile& f : ck.files) {
       out_.index.files.push_back(f.path);
-      out_.index.file_bytes.push_back(f.torch.file_bytes);
-      out_.index.stamps.push_back(f.torch.stamp);
+      out_.index.file_bytes.push_back(f.file_bytes);
+      out_.index.stamps.push_back(f.stamp);
     }
   }
 
