@@ -14,7 +14,7 @@
 
 #include "common/pattern.h"
 #include "zeroflat/comm.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/flatten.h"
 
 namespace zeroflat {

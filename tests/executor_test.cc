@@ -12,10 +12,9 @@
 #include <thread>
 #include <vector>
 
-#include "zeroflat/checksum.h"
 #include "common/pattern.h"
 #include "zeroflat/comm.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/plan.h"
 
 namespace zeroflat {

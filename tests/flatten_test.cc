@@ -8,8 +8,8 @@
 #include <random>
 #include <vector>
 
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
 
 namespace zeroflat {
 namespace {

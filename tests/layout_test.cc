@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

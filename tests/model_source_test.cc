@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/loader.h"
 
 namespace zeroflat {

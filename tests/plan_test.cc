@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <random>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/model.h"
 #include "zeroflat/zero3.h"
 

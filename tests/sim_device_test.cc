@@ -4,8 +4,8 @@
 #include <cstring>
 #include <vector>
 
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
 #include "zeroflat/flatten.h"
 
 namespace zeroflat {

@@ -15,8 +15,8 @@
 #include <fstream>
 #include <map>
 
+#include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/resume.h"
 #include "zeroflat/zero3.h"

@@ -9,7 +9,7 @@
 #include <sstream>
 #include <vector>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

@@ -13,9 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "zeroflat/dtype.h"
+#include "zeroflat/common.h"
 #include "zeroflat/model.h"
-#include "zeroflat/tensor.h"
 
 namespace zeroflat {
 

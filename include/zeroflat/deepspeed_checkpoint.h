@@ -43,10 +43,9 @@
 #include <vector>
 
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/dtype.h"
-#include "zeroflat/release.h"
-#include "zeroflat/tensor.h"
+#include "zeroflat/common.h"
 #include "zeroflat/loader.h"
+#include "zeroflat/release.h"
 
 namespace zeroflat {
 

@@ -21,7 +21,7 @@
 #include <string_view>
 #include <vector>
 
-#include "zeroflat/dtype.h"
+#include "zeroflat/common.h"
 #include "zeroflat/hardware.h"
 #include "zeroflat/probe.h"
 
@@ -88,7 +88,7 @@ class Device {
   // dst[i] = float(src[i]) for i < numel; src holds elements of dtype. dst must not overlap src.
   virtual void upcast_to_fp32(float* dst, const void* src, DType dtype, std::uint64_t numel) = 0;
 
-  // The zeroflat checksum of [ptr, ptr + num_bytes) (see checksum.h): the same bytes give the
+  // The zeroflat checksum of [ptr, ptr + num_bytes) (see common.h): the same bytes give the
   // same value on every device and with any number of threads.
   virtual std::uint64_t checksum(const void* ptr, std::uint64_t num_bytes) = 0;
 
@@ -155,7 +155,7 @@ class DeviceBuffer {
 };
 
 struct DeviceOptions {
-  // Worker threads for host-side work; 0 picks default_num_threads() (see runtime.h).
+  // Worker threads for host-side work; 0 picks default_num_threads() (see common.h).
   unsigned num_threads = 0;
   // sim devices only: keep no data at all (allocations are accounted, copies skipped).
   bool no_data = false;
@@ -174,7 +174,7 @@ using DeviceFactory =
 
 // Host memory as the cpu device allocates it: sizes of kFreshMappingBytes (2 MiB) and more are
 // fresh anonymous mappings, 2 MiB-aligned and, when huge_pages (none: unless ZEROFLAT_HOST_MEMORY
-// says "plain" or "torch", runtime.h), advised for transparent huge pages (a first touch then
+// says "plain" or "torch", common.h), advised for transparent huge pages (a first touch then
 // costs one fault per 2 MiB, not per 4 KiB; but where the kernel's THP defrag is "madvise",
 // every fault of an advised buffer may compact memory first), smaller ones cache-line-aligned
 // heap memory. Nothing is touched: the first writer faults the pages in (the cpu device's gather

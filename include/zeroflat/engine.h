@@ -46,13 +46,12 @@
 #include <vector>
 
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
 #include "zeroflat/executor.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
-#include "zeroflat/progress.h"
 #include "zeroflat/release.h"
-#include "zeroflat/tensor.h"
 
 namespace zeroflat {
 
@@ -93,7 +92,7 @@ struct ReadOptions {
   // differ.
   double simulated_read_bytes_per_second = 0;
   // Counts this rank's planned and read bytes as the load runs, for a display on another
-  // thread (progress.h); none: not counted. May differ.
+  // thread (common.h); none: not counted. May differ.
   std::shared_ptr<ReadProgress> progress;
 };
 

@@ -5,9 +5,9 @@
 #include <span>
 #include <vector>
 
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
 #include "zeroflat/layout.h"
-#include "zeroflat/tensor.h"
 
 namespace zeroflat {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "zeroflat/dtype.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

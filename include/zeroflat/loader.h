@@ -213,7 +213,7 @@ struct BoxRead {
 // cores split among the ranks of this host). Throws InvalidArgument for a tensor the checkpoint
 // lacks, a box outside it or a dtype the loader does not convert (before anything is read);
 // Error naming the file, byte range and tensor when a read fails. Returns the file bytes read.
-// Under exact read-ahead (runtime.h) the kernel's read-ahead is off for the files, unless
+// Under exact read-ahead (common.h) the kernel's read-ahead is off for the files, unless
 // `sole_reader`: the caller knows no other rank reads them (a job of one rank), and the kernel's
 // read-ahead, faster, reads nothing another rank needs.
 std::uint64_t read_checkpoint_boxes(const CheckpointIndex& checkpoint,

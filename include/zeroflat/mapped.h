@@ -20,10 +20,9 @@
 #include <vector>
 
 #include "zeroflat/checkpoint.h"
+#include "zeroflat/common.h"
 #include "zeroflat/dtensor.h"
-#include "zeroflat/dtype.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/progress.h"
 
 namespace zeroflat {
 
@@ -87,7 +86,7 @@ class MappedRanges {
 // Maps `ranges` (each within its file, as the headers say; one of 0 bytes maps nothing)
 // privately and brings every page of them in on options.threads threads. Each file is checked to
 // be the one whose headers were read, as the loader checks before reading. Under exact
-// read-ahead (runtime.h) the pages are asked for exactly, the kernel's read-around off for the
+// read-ahead (common.h) the pages are asked for exactly, the kernel's read-around off for the
 // mappings, unless options.sole_reader. Throws InvalidArgument for a range outside its file, a file
 // replaced, truncated or not mappable, naming it; Error naming the file and byte range where a page
 // cannot be read (an I/O error). Nothing stays mapped when it throws.

@@ -32,7 +32,7 @@
 #include <span>
 #include <vector>
 
-#include "zeroflat/dtype.h"
+#include "zeroflat/common.h"
 #include "zeroflat/layout.h"
 
 namespace zeroflat {

@@ -11,25 +11,24 @@
 //   placement.
 // - resume.h: plan_resume(), a DeepSpeed checkpoint resumed at any world size: the buffers each
 //   rank keeps, their sources and placements, and each rank's reads.
-// The other headers are their parts, usable alone: the layouts (layout.h, zero3.h, release.h),
-// the planner (plan.h), the probe (probe.h), devices (device.h), communicators (comm.h), the
-// executor (executor.h), checkpoints and model sources (checkpoint.h, model.h,
-// model_source.h, deepspeed_checkpoint.h, dcp_checkpoint.h) and the JSON
-// reports (report.h).
+// The other headers are their parts, usable alone: the vocabulary (common.h: errors, dtypes,
+// tensor references, sizes, the checksum, read progress, runtime facts), the layouts (layout.h,
+// zero3.h, release.h), the planner (plan.h), the probe (probe.h), devices (device.h),
+// communicators (comm.h), the executor (executor.h), checkpoints and model sources
+// (checkpoint.h, model.h, model_source.h, deepspeed_checkpoint.h, dcp_checkpoint.h) and the
+// JSON reports (report.h).
 // agree.h is the ranks' agreement the doors run; rehearsal.h is `zeroflat run`'s rehearsal of a
 // model from a deterministic pattern.
 #pragma once
 
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/checksum.h"
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/config.h"
 #include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/device.h"
 #include "zeroflat/dtensor.h"
-#include "zeroflat/dtype.h"
 #include "zeroflat/engine.h"
-#include "zeroflat/error.h"
 #include "zeroflat/executor.h"
 #include "zeroflat/flatten.h"
 #include "zeroflat/hardware.h"
@@ -40,12 +39,8 @@
 #include "zeroflat/model_source.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
-#include "zeroflat/progress.h"
 #include "zeroflat/rehearsal.h"
 #include "zeroflat/release.h"
 #include "zeroflat/report.h"
 #include "zeroflat/resume.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
-#include "zeroflat/tensor.h"
 #include "zeroflat/zero3.h"

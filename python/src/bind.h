@@ -184,7 +184,7 @@ class TorchDevice final : public zf::Device {
   }
 };
 
-// The Python classes of zeroflat's errors (error.h), made once at import. Each kind is also the
+// The Python classes of zeroflat's errors (common.h), made once at import. Each kind is also the
 // built-in exception a Python caller would expect for it, so `except ValueError` still catches an
 // InvalidArgument; the root is a RuntimeError, as every library error was before it had a class.
 struct PyErrors {

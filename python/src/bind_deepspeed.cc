@@ -15,9 +15,9 @@
 
 #include "model/torch_file.h"
 #include "source/saved_state.h"
+#include "zeroflat/common.h"
 #include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/resume.h"
 #include "bind.h"
 #include "os_names.h"

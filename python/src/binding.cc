@@ -36,7 +36,7 @@ PyObject* new_error(py::module_& m, const char* name, std::initializer_list<PyOb
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zeroflat engine for PyTorch (use the zeroflat package, not this module)";
 
-  // --- errors (error.h) -------------------------------------------------------------------------
+  // --- errors (common.h) -------------------------------------------------------------------------
   errors.error = new_error(m, "Error", {PyExc_RuntimeError},
                            "Root of zeroflat's errors (a RuntimeError): the message says what was "
                            "expected, what was found, and which parameter, rank or step.");

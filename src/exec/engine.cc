@@ -9,10 +9,8 @@
 #include "common/saturate.h"
 #include "exec/pipeline.h"
 #include "zeroflat/agree.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/flatten.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat {

@@ -15,9 +15,7 @@
 #include "common/clock.h"
 #include "common/convert.h"
 #include "common/prefault.h"
-#include "zeroflat/error.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

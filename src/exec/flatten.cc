@@ -5,8 +5,7 @@
 #include <numeric>
 #include <string>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

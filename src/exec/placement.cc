@@ -1,6 +1,6 @@
 // The placements of the one pipeline (pipeline.h): what each rank holds at the end.
 #include "exec/pipeline.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat::detail {

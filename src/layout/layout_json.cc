@@ -5,7 +5,7 @@
 #include <ostream>
 #include <sstream>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/release.h"
 

@@ -4,8 +4,7 @@
 #include <array>
 #include <charconv>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

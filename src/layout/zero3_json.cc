@@ -3,7 +3,7 @@
 #include <ostream>
 #include <string>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat {

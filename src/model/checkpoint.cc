@@ -22,9 +22,8 @@
 #include "model/tiling.h"
 #include "model/torch_file.h"
 #include "model/torch_state.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/model_source.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {

@@ -2,7 +2,7 @@
 #include <string>
 
 #include "model/strict_json.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/model_source.h"
 
 namespace zeroflat {

@@ -11,8 +11,7 @@
 #include <unordered_set>
 
 #include "model/torch_file.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 namespace {

@@ -13,9 +13,8 @@
 #include "model/torch_file.h"
 #include "model/torch_state.h"
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/model_source.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {

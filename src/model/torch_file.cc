@@ -16,8 +16,7 @@
 #include "model/pickle.h"
 #include "model/torch_window.h"
 #include "model/zip.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

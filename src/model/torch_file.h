@@ -111,8 +111,7 @@
 #include <vector>
 
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/dtype.h"
-#include "zeroflat/tensor.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

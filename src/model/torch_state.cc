@@ -7,8 +7,7 @@
 #include <tuple>
 
 #include "model/torch_file.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 namespace {

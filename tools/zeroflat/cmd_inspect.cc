@@ -8,13 +8,12 @@
 
 #include "cli/common.h"
 #include "model/torch_file.h"
+#include "zeroflat/common.h"
 #include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/loader.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/resume.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat::cli {
 namespace {

@@ -7,10 +7,9 @@
 #include <string>
 
 #include "cli/common.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/model_source.h"
 #include "zeroflat/release.h"
-#include "zeroflat/size.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {

@@ -6,7 +6,7 @@
 
 #include "cli/common.h"
 #include "cli/load.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {

@@ -6,10 +6,8 @@
 
 #include "common/convert.h"
 #include "source/checkpoint/source.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat {

@@ -12,10 +12,8 @@
 #include "exec/pipeline.h"
 #include "source/checkpoint/files.h"
 #include "source/checkpoint/source.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/mapped.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22  // Linux 5.14

@@ -14,10 +14,9 @@
 
 #include "model/torch_file.h"
 #include "source/saved_state.h"
+#include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/layout.h"
-#include "zeroflat/size.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat::detail {

@@ -6,8 +6,7 @@
 #include <algorithm>
 
 #include "source/checkpoint/files.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat {

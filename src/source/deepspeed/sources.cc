@@ -6,11 +6,10 @@
 #include <cstdio>
 #include <map>
 
+#include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/release.h"
-#include "zeroflat/size.h"
 #include "zeroflat/zero3.h"
 
 namespace zeroflat {
