@@ -21,7 +21,7 @@
 
 #include "device/cpu_device.h"
 #include "zeroflat/common.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 
 namespace zeroflat {
 namespace {

@@ -28,7 +28,7 @@
 #include "device/cuda_gather.h"
 #include "device/cuda_kernels.cuh"
 #include "zeroflat/common.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/model.h"
 

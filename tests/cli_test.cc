@@ -21,8 +21,8 @@
 #include <string>
 
 #include "zeroflat/common.h"
-#include "zeroflat/hardware.h"
 #include "zeroflat/loader.h"
+#include "zeroflat/probe.h"
 #include "cli_run.h"
 #include "sanitizers.h"
 

@@ -18,7 +18,7 @@
 #include "zeroflat/common.h"
 #include "zeroflat/config.h"
 #include "zeroflat/device.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 #include "zeroflat/model.h"
 
 namespace zeroflat {

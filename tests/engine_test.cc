@@ -15,7 +15,7 @@
 #include "common/pattern.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/common.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 
 namespace zeroflat {
 namespace {

@@ -6,7 +6,7 @@
 
 #include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 
 namespace zeroflat {
 namespace {

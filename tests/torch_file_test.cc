@@ -19,7 +19,6 @@
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/resume.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {

@@ -15,7 +15,7 @@
 //   ZeRO-3     per saving rank r zero_pp_rank_{r}_mp_rank_00_model_states.pt (param_shapes per
 //              sub-group, frozen_param_fragments: r's partition of each frozen parameter, ...)
 //              and {bf16_}zero_pp_rank_{r}_mp_rank_00_optim_states.pt: fp32_flat_groups (per
-//              sub-group, r's partitions back to back, zero3.h) and optimizer_state_dict.
+//              sub-group, r's partitions back to back, layout.h) and optimizer_state_dict.
 //   universal  ds_to_universal's output: zero/NAME/{fp32,exp_avg,exp_avg_sq,step}.pt per
 //              parameter, zero/optimizer_state.pt, and mp_rank_00_model_states.pt.
 // The optimizer files are also found under the name without the underscore before
@@ -44,8 +44,8 @@
 
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/release.h"
 
 namespace zeroflat {
 

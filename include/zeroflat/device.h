@@ -22,7 +22,6 @@
 #include <vector>
 
 #include "zeroflat/common.h"
-#include "zeroflat/hardware.h"
 #include "zeroflat/probe.h"
 
 namespace zeroflat {
@@ -101,7 +100,7 @@ class Device {
   // The host memory this rank may stage through: MemAvailable and cgroups, shared among the
   // local ranks (the default), or a simulated node's (sim devices). Never throws.
   virtual ProbeResult probe_host_memory(const ProbeContext& context);
-  // The accelerator this device is, when it matches a preset (hardware.h): a sim device of a
+  // The accelerator this device is, when it matches a preset (probe.h): a sim device of a
   // preset, or of a plain size in a generic node. None: the planner costs it as a generic device
   // of its capacity.
   virtual std::optional<DevicePreset> hardware() const { return std::nullopt; }
@@ -160,7 +159,7 @@ struct DeviceOptions {
   // sim devices only: keep no data at all (allocations are accounted, copies skipped).
   bool no_data = false;
   // sim devices only: the host memory of the simulated node, in bytes (shared by its local
-  // ranks). None: the preset's node (sim:h100-80gb), else a generic node (hardware.h).
+  // ranks). None: the preset's node (sim:h100-80gb), else a generic node (probe.h).
   std::optional<std::uint64_t> node_host_bytes = std::nullopt;
   // sim devices only: the host-to-device link, simulated: each copy() takes at least
   // link_latency_seconds + bytes / link_bytes_per_second (the copy waits out the rest), as a

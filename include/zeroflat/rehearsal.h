@@ -12,7 +12,7 @@
 #include "zeroflat/comm.h"
 #include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 #include "zeroflat/plan.h"
 
 namespace zeroflat {

@@ -7,7 +7,7 @@
 #include "device/sim_device.h"
 #include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/hardware.h"
+#include "zeroflat/probe.h"
 
 namespace zeroflat {
 namespace detail {

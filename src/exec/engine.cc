@@ -10,8 +10,8 @@
 #include "exec/pipeline.h"
 #include "zeroflat/agree.h"
 #include "zeroflat/common.h"
-#include "zeroflat/flatten.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/engine.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat {
 namespace {

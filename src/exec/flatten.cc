@@ -1,5 +1,5 @@
 // The `device` tier on one rank: validate, lay out, allocate, gather, re-point, up-cast.
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 
 #include <algorithm>
 #include <numeric>

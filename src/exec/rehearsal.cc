@@ -12,8 +12,8 @@
 #include "common/pattern.h"
 #include "common/thread_pool.h"
 #include "device/cpu_device.h"
+#include "exec/executor.h"
 #include "zeroflat/common.h"
-#include "zeroflat/executor.h"
 
 namespace zeroflat {
 namespace {

@@ -7,7 +7,6 @@
 
 #include "zeroflat/common.h"
 #include "zeroflat/layout.h"
-#include "zeroflat/release.h"
 
 namespace zeroflat {
 namespace {

@@ -1,5 +1,5 @@
-// DeepSpeed's layout rules by release (release.h).
-#include "zeroflat/release.h"
+// DeepSpeed's layout rules by release (layout.h).
+#include "zeroflat/layout.h"
 
 #include <array>
 #include <charconv>

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "zeroflat/common.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat {
 

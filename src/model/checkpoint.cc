@@ -22,8 +22,8 @@
 #include "model/tiling.h"
 #include "model/torch_file.h"
 #include "model/torch_state.h"
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/common.h"
-#include "zeroflat/model_source.h"
 
 namespace zeroflat {
 namespace {

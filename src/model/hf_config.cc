@@ -2,8 +2,8 @@
 #include <string>
 
 #include "model/strict_json.h"
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/common.h"
-#include "zeroflat/model_source.h"
 
 namespace zeroflat {
 namespace {

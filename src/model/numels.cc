@@ -5,8 +5,8 @@
 
 #include "model/files.h"
 #include "model/strict_json.h"
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/common.h"
-#include "zeroflat/model_source.h"
 
 namespace zeroflat {
 namespace {

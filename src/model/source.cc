@@ -14,7 +14,6 @@
 #include "model/torch_state.h"
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/common.h"
-#include "zeroflat/model_source.h"
 
 namespace zeroflat {
 namespace {

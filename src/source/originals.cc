@@ -5,7 +5,6 @@
 #include "zeroflat/agree.h"
 #include "zeroflat/common.h"
 #include "zeroflat/engine.h"
-#include "zeroflat/flatten.h"
 
 namespace zeroflat::detail {
 namespace {

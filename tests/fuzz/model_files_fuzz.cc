@@ -28,7 +28,6 @@
 #include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/model_source.h"
 #include "zeroflat/resume.h"
 
 namespace {

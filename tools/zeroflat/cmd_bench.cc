@@ -24,7 +24,7 @@
 #include "cli/progress.h"
 #include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 #include "zeroflat/layout.h"
 
 extern char** environ;

@@ -8,11 +8,11 @@
 
 #include "cli/common.h"
 #include "model/torch_file.h"
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/common.h"
 #include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/model_source.h"
 #include "zeroflat/resume.h"
 
 namespace zeroflat::cli {

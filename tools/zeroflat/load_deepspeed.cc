@@ -13,9 +13,8 @@
 #include "cli/load.h"
 #include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/release.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/report.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {
 namespace {

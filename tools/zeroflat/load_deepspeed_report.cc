@@ -7,7 +7,7 @@
 #include "cli/common.h"
 #include "cli/load.h"
 #include "zeroflat/common.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat::cli {
 namespace {

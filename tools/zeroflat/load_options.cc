@@ -10,7 +10,7 @@
 #include "cli/load.h"
 #include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat::cli {
 namespace {

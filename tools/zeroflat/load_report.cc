@@ -8,8 +8,8 @@
 #include "cli/common.h"
 #include "cli/load.h"
 #include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {
 

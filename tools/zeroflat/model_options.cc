@@ -7,8 +7,8 @@
 #include <iterator>
 
 #include "cli/common.h"
+#include "zeroflat/checkpoint.h"
 #include "zeroflat/common.h"
-#include "zeroflat/model_source.h"
 
 namespace zeroflat::cli {
 namespace {

@@ -7,8 +7,8 @@
 #include "common/convert.h"
 #include "source/checkpoint/source.h"
 #include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {

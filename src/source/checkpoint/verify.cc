@@ -6,8 +6,8 @@
 #include "source/checkpoint/source.h"
 #include "zeroflat/common.h"
 #include "zeroflat/dtensor.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {

@@ -17,7 +17,6 @@
 #include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/layout.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat::detail {
 

@@ -7,7 +7,7 @@
 
 #include "source/checkpoint/files.h"
 #include "zeroflat/common.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat {
 namespace {

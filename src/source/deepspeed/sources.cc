@@ -9,8 +9,6 @@
 #include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/layout.h"
-#include "zeroflat/release.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {

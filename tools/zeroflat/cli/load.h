@@ -24,7 +24,6 @@
 #include "zeroflat/device.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/release.h"
 #include "zeroflat/resume.h"
 
 namespace zeroflat::cli {
