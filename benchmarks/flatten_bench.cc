@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "device/cpu_device.h"
-#include "zeroflat/flatten.h"
-#include "zeroflat/runtime.h"
+#include "zeroflat/common.h"
+#include "zeroflat/engine.h"
 
 namespace zeroflat {
 namespace {

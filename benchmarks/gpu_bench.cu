@@ -27,11 +27,10 @@
 #include "device/cuda_device.h"
 #include "device/cuda_gather.h"
 #include "device/cuda_kernels.cuh"
-#include "zeroflat/error.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/common.h"
+#include "zeroflat/engine.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/model.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat::bench {
 namespace {

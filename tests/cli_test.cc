@@ -20,11 +20,11 @@
 #include <set>
 #include <string>
 
+#include "zeroflat/common.h"
+#include "zeroflat/loader.h"
+#include "zeroflat/probe.h"
 #include "cli_run.h"
 #include "sanitizers.h"
-#include "zeroflat/hardware.h"
-#include "zeroflat/loader.h"
-#include "zeroflat/size.h"
 
 namespace {
 

@@ -9,8 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
 
 namespace zeroflat {
 namespace {

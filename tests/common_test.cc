@@ -12,15 +12,11 @@
 #include <vector>
 
 #include "common/cgroup_cpu.h"
+#include "common/pattern.h"
 #include "common/saturate.h"
 #include "common/thread_pool.h"
-#include "zeroflat/checksum.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
-#include "common/pattern.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
-#include "zeroflat/tensor.h"
 
 namespace zeroflat {
 namespace {

@@ -14,12 +14,11 @@
 #include <vector>
 
 #include "device/cuda_gather.h"
-#include "zeroflat/checksum.h"
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/config.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 #include "zeroflat/model.h"
 
 namespace zeroflat {

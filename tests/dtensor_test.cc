@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

@@ -14,8 +14,8 @@
 
 #include "common/pattern.h"
 #include "zeroflat/comm.h"
-#include "zeroflat/error.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/common.h"
+#include "zeroflat/engine.h"
 
 namespace zeroflat {
 namespace {

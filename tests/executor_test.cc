@@ -1,7 +1,7 @@
 // The executor: every tier on the cpu and sim devices with 1 to 4 ranks gives the same flat
 // buffer, measured peaks equal the memory model's, and a fault at any step on any rank leaves
 // every parameter's values intact, on every rank, without a hang.
-#include "zeroflat/executor.h"
+#include "exec/executor.h"
 
 #include <gtest/gtest.h>
 
@@ -12,10 +12,9 @@
 #include <thread>
 #include <vector>
 
-#include "zeroflat/checksum.h"
 #include "common/pattern.h"
 #include "zeroflat/comm.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/plan.h"
 
 namespace zeroflat {

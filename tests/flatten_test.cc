@@ -1,6 +1,6 @@
 // The CPU flatten against a naive reference: many shapes and thread counts, empty and one-element
 // tensors, unaligned pointers; views, the master partition, and groups rejected before any work.
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 
 #include <gtest/gtest.h>
 
@@ -8,8 +8,8 @@
 #include <random>
 #include <vector>
 
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
 
 namespace zeroflat {
 namespace {

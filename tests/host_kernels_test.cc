@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "device/cpu_device.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 namespace {

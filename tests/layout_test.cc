@@ -1,7 +1,6 @@
 // The layout engine against DeepSpeed's layout: the spec's vectors, worked examples, properties
 // on thousands of random inputs, and bad input.
 #include "zeroflat/layout.h"
-#include "zeroflat/release.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

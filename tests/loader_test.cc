@@ -31,12 +31,12 @@
 #include "source/checkpoint/files.h"
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
 #include "zeroflat/dtensor.h"
-#include "zeroflat/error.h"
-#include "zeroflat/mapped.h"
+#include "zeroflat/layout.h"
+#include "zeroflat/loader.h"
 #include "zeroflat/model.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {
@@ -1334,7 +1334,7 @@ TEST_F(LoaderTest, DTensorShardsEveryRankReadsOnlyItsLocalShards) {
   });
 }
 
-// Shards used in place (mapped.h): shard_file_ranges names the same parameters on every rank
+// Shards used in place (loader.h): shard_file_ranges names the same parameters on every rank
 // (Shard(0) and Replicate() of the file's dtype; none where a conversion or strided runs need a
 // read), each rank's range holds exactly its shard's bytes, map_file_ranges maps them with those
 // values, counts them, and a write to the memory leaves the file as it was.

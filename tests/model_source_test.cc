@@ -1,7 +1,7 @@
 // Untrusted model files: safetensors headers, checkpoint directories, config.json. Valid files
 // parse to what they hold; every kind of malformed input is InvalidArgument naming the file.
 // Past 700 lines on purpose: one case per kind of malformed input, over the same file writers.
-#include "zeroflat/model_source.h"
+#include "zeroflat/checkpoint.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/loader.h"
 
 namespace zeroflat {

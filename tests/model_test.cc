@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "model/tiling.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <random>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/model.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {
@@ -271,7 +271,7 @@ TEST(Load, TheFlatBufferAloneOnTheDeviceTheRingOnTheHostTheReadsAPartition) {
 }
 
 TEST(Load, ZeRO3PartitionsAreReadIntoTheRanksOwnBufferWithNoAllGather) {
-  // The seed's 48 layers on 8 ranks of one node: each rank's buffer is its partitions (zero3.h).
+  // The seed's 48 layers on 8 ranks of one node: each rank's buffer is its partitions (layout.h).
   const PlanInput flat = qwen_on("h100-80gb", 48, 8);
   PlanInput in = flat;
   in.layout = zero3_buffer_layout(flat.layout.numels(), flat.layout.options());

@@ -4,9 +4,9 @@
 #include <cstring>
 #include <vector>
 
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 
 namespace zeroflat {
 namespace {

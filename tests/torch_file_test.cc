@@ -5,7 +5,7 @@
 // torch.save archive (the fuzz corpus' seed) listed as torch saved it; and the reads of a
 // resume at a new world size, against the layouts they come from. Past 700 lines on purpose:
 // the hand-built archives and pickles every case needs are built here, by one set of helpers.
-#include "zeroflat/torch_file.h"
+#include "model/torch_file.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -15,11 +15,10 @@
 #include <fstream>
 #include <map>
 
+#include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/resume.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {

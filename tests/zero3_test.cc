@@ -1,7 +1,7 @@
 // The ZeRO-3 layout: partitions and padding per parameter, the rank buffer's offsets, the
 // Stage 3 optimizer's sub-groups and groups_padding, on small cases checked by hand, and the
 // sizes that would overflow.
-#include "zeroflat/zero3.h"
+#include "zeroflat/layout.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <sstream>
 #include <vector>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

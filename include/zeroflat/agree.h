@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/plan.h"
-#include "zeroflat/tensor.h"
 
 namespace zeroflat {
 

@@ -12,18 +12,19 @@
 // (a chunk's tensor, or the value) at that offset of its .distcp file.
 //
 // DCP's FileSystemReader unpickles `.metadata` with pickle.load, which runs whatever it names.
-// This reader runs nothing: `.metadata` is read by the restricted pickle machine with its DCP
-// rows (torch_file.h's allow-list, the one list), every item by torch_file.h's reader; nothing
-// is believed before it is checked (InvalidArgument naming the file and the entry):
+// This reader runs nothing: `.metadata` is read by the library's restricted pickle machine with
+// its DCP rows (the torch.save reader's allow-list, the one list: docs/security.md), every item
+// by that torch.save reader; nothing is believed before it is checked (InvalidArgument naming
+// the file and the entry):
 //   - the index: its classes and fields as DCP writes them, every size, offset and count bounded
-//     (at most kMaxDcpChunks chunks, kMaxTorchDims dimensions), chunks inside their tensor and
+//     (at most kMaxDcpChunks chunks, 64 dimensions), chunks inside their tensor and
 //     tiling it (no overlap; in the global index, no element missing), one storage entry per
 //     chunk and per bytes item, no entry for anything the index does not list;
 //   - the files: plain names inside the folder (no '/', no "..", no hidden path), regular files,
 //     each item's bytes inside its file; transformed items (DCP's compression extensions) are
 //     refused, saying so;
 //   - each item: one torch.save archive of one contiguous tensor of the chunk's dtype and size
-//     (chunks), or of a value (bytes items, read by the caller with read_dcp_value).
+//     (chunks), or of a value (bytes items, whose values the Python binding makes).
 // What a DCP file can name is the allow-list's DCP rows: DCP's dataclasses, its memory-format
 // enum, torch.Size, the dtypes, the 'torch.strided' layout and a PosixPath (as a string).
 #pragma once
@@ -35,14 +36,11 @@
 #include <vector>
 
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/torch_file.h"
 
 namespace zeroflat {
 
 // The most chunks (of every tensor together) an index may list.
 inline constexpr std::uint64_t kMaxDcpChunks = 10'000'000;
-// The largest bytes item read (an optimizer's hyperparameter is a few hundred bytes).
-inline constexpr std::uint64_t kMaxDcpValueBytes = std::uint64_t{64} << 20;
 
 // A segment of a planner_data path: a dict key (a string) or a list index (an int).
 struct DcpPathPart {
@@ -62,7 +60,7 @@ struct DcpChunk {
 
 struct DcpItem {
   std::string fqn;
-  bool is_bytes = false;       // a value saved by torch.save (read_dcp_value), not a tensor
+  bool is_bytes = false;       // a value saved by torch.save, not a tensor
   std::string dtype;           // tensors: torch's name ("float32", "bfloat16", "int64", ...)
   Shape size;                  // tensors: the global size
   std::uint64_t numel = 0;     // tensors: elements of the global tensor
@@ -124,10 +122,5 @@ struct DcpChunkRef {
 // result's files and stamps are the checkpoint's: a file replaced since it was opened is refused
 // by the reads. Throws InvalidArgument naming the file, the item's byte range and the fqn.
 CheckpointIndex dcp_chunks_index(const DcpCheckpoint& ck, const std::vector<DcpChunkRef>& chunks);
-
-// A bytes item's archive, read by torch_file.h's reader (the caller makes its value, as for a
-// DeepSpeed file; read_torch_tensor reads its tensors). Its size is bounded by
-// kMaxDcpValueBytes. Throws InvalidArgument naming the file, the range and the fqn.
-TorchFile read_dcp_value(const DcpCheckpoint& ck, const std::string& fqn);
 
 }  // namespace zeroflat

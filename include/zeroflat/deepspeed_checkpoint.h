@@ -1,4 +1,5 @@
-// DeepSpeed ZeRO checkpoint folders read without running them (torch_file.h reads each file):
+// DeepSpeed ZeRO checkpoint folders read without running them (the library's own torch.save
+// reader reads each file, docs/security.md):
 // the saving run's stage, world size and release, every optimizer group's parameters, each
 // saving rank's fp32 partitions and optimizer states with their byte ranges, frozen parameters
 // and buffers; and, for a new world size, which byte ranges each new rank reads to keep its
@@ -14,7 +15,7 @@
 //   ZeRO-3     per saving rank r zero_pp_rank_{r}_mp_rank_00_model_states.pt (param_shapes per
 //              sub-group, frozen_param_fragments: r's partition of each frozen parameter, ...)
 //              and {bf16_}zero_pp_rank_{r}_mp_rank_00_optim_states.pt: fp32_flat_groups (per
-//              sub-group, r's partitions back to back, zero3.h) and optimizer_state_dict.
+//              sub-group, r's partitions back to back, layout.h) and optimizer_state_dict.
 //   universal  ds_to_universal's output: zero/NAME/{fp32,exp_avg,exp_avg_sq,step}.pt per
 //              parameter, zero/optimizer_state.pt, and mp_rank_00_model_states.pt.
 // The optimizer files are also found under the name without the underscore before
@@ -22,7 +23,7 @@
 //
 // Contract:
 //   - Only the zip directories and pickles of the files are read, never tensor data; every file
-//     is untrusted (torch_file.h's contract holds for each).
+//     is untrusted (the torch.save reader's contract, docs/security.md, holds for each).
 //   - Every disagreement is InvalidArgument naming the files and the entry: a rank's file
 //     missing, files of more ranks than partition_count says, two optimizer files for one rank,
 //     different releases (ds_version), stages (zero_stage), world sizes (partition_count,
@@ -35,19 +36,22 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/dtype.h"
-#include "zeroflat/release.h"
-#include "zeroflat/tensor.h"
+#include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/torch_file.h"
 
 namespace zeroflat {
+
+namespace detail {
+struct SavedFile;  // a file's state as the torch.save reader parsed it (private)
+}  // namespace detail
 
 enum class DeepSpeedFormat : std::uint8_t { kZero12, kZero3, kUniversal };
 // "zero-1/2", "zero-3", "universal".
@@ -60,14 +64,26 @@ struct DeepSpeedFile {
   std::int64_t rank = -1; // the saving rank it belongs to; -1 for a file of every rank
   std::string param;      // universal: the parameter it holds
   std::string state;      // universal: "fp32", "exp_avg", ... (the file's stem)
-  TorchFile torch;
+  std::uint64_t file_bytes = 0;      // its size when read
+  FileStamp stamp;                   // the file as it was read
+  std::uint64_t tensors = 0;         // the tensors of its saved state (one saved under two
+                                     // places counts twice)
+  std::vector<std::string> globals;  // the globals its pickle named, "module name", in the
+                                     // order first named
+  // Its saved state as the reader parsed it, for the library's own use (the Python binding
+  // makes values of it): opaque here. Copies of the checkpoint share it; it never changes.
+  std::shared_ptr<const detail::SavedFile> saved;
 };
 
 // A tensor of the checkpoint, contiguous: bytes [offset, offset + bytes) of its file.
 struct DeepSpeedTensor {
   std::uint32_t file = 0;     // index into DeepSpeedCheckpoint::files
-  std::string path;           // its place in that file's state (TorchTensor::path)
-  std::string dtype;          // as TorchTensor::dtype
+  // Its place in that file's state: dict keys, list indices and an object's state keys joined
+  // by '/' ("optimizer_state_dict/base_optimizer_state/state/0/exp_avg").
+  std::string path;
+  // zeroflat's name where it has one ("bf16", "fp16", "fp32"), else torch's ("float64",
+  // "int64", ...).
+  std::string dtype;
   std::optional<DType> type;
   std::uint64_t element_size = 0;
   Shape shape;

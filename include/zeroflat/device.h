@@ -21,8 +21,7 @@
 #include <string_view>
 #include <vector>
 
-#include "zeroflat/dtype.h"
-#include "zeroflat/hardware.h"
+#include "zeroflat/common.h"
 #include "zeroflat/probe.h"
 
 namespace zeroflat {
@@ -88,7 +87,7 @@ class Device {
   // dst[i] = float(src[i]) for i < numel; src holds elements of dtype. dst must not overlap src.
   virtual void upcast_to_fp32(float* dst, const void* src, DType dtype, std::uint64_t numel) = 0;
 
-  // The zeroflat checksum of [ptr, ptr + num_bytes) (see checksum.h): the same bytes give the
+  // The zeroflat checksum of [ptr, ptr + num_bytes) (see common.h): the same bytes give the
   // same value on every device and with any number of threads.
   virtual std::uint64_t checksum(const void* ptr, std::uint64_t num_bytes) = 0;
 
@@ -101,7 +100,7 @@ class Device {
   // The host memory this rank may stage through: MemAvailable and cgroups, shared among the
   // local ranks (the default), or a simulated node's (sim devices). Never throws.
   virtual ProbeResult probe_host_memory(const ProbeContext& context);
-  // The accelerator this device is, when it matches a preset (hardware.h): a sim device of a
+  // The accelerator this device is, when it matches a preset (probe.h): a sim device of a
   // preset, or of a plain size in a generic node. None: the planner costs it as a generic device
   // of its capacity.
   virtual std::optional<DevicePreset> hardware() const { return std::nullopt; }
@@ -155,12 +154,12 @@ class DeviceBuffer {
 };
 
 struct DeviceOptions {
-  // Worker threads for host-side work; 0 picks default_num_threads() (see runtime.h).
+  // Worker threads for host-side work; 0 picks default_num_threads() (see common.h).
   unsigned num_threads = 0;
   // sim devices only: keep no data at all (allocations are accounted, copies skipped).
   bool no_data = false;
   // sim devices only: the host memory of the simulated node, in bytes (shared by its local
-  // ranks). None: the preset's node (sim:h100-80gb), else a generic node (hardware.h).
+  // ranks). None: the preset's node (sim:h100-80gb), else a generic node (probe.h).
   std::optional<std::uint64_t> node_host_bytes = std::nullopt;
   // sim devices only: the host-to-device link, simulated: each copy() takes at least
   // link_latency_seconds + bytes / link_bytes_per_second (the copy waits out the rest), as a
@@ -174,7 +173,7 @@ using DeviceFactory =
 
 // Host memory as the cpu device allocates it: sizes of kFreshMappingBytes (2 MiB) and more are
 // fresh anonymous mappings, 2 MiB-aligned and, when huge_pages (none: unless ZEROFLAT_HOST_MEMORY
-// says "plain" or "torch", runtime.h), advised for transparent huge pages (a first touch then
+// says "plain" or "torch", common.h), advised for transparent huge pages (a first touch then
 // costs one fault per 2 MiB, not per 4 KiB; but where the kernel's THP defrag is "madvise",
 // every fault of an advised buffer may compact memory first), smaller ones cache-line-aligned
 // heap memory. Nothing is touched: the first writer faults the pages in (the cpu device's gather

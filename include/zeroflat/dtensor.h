@@ -26,7 +26,7 @@
 #include <string_view>
 #include <vector>
 
-#include "zeroflat/tensor.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

@@ -17,7 +17,7 @@
 //            read plans from files) on the memory model; the fastest that fits, or none;
 //   check    for the sharded and staged tiers, that the ranks hold the same values (one more
 //            all-reduce; each rank hashes the group once);
-//   execute  the chosen step list (executor.h), with agreement, rollback and recovery;
+//   execute  the chosen step list, with agreement, rollback and recovery (Outcome, below);
 //   after    a source's check of what the ranks read (their copies of a checkpoint);
 //   master   this rank's fp32 master partition, if asked.
 //
@@ -35,9 +35,13 @@
 //   outlive the result: the flat buffer, the views and the master partition are its memory.
 // - comm is used by this call alone while it runs (a Communicator is not for concurrent use by
 //   several threads; see comm.h).
+//
+// Here too: what a flatten leaves (FlatGroup) and what running its step list reports (Execution,
+// Outcome), and the `device` tier alone as building blocks (flatten_group, make_master_partition).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -46,16 +50,109 @@
 #include <vector>
 
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/executor.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
-#include "zeroflat/progress.h"
-#include "zeroflat/release.h"
-#include "zeroflat/tensor.h"
 
 namespace zeroflat {
 
+// --- The flattened group, and its execution ------------------------------------------------------
+// What running a step list reports. The executor (the `execute` step of the pipeline) runs the
+// very list the planner simulated, on a device and a communicator, and keeps the parameters'
+// data safe when anything fails:
+// - Agreement: ranks that share a group end in the same state. Before every step that cannot be
+//   taken back or that needs all of them (releasing the originals, each all-gather) and once
+//   more at the end, they agree in one small all-reduce on whether every rank's steps so far
+//   succeeded. A rank whose step failed skips ahead to that point, so nobody waits for it in an
+//   all-gather.
+// - Rollback: a failure agreed before the originals are released rolls every rank back: the
+//   buffers the steps allocated are released and every view points where it pointed before
+//   (its original storage, untouched; or nothing, for values read from files).
+// - Recovery: after the release, the only complete copy of the group is spread over the ranks'
+//   slices (or, in the host tier, the host stage). Putting it back within the memory the plan
+//   proved is exactly what the rest of the list does, so every rank re-runs the steps from the
+//   one that failed (without the injected fault), and the parameters end up holding their
+//   values as views into the completed buffer (kRecovered). Only when that fails too (the
+//   device refuses memory again, the communicator is gone) is data lost (kLost), and the result
+//   says which layout bytes this rank still held.
+
+// A flattened group: the flat buffer that owns every parameter's data, and the views.
+struct FlatGroup {
+  Layout layout;
+  DeviceBuffer flat;
+  // views[i] is input parameter i re-pointed into flat: data = flat + offsets[i] * esize,
+  // same numel, shape, dtype and device.
+  std::vector<TensorRef> views;
+
+  // Rank r's partition [r * S, (r + 1) * S) of flat, as a 1-D tensor.
+  TensorRef partition(std::uint64_t rank) const;
+};
+
+struct ExecuteOptions {
+  // Testing aid: step N of the list fails on this rank, as if it had thrown, the first time it
+  // runs (the recovery pass runs it normally). Past the last step it changes nothing.
+  std::optional<std::size_t> fault_step;
+  // Called before each step runs (for progress); index into the step list.
+  std::function<void(std::size_t, const Step&)> on_step;
+  // A read of this rank's slice followed by the all-gather of the buffer (the `load` plan) is
+  // split into parts, each gathered while the next is read, where the communicator gathers parts
+  // on this device (Communicator::gathers_parts): at most this many parts (0: ZEROFLAT_GATHER_PARTS
+  // where set, else the executor's choice, one per 8 MiB up to 8; 1: read, then gather). The
+  // ranks take the smallest count any of them asks for. A read up-cast into the master partition
+  // as it arrives (master, below) without such a gather is read in as many parts.
+  std::uint32_t gather_parts = 0;
+  // This rank's fp32 master partition (partition master_slot of the flat buffer up-cast) is built
+  // as the step list reads it: each part up-cast on a thread of its own while the next is read,
+  // in memory the device allocates at the read step (Execution::master). Only on a device whose
+  // memory is the host's and keeps data, for a list that reads this rank's slot of the layout
+  // into that partition in one step (builds_master); otherwise nothing.
+  bool master = false;
+  std::uint64_t master_slot = 0;
+};
+
+enum class Outcome : std::uint8_t {
+  kDone,        // the flat buffer is complete; parameters are views into it
+  kRolledBack,  // nothing was released: parameters hold their original storage, unchanged
+  kRecovered,   // a step failed after the originals were released; the rest of the list was
+                // run again and the parameters hold their original values as views into flat
+  kLost,        // recovery failed as well: some parameter data is gone (the error says why)
+};
+std::string_view outcome_name(Outcome outcome) noexcept;
+
+struct Execution {
+  Outcome outcome = Outcome::kDone;
+  // Empty when done; otherwise "step 4 (all-gather ...) failed on rank 1: ..." and what the
+  // executor did about it.
+  std::string error;
+  std::optional<std::size_t> failed_step;  // the first failure the ranks agreed on
+  int failed_rank = -1;
+  // When done or recovered: the flat buffer, the views and the layout. Empty otherwise.
+  FlatGroup group;
+  // Device usage over the run (the device's high-water mark; resident bytes included) and the
+  // host staging memory it held at most.
+  std::uint64_t measured_peak_device_bytes = 0;
+  std::uint64_t measured_peak_host_bytes = 0;
+  double seconds = 0;                // the whole step list on this rank, agreement included
+  std::vector<double> step_seconds;  // per step of the list (the last run of each)
+  // The parts of an overlapped read and all-gather (1 where there was none), and the seconds the
+  // all-gather of all but the last part took while the read went on (inside the read step's
+  // time; the all-gather step's time is the last part's).
+  std::uint32_t gather_parts = 1;
+  double overlapped_gather_seconds = 0;
+  // When done or recovered and ExecuteOptions::master was met: this rank's fp32 master partition
+  // (the partition's elements, padding included), and the seconds its up-casts took (on their
+  // own thread, inside the read step's time). Empty otherwise.
+  DeviceBuffer master;
+  double master_seconds = 0;
+};
+
+// How the caller frees the originals' storage (the parameters as they are before flattening):
+// called at most once, at the step that releases them; must not throw.
+using ReleaseOriginals = std::function<void()>;
+
+// --- The front door ------------------------------------------------------------------------------
 // How the ranks check, after reading a checkpoint, that their copies hold the same bytes (their
 // headers are always compared).
 enum class CopyCheck : std::uint8_t {
@@ -93,7 +190,7 @@ struct ReadOptions {
   // differ.
   double simulated_read_bytes_per_second = 0;
   // Counts this rank's planned and read bytes as the load runs, for a display on another
-  // thread (progress.h); none: not counted. May differ.
+  // thread (common.h); none: not counted. May differ.
   std::shared_ptr<ReadProgress> progress;
 };
 
@@ -118,7 +215,7 @@ struct FlattenOptions {
   // Bandwidths of the cost model; none: the device's preset (Device::hardware()), else a
   // generic device of its capacity. Must match.
   std::optional<Bandwidths> bandwidths;
-  // The DeepSpeed release whose layout the group follows (release.h), when the caller builds
+  // The DeepSpeed release whose layout the group follows (layout.h), when the caller builds
   // one: the layout options are checked against its rules (InvalidArgument naming the option),
   // and the release is part of what the ranks compare and of the report. The caller passes the
   // group as that release forms it (layout_for_release says which parameters it keeps). Must
@@ -225,5 +322,33 @@ PlannedGroup plan_param_group(const Layout& layout, Device& device, const Flatte
 FlattenResult flatten_param_group(std::span<TensorRef> params, Device& device, Communicator* comm,
                                   const FlattenOptions& options,
                                   const ReleaseOriginals& release_originals = {});
+
+// --- The device tier alone -----------------------------------------------------------------------
+// Flattening one parameter group on one device, without probe, plan or agreement: the building
+// blocks of the `device` tier.
+
+// Checks that params can form one group under options: same dtype as options.dtype, on
+// device, numel equal to the shape's product, data non-null when numel > 0, no two parameters
+// overlapping in memory. Throws InvalidArgument naming the parameter's index and shape.
+void validate_group(std::span<const TensorRef> params, const Device& device,
+                    const LayoutOptions& options);
+
+// The segments that gather the flat buffer's byte range [lo_bytes, hi_bytes) from the
+// parameters (dst offsets relative to lo_bytes). Gaps between them are padding.
+std::vector<Segment> gather_segments(const Layout& layout, std::span<const TensorRef> params,
+                                     std::uint64_t lo_bytes, std::uint64_t hi_bytes);
+
+// The `device` tier alone, as a building block: no probe, no plan, no agreement. Most callers
+// want flatten_param_group (above), which proves a way of flattening fits first. Builds the
+// flat buffer of params on device (one allocation of layout.flat_bytes(), one gather with every
+// padding gap zeroed) and returns it with the views.
+// The originals are not modified and may be released by the caller afterwards. Throws
+// InvalidArgument (bad group, checked before anything is allocated) or OutOfMemory.
+FlatGroup flatten_group(Device& device, std::span<const TensorRef> params,
+                        const LayoutOptions& options);
+
+// The fp32 master copy of rank's partition of group.flat, padding included (zeros): the
+// up-cast of every element. Returns a buffer of partition_numel * 4 bytes on the same device.
+DeviceBuffer make_master_partition(Device& device, const FlatGroup& group, std::uint64_t rank);
 
 }  // namespace zeroflat

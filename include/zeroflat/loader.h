@@ -22,9 +22,13 @@
 //   entry that differs and both versions), and after reading a sample of the bytes
 //   (ReadOptions::copies): copies that differ are an error naming the file and tensor, never a
 //   buffer mixed from several copies.
+//
+// Then, for the shards of a DTensor load (storage="map" in Python): the shards that lie in the
+// checkpoint's files as they are, mapped rather than read.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -33,13 +37,13 @@
 
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
 #include "zeroflat/dtensor.h"
 #include "zeroflat/engine.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
-#include "zeroflat/release.h"
 
 namespace zeroflat {
 
@@ -80,7 +84,7 @@ struct LoadParam {
 //                the buffer's dtype. group().layout is the whole flat layout, group().flat holds
 //                only this rank's slice (partition_bytes: its partition(0)); the views are not
 //                re-pointed (a slice holds pieces of parameters).
-//   kPartitions  ZeRO-3 (zero3.h): each rank reads only its own partition of every parameter,
+//   kPartitions  ZeRO-3 (layout.h): each rank reads only its own partition of every parameter,
 //                elements [r * p, min((r + 1) * p, n)) of the parameter's sources concatenated
 //                (the elements past n zero), into its buffer: the partitions back to back in
 //                the order of params, as the Stage 3 optimizer's lp_param_buffer holds them (a
@@ -213,7 +217,7 @@ struct BoxRead {
 // cores split among the ranks of this host). Throws InvalidArgument for a tensor the checkpoint
 // lacks, a box outside it or a dtype the loader does not convert (before anything is read);
 // Error naming the file, byte range and tensor when a read fails. Returns the file bytes read.
-// Under exact read-ahead (runtime.h) the kernel's read-ahead is off for the files, unless
+// Under exact read-ahead (common.h) the kernel's read-ahead is off for the files, unless
 // `sole_reader`: the caller knows no other rank reads them (a job of one rank), and the kernel's
 // read-ahead, faster, reads nothing another rank needs.
 std::uint64_t read_checkpoint_boxes(const CheckpointIndex& checkpoint,
@@ -231,5 +235,115 @@ std::string page_cache_word(double cached_fraction);
 
 // The fraction of [offset, offset + length) of a file that is in the page cache now (mincore).
 double cached_fraction(const std::string& file, std::uint64_t offset, std::uint64_t length);
+
+// --- Shards used in place: mapped, not read ------------------------------------------------------
+// A rank's shards used where they lie in the checkpoint's files: mapped, not read. A DTensor's
+// local shard whose elements follow one another in one tensor of the file, stored in the dtype
+// the model holds, is one byte range of that file; a private (copy-on-write) mapping of it is
+// the shard, with no copy into fresh memory. The pages are brought in during the load (the page
+// cache's pages mapped where they are there, the file read where they are not), so the first
+// touch afterwards faults nothing; a write to the memory (a training step) copies the page it
+// writes, and the file is never changed.
+//
+// What a mapping costs the caller: the memory stays tied to the file. A file truncated while
+// mapped (a checkpoint rewritten in place, not replaced by a rename) makes the pages past its
+// new end unreadable (SIGBUS on access); a file rewritten in place changes the values of the
+// pages not yet written. Replacing the file by a rename, as checkpoint writers do, changes
+// nothing of a mapping. check_taken_copies compares the ranks' copies in what they took so (and
+// in values read whole outside a load), as a load compares its own reads.
+
+// One byte range of one checkpoint file.
+struct FileRange {
+  std::uint32_t file = 0;  // index into CheckpointIndex::files
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+  bool operator==(const FileRange&) const = default;
+};
+
+// Per parameter, rank `rank`'s local shard under spec as one byte range of one file, where the
+// parameter can be used in place: every rank's shard one run of consecutive elements of one
+// checkpoint tensor (a shard of whole rows, as Shard(0) and Replicate() make: each sharded
+// dimension has only dimensions of size 1 before it), stored as `dtype` (no conversion), from a
+// byte of the file that is a multiple of the element size, the tensor stored whole (not a piece
+// of a DCP-sharded file). A rank whose shard is empty gets a range of 0 bytes. Else none: the
+// loader reads it (a conversion, a shard of several runs, a parameter several tensors make up).
+// Which parameters have a range depends on the checkpoint, shapes and placements only: the same
+// on every rank, so that the ranks' loads of the rest agree. Throws InvalidArgument as
+// load_read_bytes does for the shards.
+std::vector<std::optional<FileRange>> shard_file_ranges(const CheckpointIndex& checkpoint,
+                                                        std::span<const LoadParam> params,
+                                                        const ShardSpec& spec, std::uint64_t rank,
+                                                        DType dtype);
+
+// How map_file_ranges brings the pages in.
+struct MapOptions {
+  unsigned threads = 0;  // 0: default_num_threads()
+  // Counts each piece brought in (planned, then done); may be null.
+  ReadProgress* progress = nullptr;
+  // No other rank reads the files: the kernel's read-ahead, which then reads nothing another
+  // rank needs, even under exact read-ahead.
+  bool sole_reader = false;
+  // Drop the files from the page cache first (ReadOptions::cold: a cold load measured without
+  // root).
+  bool cold = false;
+};
+
+// Ranges of a checkpoint's files, mapped. Each file is mapped once, over the pages its ranges
+// span; a range's mapping lives while this object or any handle from keep() does.
+class MappedRanges {
+ public:
+  MappedRanges() = default;
+  std::size_t size() const noexcept { return data_.size(); }
+  // Range k's first byte (writable: the mapping is private); null for a range of 0 bytes.
+  unsigned char* data(std::size_t k) const { return data_.at(k); }
+  // A handle that keeps range k's mapping alive (for a tensor's deleter).
+  std::shared_ptr<const void> keep(std::size_t k) const { return keep_.at(k); }
+  // The ranges' bytes (what was brought in: file bytes read where they were not cached).
+  std::uint64_t bytes() const noexcept { return bytes_; }
+
+ private:
+  friend MappedRanges map_file_ranges(const CheckpointIndex&, std::span<const FileRange>,
+                                      const MapOptions&);
+  std::vector<unsigned char*> data_;
+  std::vector<std::shared_ptr<const void>> keep_;
+  std::uint64_t bytes_ = 0;
+};
+
+// Maps `ranges` (each within its file, as the headers say; one of 0 bytes maps nothing)
+// privately and brings every page of them in on options.threads threads. Each file is checked to
+// be the one whose headers were read, as the loader checks before reading. Under exact
+// read-ahead (common.h) the pages are asked for exactly, the kernel's read-around off for the
+// mappings, unless options.sole_reader. Throws InvalidArgument for a range outside its file, a file
+// replaced, truncated or not mappable, naming it; Error naming the file and byte range where a page
+// cannot be read (an I/O error). Nothing stays mapped when it throws.
+MappedRanges map_file_ranges(const CheckpointIndex& checkpoint, std::span<const FileRange> ranges,
+                             const MapOptions& options = {});
+
+// What a rank took from its copy of the checkpoint outside a load (load() compares its own
+// reads: FlattenOptions' copies): ranges used where they lie (mapped shards) and values read
+// whole (a model's buffers).
+struct TakenBytes {
+  // Per rank, the ranges it took, listed in the same order on every rank; `what` names each
+  // (a parameter) for the error.
+  std::vector<std::vector<FileRange>> ranges;
+  std::vector<std::vector<std::string>> what;
+  // This rank's bytes of its own ranges, as it took them (a range of 0 bytes: any pointer).
+  std::vector<const unsigned char*> mine;
+  // The values read whole, the same on every rank: what each is, for the error ("buffer
+  // 'counts'"), and this rank's bytes of it.
+  std::vector<std::string> value_names;
+  std::vector<std::span<const unsigned char>> values;
+};
+
+// The ranks' copies compared in what they took, by the loads' rule (copies): each rank digests
+// windows of its ranges' bytes, laid end to end (kSampled: 16 windows of 64 KiB spread over
+// them, placed by its rank; kFull, or 1 MiB or less: every byte), and every value; the ranks
+// exchange the digests in one all-reduce; each rank then digests the other ranks' windows as
+// its own copy of the files holds them (read with pread) and compares, and every value's
+// digest is compared across the ranks. One more all-reduce makes a difference every rank's
+// InvalidArgument, named by the rank that found it (file, byte, parameter or value). Returns
+// the file bytes this rank read to compare. Collective; nothing for one rank or kOff.
+std::uint64_t check_taken_copies(const CheckpointIndex& checkpoint, const TakenBytes& taken,
+                                 Communicator& comm, CopyCheck mode);
 
 }  // namespace zeroflat

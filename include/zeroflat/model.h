@@ -8,8 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include "zeroflat/dtype.h"
-#include "zeroflat/tensor.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

@@ -7,8 +7,8 @@
 // - The planner keeps the candidates that fit in free - margin (device) and the host memory
 //   this rank may use, and picks the fastest, or the forced one; none fitting is a verdict with
 //   the numbers, never a throw.
-// - The executor runs the very same lists (executor.h), so the planner's account of memory and
-//   the executor's cannot drift apart.
+// - The executor runs the very same lists (engine.h: Execution), so the planner's account of
+//   memory and the executor's cannot drift apart.
 #pragma once
 
 #include <cstdint>
@@ -18,8 +18,8 @@
 #include <string_view>
 #include <vector>
 
-#include "zeroflat/hardware.h"
 #include "zeroflat/layout.h"
+#include "zeroflat/probe.h"
 
 namespace zeroflat {
 
@@ -29,7 +29,7 @@ namespace zeroflat {
 //   reads 1/nodes of the checkpoint from storage);
 // - kLoadWhole: each rank reads the whole buffer, which its node's page cache serves after the
 //   first reader (each node reads the whole checkpoint once, no all-gather);
-// - kLoadPartitions: ZeRO-3's placement (zero3.h), each rank reads only its own partition of
+// - kLoadPartitions: ZeRO-3's placement (layout.h), each rank reads only its own partition of
 //   every parameter into its buffer, no all-gather;
 // - kLoadSlice: each rank reads only its own slice of the flat layout and keeps just that (an
 //   optimizer's partition of fp32 weights or states), no all-gather.

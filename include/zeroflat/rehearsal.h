@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 #include "zeroflat/plan.h"
-#include "zeroflat/tensor.h"
 
 namespace zeroflat {
 

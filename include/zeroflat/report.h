@@ -35,7 +35,7 @@ std::string plan_json(const Plan& plan, const PlanInput& input);
 // placement, and whether the group fits or not:
 //   rank                         this rank (of comm)
 //   tier                         the chosen tier or read plan, or null when none fits
-//   outcome                      "done", "rolled back", "recovered", "lost" (executor.h), or
+//   outcome                      "done", "rolled back", "recovered", "lost" (engine.h), or
 //                                "infeasible" when none fits (nothing moved)
 //   feasible, reason             whether one fits, and why this one or why none (the plan's)
 //   flat_bytes, partition_bytes  of the layout the steps filled (for ZeRO-3's partitions both

@@ -19,7 +19,6 @@
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/release.h"
 
 namespace zeroflat {
 

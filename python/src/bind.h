@@ -3,9 +3,10 @@
 // conversions between torch's and zeroflat's types, and each bound area's entry point. The module
 // is cut along the library's areas, one file each: binding.cc (the module, errors, the
 // environment), bind_device.cc, bind_checkpoint.cc (checkpoint.h), bind_options.cc,
-// bind_loads.cc (the front doors: engine.h, loader.h, mapped.h, dtensor.h), bind_layouts.cc
-// (layout.h, release.h, zero3.h), bind_deepspeed.cc (DeepSpeed and DCP checkpoints, the resume).
-// Only the public API is used.
+// bind_loads.cc (the front doors: engine.h, loader.h, dtensor.h), bind_layouts.cc
+// (layout.h), bind_deepspeed.cc (DeepSpeed and DCP checkpoints, the resume).
+// Only the public API is used, and, in bind_deepspeed.cc, the library's private torch.save
+// reader, whose saved states the binding makes Python values of.
 #pragma once
 
 #include <pybind11/functional.h>
@@ -183,7 +184,7 @@ class TorchDevice final : public zf::Device {
   }
 };
 
-// The Python classes of zeroflat's errors (error.h), made once at import. Each kind is also the
+// The Python classes of zeroflat's errors (common.h), made once at import. Each kind is also the
 // built-in exception a Python caller would expect for it, so `except ValueError` still catches an
 // InvalidArgument; the root is a RuntimeError, as every library error was before it had a class.
 struct PyErrors {

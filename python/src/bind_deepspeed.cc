@@ -1,8 +1,10 @@
-// zeroflat._C's DeepSpeed checkpoints: torch.save files read without running them (torch_file.h)
-// and DeepSpeed checkpoint folders (deepspeed_checkpoint.h), as Python values. A saved state's
-// small values (steps, a scheduler's numbers, a loss scaler) become Python objects here, tensors
-// among them read from their bytes; instances of the classes a checkpoint may name come as
-// dicts for the caller to rebuild from its own classes. Only the public API is used here.
+// zeroflat._C's DeepSpeed checkpoints: torch.save files read without running them (the
+// library's private reader, model/torch_file.h) and DeepSpeed checkpoint folders
+// (deepspeed_checkpoint.h), as Python values. A saved state's small values (steps, a scheduler's
+// numbers, a loss scaler) become Python objects here, tensors among them read from their bytes;
+// instances of the classes a checkpoint may name come as dicts for the caller to rebuild from
+// its own classes. Besides the public API, only the reader and the checkpoints' saved states
+// (source/saved_state.h) are used here.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -11,11 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "model/torch_file.h"
+#include "source/saved_state.h"
+#include "zeroflat/common.h"
 #include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/resume.h"
-#include "zeroflat/torch_file.h"
 #include "bind.h"
 #include "os_names.h"
 
@@ -254,7 +257,7 @@ void bind_deepspeed(py::module_& m) {
       py::arg("parameter_alignment") = py::none(), py::arg("alignment_factor") = 2,
       py::arg("weights_dtype") = py::none());
 
-  // The reader's allow-list, the one list of what a file may name (torch_file.h), as
+  // The reader's allow-list, the one list of what a file may name (model/torch_file.h), as
   // (module, name, how a value of it is made, what the reader lets it do, why it is listed,
   // where a file may name it).
   m.def("allowed_globals", [] {
@@ -432,7 +435,7 @@ void bind_deepspeed(py::module_& m) {
       .def(
           "value",
           [](const zf::DeepSpeedCheckpoint& c, std::size_t file, const std::string& path) {
-            const zf::TorchFile& f = c.files.at(file).torch;
+            const zf::TorchFile& f = zf::deepspeed_file_state(c, file);
             Budget budget(f);
             return to_python(f, f.at(path), budget);
           },
@@ -442,7 +445,7 @@ void bind_deepspeed(py::module_& m) {
       .def(
           "keys",
           [](const zf::DeepSpeedCheckpoint& c, std::size_t file, const std::string& path) {
-            const zf::TorchValue& v = c.files.at(file).torch.at(path);
+            const zf::TorchValue& v = zf::deepspeed_file_state(c, file).at(path);
             std::vector<std::string> out;
             if (v.kind == zf::TorchKind::kDict || v.kind == zf::TorchKind::kObject) {
               for (const auto& [key, value] : v.entries) out.push_back(zf::torch_path_segment(key));
@@ -453,7 +456,7 @@ void bind_deepspeed(py::module_& m) {
       .def(
           "has",
           [](const zf::DeepSpeedCheckpoint& c, std::size_t file, const std::string& path) {
-            return c.files.at(file).torch.find(path) != nullptr;
+            return zf::deepspeed_file_state(c, file).find(path) != nullptr;
           },
           py::arg("file"), py::arg("path"))
       // A target's saved runs as a checkpoint the loader reads, and each named parameter's

@@ -62,7 +62,7 @@ void bind_device(py::module_& m) {
       });
 
   // Whether `wide` (float32) holds, bit for bit, the up-cast of `narrow` (bfloat16, float16 or
-  // float32) element for element (dtype.h's holds_upcast): one pass, no temporary. Contiguous CPU
+  // float32) element for element (common.h's holds_upcast): one pass, no temporary. Contiguous CPU
   // tensors of as many elements.
   m.def(
       "holds_upcast",

@@ -1,4 +1,4 @@
-// zeroflat._C's layouts and DeepSpeed's release rules (layout.h, release.h, zero3.h).
+// zeroflat._C's layouts and DeepSpeed's release rules (layout.h).
 #include <sstream>
 
 #include "bind.h"
@@ -19,7 +19,7 @@ py::dict rules_dict(const zf::ReleaseRules& r) {
   return d;
 }
 
-// The ZeRO-3 layout of optimizer groups (zero3.h) seen from `rank`: per parameter (flat over the
+// The ZeRO-3 layout of optimizer groups (layout.h) seen from `rank`: per parameter (flat over the
 // groups) its numel, partition_numel, padding (p * W - n) and offset in the rank buffer; the
 // buffer's elements; the sub-groups; this rank's groups_padding and elements of data.
 py::dict zero3_layout(const std::vector<std::vector<std::uint64_t>>& groups, std::uint64_t world,

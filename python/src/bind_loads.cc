@@ -1,6 +1,6 @@
 // zeroflat._C's front doors: a group flattened (engine.h), loaded from a checkpoint by the one
 // load of loader.h for any placement (whole, a slice, ZeRO-3 partitions, DTensor shards), the
-// shards that lie in the files as they are (mapped.h), and a shard's extent (dtensor.h). Each
+// shards that lie in the files as they are (loader.h), and a shard's extent (dtensor.h). Each
 // releases the GIL while the library runs.
 #include <functional>
 #include <tuple>
@@ -189,7 +189,7 @@ py::tuple load(TorchDevice& device, py::object comm_impl, py::object checkpoint,
   return result_tuple(device, r, parse_json(zf::result_json(r)));
 }
 
-// This rank's shards that lie in the checkpoint's files as they are (mapped.h's
+// This rank's shards that lie in the checkpoint's files as they are (loader.h's
 // shard_file_ranges): per parameter, (file, offset, bytes), or None where it must be read.
 py::list shard_file_ranges(const zf::CheckpointIndex& ck, const std::vector<zf::LoadParam>& params,
                            std::vector<std::uint64_t> mesh,
@@ -237,7 +237,7 @@ py::list map_file_ranges(
   return out;
 }
 
-// The ranks' copies compared in what they took outside a load (mapped.h's check_taken_copies):
+// The ranks' copies compared in what they took outside a load (loader.h's check_taken_copies):
 // `ranges` per rank, (file, offset, bytes, name) of each range it took, in the same order on
 // every rank; `mine` this rank's bytes of its own (host tensors); `values` (name, host tensor)
 // read whole. Returns the file bytes this rank read to compare. Collective.

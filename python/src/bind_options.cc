@@ -1,4 +1,4 @@
-// zeroflat._C's options (engine.h, layout.h, loader.h, progress.h): the library's structs, made
+// zeroflat._C's options (engine.h, layout.h, loader.h, common.h): the library's structs, made
 // from keyword arguments, with the read options and the probe's context flattened into
 // FlattenOptions.
 #include "bind.h"
@@ -17,7 +17,7 @@ void bind_options(py::module_& m) {
           "dtype", [](const zf::LayoutOptions& o) { return std::string(zf::dtype_name(o.dtype)); },
           [](zf::LayoutOptions& o, const std::string& d) { o.dtype = zf::parse_dtype(d); })
       .def("validate", [](const zf::LayoutOptions& o) { zf::validate(o); });
-  // A rank's read progress (progress.h), shared with the loads that count it; its counts are
+  // A rank's read progress (common.h), shared with the loads that count it; its counts are
   // read while a load runs on another thread (the loads release the GIL).
   py::class_<zf::ReadProgress, std::shared_ptr<zf::ReadProgress>>(m, "ReadProgress")
       .def(py::init<>())

@@ -2,7 +2,7 @@
 // caching allocator), copies run on zeroflat's own device of the same kind, collectives go back
 // to Python (torch.distributed), and everything else is the library's front doors (engine.h,
 // loader.h): probe, agreement, plan, execution, master partition; and DeepSpeed's release rules
-// (release.h). Options cross as the library's own structs (FlattenOptions, LoadOptions, ...,
+// (layout.h). Options cross as the library's own structs (FlattenOptions, LoadOptions, ...,
 // made from keyword arguments), errors as zeroflat's exception classes. Only the public API is
 // used. This file makes the module: its error classes, then each area's bindings (bind.h lists
 // the files, one per area), then the environment.
@@ -36,7 +36,7 @@ PyObject* new_error(py::module_& m, const char* name, std::initializer_list<PyOb
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zeroflat engine for PyTorch (use the zeroflat package, not this module)";
 
-  // --- errors (error.h) -------------------------------------------------------------------------
+  // --- errors (common.h) -------------------------------------------------------------------------
   errors.error = new_error(m, "Error", {PyExc_RuntimeError},
                            "Root of zeroflat's errors (a RuntimeError): the message says what was "
                            "expected, what was found, and which parameter, rank or step.");

@@ -1,4 +1,4 @@
-"""zeroflat's exceptions: the library's (error.h), raised as these classes by the binding, and the
+"""zeroflat's exceptions: the library's (common.h), raised as these classes by the binding, and the
 two the Python package adds.
 
     Error (a RuntimeError)

@@ -1,7 +1,7 @@
 """The check that the ranks' copies of a checkpoint hold the same bytes (``copies``), for what an
 FSDP2 load takes without the library's loads, which check their own: the shards used in place
 (``storage="map"``) and the buffers every rank reads whole. The check is the library's
-(``check_taken_copies``, mapped.h: the loads' rule over byte ranges and values); this module
+(``check_taken_copies``, loader.h: the loads' rule over byte ranges and values); this module
 says which ranges each rank took (the library's ``shard_file_ranges``) and hands over the
 bytes. A difference is every rank's error, named by the rank that found it, before any model
 is changed."""

@@ -6,8 +6,8 @@
 #include <mutex>
 
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
 
 namespace zeroflat {
 

@@ -1,6 +1,6 @@
 // make_mpi_communicator in a build without MPI.
 #include "zeroflat/comm.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

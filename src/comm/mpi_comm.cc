@@ -17,9 +17,8 @@
 #include <thread>
 
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat {
 

@@ -1,6 +1,6 @@
 // make_nccl_communicator in a build without NCCL.
 #include "zeroflat/comm.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

@@ -14,8 +14,7 @@
 #include "device/cuda_check.h"
 #include "device/cuda_device.h"
 #include "zeroflat/comm.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

@@ -1,4 +1,4 @@
-// The CPU quota of a process's cgroups (runtime.h's available_cores), from the text of its
+// The CPU quota of a process's cgroups (common.h's available_cores), from the text of its
 // /proc/self/cgroup and a cgroup file system root, so that tests can hand it a tree of their own.
 #pragma once
 

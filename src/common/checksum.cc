@@ -1,5 +1,5 @@
-// The chunked XXH3 checksum (definition in checksum.h).
-#include "zeroflat/checksum.h"
+// The chunked XXH3 checksum (definition in common.h).
+#include "zeroflat/common.h"
 
 #include <xxhash.h>
 

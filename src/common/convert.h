@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "zeroflat/dtype.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

@@ -1,10 +1,9 @@
 // Element types: sizes, names, parsing.
-#include "zeroflat/dtype.h"
+#include "zeroflat/common.h"
 
 #include <string>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

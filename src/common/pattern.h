@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "zeroflat/dtype.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

@@ -1,11 +1,11 @@
-// The one wording of a rank's read progress (progress.h).
-#include "zeroflat/progress.h"
+// The one wording of a rank's read progress (common.h).
+#include "zeroflat/common.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

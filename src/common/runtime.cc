@@ -1,5 +1,5 @@
 // The one place that reads ZEROFLAT_* and launcher variables; core and thread counts.
-#include "zeroflat/runtime.h"
+#include "zeroflat/common.h"
 
 #include <sched.h>
 
@@ -14,8 +14,7 @@
 #include <utility>
 
 #include "common/cgroup_cpu.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

@@ -1,12 +1,12 @@
 // Parsing and printing of byte sizes and counts.
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 #include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <string>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

@@ -1,7 +1,7 @@
 // Shapes and tensor references.
-#include "zeroflat/tensor.h"
+#include "zeroflat/common.h"
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

@@ -11,11 +11,8 @@
 #include <vector>
 
 #include "device/host_kernels.h"
-#include "zeroflat/checksum.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/probe.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat::detail {
 namespace {
@@ -28,7 +25,7 @@ std::uint64_t round_up(std::uint64_t x, std::uint64_t m) {
 }
 
 // Whether fresh mappings are advised for huge pages: as asked, else as ZEROFLAT_HOST_MEMORY
-// says (runtime.h), by default yes (a first touch then costs one fault per 2 MiB).
+// says (common.h), by default yes (a first touch then costs one fault per 2 MiB).
 bool huge_pages_advised(std::optional<bool> asked) {
   if (asked) return *asked;
   const std::optional<RuntimeEnv::HostMemory> m = runtime_env().host_memory;

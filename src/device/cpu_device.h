@@ -52,7 +52,7 @@ class CpuDevice final : public Device {
 // transparent huge pages for large sizes (first touch then costs one fault per 2 MiB, not per
 // 4 KiB), cache-line-aligned heap memory for small ones. Throws OutOfMemory.
 // huge_pages: advise fresh mappings for transparent huge pages; none: as ZEROFLAT_HOST_MEMORY
-// says (runtime.h), by default yes.
+// says (common.h), by default yes.
 void* host_allocate(std::uint64_t num_bytes, std::optional<bool> huge_pages = std::nullopt);
 void host_release(void* ptr, std::uint64_t num_bytes) noexcept;
 

@@ -2,8 +2,7 @@
 #include <string>
 
 #include "device/cuda_device.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

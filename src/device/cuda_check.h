@@ -6,7 +6,7 @@
 #include <string>
 #include <string_view>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

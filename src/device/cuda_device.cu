@@ -11,10 +11,7 @@
 #include "device/cuda_gather.h"
 #include "device/cuda_kernels.cuh"
 #include "device/host_kernels.h"
-#include "zeroflat/checksum.h"
-#include "zeroflat/error.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 #define ZEROFLAT_CHECK(call) ZEROFLAT_CUDA_CHECK(name_, call)
 

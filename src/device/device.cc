@@ -1,7 +1,7 @@
 // The Device base: the probes every device has unless it knows better.
 #include "zeroflat/device.h"
 
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "common/cpu_features.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 namespace {

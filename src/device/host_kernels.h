@@ -9,8 +9,8 @@
 // because the model's checkpoint writer uses them too; the kernels' users get them from here.
 #include "common/convert.h"
 #include "common/prefault.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/dtype.h"
 
 namespace zeroflat::detail {
 

@@ -5,10 +5,9 @@
 
 #include "device/cpu_device.h"
 #include "device/sim_device.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
-#include "zeroflat/hardware.h"
-#include "zeroflat/size.h"
+#include "zeroflat/probe.h"
 
 namespace zeroflat {
 namespace detail {

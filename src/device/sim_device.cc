@@ -7,8 +7,7 @@
 #include <sys/mman.h>
 
 #include "device/host_kernels.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

@@ -9,11 +9,9 @@
 #include "common/saturate.h"
 #include "exec/pipeline.h"
 #include "zeroflat/agree.h"
-#include "zeroflat/error.h"
-#include "zeroflat/flatten.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/common.h"
+#include "zeroflat/engine.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat {
 namespace {

@@ -2,7 +2,7 @@
 // rolls back or recovers forward on failure (see executor.h). Past 700 lines on purpose: the
 // steps, the agreements between them and the rollback of each are one state machine; what a
 // failure at step k must undo is read beside step k.
-#include "zeroflat/executor.h"
+#include "exec/executor.h"
 
 #include <algorithm>
 #include <array>
@@ -15,9 +15,7 @@
 #include "common/clock.h"
 #include "common/convert.h"
 #include "common/prefault.h"
-#include "zeroflat/error.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

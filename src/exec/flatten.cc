@@ -1,12 +1,11 @@
 // The `device` tier on one rank: validate, lay out, allocate, gather, re-point, up-cast.
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 
 #include <algorithm>
 #include <numeric>
 #include <string>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "exec/executor.h"
 #include "zeroflat/comm.h"
 #include "zeroflat/device.h"
 #include "zeroflat/dtensor.h"
 #include "zeroflat/engine.h"
-#include "zeroflat/executor.h"
 
 namespace zeroflat::detail {
 
@@ -96,7 +96,7 @@ class SlicePlacement final : public Placement {
   }
 };
 
-// ZeRO-3: each rank holds only its own partition of every parameter (zero3.h), the partitions
+// ZeRO-3: each rank holds only its own partition of every parameter (layout.h), the partitions
 // back to back in the group's order as the Stage 3 optimizer's buffer; its layout is that buffer
 // (Zero3Layout::buffer_layout: dp 1, the same on every rank), its one read plan kLoadPartitions
 // (no all-gather). The parameters stay whole and untouched; the views are the partitions (1-D).

@@ -1,7 +1,7 @@
 // The placements of the one pipeline (pipeline.h): what each rank holds at the end.
 #include "exec/pipeline.h"
-#include "zeroflat/error.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat::detail {
 

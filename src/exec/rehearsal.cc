@@ -9,12 +9,11 @@
 #include <mutex>
 
 #include "common/clock.h"
+#include "common/pattern.h"
 #include "common/thread_pool.h"
 #include "device/cpu_device.h"
-#include "common/pattern.h"
-#include "zeroflat/error.h"
-#include "zeroflat/executor.h"
-#include "zeroflat/size.h"
+#include "exec/executor.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

@@ -5,8 +5,7 @@
 #include <algorithm>
 
 #include "common/saturate.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

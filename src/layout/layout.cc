@@ -5,7 +5,7 @@
 #include <string>
 
 #include "common/saturate.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

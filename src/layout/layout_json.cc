@@ -5,9 +5,8 @@
 #include <ostream>
 #include <sstream>
 
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/layout.h"
-#include "zeroflat/release.h"
 
 namespace zeroflat {
 namespace {

@@ -1,11 +1,10 @@
-// DeepSpeed's layout rules by release (release.h).
-#include "zeroflat/release.h"
+// DeepSpeed's layout rules by release (layout.h).
+#include "zeroflat/layout.h"
 
 #include <array>
 #include <charconv>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

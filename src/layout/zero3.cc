@@ -1,11 +1,11 @@
 // ZeRO-3 layout arithmetic: per-parameter partitions, the rank buffer and its sub-groups
-// (zero3.h).
-#include "zeroflat/zero3.h"
+// (layout.h).
+#include "zeroflat/layout.h"
 
 #include <string>
 
 #include "common/saturate.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 

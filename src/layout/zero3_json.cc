@@ -3,8 +3,8 @@
 #include <ostream>
 #include <string>
 
-#include "zeroflat/error.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat {
 

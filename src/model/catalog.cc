@@ -4,9 +4,8 @@
 
 #include "common/saturate.h"
 #include "model/model_size.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/model.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {

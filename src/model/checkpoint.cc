@@ -16,15 +16,14 @@
 #include <vector>
 
 #include "common/convert.h"
+#include "common/pattern.h"
 #include "model/files.h"
 #include "model/strict_json.h"
 #include "model/tiling.h"
+#include "model/torch_file.h"
 #include "model/torch_state.h"
-#include "zeroflat/error.h"
-#include "zeroflat/model_source.h"
-#include "common/pattern.h"
-#include "zeroflat/size.h"
-#include "zeroflat/torch_file.h"
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

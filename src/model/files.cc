@@ -8,8 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

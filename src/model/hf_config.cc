@@ -2,8 +2,8 @@
 #include <string>
 
 #include "model/strict_json.h"
-#include "zeroflat/error.h"
-#include "zeroflat/model_source.h"
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

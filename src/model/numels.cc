@@ -5,9 +5,8 @@
 
 #include "model/files.h"
 #include "model/strict_json.h"
-#include "zeroflat/error.h"
-#include "zeroflat/model_source.h"
-#include "zeroflat/size.h"
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

@@ -10,9 +10,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
-#include "zeroflat/torch_file.h"
+#include "model/torch_file.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 namespace {

@@ -9,10 +9,8 @@
 
 #include "model/files.h"
 #include "model/strict_json.h"
-#include "zeroflat/error.h"
-#include "zeroflat/model_source.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {
@@ -210,7 +208,7 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
   const detail::File file(path);  // regular files only: a FIFO would block or never end
   const std::uint64_t file_size = file.size();
   // The kernel's read-ahead would read the first megabytes of tensors with the header, which
-  // under ZeRO are mostly another rank's (ZEROFLAT_READ_AHEAD, runtime.h).
+  // under ZeRO are mostly another rank's (ZEROFLAT_READ_AHEAD, common.h).
   if (runtime_env().read_ahead == RuntimeEnv::ReadAhead::kExact) {
     (void)posix_fadvise(file.fd(), 0, 0, POSIX_FADV_RANDOM);
   }

@@ -8,14 +8,12 @@
 
 #include "common/saturate.h"
 #include "model/files.h"
-#include "model/torch_state.h"
 #include "model/model_size.h"
 #include "model/strict_json.h"
+#include "model/torch_file.h"
+#include "model/torch_state.h"
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/error.h"
-#include "zeroflat/model_source.h"
-#include "zeroflat/size.h"
-#include "zeroflat/torch_file.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

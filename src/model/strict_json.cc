@@ -4,8 +4,7 @@
 #include <set>
 #include <vector>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

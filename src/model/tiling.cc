@@ -10,8 +10,7 @@
 #include <string>
 #include <utility>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/tensor.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

@@ -3,7 +3,7 @@
 // Past 700 lines on purpose: the conversion of the pickle's graph into values is where every
 // bound and every check of a tensor against its storage is made, and the reads of a value's
 // bytes (read_torch_tensor) recheck the same geometry; one file keeps the two in step.
-#include "zeroflat/torch_file.h"
+#include "model/torch_file.h"
 
 #include <algorithm>
 #include <charconv>
@@ -16,8 +16,7 @@
 #include "model/pickle.h"
 #include "model/torch_window.h"
 #include "model/zip.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

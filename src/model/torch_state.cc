@@ -6,9 +6,8 @@
 #include <string>
 #include <tuple>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
-#include "zeroflat/torch_file.h"
+#include "model/torch_file.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 namespace {

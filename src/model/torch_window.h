@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "model/files.h"
-#include "zeroflat/torch_file.h"
+#include "model/torch_file.h"
 
 namespace zeroflat::detail {
 

@@ -4,8 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 namespace {

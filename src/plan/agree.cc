@@ -6,10 +6,8 @@
 #include <cstring>
 
 #include "common/clock.h"
-#include "zeroflat/checksum.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {

@@ -3,9 +3,8 @@
 #include <string>
 
 #include "common/saturate.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/plan.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat {
 

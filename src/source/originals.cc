@@ -3,9 +3,8 @@
 // when the plan says.
 #include "exec/pipeline.h"
 #include "zeroflat/agree.h"
+#include "zeroflat/common.h"
 #include "zeroflat/engine.h"
-#include "zeroflat/error.h"
-#include "zeroflat/flatten.h"
 
 namespace zeroflat::detail {
 namespace {

@@ -6,9 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "zeroflat/common.h"
 #include "zeroflat/probe.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat {
 namespace {

@@ -11,8 +11,8 @@
 #include <string>
 #include <string_view>
 
+#include "zeroflat/common.h"
 #include "zeroflat/probe.h"
-#include "zeroflat/runtime.h"
 
 namespace zeroflat {
 namespace {

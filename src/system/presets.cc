@@ -1,5 +1,5 @@
-// The hardware presets (hardware.h): accelerators by name, their bandwidths and their nodes.
-#include "zeroflat/hardware.h"
+// The hardware presets (probe.h): accelerators by name, their bandwidths and their nodes.
+#include "zeroflat/probe.h"
 
 namespace zeroflat {
 namespace {

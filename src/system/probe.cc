@@ -5,7 +5,7 @@
 #include <exception>
 #include <string>
 
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

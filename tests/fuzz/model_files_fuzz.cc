@@ -22,14 +22,13 @@
 #include <string_view>
 #include <vector>
 
+#include "model/torch_file.h"
 #include "zeroflat/checkpoint.h"
+#include "zeroflat/common.h"
 #include "zeroflat/dcp_checkpoint.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/model_source.h"
 #include "zeroflat/resume.h"
-#include "zeroflat/torch_file.h"
 
 namespace {
 

@@ -22,12 +22,10 @@
 
 #include "cli/common.h"
 #include "cli/progress.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
-#include "zeroflat/flatten.h"
+#include "zeroflat/engine.h"
 #include "zeroflat/layout.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
 
 extern char** environ;
 

@@ -7,14 +7,13 @@
 #include <optional>
 
 #include "cli/common.h"
+#include "model/torch_file.h"
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/common.h"
 #include "zeroflat/dcp_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/model_source.h"
 #include "zeroflat/resume.h"
-#include "zeroflat/size.h"
-#include "zeroflat/torch_file.h"
 
 namespace zeroflat::cli {
 namespace {
@@ -307,7 +306,7 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
     }
   }
   std::uint64_t file_bytes = 0;
-  for (const DeepSpeedFile& f : ck.files) file_bytes += f.torch.file_bytes;
+  for (const DeepSpeedFile& f : ck.files) file_bytes += f.file_bytes;
   // The optimizer states of a partition: name -> (dtype, partitioned).
   std::map<std::string, std::pair<std::string, bool>> states;
   for (const DeepSpeedSubGroup& sg : ck.sub_groups) {
@@ -342,9 +341,9 @@ int inspect_deepspeed(const std::string& path, const std::optional<std::string>&
       doc["files"].push_back(Json{{"path", f.path},
                                   {"role", f.role},
                                   {"rank", f.rank},
-                                  {"bytes", f.torch.file_bytes},
-                                  {"tensors", f.torch.tensors.size()},
-                                  {"globals", f.torch.globals}});
+                                  {"bytes", f.file_bytes},
+                                  {"tensors", f.tensors},
+                                  {"globals", f.globals}});
     }
     doc["groups"] = Json::array();
     for (const DeepSpeedGroup& g : ck.groups) {

@@ -7,11 +7,9 @@
 #include <string>
 
 #include "cli/common.h"
-#include "zeroflat/error.h"
-#include "zeroflat/model_source.h"
-#include "zeroflat/release.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat::cli {
 namespace {

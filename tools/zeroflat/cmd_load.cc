@@ -13,8 +13,7 @@
 #include "cli/load.h"
 #include "zeroflat/agree.h"
 #include "zeroflat/comm.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::cli {
 

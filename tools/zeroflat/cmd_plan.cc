@@ -15,11 +15,9 @@
 #include "cli/common.h"
 #include "cli/svg.h"
 #include "zeroflat/agree.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/report.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat::cli {
 namespace {

@@ -5,12 +5,10 @@
 #include <optional>
 
 #include "cli/common.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
 #include "zeroflat/probe.h"
 #include "zeroflat/report.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat::cli {
 

@@ -9,8 +9,7 @@
 #include "cli/run.h"
 #include "zeroflat/agree.h"
 #include "zeroflat/comm.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::cli {
 

@@ -10,8 +10,7 @@
 #include "cli/common.h"
 #include "cli/progress.h"
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::cli {
 

@@ -11,13 +11,10 @@
 
 #include "cli/common.h"
 #include "cli/load.h"
-#include "zeroflat/checksum.h"
+#include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
-#include "zeroflat/release.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/report.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {
 namespace {

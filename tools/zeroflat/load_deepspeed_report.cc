@@ -6,8 +6,8 @@
 
 #include "cli/common.h"
 #include "cli/load.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat::cli {
 namespace {

@@ -8,11 +8,9 @@
 
 #include "cli/common.h"
 #include "cli/load.h"
+#include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat::cli {
 namespace {

@@ -6,11 +6,9 @@
 
 #include "cli/common.h"
 #include "cli/load.h"
-#include "zeroflat/checksum.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
 #include "zeroflat/report.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat::cli {
 

@@ -7,9 +7,9 @@
 
 #include "cli/common.h"
 #include "cli/load.h"
+#include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {
 

@@ -10,10 +10,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/common.h"
+#include "zeroflat/common.h"
 #include "zeroflat/config.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
 
 namespace {
 

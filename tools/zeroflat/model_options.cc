@@ -7,10 +7,8 @@
 #include <iterator>
 
 #include "cli/common.h"
-#include "zeroflat/error.h"
-#include "zeroflat/model_source.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
+#include "zeroflat/checkpoint.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::cli {
 namespace {

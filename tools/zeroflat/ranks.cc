@@ -14,12 +14,10 @@
 #include <thread>
 
 #include "cli/common.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
 #include "zeroflat/plan.h"
 #include "zeroflat/probe.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat::cli {
 

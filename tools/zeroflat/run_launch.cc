@@ -2,8 +2,8 @@
 // (run_ranks, cli/ranks.h), and every rank's entry brought to rank 0.
 #include "cli/common.h"
 #include "cli/run.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
 
 namespace zeroflat::cli {
 

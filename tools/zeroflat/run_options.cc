@@ -4,10 +4,8 @@
 
 #include "cli/common.h"
 #include "cli/run.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat::cli {
 namespace {

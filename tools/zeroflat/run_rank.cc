@@ -8,14 +8,12 @@
 
 #include "cli/common.h"
 #include "cli/run.h"
-#include "zeroflat/checksum.h"
 #include "zeroflat/agree.h"
-#include "zeroflat/rehearsal.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
 #include "zeroflat/engine.h"
-#include "zeroflat/error.h"
+#include "zeroflat/rehearsal.h"
 #include "zeroflat/report.h"
-#include "zeroflat/size.h"
 
 namespace zeroflat::cli {
 namespace {

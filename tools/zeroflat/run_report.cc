@@ -4,7 +4,7 @@
 
 #include "cli/common.h"
 #include "cli/run.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::cli {
 namespace {

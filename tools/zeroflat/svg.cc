@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <sstream>
 
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::cli {
 namespace {

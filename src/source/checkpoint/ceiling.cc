@@ -3,7 +3,7 @@
 
 #include "common/clock.h"
 #include "source/checkpoint/files.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 #include "zeroflat/loader.h"
 
 namespace zeroflat {

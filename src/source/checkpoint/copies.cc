@@ -12,9 +12,8 @@
 
 #include "common/clock.h"
 #include "source/checkpoint/source.h"
-#include "zeroflat/checksum.h"
 #include "zeroflat/agree.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 

@@ -20,9 +20,7 @@
 
 #include "common/convert.h"
 #include "common/prefault.h"
-#include "zeroflat/error.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 namespace {

@@ -18,9 +18,8 @@
 #include "common/thread_pool.h"
 #include "model/files.h"
 #include "zeroflat/checkpoint.h"
+#include "zeroflat/common.h"
 #include "zeroflat/device.h"
-#include "zeroflat/dtype.h"
-#include "zeroflat/progress.h"
 
 namespace zeroflat::detail {
 
@@ -53,7 +52,7 @@ class OpenFiles {
  public:
   explicit OpenFiles(const CheckpointIndex& ck);
 
-  // How the reads to come are read ahead (ZEROFLAT_READ_AHEAD, runtime.h). Exact (the default):
+  // How the reads to come are read ahead (ZEROFLAT_READ_AHEAD, common.h). Exact (the default):
   // the kernel's read-ahead is off for every file but own_files' (POSIX_FADV_RANDOM), and the
   // Reader asks for exactly the pieces it reads next (POSIX_FADV_WILLNEED): past the end of a
   // run of a rank's bytes the kernel would read the start of another rank's, which that rank

@@ -6,11 +6,9 @@
 
 #include "common/convert.h"
 #include "source/checkpoint/source.h"
-#include "zeroflat/error.h"
+#include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {

@@ -1,4 +1,4 @@
-// A rank's shards used where they lie in the checkpoint's files (mapped.h).
+// A rank's shards used where they lie in the checkpoint's files (loader.h).
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -12,10 +12,8 @@
 #include "exec/pipeline.h"
 #include "source/checkpoint/files.h"
 #include "source/checkpoint/source.h"
-#include "zeroflat/error.h"
-#include "zeroflat/mapped.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
+#include "zeroflat/loader.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22  // Linux 5.14

@@ -6,10 +6,7 @@
 
 #include "common/clock.h"
 #include "zeroflat/agree.h"
-#include "zeroflat/checksum.h"
-#include "zeroflat/error.h"
-#include "zeroflat/runtime.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::detail {
 namespace {

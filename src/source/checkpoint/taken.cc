@@ -1,4 +1,4 @@
-// The ranks' copies compared in what they took outside a load (mapped.h's check_taken_copies):
+// The ranks' copies compared in what they took outside a load (loader.h's check_taken_copies):
 // the same rule as a load's check of its own reads (copies.cc), over byte ranges of the files
 // and values read whole instead of a layout.
 #include <algorithm>
@@ -8,10 +8,8 @@
 
 #include "model/files.h"
 #include "zeroflat/agree.h"
-#include "zeroflat/checksum.h"
-#include "zeroflat/error.h"
-#include "zeroflat/mapped.h"
-#include "zeroflat/size.h"
+#include "zeroflat/common.h"
+#include "zeroflat/loader.h"
 
 namespace zeroflat {
 namespace {

@@ -4,11 +4,10 @@
 
 #include "common/convert.h"
 #include "source/checkpoint/source.h"
+#include "zeroflat/common.h"
 #include "zeroflat/dtensor.h"
-#include "zeroflat/error.h"
+#include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {

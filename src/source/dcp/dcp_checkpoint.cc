@@ -13,11 +13,12 @@
 
 #include "common/saturate.h"
 #include "model/files.h"
-#include "model/tiling.h"
 #include "model/pickle.h"
+#include "model/tiling.h"
+#include "model/torch_file.h"
 #include "model/torch_window.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
+#include "source/saved_state.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 namespace {

@@ -12,11 +12,11 @@
 #include <string_view>
 #include <vector>
 
+#include "model/torch_file.h"
+#include "source/saved_state.h"
+#include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/layout.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat::detail {
 
@@ -61,7 +61,7 @@ class Builder {
  public:
   explicit Builder(DeepSpeedCheckpoint& ck) : ck_(ck) {}
 
-  const TorchFile& torch(std::uint32_t f) const { return ck_.files[f].torch; }
+  const TorchFile& torch(std::uint32_t f) const { return ck_.files[f].saved->torch; }
   std::string name(std::uint32_t f) const { return shown(ck_.files[f].path); }
 
   InvalidArgument fail(std::uint32_t f, std::string_view entry, const std::string& why) const {

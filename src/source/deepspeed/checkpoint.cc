@@ -6,15 +6,16 @@
 #include <charconv>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <set>
 
 #include "model/files.h"
+#include "model/torch_file.h"
 #include "source/deepspeed/builder.h"
+#include "source/saved_state.h"
+#include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/layout.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {
@@ -169,7 +170,13 @@ std::uint32_t add_file(DeepSpeedCheckpoint& ck, const fs::path& path, const std:
   f.path = path.string();
   f.role = role;
   f.rank = rank;
-  f.torch = read_torch_file(f.path);
+  auto saved = std::make_shared<detail::SavedFile>();
+  saved->torch = read_torch_file(f.path);
+  f.file_bytes = saved->torch.file_bytes;
+  f.stamp = saved->torch.stamp;
+  f.tensors = saved->torch.tensors.size();
+  f.globals = saved->torch.globals;
+  f.saved = std::move(saved);
   ck.files.push_back(std::move(f));
   return static_cast<std::uint32_t>(ck.files.size() - 1);
 }
@@ -183,6 +190,15 @@ std::string_view deepspeed_format_name(DeepSpeedFormat format) noexcept {
     case DeepSpeedFormat::kUniversal: return "universal";
   }
   return "?";
+}
+
+const TorchFile& deepspeed_file_state(const DeepSpeedCheckpoint& ck, std::size_t file) {
+  const DeepSpeedFile& f = ck.files.at(file);
+  if (f.saved == nullptr) {
+    throw InvalidArgument(shown(f.path) +
+                          ": a file the checkpoint describes without having read it");
+  }
+  return f.saved->torch;
 }
 
 const DeepSpeedTensor* DeepSpeedCheckpoint::find_module(std::string_view name) const {
@@ -340,7 +356,7 @@ DeepSpeedCheckpoint open_deepspeed_checkpoint(const std::string& dir,
         const std::uint32_t f = add_file(ck, pdir / fname, "universal", -1);
         ck.files[f].param = pname;
         ck.files[f].state = fname.substr(0, fname.size() - 3);
-        const TorchFile& t = ck.files[f].torch;
+        const TorchFile& t = b.torch(f);
         const TorchTensor* tensor = t.find_tensor("param");
         if (tensor == nullptr) tensor = t.find_tensor("");
         if (tensor == nullptr && ck.files[f].state == "step") {
@@ -369,7 +385,7 @@ DeepSpeedCheckpoint open_deepspeed_checkpoint(const std::string& dir,
     b.agree({m});
     const TorchValue* stage = b.config("zero_optimization/stage");
     ck.zero_stage = stage && stage->kind == TorchKind::kInt ? static_cast<int>(stage->integer) : 2;
-    ck.world = ck.files[m].torch.find("dp_world_size") ? b.count(m, "dp_world_size") : 1;
+    ck.world = b.torch(m).find("dp_world_size") ? b.count(m, "dp_world_size") : 1;
     if (ck.world == 0 || ck.world > kMaxRanks) {
       throw b.fail(m, "dp_world_size", std::to_string(ck.world) + " ranks (expected 1 to " +
                                            std::to_string(kMaxRanks) + ")");

@@ -4,8 +4,7 @@
 #include <map>
 
 #include "source/deepspeed/builder.h"
-#include "zeroflat/release.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat::detail {
 

@@ -7,10 +7,10 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "model/torch_file.h"
 #include "source/checkpoint/files.h"
-#include "zeroflat/error.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
+#include "zeroflat/common.h"
+#include "zeroflat/layout.h"
 
 namespace zeroflat {
 namespace {

@@ -6,12 +6,9 @@
 #include <cstdio>
 #include <map>
 
+#include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
-#include "zeroflat/error.h"
 #include "zeroflat/layout.h"
-#include "zeroflat/release.h"
-#include "zeroflat/size.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat {
 namespace {
@@ -160,8 +157,8 @@ class SourceBuilder {
     out_.index.path = ck.dir;
     for (const DeepSpeedFile& f : ck.files) {
       out_.index.files.push_back(f.path);
-      out_.index.file_bytes.push_back(f.torch.file_bytes);
-      out_.index.stamps.push_back(f.torch.stamp);
+      out_.index.file_bytes.push_back(f.file_bytes);
+      out_.index.stamps.push_back(f.stamp);
     }
   }
 

@@ -10,8 +10,6 @@
 #include "cli/args.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/model.h"
-#include "zeroflat/release.h"
-#include "zeroflat/zero3.h"
 
 namespace zeroflat::cli {
 
@@ -50,7 +48,7 @@ LayoutOptions layout_options_from_args(const Args& args, const ModelSpec* model 
 std::optional<ReleaseRules> release_from_args(const Args& args, const LayoutOptions& options);
 // --stage, --sub-group-size.
 void add_stage_options(Parser& parser);
-// Which layout the options ask for: ZeRO-3's partitions (--stage 3, zero3.h) with its
+// Which layout the options ask for: ZeRO-3's partitions (--stage 3, layout.h) with its
 // sub_group_size, or ZeRO-1/2's flat buffer (--stage 1 or 2, the default: one layout). With
 // --stage 3, the flat layout's options Stage 3 has no use for (--round-robin,
 // --alignment-factor, --param-align-bytes) are InvalidArgument naming them, and so is

@@ -19,12 +19,11 @@
 #include "cli/ranks.h"
 #include "zeroflat/checkpoint.h"
 #include "zeroflat/comm.h"
+#include "zeroflat/common.h"
 #include "zeroflat/deepspeed_checkpoint.h"
 #include "zeroflat/device.h"
-#include "zeroflat/error.h"
 #include "zeroflat/layout.h"
 #include "zeroflat/loader.h"
-#include "zeroflat/release.h"
 #include "zeroflat/resume.h"
 
 namespace zeroflat::cli {

@@ -1,6 +1,6 @@
 // Progress of long phases on stderr: a live percentage on a terminal, start/end lines otherwise;
 // a phase that reads files says how far its reads are (bytes, rate, time left) in the library's
-// words (progress.h), as the Python package's log lines do.
+// words (common.h), as the Python package's log lines do.
 #pragma once
 
 #include <atomic>
@@ -12,7 +12,7 @@
 #include <string>
 #include <thread>
 
-#include "zeroflat/progress.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat::cli {
 

@@ -18,7 +18,6 @@
 #include "zeroflat/layout.h"
 #include "zeroflat/model.h"
 #include "zeroflat/plan.h"
-#include "zeroflat/release.h"
 
 namespace zeroflat::cli {
 

@@ -2,6 +2,11 @@
 // shape, strides, storage offset and byte range in the file, from the zip directory and the
 // pickle alone (no tensor data is read).
 //
+// Private: the public checkpoint classes (deepspeed_checkpoint.h, dcp_checkpoint.h) describe
+// their tensors and byte ranges, not the parsed files. Besides the library, only `zeroflat
+// inspect` (which prints a file's state) and the Python binding (which makes Python values of
+// one) include it (tests/layers_check.cmake holds them to that).
+//
 // The format (torch 1.6 and later): a zip archive whose entries are all STORED (uncompressed),
 // inside one folder ARCHIVE (the first path component: the file's stem, "archive", ...):
 // ARCHIVE/data.pkl (a pickle of the saved object, protocol 2), ARCHIVE/data/KEY (storage KEY's
@@ -106,8 +111,7 @@
 #include <vector>
 
 #include "zeroflat/checkpoint.h"
-#include "zeroflat/dtype.h"
-#include "zeroflat/tensor.h"
+#include "zeroflat/common.h"
 
 namespace zeroflat {
 
