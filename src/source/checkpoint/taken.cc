@@ -12,7 +12,8 @@
 #include "zeroflat/loader.h"
 
 namespace zeroflat {
-namespace {
+// Named, not anonymous: a unity build puts this file beside others with helpers of these names.
+namespace taken_ranges {
 
 constexpr std::uint64_t kWindow = std::uint64_t{64} << 10;
 constexpr std::uint64_t kWindows = 16;
@@ -62,10 +63,12 @@ std::uint64_t total_of(const std::vector<FileRange>& ranges) {
   return n;
 }
 
-}  // namespace
+}  // namespace taken_ranges
 
 std::uint64_t check_taken_copies(const CheckpointIndex& ck, const TakenBytes& taken,
                                  Communicator& comm, CopyCheck mode) {
+  using taken_ranges::Piece, taken_ranges::pieces_of, taken_ranges::Span, taken_ranges::total_of;
+  using taken_ranges::windows_of;
   const auto world = static_cast<std::uint64_t>(comm.size());
   const auto me = static_cast<std::uint64_t>(comm.rank());
   if (world <= 1 || mode == CopyCheck::kOff) return 0;
