@@ -1285,3 +1285,31 @@ def test_the_masters_upcast_check_is_bit_for_bit_across_blocks(dtype):
     assert not _upcast_of(m, h)
     with pytest.raises(ValueError, match="elements"):
         _upcast_of(m[:-1], h)
+
+
+def test_the_writes_record_keeps_each_byte_once_and_restores_every_tensor():
+    """Undo records a tensor's values unless all its bytes were recorded before, whichever
+    tensors they came with (views across two recorded ones, the whole under its parts), and
+    puts every tensor back; bytes it was told are put back otherwise are not recorded."""
+    from zeroflat._resume_undo import Undo
+
+    base = torch.arange(100, dtype=torch.float32)
+    other = torch.arange(10, dtype=torch.float32)
+    lent = torch.zeros(8)
+    undo = Undo(put_back=[lent])
+    undo.tensor(base[0:50])
+    undo.tensor(base[60:100])
+    undo.tensor(base[25:45])   # within the first
+    undo.tensor(base[40:70])   # bridges the two: its bytes 50..60 are new
+    undo.tensor(base)          # all of it recorded by now
+    undo.tensor(base[10:90])
+    undo.tensor(other)
+    undo.tensor(lent)
+    assert len(undo._tensors) == 4
+    was_base, was_other = base.clone(), other.clone()
+    base.fill_(-1.0)
+    other.fill_(-2.0)
+    lent.fill_(3.0)
+    undo.restore()
+    assert torch.equal(base, was_base) and torch.equal(other, was_other)
+    assert bool((lent == 3.0).all())  # put back by its owner, not by the record

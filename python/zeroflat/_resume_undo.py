@@ -3,7 +3,8 @@ before its first change and put back if it fails anywhere."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+import bisect
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -21,23 +22,35 @@ class Undo:
         """``put_back``: tensors restored otherwise (the optimizer's tensors a resume read
         into, which it puts back from the 16-bit weights or to zeros): not recorded."""
         self._tensors: List[Any] = []  # (tensor, its values on the host)
-        self._seen: List[Any] = []     # (device, first byte, end) of each tensor recorded
+        # Per device, the bytes recorded so far: sorted, disjoint [first byte, end) runs (a
+        # tensor within them needs no record of its own: restore puts those bytes back).
+        self._seen: Dict[Any, List[List[int]]] = {}
         self._skip = {(t.device, t.data_ptr()) for t in (put_back or [])}
         self._objects: List[Any] = []  # (object, its attributes as they were)
         self._attrs: List[Any] = []    # (object, name, value or _MISSING)
 
     def tensor(self, t: Optional[torch.Tensor]) -> None:
-        """A tensor's values, unless they lie within a tensor recorded before (a parameter's
-        view of its group's flat buffer)."""
+        """A tensor's values, unless its bytes were all recorded before (a parameter's view of
+        its group's flat buffer). O(log n) a tensor: an engine records one per frozen parameter
+        and buffer."""
         if t is None or not torch.is_tensor(t) or t.numel() == 0:
             return
         lo = t.data_ptr()
         hi = lo + t.numel() * t.element_size()
         if (t.device, lo) in self._skip:
             return
-        if any(d == t.device and a <= lo and hi <= b for d, a, b in self._seen):
+        runs = self._seen.setdefault(t.device, [])
+        k = bisect.bisect_right(runs, [lo, float("inf")]) - 1  # the last run from lo or before
+        if k >= 0 and hi <= runs[k][1]:
             return
-        self._seen.append((t.device, lo, hi))
+        # Merged with the runs it touches, so that the list stays sorted and disjoint.
+        start, end = lo, hi
+        first = k if k >= 0 and runs[k][1] >= lo else k + 1
+        last = first
+        while last < len(runs) and runs[last][0] <= end:
+            start, end = min(start, runs[last][0]), max(end, runs[last][1])
+            last += 1
+        runs[first:last] = [[start, end]]
         with torch.no_grad():
             self._tensors.append((t, t.detach().to("cpu", copy=True)))
 
