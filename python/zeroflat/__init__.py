@@ -18,19 +18,19 @@ fits (on the device, sharded across the ranks, staged through the host, or on th
 anything moves; a failure at any step leaves every parameter holding its original values.
 Loaded, each rank reads only its share of the checkpoint. See docs/python.md.
 
-The package: ``_flatten`` (flatten_param_group), ``_load`` (load_param_groups, and
-``run_loads``: the one load loop, which ZeRO-1/2, ZeRO-3, FSDP2 and the resume's buffers each
-hand a placement; the ZeRO-1/2 placement), ``_zero3`` (the ZeRO-3 placement), ``_common`` (what they share:
-FlatGroup, argument checks, DeepSpeed's release rules as the library states them), ``_comm`` (the
-collectives over torch.distributed), ``_patches`` (every change made to DeepSpeed, Transformers
-and torch, one mechanism; docs/patches.md), ``_errors``; ``hf`` (Transformers), ``deepspeed``
-(the drop-in; ``_stage3`` and ``_dropin`` are its parts, and ``_resume``, ``_resume_write``,
-``_resume_family`` (one adapter per optimizer family), ``_resume_undo`` and ``_resume_inplace``
-its ``engine.load_checkpoint``) and ``_trainer`` (the Trainer's groups) on
-top; ``fsdp`` (FSDP2's shards: ``fsdp.load``; ``_fsdp_model`` what a load does to the model's
-objects, ``_fsdp_copies`` the ranks' copies, ``_fsdp_pretrained`` Transformers' FSDP2 loads),
-``dcp`` (PyTorch DCP's ``StorageReader``, and ``install()`` for the readers DCP constructs),
-``_hf_names`` (Transformers' names), ``_progress`` and ``_shm`` beside them.
+The package: ``_flatten`` (flatten_param_group), ``_load`` (load_param_groups, and ``run_loads``:
+the one load loop, which ZeRO-1/2, ZeRO-3, FSDP2 and the resume's buffers each hand a placement; the
+ZeRO-1/2 placement), ``_zero3`` (the ZeRO-3 placement), ``_common`` (what they share: FlatGroup,
+argument checks, DeepSpeed's release rules as the library states them), ``_comm`` (the collectives
+over torch.distributed), ``_patches`` (every change made to DeepSpeed, Transformers and torch, one
+mechanism; docs/patches.md), ``_errors``; ``hf`` (Transformers), ``deepspeed`` (the drop-in;
+``_stage3`` and ``_dropin`` are its parts, and ``_resume``, ``_resume_write``, ``_resume_family``
+(one adapter per optimizer family), ``_resume_undo`` and ``_resume_inplace`` its
+``engine.load_checkpoint``) and ``_trainer`` (the Trainer's groups) on top; ``fsdp`` (FSDP2's
+shards: ``fsdp.load``; ``_fsdp_model`` what a load does to the model's objects, ``_fsdp_copies`` the
+ranks' copies, ``_fsdp_pretrained`` Transformers' FSDP2 loads), ``dcp`` (PyTorch DCP's
+``StorageReader``, and ``install()`` for the readers DCP constructs), ``_hf_names`` (Transformers'
+names), ``_progress`` and ``_shm`` beside them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """A Hugging Face checkpoint straight into a model already sharded by PyTorch FSDP2
 (``fully_shard``: parameters as DTensors): each rank reads only the bytes of its own local
-shards, through the library's loader (``_load.run_loads``, the package's one load loop, with the
-"shards" placement of the one pipeline; every layout and read of the load is the library's). Python chooses where HSDP's
-replicas cut a shard between them (``_split_replicas``, each part's shape the library's
-``local_shard``) and has the library compare the ranks' copies of what the load does not read
-itself (the shards used in place and buffers read whole: ``_fsdp_copies`` hands them to
-``check_taken_copies``).
+shards, through the library's loader (``_load.run_loads``, the package's one load loop, with
+the "shards" placement of the one pipeline; every layout and read of the load is the
+library's). Python chooses where HSDP's replicas cut a shard between them
+(``_split_replicas``, each part's shape the library's ``local_shard``) and has the library
+compare the ranks' copies of what the load does not read itself (the shards used in place and
+buffers read whole: ``_fsdp_copies`` hands them to ``check_taken_copies``).
 
     model = build_on_meta(); fully_shard(...); model.to_empty(device="cpu")
     zeroflat.fsdp.load(model, "/path/to/checkpoint")
