@@ -701,7 +701,9 @@ def run_loads(loads: Sequence[Load], *, engine, comm, ck, threads: int, target: 
                 engine.adopt(None)
         report.update(load.notes)
         if report["outcome"] == "infeasible":
-            raise NoFeasiblePlan(load.infeasible.format(reason=report["reason"]), report)
+            # Not str.format: the words may hold a name from a file, braces and all.
+            raise NoFeasiblePlan(load.infeasible.replace("{reason}", str(report["reason"])),
+                                 report)
         if after is not None:
             after(k, report, buffer, lay)
         out.append((report, buffer, master, lay))
