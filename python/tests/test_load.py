@@ -487,6 +487,26 @@ def test_library_errors_arrive_as_zeroflat_exception_classes(tmp_path):
     assert str(bad) in str(e.value) and "not valid JSON" in str(e.value), repr(e.value)
 
 
+def test_a_load_that_fits_nowhere_is_refused_in_its_words_with_nothing_read(tmp_path):
+    """A plan that does not fit (a margin larger than any host's memory) is NoFeasiblePlan in
+    the load's own words, with the planner's reason and its report, before anything is read:
+    the model keeps its meta parameters."""
+    torch.manual_seed(0)
+    ref = Net()
+    state = {k: v for k, v in ref.state_dict().items() if k != "out.weight"}
+    save(str(tmp_path / "model.safetensors"), state)
+    with zeroflat.meta_parameters():
+        model = Net()
+    with pytest.raises(zeroflat.NoFeasiblePlan) as e:
+        zeroflat.load_param_groups(model, str(tmp_path), dtype=torch.float32, device="cpu",
+                                   deepspeed=None, margin_bytes=1 << 60)
+    words = str(e.value)
+    assert words.startswith("buffer 0 does not fit on cpu: ") and "nothing was read" in words
+    assert "{reason}" not in words and e.value.report["outcome"] == "infeasible"
+    assert e.value.report["dp"] == 1  # the load's own notes, in the report it raises with
+    assert model.body.weight.is_meta
+
+
 def test_no_module_of_the_package_imports_back_from_it():
     """The package's modules import each other's private modules, never the package itself
     (which imports them): no import cycle, no names reached for inside functions."""
