@@ -10,7 +10,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -583,6 +585,81 @@ TEST(TorchFile, DuplicateKeysAndUnhashableKeysAreRefused) {
   Pickle list_key;
   list_key.op('}').op(']').integer(1).op('s');
   EXPECT_NE(error_of(archive(list_key.done())).find("as a dict key"), std::string::npos);
+}
+
+TEST(TorchFile, RepeatedKeysAreFoundInLargeDictsAndSetsByPythonsEquality) {
+  // Past a handful of keys the machine finds a repeat by hashing: a repeated str, a float
+  // equal to an int key (7.0 == 7), an equal tuple ((True, 2) == (1, 2)), each among many
+  // keys and in a later SETITEMS batch, is refused; distinct keys of every kind pass; a set
+  // keeps one of equal members.
+  auto dict_with = [](const std::function<void(Pickle&)>& last) {
+    Pickle p;
+    p.op('}').mark();
+    for (int i = 0; i < 40; ++i) p.str("key" + std::to_string(i)).integer(i);
+    p.integer(7).integer(0).ints({1, 2}).integer(0).real(2.5).integer(0).op('u');
+    p.mark();
+    last(p);
+    return p.op('u').done();
+  };
+  EXPECT_NO_THROW((void)parse(archive(dict_with([](Pickle& p) { p.str("key40").integer(1); }))));
+  EXPECT_NO_THROW((void)parse(archive(dict_with([](Pickle& p) { p.real(7.5).integer(1); }))));
+  EXPECT_NO_THROW((void)parse(archive(dict_with([](Pickle& p) { p.ints({2, 1}).integer(1); }))));
+  for (const auto& repeat : std::vector<std::function<void(Pickle&)>>{
+           [](Pickle& p) { p.str("key17"); }, [](Pickle& p) { p.real(7.0); },
+           [](Pickle& p) { p.ints({1, 2}); }, [](Pickle& p) { p.op('\x88').integer(2).op('\x86'); },
+           [](Pickle& p) { p.real(2.5); }}) {
+    const std::string m = error_of(archive(dict_with([&](Pickle& p) {
+      repeat(p);
+      p.integer(1);
+    })));
+    EXPECT_NE(m.find("a dict key appears twice"), std::string::npos) << m;
+  }
+  // (1, True) is (1, 1): not (1, 2), so not a repeat.
+  EXPECT_NO_THROW((void)parse(archive(dict_with([](Pickle& p) {
+    p.integer(1).op('\x88').op('\x86').integer(1);
+  }))));
+  Pickle set;
+  set.op('\x8f').mark();
+  for (int i = 0; i < 30; ++i) set.integer(i % 20);
+  set.op('\x90');
+  const TorchFile f = parse(archive(set.done()));
+  EXPECT_EQ(f.root.items.size(), 20u);
+}
+
+TEST(TorchFile, KeysBuiltFromSharedTuplesAreRefusedBeforeTheyCostTime) {
+  // A tuple of two references to the one before, 15 deep, in the keys of many entries: each
+  // key's hash would visit 2^15 values. The machine's bound on key work refuses it at once.
+  Pickle p;
+  p.integer(1).op('q').raw(std::string(1, '\0'));
+  for (int d = 1; d < 16; ++d) {
+    p.op('h').raw(std::string(1, static_cast<char>(d - 1)));
+    p.op('h').raw(std::string(1, static_cast<char>(d - 1)));
+    p.op('\x86').op('q').raw(std::string(1, static_cast<char>(d)));
+  }
+  p.op('0').op('}').mark();
+  for (int i = 0; i < 200; ++i) {
+    p.op('h').raw(std::string(1, '\x0f')).integer(i).op('\x86').integer(i);
+  }
+  p.op('u');
+  const auto start = std::chrono::steady_clock::now();
+  const std::string m = error_of(archive(p.done()));
+  EXPECT_NE(m.find("steps to compare"), std::string::npos) << m;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+TEST(TorchFile, AMemoIndexFarPastTheEndCostsNoMemoryForTheGap) {
+  // LONG_BINPUT at 2^31, then GET of it: read (a map holds it), and an index never stored is
+  // refused by number.
+  Pickle p;
+  p.integer(5).op('r').raw(std::string("\x00\x00\x00\x80", 4)).op('0');
+  p.op('j').raw(std::string("\x00\x00\x00\x80", 4));
+  const TorchFile f = parse(archive(p.done()));
+  EXPECT_EQ(f.root.integer, 5);
+  Pickle q;
+  q.integer(5).op('r').raw(std::string("\x00\x00\x00\x80", 4)).op('0');
+  q.op('j').raw(std::string("\x01\x00\x00\x80", 4));
+  EXPECT_NE(error_of(archive(q.done())).find("memo entry 2147483649 was never stored"),
+            std::string::npos);
 }
 
 TEST(TorchFile, AStrThatIsNotUtf8IsRefusedAsPythonsPickleRefusesIt) {

@@ -41,6 +41,11 @@ namespace zeroflat {
 
 // The most chunks (of every tensor together) an index may list.
 inline constexpr std::uint64_t kMaxDcpChunks = 10'000'000;
+// The largest index read. DCP pickles a chunk in about 140 bytes: a save of a 405B model with
+// AdamW at 1,024 ranks (3.5 million chunks) writes an index of about 0.5 GB, and
+// kMaxDcpChunks chunks fit. Reading one costs about 8 bytes of memory per byte of index, freed
+// when the index is parsed, and time linear in its size.
+inline constexpr std::uint64_t kMaxDcpIndexBytes = std::uint64_t{2} << 30;
 
 // A segment of a planner_data path: a dict key (a string) or a list index (an int).
 struct DcpPathPart {

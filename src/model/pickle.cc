@@ -4,9 +4,13 @@
 // is what every global is checked against; split, the rules of one row would live in two files.
 #include "model/pickle.h"
 
+#include <algorithm>
 #include <bit>
 #include <charconv>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <memory>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -218,10 +222,23 @@ constexpr std::size_t kMaxLine = 4096;
 // The most arguments a call may be given (_rebuild_tensor_v2 takes 7).
 constexpr std::size_t kMaxArgs = 16;
 
+// A dict or set holding more keys than this finds a repeated one through the machine's hash
+// set; a smaller one compares the new key with each it holds.
+constexpr std::uint32_t kLinearKeys = 8;
+// Steps spent hashing and comparing dict keys, per byte of the pickle (and a floor): a key built
+// from shared tuples expands exponentially, and must not multiply the time. DCP's index takes
+// about 0.3 per byte.
+constexpr std::uint64_t kKeyWorkPerByte = 4;
+constexpr std::uint64_t kKeyWorkFloor = std::uint64_t{1} << 20;
+
 class Machine {
  public:
   Machine(std::span<const unsigned char> data, const std::string& source, Scope scope)
-      : d_(data), src_(source), scope_(scope) {
+      : d_(data), src_(source), scope_(scope), max_values_(max_pickle_values(scope)),
+        key_work_(0) {
+    // DCP's index makes a value per 8 bytes: room for one per 6, reserved (and touched only as
+    // used), so that a large graph is not copied as it grows.
+    g_.nodes.reserve(std::min<std::uint64_t>(data.size() / 6 + 16, max_values_));
     none_ = add(Node{});
     Node t;
     t.kind = NodeKind::kBool;
@@ -230,6 +247,7 @@ class Machine {
     Node f;
     f.kind = NodeKind::kBool;
     false_ = add(std::move(f));
+    empty_tuple_ = make_seq(NodeKind::kTuple, {});
   }
 
   PickleGraph run() {
@@ -250,6 +268,46 @@ class Machine {
   }
 
  private:
+  // The keys of the dicts and sets past kLinearKeys, each with its container and hash: one
+  // open-addressed table (linear probing, at most half full) for all of them.
+  struct HeldKey {
+    std::uint64_t hash = 0;
+    std::uint32_t owner = kNoNode;
+    std::uint32_t key = kNoNode;
+  };
+  // Records `k` unless an equal key of its container is held; whether one was.
+  bool hold(const HeldKey& k) {
+    if (2 * (held_count_ + 1) > held_.size()) {
+      std::vector<HeldKey> old(std::max<std::size_t>(1024, 2 * held_.size()));
+      old.swap(held_);
+      for (const HeldKey& h : old) {
+        if (h.owner == kNoNode) continue;
+        std::size_t i = slot_of(h);
+        while (held_[i].owner != kNoNode) i = (i + 1) & (held_.size() - 1);
+        held_[i] = h;
+      }
+    }
+    for (std::size_t i = slot_of(k);; i = (i + 1) & (held_.size() - 1)) {
+      HeldKey& h = held_[i];
+      if (h.owner == kNoNode) {
+        h = k;
+        ++held_count_;
+        return false;
+      }
+      if (h.owner == k.owner && h.hash == k.hash && key_equal(h.key, k.key, 0)) return true;
+    }
+  }
+  std::size_t slot_of(const HeldKey& k) const {
+    return static_cast<std::size_t>(mix(k.hash, k.owner) >> 20) & (held_.size() - 1);
+  }
+  // The int cache: a direct-mapped table of 4096 values.
+  struct IntSlot {
+    std::int64_t value = 0;
+    std::uint32_t node = kNoNode;
+  };
+  static constexpr std::size_t kIntSlots = 4096;
+  static constexpr int kIntShift = 52;
+
   InvalidArgument fail_plain(const std::string& why) const {
     return InvalidArgument(src_ + ", byte " + std::to_string(at_) + ": " + why);
   }
@@ -264,8 +322,8 @@ class Machine {
   // stored once and used many times cannot multiply memory or time.
   void keep_refs(std::uint64_t n) {
     refs_ += n;
-    if (refs_ > 4 * kMaxTorchValues) {
-      throw fail("the pickle's containers hold more than " + format_count(4 * kMaxTorchValues) +
+    if (refs_ > 4 * max_values_) {
+      throw fail("the pickle's containers hold more than " + format_count(4 * max_values_) +
                  " references (the reader's bound)");
     }
   }
@@ -276,26 +334,72 @@ class Machine {
                  " of keys and text (the reader's bound)");
     }
   }
-  // Arguments of a call: no allowed global takes more than a few.
-  const std::vector<std::uint32_t>& args_of(std::uint32_t i, const std::string& fn) {
-    const Node& n = expect(i, NodeKind::kTuple, fn + "'s arguments");
-    if (n.items.size() > kMaxArgs) {
-      throw fail(fn + " given " + std::to_string(n.items.size()) + " arguments (at most " +
+  // Arguments of a call: no allowed global takes more than a few. A copy: the pool they lie in
+  // grows as the call makes values.
+  std::vector<std::uint32_t> args_of(std::uint32_t i, const std::string& fn) {
+    expect(i, NodeKind::kTuple, fn + "'s arguments");
+    const std::span<const std::uint32_t> a = items(i);
+    if (a.size() > kMaxArgs) {
+      throw fail(fn + " given " + std::to_string(a.size()) + " arguments (at most " +
                  std::to_string(kMaxArgs) + " are taken by any allowed global)");
     }
-    return n.items;
+    return {a.begin(), a.end()};
   }
 
   std::uint32_t add(Node&& n) {
-    keep_refs(n.items.size());
-    if (g_.nodes.size() >= kMaxTorchValues) {
-      throw fail("more than " + format_count(kMaxTorchValues) +
+    if (g_.nodes.size() >= max_values_) {
+      throw fail("more than " + format_count(max_values_) +
                  " values in the pickle (the reader's bound)");
     }
-    g_.nodes.push_back(std::move(n));
+    g_.nodes.push_back(n);
     return static_cast<std::uint32_t>(g_.nodes.size() - 1);
   }
   Node& node(std::uint32_t i) { return g_.nodes[i]; }
+  std::span<const std::uint32_t> items(std::uint32_t i) const { return g_.items(g_.nodes[i]); }
+  std::string_view text(std::uint32_t i) const { return g_.text_of(g_.nodes[i]); }
+
+  // Pools: runs appended at their ends, each bounded to what a 32-bit offset reaches.
+  Run add_refs(std::span<const std::uint32_t> v, std::uint64_t capacity) {
+    keep_refs(v.size());
+    if (g_.refs.size() + capacity > UINT32_MAX) throw fail("the pickle's containers outgrow 2^32 items");
+    Run r{static_cast<std::uint32_t>(g_.refs.size()), static_cast<std::uint32_t>(v.size())};
+    g_.refs.insert(g_.refs.end(), v.begin(), v.end());
+    g_.refs.resize(r.at + capacity);
+    return r;
+  }
+  Run add_text(std::string_view t) {
+    if (g_.text.size() + t.size() > UINT32_MAX) throw fail("the pickle's text outgrows 4 GiB");
+    Run r{static_cast<std::uint32_t>(g_.text.size()), static_cast<std::uint32_t>(t.size())};
+    g_.text.append(t);
+    return r;
+  }
+  // The slots a list, set or dict of `size` items holds in the pool: it grows by doubling, in
+  // place when it ends the pool, else moved to the end (an item, once set, never changes, so a
+  // tuple made from a list may share its run).
+  static std::uint64_t capacity(std::uint64_t size) {
+    return size == 0 ? 0 : std::max<std::uint64_t>(4, std::bit_ceil(size));
+  }
+  void push_item(std::uint32_t c, std::uint32_t v) {
+    keep_refs(1);
+    Run& r = node(c).items;
+    const std::uint64_t cap = capacity(r.size);
+    if (r.size == cap) {
+      const std::uint64_t grown = cap == 0 ? 4 : 2 * cap;
+      if (cap > 0 && r.at + cap == g_.refs.size()) {
+        if (r.at + grown > UINT32_MAX) throw fail("the pickle's containers outgrow 2^32 items");
+        g_.refs.resize(r.at + grown);
+      } else {
+        if (g_.refs.size() + grown > UINT32_MAX) {
+          throw fail("the pickle's containers outgrow 2^32 items");
+        }
+        const auto at = static_cast<std::uint32_t>(g_.refs.size());
+        g_.refs.resize(at + grown);
+        std::copy_n(g_.refs.begin() + r.at, r.size, g_.refs.begin() + at);
+        r.at = at;
+      }
+    }
+    g_.refs[r.at + r.size++] = v;
+  }
 
   void need(std::uint64_t n) {
     if (n > d_.size() - pos_) {
@@ -332,8 +436,8 @@ class Machine {
   }
 
   void push(std::uint32_t i) {
-    if (stack_.size() >= kMaxTorchValues) {
-      throw fail("the pickle's stack grows past " + format_count(kMaxTorchValues) + " items");
+    if (stack_.size() >= max_values_) {
+      throw fail("the pickle's stack grows past " + format_count(max_values_) + " items");
     }
     stack_.push_back(i);
   }
@@ -348,34 +452,50 @@ class Machine {
     if (stack_.size() <= base()) throw fail("needs a value, but the stack is empty");
     return stack_.back();
   }
-  std::vector<std::uint32_t> pop_mark() {
+  // The items above the last MARK, which is dropped: valid until the next pop_mark.
+  const std::vector<std::uint32_t>& pop_mark() {
     if (marks_.empty()) throw fail("needs a MARK, but there is none");
     const std::size_t b = marks_.back();
     marks_.pop_back();
-    std::vector<std::uint32_t> out(stack_.begin() + static_cast<std::ptrdiff_t>(b), stack_.end());
+    marked_.assign(stack_.begin() + static_cast<std::ptrdiff_t>(b), stack_.end());
     stack_.resize(b);
-    return out;
+    return marked_;
   }
 
+  // An int: one shared node per value while the cache's slot holds it (ints never change).
   std::uint32_t make_int(std::int64_t v) {
+    if (!ints_) {
+      ints_ = std::make_unique<IntSlot[]>(kIntSlots);
+    }
+    IntSlot& slot = ints_[(static_cast<std::uint64_t>(v) * 0x9E3779B97F4A7C15ull) >> kIntShift];
+    if (slot.node != kNoNode && slot.value == v) return slot.node;
     Node n;
     n.kind = NodeKind::kInt;
     n.integer = v;
-    return add(std::move(n));
+    slot.value = v;
+    slot.node = add(std::move(n));
+    return slot.node;
   }
   std::uint32_t make_text(NodeKind kind, std::string_view text) {
     Node n;
     n.kind = kind;
-    n.text.assign(text);
+    n.text = add_text(text);
     return add(std::move(n));
   }
-  std::uint32_t make_seq(NodeKind kind, std::vector<std::uint32_t> items,
-                         std::string_view tag = {}) {
+  // A tuple's items never change: the empty one is shared.
+  std::uint32_t make_seq(NodeKind kind, std::span<const std::uint32_t> items, Tag tag = Tag::kPlain) {
+    if (kind == NodeKind::kTuple && items.empty() && tag == Tag::kPlain && empty_tuple_ != kNoNode) {
+      return empty_tuple_;
+    }
     Node n;
     n.kind = kind;
-    n.items = std::move(items);
+    n.items = add_refs(items, kind == NodeKind::kTuple ? items.size() : capacity(items.size()));
     n.tag = tag;
     return add(std::move(n));
+  }
+  std::uint32_t make_seq(NodeKind kind, std::initializer_list<std::uint32_t> items,
+                         Tag tag = Tag::kPlain) {
+    return make_seq(kind, std::span<const std::uint32_t>(items.begin(), items.size()), tag);
   }
 
   // Python's int(text) for the INT and LONG opcodes (and I01/I00 booleans).
@@ -414,91 +534,159 @@ class Machine {
     return static_cast<std::int64_t>(v);
   }
 
-  // A canonical text for a hashable key (Python's equality: True == 1 == 1.0).
-  std::string key_of(std::uint32_t k, int depth) {
-    const Node& n = node(k);
+  // Python's equality of hashable keys (True == 1 == 1.0): a number's canonical form.
+  struct Number {
+    bool is_int = true;
+    std::int64_t i = 0;
+    double f = 0;
+  };
+  static Number number_of(const Node& n) {
+    if (n.kind == NodeKind::kBool) return {true, n.flag ? 1 : 0, 0};
+    if (n.kind == NodeKind::kInt) return {true, n.integer, 0};
+    // In range before the cast (a float past int64's range does not convert: UB); NaN fails
+    // both comparisons.
+    if (n.real >= -9.2e18 && n.real <= 9.2e18 &&
+        n.real == static_cast<double>(static_cast<std::int64_t>(n.real))) {
+      return {true, static_cast<std::int64_t>(n.real), 0};
+    }
+    return {false, 0, std::isnan(n.real) ? std::numeric_limits<double>::quiet_NaN() : n.real};
+  }
+  static bool is_number(NodeKind k) {
+    return k == NodeKind::kBool || k == NodeKind::kInt || k == NodeKind::kFloat;
+  }
+  static std::uint64_t mix(std::uint64_t h, std::uint64_t v) {
+    h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    return h * 0xff51afd7ed558ccdull;
+  }
+  void key_work(int depth) {
     if (depth > kMaxKeyDepth) throw fail("a dict key nested deeper than 16 tuples");
+    if (++key_work_ > kKeyWorkPerByte * d_.size() + kKeyWorkFloor) {
+      throw fail("the pickle's dict keys take more than " +
+                 format_count(kKeyWorkPerByte * d_.size() + kKeyWorkFloor) +
+                 " steps to compare (keys built from shared tuples; the reader's bound)");
+    }
+  }
+  // A hashable key's state dict (DCP's MetadataIndex keys storage_data: keyed by its class and
+  // saved state; the reader checks the names and offsets themselves).
+  std::uint32_t key_state(const Node& n) {
+    if (n.state == kNoNode || node(n.state).kind != NodeKind::kDict) {
+      throw fail("an object without a saved state as a dict key");
+    }
+    return n.state;
+  }
+  std::uint64_t key_hash(std::uint32_t k, int depth) {
+    key_work(depth);
+    const Node& n = node(k);
+    const auto seed = [](char c) { return static_cast<std::uint64_t>(c) << 56; };
+    if (is_number(n.kind)) {
+      const Number v = number_of(n);
+      return v.is_int ? mix(seed('i'), static_cast<std::uint64_t>(v.i))
+                      : mix(seed('f'), std::bit_cast<std::uint64_t>(v.f));
+    }
     switch (n.kind) {
-      case NodeKind::kNone: return "N";
-      case NodeKind::kBool: return n.flag ? "i1" : "i0";
-      case NodeKind::kInt: return "i" + std::to_string(n.integer);
-      case NodeKind::kFloat: {
-        // In range before the cast (a float past int64's range does not convert: UB); NaN fails
-        // both comparisons.
-        if (n.real >= -9.2e18 && n.real <= 9.2e18 &&
-            n.real == static_cast<double>(static_cast<std::int64_t>(n.real))) {
-          return "i" + std::to_string(static_cast<std::int64_t>(n.real));
-        }
-        char buf[32];
-        auto [p, ec] = std::to_chars(buf, buf + sizeof buf, n.real);
-        return "f" + std::string(buf, ec == std::errc() ? p : buf);
-      }
-      case NodeKind::kString: return "s" + n.text;
-      case NodeKind::kBytes: return "b" + n.text;
-      case NodeKind::kEnum: return "e" + std::to_string(n.ref) + "." + n.text;
-      case NodeKind::kGlobal: return "g" + std::to_string(n.ref);
+      case NodeKind::kNone: return seed('N');
+      case NodeKind::kString:
+      case NodeKind::kBytes:
+        return mix(seed(n.kind == NodeKind::kString ? 's' : 'b'),
+                   std::hash<std::string_view>{}(text(k)));
+      case NodeKind::kEnum: return mix(mix(seed('e'), n.ref), std::hash<std::string_view>{}(text(k)));
+      case NodeKind::kGlobal: return mix(seed('g'), n.ref);
       case NodeKind::kObject: {
-        // DCP's MetadataIndex keys storage_data: keyed by its class and saved state (the
-        // reader checks the names and offsets themselves).
-        if (n.state == kNoNode || node(n.state).kind != NodeKind::kDict) {
-          throw fail("an object without a saved state as a dict key");
-        }
-        std::string out = "o" + std::to_string(n.ref) + "{";
-        for (std::uint32_t i : node(n.state).items) {
-          std::string part = key_of(i, depth + 1);
-          out += std::to_string(part.size()) + ":" + part;
-        }
-        return out + "}";
+        std::uint64_t h = mix(seed('o'), n.ref);
+        for (std::uint32_t i : items(key_state(n))) h = mix(h, key_hash(i, depth + 1));
+        return h;
       }
       case NodeKind::kTuple: {
-        std::string out = "(";
-        for (std::uint32_t i : n.items) {
-          std::string part = key_of(i, depth + 1);
-          out += std::to_string(part.size()) + ":" + part;
-        }
-        return out + ")";
+        std::uint64_t h = seed('(');
+        for (std::uint32_t i : items(k)) h = mix(h, key_hash(i, depth + 1));
+        return h;
       }
       default:
         throw fail(std::string("a ") + std::string(node_kind_name(n.kind)) +
                    " as a dict key (unhashable, or not what torch.save writes)");
     }
   }
+  bool key_equal(std::uint32_t a, std::uint32_t b, int depth) {
+    if (a == b) return true;
+    key_work(depth);
+    const Node& x = node(a);
+    const Node& y = node(b);
+    if (is_number(x.kind) || is_number(y.kind)) {
+      if (!is_number(x.kind) || !is_number(y.kind)) return false;
+      const Number p = number_of(x), q = number_of(y);
+      if (p.is_int != q.is_int) return false;
+      return p.is_int ? p.i == q.i : (p.f == q.f || (std::isnan(p.f) && std::isnan(q.f)));
+    }
+    if (x.kind != y.kind) return false;
+    switch (x.kind) {
+      case NodeKind::kNone: return true;
+      case NodeKind::kString:
+      case NodeKind::kBytes: return text(a) == text(b);
+      case NodeKind::kEnum: return x.ref == y.ref && text(a) == text(b);
+      case NodeKind::kGlobal: return x.ref == y.ref;
+      case NodeKind::kObject:
+      case NodeKind::kTuple: {
+        if (x.ref != y.ref && x.kind == NodeKind::kObject) return false;
+        const std::uint32_t sa = x.kind == NodeKind::kObject ? key_state(x) : a;
+        const std::uint32_t sb = y.kind == NodeKind::kObject ? key_state(y) : b;
+        const std::span<const std::uint32_t> p = items(sa), q = items(sb);
+        if (p.size() != q.size()) return false;
+        for (std::size_t i = 0; i < p.size(); ++i) {
+          if (!key_equal(p[i], q[i], depth + 1)) return false;
+        }
+        return true;
+      }
+      default: return false;
+    }
+  }
+  // Whether `key` is already among the keys of dict or set `c` (stride 2 for a dict's key,
+  // value pairs); if not, it is recorded as one.
+  bool has_key(std::uint32_t c, std::uint32_t key, std::uint32_t stride) {
+    const std::uint64_t h = key_hash(key, 0);
+    const std::uint32_t held = node(c).items.size / stride;
+    if (held < kLinearKeys) {
+      for (std::uint32_t i = 0; i < held; ++i) {
+        if (key_equal(g_.refs[node(c).items.at + i * stride], key, 0)) return true;
+      }
+      return false;
+    }
+    if (held == kLinearKeys) {
+      for (std::uint32_t i = 0; i < held; ++i) {
+        const std::uint32_t k = g_.refs[node(c).items.at + i * stride];
+        hold(HeldKey{key_hash(k, 0), c, k});
+      }
+    }
+    return hold(HeldKey{h, c, key});
+  }
   void set_item(std::uint32_t dict, std::uint32_t key, std::uint32_t value) {
-    Node& d = node(dict);
+    const Node& d = node(dict);
     if (d.kind != NodeKind::kDict) {
       throw fail(std::string("sets an item on a ") + std::string(node_kind_name(d.kind)) +
                  " (expected a dict)");
     }
-    std::string k = key_of(key, 0);
-    keep_text(k.size());
-    keep_refs(2);
-    if (!dict_keys_[dict].insert(std::move(k)).second) {
+    if (has_key(dict, key, 2)) {
       const Node& kn = node(key);
       throw fail("a dict key appears twice" +
-                 (kn.kind == NodeKind::kString ? " ('" + printable(kn.text) + "')"
+                 (kn.kind == NodeKind::kString ? " ('" + printable(text(key)) + "')"
                                                : std::string()) +
                  " (torch.save never writes one dict key twice)");
     }
-    d.items.push_back(key);
-    d.items.push_back(value);
+    push_item(dict, key);
+    push_item(dict, value);
   }
   void add_to_set(std::uint32_t set, std::uint32_t item) {
-    Node& s = node(set);
-    if (s.kind != NodeKind::kList || s.tag != "set") {
+    const Node& s = node(set);
+    if (s.kind != NodeKind::kList || s.tag != Tag::kSet) {
       throw fail("adds items to a " + std::string(node_kind_name(s.kind)) + " (expected a set)");
     }
-    std::string k = key_of(item, 0);
-    keep_text(k.size());
-    keep_refs(1);
-    if (dict_keys_[set].insert(std::move(k)).second) s.items.push_back(item);
+    if (!has_key(set, item, 1)) push_item(set, item);
   }
   void append(std::uint32_t list, std::uint32_t item) {
-    Node& l = node(list);
-    if (l.kind != NodeKind::kList || !l.tag.empty()) {
+    const Node& l = node(list);
+    if (l.kind != NodeKind::kList || l.tag != Tag::kPlain) {
       throw fail("appends to a " + std::string(node_kind_name(l.kind)) + " (expected a list)");
     }
-    keep_refs(1);
-    l.items.push_back(item);
+    push_item(list, item);
   }
 
   std::uint32_t resolve(std::string_view module, std::string_view name) {
@@ -539,15 +727,14 @@ class Machine {
     return n;
   }
   // The items of a dict that may be None (key, value, key, value, ...; none for None).
-  const std::vector<std::uint32_t>& none_or_dict(std::uint32_t i, const std::string& what) {
-    static const std::vector<std::uint32_t> kNoItems;
+  std::span<const std::uint32_t> none_or_dict(std::uint32_t i, const std::string& what) {
     const Node& n = node(i);
-    if (n.kind == NodeKind::kNone) return kNoItems;
+    if (n.kind == NodeKind::kNone) return {};
     if (n.kind != NodeKind::kDict) {
       throw fail(what + ": expected None or a dict, found a " +
                  std::string(node_kind_name(n.kind)));
     }
-    return n.items;
+    return items(i);
   }
   const Node& expect_seq(std::uint32_t i, const std::string& what) {
     const Node& n = node(i);
@@ -558,12 +745,12 @@ class Machine {
   }
   std::vector<std::int64_t> int_list(std::uint32_t i, const std::string& what) {
     const Node& n = expect_seq(i, what);
-    if (n.items.size() > kMaxTorchDims) {
-      throw fail(what + " has " + std::to_string(n.items.size()) + " dimensions; at most " +
+    if (n.items.size > kMaxTorchDims) {
+      throw fail(what + " has " + std::to_string(n.items.size) + " dimensions; at most " +
                  std::to_string(kMaxTorchDims));
     }
     std::vector<std::int64_t> out;
-    for (std::uint32_t x : n.items) {
+    for (std::uint32_t x : items(i)) {
       const Node& v = expect(x, NodeKind::kInt, what);
       if (v.integer < 0) throw fail(what + " holds " + std::to_string(v.integer) +
                                     " (expected no negative value)");
@@ -594,10 +781,10 @@ class Machine {
       const Node& rg = expect(a[4], NodeKind::kBool, fn + "'s requires_grad (argument 5)");
       requires_grad = rg.flag;
       const Node& hooks = node(a[5]);
-      if (!(hooks.kind == NodeKind::kNone || (hooks.kind == NodeKind::kDict && hooks.items.empty()))) {
+      if (!(hooks.kind == NodeKind::kNone || (hooks.kind == NodeKind::kDict && hooks.items.size == 0))) {
         throw fail(fn + "'s backward hooks (argument 6) must be empty; found a " +
                    std::string(node_kind_name(hooks.kind)) +
-                   (hooks.kind == NodeKind::kDict ? " of " + std::to_string(hooks.items.size() / 2) +
+                   (hooks.kind == NodeKind::kDict ? " of " + std::to_string(hooks.items.size / 2) +
                                                         " hooks"
                                                   : std::string()));
       }
@@ -605,14 +792,14 @@ class Machine {
         // torch writes it only for a tensor with a bit such as 'neg' or 'conj' set: its values
         // are not its stored bytes (a negative view reads back negated). Only bits set to False
         // describe the stored bytes as they are.
-        const std::vector<std::uint32_t>& meta =
+        const std::span<const std::uint32_t> meta =
             none_or_dict(a[6], fn + "'s metadata (argument 7)");
         for (std::size_t i = 0; i + 1 < meta.size(); i += 2) {
           const Node& key = node(meta[i]);
           const Node& value = node(meta[i + 1]);
           if (value.kind == NodeKind::kBool && !value.flag) continue;
           throw fail(fn + "'s metadata (argument 7) sets " +
-                     (key.kind == NodeKind::kString ? "'" + printable(key.text, 40) + "'"
+                     (key.kind == NodeKind::kString ? "'" + printable(g_.text_of(key), 40) + "'"
                                                     : std::string("a key")) +
                      ": a view whose values are not its stored bytes (torch.save it after "
                      "resolve_neg() / resolve_conj(), or as a plain tensor)");
@@ -624,8 +811,11 @@ class Machine {
     t.ref = a[0];
     t.integer = node(a[1]).integer;
     t.flag = requires_grad;
-    t.dims = std::move(size);
-    t.dims.insert(t.dims.end(), stride.begin(), stride.end());
+    const std::uint64_t at = g_.dims.size();
+    if (at + size.size() + stride.size() > UINT32_MAX) throw fail("too many tensor dimensions");
+    g_.dims.insert(g_.dims.end(), size.begin(), size.end());
+    g_.dims.insert(g_.dims.end(), stride.begin(), stride.end());
+    t.items = {static_cast<std::uint32_t>(at), static_cast<std::uint32_t>(2 * size.size())};
     return add(std::move(t));
   }
 
@@ -643,7 +833,7 @@ class Machine {
     // An alias (max_stage) pickles under its canonical name; report that one.
     for (const EnumMember& c : enum_members(kAllowed[cls_row])) {
       if (c.value == m.value) {
-        n.text = c.name;
+        n.text = add_text(c.name);
         break;
       }
     }
@@ -678,7 +868,7 @@ class Machine {
         // torch sets each as an attribute of the tensor it rebuilt. Most are the saver's own
         // (DeepSpeed's ds_id), kept by torch beside the values and dropped here; the tensor's
         // own setters replace its values (data, real, imag): refused, as any key not a name.
-        const std::vector<std::uint32_t>& state =
+        const std::span<const std::uint32_t> state =
             none_or_dict(a[3], fn + "'s attributes (argument 4)");
         for (std::size_t i = 0; i + 1 < state.size(); i += 2) {
           const Node& key = node(state[i]);
@@ -686,11 +876,12 @@ class Machine {
             throw fail(fn + "'s attributes (argument 4): a key that is not a name (a " +
                        std::string(node_kind_name(key.kind)) + ")");
           }
-          if (key.text == "data" || key.text == "real" || key.text == "imag") {
-            throw fail(fn + "'s attributes (argument 4) set '" + key.text +
+          const std::string_view name = text(state[i]);
+          if (name == "data" || name == "real" || name == "imag") {
+            throw fail(fn + "'s attributes (argument 4) set '" + std::string(name) +
                        "', which replaces the tensor's values with another's");
           }
-          refuse_dunder(key.text, fn + "'s attributes (argument 4)");
+          refuse_dunder(name, fn + "'s attributes (argument 4)");
         }
         return rebuild_tensor(inner_args, *f);
       }
@@ -703,7 +894,12 @@ class Machine {
       case R::kSize: {
         if (a.size() != 1) throw fail(fn + " takes 1 argument, given " + std::to_string(a.size()));
         (void)int_list(a[0], fn + "'s dimensions");
-        return make_seq(NodeKind::kTuple, node(a[0]).items, "torch.Size");
+        // Its items are the tuple's (or the list's first ones, which never change): shared.
+        Node n;
+        n.kind = NodeKind::kTuple;
+        n.tag = Tag::kSize;
+        n.items = node(a[0]).items;
+        return add(std::move(n));
       }
       case R::kDevice: {
         if (a.empty() || a.size() > 2) {
@@ -717,18 +913,20 @@ class Machine {
         Node o;
         o.kind = NodeKind::kObject;
         o.ref = row;
-        o.items = a;
+        o.items = add_refs(a, a.size());
         return add(std::move(o));
       }
       case R::kOrderedDict: {
         if (a.size() > 1) throw fail(fn + " takes 0 or 1 argument, given " + std::to_string(a.size()));
-        const std::uint32_t d = make_seq(NodeKind::kDict, {}, "collections.OrderedDict");
+        const std::uint32_t d = make_seq(NodeKind::kDict, {}, Tag::kOrderedDict);
         if (a.size() == 1) {
-          const std::vector<std::uint32_t> pairs = expect_seq(a[0], fn + "'s items").items;
+          expect_seq(a[0], fn + "'s items");
+          const std::span<const std::uint32_t> held = items(a[0]);
+          const std::vector<std::uint32_t> pairs(held.begin(), held.end());
           for (std::uint32_t p : pairs) {
-            const Node& pair = expect_seq(p, fn + "'s item");
-            if (pair.items.size() != 2) throw fail(fn + "'s items must be (key, value) pairs");
-            const std::uint32_t k = pair.items[0], v = pair.items[1];
+            expect_seq(p, fn + "'s item");
+            if (items(p).size() != 2) throw fail(fn + "'s items must be (key, value) pairs");
+            const std::uint32_t k = items(p)[0], v = items(p)[1];
             set_item(d, k, v);
           }
         }
@@ -743,9 +941,9 @@ class Machine {
                      ")");
         }
         const Node& name = expect(a[1], NodeKind::kString, fn + "'s name (argument 2)");
-        const EnumMember* m = member_named(*cls, name.text);
+        const EnumMember* m = member_named(*cls, g_.text_of(name));
         if (m == nullptr) {
-          throw fail(global_text(*cls) + " has no member '" + printable(name.text) + "'");
+          throw fail(global_text(*cls) + " has no member '" + printable(g_.text_of(name)) + "'");
         }
         return make_enum(node(a[0]).ref, *m);
       }
@@ -761,17 +959,19 @@ class Machine {
         Node o;
         o.kind = NodeKind::kObject;
         o.ref = row;
-        o.items = a;
+        o.items = add_refs(a, a.size());
         return add(std::move(o));
       }
       case R::kSet: {
         if (a.size() > 1) throw fail(fn + " takes 0 or 1 argument, given " + std::to_string(a.size()));
-        const std::uint32_t s = make_seq(NodeKind::kList, {}, "set");
+        const std::uint32_t s = make_seq(NodeKind::kList, {}, Tag::kSet);
         if (a.size() == 1) {
-          const std::vector<std::uint32_t> items = expect_seq(a[0], fn + "'s items").items;
-          for (std::uint32_t i : items) add_to_set(s, i);
+          expect_seq(a[0], fn + "'s items");
+          const std::span<const std::uint32_t> held = items(a[0]);
+          const std::vector<std::uint32_t> members(held.begin(), held.end());
+          for (std::uint32_t i : members) add_to_set(s, i);
         }
-        if (g->name == std::string_view("frozenset")) node(s).tag = "frozenset";
+        if (g->name == std::string_view("frozenset")) node(s).tag = Tag::kFrozenSet;
         return s;
       }
       case R::kEncode: {
@@ -780,31 +980,33 @@ class Machine {
           return make_text(NodeKind::kBytes, "");
         }
         if (a.size() != 2) throw fail(fn + " takes 2 arguments, given " + std::to_string(a.size()));
-        keep_text(expect(a[0], NodeKind::kString, fn + "'s text").text.size());
-        const std::string text = node(a[0]).text;
-        const std::string codec = expect(a[1], NodeKind::kString, fn + "'s codec").text;
+        keep_text(expect(a[0], NodeKind::kString, fn + "'s text").text.size);
+        const std::string content(text(a[0]));
+        expect(a[1], NodeKind::kString, fn + "'s codec");
+        const std::string codec(text(a[1]));
         if (codec != "latin1" && codec != "latin-1") {
           throw fail(fn + " is allowed only with 'latin1' (how protocol 2 writes bytes), given '" +
                      printable(codec) + "'");
         }
-        return make_text(NodeKind::kBytes, latin1(text, fn));
+        return make_text(NodeKind::kBytes, latin1(content, fn));
       }
       case R::kLayout: {
         if (a.size() != 1) throw fail(fn + " takes 1 argument, given " + std::to_string(a.size()));
-        const Node& name = expect(a[0], NodeKind::kString, fn + "'s name");
-        if (name.text != "torch.strided") {
-          throw fail(fn + "('" + printable(name.text) +
+        expect(a[0], NodeKind::kString, fn + "'s name");
+        const std::string name(text(a[0]));
+        if (name != "torch.strided") {
+          throw fail(fn + "('" + printable(name) +
                      "'): only 'torch.strided' is read (a sparse or other layout is not a dense "
                      "run of bytes)");
         }
-        return make_text(NodeKind::kString, name.text);
+        return make_text(NodeKind::kString, name);
       }
       case R::kPath: {
         std::string path;
         for (std::uint32_t part : a) {
-          const std::string& text = expect(part, NodeKind::kString, fn + "'s parts").text;
+          expect(part, NodeKind::kString, fn + "'s parts");
           if (!path.empty() && path.back() != '/') path += '/';
-          path += text;
+          path += text(part);
         }
         keep_text(path.size());
         return make_text(NodeKind::kString, path);
@@ -881,13 +1083,14 @@ class Machine {
     Node o;
     o.kind = NodeKind::kObject;
     o.ref = node(cls).ref;
-    o.items = args_of(args_node, global_text(*g));
+    const std::vector<std::uint32_t> a = args_of(args_node, global_text(*g));
+    o.items = add_refs(a, a.size());
     return add(std::move(o));
   }
 
   // An attribute named __like_this__ is Python's own machinery (__reduce_ex__, __class__,
   // __dict__): a file's value there would decide what code runs on the object later.
-  void refuse_dunder(const std::string& name, const std::string& where) {
+  void refuse_dunder(std::string_view name, const std::string& where) {
     if (name.size() >= 4 && name.starts_with("__") && name.ends_with("__")) {
       throw fail(where + " sets '" + printable(name, 100) + "', a name of Python's own "
                  "machinery (a value there would choose the code run on the object)");
@@ -896,7 +1099,7 @@ class Machine {
 
   void build(std::uint32_t inst, std::uint32_t state) {
     Node& o = node(inst);
-    if (o.kind == NodeKind::kDict && o.tag == "collections.OrderedDict") {
+    if (o.kind == NodeKind::kDict && o.tag == Tag::kOrderedDict) {
       // An OrderedDict's attributes: torch's state dicts carry _metadata (module versions).
       if (o.state != kNoNode) throw fail("sets a dict's attributes twice");
       const Node& attrs = node(state);
@@ -925,42 +1128,46 @@ class Machine {
     if (o.state != kNoNode) throw fail("sets an object's state twice");
     std::uint32_t s = state;
     const Node& sn = node(state);
-    if (sn.kind == NodeKind::kTuple && sn.items.size() == 2) {
+    if (sn.kind == NodeKind::kTuple && sn.items.size == 2) {
       // (state, slot state): the slots may be empty, nothing else.
-      const Node& slots = node(sn.items[1]);
-      if (!(slots.kind == NodeKind::kNone || (slots.kind == NodeKind::kDict && slots.items.empty()))) {
+      const Node& slots = node(items(state)[1]);
+      if (!(slots.kind == NodeKind::kNone || (slots.kind == NodeKind::kDict && slots.items.size == 0))) {
         throw fail("an object's slot state is not empty (not what DeepSpeed's classes save)");
       }
-      s = sn.items[0];
+      s = items(state)[0];
     }
     const Node& d = node(s);
     if (d.kind != NodeKind::kDict && d.kind != NodeKind::kNone) {
       throw fail("an object's state: expected a dict, found a " +
                  std::string(node_kind_name(d.kind)));
     }
-    for (std::size_t i = 0; d.kind == NodeKind::kDict && i + 1 < d.items.size(); i += 2) {
-      const Node& key = node(d.items[i]);
+    const std::span<const std::uint32_t> attrs = d.kind == NodeKind::kDict
+                                                       ? items(s)
+                                                       : std::span<const std::uint32_t>();
+    for (std::size_t i = 0; i + 1 < attrs.size(); i += 2) {
+      const Node& key = node(attrs[i]);
       if (key.kind != NodeKind::kString) {
         throw fail("the state of '" + global_text(kAllowed[o.ref]) + "': an attribute that is "
                    "not a name (a " + std::string(node_kind_name(key.kind)) + ")");
       }
-      refuse_dunder(key.text, "the state of '" + global_text(kAllowed[o.ref]) + "'");
+      refuse_dunder(text(attrs[i]), "the state of '" + global_text(kAllowed[o.ref]) + "'");
     }
     node(inst).state = d.kind == NodeKind::kDict ? s : kNoNode;
   }
 
   std::uint32_t persistent(std::uint32_t pid) {
     const Node& t = node(pid);
-    if (t.kind != NodeKind::kTuple || t.items.size() != 5) {
+    if (t.kind != NodeKind::kTuple || t.items.size != 5) {
       throw fail("a persistent id must be torch's ('storage', type, key, location, numel); "
                  "found a " + std::string(node_kind_name(t.kind)) +
-                 (t.kind == NodeKind::kTuple ? " of " + std::to_string(t.items.size()) + " items"
+                 (t.kind == NodeKind::kTuple ? " of " + std::to_string(t.items.size) + " items"
                                              : std::string()));
     }
-    const std::vector<std::uint32_t> p = t.items;
-    const Node& tag = expect(p[0], NodeKind::kString, "a persistent id's tag");
-    if (tag.text != "storage") {
-      throw fail("a persistent id of kind '" + printable(tag.text) + "' (expected 'storage')");
+    const std::span<const std::uint32_t> held = items(pid);
+    const std::vector<std::uint32_t> p(held.begin(), held.end());
+    expect(p[0], NodeKind::kString, "a persistent id's tag");
+    if (text(p[0]) != "storage") {
+      throw fail("a persistent id of kind '" + printable(text(p[0])) + "' (expected 'storage')");
     }
     const AllowedGlobal* type = global_of(p[1]);
     if (type == nullptr || type->role != R::kStorage) {
@@ -968,34 +1175,46 @@ class Machine {
                  (type ? "'" + global_text(*type) + "'" : "a " + std::string(node_kind_name(node(p[1]).kind))) +
                  " (expected a torch storage type such as torch.FloatStorage)");
     }
-    const Node& key = expect(p[2], NodeKind::kString, "a persistent id's key");
-    if (key.text.empty() || key.text.size() > 256) {
-      throw fail("a storage key of " + std::to_string(key.text.size()) +
+    const Node key = expect(p[2], NodeKind::kString, "a persistent id's key");
+    if (key.text.size == 0 || key.text.size > 256) {
+      throw fail("a storage key of " + std::to_string(key.text.size) +
                  " bytes (expected 1 to 256)");
     }
-    const Node& loc = expect(p[3], NodeKind::kString, "a persistent id's location");
+    const Node loc = expect(p[3], NodeKind::kString, "a persistent id's location");
     const Node& numel = expect(p[4], NodeKind::kInt, "a persistent id's numel");
-    if (numel.integer < 0) throw fail("storage '" + printable(key.text) + "' has numel " +
+    if (numel.integer < 0) throw fail("storage '" + printable(text(p[2])) + "' has numel " +
                                       std::to_string(numel.integer));
     Node s;
     s.kind = NodeKind::kStorage;
     s.ref = node(p[1]).ref;
     s.text = key.text;
-    s.text2 = loc.text.substr(0, 256);
+    s.items = {loc.text.at, std::min<std::uint32_t>(loc.text.size, 256)};
     s.integer = numel.integer;
     return add(std::move(s));
   }
 
   void put(std::uint64_t index) {
     const std::uint32_t v = top();
-    if (memo_.size() >= kMaxTorchValues && !memo_.count(index)) {
-      throw fail("more than " + format_count(kMaxTorchValues) + " memo entries");
+    // Picklers number entries from 0 up; a gap past a few would let a few bytes of input claim
+    // much memory, and goes to the map instead.
+    const bool dense = index < memo_.size() + 16;
+    const bool fresh = dense ? index >= memo_.size() || memo_[index] == kNoNode
+                             : !memo_far_.count(index);
+    if (fresh && memo_count_ >= max_values_) {
+      throw fail("more than " + format_count(max_values_) + " memo entries");
     }
+    memo_count_ += fresh ? 1 : 0;
+    if (!dense) {
+      memo_far_[index] = v;
+      return;
+    }
+    if (index >= memo_.size()) memo_.resize(index + 1, kNoNode);
     memo_[index] = v;
   }
   void get(std::uint64_t index) {
-    auto it = memo_.find(index);
-    if (it == memo_.end()) throw fail("memo entry " + std::to_string(index) + " was never stored");
+    if (index < memo_.size() && memo_[index] != kNoNode) return push(memo_[index]);
+    auto it = memo_far_.find(index);
+    if (it == memo_far_.end()) throw fail("memo entry " + std::to_string(index) + " was never stored");
     push(it->second);
   }
 
@@ -1081,7 +1300,7 @@ class Machine {
       case ']': push(make_seq(NodeKind::kList, {})); return false;
       case ')': push(make_seq(NodeKind::kTuple, {})); return false;
       case '}': push(make_seq(NodeKind::kDict, {})); return false;
-      case 0x8f: push(make_seq(NodeKind::kList, {}, "set")); return false;
+      case 0x8f: push(make_seq(NodeKind::kList, {}, Tag::kSet)); return false;
       case 'l': push(make_seq(NodeKind::kList, pop_mark())); return false;
       case 't': push(make_seq(NodeKind::kTuple, pop_mark())); return false;
       case 0x85: {
@@ -1100,15 +1319,15 @@ class Machine {
         return false;
       }
       case 0x91: {
-        const std::vector<std::uint32_t> items = pop_mark();
-        const std::uint32_t s = make_seq(NodeKind::kList, {}, "set");
+        const std::vector<std::uint32_t>& items = pop_mark();
+        const std::uint32_t s = make_seq(NodeKind::kList, {}, Tag::kSet);
         for (std::uint32_t i : items) add_to_set(s, i);
-        node(s).tag = "frozenset";
+        node(s).tag = Tag::kFrozenSet;
         push(s);
         return false;
       }
       case 'd': {
-        const std::vector<std::uint32_t> items = pop_mark();
+        const std::vector<std::uint32_t>& items = pop_mark();
         if (items.size() % 2 != 0) throw fail("an odd number of items for key, value pairs");
         const std::uint32_t d = make_seq(NodeKind::kDict, {});
         for (std::size_t i = 0; i < items.size(); i += 2) set_item(d, items[i], items[i + 1]);
@@ -1121,13 +1340,13 @@ class Machine {
         return false;
       }
       case 'e': {
-        const std::vector<std::uint32_t> items = pop_mark();
+        const std::vector<std::uint32_t>& items = pop_mark();
         const std::uint32_t l = top();
         for (std::uint32_t i : items) append(l, i);
         return false;
       }
       case 0x90: {
-        const std::vector<std::uint32_t> items = pop_mark();
+        const std::vector<std::uint32_t>& items = pop_mark();
         const std::uint32_t s = top();
         for (std::uint32_t i : items) add_to_set(s, i);
         return false;
@@ -1138,7 +1357,7 @@ class Machine {
         return false;
       }
       case 'u': {
-        const std::vector<std::uint32_t> items = pop_mark();
+        const std::vector<std::uint32_t>& items = pop_mark();
         if (items.size() % 2 != 0) throw fail("an odd number of items for key, value pairs");
         const std::uint32_t d = top();
         for (std::size_t i = 0; i < items.size(); i += 2) set_item(d, items[i], items[i + 1]);
@@ -1158,7 +1377,7 @@ class Machine {
       }
       case 'q': put(le(1)); return false;
       case 'r': put(le(4)); return false;
-      case 0x94: put(memo_.size()); return false;
+      case 0x94: put(memo_count_); return false;
       case 'c': {
         const std::string module(line());
         const std::string_view name = line();
@@ -1167,9 +1386,9 @@ class Machine {
       }
       case 0x93: {
         const std::uint32_t name = pop(), module = pop();
-        const Node& n = expect(name, NodeKind::kString, "STACK_GLOBAL's name");
-        const Node& m = expect(module, NodeKind::kString, "STACK_GLOBAL's module");
-        push(resolve(m.text, n.text));
+        expect(name, NodeKind::kString, "STACK_GLOBAL's name");
+        expect(module, NodeKind::kString, "STACK_GLOBAL's module");
+        push(resolve(text(module), text(name)));
         return false;
       }
       case 'R': {
@@ -1185,7 +1404,7 @@ class Machine {
       case 0x92: {
         const std::uint32_t kwargs = pop(), args = pop(), cls = pop();
         const Node& k = expect(kwargs, NodeKind::kDict, "NEWOBJ_EX's keyword arguments");
-        if (!k.items.empty()) throw fail("keyword arguments to a constructor (none allowed)");
+        if (k.items.size != 0) throw fail("keyword arguments to a constructor (none allowed)");
         push(new_object(cls, args));
         return false;
       }
@@ -1232,12 +1451,20 @@ class Machine {
   PickleGraph g_;
   std::vector<std::uint32_t> stack_;
   std::vector<std::size_t> marks_;
-  std::unordered_map<std::uint64_t, std::uint32_t> memo_;
-  std::unordered_map<std::uint32_t, std::unordered_set<std::string>> dict_keys_;
+  std::uint64_t max_values_;
+  std::vector<std::uint32_t> marked_;  // pop_mark's items
+  // The memo: dense from 0 as picklers number it; an index far past the end goes to memo_far_.
+  std::vector<std::uint32_t> memo_;
+  std::unordered_map<std::uint64_t, std::uint32_t> memo_far_;
+  std::uint64_t memo_count_ = 0;
+  std::vector<HeldKey> held_;
+  std::size_t held_count_ = 0;
+  std::unique_ptr<IntSlot[]> ints_;
   std::unordered_set<std::string> named_;  // the globals named so far (at most 1000 listed)
   std::uint64_t refs_ = 0;
   std::uint64_t text_ = 0;
-  std::uint32_t none_ = 0, true_ = 0, false_ = 0;
+  std::uint64_t key_work_ = 0;
+  std::uint32_t none_ = 0, true_ = 0, false_ = 0, empty_tuple_ = kNoNode;
 };
 
 }  // namespace
@@ -1263,6 +1490,21 @@ std::string_view node_kind_name(NodeKind k) {
 }
 
 std::span<const AllowedGlobal> allowed_globals() { return kAllowed; }
+
+std::string_view tag_name(Tag t) noexcept {
+  switch (t) {
+    case Tag::kPlain: return "";
+    case Tag::kSet: return "set";
+    case Tag::kFrozenSet: return "frozenset";
+    case Tag::kSize: return "torch.Size";
+    case Tag::kOrderedDict: return "collections.OrderedDict";
+  }
+  return "";
+}
+
+std::uint64_t max_pickle_values(Scope scope) noexcept {
+  return scope == kDcpMetadata ? kMaxDcpIndexValues : kMaxTorchValues;
+}
 
 std::span<const EnumMember> enum_members(const AllowedGlobal& cls) {
   if (cls.role == R::kEnum && std::string_view(cls.name) == "ZeroStageEnum") return kZeroStages;

@@ -86,9 +86,10 @@ void measure(const detail::PickleGraph& g, const std::string& file) {
   // A node's children as the tree holds them: items (list, tuple, dict keys and values, object
   // arguments), a dict's attributes, an object's state entries (its dict is not a value).
   auto child = [&](const Node& node, std::size_t k, std::uint32_t* out) -> bool {
-    const std::size_t items = node.items.size();
+    const std::span<const std::uint32_t> held = g.items(node);
+    const std::size_t items = held.size();
     if (k < items) {
-      *out = node.items[k];
+      *out = held[k];
       return true;
     }
     if (node.state == detail::kNoNode) return false;
@@ -98,9 +99,9 @@ void measure(const detail::PickleGraph& g, const std::string& file) {
       return true;
     }
     if (node.kind != NodeKind::kObject) return false;
-    const Node& st = g.nodes[node.state];
-    if (k - items >= st.items.size()) return false;
-    *out = st.items[k - items];
+    const std::span<const std::uint32_t> st = g.items(node.state);
+    if (k - items >= st.size()) return false;
+    *out = st[k - items];
     return true;
   };
   auto sat_add = [](std::uint64_t a, std::uint64_t b) {
@@ -127,7 +128,7 @@ void measure(const detail::PickleGraph& g, const std::string& file) {
     }
     // All children done: sum them up.
     std::uint64_t v = 1, t = node.kind == NodeKind::kString || node.kind == NodeKind::kBytes
-                                 ? node.text.size() : 0;
+                                 ? node.text.size : 0;
     std::uint64_t h = 0;
     for (std::size_t j = 0; child(node, j, &c) && node.kind != NodeKind::kTensor &&
                             node.kind != NodeKind::kStorage;
@@ -231,32 +232,33 @@ class Converter {
   // wherever the key is named.
   std::uint64_t storage_of(const Node& s, const std::string& path) {
     const detail::AllowedGlobal& type = detail::allowed_globals()[s.ref];
-    auto it = storage_index_.find(s.text);
+    const std::string key(g_.text_of(s));
+    auto it = storage_index_.find(key);
     if (it != storage_index_.end()) {
       const TorchStorage& have = out_.storages[it->second];
       std::optional<DType> t;
       const std::string dtype = torch_dtype_display(type.dtype, &t);
       if (have.dtype != dtype || have.numel != static_cast<std::uint64_t>(s.integer)) {
-        throw fail(path, "storage '" + printable(s.text) + "' is named as " + dtype + " of " +
+        throw fail(path, "storage '" + printable(key) + "' is named as " + dtype + " of " +
                              std::to_string(s.integer) + " elements here, and as " + have.dtype +
                              " of " + std::to_string(have.numel) + " before");
       }
       return it->second;
     }
     TorchStorage st;
-    st.key = s.text;
+    st.key = key;
     st.dtype = torch_dtype_display(type.dtype, &st.type);
     st.element_size = detail::torch_dtype_size(type.dtype);
     st.numel = static_cast<std::uint64_t>(s.integer);
-    st.location = s.text2;
-    st.entry = out_.archive + "/data/" + s.text;
+    st.location = g_.location(s);
+    st.entry = out_.archive + "/data/" + key;
     const detail::ZipEntry* e = zip_.find(st.entry);
     if (e == nullptr) {
-      throw fail(path, "its storage '" + printable(s.text) + "' has no entry '" +
+      throw fail(path, "its storage '" + printable(key) + "' has no entry '" +
                            printable(st.entry, 200) + "' in the archive");
     }
     if (__builtin_mul_overflow(st.numel, st.element_size, &st.bytes)) {
-      throw fail(path, "storage '" + printable(s.text) + "' declares " +
+      throw fail(path, "storage '" + printable(key) + "' declares " +
                            std::to_string(st.numel) + " elements: more bytes than 64 bits hold");
     }
     if (e->bytes < st.bytes) {
@@ -267,7 +269,7 @@ class Converter {
     }
     st.offset = e->offset;
     out_.storages.push_back(std::move(st));
-    storage_index_[s.text] = out_.storages.size() - 1;
+    storage_index_[key] = out_.storages.size() - 1;
     return out_.storages.size() - 1;
   }
 
@@ -280,9 +282,10 @@ class Converter {
     t.dtype = st.dtype;
     t.type = st.type;
     t.element_size = st.element_size;
-    const std::size_t nd = n.dims.size() / 2;
-    t.shape.assign(n.dims.begin(), n.dims.begin() + static_cast<std::ptrdiff_t>(nd));
-    t.stride.assign(n.dims.begin() + static_cast<std::ptrdiff_t>(nd), n.dims.end());
+    const std::span<const std::int64_t> dims = g_.dims_of(n);
+    const std::size_t nd = dims.size() / 2;
+    t.shape.assign(dims.begin(), dims.begin() + static_cast<std::ptrdiff_t>(nd));
+    t.stride.assign(dims.begin() + static_cast<std::ptrdiff_t>(nd), dims.end());
     t.storage_offset = static_cast<std::uint64_t>(n.integer);
     t.requires_grad = n.flag;
     try {
@@ -362,8 +365,8 @@ class Converter {
       case NodeKind::kString:
       case NodeKind::kBytes:
         v.kind = n.kind == NodeKind::kString ? TorchKind::kString : TorchKind::kBytes;
-        count(path, n.text.size());
-        v.text = n.text;
+        count(path, n.text.size);
+        v.text = g_.text_of(n);
         return;
       case NodeKind::kGlobal: {
         const detail::AllowedGlobal& a = detail::allowed_globals()[n.ref];
@@ -382,7 +385,7 @@ class Converter {
       case NodeKind::kEnum: {
         const detail::AllowedGlobal& a = detail::allowed_globals()[n.ref];
         v.kind = TorchKind::kEnum;
-        v.text = std::string(a.module) + "." + a.name + "." + n.text;
+        v.text = std::string(a.module) + "." + a.name + "." + std::string(g_.text_of(n));
         v.integer = n.integer;
         v.global = n.ref;
         break;
@@ -398,17 +401,18 @@ class Converter {
       case NodeKind::kList:
       case NodeKind::kTuple: {
         v.kind = n.kind == NodeKind::kList ? TorchKind::kList : TorchKind::kTuple;
-        v.text = std::string(n.tag);
+        v.text = std::string(detail::tag_name(n.tag));
         count(path, 0);
-        v.items.resize(n.items.size());
-        for (std::size_t k = 0; k < n.items.size(); ++k) {
-          child(n.items[k], depth, path, std::to_string(k), v.items[k]);
+        const std::span<const std::uint32_t> held = g_.items(n);
+        v.items.resize(held.size());
+        for (std::size_t k = 0; k < held.size(); ++k) {
+          child(held[k], depth, path, std::to_string(k), v.items[k]);
         }
         return;
       }
       case NodeKind::kDict:
         v.kind = TorchKind::kDict;
-        v.text = std::string(n.tag);
+        v.text = std::string(detail::tag_name(n.tag));
         count(path, 0);
         entries(n, depth, path, v);
         if (n.state != detail::kNoNode) {
@@ -422,9 +426,10 @@ class Converter {
         v.text = std::string(a.module) + "." + a.name;
         v.global = n.ref;
         count(path, 0);
-        v.items.resize(n.items.size());
-        for (std::size_t k = 0; k < n.items.size(); ++k) {
-          child(n.items[k], depth, path, "__args__/" + std::to_string(k), v.items[k]);
+        const std::span<const std::uint32_t> args = g_.items(n);
+        v.items.resize(args.size());
+        for (std::size_t k = 0; k < args.size(); ++k) {
+          child(args[k], depth, path, "__args__/" + std::to_string(k), v.items[k]);
         }
         if (n.state != detail::kNoNode) entries(g_.nodes[n.state], depth, path, v);
         return;
@@ -434,20 +439,21 @@ class Converter {
   }
 
   void entries(const Node& d, std::uint64_t depth, std::string& path, TorchValue& v) {
-    v.entries.resize(d.items.size() / 2);
+    const std::span<const std::uint32_t> held = g_.items(d);
+    v.entries.resize(held.size() / 2);
     // Two keys Python tells apart but a path does not (the int 0 and the string '0') would make
     // a lookup by path pick one of them: the state is ambiguous, and refused.
     std::unordered_set<std::string> segments;
     for (std::size_t k = 0; k < v.entries.size(); ++k) {
       auto& [key, value] = v.entries[k];
-      convert(d.items[2 * k], depth + 1, path, key);
+      convert(held[2 * k], depth + 1, path, key);
       std::string segment = torch_path_segment(key);
       if (!segments.insert(segment).second) {
         throw fail(path, "two keys of one dict are both '" + printable(segment) +
                              "' as a path (such as the int 0 and the string '0'): which one a "
                              "lookup means is ambiguous");
       }
-      child(d.items[2 * k + 1], depth, path, segment, value);
+      child(held[2 * k + 1], depth, path, segment, value);
     }
   }
 

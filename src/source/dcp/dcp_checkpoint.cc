@@ -8,7 +8,7 @@
 #include <map>
 #include <memory>
 #include <string_view>
-#include <tuple>
+#include <unordered_map>
 #include <sys/stat.h>
 
 #include "common/saturate.h"
@@ -22,6 +22,9 @@
 
 namespace zeroflat {
 namespace {
+
+static_assert(detail::kMaxDcpIndexValues == 32 * kMaxDcpChunks,
+              "the pickle machine's bound for a DCP index is 32 values per chunk");
 
 using detail::kNoNode;
 using detail::Node;
@@ -57,29 +60,45 @@ class Walker {
     return InvalidArgument(file_ + ": " + where + ": " + why);
   }
   const Node& node(std::uint32_t i) const { return g_.nodes.at(i); }
+  std::span<const std::uint32_t> items(std::uint32_t i) const { return g_.items(node(i)); }
 
   std::string class_of(const Node& n) const {
     const detail::AllowedGlobal& row = detail::allowed_globals()[n.ref];
     return std::string(row.name);
   }
 
-  // The fields of an instance of DCP's class `cls` (BUILD's dict): name -> node.
-  std::map<std::string, std::uint32_t> fields(std::uint32_t i, std::string_view cls,
-                                              const std::string& where) const {
+  // The fields of an instance of one of DCP's classes: BUILD's dict, name, value, name, ...
+  struct Fields {
+    const Walker* w = nullptr;
+    std::span<const std::uint32_t> pairs;
+    std::uint32_t get(std::string_view name) const {
+      for (std::size_t k = 0; k + 1 < pairs.size(); k += 2) {
+        if (w->g_.text_of(pairs[k]) == name) return pairs[k + 1];
+      }
+      return kNoNode;
+    }
+  };
+  // DCP's dataclasses have a handful of fields; a state dict of more (shared by every object
+  // of a large index, it would make each field's lookup long) is not one of them.
+  static constexpr std::size_t kMaxFields = 32;
+  Fields fields(std::uint32_t i, std::string_view cls, const std::string& where) const {
     const Node& n = node(i);
     if (n.kind != NodeKind::kObject || class_of(n) != cls) {
       throw fail(where, "expected DCP's " + std::string(cls) + ", found " + describe(n));
     }
-    std::map<std::string, std::uint32_t> out;
-    if (n.state == kNoNode) return out;
+    if (n.state == kNoNode) return {this, {}};
     const Node& d = node(n.state);
     if (d.kind != NodeKind::kDict) throw fail(where, "its fields are not a dict");
-    for (std::size_t k = 0; k + 1 < d.items.size(); k += 2) {
-      const Node& key = node(d.items[k]);
-      if (key.kind != NodeKind::kString) throw fail(where, "a field named by a " + describe(key));
-      out[key.text] = d.items[k + 1];
+    const std::span<const std::uint32_t> pairs = g_.items(d);
+    if (pairs.size() / 2 > kMaxFields) {
+      throw fail(where, std::to_string(pairs.size() / 2) + " fields (DCP's " + std::string(cls) +
+                            " has a few; at most " + std::to_string(kMaxFields) + " are read)");
     }
-    return out;
+    for (std::size_t k = 0; k + 1 < pairs.size(); k += 2) {
+      const Node& key = node(pairs[k]);
+      if (key.kind != NodeKind::kString) throw fail(where, "a field named by a " + describe(key));
+    }
+    return {this, pairs};
   }
 
   std::string describe(const Node& n) const {
@@ -90,18 +109,15 @@ class Walker {
     return "a " + std::string(detail::node_kind_name(n.kind));
   }
 
-  static std::uint32_t get(const std::map<std::string, std::uint32_t>& f, const char* name) {
-    const auto it = f.find(name);
-    return it == f.end() ? kNoNode : it->second;
-  }
+  static std::uint32_t get(const Fields& f, const char* name) { return f.get(name); }
   bool is_none(std::uint32_t i) const { return i == kNoNode || node(i).kind == NodeKind::kNone; }
 
-  const std::string& text(std::uint32_t i, const std::string& where) const {
+  std::string_view text(std::uint32_t i, const std::string& where) const {
     if (i == kNoNode || node(i).kind != NodeKind::kString) {
       throw fail(where, "expected a string, found " +
                             (i == kNoNode ? std::string("nothing") : describe(node(i))));
     }
-    return node(i).text;
+    return g_.text_of(i);
   }
   std::uint64_t count(std::uint32_t i, const std::string& where) const {
     if (i == kNoNode || node(i).kind != NodeKind::kInt || node(i).integer < 0) {
@@ -125,7 +141,7 @@ class Walker {
       throw fail(where, "expected a torch.Size, found " +
                             (i == kNoNode ? std::string("nothing") : describe(node(i))));
     }
-    const std::vector<std::uint32_t>& items = node(i).items;
+    const std::span<const std::uint32_t> items = this->items(i);
     if (items.size() > kMaxTorchDims) {
       throw fail(where, std::to_string(items.size()) + " dimensions (at most " +
                             std::to_string(kMaxTorchDims) + ")");
@@ -140,7 +156,7 @@ class Walker {
 };
 
 // A data file's name as the index gives it: one plain name inside the folder.
-void check_relative(const std::string& name, const std::string& where, const Walker& w) {
+void check_relative(std::string_view name, const std::string& where, const Walker& w) {
   if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
       name.find('\\') != std::string::npos || name.find('\0') != std::string::npos ||
       name.front() == '.') {
@@ -148,15 +164,6 @@ void check_relative(const std::string& name, const std::string& where, const Wal
                             "' is not a plain file name inside the checkpoint's folder");
   }
 }
-
-struct Key {
-  std::string fqn;
-  bool has_offset = false;
-  std::vector<std::uint64_t> offset;
-  bool operator<(const Key& o) const {
-    return std::tie(fqn, has_offset, offset) < std::tie(o.fqn, o.has_offset, o.offset);
-  }
-};
 
 std::string offsets_text(const std::vector<std::uint64_t>& v) {
   std::string out = "[";
@@ -215,15 +222,14 @@ bool is_dcp_checkpoint(const std::string& dir, const std::string& index) noexcep
 namespace {
 
 // planner_data (each fqn's path in the nested state dict), then the items' order by name.
-void index_planner_data(const Walker& w, const std::map<std::string, std::uint32_t>& meta,
-                        DcpCheckpoint& out) {
+void index_planner_data(const Walker& w, const Walker::Fields& meta, DcpCheckpoint& out) {
   if (const std::uint32_t pd = Walker::get(meta, "planner_data"); !w.is_none(pd)) {
     if (w.node(pd).kind != NodeKind::kDict) throw w.fail("planner_data", "expected a dict");
-    std::map<std::string, std::uint32_t> by;
+    std::unordered_map<std::string_view, std::uint32_t> by;
     for (std::uint32_t i = 0; i < out.items.size(); ++i) by[out.items[i].fqn] = i;
-    const std::vector<std::uint32_t>& pe = w.node(pd).items;
+    const std::span<const std::uint32_t> pe = w.items(pd);
     for (std::size_t k = 0; k + 1 < pe.size(); k += 2) {
-      const std::string& fqn = w.text(pe[k], "planner_data's key");
+      const std::string_view fqn = w.text(pe[k], "planner_data's key");
       const auto it = by.find(fqn);
       if (it == by.end()) continue;  // a name saved nowhere: nothing to place
       const Node& path = w.node(pe[k + 1]);
@@ -231,10 +237,10 @@ void index_planner_data(const Walker& w, const std::map<std::string, std::uint32
         throw w.fail("planner_data for '" + printable(fqn, 200) + "'", "expected a tuple");
       }
       std::vector<DcpPathPart> parts;
-      for (std::uint32_t s : path.items) {
+      for (std::uint32_t s : w.items(pe[k + 1])) {
         const Node& n = w.node(s);
         if (n.kind == NodeKind::kString) {
-          parts.push_back({false, 0, n.text});
+          parts.push_back({false, 0, std::string(w.text(s, "planner_data"))});
         } else if (n.kind == NodeKind::kInt) {
           parts.push_back({true, n.integer, {}});
         } else {
@@ -279,7 +285,7 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
     auto text_or_none = [&](const char* field) -> std::optional<std::string> {
       const std::uint32_t v = Walker::get(m, field);
       if (w.is_none(v)) return std::nullopt;
-      return w.text(v, std::string("storage_meta's ") + field);
+      return std::string(w.text(v, std::string("storage_meta's ") + field));
     };
     out.checkpoint_id = text_or_none("checkpoint_id");
     out.save_id = text_or_none("save_id");
@@ -289,8 +295,8 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
         throw w.fail("storage_meta's modules", "expected a list of names, found " +
                                                    w.describe(list));
       }
-      for (const std::uint32_t x : list.items) {
-        out.modules.push_back(w.text(x, "storage_meta's modules"));
+      for (const std::uint32_t x : w.items(v)) {
+        out.modules.push_back(std::string(w.text(x, "storage_meta's modules")));
       }
     }
   }
@@ -300,19 +306,19 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
   if (sdm == kNoNode || w.node(sdm).kind != NodeKind::kDict) {
     throw w.fail("state_dict_metadata", "expected a dict of the saved items");
   }
-  std::map<Key, std::pair<std::uint32_t, std::uint32_t>> wanted;  // -> (item, chunk)
+  // Each tensor's chunks in the order of their offsets, for storage_data's lookups.
+  std::vector<std::vector<std::uint32_t>> by_offsets;
   std::uint64_t chunks_total = 0;
-  const std::vector<std::uint32_t>& entries = w.node(sdm).items;
+  const std::span<const std::uint32_t> entries = w.items(sdm);
   for (std::size_t k = 0; k + 1 < entries.size(); k += 2) {
     DcpItem item;
     item.fqn = w.text(entries[k], "state_dict_metadata's key");
     const std::string where = "item '" + printable(item.fqn, 200) + "'";
     const Node& v = w.node(entries[k + 1]);
-    const auto index = static_cast<std::uint32_t>(out.items.size());
     if (v.kind == NodeKind::kObject && w.class_of(v) == "BytesStorageMetadata") {
       item.is_bytes = true;
       item.chunks.emplace_back();
-      wanted[{item.fqn, false, {}}] = {index, 0};
+      by_offsets.emplace_back();
       out.items.push_back(std::move(item));
       continue;
     }
@@ -323,7 +329,7 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
         w.class_of(w.node(props)) != "TensorProperties" || w.node(props).state == kNoNode) {
       throw w.fail(where, "its properties are not DCP's TensorProperties");
     }
-    const std::vector<std::uint32_t>& p = w.node(w.node(props).state).items;
+    const std::span<const std::uint32_t> p = w.items(w.node(props).state);
     if (p.size() != 5 && p.size() != 6) {
       throw w.fail(where, "its properties hold " + std::to_string(p.size()) +
                               " values (DCP saves dtype, layout, requires_grad, memory_format, "
@@ -364,7 +370,7 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
     if (chunks == kNoNode || w.node(chunks).kind != NodeKind::kList) {
       throw w.fail(where, "its chunks are not a list");
     }
-    for (std::uint32_t c : w.node(chunks).items) {
+    for (std::uint32_t c : w.items(chunks)) {
       const std::string cw = where + "'s chunk " + std::to_string(item.chunks.size());
       const auto cf = w.fields(c, "ChunkStorageMetadata", cw);
       DcpChunk chunk;
@@ -386,13 +392,20 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
       if (chunks_total > kMaxDcpChunks) {
         throw w.fail(cw, "more than " + std::to_string(kMaxDcpChunks) + " chunks");
       }
-      if (!wanted.emplace(Key{item.fqn, true, chunk.offsets},
-                          std::pair{index, static_cast<std::uint32_t>(item.chunks.size())})
-               .second) {
-        throw w.fail(cw, "a second chunk at offsets " + offsets_text(chunk.offsets));
-      }
       item.chunks.push_back(std::move(chunk));
     }
+    std::vector<std::uint32_t> order(item.chunks.size());
+    for (std::uint32_t c = 0; c < order.size(); ++c) order[c] = c;
+    std::sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+      return item.chunks[a].offsets < item.chunks[b].offsets;
+    });
+    for (std::size_t c = 1; c < order.size(); ++c) {
+      if (item.chunks[order[c]].offsets == item.chunks[order[c - 1]].offsets) {
+        throw w.fail(where + "'s chunk " + std::to_string(std::max(order[c], order[c - 1])),
+                     "a second chunk at offsets " + offsets_text(item.chunks[order[c]].offsets));
+      }
+    }
+    by_offsets.push_back(std::move(order));
     check_chunks_tile(w, where, item, every_rank);
     out.items.push_back(std::move(item));
   }
@@ -402,46 +415,69 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
   if (sd == kNoNode || w.node(sd).kind != NodeKind::kDict) {
     throw w.fail("storage_data", "expected a dict of where each item is stored");
   }
-  std::map<std::string, std::uint32_t> file_of;
-  std::vector<bool> placed;
-  std::map<Key, bool> seen;
-  const std::vector<std::uint32_t>& stored = w.node(sd).items;
+  std::unordered_map<std::string_view, std::uint32_t> item_of;  // fqn -> item
+  item_of.reserve(out.items.size());
+  for (std::uint32_t i = 0; i < out.items.size(); ++i) item_of.emplace(out.items[i].fqn, i);
+  std::vector<std::uint64_t> first(out.items.size() + 1, 0);  // each item's first in `seen`
+  for (std::size_t i = 0; i < out.items.size(); ++i) first[i + 1] = first[i] + out.items[i].chunks.size();
+  std::vector<bool> seen(first.back(), false);
+  std::map<std::string, std::uint32_t, std::less<>> file_of;
+  const std::span<const std::uint32_t> stored = w.items(sd);
   for (std::size_t k = 0; k + 1 < stored.size(); k += 2) {
     const auto key = w.fields(stored[k], "MetadataIndex", "storage_data's key");
-    Key id;
-    id.fqn = w.text(Walker::get(key, "fqn"), "storage_data's key's fqn");
-    const std::string where = "storage_data for '" + printable(id.fqn, 200) + "'";
+    const std::string_view fqn = w.text(Walker::get(key, "fqn"), "storage_data's key's fqn");
+    const std::string where = "storage_data for '" + printable(fqn, 200) + "'";
+    std::optional<std::vector<std::uint64_t>> offset;
     if (const std::uint32_t off = Walker::get(key, "offset"); !w.is_none(off)) {
-      id.has_offset = true;
-      id.offset = w.dims(off, where + "'s offset");
+      offset = w.dims(off, where + "'s offset");
     }
-    const auto it = wanted.find(id);
-    if (it == wanted.end()) {
-      throw w.fail(where, id.has_offset ? "no chunk of that item starts at " +
-                                              offsets_text(id.offset)
-                                        : "the index lists no bytes item of that name");
+    const auto found = item_of.find(fqn);
+    const std::uint32_t item = found == item_of.end() ? kNoNode : found->second;
+    std::uint32_t chunk = kNoNode;
+    if (item != kNoNode && offset.has_value() != out.items[item].is_bytes) {
+      if (!offset) {
+        chunk = 0;
+      } else {
+        const std::vector<std::uint32_t>& order = by_offsets[item];
+        const std::vector<DcpChunk>& chunks = out.items[item].chunks;
+        const auto at = std::lower_bound(
+            order.begin(), order.end(), *offset,
+            [&](std::uint32_t c, const std::vector<std::uint64_t>& o) { return chunks[c].offsets < o; });
+        if (at != order.end() && chunks[*at].offsets == *offset) chunk = *at;
+      }
     }
-    if (!seen.emplace(id, true).second) throw w.fail(where, "given twice");
+    if (chunk == kNoNode) {
+      throw w.fail(where, offset ? "no chunk of that item starts at " + offsets_text(*offset)
+                                 : "the index lists no bytes item of that name");
+    }
+    if (seen[first[item] + chunk]) throw w.fail(where, "given twice");
+    seen[first[item] + chunk] = true;
     const auto info = w.fields(stored[k + 1], "_StorageInfo", where);
-    const std::string& rel = w.text(Walker::get(info, "relative_path"), where + "'s relative_path");
+    const std::string_view rel =
+        w.text(Walker::get(info, "relative_path"), where + "'s relative_path");
     check_relative(rel, where, w);
     if (const std::uint32_t t = Walker::get(info, "transform_descriptors");
-        !w.is_none(t) && !(w.node(t).kind == NodeKind::kList && w.node(t).items.empty()) &&
-        !(w.node(t).kind == NodeKind::kTuple && w.node(t).items.empty())) {
+        !w.is_none(t) && !(w.node(t).kind == NodeKind::kList && w.items(t).empty()) &&
+        !(w.node(t).kind == NodeKind::kTuple && w.items(t).empty())) {
       throw w.fail(where, "the item was saved through DCP's stream transforms (compression or "
                           "another extension), which zeroflat does not read");
     }
-    auto [f, added] = file_of.emplace(rel, static_cast<std::uint32_t>(out.files.size()));
-    if (added) out.files.push_back(dir + "/" + rel);
-    DcpChunk& chunk = out.items[it->second.first].chunks[it->second.second];
-    chunk.file = f->second;
-    chunk.offset = w.count(Walker::get(info, "offset"), where + "'s offset");
-    chunk.length = w.count(Walker::get(info, "length"), where + "'s length");
+    auto f = file_of.find(rel);
+    if (f == file_of.end()) {
+      f = file_of.emplace(std::string(rel), static_cast<std::uint32_t>(out.files.size())).first;
+      out.files.push_back(dir + "/" + std::string(rel));
+    }
+    DcpChunk& c = out.items[item].chunks[chunk];
+    c.file = f->second;
+    c.offset = w.count(Walker::get(info, "offset"), where + "'s offset");
+    c.length = w.count(Walker::get(info, "length"), where + "'s length");
   }
-  for (const auto& [key, at] : wanted) {
-    if (!seen.count(key)) {
-      throw w.fail("storage_data", "no entry for '" + printable(key.fqn, 200) + "'" +
-                                       (key.has_offset ? " at " + offsets_text(key.offset) : ""));
+  for (std::size_t i = 0; i < out.items.size(); ++i) {
+    for (std::size_t c = 0; c < out.items[i].chunks.size(); ++c) {
+      if (seen[first[i] + c]) continue;
+      const DcpItem& item = out.items[i];
+      throw w.fail("storage_data", "no entry for '" + printable(item.fqn, 200) + "'" +
+                                       (item.is_bytes ? "" : " at " + offsets_text(item.chunks[c].offsets)));
     }
   }
 
@@ -470,7 +506,7 @@ DcpCheckpoint open_dcp_checkpoint(const std::string& dir, const std::string& ind
                           index + "' index that torch.distributed.checkpoint.save writes)");
   }
   const std::string data =
-      detail::read_small_file(dir + "/" + index, kMaxTorchPickleBytes, "a DCP checkpoint's index");
+      detail::read_small_file(dir + "/" + index, kMaxDcpIndexBytes, "a DCP checkpoint's index");
   DcpCheckpoint out = parse_dcp_metadata(
       std::span(reinterpret_cast<const unsigned char*>(data.data()), data.size()), dir,
       index == ".metadata");
