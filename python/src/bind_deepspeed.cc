@@ -340,6 +340,94 @@ void bind_deepspeed(py::module_& m) {
              }
              return out;
            })
+      // DCP's own records of every item, for read_metadata: [(fqn, is_bytes, dtype, size,
+      // requires_grad, [ChunkStorageMetadata], planner path or None)], and into `storage`
+      // MetadataIndex(fqn, offsets, index) -> _StorageInfo(relative path, offset, length) for
+      // each chunk and bytes item. The classes are DCP's, handed in by dcp.py: nothing from the
+      // file chooses one. ChunkStorageMetadata and MetadataIndex are made as unpickling makes
+      // them (the class's __new__, then its fields set), which is most of the time a large
+      // index takes; one torch.Size of the offsets serves the chunk and its key, one str each
+      // file's name.
+      .def(
+          "records",
+          [](const zf::DcpCheckpoint& ck, py::handle size_cls, py::handle chunk_cls,
+             py::handle index_cls, py::handle info_cls, py::dict storage) {
+            auto make = [](py::handle cls, std::initializer_list<std::pair<const char*, py::handle>> fields) {
+              PyTypeObject* type = reinterpret_cast<PyTypeObject*>(cls.ptr());
+              py::object o = py::reinterpret_steal<py::object>(
+                  PyBaseObject_Type.tp_new(type, py::tuple().ptr(), nullptr));
+              if (!o) throw py::error_already_set();
+              py::dict d = o.attr("__dict__");
+              for (const auto& [name, value] : fields) d[name] = value;
+              return o;
+            };
+            auto dims = [&](const std::vector<std::uint64_t>& v) {
+              py::tuple t(v.size());
+              for (std::size_t i = 0; i < v.size(); ++i) t[i] = py::int_(v[i]);
+              return size_cls(t);
+            };
+            std::vector<py::str> names;
+            names.reserve(ck.files.size());
+            for (const std::string& f : ck.files) {
+              names.push_back(os_name(std::filesystem::path(f).filename().string()));
+            }
+            py::list out;
+            for (const zf::DcpItem& it : ck.items) {
+              py::str fqn(it.fqn);
+              py::list chunks;
+              for (std::size_t i = 0; i < it.chunks.size(); ++i) {
+                const zf::DcpChunk& c = it.chunks[i];
+                py::object info = info_cls(names[c.file], c.offset, c.length);
+                if (it.is_bytes) {
+                  storage[make(index_cls, {{"fqn", fqn}, {"offset", py::none()}, {"index", py::none()}})] = info;
+                  continue;
+                }
+                py::object offsets = dims(c.offsets);
+                chunks.append(make(chunk_cls, {{"offsets", offsets}, {"sizes", dims(c.sizes)}}));
+                storage[make(index_cls, {{"fqn", fqn}, {"offset", offsets}, {"index", py::int_(i)}})] = info;
+              }
+              py::object path = py::none();
+              if (!it.path.empty()) {
+                py::list parts;
+                for (const zf::DcpPathPart& p : it.path) {
+                  parts.append(p.is_index ? py::object(py::int_(p.index)) : py::str(p.key));
+                }
+                path = py::tuple(parts);
+              }
+              out.append(py::make_tuple(fqn, it.is_bytes, it.dtype, it.size, it.requires_grad,
+                                        chunks, path));
+            }
+            return out;
+          },
+          py::arg("size"), py::arg("chunk"), py::arg("index"), py::arg("info"),
+          py::arg("storage"))
+      // The index of the chunk of tensor `fqn` that starts at `offsets`, or None: `hint` (the
+      // planner's MetadataIndex.index) is tried first, then the item's chunks in order.
+      .def(
+          "chunk_at",
+          [](const zf::DcpCheckpoint& ck, const std::string& fqn,
+             const std::vector<std::uint64_t>& offsets, std::int64_t hint) -> py::object {
+            const zf::DcpItem* it = ck.find(fqn);
+            if (it == nullptr || it->is_bytes) return py::none();
+            if (hint >= 0 && static_cast<std::uint64_t>(hint) < it->chunks.size() &&
+                it->chunks[static_cast<std::size_t>(hint)].offsets == offsets) {
+              return py::int_(hint);
+            }
+            for (std::size_t i = 0; i < it->chunks.size(); ++i) {
+              if (it->chunks[i].offsets == offsets) return py::int_(i);
+            }
+            return py::none();
+          },
+          py::arg("fqn"), py::arg("offsets"), py::arg("hint") = -1)
+      // A bytes item's length in its file, or None when `fqn` is no bytes item.
+      .def(
+          "bytes_length",
+          [](const zf::DcpCheckpoint& ck, const std::string& fqn) -> py::object {
+            const zf::DcpItem* it = ck.find(fqn);
+            if (it == nullptr || !it->is_bytes) return py::none();
+            return py::int_(it->chunks.at(0).length);
+          },
+          py::arg("fqn"))
       // The chunks [(fqn, chunk index)] as a Checkpoint whose tensor i, named "#<i>" (12
       // digits), is chunk i (dcp_chunks_index).
       .def(

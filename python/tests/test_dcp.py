@@ -759,3 +759,41 @@ def test_an_index_of_older_torch_naming_sharded_tensors_tensor_properties_loads(
              no_dist=True)
     for (n, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_a_large_index_as_dcp_writes_it_reads_as_dcps_own(tmp_path):
+    """An index of 230,000 chunks, made of the dataclasses dcp.save writes and pickled as it
+    pickles them (above the 218,545 chunks a reader of 4 million pickle values refused; a 405B
+    model saved with AdamW at 1,024 ranks makes 3.5 million): read_metadata gives what DCP's
+    own unpickling gives, chunk for chunk."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+    from zeroflat.dcp import Reader
+
+    tensors, per, storage = 2, 115_000, {}
+    items = {}
+    for t in range(tensors):
+        fqn = f"model.layers.{t}.weight"
+        chunks = []
+        for r in range(per):
+            off, size = torch.Size([r, 0]), torch.Size([1, 8])
+            chunks.append(ChunkStorageMetadata(offsets=off, sizes=size))
+            storage[MetadataIndex(fqn=fqn, offset=off, index=r)] = _StorageInfo(
+                relative_path=f"__{r % 64}_0.distcp", offset=(t * per + r) * 4096, length=4096)
+        items[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32),
+                                           size=torch.Size([per, 8]), chunks=chunks)
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(Metadata(state_dict_metadata=items, storage_data=storage), f)
+    for r in range(64):
+        with open(tmp_path / f"__{r}_0.distcp", "wb") as f:
+            f.truncate(tensors * per * 4096)
+    ours = Reader(tmp_path).read_metadata()
+    with open(tmp_path / ".metadata", "rb") as f:
+        theirs = pickle.load(f)
+    assert sum(len(v.chunks) for v in ours.state_dict_metadata.values()) == tensors * per
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.storage_data == theirs.storage_data
+    assert ([k.index for k in ours.storage_data][-3:] ==
+            [k.index for k in theirs.storage_data][-3:] == [per - 3, per - 2, per - 1])

@@ -29,6 +29,7 @@ values re-saved by ``torch.save``: what the planner's ``torch.load`` sees was wr
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 import os
 import uuid
@@ -105,9 +106,6 @@ class Reader(StorageReader):
         self._dcp: Optional["_C.DcpCheckpoint"] = None
         # The DCP index read: the global one, or this rank's (a save without collectives).
         self._index = ".metadata"
-        # DCP: (fqn, chunk offsets or None for a bytes item) -> chunk index in the item.
-        self._chunk_of: Dict[Tuple[str, Optional[Tuple[int, ...]]], int] = {}
-        self._value_bytes: Dict[str, int] = {}  # DCP: a bytes item's length in its file
         # This load's id, handed to the planner in the metadata's storage_meta, as DCP's
         # readers make one: at construction and at each reset.
         self.load_id: str = _new_id()
@@ -168,7 +166,7 @@ class Reader(StorageReader):
         if rank is not None and not os.path.lexists(os.path.join(self.path, ".metadata")):
             index = f"__{int(rank)}.metadata"
             if index != self._index:
-                self._index, self._dcp, self._chunk_of = index, None, {}
+                self._index, self._dcp = index, None
         elif self._index == ".metadata" and self._rank_indexes():
             raise FileNotFoundError(
                 f"{self.path}: no .metadata, only ranks' own indexes (__<rank>.metadata: a save "
@@ -208,26 +206,24 @@ class Reader(StorageReader):
         """DCP's Metadata built here from the library's plain reading of ``.metadata``."""
         ck = self._dcp_checkpoint()
         items, storage, planner = {}, {}, {}
-        self._chunk_of, self._value_bytes = {}, {}
-        for fqn, is_bytes, dtype, size, requires_grad, chunks, path in ck.items():
+        # DCP's own record of where each saved item is (the file, its bytes), keyed as the save
+        # keyed it (the chunk's index in its item too), made by the library.
+        # Without the cyclic collector, which would otherwise scan the growing records over and
+        # over (most of the time a large index takes): none of them holds a cycle.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            records = ck.records(size=torch.Size, chunk=ChunkStorageMetadata,
+                                 index=MetadataIndex, info=_StorageInfo, storage=storage)
+        finally:
+            if collecting:
+                gc.enable()
+        for fqn, is_bytes, dtype, size, requires_grad, metas, path in records:
             if path is not None:
                 planner[fqn] = path
-            # DCP's own record of where each saved item is (the file, its bytes), keyed as
-            # the save keyed it (the chunk's index in its item too).
             if is_bytes:
                 items[fqn] = BytesStorageMetadata()
-                _, _, length, relative, offset = chunks[0]
-                storage[MetadataIndex(fqn=fqn)] = _StorageInfo(relative, offset, length)
-                self._chunk_of[(fqn, None)] = 0
-                self._value_bytes[fqn] = length
                 continue
-            metas = []
-            for i, (offsets, sizes, length, relative, offset) in enumerate(chunks):
-                metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets),
-                                                  sizes=torch.Size(sizes)))
-                storage[MetadataIndex(fqn=fqn, offset=torch.Size(offsets), index=i)] = (
-                    _StorageInfo(relative, offset, length))
-                self._chunk_of[(fqn, tuple(offsets))] = i
             items[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=_TORCH_DTYPES[dtype],
                                             requires_grad=requires_grad),
@@ -245,10 +241,9 @@ class Reader(StorageReader):
         if not kwargs.get("use_collectives", True) and rank is not None:
             index = f"__{int(rank)}.metadata"
             if index != self._index:
-                self._index, self._dcp, self._chunk_of = index, None, {}
+                self._index, self._dcp = index, None
         if self._is_dcp():
-            if not self._chunk_of:  # a reader given another rank's metadata
-                self._dcp_metadata()
+            self._dcp_checkpoint()  # a reader given another rank's metadata reads the index
         else:
             self._checkpoint()
 
@@ -399,25 +394,27 @@ class Reader(StorageReader):
 
     def _chunk(self, req) -> int:
         index = req.storage_index
-        key = (index.fqn, tuple(int(o) for o in index.offset) if index.offset is not None
-               else None)
-        if key not in self._chunk_of:
+        offsets = [int(o) for o in index.offset] if index.offset is not None else None
+        chunk = None if offsets is None else self._dcp_checkpoint().chunk_at(
+            index.fqn, offsets, -1 if index.index is None else int(index.index))
+        if chunk is None:
             raise ValueError(f"{self.path}: the planner asks for {index.fqn!r} at "
-                             f"{list(key[1] or [])}, which the checkpoint's index does not list")
-        return self._chunk_of[key]
+                             f"{offsets or []}, which the checkpoint's index does not list")
+        return chunk
 
     def _value(self, ck, req) -> io.BytesIO:
         """A bytes item: its value made by the library's restricted reader, re-saved here by
         torch.save for the planner's torch.load."""
         fqn = req.storage_index.fqn
-        if (fqn, None) not in self._chunk_of:
+        length = self._dcp_checkpoint().bytes_length(fqn)
+        if length is None:
             raise ValueError(f"{self.path}: the planner asks for {fqn!r} as bytes, which the "
                              "checkpoint's index does not list")
         value = ck.value(fqn)
         buf = io.BytesIO()
         torch.save(value, buf)
         buf.seek(0)
-        self.bytes_read += self._value_bytes.get(fqn, 0)
+        self.bytes_read += length
         return buf
 
 
