@@ -10,7 +10,7 @@
 cmake_minimum_required(VERSION 3.25)  # script mode: today's policies (IN_LIST, ...)
 
 # The rooms, and the rooms each may use besides itself (docs/design.md, "Rooms").
-set(rooms common system layout model device comm plan exec source)
+set(rooms common system layout model device comm plan exec source save)
 set(uses_common "")
 set(uses_system common)
 set(uses_layout common)
@@ -20,6 +20,7 @@ set(uses_comm common device)
 set(uses_plan common system layout model device comm)
 set(uses_exec common system layout model device comm plan)
 set(uses_source common system layout model device comm plan exec)
+set(uses_save common)
 
 # The room each public header belongs to: the one whose sources implement it.
 set(room_of_common common)
@@ -39,6 +40,7 @@ set(room_of_loader source)
 set(room_of_deepspeed_checkpoint source)
 set(room_of_dcp_checkpoint source)
 set(room_of_resume source)
+set(room_of_save save)
 
 set(failures "")
 macro(fail what)
@@ -137,7 +139,7 @@ foreach(dir tools python)
     file(STRINGS "${f}" lines REGEX "^[ \t]*#[ \t]*include[ \t]*\"")
     foreach(line ${lines})
       string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*\"([^\"]*)\".*$" "\\1" inc "${line}")
-      if(inc MATCHES "^(common|system|layout|model|device|comm|plan|exec|source)/" AND
+      if(inc MATCHES "^(common|system|layout|model|device|comm|plan|exec|source|save)/" AND
          NOT inc IN_LIST outside_may)
         fail("${rel}: includes ${inc} (the public API is include/)")
       endif()

@@ -61,6 +61,17 @@ class InternalError : public Error {
   using Error::Error;
 };
 
+// The system failed a write, an fsync or a rename (no space, an I/O error, a permission): the
+// message names the file and the step; code() is the errno.
+class IoError : public Error {
+ public:
+  IoError(const std::string& what, int code) : Error(what), code_(code) {}
+  int code() const noexcept { return code_; }
+
+ private:
+  int code_;
+};
+
 // --- Element types -------------------------------------------------------------------------------
 // Element types of a parameter group and their sizes.
 
@@ -226,6 +237,9 @@ struct RuntimeEnv {
   // ZEROFLAT_GATHER_PARTS: the most parts a rank's read of its slice is split into, each
   // all-gathered while the next is read (ExecuteOptions::gather_parts; 1: read, then gather).
   std::optional<unsigned> gather_parts;
+  // ZEROFLAT_TEST_SAVE_FAULT: for tests only, a fault the checkpoint publication acts on
+  // ("<step>:<kind>", save.h); empty when unset.
+  std::string save_fault;
 };
 
 // A HostMemory by its name ("huge", "plain", "torch"); none for any other text.

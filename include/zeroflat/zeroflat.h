@@ -40,3 +40,4 @@
 #include "zeroflat/rehearsal.h"
 #include "zeroflat/report.h"
 #include "zeroflat/resume.h"
+#include "zeroflat/save.h"

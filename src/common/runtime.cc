@@ -76,6 +76,7 @@ RuntimeEnv read_env() {
   env.read_ahead = read_ahead_env();
   env.num_threads = positive_env("ZEROFLAT_NUM_THREADS");
   env.gather_parts = positive_env("ZEROFLAT_GATHER_PARTS");
+  if (const char* v = std::getenv("ZEROFLAT_TEST_SAVE_FAULT")) env.save_fault = v;
   env.local_ranks = positive_env("ZEROFLAT_LOCAL_RANKS");
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"}) {
     if (env.local_ranks) break;
