@@ -4,7 +4,8 @@
 // is cut along the library's areas, one file each: binding.cc (the module, errors, the
 // environment), bind_device.cc, bind_checkpoint.cc (checkpoint.h), bind_options.cc,
 // bind_loads.cc (the front doors: engine.h, loader.h, dtensor.h), bind_layouts.cc
-// (layout.h), bind_deepspeed.cc (DeepSpeed and DCP checkpoints, the resume).
+// (layout.h), bind_deepspeed.cc (DeepSpeed and DCP checkpoints, the resume), bind_save.cc
+// (save.h: publishing a checkpoint).
 // Only the public API is used, and, in bind_deepspeed.cc, the library's private torch.save
 // reader, whose saved states the binding makes Python values of.
 #pragma once
@@ -195,6 +196,7 @@ struct PyErrors {
   PyObject* resource_exhausted = nullptr;
   PyObject* comm_error = nullptr;
   PyObject* internal_error = nullptr;
+  PyObject* io_error = nullptr;
 };
 extern PyErrors errors;  // bind_support.cc; made by binding.cc at import
 
@@ -318,5 +320,6 @@ void bind_options(py::module_& m);      // bind_options.cc
 void bind_loads(py::module_& m);        // bind_loads.cc
 void bind_deepspeed(py::module_& m);    // bind_deepspeed.cc
 void bind_layouts(py::module_& m);      // bind_layouts.cc
+void bind_save(py::module_& m);         // bind_save.cc
 
 }  // namespace zeroflat_python

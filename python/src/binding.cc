@@ -59,6 +59,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "group, when there is one, is its __cause__.");
   errors.internal_error = new_error(m, "InternalError", {errors.error},
                                     "A broken invariant inside zeroflat: a bug, please report it.");
+  errors.io_error = new_error(
+      m, "IoError", {errors.error, PyExc_OSError},
+      "The system failed a write, an fsync or a rename (no space, an I/O error, a permission); "
+      "the message names the file and the step. Also an OSError.");
   // A message is set from its bytes decoded leniently: one that quotes bytes of a file that
   // are not UTF-8 keeps its words (the bytes as \xNN), where PyErr_SetString would leave the
   // exception with no message at all.
@@ -88,6 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       set_error(errors.comm_error, e.what());
     } catch (const zf::InternalError& e) {
       set_error(errors.internal_error, e.what());
+    } catch (const zf::IoError& e) {
+      set_error(errors.io_error, e.what());
     } catch (const zf::Error& e) {
       set_error(errors.error, e.what());
     }
@@ -98,6 +104,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_options(m);
   bind_loads(m);
   bind_deepspeed(m);
+  bind_save(m);
   bind_layouts(m);
 
   // --- the environment --------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from . import _C
-from ._errors import (CommError, Error, ExecutionError, InternalError, InvalidArgument,
+from ._errors import (CommError, Error, ExecutionError, InternalError, InvalidArgument, IoError,
                       NoFeasiblePlan, OutOfMemory, ResourceExhausted, Unsupported)
 
 __version__ = _C.__version__
@@ -76,6 +76,7 @@ __all__ = [
     "FlatGroup",
     "InternalError",
     "InvalidArgument",
+    "IoError",
     "NoFeasiblePlan",
     "OutOfMemory",
     "Progress",

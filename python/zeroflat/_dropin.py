@@ -13,7 +13,7 @@ log = logging.getLogger("zeroflat.deepspeed")
 # What the drop-in did since the process started (zeroflat.deepspeed.stats).
 stats = {"release": None, "groups": 0, "fallbacks": 0, "tiers": [], "optimizers": [],
          "fallback_reasons": [], "not_flattened": [], "adopted": 0, "not_adopted": [],
-         "stage3": [], "stage3_refused": None, "resumes": [], "resume_fallbacks": [],
+         "stage3": [], "stage3_refused": None, "resumes": [], "resume_fallbacks": [], "saves": [], "save_fallbacks": [],
          "broadcasts_skipped": 0, "clones_skipped": 0, "masters_taken": 0}
 
 # The optimizer being built on this thread, and what its flatten steps recorded.

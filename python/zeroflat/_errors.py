@@ -9,6 +9,7 @@ two the Python package adds.
     |-- ResourceExhausted                        the system refused a thread or a file
     |-- CommError                                a collective failed; a peer is presumably gone
     |-- InternalError                            a bug in zeroflat
+    |-- IoError (also an OSError)                a write, fsync or rename the system failed
     |-- NoFeasiblePlan (also a MemoryError)      nothing fits; nothing was touched
     '-- ExecutionError                           a step failed; see its ``outcome``
 """
@@ -26,6 +27,7 @@ Unsupported = _C.Unsupported
 ResourceExhausted = _C.ResourceExhausted
 CommError = _C.CommError
 InternalError = _C.InternalError
+IoError = _C.IoError
 
 
 class NoFeasiblePlan(Error, MemoryError):

@@ -230,6 +230,14 @@ TABLE: Tuple[Entry, ...] = (
           "accumulation's BF16_Optimizer too) with each rank reading only its own bytes, at "
           "any world size, no pickle executed (what it does not serve is DeepSpeed's own call, "
           "with a warning saying why)"),
+    Entry(f"{_DS}.engine.DeepSpeedEngine.save_checkpoint", _ALL, "install()",
+          "DeepSpeed's own files, written under a temporary folder beside the tag, made durable "
+          "on every rank, then published by one rename and 'latest' replaced last: a crash or "
+          "a failed write never costs the last complete checkpoint (another checkpoint engine, "
+          "or node-local storage, is DeepSpeed's own save, with a warning saying why)"),
+    Entry(f"{_DS}.engine.DeepSpeedEngine: checkpoint_engine (its save, while a save runs), "
+          "global_steps, use_node_local_storage", _ALL, "save_checkpoint()",
+          "the files each rank writes, recorded to be made durable; the default tag"),
     Entry(f"{_DS}.engine.DeepSpeedEngine._broadcast_model", _ALL, "install()",
           "the ranks first compare a checksum of their parameters; where every rank's agrees "
           "(one checkpoint, one seed) the broadcast of the whole model from the first rank is "

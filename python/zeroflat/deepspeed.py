@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 import zeroflat
-from . import _dropin, _load, _resume, _stage3
+from . import _dropin, _load, _resume, _save, _stage3
 from ._comm import all_reduce_ints
 from ._common import engine_threads, select
 from ._dropin import log, round_robin_offsets, stats
@@ -609,6 +609,8 @@ def _patches(stage_1_and_2) -> List[Patch]:
                      "__init__", hook=_unfused_init, optional=True))
     out.append(Patch("deepspeed.runtime.engine.DeepSpeedEngine", "load_checkpoint",
                      hook=_resume.load_checkpoint))
+    out.append(Patch("deepspeed.runtime.engine.DeepSpeedEngine", "save_checkpoint",
+                     hook=_save.save_checkpoint))
     out.append(Patch("deepspeed.runtime.engine.DeepSpeedEngine", "_broadcast_model",
                      hook=_broadcast_model, optional=True))
     return out

@@ -1,0 +1,235 @@
+"""The drop-in's ``engine.save_checkpoint`` (python/zeroflat/_save.py): DeepSpeed's own files,
+published so that a failure or a crash at any step never costs the last complete checkpoint.
+
+Every test runs 2 ranks of DeepSpeed's CPU accelerator over gloo. A fault is injected through
+the library's hook (include/zeroflat/save.h) on one rank at one step of the save; afterwards
+``latest`` must name a checkpoint whose every file is byte for byte that of a complete save (the
+one before, or the new one), and DeepSpeed's own load must take it."""
+
+import filecmp
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+from reference import CheckpointModel, end_rank, init_deepspeed_rank, start_ranks, train_steps
+
+STAGES = [2, 3]
+
+
+def _engine(stage):
+    import deepspeed
+
+    model = CheckpointModel()
+    optimizer = torch.optim.AdamW(model.groups(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "zero_force_ds_cpu_optimizer": False}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def _files(folder):
+    """Every file under ``folder``, relative to it."""
+    out = set()
+    for root, _, names in os.walk(folder):
+        out.update(os.path.relpath(os.path.join(root, n), folder) for n in names)
+    return out
+
+
+def _same_folder(a, b):
+    names = _files(a)
+    return names == _files(b) and all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n),
+                                                  shallow=False) for n in names)
+
+
+def _latest_is_whole(ckpt, refs):
+    """Which reference the checkpoint ``latest`` names is, byte for byte (its index in refs)."""
+    with open(os.path.join(ckpt, "latest")) as f:
+        tag = f.read()
+    for i, ref in enumerate(refs):
+        if _same_folder(os.path.join(ckpt, tag), ref):
+            return i
+    raise AssertionError(f"latest names {tag!r}, which is no complete checkpoint")
+
+
+def _cases(overwrite):
+    """(rank, step) for every step of a save of 2 ranks: rank 0 writes 2 files under ZeRO-2
+    (the model and its optimizer state) and 2 under ZeRO-3; rank 1 1 and 2."""
+    publish = (["publish.exchange", "publish.fsync", "publish.remove"] if overwrite
+               else ["publish.rename", "publish.fsync"])
+    return ([(0, s) for s in ["write.1", "write.2", "sync_files.1", "sync_files.2", "sync_tree",
+                              *publish, "latest.write", "latest.fsync", "latest.rename",
+                              "latest.fsync_dir"]] +
+            [(1, s) for s in ["write.1", "sync_files.1"]])
+
+
+def _faults_worker(rank, world, port, out, stage, result):
+    import zeroflat
+    import zeroflat.deepspeed as zd
+    from zeroflat import _C
+
+    init_deepspeed_rank(rank, world, port)
+    zd.install()
+    engine = _engine(stage)
+    ckpt, ref1, ref2 = (os.path.join(out, n) for n in ("ckpt", "ref1", "ref2"))
+    train_steps(engine, rank, 1)
+    engine.save_checkpoint(ckpt, tag="t1")
+    if rank == 0:
+        shutil.copytree(os.path.join(ckpt, "t1"), ref1)
+    train_steps(engine, rank, 1, seed=200)
+    engine.save_checkpoint(os.path.join(out, "second"), tag="t1")
+    if rank == 0:
+        shutil.copytree(os.path.join(out, "second", "t1"), ref2)
+    torch.distributed.barrier()
+    seen = []
+    for target in ("t2", "t1"):
+        for faulty, step in _cases(overwrite=target == "t1"):
+            for kind in ("eio", "enospc"):
+                if rank == 0:  # the checkpoint as the first save left it
+                    shutil.rmtree(ckpt)
+                    os.makedirs(ckpt)
+                    shutil.copytree(ref1, os.path.join(ckpt, "t1"))
+                    with open(os.path.join(ckpt, "latest"), "w") as f:
+                        f.write("t1")
+                torch.distributed.barrier()
+                _C.set_save_fault_for_testing(f"{step}:{kind}" if rank == faulty else None)
+                try:
+                    engine.save_checkpoint(ckpt, tag=target)
+                    raised = None
+                except zeroflat.Error as e:
+                    raised = e
+                finally:
+                    _C.set_save_fault_for_testing(None)
+                case = f"{target}, rank {faulty}, {step}:{kind}"
+                assert raised is not None, f"{case}: the save did not fail"
+                if rank == faulty:
+                    assert isinstance(raised, zeroflat.IoError), f"{case}: {raised!r}"
+                    assert step in str(raised) or step.startswith("write"), f"{case}: {raised}"
+                else:
+                    assert f"failed on rank {faulty}" in str(raised), f"{case}: {raised}"
+                torch.distributed.barrier()
+                if rank == 0:
+                    seen.append((case, _latest_is_whole(ckpt, [ref1, ref2])))
+                    if not step.startswith(("publish", "latest")):
+                        assert not os.path.exists(os.path.join(ckpt, "t2")), case
+                torch.distributed.barrier()
+    # After every fault the next save succeeds and is whole, leftovers removed.
+    engine.save_checkpoint(ckpt, tag="t1")
+    torch.distributed.barrier()
+    if rank == 0:
+        assert _latest_is_whole(ckpt, [ref1, ref2]) == 1
+        assert not [n for n in os.listdir(ckpt) if n.startswith(".zeroflat-")]
+        result.put(seen)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    end_rank()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_fault_at_every_step_of_a_save_never_costs_the_last_complete_checkpoint(tmp_path, stage):
+    import multiprocessing
+
+    result = multiprocessing.get_context("forkserver").Manager().Queue()
+    start_ranks(_faults_worker, 2, str(tmp_path), stage, result)
+    seen = result.get(timeout=5)
+    assert len(seen) == 2 * (len(_cases(False)) + len(_cases(True)))
+    # Before the tag is published, latest gives the first save; after, whichever it names.
+    for case, which in seen:
+        if "publish" not in case and "latest" not in case:
+            assert which == 0, case
+
+
+def _plain_load_worker(rank, world, port, ckpt, stage, result):
+    init_deepspeed_rank(rank, world, port)
+    engine = _engine(stage)
+    import deepspeed
+
+    path, client = engine.load_checkpoint(ckpt)
+    assert path is not None
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                           enabled=stage == 3):
+        state = {k: v.float().clone() for k, v in engine.module.state_dict().items()}
+    assert all(v.numel() for v in state.values())
+    if rank == 0:
+        result.put((client.get("epoch"), state))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    end_rank()
+
+
+def _save_worker(rank, world, port, ours, theirs, stage):
+    import zeroflat.deepspeed as zd
+
+    init_deepspeed_rank(rank, world, port)
+    zd.install()
+    engine = _engine(stage)
+    train_steps(engine, rank, 2)
+    # The same engine saved by the drop-in, then by DeepSpeed's own save (a ZeRO-3 engine's
+    # padding is not the same from run to run: its flat groups are made uninitialized).
+    for out, dropin in ((ours, True), (theirs, False)):
+        if not dropin:
+            zd.uninstall()
+        engine.save_checkpoint(out, tag="t1", client_state={"epoch": 3})
+        engine.save_checkpoint(out, tag="t1", client_state={"epoch": 4})  # over itself
+    # the first rank publishes: it knows what the rename replaced
+    assert [s["replaced"] for s in zd.stats["saves"]] == ([False, True] if rank == 0
+                                                          else [False, False])
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    end_rank()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_drop_ins_save_is_deepspeeds_folder_and_loads_in_plain_deepspeed(tmp_path, stage):
+    import multiprocessing
+
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    start_ranks(_save_worker, 2, ours, theirs, stage)
+    assert _files(ours) == _files(theirs)  # the same files, 'latest' and the recovery script too
+    assert _same_folder(os.path.join(ours, "t1"), os.path.join(theirs, "t1"))
+    with open(os.path.join(ours, "latest")) as f:
+        assert f.read() == "t1"
+    result = multiprocessing.get_context("forkserver").Manager().Queue()
+    start_ranks(_plain_load_worker, 2, ours, stage, result)
+    epoch, state = result.get(timeout=5)
+    assert epoch == 4
+    start_ranks(_plain_load_worker, 2, theirs, stage, result)
+    _, expected = result.get(timeout=5)
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+
+
+def _killed_worker(rank, world, port, out, stage, faulty, step):
+    import zeroflat.deepspeed as zd
+    from zeroflat import _C
+
+    init_deepspeed_rank(rank, world, port)
+    zd.install()
+    engine = _engine(stage)
+    train_steps(engine, rank, 1)
+    engine.save_checkpoint(out, tag="t1")
+    torch.distributed.barrier()
+    train_steps(engine, rank, 1, seed=200)
+    if rank == faulty:
+        _C.set_save_fault_for_testing(f"{step}:kill")
+    engine.save_checkpoint(out, tag="t1")  # the faulty rank dies; the other fails with it
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("faulty,step", [(1, "write.1"), (0, "sync_tree"),
+                                         (0, "publish.exchange"), (0, "publish.remove"),
+                                         (0, "latest.rename")])
+def test_a_rank_killed_during_a_save_over_the_last_tag_leaves_it_loadable(tmp_path, faulty, step):
+    import multiprocessing
+
+    out = str(tmp_path / "ckpt")
+    with pytest.raises(Exception):
+        start_ranks(_killed_worker, 2, out, 2, faulty, step)
+    with open(os.path.join(out, "latest")) as f:
+        assert f.read() == "t1"
+    result = multiprocessing.get_context("forkserver").Manager().Queue()
+    start_ranks(_plain_load_worker, 2, out, 2, result)
+    assert result.get(timeout=5) is not None
