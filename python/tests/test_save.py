@@ -19,6 +19,11 @@ from reference import CheckpointModel, end_rank, init_deepspeed_rank, start_rank
 STAGES = [2, 3]
 
 
+def _init(rank, world, port):
+    os.environ["LOCAL_SIZE"] = str(world)  # as DeepSpeed's launcher sets it (0.14, 0.15 ask)
+    init_deepspeed_rank(rank, world, port)
+
+
 def _engine(stage):
     import deepspeed
 
@@ -71,7 +76,7 @@ def _faults_worker(rank, world, port, out, stage, result):
     import zeroflat.deepspeed as zd
     from zeroflat import _C
 
-    init_deepspeed_rank(rank, world, port)
+    _init(rank, world, port)
     zd.install()
     engine = _engine(stage)
     ckpt, ref1, ref2 = (os.path.join(out, n) for n in ("ckpt", "ref1", "ref2"))
@@ -143,7 +148,10 @@ def test_a_fault_at_every_step_of_a_save_never_costs_the_last_complete_checkpoin
 
 
 def _plain_load_worker(rank, world, port, ckpt, stage, result):
-    init_deepspeed_rank(rank, world, port)
+    # Releases before 0.16 load their own checkpoints with torch.load's old default
+    # (weights_only=False), which torch 2.6 changed: the files are this test's own.
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    _init(rank, world, port)
     engine = _engine(stage)
     import deepspeed
 
@@ -163,7 +171,7 @@ def _plain_load_worker(rank, world, port, ckpt, stage, result):
 def _save_worker(rank, world, port, ours, theirs, stage):
     import zeroflat.deepspeed as zd
 
-    init_deepspeed_rank(rank, world, port)
+    _init(rank, world, port)
     zd.install()
     engine = _engine(stage)
     train_steps(engine, rank, 2)
@@ -206,7 +214,7 @@ def _killed_worker(rank, world, port, out, stage, faulty, step):
     import zeroflat.deepspeed as zd
     from zeroflat import _C
 
-    init_deepspeed_rank(rank, world, port)
+    _init(rank, world, port)
     zd.install()
     engine = _engine(stage)
     train_steps(engine, rank, 1)
