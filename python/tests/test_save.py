@@ -6,6 +6,7 @@ the library's hook (include/zeroflat/save.h) on one rank at one step of the save
 ``latest`` must name a checkpoint whose every file is byte for byte that of a complete save (the
 one before, or the new one), and DeepSpeed's own load must take it."""
 
+import enum
 import filecmp
 import os
 import shutil
@@ -48,6 +49,28 @@ def _same_folder(a, b):
     names = _files(a)
     return names == _files(b) and all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n),
                                                   shallow=False) for n in names)
+
+
+def _same_values(a, b, where):
+    """DeepSpeed's saved state ``a`` equal to ``b``: keys, values, dtypes; an enum member equal
+    to its value (the drop-in writes ZeroStageEnum as its number)."""
+    if isinstance(b, enum.Enum):
+        assert type(a) is int and a == b.value, (where, a, b)
+    elif isinstance(b, dict):
+        assert list(a.keys()) == list(b.keys()), where
+        for k in b:
+            _same_values(a[k], b[k], f"{where}/{k}")
+    elif isinstance(b, (list, tuple)) and not hasattr(b, "_fields"):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_values(x, y, f"{where}/{i}")
+    elif isinstance(b, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif hasattr(b, "__dict__") and not isinstance(b, type):
+        assert type(a) is type(b), where
+        _same_values(vars(a), vars(b), where)
+    else:
+        assert type(a) is type(b) and a == b, (where, a, b)
 
 
 def _latest_is_whole(ckpt, refs):
@@ -191,13 +214,30 @@ def _save_worker(rank, world, port, ours, theirs, stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_the_drop_ins_save_is_deepspeeds_folder_and_loads_in_plain_deepspeed(tmp_path, stage):
+def test_the_drop_ins_save_is_deepspeeds_folder_and_loads_in_plain_deepspeed(tmp_path, stage,
+                                                                            monkeypatch):
     import multiprocessing
 
     ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
     start_ranks(_save_worker, 2, ours, theirs, stage)
     assert _files(ours) == _files(theirs)  # the same files, 'latest' and the recovery script too
-    assert _same_folder(os.path.join(ours, "t1"), os.path.join(theirs, "t1"))
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # releases before 0.16
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.utils.tensor_fragment import fragment_address
+    for name in _files(os.path.join(ours, "t1")):
+        a = torch.load(os.path.join(ours, "t1", name), weights_only=False)
+        b = torch.load(os.path.join(theirs, "t1", name), weights_only=False)
+        _same_values(a, b, name)
+        # Every file of the drop-in's loads without running anything but DeepSpeed's classes.
+        with torch.serialization.safe_globals([LossScaler, fragment_address]):
+            torch.load(os.path.join(ours, "t1", name), weights_only=True)
+    # DeepSpeed's own consolidation reads it as its own.
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    fp32_ours = get_fp32_state_dict_from_zero_checkpoint(ours)
+    fp32_theirs = get_fp32_state_dict_from_zero_checkpoint(theirs)
+    assert fp32_ours.keys() == fp32_theirs.keys()
+    for name, value in fp32_theirs.items():
+        assert torch.equal(fp32_ours[name], value), name
     with open(os.path.join(ours, "latest")) as f:
         assert f.read() == "t1"
     result = multiprocessing.get_context("forkserver").Manager().Queue()

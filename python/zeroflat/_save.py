@@ -16,7 +16,16 @@ its checkpoint engine (every release, every stage: the same names, keys and valu
    by write, fsync and rename (include/zeroflat/save.h).
 
 After a crash at any point, ``latest`` names a complete checkpoint: the one before, or the new
-one. What the drop-in does not serve is DeepSpeed's own save, with one warning saying why
+one.
+
+One difference from DeepSpeed's files, on purpose: an enum member in the state (DeepSpeed's
+``ZeroStageEnum``, which Python pickles as a call of ``getattr``) is written as its value, so
+that every file loads with ``torch.load(weights_only=True)`` once a reader allows DeepSpeed's own
+classes (``LossScaler``, ``fragment_address``) with ``torch.serialization.add_safe_globals``;
+DeepSpeed's loads, ``zero_to_fp32`` and ``ds_to_universal`` compare the stage as a number. A
+``client_state`` value that is not plain data (containers, numbers, text, tensors, dtypes,
+devices) is written as DeepSpeed writes it, with a warning naming its key: that file then needs
+``weights_only=False``. What the drop-in does not serve is DeepSpeed's own save, with one warning saying why
 (``stats["save_fallbacks"]``): a checkpoint engine other than DeepSpeed's torch engine (the
 decoupled, fast and Nebula engines commit on their own terms), and node-local storage (each
 node's first rank writes its own ``latest``).
@@ -24,9 +33,12 @@ node's first rank writes its own ``latest``).
 
 from __future__ import annotations
 
+import collections
+import enum
 import os
 from typing import Any, List, Optional
 
+import torch
 import torch.distributed as dist
 
 from . import _C
@@ -55,6 +67,59 @@ def _why_not(engine) -> Optional[str]:
     return None
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype,
+          torch.device, torch.Size)
+
+
+def _plain_enums(value: Any) -> Any:
+    """``value`` with every enum member in its dicts, lists and tuples replaced by its value; the
+    same object where there is none (tensors are never copied)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        items = [(k, _plain_enums(v)) for k, v in value.items()]
+        if all(v is value[k] for k, v in items):
+            return value
+        out = type(value)() if type(value) in (dict, collections.OrderedDict) else dict()
+        out.update(items)
+        return out
+    if type(value) in (list, tuple):
+        items = [_plain_enums(v) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(items)
+    return value
+
+
+def _not_plain(value: Any, depth: int = 0) -> Optional[str]:
+    """The type of the first value in ``value`` that is not plain data, or None."""
+    if isinstance(value, _PLAIN) or depth > 64:
+        return None
+    if isinstance(value, (dict, collections.OrderedDict)):
+        for k, v in value.items():
+            found = _not_plain(k, depth + 1) or _not_plain(v, depth + 1)
+            if found:
+                return found
+        return None
+    if type(value) in (list, tuple, set, frozenset):
+        for v in value:
+            found = _not_plain(v, depth + 1)
+            if found:
+                return found
+        return None
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _warn_client_state(client_state: Any) -> None:
+    for key, value in (client_state or {}).items():
+        found = _not_plain(value)
+        if found is not None and (key, found) not in _warned:
+            _warned.add((key, found))
+            log.warning("zeroflat: save_checkpoint's client_state[%r] holds a %s: written as "
+                        "DeepSpeed writes it, and that file needs torch.load(weights_only=False)",
+                        key, found)
+
+
 def _failed_on(rank: int, what: str, where: str, tag: str) -> Error:
     return Error(f"save_checkpoint({where}, tag {tag!r}): {what} failed on rank {rank}; nothing "
                  "was published: 'latest' and every saved tag are as before")
@@ -77,6 +142,7 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     where = path_text(save_dir)
     partial = _C.partial_tag_name(tag)  # a tag that is not a plain folder name: refused here
+    _warn_client_state(client_state)
     me = dist.get_rank()
 
     # 1. The folder, and a crashed save's leftovers gone; every rank learns of a failure.
@@ -103,7 +169,7 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             return
         try:
             _C.save_step(f"write.{len(written) + 1}", os.fspath(path))
-            write(state_dict, path)
+            write(_plain_enums(state_dict), path)
             written.append(os.fspath(path))
         except Exception as e:  # noqa: BLE001 - kept for the agreement after DeepSpeed's save
             failure.append(e)
