@@ -191,6 +191,25 @@ def _plain_load_worker(rank, world, port, ckpt, stage, result):
     end_rank()
 
 
+def _resume_worker(rank, world, port, ckpt, stage, result):
+    import deepspeed
+
+    import zeroflat.deepspeed as zd
+
+    _init(rank, world, port)
+    zd.install()
+    engine = _engine(stage)
+    engine.load_checkpoint(ckpt)
+    assert zd.stats["resumes"] and zd.stats["resumes"][-1]["saved_world"] == 2
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                           enabled=stage == 3):
+        state = {k: v.float().clone() for k, v in engine.module.state_dict().items()}
+    result.put(state)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    end_rank()
+
+
 def _save_worker(rank, world, port, ours, theirs, stage):
     import zeroflat.deepspeed as zd
 
@@ -248,6 +267,12 @@ def test_the_drop_ins_save_is_deepspeeds_folder_and_loads_in_plain_deepspeed(tmp
     _, expected = result.get(timeout=5)
     for name, value in expected.items():
         assert torch.equal(state[name], value), name
+    # zeroflat's resume at another world size reads it as DeepSpeed's own.
+    start_ranks(_resume_worker, 1, ours, stage, result)
+    resumed = result.get(timeout=5)
+    start_ranks(_resume_worker, 1, theirs, stage, result)
+    for name, value in result.get(timeout=5).items():
+        assert torch.equal(resumed[name], value), name
 
 
 def _killed_worker(rank, world, port, out, stage, faulty, step):
