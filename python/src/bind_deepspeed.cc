@@ -165,6 +165,16 @@ std::string placement_name(const zf::LoadPlacement& p) {
   return std::string(zf::load_placement_name(p.kind));
 }
 
+// A DCP item's path in the nested state dict (planner_data) as a tuple of str and int, or None.
+py::object dcp_planner_path(const zf::DcpItem& it) {
+  if (it.path.empty()) return py::none();
+  py::list parts;
+  for (const zf::DcpPathPart& p : it.path) {
+    parts.append(p.is_index ? py::object(py::int_(p.index)) : py::str(p.key));
+  }
+  return py::tuple(parts);
+}
+
 }  // namespace
 
 void bind_deepspeed(py::module_& m) {
@@ -327,16 +337,8 @@ void bind_deepspeed(py::module_& m) {
                      os_name(std::filesystem::path(ck.files[c.file]).filename().string()),
                      c.offset));
                }
-               py::object path = py::none();
-               if (!it.path.empty()) {
-                 py::list parts;
-                 for (const zf::DcpPathPart& p : it.path) {
-                   parts.append(p.is_index ? py::object(py::int_(p.index)) : py::str(p.key));
-                 }
-                 path = py::tuple(parts);
-               }
                out.append(py::make_tuple(it.fqn, it.is_bytes, it.dtype, it.size, it.requires_grad,
-                                         chunks, path));
+                                         chunks, dcp_planner_path(it)));
              }
              return out;
            })
@@ -386,16 +388,8 @@ void bind_deepspeed(py::module_& m) {
                 chunks.append(make(chunk_cls, {{"offsets", offsets}, {"sizes", dims(c.sizes)}}));
                 storage[make(index_cls, {{"fqn", fqn}, {"offset", offsets}, {"index", py::int_(i)}})] = info;
               }
-              py::object path = py::none();
-              if (!it.path.empty()) {
-                py::list parts;
-                for (const zf::DcpPathPart& p : it.path) {
-                  parts.append(p.is_index ? py::object(py::int_(p.index)) : py::str(p.key));
-                }
-                path = py::tuple(parts);
-              }
               out.append(py::make_tuple(fqn, it.is_bytes, it.dtype, it.size, it.requires_grad,
-                                        chunks, path));
+                                        chunks, dcp_planner_path(it)));
             }
             return out;
           },

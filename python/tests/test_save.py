@@ -25,6 +25,12 @@ def _init(rank, world, port):
     init_deepspeed_rank(rank, world, port)
 
 
+def _done():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    end_rank()
+
+
 def _engine(stage):
     """A ZeRO engine of ``stage``: 2 or 3, or "round_robin" (ZeRO-2 with round-robin gradients),
     "bf16_optimizer" (bf16 ZeRO-1 with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer)."""
@@ -159,9 +165,7 @@ def _faults_worker(rank, world, port, out, stage, result):
         assert _latest_is_whole(ckpt, [ref1, ref2]) == 1
         assert not [n for n in os.listdir(ckpt) if n.startswith(".zeroflat-")]
         result.put(seen)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    end_rank()
+    _done()
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -178,30 +182,32 @@ def test_a_fault_at_every_step_of_a_save_never_costs_the_last_complete_checkpoin
             assert which == 0, case
 
 
+def _module_state(engine, stage):
+    """The module's parameters and buffers, whole (a ZeRO-3 engine's gathered), as fp32."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                           enabled=stage == 3):
+        state = {k: v.float().clone() for k, v in engine.module.state_dict().items()}
+    assert all(v.numel() for v in state.values())
+    return state
+
+
 def _plain_load_worker(rank, world, port, ckpt, stage, result):
     # Releases before 0.16 load their own checkpoints with torch.load's old default
     # (weights_only=False), which torch 2.6 changed: the files are this test's own.
     os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
     _init(rank, world, port)
     engine = _engine(stage)
-    import deepspeed
-
     path, client = engine.load_checkpoint(ckpt)
     assert path is not None
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
-                                           enabled=stage == 3):
-        state = {k: v.float().clone() for k, v in engine.module.state_dict().items()}
-    assert all(v.numel() for v in state.values())
+    state = _module_state(engine, stage)
     if rank == 0:
         result.put((client.get("epoch"), state))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    end_rank()
+    _done()
 
 
 def _resume_worker(rank, world, port, ckpt, stage, result):
-    import deepspeed
-
     import zeroflat.deepspeed as zd
 
     _init(rank, world, port)
@@ -209,13 +215,8 @@ def _resume_worker(rank, world, port, ckpt, stage, result):
     engine = _engine(stage)
     engine.load_checkpoint(ckpt)
     assert zd.stats["resumes"] and zd.stats["resumes"][-1]["saved_world"] == 2
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
-                                           enabled=stage == 3):
-        state = {k: v.float().clone() for k, v in engine.module.state_dict().items()}
-    result.put(state)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    end_rank()
+    result.put(_module_state(engine, stage))
+    _done()
 
 
 def _save_worker(rank, world, port, ours, theirs, stage):
@@ -235,9 +236,7 @@ def _save_worker(rank, world, port, ours, theirs, stage):
     # the first rank publishes: it knows what the rename replaced
     assert [s["replaced"] for s in zd.stats["saves"]] == ([False, True] if rank == 0
                                                           else [False, False])
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    end_rank()
+    _done()
 
 
 @pytest.mark.parametrize("stage", [*STAGES, "round_robin", "bf16_optimizer"])
