@@ -206,7 +206,9 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
     raise_agreed(error, None, "publishing the save (an all-reduce)", "save-publish",
-                 lambda r: _failed_on(r, "publishing the checkpoint", where, tag))
+                 lambda r: Error(f"save_checkpoint({where}, tag {tag!r}): publishing the "
+                                 f"checkpoint failed on rank {r}; 'latest' still names a complete "
+                                 "checkpoint (the one before, or this one)"))
     stats["saves"].append({"dir": os.fspath(save_dir), "tag": tag, "files": len(written),
                            "replaced": replaced, "exchanged": exchanged})
     return True
