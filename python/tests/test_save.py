@@ -79,7 +79,10 @@ def _same_values(a, b, where):
         for i, (x, y) in enumerate(zip(a, b)):
             _same_values(x, y, f"{where}/{i}")
     elif isinstance(b, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+        # Bit for bit: the padding of a ZeRO-3 flat group is uninitialized, NaN at times.
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.detach().reshape(-1).view(torch.uint8),
+                           b.detach().reshape(-1).view(torch.uint8)), where
     elif hasattr(b, "__dict__") and not isinstance(b, type):
         assert type(a) is type(b), where
         _same_values(vars(a), vars(b), where)
