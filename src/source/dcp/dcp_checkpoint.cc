@@ -222,16 +222,16 @@ bool is_dcp_checkpoint(const std::string& dir, const std::string& index) noexcep
 namespace {
 
 // planner_data (each fqn's path in the nested state dict), then the items' order by name.
-void index_planner_data(const Walker& w, const Walker::Fields& meta, DcpCheckpoint& out) {
+void index_planner_data(const Walker& w, const Walker::Fields& meta,
+                        const std::unordered_map<std::string_view, std::uint32_t>& item_of,
+                        DcpCheckpoint& out) {
   if (const std::uint32_t pd = Walker::get(meta, "planner_data"); !w.is_none(pd)) {
     if (w.node(pd).kind != NodeKind::kDict) throw w.fail("planner_data", "expected a dict");
-    std::unordered_map<std::string_view, std::uint32_t> by;
-    for (std::uint32_t i = 0; i < out.items.size(); ++i) by[out.items[i].fqn] = i;
     const std::span<const std::uint32_t> pe = w.items(pd);
     for (std::size_t k = 0; k + 1 < pe.size(); k += 2) {
       const std::string_view fqn = w.text(pe[k], "planner_data's key");
-      const auto it = by.find(fqn);
-      if (it == by.end()) continue;  // a name saved nowhere: nothing to place
+      const auto it = item_of.find(fqn);
+      if (it == item_of.end()) continue;  // a name saved nowhere: nothing to place
       const Node& path = w.node(pe[k + 1]);
       if (path.kind != NodeKind::kTuple && path.kind != NodeKind::kList) {
         throw w.fail("planner_data for '" + printable(fqn, 200) + "'", "expected a tuple");
@@ -481,7 +481,7 @@ DcpCheckpoint parse_dcp_metadata(std::span<const unsigned char> bytes, const std
     }
   }
 
-  index_planner_data(w, meta, out);
+  index_planner_data(w, meta, item_of, out);
   return out;
 }
 
