@@ -25,14 +25,18 @@
 // library acts at that step as if the system had failed: kind "kill" (the process SIGKILLs
 // itself), "eio" or "enospc" (the step throws IoError with that error), "unsupported" (at
 // publish.exchange: as on a file system without RENAME_EXCHANGE). The steps:
-// sync_files.<k> (k from 1, each file), sync_tree, publish.aside, publish.rename,
+// write.<k> and sync_files.<k> (k from 1, each file of this rank), marker, sync_tree, publish.aside, publish.rename,
 // publish.exchange, publish.remove, publish.fsync, latest.write, latest.fsync, latest.rename,
 // latest.fsync_dir, and the caller's own (save_step). Read once per process (runtime_env);
 // nothing but these steps acts on it.
 #pragma once
 
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "zeroflat/common.h"
@@ -72,6 +76,109 @@ void write_latest(const std::string& dir, const std::string& tag);
 // A step of a save that the caller performs itself (the Python drop-in's writes of DeepSpeed's
 // files, "write.<k>"): nothing, unless the test fault hook names it (above).
 void save_step(const std::string& step, const std::string& path);
+
+// --- torch.save's file format, from staged bytes ---------------------------------------------
+
+// CRC-32 of the zip format (polynomial 0xEDB88320), continued from `crc` (0 to start).
+std::uint32_t crc32(std::uint32_t crc, const void* data, std::uint64_t num_bytes) noexcept;
+// The CRC-32 of A followed by B from crc(A), crc(B) and B's length.
+std::uint32_t crc32_combine(std::uint32_t first, std::uint32_t second,
+                            std::uint64_t second_bytes) noexcept;
+
+// One storage of a torch.save file: its bytes, by the key its pickle names ("data/<key>").
+struct StagedStorage {
+  std::string key;
+  const std::byte* data = nullptr;  // the caller's, unchanged until the write returns
+  std::uint64_t size = 0;
+};
+
+// A file as torch.save writes it: the pickle of the object (its storages referred to by key,
+// as torch's persistent ids do) and the storages' bytes.
+struct StagedFile {
+  std::string path;
+  std::string pickle;
+  std::vector<StagedStorage> storages;
+};
+
+// Writes `file` as one zip archive that torch.load reads: the records torch writes
+// ("<stem>/data.pkl", ".format_version", ".storage_alignment", "byteorder", "data/<key>" for
+// each storage, "version", ".data/serialization_id"), stored, each one's data at a 64-byte
+// boundary, with their CRC-32s and zip64 end records. The data is written first (write-back
+// started behind it) while another thread computes the CRCs; then the headers. Not fsync'd.
+// Adds the bytes of data written to `written` as it goes. Returns the file's size. Throws
+// IoError naming the file.
+std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written = nullptr);
+
+// --- A save written in the background ---------------------------------------------------------
+
+// One range of a snapshot: `size` bytes from `from` to `to`.
+struct StageCopy {
+  std::byte* to = nullptr;
+  const std::byte* from = nullptr;
+  std::uint64_t size = 0;
+};
+
+// Copies every range, the bytes split evenly over `threads` threads (1: the caller's alone): the
+// snapshot a save takes of a rank's state before it returns.
+void stage_copies(const std::vector<StageCopy>& copies, unsigned threads);
+
+// What one rank writes of a checkpoint, and (`dir` not empty) how it is published.
+struct SaveJob {
+  std::string dir;      // the checkpoint folder; empty: only the files, nothing published
+  std::string partial;  // partial_tag_name(tag), under dir, where the files are
+  std::string tag;
+  int rank = 0;         // the first rank publishes, once every rank's files are durable
+  int world = 1;
+  bool save_latest = true;
+  bool low_priority = true;        // the writing thread at nice 10, behind the training
+  double timeout_seconds = 1800;   // the first rank's wait for the others' files
+  std::vector<StagedFile> files;    // written in order
+};
+
+// How a background save ended.
+struct SaveOutcome {
+  std::string error;      // empty: it succeeded
+  int error_code = 0;     // the errno of an IoError on this rank, else 0
+  int failed_rank = -1;   // on the first rank: another rank whose failure stopped it
+  bool published = false;
+  bool replaced = false;
+  bool exchanged = false;
+  std::uint64_t bytes = 0;  // file bytes this rank wrote
+  double seconds = 0;       // from start to the end of this rank's part
+};
+
+// A rank's save, written by a thread of its own: this rank's files (write.<k>), their fsync
+// (sync_files.<k>), then on any rank but the first a marker `.zeroflat-done-<rank>` in the
+// partial folder (fsync'd), or on a failure `.zeroflat-failed-<rank>` holding its words. The
+// first rank waits for every other rank's marker (a failed one, or none within the timeout,
+// stops it: nothing published), removes them, then sync_tree, publish_tag and write_latest as
+// above. The ranks share only the file system: no collective runs in the background.
+class BackgroundSave {
+ public:
+  BackgroundSave() = default;
+  ~BackgroundSave();  // waits for a save still being written
+  BackgroundSave(const BackgroundSave&) = delete;
+  BackgroundSave& operator=(const BackgroundSave&) = delete;
+
+  // Starts writing `job`. Throws Error while a save started before has not been waited for.
+  void start(SaveJob job);
+  // Waits for the save started last and returns how it ended (a default outcome when none was
+  // started since the last wait). Its staged bytes are the caller's again.
+  SaveOutcome wait();
+  // Whether a started save has ended (wait() then returns at once).
+  bool finished() const noexcept { return finished_.load(std::memory_order_acquire); }
+  // Data bytes written so far, of `bytes_total()`, for progress.
+  std::uint64_t bytes_written() const noexcept { return written_.load(std::memory_order_relaxed); }
+  std::uint64_t bytes_total() const noexcept { return total_.load(std::memory_order_relaxed); }
+
+ private:
+  SaveJob job_;
+  SaveOutcome outcome_;
+  std::atomic<std::uint64_t> written_{0};
+  std::atomic<std::uint64_t> total_{0};
+  std::atomic<bool> finished_{true};
+  std::thread thread_;
+};
 
 // For tests: the fault the steps of this process act on from now, in place of
 // ZEROFLAT_TEST_SAVE_FAULT's; none puts the variable's back.

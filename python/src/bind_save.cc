@@ -4,8 +4,105 @@
 #include "zeroflat/save.h"
 
 namespace zeroflat_python {
+namespace {
+
+// (path, pickle bytes, [(key, address, size)]) from Python: the addresses are of staged memory
+// the Python side keeps alive until the save is waited for.
+zf::StagedFile staged_file_from(const py::tuple& t) {
+  zf::StagedFile f;
+  f.path = t[0].cast<std::string>();
+  f.pickle = t[1].cast<std::string>();
+  for (const py::handle& s : t[2].cast<py::list>()) {
+    const py::tuple st = s.cast<py::tuple>();
+    zf::StagedStorage storage;
+    storage.key = st[0].cast<std::string>();
+    storage.data = reinterpret_cast<const std::byte*>(st[1].cast<std::uintptr_t>());
+    storage.size = st[2].cast<std::uint64_t>();
+    f.storages.push_back(std::move(storage));
+  }
+  return f;
+}
+
+py::dict save_outcome_dict(const zf::SaveOutcome& o) {
+  py::dict d;
+  d["error"] = o.error;
+  d["error_code"] = o.error_code;
+  d["failed_rank"] = o.failed_rank;
+  d["published"] = o.published;
+  d["replaced"] = o.replaced;
+  d["exchanged"] = o.exchanged;
+  d["bytes"] = o.bytes;
+  d["seconds"] = o.seconds;
+  return d;
+}
+
+}  // namespace
 
 void bind_save(py::module_& m) {
+  m.def(
+      "stage_copies",
+      [](const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, std::uint64_t>>& copies,
+         unsigned threads) {
+        std::vector<zf::StageCopy> c;
+        c.reserve(copies.size());
+        for (const auto& [to, from, size] : copies) {
+          c.push_back({reinterpret_cast<std::byte*>(to), reinterpret_cast<const std::byte*>(from), size});
+        }
+        py::gil_scoped_release nogil;
+        zf::stage_copies(c, threads);
+      },
+      py::arg("copies"), py::arg("threads"));
+  m.def(
+      "write_torch_file",
+      [](const py::tuple& file) {
+        zf::StagedFile f = staged_file_from(file);
+        py::gil_scoped_release nogil;
+        return zf::write_torch_file(f);
+      },
+      py::arg("file"));
+  m.def(
+      "crc32",
+      [](const py::bytes& data, std::uint32_t crc) {
+        const std::string_view v(data);
+        return zf::crc32(crc, v.data(), v.size());
+      },
+      py::arg("data"), py::arg("crc") = 0);
+  m.def("crc32_combine", &zf::crc32_combine, py::arg("first"), py::arg("second"),
+        py::arg("second_bytes"));
+  py::class_<zf::BackgroundSave>(m, "BackgroundSave")
+      .def(py::init<>())
+      .def(
+          "start",
+          [](zf::BackgroundSave& self, const std::string& dir, const std::string& partial,
+             const std::string& tag, int rank, int world, bool save_latest, bool low_priority,
+             double timeout_seconds, const py::list& files) {
+            zf::SaveJob job;
+            job.dir = dir;
+            job.partial = partial;
+            job.tag = tag;
+            job.rank = rank;
+            job.world = world;
+            job.save_latest = save_latest;
+            job.low_priority = low_priority;
+            job.timeout_seconds = timeout_seconds;
+            for (const py::handle& f : files) job.files.push_back(staged_file_from(f.cast<py::tuple>()));
+            self.start(std::move(job));
+          },
+          py::arg("dir"), py::arg("partial"), py::arg("tag"), py::arg("rank"), py::arg("world"),
+          py::arg("save_latest"), py::arg("low_priority"), py::arg("timeout_seconds"),
+          py::arg("files"))
+      .def("wait",
+           [](zf::BackgroundSave& self) {
+             zf::SaveOutcome o;
+             {
+               py::gil_scoped_release nogil;
+               o = self.wait();
+             }
+             return save_outcome_dict(o);
+           })
+      .def_property_readonly("finished", &zf::BackgroundSave::finished)
+      .def_property_readonly("bytes_written", &zf::BackgroundSave::bytes_written)
+      .def_property_readonly("bytes_total", &zf::BackgroundSave::bytes_total);
   m.def("partial_tag_name", &zf::partial_tag_name, py::arg("tag"));
   m.def(
       "remove_partial",

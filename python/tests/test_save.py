@@ -111,21 +111,23 @@ def _cases(overwrite):
             [(1, s) for s in ["write.1", "sync_files.1"]])
 
 
-def _faults_worker(rank, world, port, out, stage, result):
+def _faults_worker(rank, world, port, out, stage, background, result):
     import zeroflat
     import zeroflat.deepspeed as zd
     from zeroflat import _C
 
     _init(rank, world, port)
-    zd.install()
+    zd.install(save_in_background=background)
     engine = _engine(stage)
     ckpt, ref1, ref2 = (os.path.join(out, n) for n in ("ckpt", "ref1", "ref2"))
     train_steps(engine, rank, 1)
     engine.save_checkpoint(ckpt, tag="t1")
+    zd.wait(every_rank=True)
     if rank == 0:
         shutil.copytree(os.path.join(ckpt, "t1"), ref1)
     train_steps(engine, rank, 1, seed=200)
     engine.save_checkpoint(os.path.join(out, "second"), tag="t1")
+    zd.wait(every_rank=True)
     if rank == 0:
         shutil.copytree(os.path.join(out, "second", "t1"), ref2)
     torch.distributed.barrier()
@@ -143,6 +145,8 @@ def _faults_worker(rank, world, port, out, stage, result):
                 _C.set_save_fault_for_testing(f"{step}:{kind}" if rank == faulty else None)
                 try:
                     engine.save_checkpoint(ckpt, tag=target)
+                    # In the background, the failure raises on every rank at the collective wait.
+                    zd.wait(every_rank=True)
                     raised = None
                 except zeroflat.Error as e:
                     raised = e
@@ -163,6 +167,7 @@ def _faults_worker(rank, world, port, out, stage, result):
                 torch.distributed.barrier()
     # After every fault the next save succeeds and is whole, leftovers removed.
     engine.save_checkpoint(ckpt, tag="t1")
+    zd.wait(every_rank=True)
     torch.distributed.barrier()
     if rank == 0:
         assert _latest_is_whole(ckpt, [ref1, ref2]) == 1
@@ -171,12 +176,15 @@ def _faults_worker(rank, world, port, out, stage, result):
     _done()
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_a_fault_at_every_step_of_a_save_never_costs_the_last_complete_checkpoint(tmp_path, stage):
+@pytest.mark.parametrize("stage,background", [(2, True), (3, False)])
+def test_a_fault_at_every_step_of_a_save_never_costs_the_last_complete_checkpoint(tmp_path, stage,
+                                                                                   background):
+    """ZeRO-2 saved in the background (the failure raised at the collective wait), ZeRO-3 saved
+    blocking (raised by save_checkpoint itself): the same writer, the same steps."""
     import multiprocessing
 
     result = multiprocessing.get_context("forkserver").Manager().Queue()
-    start_ranks(_faults_worker, 2, str(tmp_path), stage, result)
+    start_ranks(_faults_worker, 2, str(tmp_path), stage, background, result)
     seen = result.get(timeout=5)
     assert len(seen) == 2 * (len(_cases(False)) + len(_cases(True)))
     # Before the tag is published, latest gives the first save; after, whichever it names.
@@ -287,10 +295,11 @@ def test_the_drop_ins_save_is_deepspeeds_folder_and_loads_in_plain_deepspeed(tmp
 
 def _killed_worker(rank, world, port, out, stage, faulty, step):
     import zeroflat.deepspeed as zd
-    from zeroflat import _C
+    from zeroflat import _C, _save
 
     _init(rank, world, port)
     zd.install()
+    _save.WAIT_SECONDS = 120.0  # the first rank's wait for a rank killed
     engine = _engine(stage)
     train_steps(engine, rank, 1)
     engine.save_checkpoint(out, tag="t1")
@@ -298,7 +307,8 @@ def _killed_worker(rank, world, port, out, stage, faulty, step):
     train_steps(engine, rank, 1, seed=200)
     if rank == faulty:
         _C.set_save_fault_for_testing(f"{step}:kill")
-    engine.save_checkpoint(out, tag="t1")  # the faulty rank dies; the other fails with it
+    engine.save_checkpoint(out, tag="t1")
+    zd.wait()  # the faulty rank dies in the background write; the other with it
     os.kill(os.getpid(), signal.SIGKILL)
 
 

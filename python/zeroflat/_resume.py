@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import _C, _dropin
+from . import _C, _dropin, _save
 from ._comm import all_reduce_ints, failing_word, raise_failed
 from ._common import TORCH_DTYPES, native_path, path_text
 from ._dropin import log, stats
@@ -542,6 +542,8 @@ def load_checkpoint(original, engine, load_dir, tag=None, load_module_strict=Tru
                 load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states,
                 load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+    # A save still being written in the background first (its failure raised on every rank).
+    _save.settle(agree=dist.is_initialized(), what=f"load_checkpoint({path_text(load_dir)})")
     reason = why_not(engine, load_dir, custom_load_fn)
     group = engine.optimizer.dp_process_group if optimizer_kind(engine) else None
     start, where = time.perf_counter(), path_text(load_dir)

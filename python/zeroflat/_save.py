@@ -33,19 +33,21 @@ node's first rank writes its own ``latest``).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import enum
 import os
+import time
 from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _snapshot
 from ._comm import raise_agreed
 from ._common import path_text
 from ._dropin import log, stats
-from ._errors import Error
+from ._errors import Error, IoError
 
 _warned: set = set()
 
@@ -125,13 +127,80 @@ def _failed_on(rank: int, what: str, where: str, tag: str) -> Error:
                  "was published: 'latest' and every saved tag are as before")
 
 
+# Whether a save returns once its state is snapshotted (install(save_in_background=...)).
+background = True
+# How long the first rank waits for the others' files before it gives the save up (seconds).
+WAIT_SECONDS = 1800.0
+
+_writer: Optional["_C.BackgroundSave"] = None
+_staging = _snapshot.Staging()
+_pending: Optional[dict] = None  # the save being written: where, tag, when it returned
+_exit_hook = False
+
+
+def _outcome_error(pending: dict, outcome: dict) -> Optional[BaseException]:
+    """This rank's own failure in the background save ``pending``, as an exception (None when it
+    succeeded, or when what stopped it was another rank's failure)."""
+    if not outcome["error"] or outcome["failed_rank"] >= 0:
+        return None
+    text = (f"save_checkpoint({pending['where']}, tag {pending['tag']!r}), written in the "
+            f"background: {outcome['error']}; nothing was published: 'latest' names the "
+            "checkpoint before")
+    return IoError(text) if outcome["error_code"] else Error(text)
+
+
+def settle(agree: bool, what: str = "the save") -> None:
+    """Waits for this rank's save being written in the background, if any, and raises its
+    failure: agreed by every rank (a collective; the others raise that the rank failed) when
+    ``agree``, else this rank's own, or on the first rank another rank's that stopped the
+    publication."""
+    global _pending
+    error: Optional[BaseException] = None
+    pending, outcome = _pending, None
+    if pending is not None:
+        outcome = _writer.wait()
+        _pending = None
+        stats["saves"].append({"dir": pending["dir"], "tag": pending["tag"],
+                               "files": pending["files"], "bytes": outcome["bytes"],
+                               "blocking_seconds": pending["blocking"],
+                               "write_seconds": outcome["seconds"],
+                               "published": outcome["published"],
+                               "replaced": outcome["replaced"],
+                               "exchanged": outcome["exchanged"],
+                               "error": outcome["error"] or None})
+        error = _outcome_error(pending, outcome)
+    if agree and dist.is_initialized():
+        where = pending["where"] if pending else "?"
+        raise_agreed(error, None, f"{what}: the last save's background write (an all-reduce)",
+                     "save-background",
+                     lambda r: Error(f"the save_checkpoint({where}) written in the background "
+                                     f"failed on rank {r}; nothing was published: 'latest' names "
+                                     "the checkpoint before"))
+        return
+    if error is not None:
+        raise error
+    if outcome is not None and outcome["failed_rank"] >= 0:
+        raise Error(f"save_checkpoint({pending['where']}, tag {pending['tag']!r}), written in the "
+                    f"background: {outcome['error']}; nothing was published: 'latest' names the "
+                    "checkpoint before")
+
+
+def _at_exit() -> None:
+    try:
+        settle(agree=False)
+    except Exception as e:  # noqa: BLE001 - the process is ending: said, not raised
+        log.error("zeroflat: %s", e)
+
+
 def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # noqa: B006
                     save_latest=True, exclude_frozen_parameters=False):
     """The drop-in's ``DeepSpeedEngine.save_checkpoint``: DeepSpeed's arguments and return value
     (True); the checkpoint published as the module docstring says."""
+    global _writer, _pending, _exit_hook
     args = dict(client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
     reason = _why_not(engine)
     if reason is not None:
+        settle(agree=False)
         stats["save_fallbacks"].append(reason)
         if reason not in _warned:
             _warned.add(reason)
@@ -139,13 +208,17 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         return original(engine, save_dir, tag=tag, save_latest=save_latest, **args)
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+    start = time.perf_counter()
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     where = path_text(save_dir)
     partial = _C.partial_tag_name(tag)  # a tag that is not a plain folder name: refused here
     _warn_client_state(client_state)
-    me = dist.get_rank()
+    me, world = dist.get_rank(), dist.get_world_size()
 
-    # 1. The folder, and a crashed save's leftovers gone; every rank learns of a failure.
+    # 1. The save before this one written, on every rank (its failure raised here).
+    settle(agree=True, what=f"save_checkpoint({where}, tag {tag!r})")
+
+    # 2. The folder, and a crashed save's leftovers gone; every rank learns of a failure.
     error: Optional[BaseException] = None
     if me == 0:
         try:
@@ -156,21 +229,19 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     raise_agreed(error, None, "the save's folder (an all-reduce)", "save-folder",
                  lambda r: _failed_on(r, "preparing the folder", where, tag))
 
-    # 2. DeepSpeed's own save into the partial folder, each file this rank writes recorded (a
-    # failure kept, not raised, so that every rank still meets DeepSpeed's collectives), then
-    # made durable.
+    # 3. DeepSpeed's own save into the partial folder, each file it writes snapshotted instead
+    # (pickled as torch.save would, its tensors' bytes copied into the staging memory): a
+    # failure kept, not raised, so that every rank still meets DeepSpeed's collectives.
     ce = engine.checkpoint_engine
-    write = ce.save
-    written: List[str] = []
+    _staging.begin(pinned=torch.cuda.is_available() and torch.cuda.is_initialized())
+    snap = _snapshot.Snapshot(_staging, torch.get_num_threads())
     failure: List[BaseException] = []
 
     def save(state_dict: Any, path: str) -> None:
         if failure:
             return
         try:
-            _C.save_step(f"write.{len(written) + 1}", os.fspath(path))
-            write(_plain_enums(state_dict), path)
-            written.append(os.fspath(path))
+            snap.add(_plain_enums(state_dict), os.fspath(path))
         except Exception as e:  # noqa: BLE001 - kept for the agreement after DeepSpeed's save
             failure.append(e)
 
@@ -185,30 +256,29 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             del ce.save
         else:
             ce.save = own
+        _staging.end()
     if error is None and failure:
         error = failure[0]
     if error is None:
         try:
-            _C.sync_files(written)
+            if _writer is None:
+                _writer = _C.BackgroundSave()
+            _writer.start(os.fspath(save_dir), partial, tag, me, world, bool(save_latest), True,
+                          float(WAIT_SECONDS), snap.files)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
-    raise_agreed(error, None, "the save's files (an all-reduce)", "save-files",
-                 lambda r: _failed_on(r, "writing its files", where, tag))
+    if error is None:
+        _pending = {"dir": os.fspath(save_dir), "where": where, "tag": tag,
+                    "files": len(snap.files), "blocking": time.perf_counter() - start}
+        if not _exit_hook:
+            atexit.register(_at_exit)
+            _exit_hook = True
+    raise_agreed(error, None, "the save's snapshot (an all-reduce)", "save-snapshot",
+                 lambda r: _failed_on(r, "taking its state's snapshot", where, tag))
 
-    # 3. Published by the first rank: the folder durable, one rename, then 'latest'.
-    replaced = exchanged = False
-    if me == 0:
-        try:
-            _C.sync_tree(os.path.join(os.fspath(save_dir), partial))
-            replaced, exchanged = _C.publish_tag(os.fspath(save_dir), partial, tag)
-            if save_latest:
-                _C.write_latest(os.fspath(save_dir), tag)
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            error = e
-    raise_agreed(error, None, "publishing the save (an all-reduce)", "save-publish",
-                 lambda r: Error(f"save_checkpoint({where}, tag {tag!r}): publishing the "
-                                 f"checkpoint failed on rank {r}; 'latest' still names a complete "
-                                 "checkpoint (the one before, or this one)"))
-    stats["saves"].append({"dir": os.fspath(save_dir), "tag": tag, "files": len(written),
-                           "replaced": replaced, "exchanged": exchanged})
+    # 4. Written and published by the library's thread (include/zeroflat/save.h): here, or in
+    # the background, waited for by the next save, a load, zeroflat.deepspeed.wait() or the
+    # process's exit.
+    if not background:
+        settle(agree=True, what=f"save_checkpoint({where}, tag {tag!r})")
     return True

@@ -32,14 +32,15 @@ import torch
 import zeroflat
 from . import _dropin, _load, _resume, _save, _stage3
 from ._comm import all_reduce_ints
-from ._common import engine_threads, select
+from ._common import bool_option, engine_threads, select
 from ._dropin import log, round_robin_offsets, stats
 from ._dropin import state as _state
 from ._patches import Patch, apply, patched, restore
 from ._progress import check_callback
 from ._trainer import trainer_param_groups
 
-__all__ = ["SUPPORTED_VERSIONS", "install", "installed", "is_installed", "uninstall", "stats"]
+__all__ = ["SUPPORTED_VERSIONS", "install", "installed", "is_installed", "uninstall", "wait",
+           "stats"]
 
 # The releases the test suite compares with DeepSpeed's own buffers, bit for bit: the last patch
 # of every line from 0.14 to 0.19, and 0.18.6, the last without the on-accelerator flatten.
@@ -617,7 +618,8 @@ def _patches(stage_1_and_2) -> List[Patch]:
 
 
 def install(*, allow_untested: bool = False,
-            progress: Optional[Callable[[Any], None]] = None) -> None:
+            progress: Optional[Callable[[Any], None]] = None,
+            save_in_background: bool = True) -> None:
     """Makes DeepSpeed's ZeRO-1/2 and Stage 3 optimizers build their flat buffers through
     zeroflat.
 
@@ -632,9 +634,16 @@ def install(*, allow_untested: bool = False,
 
     ``progress``: a callable given a ``zeroflat.Progress`` every 10 s of a long resume
     (``engine.load_checkpoint``), as ``zeroflat.load_param_groups`` takes it; each rank logs the
-    same at INFO on the ``zeroflat`` logger, with or without it."""
+    same at INFO on the ``zeroflat`` logger, with or without it.
+
+    ``save_in_background``: ``engine.save_checkpoint`` returns once the state is snapshotted
+    into reused host memory, and the library's thread writes and publishes it while training
+    goes on (``wait()``, the next save, a load and the process's exit wait for it; a failure
+    raises at the first of them). False: it returns once the checkpoint is durable and
+    published."""
     global _applied
     check_callback(progress)
+    _save.background = bool_option("save_in_background", save_in_background)
     deepspeed, s12 = _deepspeed_modules()
     rules = _release_rules(deepspeed)
     stage3, why = _stage3.patches()
@@ -663,9 +672,22 @@ def install(*, allow_untested: bool = False,
             log.warning("zeroflat: %s", stage3_refused)
 
 
+def wait(*, every_rank: bool = False) -> None:
+    """Waits until this rank's checkpoint saved in the background (``engine.save_checkpoint``)
+    is written: on the first rank, until it is durable and published (``latest`` names it).
+    Raises its failure once: this rank's own (``zeroflat.IoError`` naming the file and the
+    error), or on the first rank another rank's that stopped the publication. Local to the rank,
+    unless ``every_rank=True``: then a collective that every rank calls, after which every rank
+    has returned (the checkpoint published) or raised (a rank's failure: that rank its own, the
+    others ``zeroflat.Error`` naming it). Harmless when nothing is being written."""
+    _save.settle(agree=bool_option("every_rank", every_rank), what="zeroflat.deepspeed.wait()")
+
+
 def uninstall() -> None:
-    """Puts DeepSpeed back as it was. Harmless when not installed."""
+    """Puts DeepSpeed back as it was, once a save being written is (its failure raised).
+    Harmless when not installed."""
     global _applied
+    _save.settle(agree=False)
     with _lock:
         if _applied is None:
             return
@@ -681,10 +703,12 @@ def is_installed() -> bool:
 
 @contextlib.contextmanager
 def installed(*, allow_untested: bool = False,
-              progress: Optional[Callable[[Any], None]] = None):
+              progress: Optional[Callable[[Any], None]] = None,
+              save_in_background: bool = True):
     """``with zeroflat.deepspeed.installed(): deepspeed.initialize(...)``"""
     was, before = is_installed(), _dropin.progress
-    install(allow_untested=allow_untested, progress=progress)
+    install(allow_untested=allow_untested, progress=progress,
+            save_in_background=save_in_background)
     try:
         yield
     finally:

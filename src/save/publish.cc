@@ -2,6 +2,8 @@
 // replaced last. Every step checks the test fault hook first.
 #include "zeroflat/save.h"
 
+#include "save/save_io.h"
+
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -18,72 +20,13 @@
 namespace zeroflat {
 namespace {
 
+using save_io::Fd;
+using save_io::fault_point;
+using save_io::fsync_path;
+using save_io::io_error;
+
 constexpr std::string_view kPartialPrefix = ".zeroflat-partial-";
 constexpr std::string_view kOldPrefix = ".zeroflat-old-";
-
-std::string quoted(const std::string& path) {
-  std::string out(1, '\'');  // appended, not "'" + ...: g++ 12 warns falsely (-Wrestrict) there
-  out += printable(path, 200);
-  out += '\'';
-  return out;
-}
-
-IoError io_error(const std::string& step, const std::string& path, int code) {
-  return IoError(quoted(path) + ": " + step + " failed: " + std::strerror(code), code);
-}
-
-std::mutex fault_mutex;
-std::optional<std::string> fault_override;
-
-// The test fault hook (save.h): acts when ZEROFLAT_TEST_SAVE_FAULT (or
-// set_save_fault_for_testing) names `step`. True for kind "unsupported": the step is to act as
-// if the file system did not have what it asks for.
-bool fault_point(const std::string& step, const std::string& path) {
-  std::string spec;
-  {
-    std::lock_guard<std::mutex> lock(fault_mutex);
-    spec = fault_override ? *fault_override : runtime_env().save_fault;
-  }
-  if (spec.empty()) return false;
-  const std::string_view s(spec);
-  const std::size_t colon = s.rfind(':');
-  if (colon == std::string_view::npos || s.substr(0, colon) != step) return false;
-  const std::string_view kind = s.substr(colon + 1);
-  if (kind == "kill") {
-    ::kill(::getpid(), SIGKILL);
-    ::pause();
-  }
-  if (kind == "eio") throw io_error(step + " (an injected fault)", path, EIO);
-  if (kind == "enospc") throw io_error(step + " (an injected fault)", path, ENOSPC);
-  return kind == "unsupported";
-}
-
-class Fd {
- public:
-  Fd(const std::string& path, int flags, const std::string& step, mode_t mode = 0)
-      : fd_(::open(path.c_str(), flags | O_CLOEXEC, mode)) {
-    if (fd_ < 0) throw io_error(step + " (open)", path, errno);
-  }
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  void close(const std::string& step, const std::string& path) {
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) throw io_error(step + " (close)", path, errno);
-  }
-
- private:
-  int fd_;
-};
-
-void fsync_path(const std::string& path, bool directory, const std::string& step) {
-  Fd fd(path, (directory ? O_DIRECTORY : 0) | O_RDONLY | O_NOFOLLOW, step);
-  if (::fsync(fd.get()) != 0) throw io_error(step, path, errno);
-}
 
 bool exists(const std::string& path) {
   struct stat st {};
@@ -148,11 +91,6 @@ int rename_exchange(const std::string& a, const std::string& b) {
 }
 
 }  // namespace
-
-void set_save_fault_for_testing(std::optional<std::string> spec) {
-  std::lock_guard<std::mutex> lock(fault_mutex);
-  fault_override = std::move(spec);
-}
 
 void save_step(const std::string& step, const std::string& path) { (void)fault_point(step, path); }
 

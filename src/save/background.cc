@@ -1,0 +1,201 @@
+// A save written in the background (save.h): the files, their fsync, this rank's marker; on the
+// first rank, the others' markers awaited, then the publication.
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "common/thread_pool.h"
+#include "save/save_io.h"
+#include "zeroflat/save.h"
+
+namespace zeroflat {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Another rank's failure, as that rank recorded it in its marker.
+class RankFailed : public Error {
+ public:
+  RankFailed(int rank, const std::string& why)
+      : Error("rank " + std::to_string(rank) + " failed writing its files: " + why), rank_(rank) {}
+  int rank() const noexcept { return rank_; }
+
+ private:
+  int rank_;
+};
+
+std::string marker(const std::string& folder, const char* what, int rank) {
+  return folder + "/.zeroflat-" + what + "-" + std::to_string(rank);
+}
+
+bool present(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// A small file written whole and made durable.
+void write_small(const std::string& path, const std::string& text, const std::string& step) {
+  save_io::Fd fd(path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW, step, 0644);
+  save_io::pwrite_all(fd.get(), text.data(), text.size(), 0, step, path);
+  if (::fsync(fd.get()) != 0) throw save_io::io_error(step + " (fsync)", path, errno);
+  fd.close(step, path);
+}
+
+std::string read_small(const std::string& path) {
+  std::string out;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return out;
+  char buf[1024];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0 || out.size() > 4096) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return out;
+}
+
+// Until every other rank's marker is there: the first that failed throws its words.
+void await_ranks(const SaveJob& job, const std::string& folder) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(job.timeout_seconds);
+  int next = 1;  // ranks below it have finished
+  auto pause = std::chrono::milliseconds(1);
+  while (next < job.world) {
+    const std::string failed = marker(folder, "failed", next);
+    if (present(failed)) {
+      std::string why = read_small(failed);
+      throw RankFailed(next, why.empty() ? std::string("a failure it could not record") : why);
+    }
+    if (present(marker(folder, "done", next))) {
+      ++next;
+      pause = std::chrono::milliseconds(1);
+      continue;
+    }
+    if (Clock::now() > deadline) {
+      throw Error("rank " + std::to_string(next) + " did not finish writing its files within " +
+                  std::to_string(static_cast<long long>(job.timeout_seconds)) + " s");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+}
+
+void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, SaveOutcome& out) {
+  const std::string folder = job.dir.empty() ? std::string() : job.dir + "/" + job.partial;
+  for (std::size_t k = 0; k < job.files.size(); ++k) {
+    save_io::fault_point("write." + std::to_string(k + 1), job.files[k].path);
+    out.bytes += write_torch_file(job.files[k], &written);
+  }
+  for (std::size_t k = 0; k < job.files.size(); ++k) {
+    save_io::fault_point("sync_files." + std::to_string(k + 1), job.files[k].path);
+    save_io::fsync_path(job.files[k].path, false, "sync_files");
+  }
+  if (folder.empty()) return;
+  if (job.rank != 0) {
+    const std::string done = marker(folder, "done", job.rank);
+    save_io::fault_point("marker", done);
+    write_small(done, "", "marker");
+    return;
+  }
+  await_ranks(job, folder);
+  for (int r = 1; r < job.world; ++r) {
+    const std::string done = marker(folder, "done", r);
+    if (::unlink(done.c_str()) != 0 && errno != ENOENT) throw save_io::io_error("marker (remove)", done, errno);
+  }
+  sync_tree(folder);
+  const Published p = publish_tag(job.dir, job.partial, job.tag);
+  out.published = true;
+  out.replaced = p.replaced;
+  out.exchanged = p.exchanged;
+  if (job.save_latest) write_latest(job.dir, job.tag);
+}
+
+}  // namespace
+
+void stage_copies(const std::vector<StageCopy>& copies, unsigned threads) {
+  std::uint64_t total = 0;
+  for (const StageCopy& c : copies) total += c.size;
+  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(total >> 22) + 1));
+  auto copy_part = [&](unsigned t) {
+    // Part t of the bytes as if the ranges were one run.
+    const detail::Range part = detail::split_range(total, threads, t, 4096);
+    std::uint64_t at = 0;
+    for (const StageCopy& c : copies) {
+      const std::uint64_t begin = std::max(at, part.begin), end = std::min(at + c.size, part.end);
+      if (begin < end) std::memcpy(c.to + (begin - at), c.from + (begin - at), end - begin);
+      at += c.size;
+      if (at >= part.end) break;
+    }
+  };
+  if (threads == 1) {
+    copy_part(0);
+    return;
+  }
+  detail::ThreadPool pool(threads);
+  pool.run(copy_part);
+}
+
+BackgroundSave::~BackgroundSave() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void BackgroundSave::start(SaveJob job) {
+  if (thread_.joinable()) throw Error("a save is still being written: wait() for it first");
+  if (job.world < 1 || job.rank < 0 || job.rank >= job.world) {
+    throw InvalidArgument("rank " + std::to_string(job.rank) + " of " + std::to_string(job.world));
+  }
+  if (!job.dir.empty()) (void)partial_tag_name(job.tag);
+  std::uint64_t total = 0;
+  for (const StagedFile& f : job.files) {
+    total += f.pickle.size();
+    for (const StagedStorage& s : f.storages) total += s.size;
+  }
+  job_ = std::move(job);
+  outcome_ = SaveOutcome{};
+  written_.store(0);
+  finished_.store(false);
+  total_.store(total);
+  thread_ = detail::start_thread(0, [this] {
+    const auto t0 = Clock::now();
+    if (job_.low_priority) (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
+    try {
+      run_job(job_, written_, outcome_);
+    } catch (const RankFailed& e) {
+      outcome_.error = e.what();
+      outcome_.failed_rank = e.rank();
+    } catch (const IoError& e) {
+      outcome_.error = e.what();
+      outcome_.error_code = e.code();
+    } catch (const std::exception& e) {
+      outcome_.error = e.what();
+    }
+    if (!outcome_.error.empty() && outcome_.failed_rank < 0 && job_.rank != 0 && !job_.dir.empty()) {
+      // The first rank is waiting for this one: tell it (best effort; else its timeout does).
+      try {
+        write_small(marker(job_.dir + "/" + job_.partial, "failed", job_.rank), outcome_.error,
+                    "marker");
+      } catch (...) {
+      }
+    }
+    outcome_.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    job_.files.clear();  // the staged bytes may be reused once wait() returns
+    finished_.store(true, std::memory_order_release);
+  });
+}
+
+SaveOutcome BackgroundSave::wait() {
+  if (!thread_.joinable()) return SaveOutcome{};
+  thread_.join();
+  return outcome_;
+}
+
+}  // namespace zeroflat

@@ -1,0 +1,279 @@
+// torch.save's file format written from bytes staged in memory (save.h): one zip archive of
+// stored (uncompressed) records, each record's data at a 64-byte boundary, with the zip64 end
+// records torch writes. Data first, at offsets laid out in advance, while a second thread
+// computes the records' CRC-32s; then the headers and the central directory.
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "common/thread_pool.h"
+#include "save/save_io.h"
+#include "zeroflat/save.h"
+
+namespace zeroflat {
+namespace {
+
+using save_io::io_error;
+
+constexpr std::uint64_t kAlign = 64;
+constexpr std::uint64_t k32Max = 0xFFFFFFFFu;
+constexpr std::uint64_t kPieceBytes = std::uint64_t{64} << 20;
+
+struct Entry {
+  std::string name;
+  const std::byte* data = nullptr;
+  std::uint64_t size = 0;
+  std::uint64_t header_offset = 0;  // its local header
+  std::uint64_t data_offset = 0;
+  std::uint16_t pad = 0;  // bytes of the padding extra field's value
+  std::uint32_t crc = 0;
+  bool zip64() const { return size >= k32Max; }
+  std::uint64_t local_header_bytes() const {
+    return 30 + name.size() + (zip64() ? 20 : 0) + 4 + pad;
+  }
+};
+
+class Bytes {
+ public:
+  void u16(std::uint64_t v) { le(v, 2); }
+  void u32(std::uint64_t v) { le(v, 4); }
+  void u64(std::uint64_t v) { le(v, 8); }
+  void text(const std::string& s) { out_.append(s); }
+  void fill(char c, std::size_t n) { out_.append(n, c); }
+  const std::string& str() const { return out_; }
+
+ private:
+  void le(std::uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_.push_back(static_cast<char>((v >> (8 * i)) & 0xffu));
+  }
+  std::string out_;
+};
+
+std::string archive_name(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  const std::size_t dot = base.rfind('.');
+  if (dot != std::string::npos) base.resize(dot);
+  return base.empty() ? std::string("archive") : base;
+}
+
+std::uint64_t mix(std::uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  return x ^ (x >> 33);
+}
+
+
+// 40 decimal digits that follow from the records' contents (their CRCs and sizes), so that the
+// same object saved twice gives the same file, as torch's own id does.
+std::string serialization_id(const std::vector<Entry>& entries) {
+  std::uint64_t a = 0x243f6a8885a308d3ULL, b = 0x13198a2e03707344ULL;
+  for (const Entry& e : entries) {
+    a = mix(a ^ e.crc ^ (e.size << 32));
+    b = mix(b + e.crc + e.size * 0x9e3779b97f4a7c15ULL);
+  }
+  std::string id;
+  for (int i = 0; i < 20; ++i) {
+    id.push_back(static_cast<char>('0' + a % 10));
+    a /= 10;
+  }
+  for (int i = 0; i < 20; ++i) {
+    id.push_back(static_cast<char>('0' + b % 10));
+    b /= 10;
+  }
+  return id;
+}
+
+struct Layout {
+  std::vector<Entry> entries;
+  std::string id;  // .data/serialization_id's bytes (owned here)
+  std::uint64_t central_offset = 0;
+};
+
+const std::string kFormatVersion = "1";
+const std::string kAlignment = "64";
+const std::string kByteOrder = "little";
+const std::string kVersion = "3\n";
+
+Layout make_layout(const StagedFile& file) {
+  Layout l;
+  l.id.assign(40, '0');  // its digits once the other records' CRCs are known
+  const std::string prefix = archive_name(file.path) + "/";
+  auto add = [&](std::string name, const void* data, std::uint64_t size) {
+    Entry e;
+    e.name = prefix + name;
+    e.data = static_cast<const std::byte*>(data);
+    e.size = size;
+    l.entries.push_back(std::move(e));
+  };
+  add("data.pkl", file.pickle.data(), file.pickle.size());
+  add(".format_version", kFormatVersion.data(), kFormatVersion.size());
+  add(".storage_alignment", kAlignment.data(), kAlignment.size());
+  add("byteorder", kByteOrder.data(), kByteOrder.size());
+  for (const StagedStorage& s : file.storages) {
+    if (s.key.empty() || s.key.find('/') != std::string::npos) {
+      throw InvalidArgument("a storage's key is a plain name, got '" + printable(s.key, 80) + "'");
+    }
+    if (s.size > 0 && s.data == nullptr) throw InvalidArgument("storage '" + s.key + "' has no bytes");
+    add("data/" + s.key, s.data, s.size);
+  }
+  add("version", kVersion.data(), kVersion.size());
+  add(".data/serialization_id", nullptr, 0);
+  l.entries.back().data = reinterpret_cast<const std::byte*>(l.id.data());
+  l.entries.back().size = l.id.size();
+  std::uint64_t at = 0;
+  for (Entry& e : l.entries) {
+    e.header_offset = at;
+    const std::uint64_t bare = 30 + e.name.size() + (e.zip64() ? 20 : 0) + 4;
+    e.pad = static_cast<std::uint16_t>((kAlign - (at + bare) % kAlign) % kAlign);
+    e.data_offset = at + bare + e.pad;
+    at = e.data_offset + e.size;
+  }
+  l.central_offset = at;
+  return l;
+}
+
+std::string local_header(const Entry& e) {
+  Bytes b;
+  b.u32(0x04034b50);
+  b.u16(e.zip64() ? 45 : 20);  // version needed
+  b.u16(0x0800);               // names are UTF-8
+  b.u16(0);                    // stored
+  b.u16(0);                    // time
+  b.u16(0x21);                 // date: 1980-01-01
+  b.u32(e.crc);
+  b.u32(e.zip64() ? k32Max : e.size);
+  b.u32(e.zip64() ? k32Max : e.size);
+  b.u16(e.name.size());
+  b.u16((e.zip64() ? 20 : 0) + 4 + e.pad);
+  b.text(e.name);
+  if (e.zip64()) {
+    b.u16(0x0001);
+    b.u16(16);
+    b.u64(e.size);
+    b.u64(e.size);
+  }
+  b.u16(0x4246);  // "FB": padding to the data's alignment, as torch writes it
+  b.u16(e.pad);
+  b.fill('Z', e.pad);
+  return b.str();
+}
+
+std::string central_directory(const Layout& l) {
+  Bytes b;
+  for (const Entry& e : l.entries) {
+    const bool big_offset = e.header_offset >= k32Max;
+    const std::uint64_t extra = (e.zip64() ? 16 : 0) + (big_offset ? 8 : 0);
+    b.u32(0x02014b50);
+    b.u16(45);  // made by
+    b.u16(e.zip64() || big_offset ? 45 : 20);
+    b.u16(0x0800);
+    b.u16(0);
+    b.u16(0);
+    b.u16(0x21);
+    b.u32(e.crc);
+    b.u32(e.zip64() ? k32Max : e.size);
+    b.u32(e.zip64() ? k32Max : e.size);
+    b.u16(e.name.size());
+    b.u16(extra ? extra + 4 : 0);
+    b.u16(0);  // comment
+    b.u16(0);  // disk
+    b.u16(0);  // internal attributes
+    b.u32(0);  // external attributes
+    b.u32(big_offset ? k32Max : e.header_offset);
+    b.text(e.name);
+    if (extra) {
+      b.u16(0x0001);
+      b.u16(extra);
+      if (e.zip64()) {
+        b.u64(e.size);
+        b.u64(e.size);
+      }
+      if (big_offset) b.u64(e.header_offset);
+    }
+  }
+  const std::uint64_t central_bytes = b.str().size();
+  const std::uint64_t zip64_end = l.central_offset + central_bytes;
+  const std::uint64_t n = l.entries.size();
+  b.u32(0x06064b50);  // zip64 end of central directory
+  b.u64(44);
+  b.u16(45);
+  b.u16(45);
+  b.u32(0);
+  b.u32(0);
+  b.u64(n);
+  b.u64(n);
+  b.u64(central_bytes);
+  b.u64(l.central_offset);
+  b.u32(0x07064b50);  // its locator
+  b.u32(0);
+  b.u64(zip64_end);
+  b.u32(1);
+  b.u32(0x06054b50);  // end of central directory
+  b.u16(0);
+  b.u16(0);
+  b.u16(std::min<std::uint64_t>(n, 0xFFFF));
+  b.u16(std::min<std::uint64_t>(n, 0xFFFF));
+  b.u32(std::min(central_bytes, k32Max));
+  b.u32(std::min(l.central_offset, k32Max));
+  b.u16(0);
+  return b.str();
+}
+
+}  // namespace
+
+std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written) {
+  Layout l = make_layout(file);
+  save_io::Fd fd(file.path, O_WRONLY | O_CREAT | O_TRUNC, "write", 0644);
+  // The CRCs beside the writes: both read the staged bytes, neither changes them.
+  std::exception_ptr crc_error;
+  std::thread crcs = detail::start_thread(0, [&] {
+    try {
+      for (std::size_t i = 0; i + 1 < l.entries.size(); ++i) {
+        l.entries[i].crc = crc32(0, l.entries[i].data, l.entries[i].size);
+      }
+    } catch (...) {
+      crc_error = std::current_exception();
+    }
+  });
+  struct Join {
+    std::thread& t;
+    ~Join() {
+      if (t.joinable()) t.join();
+    }
+  } join{crcs};
+  for (std::size_t i = 0; i + 1 < l.entries.size(); ++i) {
+    const Entry& e = l.entries[i];
+    for (std::uint64_t off = 0; off < e.size; off += kPieceBytes) {
+      const std::uint64_t n = std::min(kPieceBytes, e.size - off);
+      save_io::pwrite_all(fd.get(), e.data + off, n, e.data_offset + off, "write", file.path);
+      // Write-back starts now, so that the fsync after has less left to do.
+      (void)::sync_file_range(fd.get(), static_cast<off_t>(e.data_offset + off),
+                              static_cast<off_t>(n), SYNC_FILE_RANGE_WRITE);
+      if (written != nullptr) written->fetch_add(n, std::memory_order_relaxed);
+    }
+  }
+  crcs.join();
+  if (crc_error) std::rethrow_exception(crc_error);
+  Entry& id = l.entries.back();  // .data/serialization_id, last
+  l.id = serialization_id(l.entries);
+  id.crc = crc32(0, l.id.data(), l.id.size());
+  save_io::pwrite_all(fd.get(), l.id.data(), l.id.size(), id.data_offset, "write", file.path);
+  std::string headers;
+  for (const Entry& e : l.entries) {
+    const std::string h = local_header(e);
+    if (h.size() != e.local_header_bytes()) throw Error("internal: a zip header's size changed");
+    save_io::pwrite_all(fd.get(), h.data(), h.size(), e.header_offset, "write", file.path);
+  }
+  const std::string tail = central_directory(l);
+  save_io::pwrite_all(fd.get(), tail.data(), tail.size(), l.central_offset, "write", file.path);
+  fd.close("write", file.path);
+  return l.central_offset + tail.size();
+}
+
+}  // namespace zeroflat
