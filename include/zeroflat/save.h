@@ -52,6 +52,11 @@ std::string partial_tag_name(const std::string& tag);
 // follows a link out of it.
 void remove_partial(const std::string& dir, const std::string& partial);
 
+// Removes every partial tag folder under `dir` (the leftovers of saves that failed or crashed,
+// whatever their tags). Returns how many. A folder aside (".zeroflat-old-<tag>", which may be
+// the only copy of a tag after a crash mid-replace) is kept.
+int remove_partials(const std::string& dir);
+
 // fsync of each file's data. Throws IoError naming the file.
 void sync_files(const std::vector<std::string>& paths);
 

@@ -112,6 +112,13 @@ void bind_save(py::module_& m) {
       },
       py::arg("dir"), py::arg("partial"));
   m.def(
+      "remove_partials",
+      [](const std::string& dir) {
+        py::gil_scoped_release nogil;
+        return zf::remove_partials(dir);
+      },
+      py::arg("dir"));
+  m.def(
       "sync_files",
       [](const std::vector<std::string>& paths) {
         py::gil_scoped_release nogil;

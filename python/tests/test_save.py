@@ -343,3 +343,69 @@ def test_zeroflats_resume_at_another_world_reads_the_drop_ins_save_as_deepspeeds
     for name, value in result.get(timeout=5).items():
         assert torch.equal(resumed[name], value), name
 
+
+
+def _background_worker(rank, world, port, out, stage, result):
+    import zeroflat
+    import zeroflat.deepspeed as zd
+    from zeroflat import _C, _save
+
+    _init(rank, world, port)
+    engine = _engine(stage)
+    train_steps(engine, rank, 1)
+    theirs, ours = os.path.join(out, "theirs"), os.path.join(out, "ours")
+    engine.save_checkpoint(theirs, tag="t1")  # DeepSpeed's own, before the drop-in is there
+    zd.install()
+    engine.save_checkpoint(ours, tag="t1")
+    # The save returned with its state snapshotted: the steps change it while it is written.
+    train_steps(engine, rank, 2, seed=300)
+    zd.wait(every_rank=True)
+    capacity = _save._staging.capacity
+    # A failure in the background raises at the next save, on every rank; nothing published.
+    if rank == 1:
+        _C.set_save_fault_for_testing("write.1:eio")
+    engine.save_checkpoint(ours, tag="t2")
+    train_steps(engine, rank, 1, seed=400)
+    _C.set_save_fault_for_testing(None)
+    with pytest.raises(zeroflat.Error) as raised:
+        engine.save_checkpoint(ours, tag="t3")
+    if rank == 1:
+        assert isinstance(raised.value, zeroflat.IoError), raised.value
+        assert "zero_pp_rank_1" in str(raised.value) and "write.1" in str(raised.value)
+    else:
+        assert "failed on rank 1" in str(raised.value), raised.value
+    assert not os.path.exists(os.path.join(ours, "t2"))
+    with open(os.path.join(ours, "latest")) as f:
+        assert f.read() == "t1"
+    # Then saves go on, in the same staging memory (it never grows for the same state).
+    for i in range(4):
+        engine.save_checkpoint(ours, tag=f"s{i}")
+        train_steps(engine, rank, 1, seed=500 + i)
+        assert _save._staging.capacity == capacity
+    zd.wait()
+    outcomes = [s for s in zd.stats["saves"] if s["dir"] == ours]
+    assert [s["error"] is None for s in outcomes] == [True, False, True, True, True, True]
+    assert all(s["blocking_seconds"] > 0 and s["bytes"] > 0 for s in outcomes if not s["error"])
+    if rank == 0:
+        with open(os.path.join(ours, "latest")) as f:
+            assert f.read() == "s3"
+        result.put(sorted(os.listdir(ours)))
+    _done()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_save_in_the_background_holds_the_state_at_the_call_and_its_failure_raises_next(
+        tmp_path, stage, monkeypatch):
+    import multiprocessing
+
+    result = multiprocessing.get_context("forkserver").Manager().Queue()
+    start_ranks(_background_worker, 2, str(tmp_path), stage, result)
+    names = result.get(timeout=5)
+    assert [n for n in names if not n.endswith(".py")] == ["latest", "s0", "s1", "s2", "s3",
+                                                             "t1"], names
+    ours, theirs = str(tmp_path / "ours" / "t1"), str(tmp_path / "theirs" / "t1")
+    assert _files(ours) == _files(theirs)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    for name in _files(ours):
+        _same_values(torch.load(os.path.join(ours, name), weights_only=False),
+                     torch.load(os.path.join(theirs, name), weights_only=False), name)

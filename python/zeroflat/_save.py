@@ -223,7 +223,7 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     if me == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
-            _C.remove_partial(os.fspath(save_dir), partial)
+            _C.remove_partials(os.fspath(save_dir))  # this tag's, and failed saves' of others
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
     raise_agreed(error, None, "the save's folder (an all-reduce)", "save-folder",

@@ -111,6 +111,22 @@ void remove_partial(const std::string& dir, const std::string& partial) {
   remove_tree(dir + "/" + partial);
 }
 
+int remove_partials(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) {
+    if (errno == ENOENT) return 0;
+    throw io_error("remove (opendir)", dir, errno);
+  }
+  std::vector<std::string> found;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view n(e->d_name);
+    if (n.starts_with(kPartialPrefix)) found.emplace_back(n);
+  }
+  ::closedir(d);
+  for (const std::string& n : found) remove_tree(dir + "/" + n);
+  return static_cast<int>(found.size());
+}
+
 void sync_files(const std::vector<std::string>& paths) {
   for (std::size_t i = 0; i < paths.size(); ++i) {
     fault_point("sync_files." + std::to_string(i + 1), paths[i]);

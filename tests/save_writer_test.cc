@@ -1,0 +1,299 @@
+// The background save (save.h): CRC-32, torch.save's zip archive written from staged bytes, and
+// the two-rank write-then-publish through the file system, faults included.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "model/zip.h"
+#include "zeroflat/save.h"
+
+namespace zeroflat {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string temp_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "save_writer_" + std::to_string(getpid()) + "_" + name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+// CRC-32 bit by bit, the definition the table method must equal.
+std::uint32_t crc_by_bits(const std::string& s) {
+  std::uint32_t c = 0xFFFFFFFFu;
+  for (unsigned char b : s) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c & 1u) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
+  }
+  return ~c;
+}
+
+TEST(Crc32, EqualsTheBitwiseDefinitionAndCombinesAtAnySplit) {
+  EXPECT_EQ(crc32(0, "123456789", 9), 0xCBF43926u);  // the check value of CRC-32/ISO-HDLC
+  EXPECT_EQ(crc32(0, "", 0), 0u);
+  std::mt19937 gen(7);
+  for (int round = 0; round < 50; ++round) {
+    std::string s(gen() % 3000, '\0');
+    for (char& c : s) c = static_cast<char>(gen());
+    const std::size_t offset = gen() % 8;  // unaligned starts
+    const std::string t = s.substr(std::min(offset, s.size()));
+    const std::uint32_t whole = crc32(0, t.data(), t.size());
+    ASSERT_EQ(whole, crc_by_bits(t));
+    const std::size_t cut = t.empty() ? 0 : gen() % (t.size() + 1);
+    const std::uint32_t a = crc32(0, t.data(), cut), b = crc32(0, t.data() + cut, t.size() - cut);
+    EXPECT_EQ(crc32_combine(a, b, t.size() - cut), whole) << t.size() << " cut at " << cut;
+    EXPECT_EQ(crc32(a, t.data() + cut, t.size() - cut), whole);
+  }
+}
+
+StagedFile sample_file(const std::string& path, const std::vector<std::string>& storages) {
+  StagedFile f;
+  f.path = path;
+  f.pickle = "not parsed by the writer";
+  for (std::size_t i = 0; i < storages.size(); ++i) {
+    f.storages.push_back({std::to_string(i), reinterpret_cast<const std::byte*>(storages[i].data()),
+                          storages[i].size()});
+  }
+  return f;
+}
+
+TEST(TorchWriter, TheArchiveHoldsTorchsRecordsAlignedWithTheirCrcs) {
+  const std::string dir = temp_dir("archive");
+  std::vector<std::string> storages = {std::string(100000, 'a'), "", "xyz", std::string(70, 'q')};
+  std::mt19937 gen(3);
+  for (char& c : storages[0]) c = static_cast<char>(gen());
+  const StagedFile f = sample_file(dir + "/model_states.pt", storages);
+  std::atomic<std::uint64_t> written{0};
+  const std::uint64_t size = write_torch_file(f, &written);
+  EXPECT_EQ(size, fs::file_size(f.path));
+  EXPECT_EQ(written.load(), f.pickle.size() + 100000 + 3 + 70 + 1 + 2 + 6 + 2);
+  const std::string bytes = slurp(f.path);
+  const detail::FileSource source(f.path);
+  const detail::ZipArchive zip = detail::read_zip(source);
+  std::vector<std::string> names;
+  for (const detail::ZipEntry& e : zip.entries) names.push_back(e.name);
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "model_states/data.pkl", "model_states/.format_version",
+                       "model_states/.storage_alignment", "model_states/byteorder",
+                       "model_states/data/0", "model_states/data/1", "model_states/data/2",
+                       "model_states/data/3", "model_states/version",
+                       "model_states/.data/serialization_id"}));
+  // The central directory's CRC of each entry, by name.
+  auto u16 = [&](std::size_t at) {
+    return static_cast<std::uint32_t>(static_cast<unsigned char>(bytes[at])) |
+           (static_cast<std::uint32_t>(static_cast<unsigned char>(bytes[at + 1])) << 8);
+  };
+  std::map<std::string, std::uint32_t> crcs;
+  const detail::ZipEntry& last = zip.entries.back();
+  for (std::size_t at = last.offset + last.bytes; bytes.compare(at, 4, "PK\x01\x02") == 0;) {
+    const std::size_t name_len = u16(at + 28), extra = u16(at + 30), comment = u16(at + 32);
+    crcs[bytes.substr(at + 46, name_len)] = u16(at + 16) | (u16(at + 18) << 16);
+    at += 46 + name_len + extra + comment;
+  }
+  ASSERT_EQ(crcs.size(), zip.entries.size());
+  for (const detail::ZipEntry& e : zip.entries) {
+    EXPECT_EQ(e.offset % 64, 0u) << e.name;
+    const std::string data = bytes.substr(e.offset, e.bytes);
+    EXPECT_EQ(crcs[e.name], crc_by_bits(data)) << e.name;
+    if (e.name.starts_with("model_states/data/")) {
+      EXPECT_EQ(data, storages[std::stoul(e.name.substr(18))]) << e.name;
+    }
+  }
+  EXPECT_EQ(bytes.substr(zip.find("model_states/byteorder")->offset, 6), "little");
+  // The same object saved twice: the same bytes (the serialization id follows the contents).
+  const std::string again = dir + "/again/model_states.pt";
+  fs::create_directories(dir + "/again");
+  StagedFile g = f;
+  g.path = again;
+  write_torch_file(g);
+  EXPECT_EQ(slurp(again), bytes);
+  storages[2] = "xyw";
+  write_torch_file(sample_file(again, storages));
+  EXPECT_NE(slurp(again), bytes);
+  fs::remove_all(dir);
+}
+
+TEST(TorchWriter, AStorageKeyThatIsNotAPlainNameIsRefused) {
+  const std::string dir = temp_dir("keys");
+  StagedFile f = sample_file(dir + "/x.pt", {"ab"});
+  f.storages[0].key = "../x";
+  EXPECT_THROW(write_torch_file(f), InvalidArgument);
+  f.storages[0].key = "";
+  EXPECT_THROW(write_torch_file(f), InvalidArgument);
+  fs::remove_all(dir);
+}
+
+// Two ranks of one checkpoint, each with its own writer, as two processes would run them.
+struct TwoRanks {
+  std::string dir;
+  std::vector<std::string> data0, data1;
+  SaveJob job(int rank, const std::string& tag) const {
+    SaveJob j;
+    j.dir = dir;
+    j.tag = tag;
+    j.partial = partial_tag_name(tag);
+    j.rank = rank;
+    j.world = 2;
+    j.timeout_seconds = 20;
+    const std::string folder = dir + "/" + j.partial + "/";
+    if (rank == 0) {
+      j.files.push_back(sample_file(folder + "mp_rank_00_model_states.pt", data0));
+      j.files.push_back(sample_file(folder + "zero_pp_rank_0_optim_states.pt", data1));
+    } else {
+      j.files.push_back(sample_file(folder + "zero_pp_rank_1_optim_states.pt", data1));
+    }
+    return j;
+  }
+  // One save of both ranks: the outcomes of rank 0 and rank 1.
+  std::pair<SaveOutcome, SaveOutcome> save(const std::string& tag) const {
+    remove_partial(dir, partial_tag_name(tag));
+    fs::create_directories(dir + "/" + partial_tag_name(tag));
+    BackgroundSave r0, r1;
+    r0.start(job(0, tag));
+    r1.start(job(1, tag));
+    SaveOutcome o1 = r1.wait();
+    SaveOutcome o0 = r0.wait();
+    return {o0, o1};
+  }
+};
+
+TEST(BackgroundSave, TheFirstRankPublishesOnceEveryRanksFilesAreDurable) {
+  TwoRanks t{temp_dir("publish"), {"model", std::string(5000, 'm')}, {"optim", std::string(9000, 'o')}};
+  auto [o0, o1] = t.save("step1");
+  EXPECT_EQ(o0.error, "");
+  EXPECT_EQ(o1.error, "");
+  EXPECT_TRUE(o0.published);
+  EXPECT_FALSE(o1.published);
+  EXPECT_EQ(slurp(t.dir + "/latest"), "step1");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(t.dir + "/step1")) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"mp_rank_00_model_states.pt",
+                                             "zero_pp_rank_0_optim_states.pt",
+                                             "zero_pp_rank_1_optim_states.pt"}));  // no marker left
+  EXPECT_GT(o0.bytes, 14000u);
+  fs::remove_all(t.dir);
+}
+
+TEST(BackgroundSave, ARankThatFailsStopsThePublicationAndTheFirstRankNamesIt) {
+  TwoRanks t{temp_dir("failed"), {"model"}, {"optim"}};
+  ASSERT_EQ(t.save("a").first.error, "");
+  // Rank 1 cannot create its file (its folder is missing): a real error, not an injected one.
+  remove_partial(t.dir, partial_tag_name("b"));
+  fs::create_directories(t.dir + "/" + partial_tag_name("b"));
+  SaveJob j1 = t.job(1, "b");
+  j1.files[0].path = t.dir + "/" + partial_tag_name("b") + "/missing/x.pt";
+  BackgroundSave r0, r1;
+  r0.start(t.job(0, "b"));
+  r1.start(std::move(j1));
+  const SaveOutcome o1 = r1.wait(), o0 = r0.wait();
+  EXPECT_EQ(o1.error_code, ENOENT) << o1.error;
+  EXPECT_NE(o1.error.find("missing/x.pt"), std::string::npos) << o1.error;
+  EXPECT_EQ(o0.failed_rank, 1);
+  EXPECT_NE(o0.error.find("rank 1 failed writing its files"), std::string::npos) << o0.error;
+  EXPECT_NE(o0.error.find("missing/x.pt"), std::string::npos) << o0.error;
+  EXPECT_FALSE(o0.published);
+  EXPECT_EQ(slurp(t.dir + "/latest"), "a");
+  EXPECT_FALSE(fs::exists(t.dir + "/b"));
+  // The failed save's folder is removed by the next save's remove_partials, whatever its tag.
+  fs::create_directories(t.dir + "/.zeroflat-old-a");
+  EXPECT_EQ(remove_partials(t.dir), 1);
+  EXPECT_FALSE(fs::exists(t.dir + "/" + partial_tag_name("b")));
+  EXPECT_TRUE(fs::exists(t.dir + "/.zeroflat-old-a"));  // kept: it may be a tag's only copy
+  EXPECT_EQ(remove_partials(t.dir + "/none"), 0);
+  fs::remove_all(t.dir);
+}
+
+TEST(BackgroundSave, TheFirstRankGivesUpOnARankThatNeverFinishes) {
+  TwoRanks t{temp_dir("timeout"), {"model"}, {"optim"}};
+  fs::create_directories(t.dir + "/" + partial_tag_name("a"));
+  SaveJob j0 = t.job(0, "a");
+  j0.timeout_seconds = 0.2;
+  BackgroundSave r0;
+  r0.start(std::move(j0));
+  EXPECT_THROW(r0.start(t.job(0, "a")), Error);  // one save at a time
+  const SaveOutcome o0 = r0.wait();
+  EXPECT_NE(o0.error.find("rank 1 did not finish writing its files within"), std::string::npos) << o0.error;
+  EXPECT_FALSE(fs::exists(t.dir + "/latest"));
+  EXPECT_TRUE(r0.finished());
+  EXPECT_EQ(r0.wait().error, "");  // waited for already: a default outcome
+  fs::remove_all(t.dir);
+}
+
+TEST(BackgroundSave, AFaultAtAnyStepOfEitherRankLeavesLatestOnTheCheckpointBefore) {
+  TwoRanks t{temp_dir("faults"), {"model", std::string(3000, 'm')}, {"optim", "state"}};
+  ASSERT_EQ(t.save("t").first.error, "");
+  const std::string before = slurp(t.dir + "/t/zero_pp_rank_1_optim_states.pt");
+  const std::vector<std::string> steps = {"write.1", "write.2", "sync_files.1", "sync_files.2",
+                                          "marker", "sync_tree", "publish.exchange",
+                                          "publish.fsync", "publish.remove", "latest.write",
+                                          "latest.fsync", "latest.rename", "latest.fsync_dir"};
+  int faults = 0;
+  for (const std::string& step : steps) {
+    for (const char* kind : {"eio", "enospc"}) {
+      TwoRanks changed = t;
+      changed.data1 = {"optim", "state " + step + kind};
+      set_save_fault_for_testing(step + ":" + kind);
+      auto [o0, o1] = changed.save("t");
+      set_save_fault_for_testing(std::nullopt);
+      const std::string where = step + ":" + kind;
+      EXPECT_TRUE(!o0.error.empty() || !o1.error.empty()) << where << ": the fault did not act";
+      EXPECT_EQ(slurp(t.dir + "/latest"), "t") << where;
+      const std::string now = slurp(t.dir + "/t/zero_pp_rank_1_optim_states.pt");
+      // Whole: the checkpoint before, or (a fault after the exchange) the new one, never a mix.
+      const bool old = now == before;
+      EXPECT_TRUE(old || step.starts_with("publish.fsync") || step.starts_with("publish.remove") ||
+                  step.starts_with("latest"))
+          << where << ": the tag changed before it was published";
+      EXPECT_EQ(slurp(t.dir + "/t/mp_rank_00_model_states.pt").size(),
+                fs::file_size(t.dir + "/t/mp_rank_00_model_states.pt"));
+      // The next save succeeds and leaves nothing behind.
+      ASSERT_EQ(t.save("t").first.error, "") << where;
+      for (const auto& e : fs::directory_iterator(t.dir)) {
+        EXPECT_FALSE(e.path().filename().string().starts_with(".zeroflat-")) << where;
+      }
+      EXPECT_EQ(slurp(t.dir + "/t/zero_pp_rank_1_optim_states.pt"), before) << where;
+      ++faults;
+    }
+  }
+  EXPECT_EQ(faults, 26);
+  RecordProperty("faults", faults);
+  fs::remove_all(t.dir);
+}
+
+TEST(StageCopies, EveryRangeIsCopiedWhateverTheSplit) {
+  std::vector<std::string> from = {std::string(10 << 20, 'a'), "b", "", std::string(3 << 20, 'c')};
+  std::mt19937 gen(5);
+  for (std::string& s : from) {
+    for (char& c : s) c = static_cast<char>(gen());
+  }
+  for (unsigned threads : {1u, 2u, 3u, 8u}) {
+    std::vector<std::string> to;
+    for (const std::string& s : from) to.emplace_back(s.size(), '\0');
+    std::vector<StageCopy> copies;
+    for (std::size_t i = 0; i < from.size(); ++i) {
+      copies.push_back({reinterpret_cast<std::byte*>(to[i].data()),
+                        reinterpret_cast<const std::byte*>(from[i].data()), from[i].size()});
+    }
+    stage_copies(copies, threads);
+    EXPECT_EQ(to, from) << threads << " threads";
+  }
+}
+
+}  // namespace
+}  // namespace zeroflat
