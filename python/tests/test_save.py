@@ -204,29 +204,33 @@ def _module_state(engine, stage):
     return state
 
 
-def _plain_load_worker(rank, world, port, ckpt, stage, result):
+def _plain_load_worker(rank, world, port, ckpts, stage, result):
+    """Plain DeepSpeed loads each of ``ckpts`` into an engine of its own (one process start)."""
     # Releases before 0.16 load their own checkpoints with torch.load's old default
     # (weights_only=False), which torch 2.6 changed: the files are this test's own.
     os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
     _init(rank, world, port)
-    engine = _engine(stage)
-    path, client = engine.load_checkpoint(ckpt)
-    assert path is not None
-    state = _module_state(engine, stage)
-    if rank == 0:
-        result.put((client.get("epoch"), state))
+    for ckpt in ckpts:
+        engine = _engine(stage)
+        path, client = engine.load_checkpoint(ckpt)
+        assert path is not None
+        state = _module_state(engine, stage)
+        if rank == 0:
+            result.put((client.get("epoch"), state))
     _done()
 
 
-def _resume_worker(rank, world, port, ckpt, stage, result):
+def _resume_worker(rank, world, port, ckpts, stage, result):
+    """zeroflat's resume of each of ``ckpts`` (saved at 2 ranks), an engine of its own each."""
     import zeroflat.deepspeed as zd
 
     _init(rank, world, port)
     zd.install()
-    engine = _engine(stage)
-    engine.load_checkpoint(ckpt)
-    assert zd.stats["resumes"] and zd.stats["resumes"][-1]["saved_world"] == 2
-    result.put(_module_state(engine, stage))
+    for ckpt in ckpts:
+        engine = _engine(stage)
+        engine.load_checkpoint(ckpt)
+        assert zd.stats["resumes"] and zd.stats["resumes"][-1]["saved_world"] == 2
+        result.put(_module_state(engine, stage))
     _done()
 
 
@@ -284,13 +288,20 @@ def test_the_drop_ins_save_is_deepspeeds_folder_and_loads_in_plain_deepspeed(tmp
     with open(os.path.join(ours, "latest")) as f:
         assert f.read() == "t1"
     result = multiprocessing.get_context("forkserver").Manager().Queue()
-    start_ranks(_plain_load_worker, 2, ours, stage, result)
+    start_ranks(_plain_load_worker, 2, [ours, theirs], stage, result)
     epoch, state = result.get(timeout=5)
     assert epoch == 4
-    start_ranks(_plain_load_worker, 2, theirs, stage, result)
     _, expected = result.get(timeout=5)
     for name, value in expected.items():
         assert torch.equal(state[name], value), name
+    if stage in STAGES and "ZEROFLAT_DEEPSPEED_RELEASE" not in os.environ:
+        # zeroflat's resume at another world size (1 rank) reads both the same way.
+        start_ranks(_resume_worker, 1, [ours, theirs], stage, result)
+        resumed = result.get(timeout=5)
+        expected = result.get(timeout=5)
+        assert resumed.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(resumed[name], value), name
 
 
 def _killed_worker(rank, world, port, out, stage, faulty, step):
@@ -323,26 +334,8 @@ def test_a_rank_killed_during_a_save_over_the_last_tag_leaves_it_loadable(tmp_pa
     with open(os.path.join(out, "latest")) as f:
         assert f.read() == "t1"
     result = multiprocessing.get_context("forkserver").Manager().Queue()
-    start_ranks(_plain_load_worker, 2, out, 2, result)
+    start_ranks(_plain_load_worker, 2, [out], 2, result)
     assert result.get(timeout=5) is not None
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_zeroflats_resume_at_another_world_reads_the_drop_ins_save_as_deepspeeds(tmp_path,
-                                                                                 stage):
-    """Saved at 2 ranks both ways (the same engine), resumed by the drop-in at 1 rank: the
-    same module."""
-    import multiprocessing
-
-    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
-    start_ranks(_save_worker, 2, ours, theirs, stage)
-    result = multiprocessing.get_context("forkserver").Manager().Queue()
-    start_ranks(_resume_worker, 1, ours, stage, result)
-    resumed = result.get(timeout=5)
-    start_ranks(_resume_worker, 1, theirs, stage, result)
-    for name, value in result.get(timeout=5).items():
-        assert torch.equal(resumed[name], value), name
-
 
 
 def _background_worker(rank, world, port, out, stage, result):
