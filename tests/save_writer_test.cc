@@ -297,3 +297,136 @@ TEST(StageCopies, EveryRangeIsCopiedWhateverTheSplit) {
 
 }  // namespace
 }  // namespace zeroflat
+
+namespace zeroflat {
+namespace {
+
+TEST(TorchWriter, ARecordSharedByThreeRanksIsOneArchiveWithTheWholeRecordsCrc) {
+  const std::string dir = temp_dir("shared");
+  std::string big(3 * 4096 * 5 + 123, '\0');  // cut in 4 KiB-aligned parts
+  std::mt19937 gen(11);
+  for (char& c : big) c = static_cast<char>(gen());
+  const std::string small = "buffers";
+  StagedFile f;
+  f.path = dir + "/mp_rank_00_model_states.pt";
+  f.pickle = "pickle";
+  const ShareRange p0 = share_range(big.size(), 3, 0);
+  f.storages.push_back({"0", reinterpret_cast<const std::byte*>(small.data()), small.size()});
+  f.storages.push_back({"1", reinterpret_cast<const std::byte*>(big.data()), big.size(), 3});
+  TorchFileWriter w(f);
+  ASSERT_EQ(w.shared_records(), 1u);
+  const std::uint64_t offset = w.data_offsets()[1];
+  std::atomic<std::uint64_t> written{0};
+  w.write_data(&written);
+  EXPECT_EQ(written.load(), f.pickle.size() + small.size() + p0.end + 1 + 2 + 6 + 2);
+  // The other two ranks' parts, as their own processes would write them.
+  std::vector<std::vector<std::uint32_t>> crcs;
+  for (unsigned k = 1; k < 3; ++k) {
+    const ShareRange p = share_range(big.size(), 3, k);
+    EXPECT_EQ(p.begin % 4096, 0u);
+    crcs.push_back({write_shared_part({f.path, offset + p.begin,
+                                       reinterpret_cast<const std::byte*>(big.data()) + p.begin,
+                                       p.end - p.begin})});
+  }
+  EXPECT_EQ(share_range(big.size(), 3, 2).end, big.size());
+  EXPECT_THROW(w.finish({crcs[0]}), Error);  // one rank's CRCs missing
+  const std::uint64_t size = w.finish(crcs);
+  EXPECT_EQ(size, fs::file_size(f.path));
+  const std::string bytes = slurp(f.path);
+  const detail::FileSource source(f.path);
+  const detail::ZipArchive zip = detail::read_zip(source);
+  const detail::ZipEntry* e = zip.find("mp_rank_00_model_states/data/1");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(bytes.substr(e->offset, e->bytes), big);
+  // The central directory's CRC of the record is the whole record's.
+  const std::size_t name = bytes.rfind("mp_rank_00_model_states/data/1");
+  const std::size_t central = name - 46;
+  ASSERT_EQ(bytes.compare(central, 4, "PK\x01\x02"), 0);
+  std::uint32_t crc = 0;
+  for (int i = 3; i >= 0; --i) crc = (crc << 8) | static_cast<unsigned char>(bytes[central + 16 + i]);
+  EXPECT_EQ(crc, crc_by_bits(big));
+  // A file with shared records is not written whole by write_torch_file.
+  EXPECT_THROW(write_torch_file(f), InvalidArgument);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace zeroflat
+
+namespace zeroflat {
+namespace {
+
+TEST(BackgroundSave, TwoRanksWriteTheFirstRanksSharedRecordAndItsCrcComesThroughTheMarker) {
+  const std::string dir = temp_dir("shared_job");
+  std::string flat(2 * 4096 * 3 + 77, '\0');
+  std::mt19937 gen(13);
+  for (char& c : flat) c = static_cast<char>(gen());
+  const std::string partial = partial_tag_name("s");
+  fs::create_directories(dir + "/" + partial);
+  const std::string path = dir + "/" + partial + "/mp_rank_00_model_states.pt";
+  SaveJob j0, j1;
+  for (SaveJob* j : {&j0, &j1}) {
+    j->dir = dir;
+    j->partial = partial;
+    j->tag = "s";
+    j->world = 2;
+    j->timeout_seconds = 20;
+  }
+  j1.rank = 1;
+  StagedFile f;
+  f.path = path;
+  f.pickle = "p";
+  f.storages.push_back({"0", reinterpret_cast<const std::byte*>(flat.data()), flat.size(), 2});
+  const std::uint64_t offset = TorchFileWriter(f).data_offsets()[0];
+  j0.files.push_back(f);
+  const ShareRange p1 = share_range(flat.size(), 2, 1);
+  j1.shared_parts.push_back({path, offset + p1.begin,
+                             reinterpret_cast<const std::byte*>(flat.data()) + p1.begin, p1.end - p1.begin});
+  BackgroundSave r0, r1;
+  r0.start(j0);
+  r1.start(j1);
+  const SaveOutcome o1 = r1.wait(), o0 = r0.wait();
+  ASSERT_EQ(o1.error, "");
+  ASSERT_EQ(o0.error, "");
+  EXPECT_EQ(o1.bytes, p1.end - p1.begin);
+  const std::string published = dir + "/s/mp_rank_00_model_states.pt";
+  const detail::FileSource source(published);
+  const detail::ZipArchive zip = detail::read_zip(source);
+  const detail::ZipEntry* e = zip.find("mp_rank_00_model_states/data/0");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(slurp(published).substr(e->offset, e->bytes), flat);
+  fs::remove_all(dir);
+}
+
+TEST(BackgroundSave, AMarkerThatIsNotAListOfCrcsStopsThePublication) {
+  for (const std::string& text : {std::string("crc 1234567\n"), std::string("crc 123456789\n"),
+                                  std::string("crc zzzzzzzz\n"), std::string("hello"),
+                                  std::string("crc 00000000\ncrc 00000000\n")}) {
+    const std::string dir = temp_dir("bad_marker");
+    const std::string partial = partial_tag_name("m");
+    fs::create_directories(dir + "/" + partial);
+    std::ofstream(dir + "/" + partial + "/.zeroflat-done-1") << text;
+    std::string flat(5000, 'f');
+    SaveJob j0;
+    j0.dir = dir;
+    j0.partial = partial;
+    j0.tag = "m";
+    j0.world = 2;
+    j0.timeout_seconds = 5;
+    StagedFile f;
+    f.path = dir + "/" + partial + "/x.pt";
+    f.pickle = "p";
+    f.storages.push_back({"0", reinterpret_cast<const std::byte*>(flat.data()), flat.size(), 2});
+    j0.files.push_back(f);
+    BackgroundSave r0;
+    r0.start(j0);
+    const SaveOutcome o0 = r0.wait();
+    EXPECT_NE(o0.error, "") << text;
+    EXPECT_FALSE(o0.published) << text;
+    EXPECT_FALSE(fs::exists(dir + "/m")) << text;
+    fs::remove_all(dir);
+  }
+}
+
+}  // namespace
+}  // namespace zeroflat

@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -94,7 +95,11 @@ std::uint32_t crc32_combine(std::uint32_t first, std::uint32_t second,
 struct StagedStorage {
   std::string key;
   const std::byte* data = nullptr;  // the caller's, unchanged until the write returns
-  std::uint64_t size = 0;
+  std::uint64_t size = 0;           // the record's size
+  // A record that `parts` ranks write together (a rank-shared file): `data` is then only this
+  // rank's part 0 (share_range), and each rank k in [1, parts) writes part k at its offset in
+  // the file (SharedPart) and reports its CRC-32.
+  unsigned parts = 1;
 };
 
 // A file as torch.save writes it: the pickle of the object (its storages referred to by key,
@@ -103,6 +108,51 @@ struct StagedFile {
   std::string path;
   std::string pickle;
   std::vector<StagedStorage> storages;
+};
+
+// Part k of a record of `size` bytes that `parts` ranks write: [begin, end), 4 KiB-aligned cuts.
+struct ShareRange {
+  std::uint64_t begin;
+  std::uint64_t end;
+};
+ShareRange share_range(std::uint64_t size, unsigned parts, unsigned k);
+
+// Another rank's part of a shared record: `size` bytes at `offset` of the file at `path`.
+struct SharedPart {
+  std::string path;
+  std::uint64_t offset = 0;
+  const std::byte* data = nullptr;
+  std::uint64_t size = 0;
+};
+
+// Writes `part` (the file is created if no rank has yet; never truncated) and fsyncs it.
+// Returns the part's CRC-32. Throws IoError naming the file.
+std::uint32_t write_shared_part(const SharedPart& part, std::atomic<std::uint64_t>* written = nullptr);
+
+// A torch.save file written in two steps, so that other ranks may write parts of its shared
+// records between them: write_data() writes every byte this rank has (CRCs beside the writes);
+// finish() combines the other ranks' parts' CRCs into each shared record's, then writes the
+// headers and the central directory. Not fsync'd.
+class TorchFileWriter {
+ public:
+  explicit TorchFileWriter(const StagedFile& file);  // the file is the caller's until finish()
+  ~TorchFileWriter();
+  TorchFileWriter(const TorchFileWriter&) = delete;
+  TorchFileWriter& operator=(const TorchFileWriter&) = delete;
+
+  // Where each storage's data begins in the file, in `file.storages`' order.
+  std::vector<std::uint64_t> data_offsets() const;
+  // How many storages are shared (parts > 1).
+  std::size_t shared_records() const;
+  void write_data(std::atomic<std::uint64_t>* written = nullptr);
+  // other_parts[k - 1][j]: the CRC-32 of rank k's part of the j-th shared record. Returns the
+  // file's size.
+  std::uint64_t finish(const std::vector<std::vector<std::uint32_t>>& other_parts);
+
+ private:
+  struct State;
+  const StagedFile& file_;
+  std::unique_ptr<State> state_;
 };
 
 // Writes `file` as one zip archive that torch.load reads: the records torch writes
@@ -138,6 +188,9 @@ struct SaveJob {
   bool low_priority = true;        // the writing thread at nice 10, behind the training
   double timeout_seconds = 1800;   // the first rank's wait for the others' files
   std::vector<StagedFile> files;    // written in order
+  // Parts of the first rank's shared records that this rank writes (another rank than the
+  // first): one per shared record, in the order of the first rank's files and their records.
+  std::vector<SharedPart> shared_parts;
 };
 
 // How a background save ended.
@@ -152,12 +205,15 @@ struct SaveOutcome {
   double seconds = 0;       // from start to the end of this rank's part
 };
 
-// A rank's save, written by a thread of its own: this rank's files (write.<k>), their fsync
+// A rank's save, written by a thread of its own: this rank's files (write.<k>), its parts of
+// the first rank's shared records (write.part.<k>, each fsync'd), the files' fsync
 // (sync_files.<k>), then on any rank but the first a marker `.zeroflat-done-<rank>` in the
-// partial folder (fsync'd), or on a failure `.zeroflat-failed-<rank>` holding its words. The
-// first rank waits for every other rank's marker (a failed one, or none within the timeout,
-// stops it: nothing published), removes them, then sync_tree, publish_tag and write_latest as
-// above. The ranks share only the file system: no collective runs in the background.
+// partial folder (fsync'd; one line "crc <8 hex digits>" per shared part), or on a failure
+// `.zeroflat-failed-<rank>` holding its words. The first rank waits for every other rank's
+// marker (a failed one, or none within the timeout, stops it: nothing published), finishes its
+// files with shared records from the parts' CRCs and fsyncs them, removes the markers, then
+// sync_tree, publish_tag and write_latest as above. The ranks share only the file system: no
+// collective runs in the background.
 class BackgroundSave {
  public:
   BackgroundSave() = default;
@@ -170,6 +226,9 @@ class BackgroundSave {
   // Waits for the save started last and returns how it ended (a default outcome when none was
   // started since the last wait). Its staged bytes are the caller's again.
   SaveOutcome wait();
+  // Gives the save up before it is published (another rank could not start its share): the
+  // first rank stops waiting for the others' markers. Its files stay in the partial folder.
+  void cancel() noexcept { cancelled_.store(true, std::memory_order_release); }
   // Whether a started save has ended (wait() then returns at once).
   bool finished() const noexcept { return finished_.load(std::memory_order_acquire); }
   // Data bytes written so far, of `bytes_total()`, for progress.
@@ -182,6 +241,7 @@ class BackgroundSave {
   std::atomic<std::uint64_t> written_{0};
   std::atomic<std::uint64_t> total_{0};
   std::atomic<bool> finished_{true};
+  std::atomic<bool> cancelled_{false};
   std::thread thread_;
 };
 

@@ -18,6 +18,7 @@ zf::StagedFile staged_file_from(const py::tuple& t) {
     storage.key = st[0].cast<std::string>();
     storage.data = reinterpret_cast<const std::byte*>(st[1].cast<std::uintptr_t>());
     storage.size = st[2].cast<std::uint64_t>();
+    if (st.size() > 3) storage.parts = st[3].cast<unsigned>();
     f.storages.push_back(std::move(storage));
   }
   return f;
@@ -61,6 +62,21 @@ void bind_save(py::module_& m) {
       },
       py::arg("file"));
   m.def(
+      "share_range",
+      [](std::uint64_t size, unsigned parts, unsigned k) {
+        if (parts == 0 || k >= parts) throw zf::InvalidArgument("part " + std::to_string(k) + " of " + std::to_string(parts));
+        const zf::ShareRange r = zf::share_range(size, parts, k);
+        return py::make_tuple(r.begin, r.end);
+      },
+      py::arg("size"), py::arg("parts"), py::arg("k"));
+  m.def(
+      "torch_file_data_offsets",
+      [](const py::tuple& file) {
+        const zf::StagedFile f = staged_file_from(file);
+        return zf::TorchFileWriter(f).data_offsets();
+      },
+      py::arg("file"));
+  m.def(
       "crc32",
       [](const py::bytes& data, std::uint32_t crc) {
         const std::string_view v(data);
@@ -75,7 +91,7 @@ void bind_save(py::module_& m) {
           "start",
           [](zf::BackgroundSave& self, const std::string& dir, const std::string& partial,
              const std::string& tag, int rank, int world, bool save_latest, bool low_priority,
-             double timeout_seconds, const py::list& files) {
+             double timeout_seconds, const py::list& files, const py::list& parts) {
             zf::SaveJob job;
             job.dir = dir;
             job.partial = partial;
@@ -86,11 +102,21 @@ void bind_save(py::module_& m) {
             job.low_priority = low_priority;
             job.timeout_seconds = timeout_seconds;
             for (const py::handle& f : files) job.files.push_back(staged_file_from(f.cast<py::tuple>()));
+            for (const py::handle& h : parts) {
+              const py::tuple t = h.cast<py::tuple>();
+              zf::SharedPart part;
+              part.path = t[0].cast<std::string>();
+              part.offset = t[1].cast<std::uint64_t>();
+              part.data = reinterpret_cast<const std::byte*>(t[2].cast<std::uintptr_t>());
+              part.size = t[3].cast<std::uint64_t>();
+              job.shared_parts.push_back(std::move(part));
+            }
             self.start(std::move(job));
           },
           py::arg("dir"), py::arg("partial"), py::arg("tag"), py::arg("rank"), py::arg("world"),
           py::arg("save_latest"), py::arg("low_priority"), py::arg("timeout_seconds"),
-          py::arg("files"))
+          py::arg("files"), py::arg("parts") = py::list())
+      .def("cancel", &zf::BackgroundSave::cancel)
       .def("wait",
            [](zf::BackgroundSave& self) {
              zf::SaveOutcome o;

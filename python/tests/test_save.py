@@ -11,6 +11,7 @@ import filecmp
 import os
 import shutil
 import signal
+import zipfile
 
 import pytest
 import torch
@@ -251,6 +252,10 @@ def _save_worker(rank, world, port, ours, theirs, stage):
     # the first rank publishes: it knows what the rename replaced
     assert [s["replaced"] for s in zd.stats["saves"]] == ([False, True] if rank == 0
                                                           else [False, False])
+    # ZeRO-1/2: the second rank wrote its part of the 16-bit model file (one per flat group).
+    parts = [s["parts"] for s in zd.stats["saves"]]
+    assert parts == ([0, 0] if rank == 0 or stage == 3 else [parts[0]] * 2) and \
+        (rank == 0 or stage == 3 or parts[0] >= 1), parts
     _done()
 
 
@@ -266,6 +271,9 @@ def test_the_drop_ins_save_is_deepspeeds_folder_and_loads_in_plain_deepspeed(tmp
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.utils.tensor_fragment import fragment_address
     for name in _files(os.path.join(ours, "t1")):
+        if name.endswith(".pt"):  # a zip archive whose every CRC is right (ranks' parts too)
+            with zipfile.ZipFile(os.path.join(ours, "t1", name)) as z:
+                assert z.testzip() is None, name
         a = torch.load(os.path.join(ours, "t1", name), weights_only=False)
         b = torch.load(os.path.join(theirs, "t1", name), weights_only=False)
         _same_values(a, b, name)
@@ -329,8 +337,9 @@ def test_a_rank_killed_during_a_save_over_the_last_tag_leaves_it_loadable(tmp_pa
     import multiprocessing
 
     out = str(tmp_path / "ckpt")
-    with pytest.raises(Exception):
+    with pytest.raises(Exception) as raised:
         start_ranks(_killed_worker, 2, out, 2, faulty, step)
+    assert os.path.exists(os.path.join(out, "latest")), (os.listdir(out), raised.value)
     with open(os.path.join(out, "latest")) as f:
         assert f.read() == "t1"
     result = multiprocessing.get_context("forkserver").Manager().Queue()

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _snapshot
-from ._comm import raise_agreed
+from ._comm import all_reduce_ints, raise_agreed
 from ._common import path_text
 from ._dropin import log, stats
 from ._errors import Error, IoError
@@ -122,6 +122,64 @@ def _warn_client_state(client_state: Any) -> None:
                         key, found)
 
 
+# Whether ZeRO-1/2's 16-bit model file is written by every rank (install(share_model_file=...)).
+share_model = True
+
+
+def _shared_flats(engine, world: int) -> Optional[list]:
+    """The flat 16-bit groups that every data parallel rank holds the same bytes of, when the
+    first rank's model file is theirs to write together: ZeRO-1/2 (and BF16_Optimizer), data
+    parallel over the whole world; else None."""
+    if world < 2:
+        return None
+    opt = getattr(engine, "optimizer", None)
+    flats = getattr(opt, "bit16_groups_flat", None) or getattr(opt, "bf16_groups_flat", None)
+    try:
+        stage = engine.zero_optimization_stage()
+        dp = engine.dp_world_size
+        mp = engine.mp_world_size
+    except AttributeError:
+        return None
+    pipeline = type(engine).__name__ == "PipelineEngine"
+    if stage > 2 or not flats or dp != world or mp != 1 or pipeline:
+        return None
+    if not all(isinstance(t, torch.Tensor) for t in flats):
+        return None
+    return list(flats)
+
+
+def _share_plan(snap: Optional[_snapshot.Snapshot], where: str, tag: str) -> list:
+    """The first rank's shared records, as every rank learns them (two all-reduces; ``snap`` on
+    the first rank, None elsewhere): [(path, data offset, shared id, size)]."""
+    words: List[int] = []
+    if snap is not None:
+        paths = {}
+        for f, index, i, size in snap.shared:
+            path = snap.files[f][0]
+            offset = _C.torch_file_data_offsets(snap.files[f])[index]
+            paths.setdefault(path, []).append((offset, i, size))
+        for path, records in paths.items():
+            raw = os.fsencode(path)
+            words += [len(raw), len(records)]
+            words += [int.from_bytes(raw[k:k + 7], "little") for k in range(0, len(raw), 7)]
+            for record in records:
+                words += list(record)
+    n = all_reduce_ints([len(words)], None, "max", "the save's shared records (their count)",
+                        "save-share-count")[0]
+    words = all_reduce_ints(words + [0] * (n - len(words)), None, "max",
+                            "the save's shared records", "save-share")
+    plan, at = [], 0
+    while at < len(words):
+        length, count = words[at], words[at + 1]
+        at += 2
+        raw = b"".join(w.to_bytes(7, "little") for w in words[at:at + (length + 6) // 7])[:length]
+        at += (length + 6) // 7
+        for _ in range(count):
+            plan.append((os.fsdecode(raw), words[at], words[at + 1], words[at + 2]))
+            at += 3
+    return plan
+
+
 def _failed_on(rank: int, what: str, where: str, tag: str) -> Error:
     return Error(f"save_checkpoint({where}, tag {tag!r}): {what} failed on rank {rank}; nothing "
                  "was published: 'latest' and every saved tag are as before")
@@ -161,14 +219,18 @@ def settle(agree: bool, what: str = "the save") -> None:
         outcome = _writer.wait()
         _pending = None
         stats["saves"].append({"dir": pending["dir"], "tag": pending["tag"],
-                               "files": pending["files"], "bytes": outcome["bytes"],
+                               "files": pending["files"], "parts": pending["parts"],
+                               "bytes": outcome["bytes"],
                                "blocking_seconds": pending["blocking"],
                                "write_seconds": outcome["seconds"],
                                "published": outcome["published"],
                                "replaced": outcome["replaced"],
                                "exchanged": outcome["exchanged"],
                                "error": outcome["error"] or None})
-        error = _outcome_error(pending, outcome)
+        if not pending.get("cancelled"):  # a save given up was raised by its own call
+            error = _outcome_error(pending, outcome)
+        else:
+            outcome = None
     if agree and dist.is_initialized():
         where = pending["where"] if pending else "?"
         raise_agreed(error, None, f"{what}: the last save's background write (an all-reduce)",
@@ -235,13 +297,15 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     ce = engine.checkpoint_engine
     _staging.begin(pinned=torch.cuda.is_available() and torch.cuda.is_initialized())
     snap = _snapshot.Snapshot(_staging, torch.get_num_threads())
+    flats = _shared_flats(engine, world) if share_model else None
+    shared = {t.untyped_storage()._cdata: i for i, t in enumerate(flats or [])}
     failure: List[BaseException] = []
 
     def save(state_dict: Any, path: str) -> None:
         if failure:
             return
         try:
-            snap.add(_plain_enums(state_dict), os.fspath(path))
+            snap.add(_plain_enums(state_dict), os.fspath(path), shared, world)
         except Exception as e:  # noqa: BLE001 - kept for the agreement after DeepSpeed's save
             failure.append(e)
 
@@ -256,27 +320,48 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             del ce.save
         else:
             ce.save = own
-        _staging.end()
     if error is None and failure:
         error = failure[0]
+    try:
+        raise_agreed(error, None, "the save's snapshot (an all-reduce)", "save-snapshot",
+                     lambda r: _failed_on(r, "taking its state's snapshot", where, tag))
+        # ZeRO-1/2's 16-bit model file: every rank writes its part of the flat groups' bytes,
+        # at the offsets the first rank's layout gives them.
+        if flats is not None:
+            plan = _share_plan(snap if me == 0 else None, where, tag)
+            if me != 0:
+                try:
+                    snap.add_parts(plan, dict(enumerate(flats)), me, world)
+                except Exception as e:  # noqa: BLE001 - every rank must learn of it
+                    error = e
+    finally:
+        _staging.end()
+
+    # 4. The library's thread starts writing; if any rank could not start, none publishes.
     if error is None:
         try:
             if _writer is None:
                 _writer = _C.BackgroundSave()
             _writer.start(os.fspath(save_dir), partial, tag, me, world, bool(save_latest), True,
-                          float(WAIT_SECONDS), snap.files)
+                          float(WAIT_SECONDS), snap.files, snap.parts)
+            _pending = {"dir": os.fspath(save_dir), "where": where, "tag": tag,
+                        "files": len(snap.files), "parts": len(snap.parts), "blocking": 0.0}
+            if not _exit_hook:
+                atexit.register(_at_exit)
+                _exit_hook = True
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
-    if error is None:
-        _pending = {"dir": os.fspath(save_dir), "where": where, "tag": tag,
-                    "files": len(snap.files), "blocking": time.perf_counter() - start}
-        if not _exit_hook:
-            atexit.register(_at_exit)
-            _exit_hook = True
-    raise_agreed(error, None, "the save's snapshot (an all-reduce)", "save-snapshot",
-                 lambda r: _failed_on(r, "taking its state's snapshot", where, tag))
+    try:
+        raise_agreed(error, None, "the save's start (an all-reduce)", "save-start",
+                     lambda r: _failed_on(r, "starting to write its files", where, tag))
+    except BaseException:
+        if _pending is not None:
+            _writer.cancel()  # written, never published; waited for by the next save
+            _pending["cancelled"] = True
+        raise
+    _pending["blocking"] = time.perf_counter() - start
 
-    # 4. Written and published by the library's thread (include/zeroflat/save.h): here, or in
+    # 5. Written and published by the library's thread (include/zeroflat/save.h): here, or in
     # the background, waited for by the next save, a load, zeroflat.deepspeed.wait() or the
     # process's exit.
     if not background:

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from . import _C
 
 _ALIGN = 64
-_SEGMENT_FLOOR = 64 << 20
 
 
 def _align(n: int) -> int:
@@ -31,10 +30,14 @@ def _align(n: int) -> int:
 class Staging:
     """Host memory a rank's snapshots are copied into, reused from save to save.
 
-    A save places its storages one after the other (64-byte aligned). When a save needs more
-    than there is, a further segment holds the rest; the next save then starts from one segment
-    the size of the last save's need, so that a state of steady size stays in one buffer that
-    never grows (at most the rank's state plus the alignment)."""
+    A save places each file's storages one after the other (64-byte aligned) in the segments
+    there are; what does not fit gets one new segment of exactly the rest of that file. The
+    next save places the same sizes in the same order, so a state of steady size fits the same
+    segments again: the staging holds the rank's state (plus at most one storage's tail per
+    segment) and never grows. When a save needed 256 MiB less than there is (the state shrank),
+    the next one starts from a single segment of that need."""
+
+    SLACK = 256 << 20
 
     def __init__(self):
         self._segments: List[torch.Tensor] = []
@@ -49,36 +52,38 @@ class Staging:
 
     def begin(self, pinned: bool) -> None:
         """A new save: the memory it will place into (the last save's bytes must be written)."""
-        want = self.last_need
-        if (pinned and not self._pinned) or len(self._segments) > 1 or (
-                self._segments and self._segments[0].numel() < want):
+        pinned = pinned and torch.cuda.is_available()
+        if (pinned and not self._pinned) or self.capacity > self.last_need + self.SLACK:
             self._segments = []
-        if not self._segments and want:
-            self._segments = [self._new(want, pinned)]
+            if self.last_need:
+                self._segments = [self._new(self.last_need, pinned)]
             self._pinned = pinned
         self._at = (0, 0)
         self.need = 0
 
     def _new(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        pinned = pinned and torch.cuda.is_available()
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
 
-    def place(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        """``nbytes`` of staging for one storage (a uint8 tensor over them)."""
-        size = _align(max(nbytes, 1))
-        self.need += size
+    def place(self, sizes: List[int], pinned: bool) -> List[torch.Tensor]:
+        """Staging for one file's storages: a uint8 tensor of each size."""
+        pinned = pinned and torch.cuda.is_available()
+        aligned = [_align(max(n, 1)) for n in sizes]
+        self.need += sum(aligned)
+        out = []
         seg, off = self._at
-        while seg < len(self._segments) and off + size > self._segments[seg].numel():
-            seg, off = seg + 1, 0
-        if seg == len(self._segments):
-            grow = max(size, _SEGMENT_FLOOR, self.last_need // 4)
-            self._segments.append(self._new(grow, pinned))
-            self._pinned = self._pinned or pinned
-        self._at = (seg, off + size)
-        return self._segments[seg][off:off + nbytes]
+        for i, (n, size) in enumerate(zip(sizes, aligned)):
+            while seg < len(self._segments) and off + size > self._segments[seg].numel():
+                seg, off = seg + 1, 0
+            if seg == len(self._segments):
+                self._segments.append(self._new(sum(aligned[i:]), pinned))
+                self._pinned = self._pinned or pinned
+            out.append(self._segments[seg][off:off + n])
+            off += size
+        self._at = (seg, off)
+        return out
 
     def end(self) -> None:
-        self.last_need = max(self.need, 1)
+        self.last_need = self.need
 
 
 class _Pickler(pickle.Pickler):
@@ -121,36 +126,78 @@ class Snapshot:
     def __init__(self, staging: Staging, threads: int):
         self.staging = staging
         self.threads = max(1, threads)
-        self.files: List[Tuple[str, bytes, List[Tuple[str, int, int]]]] = []
+        # Each file: (path, pickle, [(key, address, size, parts)]).
+        self.files: List[Tuple[str, bytes, list]] = []
+        # Each storage written by every rank: (file index, storage index, shared id, size).
+        self.shared: List[Tuple[int, int, int, int]] = []
+        # Another rank's parts of the first rank's shared records: (path, offset, address, size).
+        self.parts: List[Tuple[str, int, int, int]] = []
         self.bytes = 0
-        self._keep: List[torch.Tensor] = []
 
-    def add(self, obj: Any, path: str) -> None:
-        """Snapshots ``obj`` as ``torch.save(obj, path)`` would write it."""
+    def add(self, obj: Any, path: str, shared: Optional[Dict[int, int]] = None,
+            ranks: int = 1) -> None:
+        """Snapshots ``obj`` as ``torch.save(obj, path)`` would write it. A storage whose
+        ``_cdata`` is a key of ``shared`` (an id every rank gives the same bytes) is written by
+        ``ranks`` ranks together: only this rank's part (part 0) is copied here."""
         found: List[Tuple[str, Any]] = []
         buf = io.BytesIO()
         _Pickler(buf, found).dump(obj)
         records = []
         host = []
         device = []
-        for key, storage in found:
-            n = storage.nbytes()
+        on_device = any(storage.device.type != "cpu" for _, storage in found)
+        ids = [(shared or {}).get(storage._cdata) if ranks > 1 else None for _, storage in found]
+        sizes = [storage.nbytes() if i is None else _C.share_range(storage.nbytes(), ranks, 0)[1]
+                 for (_, storage), i in zip(found, ids)]
+        places = self.staging.place(sizes, on_device)
+        for index, ((key, storage), dst, n, i) in enumerate(zip(found, places, sizes, ids)):
             on_host = storage.device.type == "cpu"
-            dst = self.staging.place(n, pinned=not on_host)
-            records.append((key, dst.data_ptr(), n))
+            records.append((key, dst.data_ptr(), storage.nbytes(), 1 if i is None else ranks))
+            if i is not None:
+                self.shared.append((len(self.files), index, i, storage.nbytes()))
             if n == 0:
                 continue
             if on_host:
                 host.append((dst.data_ptr(), storage.data_ptr(), n))
             else:
                 src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-                device.append((dst, src))
+                device.append((dst, src[:n]))
             self.bytes += n
         if host:
             _C.stage_copies(host, self.threads)
         if device:
             self._copy_from_devices(device)
         self.files.append((path, buf.getvalue(), records))
+
+    def add_parts(self, plan: List[Tuple[str, int, int, int]], tensors: Dict[int, torch.Tensor],
+                  rank: int, ranks: int) -> None:
+        """This rank's part of each shared record of ``plan`` ((path, data offset, shared id,
+        size), the first rank's), copied from its own ``tensors[shared id]``'s storage."""
+        chunks = []
+        for path, offset, i, size in plan:
+            storage = tensors[i].untyped_storage()
+            if storage.nbytes() != size:
+                raise RuntimeError(f"shared storage {i} holds {storage.nbytes()} bytes here, "
+                                   f"{size} on the first rank")
+            begin, end = _C.share_range(size, ranks, rank)
+            chunks.append((path, offset + begin, storage, begin, end - begin))
+        on_device = any(c[2].device.type != "cpu" for c in chunks)
+        places = self.staging.place([c[4] for c in chunks], on_device)
+        host, device = [], []
+        for (path, at, storage, begin, n), dst in zip(chunks, places):
+            self.parts.append((path, at, dst.data_ptr(), n))
+            if n == 0:
+                continue
+            if storage.device.type == "cpu":
+                host.append((dst.data_ptr(), storage.data_ptr() + begin, n))
+            else:
+                src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                device.append((dst, src[begin:begin + n]))
+            self.bytes += n
+        if host:
+            _C.stage_copies(host, self.threads)
+        if device:
+            self._copy_from_devices(device)
 
     @staticmethod
     def _copy_from_devices(pairs) -> None:

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include <fcntl.h>
@@ -57,25 +59,51 @@ std::string read_small(const std::string& path) {
   for (;;) {
     const ssize_t n = ::read(fd, buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0 || out.size() > 4096) break;
+    if (n <= 0 || out.size() > (1u << 20)) break;
     out.append(buf, static_cast<std::size_t>(n));
   }
   ::close(fd);
   return out;
 }
 
-// Until every other rank's marker is there: the first that failed throws its words.
-void await_ranks(const SaveJob& job, const std::string& folder) {
+// The CRC-32s a rank's done marker reports, one "crc <8 hex digits>" line per shared part.
+std::vector<std::uint32_t> parse_marker(const std::string& text, int rank) {
+  std::vector<std::uint32_t> out;
+  std::size_t at = 0;
+  while (at < text.size()) {
+    const std::size_t end = text.find('\n', at);
+    const std::string line = text.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    at = end == std::string::npos ? text.size() : end + 1;
+    if (line.size() != 12 || !line.starts_with("crc ") ||
+        line.find_first_not_of("0123456789abcdef", 4) != std::string::npos) {
+      throw Error("rank " + std::to_string(rank) + "'s marker holds '" + printable(line, 40) +
+                  "', not a part's CRC");
+    }
+    out.push_back(static_cast<std::uint32_t>(std::stoul(line.substr(4), nullptr, 16)));
+  }
+  return out;
+}
+
+// Until every other rank's marker is there: the first that failed throws its words. Returns
+// each other rank's parts' CRCs.
+std::vector<std::vector<std::uint32_t>> await_ranks(const SaveJob& job, const std::string& folder,
+                                                    const std::atomic<bool>& cancelled) {
   const auto deadline = Clock::now() + std::chrono::duration<double>(job.timeout_seconds);
+  std::vector<std::vector<std::uint32_t>> crcs;
   int next = 1;  // ranks below it have finished
   auto pause = std::chrono::milliseconds(1);
   while (next < job.world) {
+    if (cancelled.load(std::memory_order_acquire)) {
+      throw Error("the save was given up before it was published: a rank could not start writing");
+    }
     const std::string failed = marker(folder, "failed", next);
     if (present(failed)) {
       std::string why = read_small(failed);
       throw RankFailed(next, why.empty() ? std::string("a failure it could not record") : why);
     }
-    if (present(marker(folder, "done", next))) {
+    const std::string done = marker(folder, "done", next);
+    if (present(done)) {
+      crcs.push_back(parse_marker(read_small(done), next));
       ++next;
       pause = std::chrono::milliseconds(1);
       continue;
@@ -87,26 +115,55 @@ void await_ranks(const SaveJob& job, const std::string& folder) {
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
+  return crcs;
 }
 
-void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, SaveOutcome& out) {
+void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, const std::atomic<bool>& cancelled,
+             SaveOutcome& out) {
   const std::string folder = job.dir.empty() ? std::string() : job.dir + "/" + job.partial;
-  for (std::size_t k = 0; k < job.files.size(); ++k) {
-    save_io::fault_point("write." + std::to_string(k + 1), job.files[k].path);
-    out.bytes += write_torch_file(job.files[k], &written);
-  }
-  for (std::size_t k = 0; k < job.files.size(); ++k) {
+  std::vector<std::unique_ptr<TorchFileWriter>> writers;
+  std::vector<std::size_t> shared;  // files with shared records: finished once the others' are in
+  auto sync = [&](std::size_t k) {
     save_io::fault_point("sync_files." + std::to_string(k + 1), job.files[k].path);
     save_io::fsync_path(job.files[k].path, false, "sync_files");
+  };
+  for (std::size_t k = 0; k < job.files.size(); ++k) {
+    save_io::fault_point("write." + std::to_string(k + 1), job.files[k].path);
+    writers.push_back(std::make_unique<TorchFileWriter>(job.files[k]));
+    writers.back()->write_data(&written);
+    if (writers.back()->shared_records() == 0) {
+      out.bytes += writers.back()->finish({});
+    } else {
+      shared.push_back(k);
+    }
+  }
+  if (!shared.empty() && (job.rank != 0 || folder.empty())) {
+    throw InvalidArgument("a file with shared records is the first rank's, in a published save");
+  }
+  std::string crcs;
+  for (std::size_t k = 0; k < job.shared_parts.size(); ++k) {
+    save_io::fault_point("write.part." + std::to_string(k + 1), job.shared_parts[k].path);
+    const std::uint32_t crc = write_shared_part(job.shared_parts[k], &written);
+    out.bytes += job.shared_parts[k].size;
+    char line[16];
+    std::snprintf(line, sizeof line, "crc %08x\n", crc);
+    crcs += line;
+  }
+  for (std::size_t k = 0; k < job.files.size(); ++k) {
+    if (writers[k]->shared_records() == 0) sync(k);
   }
   if (folder.empty()) return;
   if (job.rank != 0) {
     const std::string done = marker(folder, "done", job.rank);
     save_io::fault_point("marker", done);
-    write_small(done, "", "marker");
+    write_small(done, crcs, "marker");
     return;
   }
-  await_ranks(job, folder);
+  const std::vector<std::vector<std::uint32_t>> parts = await_ranks(job, folder, cancelled);
+  for (std::size_t k : shared) {
+    out.bytes += writers[k]->finish(parts);
+    sync(k);
+  }
   for (int r = 1; r < job.world; ++r) {
     const std::string done = marker(folder, "done", r);
     if (::unlink(done.c_str()) != 0 && errno != ENOENT) throw save_io::io_error("marker (remove)", done, errno);
@@ -157,18 +214,20 @@ void BackgroundSave::start(SaveJob job) {
   std::uint64_t total = 0;
   for (const StagedFile& f : job.files) {
     total += f.pickle.size();
-    for (const StagedStorage& s : f.storages) total += s.size;
+    for (const StagedStorage& s : f.storages) total += s.parts > 1 ? share_range(s.size, s.parts, 0).end : s.size;
   }
+  for (const SharedPart& p : job.shared_parts) total += p.size;
   job_ = std::move(job);
   outcome_ = SaveOutcome{};
   written_.store(0);
   finished_.store(false);
+  cancelled_.store(false);
   total_.store(total);
   thread_ = detail::start_thread(0, [this] {
     const auto t0 = Clock::now();
     if (job_.low_priority) (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
     try {
-      run_job(job_, written_, outcome_);
+      run_job(job_, written_, cancelled_, outcome_);
     } catch (const RankFailed& e) {
       outcome_.error = e.what();
       outcome_.failed_rank = e.rank();

@@ -3,6 +3,8 @@
 // records torch writes. Data first, at offsets laid out in advance, while a second thread
 // computes the records' CRC-32s; then the headers and the central directory.
 #include <algorithm>
+#include <cerrno>
+#include <optional>
 #include <cstring>
 #include <thread>
 
@@ -227,16 +229,56 @@ std::string central_directory(const Layout& l) {
 
 }  // namespace
 
-std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written) {
-  Layout l = make_layout(file);
-  save_io::Fd fd(file.path, O_WRONLY | O_CREAT | O_TRUNC, "write", 0644);
+ShareRange share_range(std::uint64_t size, unsigned parts, unsigned k) {
+  const detail::Range r = detail::split_range(size, parts, k, 4096);
+  return {r.begin, r.end};
+}
+
+struct TorchFileWriter::State {
+  Layout layout;
+  std::vector<std::size_t> shared;  // entries written in parts, in the file's order
+  std::vector<std::uint64_t> part0;  // bytes of each one this rank writes (part 0)
+  std::optional<save_io::Fd> fd;
+};
+
+TorchFileWriter::TorchFileWriter(const StagedFile& file) : file_(file), state_(std::make_unique<State>()) {
+  state_->layout = make_layout(file);
+  for (std::size_t i = 0; i < file.storages.size(); ++i) {
+    const StagedStorage& s = file.storages[i];
+    if (s.parts < 1) throw InvalidArgument("storage '" + s.key + "': parts must be at least 1");
+    if (s.parts > 1) {
+      state_->shared.push_back(i + 4);  // after data.pkl and the three small records
+      state_->part0.push_back(share_range(s.size, s.parts, 0).end);
+    }
+  }
+}
+
+TorchFileWriter::~TorchFileWriter() = default;
+
+std::vector<std::uint64_t> TorchFileWriter::data_offsets() const {
+  std::vector<std::uint64_t> out;
+  for (std::size_t i = 0; i < file_.storages.size(); ++i) out.push_back(state_->layout.entries[i + 4].data_offset);
+  return out;
+}
+
+std::size_t TorchFileWriter::shared_records() const { return state_->shared.size(); }
+
+void TorchFileWriter::write_data(std::atomic<std::uint64_t>* written) {
+  Layout& l = state_->layout;
+  // Other ranks write into this file too when it has shared records: never truncated then (the
+  // file is new: a save's folder starts empty).
+  state_->fd.emplace(file_.path, O_WRONLY | O_CREAT | (state_->shared.empty() ? O_TRUNC : 0), "write",
+                     0644);
+  const int fd = state_->fd->get();
+  // How much of each entry this rank writes: all of it, or part 0 of a shared one.
+  std::vector<std::uint64_t> mine(l.entries.size());
+  for (std::size_t i = 0; i < l.entries.size(); ++i) mine[i] = l.entries[i].size;
+  for (std::size_t j = 0; j < state_->shared.size(); ++j) mine[state_->shared[j]] = state_->part0[j];
   // The CRCs beside the writes: both read the staged bytes, neither changes them.
   std::exception_ptr crc_error;
   std::thread crcs = detail::start_thread(0, [&] {
     try {
-      for (std::size_t i = 0; i + 1 < l.entries.size(); ++i) {
-        l.entries[i].crc = crc32(0, l.entries[i].data, l.entries[i].size);
-      }
+      for (std::size_t i = 0; i + 1 < l.entries.size(); ++i) l.entries[i].crc = crc32(0, l.entries[i].data, mine[i]);
     } catch (...) {
       crc_error = std::current_exception();
     }
@@ -249,31 +291,74 @@ std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t
   } join{crcs};
   for (std::size_t i = 0; i + 1 < l.entries.size(); ++i) {
     const Entry& e = l.entries[i];
-    for (std::uint64_t off = 0; off < e.size; off += kPieceBytes) {
-      const std::uint64_t n = std::min(kPieceBytes, e.size - off);
-      save_io::pwrite_all(fd.get(), e.data + off, n, e.data_offset + off, "write", file.path);
+    for (std::uint64_t off = 0; off < mine[i]; off += kPieceBytes) {
+      const std::uint64_t n = std::min(kPieceBytes, mine[i] - off);
+      save_io::pwrite_all(fd, e.data + off, n, e.data_offset + off, "write", file_.path);
       // Write-back starts now, so that the fsync after has less left to do.
-      (void)::sync_file_range(fd.get(), static_cast<off_t>(e.data_offset + off),
-                              static_cast<off_t>(n), SYNC_FILE_RANGE_WRITE);
+      (void)::sync_file_range(fd, static_cast<off_t>(e.data_offset + off), static_cast<off_t>(n),
+                              SYNC_FILE_RANGE_WRITE);
       if (written != nullptr) written->fetch_add(n, std::memory_order_relaxed);
     }
   }
   crcs.join();
   if (crc_error) std::rethrow_exception(crc_error);
+}
+
+std::uint64_t TorchFileWriter::finish(const std::vector<std::vector<std::uint32_t>>& other_parts) {
+  Layout& l = state_->layout;
+  if (!state_->fd) throw Error("internal: finish() before write_data()");
+  const int fd = state_->fd->get();
+  for (std::size_t j = 0; j < state_->shared.size(); ++j) {
+    Entry& e = l.entries[state_->shared[j]];
+    const StagedStorage& s = file_.storages[state_->shared[j] - 4];
+    if (other_parts.size() < s.parts - 1) {
+      throw Error("internal: the CRCs of " + std::to_string(s.parts - 1) + " ranks' parts expected");
+    }
+    for (unsigned k = 1; k < s.parts; ++k) {
+      const std::vector<std::uint32_t>& crcs = other_parts[k - 1];
+      if (crcs.size() != state_->shared.size()) {
+        throw Error("rank " + std::to_string(k) + " reported " + std::to_string(crcs.size()) +
+                    " parts' CRCs, not " + std::to_string(state_->shared.size()));
+      }
+      const ShareRange part = share_range(s.size, s.parts, k);
+      e.crc = crc32_combine(e.crc, crcs[j], part.end - part.begin);
+    }
+  }
   Entry& id = l.entries.back();  // .data/serialization_id, last
   l.id = serialization_id(l.entries);
   id.crc = crc32(0, l.id.data(), l.id.size());
-  save_io::pwrite_all(fd.get(), l.id.data(), l.id.size(), id.data_offset, "write", file.path);
-  std::string headers;
+  save_io::pwrite_all(fd, l.id.data(), l.id.size(), id.data_offset, "write", file_.path);
   for (const Entry& e : l.entries) {
     const std::string h = local_header(e);
     if (h.size() != e.local_header_bytes()) throw Error("internal: a zip header's size changed");
-    save_io::pwrite_all(fd.get(), h.data(), h.size(), e.header_offset, "write", file.path);
+    save_io::pwrite_all(fd, h.data(), h.size(), e.header_offset, "write", file_.path);
   }
   const std::string tail = central_directory(l);
-  save_io::pwrite_all(fd.get(), tail.data(), tail.size(), l.central_offset, "write", file.path);
-  fd.close("write", file.path);
+  save_io::pwrite_all(fd, tail.data(), tail.size(), l.central_offset, "write", file_.path);
+  state_->fd->close("write", file_.path);
+  state_->fd.reset();
   return l.central_offset + tail.size();
+}
+
+std::uint32_t write_shared_part(const SharedPart& part, std::atomic<std::uint64_t>* written) {
+  save_io::Fd fd(part.path, O_WRONLY | O_CREAT, "write (a shared part)", 0644);
+  std::uint32_t crc = 0;
+  for (std::uint64_t off = 0; off < part.size; off += kPieceBytes) {
+    const std::uint64_t n = std::min(kPieceBytes, part.size - off);
+    crc = crc32(crc, part.data + off, n);
+    save_io::pwrite_all(fd.get(), part.data + off, n, part.offset + off, "write (a shared part)", part.path);
+    if (written != nullptr) written->fetch_add(n, std::memory_order_relaxed);
+  }
+  if (::fsync(fd.get()) != 0) throw save_io::io_error("write (a shared part: fsync)", part.path, errno);
+  fd.close("write (a shared part)", part.path);
+  return crc;
+}
+
+std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written) {
+  TorchFileWriter w(file);
+  if (w.shared_records() != 0) throw InvalidArgument("write_torch_file: a file with shared records needs TorchFileWriter");
+  w.write_data(written);
+  return w.finish({});
 }
 
 }  // namespace zeroflat

@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""A DeepSpeed checkpoint save: the drop-in's (returns once snapshotted, written in the
+background) beside DeepSpeed's own save_checkpoint, DCP's save and async_save of the same bytes,
+a plain memcpy of them (the floor of a snapshot) and a plain write + fsync of them (the disk's
+ceiling). Each round runs in fresh processes (--ranks of them, gloo on the CPU); the median of
+--rounds with the range is printed, and the ratios the save is held to.
+
+The shape is on the command line: --state-mb is each rank's optimizer state (AdamW under ZeRO-2
+or ZeRO-3 in bf16: the fp32 master, exp_avg and exp_avg_sq partitions, 12 bytes per parameter
+over the ranks); the model is --width-wide square Linear layers, as many as that takes.
+
+Per rank, in each round (after one warm-up step):
+  steps      --steps training steps, no save running (the step's time without a write)
+  deepspeed  DeepSpeed's own save_checkpoint: the call, then its files fsync'd (durable)
+  ceiling    the same bytes as one file: write + fsync
+  floor      a memcpy of the same bytes into memory already touched
+  dcp        torch.distributed.checkpoint save of the rank's tensors (a dict of them), and
+             async_save's call (a thread; a process where the release has it)
+  zeroflat   the drop-in: the first save's call (fresh staging), a second save's call (the
+             staging reused) and the steps while that one is written, and a third save's call
+             to the end of zeroflat.deepspeed.wait(every_rank=True) (durable and published)
+  memory     --saves more saves (state changing between them): the staging's size and the
+             resident memory after each
+
+The target folder's pages are dropped before each write where the machine allows it
+(/proc/sys/vm/drop_caches as root), and every folder is removed after its measurement.
+
+  python benchmarks/save_bench.py --ranks 1,2 --stages 2,3 --state-mb 512 --rounds 3
+"""
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _drop_caches():
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+    except OSError:
+        pass
+
+
+def _files_of(folder, rank, world):
+    """The files of a DeepSpeed tag folder this rank wrote (rank 0: the model files too)."""
+    out = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".pt"):
+            continue
+        if "optim_states" in name:
+            if f"rank_{rank}_" in name:
+                out.append(os.path.join(folder, name))
+        elif "model_states" in name:
+            if name.startswith("zero_pp_rank_"):  # ZeRO-3: one per rank
+                if f"rank_{rank}_" in name:
+                    out.append(os.path.join(folder, name))
+            elif rank == 0:
+                out.append(os.path.join(folder, name))
+    return out
+
+
+def _fsync(paths):
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _barrier_time(start):
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _engine(stage, width, layers):
+    import deepspeed
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "zero_force_ds_cpu_optimizer": False}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def _steps(engine, n, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    for _ in range(n):
+        x = torch.randn(2, width, generator=g).to(torch.bfloat16)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    return time.perf_counter() - start
+
+
+def _worker(rank, world, port, args, stage, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    import deepspeed
+    import zeroflat.deepspeed as zd
+    from zeroflat import _save
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    per_layer = args.width * (args.width + 1)
+    layers = max(1, round(args.state_mb * 2**20 * world / 12 / per_layer))
+    engine = _engine(stage, args.width, layers)
+    _steps(engine, 1, args.width, 0)
+    out = {}
+    root = args.dir
+    out["steps"] = _steps(engine, args.steps, args.width, 1)
+
+    # DeepSpeed's own save.
+    folder = os.path.join(root, "deepspeed")
+    _drop_caches()
+    dist.barrier()
+    start = time.perf_counter()
+    engine.save_checkpoint(folder, tag="t")
+    out["deepspeed_call"] = time.perf_counter() - start
+    mine = _files_of(os.path.join(folder, "t"), rank, world)
+    _fsync(mine)
+    out["deepspeed_durable"] = _barrier_time(start)
+    out["bytes"] = sum(os.path.getsize(p) for p in mine)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder)
+
+    # The disk's ceiling and the memcpy floor, for the same bytes.
+    src = torch.empty(out["bytes"], dtype=torch.uint8)
+    src.fill_(1)
+    path = os.path.join(root, f"ceiling-{rank}")
+    _drop_caches()
+    dist.barrier()
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(memoryview(src.numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    out["ceiling"] = _barrier_time(start)
+    os.remove(path)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touched
+    start = time.perf_counter()
+    dst.copy_(src)
+    out["floor"] = time.perf_counter() - start
+    del src, dst
+
+    # DCP, the rank's tensors as a plain dict (each rank its own keys).
+    import torch.distributed.checkpoint as dcp
+    state = {}
+    tensors = [p.detach() for p in engine.module.parameters()]
+    flat = getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or \
+        getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or []
+    for i, t in enumerate(flat):
+        state[f"rank{rank}.master.{i}"] = t.detach()
+        opt = engine.optimizer.optimizer.state.get(t, {})
+        for name in ("exp_avg", "exp_avg_sq"):
+            if name in opt:
+                state[f"rank{rank}.{name}.{i}"] = opt[name]
+    if rank == 0 or stage == 3:
+        for i, t in enumerate(tensors):
+            state[f"rank{rank}.model.{i}"] = t
+    folder = os.path.join(root, "dcp")
+    _drop_caches()
+    dist.barrier()
+    start = time.perf_counter()
+    dcp.save(state, checkpoint_id=folder)
+    out["dcp_save"] = _barrier_time(start)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder)
+    for kind in ("thread", "process"):
+        folder = os.path.join(root, f"dcp-{kind}")
+        kwargs = {}
+        if kind == "process":
+            try:
+                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+                kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+            except ImportError:
+                continue
+        _drop_caches()
+        dist.barrier()
+        start = time.perf_counter()
+        try:
+            future = dcp.async_save(state, checkpoint_id=folder, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a release without it
+            out[f"dcp_async_{kind}_error"] = f"{type(e).__name__}: {e}"
+            continue
+        out[f"dcp_async_{kind}"] = time.perf_counter() - start
+        result = future.result() if hasattr(future, "result") else future
+        if hasattr(result, "result"):
+            result.result()
+        out[f"dcp_async_{kind}_durable"] = _barrier_time(start)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    del state
+
+    # zeroflat's drop-in.
+    zd.install()
+    folder = os.path.join(root, "zeroflat")
+    _drop_caches()
+    dist.barrier()
+    start = time.perf_counter()
+    engine.save_checkpoint(folder, tag="t1")
+    out["zeroflat_first"] = time.perf_counter() - start
+    zd.wait(every_rank=True)
+    out["zeroflat_first_durable"] = _barrier_time(start)
+    _steps(engine, 1, args.width, 2)
+    _drop_caches()
+    dist.barrier()
+    start = time.perf_counter()
+    engine.save_checkpoint(folder, tag="t2")
+    out["zeroflat_call"] = time.perf_counter() - start
+    out["steps_during"] = _steps(engine, args.steps, args.width, 1)
+    zd.wait(every_rank=True)
+    out["zeroflat_bytes"] = sum(os.path.getsize(p) for p in _files_of(os.path.join(folder, "t2"),
+                                                                      rank, world))
+    _drop_caches()
+    dist.barrier()
+    start = time.perf_counter()
+    engine.save_checkpoint(folder, tag="t3")
+    zd.wait(every_rank=True)
+    out["zeroflat_durable"] = _barrier_time(start)
+    out["staging"] = _save._staging.capacity
+    rss = []
+    for i in range(args.saves):
+        _steps(engine, 1, args.width, 10 + i)
+        engine.save_checkpoint(folder, tag=f"s{i % 2}")
+        zd.wait(every_rank=True)
+        rss.append(_rss())
+        assert _save._staging.capacity == out["staging"], "the staging grew"
+    out["rss"] = rss
+    out["staging_after"] = _save._staging.capacity
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder)
+    queue.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _round(world, stage, args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Manager().Queue()
+    mp.start_processes(_worker, args=(world, _free_port(), args, stage, queue), nprocs=world,
+                       start_method="spawn")
+    got = dict(queue.get(timeout=60) for _ in range(world))
+    return [got[r] for r in range(world)]
+
+
+def _fmt(values, unit="s"):
+    med = statistics.median(values)
+    if unit == "s":
+        return f"{med:8.3f} s ({min(values):.3f}-{max(values):.3f})"
+    return f"{med:8.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="1,2", help="world sizes, comma-separated")
+    parser.add_argument("--stages", default="2,3", help="ZeRO stages, comma-separated (2, 3)")
+    parser.add_argument("--state-mb", type=float, default=512,
+                        help="optimizer state per rank, MiB (default 512)")
+    parser.add_argument("--width", type=int, default=1024, help="the layers' width")
+    parser.add_argument("--steps", type=int, default=5, help="steps timed with and without a save")
+    parser.add_argument("--saves", type=int, default=20, help="saves whose memory is tracked")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where the checkpoints go (a temporary "
+                        "folder under it; default: the system's temporary folder)")
+    args = parser.parse_args()
+    base = tempfile.mkdtemp(prefix="zeroflat-save-bench-", dir=args.dir)
+    args.dir = base
+    try:
+        for stage in [int(s) for s in args.stages.split(",")]:
+            for world in [int(r) for r in args.ranks.split(",")]:
+                rounds = [_round(world, stage, args) for _ in range(args.rounds)]
+                report(stage, world, rounds, args)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def report(stage, world, rounds, args):
+    def per(key, fn=max):
+        """Per round, the key over the ranks (the slowest rank's by default)."""
+        return [fn(r[key] for r in ranks) for ranks in rounds]
+
+    state = statistics.median(per("bytes", max))
+    print(f"\nZeRO-{stage}, {world} rank(s), AdamW, {state / 2**20:.0f} MiB written by the "
+          f"busiest rank; median of {len(rounds)} fresh-process rounds (range)")
+    rows = [("memcpy of the rank's bytes (floor)", per("floor")),
+            ("zeroflat: call, first save", per("zeroflat_first")),
+            ("zeroflat: call, staging reused", per("zeroflat_call")),
+            ("DeepSpeed save_checkpoint: call", per("deepspeed_call")),
+            ("DCP save", per("dcp_save"))]
+    for kind in ("thread", "process"):
+        if all(f"dcp_async_{kind}" in r for ranks in rounds for r in ranks):
+            rows.append((f"DCP async_save ({kind}): call", per(f"dcp_async_{kind}")))
+    rows += [("disk ceiling: write + fsync", per("ceiling")),
+             ("zeroflat: call to published", per("zeroflat_durable")),
+             ("DeepSpeed: call to fsync'd", per("deepspeed_durable")),
+             (f"{args.steps} steps, no save", per("steps")),
+             (f"{args.steps} steps while zeroflat writes", per("steps_during"))]
+    for name, values in rows:
+        print(f"  {name:42s} {_fmt(values)}")
+    ours = per("zeroflat_call")
+
+    def ratio(a, b):
+        return [x / y for x, y in zip(a, b)]
+
+    print("  ratios (per round, median and range):")
+    checks = [("blocking / memcpy floor", ratio(ours, per("floor")), "<= 1.2"),
+              ("DeepSpeed's call / zeroflat's", ratio(per("deepspeed_call"), ours), "printed")]
+    for kind in ("thread", "process"):
+        if all(f"dcp_async_{kind}" in r for ranks in rounds for r in ranks):
+            checks.append((f"DCP async_save ({kind}) call / zeroflat's",
+                           ratio(per(f"dcp_async_{kind}"), ours), ">= 2"))
+    checks += [("durable / disk ceiling", ratio(per("zeroflat_durable"), per("ceiling")),
+                "<= 1.2"),
+               ("steps while writing / without", ratio(per("steps_during"), per("steps")),
+                "<= 1.2")]
+    if world > 1:
+        r0 = [ranks[0]["zeroflat_bytes"] / statistics.mean(r["zeroflat_bytes"]
+                                                            for r in ranks[1:])
+              for ranks in rounds]
+        checks.append(("rank 0's bytes / the others'", r0, "<= 1.1"))
+    staging = [max(r["staging"] - r["zeroflat_bytes"] - (256 << 20) for r in ranks) / 2**20
+               for ranks in rounds]
+    growth = [max((r["rss"][-1] - r["rss"][0]) / 2**20 if r["rss"] else 0 for r in ranks)
+              for ranks in rounds]
+    for name, values, target in checks:
+        print(f"  {name:42s} {_fmt(values, 'x')}   target {target}")
+    print(f"  {'staging beyond state + 256 MiB (MiB)':42s} {statistics.median(staging):8.1f}"
+          f"        target <= 0")
+    print(f"  {'resident growth over the saves (MiB)':42s} {statistics.median(growth):8.1f}"
+          f"        over {args.saves} saves")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
