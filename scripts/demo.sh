@@ -9,7 +9,9 @@
 # 48-layer load; last, DeepSpeed itself saves a small ZeRO-2 checkpoint at two ranks (about 20M
 # parameters, on the CPU) and zeroflat resumes it at two and at three ranks, each rank reading
 # its share of the fp32 master and Adam's states (the table shows its bytes read against its
-# share). Needs about 15 GB of free memory and 1.7 GB of disk.
+# share); then zeroflat's drop-in saves it again in the background (the call returns once the
+# state is snapshotted, steps run while it is written), resumes from it, and the command line
+# loads what it wrote at three ranks. Needs about 15 GB of free memory and 1.7 GB of disk.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$here/scripts/setup.sh" "$here/build"
@@ -39,9 +41,13 @@ if [[ "${ZEROFLAT_NO_PYTHON:-0}" == 1 || ! -x "$python" ]]; then
   exit 0
 fi
 echo
-echo "\$ python scripts/demo_checkpoint.py \$CKPT --world 2 --stage 2   # DeepSpeed's own save"
+echo "\$ python scripts/demo_checkpoint.py \$CKPT --world 2 --stage 2 --zeroflat-save \$CKPT2"
+echo "  # DeepSpeed's own save, then zeroflat's in the background, steps while it writes, a resume"
 PYTHONPATH="$here/build/python" OMP_NUM_THREADS=1 "$python" "$here/scripts/demo_checkpoint.py" \
-  "$ckpt/deepspeed-zero2" --world 2 --stage 2 2>&1 | grep -v "WARNING" || true
+  "$ckpt/deepspeed-zero2" --world 2 --stage 2 --zeroflat-save "$ckpt/zeroflat-zero2" 2>&1 |
+  grep -v "WARNING" || true
 test -f "$ckpt/deepspeed-zero2/latest" || { echo "demo: DeepSpeed did not save the checkpoint" >&2; exit 1; }
+test -f "$ckpt/zeroflat-zero2/latest" || { echo "demo: the drop-in did not save the checkpoint" >&2; exit 1; }
 show load "$ckpt/deepspeed-zero2" --from deepspeed --dp 2 --verify
 show load "$ckpt/deepspeed-zero2" --from deepspeed --dp 3 --verify
+show load "$ckpt/zeroflat-zero2" --from deepspeed --dp 3 --verify

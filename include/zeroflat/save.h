@@ -148,6 +148,8 @@ class TorchFileWriter {
   // other_parts[k - 1][j]: the CRC-32 of rank k's part of the j-th shared record. Returns the
   // file's size.
   std::uint64_t finish(const std::vector<std::vector<std::uint32_t>>& other_parts);
+  // The file's bytes this rank wrote (all of them but the other ranks' parts), once finished.
+  std::uint64_t bytes_written() const;
 
  private:
   struct State;
@@ -201,7 +203,7 @@ struct SaveOutcome {
   bool published = false;
   bool replaced = false;
   bool exchanged = false;
-  std::uint64_t bytes = 0;  // file bytes this rank wrote
+  std::uint64_t bytes = 0;  // file bytes this rank wrote (its parts of shared records too)
   double seconds = 0;       // from start to the end of this rank's part
 };
 

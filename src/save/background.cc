@@ -132,7 +132,8 @@ void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, const std:
     writers.push_back(std::make_unique<TorchFileWriter>(job.files[k]));
     writers.back()->write_data(&written);
     if (writers.back()->shared_records() == 0) {
-      out.bytes += writers.back()->finish({});
+      writers.back()->finish({});
+      out.bytes += writers.back()->bytes_written();
     } else {
       shared.push_back(k);
     }
@@ -161,7 +162,8 @@ void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, const std:
   }
   const std::vector<std::vector<std::uint32_t>> parts = await_ranks(job, folder, cancelled);
   for (std::size_t k : shared) {
-    out.bytes += writers[k]->finish(parts);
+    writers[k]->finish(parts);
+    out.bytes += writers[k]->bytes_written();
     sync(k);
   }
   for (int r = 1; r < job.world; ++r) {

@@ -236,6 +236,7 @@ ShareRange share_range(std::uint64_t size, unsigned parts, unsigned k) {
 
 struct TorchFileWriter::State {
   Layout layout;
+  std::uint64_t mine = 0;  // bytes this rank wrote
   std::vector<std::size_t> shared;  // entries written in parts, in the file's order
   std::vector<std::uint64_t> part0;  // bytes of each one this rank writes (part 0)
   std::optional<save_io::Fd> fd;
@@ -263,6 +264,8 @@ std::vector<std::uint64_t> TorchFileWriter::data_offsets() const {
 
 std::size_t TorchFileWriter::shared_records() const { return state_->shared.size(); }
 
+std::uint64_t TorchFileWriter::bytes_written() const { return state_->mine; }
+
 void TorchFileWriter::write_data(std::atomic<std::uint64_t>* written) {
   Layout& l = state_->layout;
   // Other ranks write into this file too when it has shared records: never truncated then (the
@@ -274,6 +277,7 @@ void TorchFileWriter::write_data(std::atomic<std::uint64_t>* written) {
   std::vector<std::uint64_t> mine(l.entries.size());
   for (std::size_t i = 0; i < l.entries.size(); ++i) mine[i] = l.entries[i].size;
   for (std::size_t j = 0; j < state_->shared.size(); ++j) mine[state_->shared[j]] = state_->part0[j];
+  for (std::uint64_t n : mine) state_->mine += n;
   // The CRCs beside the writes: both read the staged bytes, neither changes them.
   std::exception_ptr crc_error;
   std::thread crcs = detail::start_thread(0, [&] {
@@ -337,6 +341,9 @@ std::uint64_t TorchFileWriter::finish(const std::vector<std::vector<std::uint32_
   save_io::pwrite_all(fd, tail.data(), tail.size(), l.central_offset, "write", file_.path);
   state_->fd->close("write", file_.path);
   state_->fd.reset();
+  std::uint64_t headers = tail.size();
+  for (const Entry& e : l.entries) headers += e.local_header_bytes();
+  state_->mine += headers;
   return l.central_offset + tail.size();
 }
 
