@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _snapshot
-from ._comm import all_reduce_ints, raise_agreed
+from ._comm import all_reduce_ints, failing_word, raise_agreed, raise_failed
 from ._common import path_text
 from ._dropin import log, stats
 from ._errors import Error, IoError
@@ -148,26 +148,25 @@ def _shared_flats(engine, world: int) -> Optional[list]:
     return list(flats)
 
 
-def _share_plan(snap: Optional[_snapshot.Snapshot], where: str, tag: str) -> list:
-    """The first rank's shared records, as every rank learns them (two all-reduces; ``snap`` on
-    the first rank, None elsewhere): [(path, data offset, shared id, size)]."""
+def _plan_words(snap: _snapshot.Snapshot) -> List[int]:
+    """The first rank's shared records as integers, for an all-reduce (``_parse_plan``)."""
     words: List[int] = []
-    if snap is not None:
-        paths = {}
-        for f, index, i, size in snap.shared:
-            path = snap.files[f][0]
-            offset = _C.torch_file_data_offsets(snap.files[f])[index]
-            paths.setdefault(path, []).append((offset, i, size))
-        for path, records in paths.items():
-            raw = os.fsencode(path)
-            words += [len(raw), len(records)]
-            words += [int.from_bytes(raw[k:k + 7], "little") for k in range(0, len(raw), 7)]
-            for record in records:
-                words += list(record)
-    n = all_reduce_ints([len(words)], None, "max", "the save's shared records (their count)",
-                        "save-share-count")[0]
-    words = all_reduce_ints(words + [0] * (n - len(words)), None, "max",
-                            "the save's shared records", "save-share")
+    paths = {}
+    for f, index, i, size in snap.shared:
+        path = snap.files[f][0]
+        offset = _C.torch_file_data_offsets(snap.files[f])[index]
+        paths.setdefault(path, []).append((offset, i, size))
+    for path, records in paths.items():
+        raw = os.fsencode(path)
+        words += [len(raw), len(records)]
+        words += [int.from_bytes(raw[k:k + 7], "little") for k in range(0, len(raw), 7)]
+        for record in records:
+            words += list(record)
+    return words
+
+
+def _parse_plan(words: List[int]) -> list:
+    """[(path, data offset, shared id, size)] from ``_plan_words``' integers."""
     plan, at = [], 0
     while at < len(words):
         length, count = words[at], words[at + 1]
@@ -207,11 +206,9 @@ def _outcome_error(pending: dict, outcome: dict) -> Optional[BaseException]:
     return IoError(text) if outcome["error_code"] else Error(text)
 
 
-def settle(agree: bool, what: str = "the save") -> None:
-    """Waits for this rank's save being written in the background, if any, and raises its
-    failure: agreed by every rank (a collective; the others raise that the rank failed) when
-    ``agree``, else this rank's own, or on the first rank another rank's that stopped the
-    publication."""
+def _wait_own():
+    """Waits for this rank's save being written in the background, if any: (its own failure or
+    None, the save, how it ended or None)."""
     global _pending
     error: Optional[BaseException] = None
     pending, outcome = _pending, None
@@ -231,6 +228,15 @@ def settle(agree: bool, what: str = "the save") -> None:
             error = _outcome_error(pending, outcome)
         else:
             outcome = None
+    return error, pending, outcome
+
+
+def settle(agree: bool, what: str = "the save") -> None:
+    """Waits for this rank's save being written in the background, if any, and raises its
+    failure: agreed by every rank (a collective; the others raise that the rank failed) when
+    ``agree``, else this rank's own, or on the first rank another rank's that stopped the
+    publication."""
+    error, pending, outcome = _wait_own()
     if agree and dist.is_initialized():
         where = pending["where"] if pending else "?"
         raise_agreed(error, None, f"{what}: the last save's background write (an all-reduce)",
@@ -277,19 +283,23 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     _warn_client_state(client_state)
     me, world = dist.get_rank(), dist.get_world_size()
 
-    # 1. The save before this one written, on every rank (its failure raised here).
-    settle(agree=True, what=f"save_checkpoint({where}, tag {tag!r})")
-
-    # 2. The folder, and a crashed save's leftovers gone; every rank learns of a failure.
-    error: Optional[BaseException] = None
-    if me == 0:
+    # 1. The save before this one written, on every rank, and the folder ready (a crashed
+    # save's leftovers gone); one all-reduce tells every rank of a failure of either: the last
+    # save's raises here.
+    error, _, _ = _wait_own()
+    if me == 0 and error is None:
         try:
             os.makedirs(save_dir, exist_ok=True)
             _C.remove_partials(os.fspath(save_dir))  # this tag's, and failed saves' of others
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
-    raise_agreed(error, None, "the save's folder (an all-reduce)", "save-folder",
-                 lambda r: _failed_on(r, "preparing the folder", where, tag))
+    failing = all_reduce_ints([failing_word(error, None)], None, "max",
+                              "the save's start (an all-reduce)", "save-start")[0]
+    raise_failed(failing, error, None, "the save's start",
+                 lambda r, words: Error(f"save_checkpoint({where}, tag {tag!r}): the last save's "
+                                        f"background write or this one's folder failed on rank "
+                                        f"{r} ({words}); nothing was published: 'latest' names "
+                                        "a complete checkpoint"))
 
     # 3. DeepSpeed's own save into the partial folder, each file it writes snapshotted instead
     # (pickled as torch.save would, its tensors' bytes copied into the staging memory): a
@@ -323,12 +333,18 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     if error is None and failure:
         error = failure[0]
     try:
-        raise_agreed(error, None, "the save's snapshot (an all-reduce)", "save-snapshot",
-                     lambda r: _failed_on(r, "taking its state's snapshot", where, tag))
-        # ZeRO-1/2's 16-bit model file: every rank writes its part of the flat groups' bytes,
-        # at the offsets the first rank's layout gives them.
+        # One all-reduce: whether every rank took its snapshot, and the length of the first
+        # rank's layout of its shared records (ZeRO-1/2's 16-bit model file: every rank writes
+        # its part of the flat groups' bytes, at the offsets that layout gives them).
+        words = _plan_words(snap) if me == 0 and flats is not None and error is None else []
+        failing, length = all_reduce_ints([failing_word(error, None), len(words)], None, "max",
+                                          "the save's snapshot (an all-reduce)", "save-snapshot")
+        raise_failed(failing, error, None, "the save's snapshot",
+                     lambda r, why: _failed_on(r, f"taking its state's snapshot ({why})", where,
+                                               tag))
         if flats is not None:
-            plan = _share_plan(snap if me == 0 else None, where, tag)
+            plan = _parse_plan(all_reduce_ints(words + [0] * (length - len(words)), None, "max",
+                                               "the save's shared records", "save-share"))
             if me != 0:
                 try:
                     snap.add_parts(plan, dict(enumerate(flats)), me, world)

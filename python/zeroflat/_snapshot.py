@@ -86,6 +86,9 @@ class Staging:
         self.last_need = self.need
 
 
+_STORAGES = (torch.storage.TypedStorage, torch.storage.UntypedStorage)
+
+
 class _Pickler(pickle.Pickler):
     """torch.save's pickling: storages by persistent id, recorded in ``found``."""
 
@@ -96,6 +99,8 @@ class _Pickler(pickle.Pickler):
         self._found = found
 
     def persistent_id(self, obj):
+        if not isinstance(obj, _STORAGES):
+            return None
         if isinstance(obj, torch.storage.TypedStorage):
             storage = obj._untyped_storage
             dtype = obj.dtype
