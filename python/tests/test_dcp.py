@@ -98,6 +98,48 @@ def _save(rank, mesh, job):
     return {}
 
 
+def _save_both(rank, mesh, job):
+    """The same state saved by DCP's own writer (job["dcp_path"]) and by zeroflat.dcp.Writer
+    (job["path"]: over a checkpoint already there when job["over"]), blocking or async_save."""
+    import zeroflat.dcp
+
+    model, opt = _sharded(0, mesh)
+    for k in range(2):
+        _step(model, opt, rank, k)
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.save(sd, checkpoint_id=job["dcp_path"])
+    if job.get("async"):
+        dcp.async_save(sd, storage_writer=zeroflat.dcp.Writer(job["path"])).result()
+    else:
+        dcp.save(sd, storage_writer=zeroflat.dcp.Writer(job["path"]))
+    return {}
+
+
+def _load_both(rank, mesh, job):
+    """Both folders of _save_both, each read by DCP's reader and by zeroflat's: the same."""
+    import zeroflat.dcp
+
+    got = []
+    for path in (job["dcp_path"], job["path"]):
+        for reader in (dcp.FileSystemReader(path), zeroflat.dcp.Reader(path)):
+            model, opt = _sharded(1, mesh)
+            msd, osd = get_state_dict(model, opt)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, storage_reader=reader)
+            got.append({k: _local(v).detach().clone() if torch.is_tensor(v) else v
+                        for k, v in _flat(sd).items()})
+    ref = got[0]
+    for flat in got[1:]:
+        assert ref.keys() == flat.keys()
+        for k, v in ref.items():
+            if torch.is_tensor(v):
+                assert v.dtype == flat[k].dtype and torch.equal(v, flat[k]), k
+            else:
+                assert v == flat[k], (k, v, flat[k])
+    return {"tensors": len(ref)}
+
+
 def _load(rank, mesh, job):
     import zeroflat.dcp
 
@@ -235,7 +277,8 @@ def worker(rank, world, port, job):
     else:
         mesh = init_device_mesh("cpu", (world,))
     result = {"nothing": lambda *a: {}, "save": _save, "load": _load, "hf_save": _hf_save,
-              "hf_load": _hf_load, "broken_load": _broken_load}[job["what"]](rank, mesh, job)
+              "hf_load": _hf_load, "broken_load": _broken_load, "save_both": _save_both,
+              "load_both": _load_both}[job["what"]](rank, mesh, job)
     dist.barrier()
     with open(f"{job['out']}.{rank}", "w") as f:
         json.dump(result, f)
@@ -797,3 +840,54 @@ def test_a_large_index_as_dcp_writes_it_reads_as_dcps_own(tmp_path):
     assert ours.storage_data == theirs.storage_data
     assert ([k.index for k in ours.storage_data][-3:] ==
             [k.index for k in theirs.storage_data][-3:] == [per - 3, per - 2, per - 1])
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_zeroflats_writer_saves_what_dcps_writer_saves_and_both_readers_read_it_at_another_world(
+        tmp_path, mode):
+    """FSDP2 model and AdamW state saved at 4 ranks by DCP's FileSystemWriter and by
+    zeroflat.dcp.Writer (over an older checkpoint of that name), read at 2 ranks by DCP's reader
+    and zeroflat's: the same values. One file per rank, no partial folder left, and .metadata
+    read by zeroflat's restricted reader (nothing in it runs)."""
+    import zeroflat.dcp
+
+    path, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    os.makedirs(path)
+    with open(os.path.join(path, "stale.distcp"), "wb") as f:  # an older checkpoint's file
+        f.write(b"old")
+    run(4, {"what": "save_both", "path": path, "dcp_path": theirs,
+            "async": mode == "async_save"}, str(tmp_path))
+    assert sorted(os.listdir(path)) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".zeroflat-")]
+    md = zeroflat.dcp.Reader(path).read_metadata()
+    assert md.storage_meta.checkpoint_id == path
+    assert {type(v).__name__ for v in md.storage_data.values()} == {"_StorageInfo"}
+    ranks = run(2, {"what": "load_both", "path": path, "dcp_path": theirs}, str(tmp_path))
+    assert ranks[0]["tensors"] > 10
+
+
+def test_a_failed_publication_of_zeroflats_writer_leaves_the_checkpoint_before(tmp_path):
+    """A save over an existing checkpoint that fails as it makes the new one visible (an I/O
+    error injected at the exchange): the old folder is there, whole, and loads."""
+    import zeroflat.dcp
+    from zeroflat import _C
+
+    path = str(tmp_path / "ck")
+    first = {"w": torch.arange(12.0).reshape(3, 4), "n": 7}
+    dcp.save(first, storage_writer=zeroflat.dcp.Writer(path))  # one process: no process group
+    before = sorted(os.listdir(path))
+    for step in ("sync_tree", "publish.exchange", "publish.fsync"):
+        _C.set_save_fault_for_testing(f"{step}:eio")
+        try:
+            with pytest.raises(dcp.api.CheckpointException, match="injected"):  # DCP wraps it
+                dcp.save({"w": torch.zeros(3, 4), "n": 8}, storage_writer=zeroflat.dcp.Writer(path))
+        finally:
+            _C.set_save_fault_for_testing(None)
+        got = {"w": torch.empty(3, 4), "n": 0}
+        dcp.load(got, storage_reader=dcp.FileSystemReader(path))
+        if step == "publish.fsync":  # the exchange happened: the new one, whole
+            assert torch.equal(got["w"], torch.zeros(3, 4)) and got["n"] == 8, step
+            dcp.save(first, storage_writer=zeroflat.dcp.Writer(path))
+        else:
+            assert torch.equal(got["w"], first["w"]) and got["n"] == 7, step
+        assert sorted(os.listdir(path)) == before, step

@@ -51,9 +51,10 @@ import logging
 import threading
 
 from . import _C, _patches
+from ._dcp_writer import Writer  # noqa: F401 - the package's: zeroflat.dcp.Writer
 from ._common import DTYPES, FILE_DTYPES as _DTYPES, native_path
 
-__all__ = ["Reader", "install", "installed", "uninstall", "is_installed", "stats"]
+__all__ = ["Reader", "Writer", "install", "installed", "uninstall", "is_installed", "stats"]
 
 # The key under which a load plan carries the number of loading ranks (prepare_global_plan).
 _RANKS = "zeroflat_ranks"
