@@ -24,7 +24,8 @@
 // Faults for tests: with ZEROFLAT_TEST_SAVE_FAULT="<step>:<kind>" in the environment, the
 // library acts at that step as if the system had failed: kind "kill" (the process SIGKILLs
 // itself), "eio" or "enospc" (the step throws IoError with that error), "unsupported" (at
-// publish.exchange: as on a file system without RENAME_EXCHANGE). The steps:
+// publish.exchange: as on a file system without RENAME_EXCHANGE), "delay" (the step takes half a
+// second more). The steps:
 // write.<k> and sync_files.<k> (k from 1, each file of this rank), marker, sync_tree, publish.aside, publish.rename,
 // publish.exchange, publish.remove, publish.fsync, latest.write, latest.fsync, latest.rename,
 // latest.fsync_dir, and the caller's own (save_step). Read once per process (runtime_env);

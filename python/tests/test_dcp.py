@@ -99,8 +99,8 @@ def _save(rank, mesh, job):
 
 
 def _save_both(rank, mesh, job):
-    """The same state saved by DCP's own writer (job["dcp_path"]) and by zeroflat.dcp.Writer
-    (job["path"]: over a checkpoint already there when job["over"]), blocking or async_save."""
+    """The same state saved by DCP's own writer (job["dcp_path"]) and by zeroflat.dcp.Writer,
+    under dcp.save (job["path"]) and dcp.async_save (job["async_path"])."""
     import zeroflat.dcp
 
     model, opt = _sharded(0, mesh)
@@ -109,19 +109,17 @@ def _save_both(rank, mesh, job):
     msd, osd = get_state_dict(model, opt)
     sd = {"model": msd, "optim": osd}
     dcp.save(sd, checkpoint_id=job["dcp_path"])
-    if job.get("async"):
-        dcp.async_save(sd, storage_writer=zeroflat.dcp.Writer(job["path"])).result()
-    else:
-        dcp.save(sd, storage_writer=zeroflat.dcp.Writer(job["path"]))
+    dcp.save(sd, storage_writer=zeroflat.dcp.Writer(job["path"]))
+    dcp.async_save(sd, storage_writer=zeroflat.dcp.Writer(job["async_path"])).result()
     return {}
 
 
 def _load_both(rank, mesh, job):
-    """Both folders of _save_both, each read by DCP's reader and by zeroflat's: the same."""
+    """The folders of _save_both, each read by DCP's reader and by zeroflat's: the same."""
     import zeroflat.dcp
 
     got = []
-    for path in (job["dcp_path"], job["path"]):
+    for path in (job["dcp_path"], job["path"], job["async_path"]):
         for reader in (dcp.FileSystemReader(path), zeroflat.dcp.Reader(path)):
             model, opt = _sharded(1, mesh)
             msd, osd = get_state_dict(model, opt)
@@ -842,27 +840,30 @@ def test_a_large_index_as_dcp_writes_it_reads_as_dcps_own(tmp_path):
             [k.index for k in theirs.storage_data][-3:] == [per - 3, per - 2, per - 1])
 
 
-@pytest.mark.parametrize("mode", ["save", "async_save"])
 def test_zeroflats_writer_saves_what_dcps_writer_saves_and_both_readers_read_it_at_another_world(
-        tmp_path, mode):
+        tmp_path):
     """FSDP2 model and AdamW state saved at 4 ranks by DCP's FileSystemWriter and by
-    zeroflat.dcp.Writer (over an older checkpoint of that name), read at 2 ranks by DCP's reader
-    and zeroflat's: the same values. One file per rank, no partial folder left, and .metadata
-    read by zeroflat's restricted reader (nothing in it runs)."""
+    zeroflat.dcp.Writer under dcp.save (over an older checkpoint of that name) and
+    dcp.async_save, read at 2 ranks by DCP's reader and zeroflat's: the same values. One file
+    per rank, no partial folder left, and .metadata read by zeroflat's restricted reader
+    (nothing in it runs)."""
     import zeroflat.dcp
 
     path, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    async_path = str(tmp_path / "ours_async")
     os.makedirs(path)
     with open(os.path.join(path, "stale.distcp"), "wb") as f:  # an older checkpoint's file
         f.write(b"old")
-    run(4, {"what": "save_both", "path": path, "dcp_path": theirs,
-            "async": mode == "async_save"}, str(tmp_path))
-    assert sorted(os.listdir(path)) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    run(4, {"what": "save_both", "path": path, "dcp_path": theirs, "async_path": async_path},
+        str(tmp_path))
+    for p in (path, async_path):
+        assert sorted(os.listdir(p)) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+        md = zeroflat.dcp.Reader(p).read_metadata()
+        assert md.storage_meta.checkpoint_id == p
+        assert {type(v).__name__ for v in md.storage_data.values()} == {"_StorageInfo"}
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".zeroflat-")]
-    md = zeroflat.dcp.Reader(path).read_metadata()
-    assert md.storage_meta.checkpoint_id == path
-    assert {type(v).__name__ for v in md.storage_data.values()} == {"_StorageInfo"}
-    ranks = run(2, {"what": "load_both", "path": path, "dcp_path": theirs}, str(tmp_path))
+    ranks = run(2, {"what": "load_both", "path": path, "dcp_path": theirs,
+                    "async_path": async_path}, str(tmp_path))
     assert ranks[0]["tensors"] > 10
 
 

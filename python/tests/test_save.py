@@ -379,6 +379,20 @@ def _background_worker(rank, world, port, out, stage, result):
     assert not os.path.exists(os.path.join(ours, "t2"))
     with open(os.path.join(ours, "latest")) as f:
         assert f.read() == "t1"
+    # A save whose second rank is slow: the first rank reports its progress while it waits.
+    reports = []
+    os.environ["ZEROFLAT_PROGRESS_SECONDS"] = "0.05"
+    zd.install(progress=reports.append)
+    if rank == 1:
+        _C.set_save_fault_for_testing("marker:delay")
+    engine.save_checkpoint(ours, tag="slow")
+    zd.wait(every_rank=True)
+    _C.set_save_fault_for_testing(None)
+    del os.environ["ZEROFLAT_PROGRESS_SECONDS"]
+    if rank == 0:
+        assert reports and all("in the background" in p.what and p.line.startswith("wrote ")
+                               for p in reports), reports
+        assert "waiting for the other ranks' files" in reports[-1].line, reports[-1]
     # Then saves go on, in the same staging memory (it never grows for the same state).
     for i in range(4):
         engine.save_checkpoint(ours, tag=f"s{i}")
@@ -386,7 +400,7 @@ def _background_worker(rank, world, port, out, stage, result):
         assert _save._staging.capacity == capacity
     zd.wait()
     outcomes = [s for s in zd.stats["saves"] if s["dir"] == ours]
-    assert [s["error"] is None for s in outcomes] == [True, False, True, True, True, True]
+    assert [s["error"] is None for s in outcomes] == [True, False, True, True, True, True, True]
     assert all(s["blocking_seconds"] > 0 and s["bytes"] > 0 for s in outcomes if not s["error"])
     if rank == 0:
         with open(os.path.join(ours, "latest")) as f:
@@ -404,7 +418,7 @@ def test_a_save_in_the_background_holds_the_state_at_the_call_and_its_failure_ra
     start_ranks(_background_worker, 2, str(tmp_path), stage, result)
     names = result.get(timeout=5)
     assert [n for n in names if not n.endswith(".py")] == ["latest", "s0", "s1", "s2", "s3",
-                                                             "t1"], names
+                                                             "slow", "t1"], names
     ours, theirs = str(tmp_path / "ours" / "t1"), str(tmp_path / "theirs" / "t1")
     assert _files(ours) == _files(theirs)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")

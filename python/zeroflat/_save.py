@@ -37,13 +37,14 @@ import atexit
 import collections
 import enum
 import os
+import threading
 import time
 from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import _C, _snapshot
+from . import _C, _dropin, _progress, _snapshot
 from ._comm import all_reduce_ints, failing_word, raise_agreed, raise_failed
 from ._common import path_text
 from ._dropin import log, stats
@@ -206,6 +207,33 @@ def _outcome_error(pending: dict, outcome: dict) -> Optional[BaseException]:
     return IoError(text) if outcome["error_code"] else Error(text)
 
 
+def _watch(pending: dict, rank: int, world: int) -> None:
+    """Reports the background write's progress every ZEROFLAT_PROGRESS_SECONDS (10 s) while it
+    runs, as a load's: through the ``zeroflat`` logger (INFO) and the drop-in's progress
+    callback (``install(progress=...)``)."""
+    interval = _progress.interval_seconds()
+    what = f"save_checkpoint({pending['where']}, tag {pending['tag']!r}) in the background"
+    start = time.monotonic()
+    while not pending["stop"].wait(interval):
+        if _writer.finished:
+            return
+        done, total = int(_writer.bytes_written), int(_writer.bytes_total)
+        seconds = time.monotonic() - start
+        line = _C.describe_progress(done, total, seconds)
+        if line.startswith("read "):
+            line = "wrote " + line[5:]
+        if world > 1 and total and done >= total:
+            line += ("; waiting for the other ranks' files" if rank == 0
+                     else "; the first rank publishes it")
+        log.info("zeroflat: rank %d: %s: %s", rank, what, line)
+        callback = _dropin.progress
+        if callback is not None:
+            try:
+                callback(_progress.Progress(rank, what, done, total, seconds, False, line))
+            except Exception:  # noqa: BLE001 - the write goes on
+                log.exception("zeroflat: the progress callback raised")
+
+
 def _wait_own():
     """Waits for this rank's save being written in the background, if any: (its own failure or
     None, the save, how it ended or None)."""
@@ -214,6 +242,9 @@ def _wait_own():
     pending, outcome = _pending, None
     if pending is not None:
         outcome = _writer.wait()
+        pending["stop"].set()
+        if pending.get("watch") is not None:
+            pending["watch"].join()
         _pending = None
         stats["saves"].append({"dir": pending["dir"], "tag": pending["tag"],
                                "files": pending["files"], "parts": pending["parts"],
@@ -294,14 +325,14 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
     failing = all_reduce_ints([failing_word(error, None)], None, "max",
-                              "the save's start (an all-reduce)", "save-start")[0]
+                              "the save's beginning (an all-reduce)", "save-begin")[0]
     raise_failed(failing, error, None, "the save's start",
                  lambda r, words: Error(f"save_checkpoint({where}, tag {tag!r}): the last save's "
                                         f"background write or this one's folder failed on rank "
                                         f"{r} ({words}); nothing was published: 'latest' names "
                                         "a complete checkpoint"))
 
-    # 3. DeepSpeed's own save into the partial folder, each file it writes snapshotted instead
+    # 2. DeepSpeed's own save into the partial folder, each file it writes snapshotted instead
     # (pickled as torch.save would, its tensors' bytes copied into the staging memory): a
     # failure kept, not raised, so that every rank still meets DeepSpeed's collectives.
     ce = engine.checkpoint_engine
@@ -332,6 +363,11 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             ce.save = own
     if error is None and failure:
         error = failure[0]
+    if error is None and flats is not None and me != 0:
+        try:  # this rank's part of the model file's groups, while the first rank may still pickle
+            snap.stage_parts(flats, me, world)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            error = e
     try:
         # One all-reduce: whether every rank took its snapshot, and the length of the first
         # rank's layout of its shared records (ZeRO-1/2's 16-bit model file: every rank writes
@@ -347,13 +383,13 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
                                                "the save's shared records", "save-share"))
             if me != 0:
                 try:
-                    snap.add_parts(plan, dict(enumerate(flats)), me, world)
+                    snap.place_parts(plan, me, world)
                 except Exception as e:  # noqa: BLE001 - every rank must learn of it
                     error = e
     finally:
         _staging.end()
 
-    # 4. The library's thread starts writing; if any rank could not start, none publishes.
+    # 3. The library's thread starts writing; if any rank could not start, none publishes.
     if error is None:
         try:
             if _writer is None:
@@ -361,7 +397,11 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             _writer.start(os.fspath(save_dir), partial, tag, me, world, bool(save_latest), True,
                           float(WAIT_SECONDS), snap.files, snap.parts)
             _pending = {"dir": os.fspath(save_dir), "where": where, "tag": tag,
-                        "files": len(snap.files), "parts": len(snap.parts), "blocking": 0.0}
+                        "files": len(snap.files), "parts": len(snap.parts), "blocking": 0.0,
+                        "stop": threading.Event()}
+            _pending["watch"] = threading.Thread(target=_watch, args=(_pending, me, world),
+                                                 name="zeroflat-save-progress", daemon=True)
+            _pending["watch"].start()
             if not _exit_hook:
                 atexit.register(_at_exit)
                 _exit_hook = True
@@ -377,7 +417,7 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         raise
     _pending["blocking"] = time.perf_counter() - start
 
-    # 5. Written and published by the library's thread (include/zeroflat/save.h): here, or in
+    # 4. Written and published by the library's thread (include/zeroflat/save.h): here, or in
     # the background, waited for by the next save, a load, zeroflat.deepspeed.wait() or the
     # process's exit.
     if not background:

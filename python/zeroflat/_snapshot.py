@@ -138,6 +138,7 @@ class Snapshot:
         # Another rank's parts of the first rank's shared records: (path, offset, address, size).
         self.parts: List[Tuple[str, int, int, int]] = []
         self.bytes = 0
+        self._staged_parts: Dict[int, Tuple[int, int, int, int]] = {}
 
     def add(self, obj: Any, path: str, shared: Optional[Dict[int, int]] = None,
             ranks: int = 1) -> None:
@@ -174,23 +175,20 @@ class Snapshot:
             self._copy_from_devices(device)
         self.files.append((path, buf.getvalue(), records))
 
-    def add_parts(self, plan: List[Tuple[str, int, int, int]], tensors: Dict[int, torch.Tensor],
-                  rank: int, ranks: int) -> None:
-        """This rank's part of each shared record of ``plan`` ((path, data offset, shared id,
-        size), the first rank's), copied from its own ``tensors[shared id]``'s storage."""
+    def stage_parts(self, tensors: List[torch.Tensor], rank: int, ranks: int) -> None:
+        """Copies this rank's part of each shared tensor's storage (``tensors[i]``: shared id
+        i), before the first rank's layout says where they go (``place_parts``)."""
+        self._staged_parts = {}
         chunks = []
-        for path, offset, i, size in plan:
-            storage = tensors[i].untyped_storage()
-            if storage.nbytes() != size:
-                raise RuntimeError(f"shared storage {i} holds {storage.nbytes()} bytes here, "
-                                   f"{size} on the first rank")
-            begin, end = _C.share_range(size, ranks, rank)
-            chunks.append((path, offset + begin, storage, begin, end - begin))
-        on_device = any(c[2].device.type != "cpu" for c in chunks)
-        places = self.staging.place([c[4] for c in chunks], on_device)
+        for i, t in enumerate(tensors):
+            storage = t.untyped_storage()
+            begin, end = _C.share_range(storage.nbytes(), ranks, rank)
+            chunks.append((i, storage, begin, end - begin))
+        on_device = any(c[1].device.type != "cpu" for c in chunks)
+        places = self.staging.place([c[3] for c in chunks], on_device)
         host, device = [], []
-        for (path, at, storage, begin, n), dst in zip(chunks, places):
-            self.parts.append((path, at, dst.data_ptr(), n))
+        for (i, storage, begin, n), dst in zip(chunks, places):
+            self._staged_parts[i] = (dst.data_ptr(), begin, n, storage.nbytes())
             if n == 0:
                 continue
             if storage.device.type == "cpu":
@@ -203,6 +201,17 @@ class Snapshot:
             _C.stage_copies(host, self.threads)
         if device:
             self._copy_from_devices(device)
+
+    def place_parts(self, plan: List[Tuple[str, int, int, int]], rank: int, ranks: int) -> None:
+        """This rank's part of each shared record of ``plan`` ((path, data offset, shared id,
+        size), the first rank's layout), from what ``stage_parts`` copied."""
+        for path, offset, i, size in plan:
+            if i not in self._staged_parts or self._staged_parts[i][3] != size:
+                held = self._staged_parts.get(i, (0, 0, 0, None))[3]
+                raise RuntimeError(f"shared storage {i} holds {held} bytes here, {size} on the "
+                                   "first rank")
+            address, begin, n, _ = self._staged_parts[i]
+            self.parts.append((path, offset + begin, address, n))
 
     @staticmethod
     def _copy_from_devices(pairs) -> None:

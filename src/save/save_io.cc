@@ -2,6 +2,8 @@
 #include "save/save_io.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -52,6 +54,10 @@ bool fault_point(const std::string& step, const std::string& path) {
   if (kind == "kill") {
     ::kill(::getpid(), SIGKILL);
     ::pause();
+  }
+  if (kind == "delay") {  // a slow step (half a second), for the tests of progress and waits
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    return false;
   }
   if (kind == "eio") throw io_error(step + " (an injected fault)", path, EIO);
   if (kind == "enospc") throw io_error(step + " (an injected fault)", path, ENOSPC);
