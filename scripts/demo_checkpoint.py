@@ -75,12 +75,7 @@ def rank_main(rank, world, port, args):
     if hasattr(comm_torch, "build_shm_op"):
         comm_torch.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    model = Blocks.make(args.hidden, args.layers, args.vocab)
-    optimizer = torch.optim.AdamW(model.groups(), lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": args.stage}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 1 << 30}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine = make_engine(args)
     gen = torch.Generator().manual_seed(rank)
 
     def steps(n):
@@ -103,6 +98,20 @@ def rank_main(rank, world, port, args):
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def make_engine(args):
+    """The demo's model under ZeRO (args.stage), AdamW in two groups, bf16."""
+    import deepspeed
+    import torch
+
+    model = Blocks.make(args.hidden, args.layers, args.vocab)
+    optimizer = torch.optim.AdamW(model.groups(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": args.stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 1 << 30}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
 
 
 def zeroflat_save(engine, steps, theirs, rank, args):
@@ -132,12 +141,7 @@ def zeroflat_save(engine, steps, theirs, rank, args):
     # A fresh engine resumes from what the drop-in wrote.
     import deepspeed
 
-    model = Blocks.make(args.hidden, args.layers, args.vocab)
-    optimizer = torch.optim.AdamW(model.groups(), lr=1e-3)
-    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": args.stage}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 1 << 30}
-    fresh, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    fresh = make_engine(args)
     path, _ = fresh.load_checkpoint(args.zeroflat_save)
     assert path is not None, "the drop-in's checkpoint did not load"
     import contextlib
