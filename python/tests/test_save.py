@@ -11,6 +11,8 @@ import filecmp
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -303,6 +305,24 @@ def test_the_drop_ins_save_is_deepspeeds_folder_and_loads_in_plain_deepspeed(tmp
     for name, value in expected.items():
         assert torch.equal(state[name], value), name
     if stage in STAGES and "ZEROFLAT_DEEPSPEED_RELEASE" not in os.environ:
+        # DeepSpeed's ds_to_universal makes the same universal checkpoint of both.
+        made = []
+        for folder in (ours, theirs):
+            out = f"{folder}-universal"
+            done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                                   "--input_folder", os.path.join(folder, "t1"),
+                                   "--output_folder", out, "--num_extract_workers", "1",
+                                   "--num_merge_workers", "1", "--inject_missing_state"],
+                                  capture_output=True, text=True, timeout=600)
+            made.append((done.returncode, _files(out) if os.path.isdir(out) else set()))
+            assert done.returncode == 0, done.stderr[-3000:]
+        assert made[0] == made[1] and made[0][1], made
+        for name in made[0][1]:
+            if name.endswith(".pt"):
+                _same_values(torch.load(os.path.join(f"{ours}-universal", name),
+                                        weights_only=False),
+                             torch.load(os.path.join(f"{theirs}-universal", name),
+                                        weights_only=False), name)
         # zeroflat's resume at another world size (1 rank) reads both the same way.
         start_ranks(_resume_worker, 1, [ours, theirs], stage, result)
         resumed = result.get(timeout=5)
