@@ -1,6 +1,7 @@
 // Publishing a checkpoint (save.h): what the drop-in's save_checkpoint calls around DeepSpeed's
 // own writes. The fsyncs and renames run without the GIL.
 #include "bind.h"
+#include "zeroflat/probe.h"
 #include "zeroflat/save.h"
 
 namespace zeroflat_python {
@@ -61,6 +62,12 @@ void bind_save(py::module_& m) {
         return zf::write_torch_file(f);
       },
       py::arg("file"));
+  // Free host memory for this rank (the probe's: MemAvailable and the cgroup's room, shared
+  // among the ranks on this host): what a save's staging may take.
+  m.def("host_free_bytes", [] {
+    py::gil_scoped_release nogil;
+    return zf::probe_host(zf::system_host_sources()).free_bytes;
+  });
   m.def(
       "share_range",
       [](std::uint64_t size, unsigned parts, unsigned k) {

@@ -370,7 +370,7 @@ def test_a_rank_killed_during_a_save_over_the_last_tag_leaves_it_loadable(tmp_pa
 def _background_worker(rank, world, port, out, stage, result):
     import zeroflat
     import zeroflat.deepspeed as zd
-    from zeroflat import _C, _save
+    from zeroflat import _C, _save, _snapshot
 
     _init(rank, world, port)
     engine = _engine(stage)
@@ -419,12 +419,31 @@ def _background_worker(rank, world, port, out, stage, result):
         train_steps(engine, rank, 1, seed=500 + i)
         assert _save._staging.capacity == capacity
     zd.wait()
-    outcomes = [s for s in zd.stats["saves"] if s["dir"] == ours]
-    assert [s["error"] is None for s in outcomes] == [True, False, True, True, True, True, True]
-    assert all(s["blocking_seconds"] > 0 and s["bytes"] > 0 for s in outcomes if not s["error"])
+    # Host memory too short for the staging (the margin above the probe's free memory): the
+    # files are written from the tensors themselves, and the call returns once published.
+    kept, _save._staging = _save._staging, _snapshot.Staging()  # as at a process's first save
+    _save.STAGING_MARGIN = 1 << 62
+    try:
+        engine.save_checkpoint(ours, tag="direct")
+        # The host tensors were written in place, not staged.
+        assert _save._staging.last_need < kept.last_need, (_save._staging.last_need,
+                                                           kept.last_need)
+    finally:
+        _save.STAGING_MARGIN = 256 << 20
+        _save._staging = kept
     if rank == 0:
         with open(os.path.join(ours, "latest")) as f:
-            assert f.read() == "s3"
+            assert f.read() == "direct"  # published before the call returned
+    torch.distributed.barrier()
+    if stage != 3:  # ZeRO-3's module files hold placeholders
+        direct = torch.load(os.path.join(ours, "direct", "mp_rank_00_model_states.pt"),
+                            weights_only=False)["module"]
+        for name, value in engine.module.state_dict().items():
+            assert torch.equal(direct[name], value), name
+    outcomes = [s for s in zd.stats["saves"] if s["dir"] == ours]
+    assert [s["error"] is None for s in outcomes] == [True, False] + [True] * 6
+    assert all(s["blocking_seconds"] > 0 and s["bytes"] > 0 for s in outcomes if not s["error"])
+    if rank == 0:
         result.put(sorted(os.listdir(ours)))
     _done()
 
@@ -437,8 +456,8 @@ def test_a_save_in_the_background_holds_the_state_at_the_call_and_its_failure_ra
     result = multiprocessing.get_context("forkserver").Manager().Queue()
     start_ranks(_background_worker, 2, str(tmp_path), stage, result)
     names = result.get(timeout=5)
-    assert [n for n in names if not n.endswith(".py")] == ["latest", "s0", "s1", "s2", "s3",
-                                                             "slow", "t1"], names
+    assert [n for n in names if not n.endswith(".py")] == ["direct", "latest", "s0", "s1", "s2",
+                                                             "s3", "slow", "t1"], names
     ours, theirs = str(tmp_path / "ours" / "t1"), str(tmp_path / "theirs" / "t1")
     assert _files(ours) == _files(theirs)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")

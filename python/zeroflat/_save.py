@@ -189,6 +189,9 @@ def _failed_on(rank: int, what: str, where: str, tag: str) -> Error:
 background = True
 # How long the first rank waits for the others' files before it gives the save up (seconds).
 WAIT_SECONDS = 1800.0
+# Host memory left free when the staging grows: past (the probe's free memory - this), a rank's
+# files are written from its tensors themselves and the save blocks (bytes).
+STAGING_MARGIN = 256 << 20
 
 _writer: Optional["_C.BackgroundSave"] = None
 _staging = _snapshot.Staging()
@@ -337,7 +340,8 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     # failure kept, not raised, so that every rank still meets DeepSpeed's collectives.
     ce = engine.checkpoint_engine
     _staging.begin(pinned=torch.cuda.is_available() and torch.cuda.is_initialized())
-    snap = _snapshot.Snapshot(_staging, torch.get_num_threads())
+    snap = _snapshot.Snapshot(_staging, torch.get_num_threads(),
+                              free=max(0, _C.host_free_bytes() - STAGING_MARGIN))
     flats = _shared_flats(engine, world) if share_model else None
     shared = {t.untyped_storage()._cdata: i for i, t in enumerate(flats or [])}
     failure: List[BaseException] = []
@@ -408,13 +412,26 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
     try:
-        raise_agreed(error, None, "the save's start (an all-reduce)", "save-start",
-                     lambda r: _failed_on(r, "starting to write its files", where, tag))
+        failing, direct = all_reduce_ints([failing_word(error, None), int(snap.direct)], None,
+                                          "max", "the save's start (an all-reduce)", "save-start")
+        raise_failed(failing, error, None, "the save's start",
+                     lambda r, why: _failed_on(r, f"starting to write its files ({why})", where,
+                                               tag))
     except BaseException:
         if _pending is not None:
             _writer.cancel()  # written, never published; waited for by the next save
             _pending["cancelled"] = True
         raise
+    if direct:
+        # A rank's state did not fit the free host memory: its files are written from the
+        # tensors themselves, so every rank waits for the write before returning.
+        if "direct" not in _warned:
+            _warned.add("direct")
+            log.warning("zeroflat: save_checkpoint(%s): staging a rank's state would take more "
+                        "host memory than is free; this save returns once written", where)
+        settle(agree=True, what=f"save_checkpoint({where}, tag {tag!r})")
+        stats["saves"][-1]["blocking_seconds"] = time.perf_counter() - start
+        return True
     _pending["blocking"] = time.perf_counter() - start
 
     # 4. Written and published by the library's thread (include/zeroflat/save.h): here, or in

@@ -64,6 +64,18 @@ class Staging:
     def _new(self, nbytes: int, pinned: bool) -> torch.Tensor:
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
 
+    def growth(self, sizes: List[int]) -> int:
+        """The bytes ``place(sizes)`` would allocate (0: they fit where there is room)."""
+        aligned = [_align(max(n, 1)) for n in sizes]
+        seg, off = self._at
+        for i, size in enumerate(aligned):
+            while seg < len(self._segments) and off + size > self._segments[seg].numel():
+                seg, off = seg + 1, 0
+            if seg == len(self._segments):
+                return sum(aligned[i:])
+            off += size
+        return 0
+
     def place(self, sizes: List[int], pinned: bool) -> List[torch.Tensor]:
         """Staging for one file's storages: a uint8 tensor of each size."""
         pinned = pinned and torch.cuda.is_available()
@@ -128,9 +140,14 @@ class _Pickler(pickle.Pickler):
 class Snapshot:
     """The files of one save: each one's pickle and its storages' staged bytes."""
 
-    def __init__(self, staging: Staging, threads: int):
+    def __init__(self, staging: Staging, threads: int, free: Optional[int] = None):
         self.staging = staging
         self.threads = max(1, threads)
+        # Host memory the staging may still grow by (None: no limit); past it, a file's host
+        # tensors are written from where they are, and the save blocks until they are.
+        self.free = free
+        self.direct = False
+        self._keep: List[Any] = []
         # Each file: (path, pickle, [(key, address, size, parts)]).
         self.files: List[Tuple[str, bytes, list]] = []
         # Each storage written by every rank: (file index, storage index, shared id, size).
@@ -155,13 +172,28 @@ class Snapshot:
         ids = [(shared or {}).get(storage._cdata) if ranks > 1 else None for _, storage in found]
         sizes = [storage.nbytes() if i is None else _C.share_range(storage.nbytes(), ranks, 0)[1]
                  for (_, storage), i in zip(found, ids)]
-        places = self.staging.place(sizes, on_device)
-        for index, ((key, storage), dst, n, i) in enumerate(zip(found, places, sizes, ids)):
+        # Host storages stay where they are when staging them would take more than is free.
+        direct = [False] * len(found)
+        if self.free is not None:
+            grow = self.staging.growth(sizes)
+            if grow > self.free:
+                direct = [storage.device.type == "cpu" for _, storage in found]
+                self.direct = self.direct or any(direct)
+            else:
+                self.free -= grow
+        places = self.staging.place([0 if d else n for d, n in zip(direct, sizes)], on_device)
+        for index, ((key, storage), dst, n, i, d) in enumerate(zip(found, places, sizes, ids,
+                                                                   direct)):
             on_host = storage.device.type == "cpu"
-            records.append((key, dst.data_ptr(), storage.nbytes(), 1 if i is None else ranks))
+            if d:  # written from the tensor itself: the save blocks until it is
+                self._keep.append(storage)
+                records.append((key, storage.data_ptr(), storage.nbytes(),
+                                1 if i is None else ranks))
+            else:
+                records.append((key, dst.data_ptr(), storage.nbytes(), 1 if i is None else ranks))
             if i is not None:
                 self.shared.append((len(self.files), index, i, storage.nbytes()))
-            if n == 0:
+            if n == 0 or d:
                 continue
             if on_host:
                 host.append((dst.data_ptr(), storage.data_ptr(), n))
