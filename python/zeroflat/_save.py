@@ -1,19 +1,27 @@
 """DeepSpeed's ``engine.save_checkpoint`` through zeroflat (the drop-in's patch of it): a save that
-a crash never turns into the loss of the last good checkpoint.
+returns once the state is snapshotted, is written in the library's threads while training goes
+on, and that a crash never turns into the loss of the last good checkpoint.
 
-DeepSpeed writes each file of a tag in place, and ``latest`` with a plain write, no fsync: a
-crash mid-save can leave ``latest`` naming a tag whose files are half written, and a save over
-an existing tag destroys it file by file. Here the files are still DeepSpeed's own, written by
-its checkpoint engine (every release, every stage: the same names, keys and values), but:
+DeepSpeed blocks until every file is written, writes each file of a tag in place, and
+``latest`` with a plain write, no fsync: a crash mid-save can leave ``latest`` naming a tag whose
+files are half written, and a save over an existing tag destroys it file by file. Here the files
+are still DeepSpeed's own, built by its save (every release, every stage: the same names, keys
+and values), but:
 
-1. under a temporary folder beside the tag (``.zeroflat-partial-<tag>``; a crashed save's is
-   removed first);
-2. each rank makes the files it wrote durable (fsync), and the ranks agree that every rank did:
-   a failure on any rank (a full disk, an I/O error, an exception in DeepSpeed's writing) raises
-   on every rank, and nothing is published: ``latest`` and every saved tag are as they were;
-3. the first rank makes the folder durable, then visible under the tag's name in one rename (an
-   existing tag of that name swapped out atomically, then removed), then replaces ``latest``
-   by write, fsync and rename (include/zeroflat/save.h).
+1. the save before is waited for (its failure raised here, on every rank), and the first rank
+   removes the folders of saves that failed or crashed (``.zeroflat-partial-*``);
+2. each file DeepSpeed's checkpoint engine would ``torch.save`` under the temporary folder
+   ``.zeroflat-partial-<tag>`` is snapshotted instead (_snapshot.py: torch.save's pickling, the
+   tensors' bytes copied into staging memory reused from save to save). Under ZeRO-1/2 the
+   16-bit model file is laid out by the first rank and every rank stages its part of the flat
+   groups' bytes. A failure on any rank raises on every rank;
+3. the library's thread (include/zeroflat/save.h: BackgroundSave) writes the files, fsyncs them,
+   and the first rank, once every other rank's marker says its files are durable, makes the
+   folder durable, visible under the tag's name in one rename (an existing tag swapped out
+   atomically), then replaces ``latest`` by write, fsync and rename;
+4. the call returns (``install(save_in_background=False)``: once published). The next save, a
+   load, ``zeroflat.deepspeed.wait()`` and the process's exit wait for the write; its failure
+   raises at the first of them. Progress is logged as a load's.
 
 After a crash at any point, ``latest`` names a complete checkpoint: the one before, or the new
 one.
