@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from . import _C, _dropin, _progress, _snapshot
 from ._comm import all_reduce_ints, failing_word, raise_agreed, raise_failed
-from ._common import path_text
+from ._common import bool_option, path_text
 from ._dropin import log, stats
 from ._errors import Error, IoError
 
@@ -293,6 +293,18 @@ def settle(agree: bool, what: str = "the save") -> None:
         raise Error(f"save_checkpoint({pending['where']}, tag {pending['tag']!r}), written in the "
                     f"background: {outcome['error']}; nothing was published: 'latest' names the "
                     "checkpoint before")
+
+
+def wait(*, every_rank: bool = False) -> None:
+    """``zeroflat.deepspeed.wait()``: waits until this rank's checkpoint saved in the background
+    (``engine.save_checkpoint``) is written: on the first rank, until it is durable and
+    published (``latest`` names it). Raises its failure once: this rank's own
+    (``zeroflat.IoError`` naming the file and the error), or on the first rank another rank's
+    that stopped the publication. Local to the rank, unless ``every_rank=True``: then a
+    collective that every rank calls, after which every rank has returned (the checkpoint
+    published) or raised (a rank's failure: that rank its own, the others ``zeroflat.Error``
+    naming it). Harmless when nothing is being written."""
+    settle(agree=bool_option("every_rank", every_rank), what="zeroflat.deepspeed.wait()")
 
 
 def _at_exit() -> None:

@@ -7,13 +7,12 @@
 Every DeepSpeed release from 0.14 on: ``DeepSpeedZeroOptimizer`` (ZeRO-1 and 2) and, for bf16
 ZeRO-1 with fp32 gradient accumulation, ``BF16_Optimizer`` obtain each parameter group's flat
 buffer from ``zeroflat.flatten_param_group`` (zeroflat's probe, planner, tiers and rollback, over
-the group's own data-parallel group) instead of building it themselves. Releases up to 0.18.6
-copy every rank's whole model to the host and flatten it there; with the drop-in the parameters
-stay where they are and zeroflat plans the flatten. ``DeepSpeedZeroOptimizer_Stage3`` obtains
-its buffer of this rank's partitions (``lp_param_buffer``; with offload_param, one host buffer
-per param group) the same way, or adopts the one the partitions already are views of
-(``_stage3``). Everything else is DeepSpeed's own code, and the buffers, partitions, padding and
-fp32 master partitions are the ones that release would have built. See docs/deepspeed.md.
+the group's own data-parallel group); releases up to 0.18.6 would copy every rank's whole model
+to the host and flatten it there. ``DeepSpeedZeroOptimizer_Stage3`` obtains its buffer of this
+rank's partitions (``lp_param_buffer``; with offload_param, one per param group) the same way,
+or adopts the one the partitions already are views of (``_stage3``); the buffers are the ones
+that release would have built. ``engine.load_checkpoint`` and ``save_checkpoint`` go through
+zeroflat too (``_resume``, ``_save``). See docs/deepspeed.md and docs/python.md.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ import zeroflat
 from . import _dropin, _load, _resume, _save, _stage3
 from ._comm import all_reduce_ints
 from ._common import bool_option, engine_threads, select
+from ._save import wait  # noqa: F401 - zeroflat.deepspeed.wait
 from ._dropin import log, round_robin_offsets, stats
 from ._dropin import state as _state
 from ._patches import Patch, apply, patched, restore
@@ -634,13 +634,9 @@ def install(*, allow_untested: bool = False,
 
     ``progress``: a callable given a ``zeroflat.Progress`` every 10 s of a long resume
     (``engine.load_checkpoint``), as ``zeroflat.load_param_groups`` takes it; each rank logs the
-    same at INFO on the ``zeroflat`` logger, with or without it.
-
-    ``save_in_background``: ``engine.save_checkpoint`` returns once the state is snapshotted
-    into reused host memory, and the library's thread writes and publishes it while training
-    goes on (``wait()``, the next save, a load and the process's exit wait for it; a failure
-    raises at the first of them). False: it returns once the checkpoint is durable and
-    published."""
+    same at INFO on the ``zeroflat`` logger, with or without it. ``save_in_background``:
+    ``save_checkpoint`` returns once the state is snapshotted (``wait()``); False: once it is
+    published (docs/python.md, "Saving a DeepSpeed checkpoint")."""
     global _applied
     check_callback(progress)
     _save.background = bool_option("save_in_background", save_in_background)
@@ -672,20 +668,8 @@ def install(*, allow_untested: bool = False,
             log.warning("zeroflat: %s", stage3_refused)
 
 
-def wait(*, every_rank: bool = False) -> None:
-    """Waits until this rank's checkpoint saved in the background (``engine.save_checkpoint``)
-    is written: on the first rank, until it is durable and published (``latest`` names it).
-    Raises its failure once: this rank's own (``zeroflat.IoError`` naming the file and the
-    error), or on the first rank another rank's that stopped the publication. Local to the rank,
-    unless ``every_rank=True``: then a collective that every rank calls, after which every rank
-    has returned (the checkpoint published) or raised (a rank's failure: that rank its own, the
-    others ``zeroflat.Error`` naming it). Harmless when nothing is being written."""
-    _save.settle(agree=bool_option("every_rank", every_rank), what="zeroflat.deepspeed.wait()")
-
-
 def uninstall() -> None:
-    """Puts DeepSpeed back as it was, once a save being written is (its failure raised).
-    Harmless when not installed."""
+    """Waits for a save being written, then puts DeepSpeed back as it was (harmless if not)."""
     global _applied
     _save.settle(agree=False)
     with _lock:
@@ -702,13 +686,10 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed(*, allow_untested: bool = False,
-              progress: Optional[Callable[[Any], None]] = None,
-              save_in_background: bool = True):
-    """``with zeroflat.deepspeed.installed(): deepspeed.initialize(...)``"""
+def installed(**options):
+    """``with zeroflat.deepspeed.installed(): deepspeed.initialize(...)``; install()'s options."""
     was, before = is_installed(), _dropin.progress
-    install(allow_untested=allow_untested, progress=progress,
-            save_in_background=save_in_background)
+    install(**options)
     try:
         yield
     finally:

@@ -51,6 +51,14 @@ void write_small(const std::string& path, const std::string& text, const std::st
   fd.close(step, path);
 }
 
+// A marker: written whole under a temporary name, then renamed into place, so that a rank that
+// sees it reads all of it (never a file still being written).
+void write_marker(const std::string& path, const std::string& text, const std::string& step) {
+  const std::string tmp = path + ".tmp";
+  write_small(tmp, text, step);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) throw save_io::io_error(step + " (rename)", path, errno);
+}
+
 std::string read_small(const std::string& path) {
   std::string out;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
@@ -157,7 +165,7 @@ void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, const std:
   if (job.rank != 0) {
     const std::string done = marker(folder, "done", job.rank);
     save_io::fault_point("marker", done);
-    write_small(done, crcs, "marker");
+    write_marker(done, crcs, "marker");
     return;
   }
   const std::vector<std::vector<std::uint32_t>> parts = await_ranks(job, folder, cancelled);
@@ -242,8 +250,8 @@ void BackgroundSave::start(SaveJob job) {
     if (!outcome_.error.empty() && outcome_.failed_rank < 0 && job_.rank != 0 && !job_.dir.empty()) {
       // The first rank is waiting for this one: tell it (best effort; else its timeout does).
       try {
-        write_small(marker(job_.dir + "/" + job_.partial, "failed", job_.rank), outcome_.error,
-                    "marker");
+        write_marker(marker(job_.dir + "/" + job_.partial, "failed", job_.rank), outcome_.error,
+                     "marker");
       } catch (...) {
       }
     }
