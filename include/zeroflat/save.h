@@ -211,8 +211,9 @@ struct SaveOutcome {
 // A rank's save, written by a thread of its own: this rank's files (write.<k>), its parts of
 // the first rank's shared records (write.part.<k>, each fsync'd), the files' fsync
 // (sync_files.<k>), then on any rank but the first a marker `.zeroflat-done-<rank>` in the
-// partial folder (fsync'd; one line "crc <8 hex digits>" per shared part), or on a failure
-// `.zeroflat-failed-<rank>` holding its words. The first rank waits for every other rank's
+// partial folder (one line "crc <8 hex digits>" per shared part; written whole under a
+// temporary name, fsync'd and renamed in, so that the first rank never reads half of one), or on
+// a failure `.zeroflat-failed-<rank>` holding its words. The first rank waits for every other rank's
 // marker (a failed one, or none within the timeout, stops it: nothing published), finishes its
 // files with shared records from the parts' CRCs and fsyncs them, removes the markers, then
 // sync_tree, publish_tag and write_latest as above. The ranks share only the file system: no
