@@ -25,8 +25,8 @@
 // library acts at that step as if the system had failed: kind "kill" (the process SIGKILLs
 // itself), "eio" or "enospc" (the step throws IoError with that error), "unsupported" (at
 // publish.exchange: as on a file system without RENAME_EXCHANGE), "delay" (the step takes half a
-// second more). The steps:
-// write.<k> and sync_files.<k> (k from 1, each file of this rank), marker, sync_tree, publish.aside, publish.rename,
+// second more). The steps: write.<k>, write.part.<k> and sync_files.<k> (k from 1: each file,
+// each shared part of this rank), marker, sync_tree, publish.aside, publish.rename,
 // publish.exchange, publish.remove, publish.fsync, latest.write, latest.fsync, latest.rename,
 // latest.fsync_dir, and the caller's own (save_step). Read once per process (runtime_env);
 // nothing but these steps acts on it.
