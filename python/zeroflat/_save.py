@@ -161,10 +161,11 @@ def _plan_words(snap: _snapshot.Snapshot) -> List[int]:
     """The first rank's shared records as integers, for an all-reduce (``_parse_plan``)."""
     words: List[int] = []
     paths = {}
+    offsets = {}  # each file laid out once (the layout copies its pickle into the library)
     for f, index, i, size in snap.shared:
-        path = snap.files[f][0]
-        offset = _C.torch_file_data_offsets(snap.files[f])[index]
-        paths.setdefault(path, []).append((offset, i, size))
+        if f not in offsets:
+            offsets[f] = _C.torch_file_data_offsets(snap.files[f])
+        paths.setdefault(snap.files[f][0], []).append((offsets[f][index], i, size))
     for path, records in paths.items():
         raw = os.fsencode(path)
         words += [len(raw), len(records)]
