@@ -29,9 +29,9 @@ How it runs
 - ``scripts/deepspeed_tests/sitecustomize.py`` is first on PYTHONPATH, so every process (pytest,
   the forkserver the tests' pools fork from, every rank, spawned or forked) runs it: in the
   drop-in run it calls ``zeroflat.deepspeed.install()``; in both it records each
-  ``DeepSpeedEngine.load_checkpoint`` call (test, rank, served / handed back / raised) and the
-  process's ``zeroflat.deepspeed.stats`` into the run's events folder, and arms faulthandler on
-  SIGUSR1. The zeroflat package is a snapshot (taken at start) of ``--zeroflat``
+  ``DeepSpeedEngine.load_checkpoint`` and ``save_checkpoint`` call (test, rank, served / handed
+  back / raised) and the process's ``zeroflat.deepspeed.stats`` into the run's events folder,
+  and arms faulthandler on SIGUSR1. The zeroflat package is a snapshot (taken at start) of ``--zeroflat``
   (default build/python), so a rebuild during the run changes nothing.
 - ``scripts/deepspeed_tests/zf_ds_pytest_plugin.py`` records each test's start, phase reports and
   finish as they happen. A test running longer than ``--timeout`` seconds (setup, call and
@@ -40,9 +40,11 @@ How it runs
   traceback of every thread), the session is killed, and pytest starts again with the batch's
   remaining tests. DeepSpeed's own hang timeout (DS_UNITTEST_TIMEOUT, which ends the whole
   session) is set past ours.
-- The table: test id, plain outcome, drop-in outcome, ``load_checkpoint`` calls in the plain run,
-  and in the drop-in run the calls zeroflat served / handed back to DeepSpeed (and raised, if any);
-  a call counts once, as rank 0 (or the one process without torch.distributed) saw it. Every
+- The table: test id, plain outcome, drop-in outcome, then for ``load_checkpoint`` and for
+  ``save_checkpoint``: the calls in the plain run, and in the drop-in run the calls zeroflat
+  served / handed back to DeepSpeed (and raised, if any), as ``plain: served/back``; a call
+  counts once, as rank 0 (or the one process without torch.distributed) saw it. The drop-in
+  saves as it does by default: in the background (the next load of the process waits for it). Every
   collected test is listed; those ``-k`` or pytest.ini's ``-m`` deselect are counted below it.
   Exit status 1 when any test's outcome differs between the two runs (but for the differences
   zeroflat makes on purpose, ``INTENDED``, each listed with its reason), 2 when the run could
@@ -383,8 +385,10 @@ def dump_hang(proc: subprocess.Popen, events: Path, py_spy: Optional[str], nodei
     time.sleep(3)
     for pid in pids:
         info = calls.get(pid)
-        who = (f"rank {info.get('rank')} of {info.get('world')}, in load_checkpoint({info.get('dir')})"
-               f" since {time.time() - info['start']:.0f} s" if info else "no load_checkpoint entered")
+        who = (f"rank {info.get('rank')} of {info.get('world')}, in "
+               f"{info.get('call', 'load')}_checkpoint({info.get('dir')}) since "
+               f"{time.time() - info['start']:.0f} s" if info else
+               "in no load_checkpoint or save_checkpoint")
         parts.append(f"\n===== pid {pid} ({who}): {_cmdline(pid)[:300]}")
         if py_spy:
             for extra in (["--native"], []):
@@ -431,7 +435,8 @@ class Events:
 
 
 def _entered_calls(events: Path) -> Dict[int, dict]:
-    """pid -> the last load_checkpoint entry (pid, rank, world, start) not yet returned."""
+    """pid -> the last load_checkpoint or save_checkpoint entry (pid, rank, world, start) not yet
+    returned."""
     open_calls: Dict[int, dict] = {}
     for path in events.glob("calls-*.jsonl"):
         for line in path.read_text(errors="replace").splitlines():
@@ -590,18 +595,20 @@ def run_batch(args, mode: str, nodeids: List[str], env: dict, work: Path, tests:
             remaining = []
 
 
-# --- load_checkpoint calls -----------------------------------------------------------------------
+# --- load_checkpoint and save_checkpoint calls ----------------------------------------------------
 
-def _calls(work: Path, mode: str, results: dict):
-    """The load_checkpoint calls of one run, each once (rank 0's record), of each test's last
-    attempt (a test run again after its runner was killed also has calls of the first)."""
+def _calls(work: Path, mode: str, results: dict, call: str):
+    """The ``call`` ("load", "save") calls of one run, each once (rank 0's record), of each
+    test's last attempt (a test run again after its runner was killed also has calls of the
+    first)."""
     for path in (work / mode).glob("calls-*.jsonl"):
         for line in path.read_text(errors="replace").splitlines():
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if rec.get("event") != "call" or rec.get("rank") not in (0, None):
+            if rec.get("event") != "call" or rec.get("rank") not in (0, None) \
+                    or rec.get("call", "load") != call:
                 continue
             began = (results.get(rec.get("test"), {}).get(mode) or {}).get("start")
             if began is not None and rec.get("start", began) < began - 1:
@@ -609,23 +616,28 @@ def _calls(work: Path, mode: str, results: dict):
             yield rec
 
 
-def load_counts(work: Path, results: dict) -> Dict[str, Dict[str, Counter]]:
-    """test -> mode -> Counter of call outcomes (each call once: rank 0's record)."""
+CALLS = ("load", "save")
+
+
+def call_counts(work: Path, results: dict, call: str) -> Dict[str, Dict[str, Counter]]:
+    """test -> mode -> Counter of the outcomes of ``call`` (each call once: rank 0's record)."""
     out: Dict[str, Dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
     for mode in MODES:
-        for rec in _calls(work, mode, results):
+        for rec in _calls(work, mode, results, call):
             out[rec.get("test") or "?"][mode][rec["outcome"]] += 1
     return out
 
 
-def load_reasons(work: Path, results: dict) -> Dict[str, List[str]]:
-    """test -> the drop-in's hand-back reasons and raised errors (rank 0's)."""
+def call_reasons(work: Path, results: dict) -> Dict[str, List[str]]:
+    """test -> the drop-in's hand-back reasons and raised errors (rank 0's), loads and saves."""
     out: Dict[str, List[str]] = defaultdict(list)
-    for rec in _calls(work, "dropin", results):
-        if rec["outcome"] == "handed_back":
-            out[rec.get("test") or "?"].append(f"handed back: {rec.get('reason')}")
-        elif rec["outcome"] == "raised":
-            out[rec.get("test") or "?"].append(f"raised: {rec.get('error')}")
+    for call in CALLS:
+        for rec in _calls(work, "dropin", results, call):
+            if rec["outcome"] == "handed_back":
+                out[rec.get("test") or "?"].append(
+                    f"{call}_checkpoint handed back: {rec.get('reason')}")
+            elif rec["outcome"] == "raised":
+                out[rec.get("test") or "?"].append(f"{call}_checkpoint raised: {rec.get('error')}")
     return out
 
 
@@ -691,24 +703,26 @@ def intended(nodeid: str, rec: dict) -> str:
 
 def print_report(args, work: Path, order: List[str], deselected: List[str], results: dict,
                  notes: List[str]) -> int:
-    counts = load_counts(work, results)
-    reasons = load_reasons(work, results)
+    counts = {call: call_counts(work, results, call) for call in CALLS}
+    reasons = call_reasons(work, results)
     rows, differ, meant = [], [], []
-    totals = Counter()
+    totals = {call: Counter() for call in CALLS}
     for nodeid in order:
         res = results.get(nodeid, {})
         plain = (res.get("plain") or {}).get("outcome") or "-"
         dropin = (res.get("dropin") or {}).get("outcome") or "-"
-        c = counts.get(nodeid, {})
-        pc, dc = c.get("plain", Counter()), c.get("dropin", Counter())
-        loads_plain = str(sum(pc.values())) if pc else "0"
-        loads = f"{dc['served']}/{dc['handed_back']}"
-        if dc["raised"]:
-            loads += f" +{dc['raised']} raised"
-        if dc["returned"]:
-            loads += f" +{dc['returned']} returned"
-        totals.update(dc)
-        totals["plain_calls"] += sum(pc.values())
+        cells = []
+        for call in CALLS:
+            c = counts[call].get(nodeid, {})
+            pc, dc = c.get("plain", Counter()), c.get("dropin", Counter())
+            cell = f"{sum(pc.values())}: {dc['served']}/{dc['handed_back']}"
+            if dc["raised"]:
+                cell += f" +{dc['raised']} raised"
+            if dc["returned"]:
+                cell += f" +{dc['returned']} returned"
+            cells.append(cell)
+            totals[call].update(dc)
+            totals[call]["plain_calls"] += sum(pc.values())
         ran_both = "plain" in args.modes and "dropin" in args.modes
         mark = "DIFF" if ran_both and plain != dropin else ""
         if mark and intended(nodeid, res.get("dropin") or {}):
@@ -716,8 +730,9 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
             meant.append(nodeid)
         elif mark:
             differ.append(nodeid)
-        rows.append((_short(nodeid), plain, dropin, loads_plain, loads, mark))
-    header = ("test", "plain", "drop-in", "plain loads", "served/handed back", "")
+        rows.append((_short(nodeid), plain, dropin, *cells, mark))
+    # "loads"/"saves": the calls in the plain run: those the drop-in served / handed back.
+    header = ("test", "plain", "drop-in", "loads: served/back", "saves: served/back", "")
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     widths[0] = min(widths[0], 110)
     print()
@@ -731,9 +746,11 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
           f"{len(deselected)} more deselected (-k, or tests/pytest.ini's -m addopts)")
     for m in MODES:
         print(f"  {m}: " + ", ".join(f"{v} {k}" for k, v in sorted(per_mode[m].items())))
-    print(f"  load_checkpoint calls: plain {totals['plain_calls']}; drop-in: {totals['served']} "
-          f"served by zeroflat, {totals['handed_back']} handed back to DeepSpeed, "
-          f"{totals['raised']} raised, {totals['returned']} returned without either")
+    for call in CALLS:
+        t = totals[call]
+        print(f"  {call}_checkpoint calls: plain {t['plain_calls']}; drop-in: {t['served']} "
+              f"served by zeroflat, {t['handed_back']} handed back to DeepSpeed, "
+              f"{t['raised']} raised, {t['returned']} returned without either")
     for n in notes:
         print(f"  {n}")
     if meant:
@@ -754,7 +771,7 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
                 if rec.get("hang"):
                     print(f"(where each process was: {rec['hang']})")
             for why in reasons.get(nodeid, []):
-                print(f"drop-in load_checkpoint {why}")
+                print(f"drop-in {why}")
     return 1 if differ else 0
 
 
@@ -914,8 +931,9 @@ def main() -> int:
     rc = print_report(args, work, order, deselected, results, notes)
     summary = {"source": str(tests_src), "work": str(work), "fixes": notes, "order": order,
                "deselected": deselected, "results": results,
-               "loads": {k: {m: dict(c) for m, c in v.items()}
-                         for k, v in load_counts(work, results).items()}}
+               **{f"{call}s": {k: {m: dict(c) for m, c in v.items()}
+                               for k, v in call_counts(work, results, call).items()}
+                  for call in CALLS}}
     (work / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1, default=str))

@@ -6,10 +6,12 @@ runner puts this folder first on PYTHONPATH so that every process, forked or spa
 
 - ZF_DS_MODE=dropin: ``zeroflat.deepspeed.install()`` is called here, at interpreter start, so
   every rank runs with the drop-in (a rank forked by the forkserver inherits the patched classes).
-- Both modes: ``DeepSpeedEngine.load_checkpoint`` (zeroflat's patch of it, in dropin mode) is
-  wrapped once more, outermost, to record each call: the test running (ZF_DS_EVENTS/current_test,
-  written by the runner's pytest plugin), the rank, and what became of it: served by zeroflat
-  (``stats["resumes"]`` grew), handed back to DeepSpeed (``stats["resume_fallbacks"]`` grew),
+- Both modes: ``DeepSpeedEngine.load_checkpoint`` and ``save_checkpoint`` (zeroflat's patches
+  of them, in dropin mode) are wrapped once more, outermost, to record each call: load or save,
+  the test running (ZF_DS_EVENTS/current_test, written by the runner's pytest plugin), the rank,
+  and what became of it: served by zeroflat (``stats["resumes"]`` / ``stats["saves"]`` grew, or
+  a save is being written in the background),
+  handed back to DeepSpeed (``stats["resume_fallbacks"]`` / ``stats["save_fallbacks"]`` grew),
   raised, or plain. One line per call in ZF_DS_EVENTS/calls-<pid>.jsonl; the process's whole
   ``zeroflat.deepspeed.stats`` in ZF_DS_EVENTS/stats-<pid>.json after each call and at exit.
 - faulthandler on SIGUSR1 (all threads) into ZF_DS_EVENTS/faulthandler-<pid>.txt, re-armed in
@@ -94,7 +96,8 @@ def _setup():
 
     def dump_stats(reason):
         stats = zf_stats()
-        if not state["calls"] and not (stats and (stats["resumes"] or stats["resume_fallbacks"])):
+        if not state["calls"] and not (stats and any(stats[k] for k in (
+                "resumes", "resume_fallbacks", "saves", "save_fallbacks"))):
             return
         rank, world = rank_world()
         doc = {"pid": os.getpid(), "mode": _MODE, "rank": rank, "world": world, "when": reason,
@@ -146,56 +149,70 @@ def _setup():
             return
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    inner = DeepSpeedEngine.load_checkpoint
-    if getattr(inner, "__zf_test_runner__", False):
-        return
+    def started(call):
+        """Whether the drop-in's save now being written in the background is this call's (the
+        save's record joins stats["saves"] once it is written)."""
+        if call != "save":
+            return False
+        return getattr(sys.modules.get("zeroflat._save"), "_pending", None) is not None
 
-    def load_checkpoint(self, load_dir, *args, **kwargs):
-        stats = zf_stats()
-        before = (len(stats["resumes"]), len(stats["resume_fallbacks"])) if stats else None
-        rank, world = rank_world()
-        base = {"pid": os.getpid(), "mode": _MODE, "test": current_test(), "rank": rank,
-                "world": world, "dir": os.fspath(load_dir), "tag": kwargs.get("tag"),
-                "start": time.time()}
-        enter = dict(base, event="enter")
-        try:
-            with open(os.path.join(_DIR, f"calls-{os.getpid()}.jsonl"), "a") as f:
-                f.write(json.dumps(enter, default=str) + "\n")
-        except Exception:  # noqa: BLE001
-            pass
-        entry = dict(base, event="call")
-        try:
-            result = inner(self, load_dir, *args, **kwargs)
-        except BaseException as e:
-            entry.update(outcome="raised", error=f"{type(e).__name__}: {e}",
-                         traceback=traceback.format_exc()[-6000:])
-            if stats is not None and len(stats["resume_fallbacks"]) > before[1]:
-                # handed back, and DeepSpeed's own load raised (as some tests expect)
-                entry.update(outcome="handed_back", reason=stats["resume_fallbacks"][-1],
-                             raised_by_deepspeed=True)
-            elif stats is None:
-                entry["outcome"] = "plain"
-                entry["raised_by_deepspeed"] = True
-            raise
-        else:
-            if stats is None:
-                entry["outcome"] = "plain"
-            elif len(stats["resumes"]) > before[0]:
-                entry.update(outcome="served", resume=stats["resumes"][-1])
-            elif len(stats["resume_fallbacks"]) > before[1]:
-                entry.update(outcome="handed_back", reason=stats["resume_fallbacks"][-1])
+    def wrap(name, call, served_key, fallback_key):
+        """DeepSpeedEngine.<name>, wrapped outermost: each call recorded with what became of it
+        (served: stats[served_key] grew; handed back: stats[fallback_key] grew)."""
+        inner = getattr(DeepSpeedEngine, name)
+        if getattr(inner, "__zf_test_runner__", False):
+            return
+
+        def method(self, folder, *args, **kwargs):
+            stats = zf_stats()
+            before = (len(stats[served_key]), len(stats[fallback_key])) if stats else None
+            rank, world = rank_world()
+            base = {"pid": os.getpid(), "mode": _MODE, "call": call, "test": current_test(),
+                    "rank": rank, "world": world, "dir": os.fspath(folder),
+                    "tag": kwargs.get("tag"), "start": time.time()}
+            enter = dict(base, event="enter")
+            try:
+                with open(os.path.join(_DIR, f"calls-{os.getpid()}.jsonl"), "a") as f:
+                    f.write(json.dumps(enter, default=str) + "\n")
+            except Exception:  # noqa: BLE001
+                pass
+            entry = dict(base, event="call")
+            try:
+                result = method.__wrapped__(self, folder, *args, **kwargs)
+            except BaseException as e:
+                entry.update(outcome="raised", error=f"{type(e).__name__}: {e}",
+                             traceback=traceback.format_exc()[-6000:])
+                if stats is not None and len(stats[fallback_key]) > before[1]:
+                    # handed back, and DeepSpeed's own call raised (as some tests expect)
+                    entry.update(outcome="handed_back", reason=stats[fallback_key][-1],
+                                 raised_by_deepspeed=True)
+                elif stats is None:
+                    entry["outcome"] = "plain"
+                    entry["raised_by_deepspeed"] = True
+                raise
             else:
-                entry["outcome"] = "returned"  # e.g. no 'latest' file: (None, None)
-            return result
-        finally:
-            entry["seconds"] = time.time() - entry["start"]
-            record(entry)
-            dump_stats("after load_checkpoint")
+                if stats is None:
+                    entry["outcome"] = "plain"
+                elif len(stats[fallback_key]) > before[1]:
+                    entry.update(outcome="handed_back", reason=stats[fallback_key][-1])
+                elif len(stats[served_key]) > before[0] or started(call):
+                    entry.update(outcome="served", detail=(stats[served_key] or [None])[-1])
+                else:
+                    entry["outcome"] = "returned"  # e.g. no 'latest' file: (None, None)
+                return result
+            finally:
+                entry["seconds"] = time.time() - entry["start"]
+                record(entry)
+                dump_stats(f"after {name}")
 
-    load_checkpoint.__zf_test_runner__ = True
-    load_checkpoint.__wrapped__ = inner
-    load_checkpoint.__doc__ = inner.__doc__
-    DeepSpeedEngine.load_checkpoint = load_checkpoint
+        method.__zf_test_runner__ = True
+        method.__wrapped__ = inner
+        method.__doc__ = inner.__doc__
+        method.__name__ = name
+        setattr(DeepSpeedEngine, name, method)
+
+    wrap("load_checkpoint", "load", "resumes", "resume_fallbacks")
+    wrap("save_checkpoint", "save", "saves", "save_fallbacks")
 
 
 if _MODE in ("plain", "dropin") and _DIR:
