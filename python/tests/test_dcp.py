@@ -111,7 +111,10 @@ def _save_both(rank, mesh, job):
     dcp.save(sd, checkpoint_id=job["dcp_path"])
     dcp.save(sd, storage_writer=zeroflat.dcp.Writer(job["path"]))
     dcp.async_save(sd, storage_writer=zeroflat.dcp.Writer(job["async_path"])).result()
-    return {}
+    with zeroflat.dcp.installed(writer=True):  # the FileSystemWriter async_save makes: zeroflat's
+        dcp.async_save(sd, checkpoint_id=job["installed_path"]).result()
+        served = zeroflat.dcp.stats["saves_served"]
+    return {"served": served}
 
 
 def _load_both(rank, mesh, job):
@@ -119,7 +122,7 @@ def _load_both(rank, mesh, job):
     import zeroflat.dcp
 
     got = []
-    for path in (job["dcp_path"], job["path"], job["async_path"]):
+    for path in (job["dcp_path"], job["path"], job["async_path"], job["installed_path"]):
         for reader in (dcp.FileSystemReader(path), zeroflat.dcp.Reader(path)):
             model, opt = _sharded(1, mesh)
             msd, osd = get_state_dict(model, opt)
@@ -851,19 +854,23 @@ def test_zeroflats_writer_saves_what_dcps_writer_saves_and_both_readers_read_it_
 
     path, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
     async_path = str(tmp_path / "ours_async")
+    installed_path = str(tmp_path / "installed")
     os.makedirs(path)
     with open(os.path.join(path, "stale.distcp"), "wb") as f:  # an older checkpoint's file
         f.write(b"old")
-    run(4, {"what": "save_both", "path": path, "dcp_path": theirs, "async_path": async_path},
-        str(tmp_path))
-    for p in (path, async_path):
+    saved = run(4, {"what": "save_both", "path": path, "dcp_path": theirs,
+                    "async_path": async_path, "installed_path": installed_path},
+                str(tmp_path))
+    assert [r["served"] for r in saved] == [1] * 4
+    for p in (path, async_path, installed_path):
         assert sorted(os.listdir(p)) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
         md = zeroflat.dcp.Reader(p).read_metadata()
         assert md.storage_meta.checkpoint_id == p
         assert {type(v).__name__ for v in md.storage_data.values()} == {"_StorageInfo"}
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".zeroflat-")]
     ranks = run(2, {"what": "load_both", "path": path, "dcp_path": theirs,
-                    "async_path": async_path}, str(tmp_path))
+                    "async_path": async_path, "installed_path": installed_path},
+                str(tmp_path))
     assert ranks[0]["tensors"] > 10
 
 
@@ -892,3 +899,95 @@ def test_a_failed_publication_of_zeroflats_writer_leaves_the_checkpoint_before(t
         else:
             assert torch.equal(got["w"], first["w"]) and got["n"] == 7, step
         assert sorted(os.listdir(path)) == before, step
+
+
+def test_the_installed_writer_publishes_keeps_the_folders_other_files_and_hands_back(tmp_path):
+    """install(writer=True): the FileSystemWriter that dcp.save makes (and one made by hand) is
+    zeroflat's: the checkpoint published from a partial folder, the folder's other files (a
+    config, a subfolder, an older save's shard) kept as DCP's writer keeps them, a failed
+    publication leaving the checkpoint before; what Writer does not serve (several files per
+    rank, overwrite=False) is DCP's own, counted; uninstall() puts DCP's writer back."""
+    import zeroflat.dcp
+    from torch.distributed.checkpoint import filesystem
+    from zeroflat import _C
+
+    own = filesystem.FileSystemWriter
+    path = tmp_path / "ck"
+    (path / "sub").mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "sub" / "notes.txt").write_text("kept")
+    (path / "__7_0.distcp").write_bytes(b"an older save's shard")
+    first = {"w": torch.arange(12.0).reshape(3, 4), "n": 7}
+    before = dict(zeroflat.dcp.stats)
+    with zeroflat.dcp.installed(writer=True):
+        assert dcp.FileSystemWriter is not own and issubclass(dcp.FileSystemWriter, own)
+        dcp.save(first, checkpoint_id=str(path))
+        assert zeroflat.dcp.stats["saves_served"] == before["saves_served"] + 1
+        assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__7_0.distcp",
+                                            "config.json", "sub"]
+        assert (path / "sub" / "notes.txt").read_text() == "kept"
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".zeroflat-")]
+        got = {"w": torch.empty(3, 4), "n": 0}
+        dcp.load(got, storage_reader=zeroflat.dcp.Reader(str(path)))
+        assert torch.equal(got["w"], first["w"]) and got["n"] == 7
+
+        _C.set_save_fault_for_testing("publish.exchange:eio")
+        try:
+            with pytest.raises(dcp.api.CheckpointException, match="injected"):
+                dcp.save({"w": torch.zeros(3, 4), "n": 8}, checkpoint_id=str(path))
+        finally:
+            _C.set_save_fault_for_testing(None)
+        got = {"w": torch.empty(3, 4), "n": 0}
+        dcp.load(got, storage_reader=dcp.FileSystemReader(str(path)))
+        assert torch.equal(got["w"], first["w"]) and got["n"] == 7
+        assert (path / "config.json").exists()
+
+        many = dcp.FileSystemWriter(str(tmp_path / "many"), single_file_per_rank=False)
+        dcp.save(first, storage_writer=many)
+        assert zeroflat.dcp.stats["saves_handed_back"] == before["saves_handed_back"] + 1
+        assert "single_file_per_rank=False" in zeroflat.dcp.stats["saves_handed_back_reasons"][-1]
+        with pytest.raises(dcp.api.CheckpointException, match="already exists"):
+            dcp.save(first, storage_writer=dcp.FileSystemWriter(str(path), overwrite=False))
+        assert zeroflat.dcp.stats["saves_handed_back"] == before["saves_handed_back"] + 2
+    assert dcp.FileSystemWriter is own and filesystem.FileSystemWriter is own
+    got = {"w": torch.empty(3, 4), "n": 0}
+    dcp.load(got, checkpoint_id=str(tmp_path / "many"))
+    assert torch.equal(got["w"], first["w"]) and got["n"] == 7
+
+
+def test_async_saves_staging_is_reused_never_while_a_save_writes_from_it_and_is_a_true_copy(
+        tmp_path):
+    """Writer.stage (async_save's stager): the copy holds the state as it was at the call (later
+    changes to the state do not reach it), nested values included; the next save of a state of
+    the same shapes reuses its memory once the save written from it is done, never before; a
+    state of other shapes gets new memory. Two async_saves in a row load back as each was."""
+    import zeroflat.dcp
+    from zeroflat import _dcp_writer
+
+    def state(v):
+        return {"a": torch.full((64, 33), float(v)), "nest": {"b": torch.arange(7) + v,
+                                                              "lr": [0.1 * v, "x"]}, "n": v}
+
+    first = state(1)
+    staged = _dcp_writer.stage(first)
+    first["a"].fill_(-1)
+    first["nest"]["lr"][1] = "changed"
+    assert torch.equal(staged["a"], torch.full((64, 33), 1.0)) and staged["nest"]["lr"] == [0.1, "x"]
+    again = _dcp_writer.stage(state(2))  # the first is still being written from: new memory
+    assert again["a"].data_ptr() != staged["a"].data_ptr()
+    _dcp_writer._staging_free(staged)
+    third = _dcp_writer.stage(state(3))
+    assert third["a"].data_ptr() == staged["a"].data_ptr() and torch.equal(
+        third["nest"]["b"], torch.arange(7) + 3)
+    _dcp_writer._staging_free(third)
+    other = _dcp_writer.stage({"a": torch.zeros(5)})
+    assert other["a"].data_ptr() != staged["a"].data_ptr()
+    _dcp_writer._staging_free(other)
+
+    for v in (4, 5):
+        path = str(tmp_path / f"ck{v}")
+        dcp.async_save(state(v), storage_writer=zeroflat.dcp.Writer(path)).result()
+        got = state(0)
+        dcp.load(got, storage_reader=dcp.FileSystemReader(path))
+        assert torch.equal(got["a"], torch.full((64, 33), float(v))) and got["n"] == v
+        assert not _dcp_writer._staging["busy"]  # freed by the save's write

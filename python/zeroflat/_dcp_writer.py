@@ -17,24 +17,35 @@ read it at any world size, but:
    then removed, and the parent folder fsync'd.
 
 After a crash at any step, the checkpoint's folder is the old one or the new one, whole. The
-folder is replaced whole: files of the old folder that the save did not write are gone with it.
+folder is replaced whole: files of the old folder that the save did not write are gone with it,
+unless ``keep_other_files=True`` (then they are carried into the new folder, hard-linked where
+the file system allows, before it is published, as DCP's writer leaves them in place).
 ``.metadata`` holds only DCP's dataclasses, torch's sizes, dtypes, layouts and memory formats:
 the classes ``zeroflat.dcp.Reader``'s restricted reader allows.
 
     dcp.save(state_dict, storage_writer=zeroflat.dcp.Writer(path))
-    dcp.async_save(state_dict, storage_writer=zeroflat.dcp.Writer(path))  # DCP stages, then this
+    dcp.async_save(state_dict, storage_writer=zeroflat.dcp.Writer(path))
+
+Under ``async_save`` the Writer is DCP's stager too (``stage``): the state is copied into host
+memory kept from one save to the next (one copy for the process, made the first time and again
+only when the state's tensors change shape, dtype or number, or while the last save still
+writes from it), the bytes of host tensors copied by the library's threads without the GIL.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import pickle
+import shutil
+import threading
 import uuid
-from typing import Any, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch.distributed.checkpoint import StorageWriter
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -50,20 +61,136 @@ _METADATA = ".metadata"
 _DCP_VERSION = "1.0.0"
 
 
-class Writer(StorageWriter):
+# The process's staging for async_save (Writer.stage): the copy's structure, the signature of the
+# state it was made for, and whether a save is still writing from it.
+_staging: Dict[str, Any] = {"signature": None, "copy": None, "busy": False}
+_staging_lock = threading.Lock()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor; any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _signature(value: Any) -> Any:
+    """What a staging copy must match: the structure, and every tensor's type, shape, dtype and
+    device kind (a DTensor's local tensor's)."""
+    if isinstance(value, dict):
+        return ("d", tuple((k, _signature(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_signature(v) for v in value))
+    if isinstance(value, torch.Tensor):
+        local = _local(value)
+        return ("t", type(value).__name__, tuple(local.shape), local.dtype, local.device.type,
+                tuple(value.shape))
+    if type(value).__name__ == "ShardedTensor":
+        return ("s", tuple((tuple(s.tensor.shape), s.tensor.dtype)
+                           for s in value.local_shards()))
+    return ("v",)
+
+
+def _copy_into(value: Any, staged: Any, copies: list) -> Any:
+    """``staged`` (a copy of ``value``'s structure on the host) given ``value``'s contents: host
+    tensors' bytes as (to, from, size) in ``copies`` (copied after, in parallel), others copied
+    here; plain values copied."""
+    if isinstance(value, dict):
+        return type(staged)((k, _copy_into(v, staged[k], copies)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        items = [_copy_into(v, s, copies) for v, s in zip(value, staged)]
+        return items if isinstance(value, list) else type(value)(items)
+    if isinstance(value, torch.Tensor):
+        src, dst = _local(value), _local(staged)
+        if src.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous() \
+                and src.dtype == dst.dtype and src.numel() == dst.numel():
+            if src.numel():
+                copies.append((dst.data_ptr(), src.data_ptr(),
+                               src.numel() * src.element_size()))
+        else:
+            dst.copy_(src)
+        return staged
+    if type(value).__name__ == "ShardedTensor":
+        for a, b in zip(value.local_shards(), staged.local_shards()):
+            b.tensor.copy_(a.tensor)
+        return staged
+    return copy.deepcopy(value)
+
+
+def stage(state_dict: Any) -> Any:
+    """A host copy of ``state_dict`` for async_save, in the process's reused staging (module
+    docstring)."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+    signature = _signature(state_dict)
+    with _staging_lock:
+        reuse = _staging["copy"] is not None and not _staging["busy"] \
+            and _staging["signature"] == signature
+        if not reuse:
+            made = _create_cpu_state_dict(state_dict)
+            if not _staging["busy"]:
+                _staging.update(signature=signature, copy=made)
+        else:
+            made = _staging["copy"]
+        if made is _staging["copy"]:
+            _staging["busy"] = True
+    copies: list = []
+    out = _copy_into(state_dict, made, copies)
+    _C.stage_copies(copies, max(1, torch.get_num_threads()))
+    return out
+
+
+def _staging_free(state_dict: Any) -> None:
+    """A save written from ``state_dict``: the staging is free again if that was it."""
+    with _staging_lock:
+        if _staging["copy"] is not None and state_dict is not None and \
+                _staging["busy"] and _shares_staging(state_dict):
+            _staging["busy"] = False
+
+
+def _shares_staging(state_dict: Any) -> bool:
+    """Whether the state being written holds the staging's tensors (the planner's state)."""
+    staged = _staging["copy"]
+    first = next(iter(_tensors(staged)), None)
+    return first is not None and any(t is first for t in _tensors(state_dict))
+
+
+def _tensors(value: Any):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, torch.Tensor):
+        yield value
+
+
+class Writer(StorageWriter, AsyncStager):
     """A drop-in for ``FileSystemWriter(path)`` under ``dcp.save`` and ``dcp.async_save``, with
     the crash ordering of the module's docstring. ``sync_files=False`` skips the fsyncs (then
-    nothing is promised after a crash). One file per rank; DCP's stream transforms, its
-    safetensors format and saves without collectives (``no_dist``'s per-rank metadata) are not
-    served (InvalidArgument)."""
+    nothing is promised after a crash). ``keep_other_files``: the old folder's files that this
+    save does not write are carried into the new one (default: the folder is replaced whole). One
+    file per rank; DCP's stream transforms, its safetensors format and saves without collectives
+    (``no_dist``'s per-rank metadata) are not served (InvalidArgument)."""
 
-    def __init__(self, path: Union[str, os.PathLike], sync_files: bool = True) -> None:
+    def __init__(self, path: Union[str, os.PathLike], sync_files: bool = True,
+                 keep_other_files: bool = False) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.sync_files = bool(sync_files)
+        self.keep_other_files = bool(keep_other_files)
         self.save_id = uuid.uuid4().hex
         self.rank: Optional[int] = None
         self.is_coordinator = False
+
+    # --- the staging under async_save (DCP's AsyncStager) ---------------------------------------
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        pass  # the copy is whole when stage returns
 
     # --- the checkpoint's place ---------------------------------------------------------------
 
@@ -124,6 +251,15 @@ class Writer(StorageWriter):
         folder = self._partial()
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, name)
+        try:
+            results = self._write(path, name, plan, planner)
+        finally:  # written or failed: the staging it was written from is free again
+            _staging_free(getattr(planner, "state_dict", None))
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write(self, path: str, name: str, plan: SavePlan, planner: SavePlanner) -> list:
         results = []
         with open(path, "wb") as f:
             for item in plan.items:
@@ -142,9 +278,7 @@ class Writer(StorageWriter):
             f.flush()
             if self.sync_files:
                 os.fsync(f.fileno())
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
+        return results
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         metadata.version = _DCP_VERSION
@@ -157,6 +291,119 @@ class Writer(StorageWriter):
             f.flush()
             if self.sync_files:
                 os.fsync(f.fileno())
+        old = os.path.join(parent, name)
+        if self.keep_other_files and os.path.isdir(old):
+            _carry_over(old, folder)
         if self.sync_files:
             _C.sync_tree(folder)
         _C.publish_tag(parent, partial, name)
+
+
+def _carry_over(old: str, new: str) -> None:
+    """Every entry of folder ``old`` that ``new`` lacks, made in ``new``: folders recursively,
+    symbolic links as links, files hard-linked (copied where the file system refuses a link)."""
+    for entry in os.scandir(old):
+        target = os.path.join(new, entry.name)
+        if os.path.lexists(target):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+        elif entry.is_dir():
+            os.mkdir(target)
+            _carry_over(entry.path, target)
+        else:
+            try:
+                os.link(entry.path, target)
+            except OSError:
+                shutil.copy2(entry.path, target)
+
+
+def installed_writer_class(base: type, note: Callable[[bool, str], None]) -> type:
+    """``base`` (DCP's FileSystemWriter) writing through ``Writer`` while zeroflat.dcp.install()
+    is in place: a subclass (isinstance holds, DCP's staging for ``async_save`` is base's) that
+    serves a save as FileSystemWriter would make it, the old folder's other files kept, and
+    hands back to base's own methods what Writer does not serve: several files per rank
+    (``single_file_per_rank=False``), stream transforms (``_extensions``), a serialization
+    format other than torch.save's, ``overwrite=False`` and saves without collectives.
+    ``note(served, why)`` is told once per save."""
+
+    class Installed(base):  # type: ignore[misc, valid-type]
+        __doc__ = (f"DCP's {base.__name__} while zeroflat.dcp.install(writer=True) is in place: "
+                   "writes through zeroflat.dcp.Writer, or hands back to DCP's own what it does "
+                   "not serve.")
+
+        def __init__(self, path, *args, **kwargs):
+            super().__init__(path, *args, **kwargs)
+            self._zeroflat = Writer(path, sync_files=getattr(self, "sync_files", True),
+                                    keep_other_files=True)
+            self._why_not = self._refusal()
+            self._served: Optional[bool] = None
+            self._same_save_id()
+
+        def _refusal(self) -> Optional[str]:
+            if not getattr(self, "single_file_per_rank", True):
+                return "several files per rank (single_file_per_rank=False)"
+            if getattr(self, "transforms", None) is not None and \
+                    getattr(self.transforms, "extensions", None):
+                return "DCP's stream transforms (_extensions)"
+            fmt = getattr(self, "serialization_format", None)
+            if fmt is not None and getattr(fmt, "value", fmt) != "torch_save":
+                return f"the serialization format {getattr(fmt, 'value', fmt)}"
+            if getattr(self, "overwrite", True) is False:
+                return "overwrite=False"
+            return None
+
+        def reset(self, checkpoint_id=None) -> None:
+            super().reset(checkpoint_id)
+            self._zeroflat.reset(checkpoint_id)
+            self._served = None
+            self._same_save_id()
+
+        def _same_save_id(self) -> None:
+            # One save, one id: the metadata zeroflat writes carries the id this writer shows.
+            own = getattr(self, "save_id", None)
+            if own is not None:
+                self._zeroflat.save_id = own
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            why = self._why_not
+            if why is None and kwargs.get("use_collectives", True) is False:
+                why = "a save without collectives (use_collectives=False)"
+            self._served = why is None
+            note(self._served, f"{self.path}: {why}" if why else "")
+            if self._served:
+                self._zeroflat.set_up_storage_writer(is_coordinator, *args, **kwargs)
+            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+        def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+            if not self._served:
+                return super().prepare_local_plan(plan)
+            if os.path.exists(os.path.join(os.fspath(self.path), _METADATA)):
+                import warnings
+                warnings.warn(f"Detected an existing checkpoint in {self.path}, overwriting since "
+                              "self.overwrite=True.", stacklevel=2)
+            return self._zeroflat.prepare_local_plan(plan)
+
+        def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+            return (self._zeroflat if self._served else super()).prepare_global_plan(plans)
+
+        def stage(self, state_dict: Any) -> Any:
+            # async_save stages before the save is set up: what the constructor decided.
+            if self._why_not is None and not getattr(self, "cache_staged_state_dict", False):
+                return stage(state_dict)
+            return super().stage(state_dict)
+
+        def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+            return (self._zeroflat if self._served else super()).write_data(plan, planner)
+
+        def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+            return (self._zeroflat if self._served else super()).finish(metadata, results)
+
+        def storage_meta(self) -> Optional[StorageMeta]:
+            if self._served:
+                return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+            return super().storage_meta()
+
+    Installed.__name__ = Installed.__qualname__ = base.__name__
+    Installed.__module__ = "zeroflat.dcp"
+    return Installed

@@ -258,6 +258,11 @@ TABLE: Tuple[Entry, ...] = (
           "_storage_utils')", "torch", "zeroflat.dcp.install()",
           "the readers DCP's load, the Trainer's and accelerate's FSDP checkpoints construct are "
           "zeroflat.dcp's, handing back to DCP's own what they do not serve"),
+    Entry("torch.distributed.checkpoint.FileSystemWriter (the package's, filesystem's, "
+          "_storage_utils' and format_utils')", "torch", "zeroflat.dcp.install(writer=True)",
+          "the writers DCP's save and async_save construct write through zeroflat.dcp.Writer "
+          "(published by one rename once every rank's files are durable, the folder's other "
+          "files kept), handing back to DCP's own what it does not serve"),
     # Building a model for loading.
     Entry("torch.nn.Module.register_parameter", "torch", "zeroflat.meta_parameters()",
           "parameters are made on the meta device (no memory, no initialization)"),

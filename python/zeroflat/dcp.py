@@ -15,7 +15,10 @@ or, for the readers that DCP, the Trainer, accelerate and torchtitan construct t
 ``zeroflat.dcp.install()`` (or ``with zeroflat.dcp.installed(): ...``): every
 ``FileSystemReader`` and ``HuggingFaceStorageReader`` made while it is in place reads through
 ``Reader``, and hands back to DCP's own what it does not serve (a checkpoint saved through DCP's
-stream transforms), with one warning; ``zeroflat.dcp.stats`` counts both.
+stream transforms), with one warning; ``zeroflat.dcp.stats`` counts both. With
+``install(writer=True)`` every ``FileSystemWriter`` made while it is in place also writes
+through ``zeroflat.dcp.Writer`` (a crash never costs the checkpoint before), or hands back to
+DCP's own writer what Writer does not serve.
 
 Each rank's requests (DCP's load planner asks for the part of each saved chunk its local
 shards overlap) become one batch of exact byte ranges, read in parallel by the library's reader
@@ -51,7 +54,7 @@ import logging
 import threading
 
 from . import _C, _patches
-from ._dcp_writer import Writer  # noqa: F401 - the package's: zeroflat.dcp.Writer
+from ._dcp_writer import Writer, installed_writer_class
 from ._common import DTYPES, FILE_DTYPES as _DTYPES, native_path
 
 __all__ = ["Reader", "Writer", "install", "installed", "uninstall", "is_installed", "stats"]
@@ -424,11 +427,14 @@ class Reader(StorageReader):
 log = logging.getLogger("zeroflat.dcp")
 
 # What the installed readers did since the process started: loads served by zeroflat, loads
-# handed back to DCP's own reader, and why each was handed back.
-stats = {"served": 0, "handed_back": 0, "handed_back_reasons": []}
+# handed back to DCP's own reader, and why each was handed back; the same of the saves of the
+# installed writer (install(writer=True)).
+stats = {"served": 0, "handed_back": 0, "handed_back_reasons": [],
+         "saves_served": 0, "saves_handed_back": 0, "saves_handed_back_reasons": []}
 
 _lock = threading.RLock()
 _applied: Optional[_patches.Applied] = None
+_writer_applied: Optional[_patches.Applied] = None
 _warned: set = set()
 # What Reader refuses that DCP's own reader reads, and so is handed back to it: the restricted
 # reader has parsed the whole index first (only allow-listed classes), so what DCP then
@@ -547,27 +553,65 @@ def _patches_now() -> List[_patches.Patch]:
     return out
 
 
-def install() -> None:
+def _note_save(served: bool, reason: str) -> None:
+    """What the installed writer did with one save."""
+    with _lock:
+        if served:
+            stats["saves_served"] += 1
+            return
+        stats["saves_handed_back"] += 1
+        stats["saves_handed_back_reasons"].append(reason)
+        why = reason.split(": ", 1)[-1]
+        first = ("writer", why) not in _warned
+        _warned.add(("writer", why))
+    if first:
+        log.warning("zeroflat.dcp: handed back to DCP's own FileSystemWriter: %s", reason)
+
+
+def _writer_patches() -> List[_patches.Patch]:
+    from torch.distributed.checkpoint import filesystem
+
+    fs = installed_writer_class(filesystem.FileSystemWriter, _note_save)
+    return [_patches.Patch(owner, "FileSystemWriter", value=fs, optional=optional)
+            for owner, optional in (("torch.distributed.checkpoint", False),
+                                    ("torch.distributed.checkpoint.filesystem", False),
+                                    ("torch.distributed.checkpoint._storage_utils", True),
+                                    ("torch.distributed.checkpoint.format_utils", True))]
+
+
+def install(*, writer: bool = False) -> None:
     """Makes the readers DCP and its callers construct zeroflat's: ``FileSystemReader`` (what
     ``dcp.load(state_dict, checkpoint_id=...)`` makes, and the Trainer's and accelerate's FSDP
     checkpoints, ``load_state``, and torchtitan use) and ``HuggingFaceStorageReader``. Each
     reads through ``Reader``, or, for a checkpoint it does not serve (saved through DCP's stream
     transforms), hands back to DCP's own reader with one warning; ``stats`` counts both. The
-    readers are subclasses of DCP's own (``isinstance`` holds). Installing twice is harmless;
-    nothing is patched at import (docs/patches.md)."""
-    global _applied
+    readers are subclasses of DCP's own (``isinstance`` holds).
+
+    ``writer=True``: ``FileSystemWriter`` too (what ``dcp.save``/``dcp.async_save`` with a
+    ``checkpoint_id`` make, and their callers): it writes through ``Writer``, the old folder's
+    other files kept as DCP's writer keeps them, or hands back to DCP's own writer, with one
+    warning, what Writer does not serve (several files per rank, stream transforms, the
+    safetensors format, ``overwrite=False``, a save without collectives); ``stats["saves_*"]``
+    count both. ``HuggingFaceStorageWriter`` stays DCP's.
+
+    Installing twice is harmless (``writer=True`` later adds the writer); nothing is patched at
+    import (docs/patches.md)."""
+    global _applied, _writer_applied
     with _lock:
         if _applied is None:
             _applied = _patches.apply(_patches_now())
+        if writer and _writer_applied is None:
+            _writer_applied = _patches.apply(_writer_patches())
 
 
 def uninstall() -> None:
-    """Puts DCP's readers back. Harmless when not installed."""
-    global _applied
+    """Puts DCP's readers (and writer) back. Harmless when not installed."""
+    global _applied, _writer_applied
     with _lock:
-        if _applied is not None:
-            _patches.restore(_applied)
-            _applied = None
+        for applied in (_writer_applied, _applied):
+            if applied is not None:
+                _patches.restore(applied)
+        _applied = _writer_applied = None
 
 
 def is_installed() -> bool:
@@ -575,12 +619,19 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed():
-    """``with zeroflat.dcp.installed(): trainer.train(resume_from_checkpoint=...)``"""
-    was = is_installed()
-    install()
+def installed(*, writer: bool = False):
+    """``with zeroflat.dcp.installed(): trainer.train(resume_from_checkpoint=...)``;
+    ``install()``'s options."""
+    global _writer_applied
+    was, had_writer = is_installed(), _writer_applied is not None
+    install(writer=writer)
     try:
         yield
     finally:
         if not was:
             uninstall()
+        elif not had_writer:
+            with _lock:
+                if _writer_applied is not None:
+                    _patches.restore(_writer_applied)
+                    _writer_applied = None
