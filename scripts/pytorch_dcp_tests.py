@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs PyTorch's own distributed-checkpoint tests (``test/distributed/checkpoint``) twice,
-plainly and with ``zeroflat.dcp.install()`` in every process, and compares the outcomes test id
-by test id.
+plainly and with ``zeroflat.dcp.install(writer=True)`` in every process, and compares the
+outcomes test id by test id.
 
     .venv/bin/python scripts/pytorch_dcp_tests.py --tests DIR [TEST_ID_OR_FILE ...] [-k EXPR]
         [--modes plain,swapped] [--timeout 900] [--batch file|all] [--json OUT] [--workdir DIR]
@@ -19,13 +19,17 @@ subfolders. ``-k`` and ``--pytest-arg`` are passed to every pytest run.
 
 The two modes
 -------------
-- ``plain``: PyTorch's DCP readers as shipped.
-- ``swapped``: ``zeroflat.dcp.install()`` in every Python process of the run: DCP's
+- ``plain``: PyTorch's DCP readers and writers as shipped.
+- ``swapped``: ``zeroflat.dcp.install(writer=True)`` in every Python process of the run: DCP's
   ``FileSystemReader`` (in ``torch.distributed.checkpoint``, ``.filesystem``,
   ``._storage_utils``, ``.format_utils``) and ``HuggingFaceStorageReader`` are zeroflat's
   subclasses, which read through ``zeroflat.dcp.Reader`` ("served") or hand a checkpoint they do
   not serve (one saved through DCP's stream transforms) back to DCP's own reader ("handed
-  back"). The tests construct the readers themselves, so each of their loads is zeroflat's.
+  back"); ``FileSystemWriter`` (the same modules) is zeroflat's subclass, which writes through
+  ``zeroflat.dcp.Writer`` or hands a save it does not serve (several files per rank, stream
+  transforms, safetensors, ``overwrite=False``, no collectives) back to DCP's own writer. The
+  tests construct the readers and writers themselves, so each of their loads and saves is
+  zeroflat's or counted as handed back.
 
 Both modes run the same interpreter (``--python``, default the venv's) with the same
 PYTHONPATH: first a generated folder holding a ``sitecustomize.py``, then a snapshot of the
@@ -36,10 +40,11 @@ venv is left as it is; no other package is installed). The ``sitecustomize.py`` 
 start of every Python process, pytest's and every rank's that torch's MultiProcessTestCase
 spawns (its start method is spawn: an import in pytest's process alone would not reach them).
 It does nothing unless ZEROFLAT_DCP_SWAP=1, which only the swapped mode sets; then it calls
-``zeroflat.dcp.install()`` and writes, into the folder ZEROFLAT_DCP_STATS names, one small JSON
-file per process: whether install() ran (or its error), and ``zeroflat.dcp.stats``' served and
-handed_back counts with the reasons, by test (pytest's PYTEST_CURRENT_TEST, which spawned ranks
-inherit), rewritten after each load and at exit. Any sitecustomize it shadows (Debian's) runs
+``zeroflat.dcp.install(writer=True)`` and writes, into the folder ZEROFLAT_DCP_STATS names, one
+small JSON file per process: whether install() ran (or its error), and ``zeroflat.dcp.stats``'
+served and handed-back counts of loads and of saves with the reasons, by test (pytest's
+PYTEST_CURRENT_TEST, which spawned ranks inherit), rewritten after each load and save and at
+exit. Any sitecustomize it shadows (Debian's) runs
 after it.
 
 How it runs
@@ -56,22 +61,22 @@ OMP_NUM_THREADS is ``--threads`` (default 1); pytest's temporary folders are und
 
 The report
 ----------
-A table, one row per test id: the outcome in each mode, the loads zeroflat served / handed back
-during that test in the swapped run (a load counts once per rank that read it), and a mark:
+A table, one row per test id: the outcome in each mode, the loads and the saves zeroflat served /
+handed back during that test in the swapped run (each counts once per rank), and a mark:
 ``DIFF`` where the outcomes differ, ``known`` where the difference is one of KNOWN_DIFFERENCES
 (in this file: differences zeroflat makes on purpose, each with its reason). Then the counts
-per mode, the swapped run's totals (processes, in how many install() ran, loads served and
-handed back, why each was handed back), and every difference with the key line of each failure
+per mode, the swapped run's totals (processes, in how many install() ran, loads and saves
+served and handed back, why each was handed back), and every difference with the key line of each failure
 (the innermost exception's line: a rank's own error, not MultiProcessTestCase's "Process 0
 exited with error code 10").
 
-A swapped run in which zeroflat served no load proves nothing about zeroflat: it is said in so
-many words and counts as a failure.
+A swapped run in which zeroflat served no load, or no save, proves nothing about zeroflat's reader
+or writer: it is said in so many words and counts as a failure.
 
 Exit status: 0 when every test id has the same outcome in both modes (or differs as
-KNOWN_DIFFERENCES says) and the swapped run served at least one load with install() in place in
-every process; 1 when a difference is not in KNOWN_DIFFERENCES, install() failed in some
-process, or the swapped run served nothing; 2 when the run could not be made (bad arguments, a
+KNOWN_DIFFERENCES says) and the swapped run served at least one load and one save with install()
+in place in every process; 1 when a difference is not in KNOWN_DIFFERENCES, install() failed in
+some process, or the swapped run served no load or no save; 2 when the run could not be made (bad arguments, a
 --tests folder without test files, expecttest not installable, no zeroflat package). With one
 mode only, the outcomes are listed and the status says whether that run could be made (and, for
 ``swapped`` alone, whether it served anything).
@@ -123,9 +128,9 @@ def die(message: str) -> None:
 
 SITECUSTOMIZE = r'''"""Generated by zeroflat's scripts/pytorch_dcp_tests.py: first on
 PYTHONPATH of every process of its runs. With ZEROFLAT_DCP_SWAP=1 it calls
-zeroflat.dcp.install() and records, in the folder ZEROFLAT_DCP_STATS names, whether install()
-ran and what the installed readers did (served / handed back, by test). Otherwise it does
-nothing. The sitecustomize it shadows, if any, runs after it."""
+zeroflat.dcp.install(writer=True) and records, in the folder ZEROFLAT_DCP_STATS names, whether
+install() ran and what the installed readers and writer did (served / handed back, by test).
+Otherwise it does nothing. The sitecustomize it shadows, if any, runs after it."""
 
 import os
 
@@ -156,8 +161,10 @@ def _swap():
     out = os.environ.get("ZEROFLAT_DCP_STATS")
     rec = {"pid": os.getpid(), "argv": list(getattr(sys, "orig_argv", sys.argv))[:4],
            "install_ran": False, "error": None, "served": 0, "handed_back": 0,
-           "handed_back_reasons": [], "by_test": {}}
-    state = {"path": None, "base": (0, 0, 0), "stats": None}
+           "handed_back_reasons": [], "saves_served": 0, "saves_handed_back": 0,
+           "saves_handed_back_reasons": [], "by_test": {}}
+    keys = ("served", "handed_back", "saves_served", "saves_handed_back")
+    state = {"path": None, "base": {}, "stats": None}
 
     def new_path():
         if out:
@@ -169,9 +176,11 @@ def _swap():
         stats = state["stats"]
         if stats is not None:
             base = state["base"]
-            rec["served"] = stats["served"] - base[0]
-            rec["handed_back"] = stats["handed_back"] - base[1]
-            rec["handed_back_reasons"] = list(stats["handed_back_reasons"][base[2]:])
+            for key in keys + ("handed_back_reasons", "saves_handed_back_reasons"):
+                if key in stats:
+                    value = stats[key]
+                    rec[key] = value[len(base.get(key, ())):] if isinstance(value, list) \
+                        else value - base.get(key, 0)
         try:
             with open(state["path"] + ".tmp", "w") as f:
                 json.dump(rec, f, default=str)
@@ -181,14 +190,14 @@ def _swap():
 
     def note(key):
         test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0] or "(no test)"
-        counts = rec["by_test"].setdefault(test, {"served": 0, "handed_back": 0})
+        counts = rec["by_test"].setdefault(test, {k: 0 for k in keys})
         counts[key] += 1
         write()
 
     new_path()
     try:
         import zeroflat.dcp as zdcp
-        zdcp.install()
+        zdcp.install(writer=True)
         rec["install_ran"] = bool(zdcp.is_installed())
         state["stats"] = zdcp.stats
     except BaseException as e:  # noqa: BLE001 - recorded; the runner reports it
@@ -197,7 +206,24 @@ def _swap():
         print(f"zeroflat DCP test runner: zeroflat.dcp.install() failed: {e!r}", file=sys.stderr)
         return
 
-    # Count each load by test as it happens: the installed readers' _serve / _hand_back.
+    # Count each load by test as it happens: the installed readers' _serve / _hand_back; each
+    # save: the installed writer's set_up_storage_writer, which decides.
+    try:
+        import torch.distributed.checkpoint as dcp
+        cls = dcp.FileSystemWriter
+        inner = cls.__dict__.get("set_up_storage_writer")
+        if cls.__module__ == "zeroflat.dcp" and inner is not None \
+                and not getattr(inner, "__zf_dcp_tests__", False):
+
+            def set_up(self, *args, _inner=inner, **kwargs):
+                result = _inner(self, *args, **kwargs)
+                note("saves_served" if self._served else "saves_handed_back")
+                return result
+
+            set_up.__zf_dcp_tests__ = True
+            cls.set_up_storage_writer = set_up
+    except Exception:  # noqa: BLE001 - totals still come from zeroflat.dcp.stats at exit
+        pass
     try:
         import torch.distributed.checkpoint as dcp
         classes = [dcp.FileSystemReader]
@@ -227,8 +253,7 @@ def _swap():
     def after_fork_in_child():
         # A forked child inherits the parent's counts: it records only its own.
         stats = state["stats"]
-        state["base"] = (stats["served"], stats["handed_back"],
-                         len(stats["handed_back_reasons"]))
+        state["base"] = {k: (list(v) if isinstance(v, list) else v) for k, v in stats.items()}
         rec["pid"] = os.getpid()
         rec["by_test"] = {}
         new_path()
@@ -438,7 +463,8 @@ def kill_group(proc: subprocess.Popen) -> None:
 def read_stats(folder: Path) -> dict:
     """The swapped run's process records, summed."""
     total = {"processes": 0, "installed": 0, "install_errors": [], "served": 0,
-             "handed_back": 0, "reasons": Counter(), "by_test": defaultdict(Counter)}
+             "handed_back": 0, "saves_served": 0, "saves_handed_back": 0,
+             "reasons": Counter(), "save_reasons": Counter(), "by_test": defaultdict(Counter)}
     if not folder.exists():
         return total
     for path in sorted(folder.rglob("proc-*.json")):
@@ -451,11 +477,13 @@ def read_stats(folder: Path) -> dict:
             total["installed"] += 1
         else:
             total["install_errors"].append(f"pid {rec.get('pid')}: {rec.get('error')}")
-        total["served"] += int(rec.get("served") or 0)
-        total["handed_back"] += int(rec.get("handed_back") or 0)
-        for reason in rec.get("handed_back_reasons") or []:
-            # The checkpoints' folders (temporary ones) left out, so that like reasons add up.
-            total["reasons"][re.sub(r"(?<![\w.])/[^\s:'\"]+", "<path>", reason)] += 1
+        for key in ("served", "handed_back", "saves_served", "saves_handed_back"):
+            total[key] += int(rec.get(key) or 0)
+        for key, into in (("handed_back_reasons", "reasons"),
+                          ("saves_handed_back_reasons", "save_reasons")):
+            for reason in rec.get(key) or []:
+                # The checkpoints' folders (temporary ones) left out, so like reasons add up.
+                total[into][re.sub(r"(?<![\w.])/[^\s:'\"]+", "<path>", reason)] += 1
         for test, counts in (rec.get("by_test") or {}).items():
             total["by_test"][test].update(counts)
     return total
@@ -511,14 +539,16 @@ def report(args, order: List[str], results: Dict[str, dict], stats: dict,
         by = stats["by_test"].get(nodeid, Counter())
         loads = f"{by['served']}/{by['handed_back']}" if (by["served"] or by["handed_back"]) \
             else ""
+        saves = f"{by['saves_served']}/{by['saves_handed_back']}" \
+            if (by["saves_served"] or by["saves_handed_back"]) else ""
         mark = ""
         if both and outs[0] != outs[1]:
             why = known_reason(nodeid)
             mark = "known" if why else "DIFF"
             (known if why else differ).append(nodeid)
         rows.append((nodeid, outs[0] if "plain" in args.modes else "",
-                     outs[1] if "swapped" in args.modes else "", loads, mark))
-    header = ("test id", "plain", "swapped", "served/handed back", "")
+                     outs[1] if "swapped" in args.modes else "", loads, saves, mark))
+    header = ("test id", "plain", "swapped", "loads served/back", "saves served/back", "")
     widths = [max([len(r[i]) for r in rows] + [len(header[i])]) for i in range(len(header))]
     widths[0] = min(widths[0], 120)
     print()
@@ -538,10 +568,15 @@ def report(args, order: List[str], results: Dict[str, dict], stats: dict,
               f"{stats['handed_back']} back to DCP's own reader")
         for reason, n in stats["reasons"].most_common():
             print(f"    handed back x{n}: {reason}")
+        print(f"    and its writer served {stats['saves_served']} saves (a save counted once per "
+              f"rank), handed {stats['saves_handed_back']} back to DCP's own writer")
+        for reason, n in stats["save_reasons"].most_common():
+            print(f"    save handed back x{n}: {reason}")
         unattributed = stats["by_test"].get("(no test)")
         if unattributed:
-            print(f"    outside any test: {unattributed['served']} served, "
-                  f"{unattributed['handed_back']} handed back")
+            print(f"    outside any test: {unattributed['served']} loads served, "
+                  f"{unattributed['handed_back']} handed back; {unattributed['saves_served']} "
+                  f"saves served, {unattributed['saves_handed_back']} handed back")
         if stats["install_errors"]:
             rc = 1
             print(f"\nzeroflat.dcp.install() did not run in {len(stats['install_errors'])} "
@@ -556,6 +591,11 @@ def report(args, order: List[str], results: Dict[str, dict], stats: dict,
             rc = 1
             print(f"\nZEROFLAT SERVED NO LOAD in the swapped run ({stats['handed_back']} handed "
                   "back to DCP's own reader): the comparison proves nothing about zeroflat.")
+        elif stats["saves_served"] == 0:
+            rc = 1
+            print(f"\nZEROFLAT SERVED NO SAVE in the swapped run ({stats['saves_handed_back']} "
+                  "handed back to DCP's own writer): the comparison proves nothing about its "
+                  "writer.")
     for n in notes:
         print(f"  note: {n}")
     if known:
@@ -710,6 +750,9 @@ def main() -> int:
                        "install_errors": stats["install_errors"], "served": stats["served"],
                        "handed_back": stats["handed_back"],
                        "handed_back_reasons": dict(stats["reasons"]),
+                       "saves_served": stats["saves_served"],
+                       "saves_handed_back": stats["saves_handed_back"],
+                       "saves_handed_back_reasons": dict(stats["save_reasons"]),
                        "by_test": {k: dict(v) for k, v in stats["by_test"].items()}}
            if "swapped" in args.modes else None,
            "exit": rc}

@@ -29,7 +29,8 @@ the classes ``zeroflat.dcp.Reader``'s restricted reader allows.
 Under ``async_save`` the Writer is DCP's stager too (``stage``): the state is copied into host
 memory kept from one save to the next (one copy for the process, made the first time and again
 only when the state's tensors change shape, dtype or number, or while the last save still
-writes from it), the bytes of host tensors copied by the library's threads without the GIL.
+writes from it; pinned where the state has a device's tensors, copied without blocking and
+waited for once), the bytes of host tensors copied by the library's threads without the GIL.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def _copy_into(value: Any, staged: Any, copies: list) -> Any:
             if src.numel():
                 copies.append((dst.data_ptr(), src.data_ptr(),
                                src.numel() * src.element_size()))
-        else:
-            dst.copy_(src)
+        else:  # a device's tensor into pinned memory: waited for once, after every copy began
+            dst.copy_(src, non_blocking=src.device.type != "cpu" and dst.is_pinned())
         return staged
     if type(value).__name__ == "ShardedTensor":
         for a, b in zip(value.local_shards(), staged.local_shards()):
@@ -125,7 +126,8 @@ def stage(state_dict: Any) -> Any:
         reuse = _staging["copy"] is not None and not _staging["busy"] \
             and _staging["signature"] == signature
         if not reuse:
-            made = _create_cpu_state_dict(state_dict)
+            device = any(t.device.type != "cpu" for t in _tensors(state_dict))
+            made = _create_cpu_state_dict(state_dict, pin_memory=device)
             if not _staging["busy"]:
                 _staging.update(signature=signature, copy=made)
         else:
@@ -135,6 +137,8 @@ def stage(state_dict: Any) -> Any:
     copies: list = []
     out = _copy_into(state_dict, made, copies)
     _C.stage_copies(copies, max(1, torch.get_num_threads()))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return out
 
 
