@@ -25,7 +25,12 @@ Per rank, in each round (after one warm-up step):
 The target folder's pages are dropped before each write where the machine allows it
 (/proc/sys/vm/drop_caches as root), and every folder is removed after its measurement.
 
-  python benchmarks/save_bench.py --ranks 1,2 --stages 2,3 --state-mb 512 --rounds 3
+With --stages fsdp2 the model is FSDP2's (fully_shard per layer, fp32 AdamW, the same
+layers) and the state is get_state_dict's: DCP's own save and async_save beside
+zeroflat.dcp.Writer under async_save (its call, the steps while it writes, call to published;
+the staging's size and the resident memory over --saves more saves), no DeepSpeed rows.
+
+  python benchmarks/save_bench.py --ranks 1,2 --stages 2,3,fsdp2 --state-mb 512 --rounds 3
 """
 import argparse
 import os
@@ -114,14 +119,15 @@ def _steps(engine, n, width, seed):
 def _worker(rank, world, port, args, stage, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
-    import deepspeed
-    import zeroflat.deepspeed as zd
-    from zeroflat import _save
-
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    deepspeed.init_distributed(dist_backend="gloo")
     per_layer = args.width * (args.width + 1)
     layers = max(1, round(args.state_mb * 2**20 * world / 12 / per_layer))
+    if stage == "fsdp2":
+        _fsdp2_worker(rank, world, args, layers, queue)
+        return
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
     engine = _engine(stage, args.width, layers)
     _steps(engine, 1, args.width, 0)
     out = {}
@@ -143,7 +149,126 @@ def _worker(rank, world, port, args, stage, queue):
     if rank == 0:
         shutil.rmtree(folder)
 
-    # The disk's ceiling and the memcpy floor, for the same bytes.
+    _floor_and_ceiling(out, root, rank)
+
+    # DCP, the rank's tensors as a plain dict (each rank its own keys).
+    state = {}
+    tensors = [p.detach() for p in engine.module.parameters()]
+    flat = getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or \
+        getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or []
+    for i, t in enumerate(flat):
+        state[f"rank{rank}.master.{i}"] = t.detach()
+        opt = engine.optimizer.optimizer.state.get(t, {})
+        for name in ("exp_avg", "exp_avg_sq"):
+            if name in opt:
+                state[f"rank{rank}.{name}.{i}"] = opt[name]
+    if rank == 0 or stage == 3:
+        for i, t in enumerate(tensors):
+            state[f"rank{rank}.model.{i}"] = t
+    _dcp_rows(state, out, root, rank)
+    del state
+    _zeroflat_deepspeed(engine, out, root, args)
+    queue.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _fsdp2_worker(rank, world, args, layers, queue):
+    """FSDP2 (fully_shard per layer, AdamW, fp32): DCP's own save and async_save of the model and
+    optimizer state beside zeroflat.dcp.Writer's, the floor and the ceiling of the rank's bytes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import zeroflat.dcp
+    from zeroflat import _dcp_writer
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def steps(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        start = time.perf_counter()
+        for _ in range(n):
+            loss = model(torch.randn(2, args.width, generator=g)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return time.perf_counter() - start
+
+    def state():
+        msd, osd = get_state_dict(model, opt)
+        return {"model": msd, "optim": osd}
+
+    steps(1, 0)
+    out = {"steps": steps(args.steps, 1)}
+    sd = state()
+    out["bytes"] = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
+                       for t in _dcp_writer._tensors(sd))
+    root = args.dir
+    _floor_and_ceiling(out, root, rank)
+    _dcp_rows(sd, out, root, rank)
+
+    # The saves' collectives on a group of their own, as DCP asks of an async_save beside
+    # training's collectives.
+    group = dist.new_group(backend="gloo")
+    folder = os.path.join(root, "zeroflat")
+    _drop_caches()
+    dist.barrier()
+    now = state()  # the state dict as the caller has it (DCP's rows are given one too)
+    start = time.perf_counter()
+    dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder),
+                   process_group=group).result()
+    out["zeroflat_first_durable"] = _barrier_time(start)
+    steps(1, 2)
+    _drop_caches()
+    dist.barrier()
+    now = state()
+    start = time.perf_counter()
+    future = dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder),
+                            process_group=group)
+    out["zeroflat_call"] = time.perf_counter() - start
+    out["steps_during"] = steps(args.steps, 1)
+    future.result()
+    dist.barrier()
+    _drop_caches()
+    dist.barrier()
+    now = state()
+    start = time.perf_counter()
+    future = dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder),
+                            process_group=group)
+    future.result()
+    out["zeroflat_durable"] = _barrier_time(start)
+    out["zeroflat_bytes"] = out["bytes"]
+    staging = _dcp_writer._staging["copy"]
+    out["staging"] = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
+                         for t in _dcp_writer._tensors(staging))
+    rss = []
+    for i in range(args.saves):
+        steps(1, 10 + i)
+        dcp.async_save(state(), storage_writer=zeroflat.dcp.Writer(folder),
+                       process_group=group).result()
+        rss.append(_rss())
+        assert _dcp_writer._staging["copy"] is staging, "the staging was made again"
+    out["rss"] = rss
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder)
+    # zeroflat_first (the first call, fresh staging) is not taken apart from its write here.
+    out["zeroflat_first"] = out["zeroflat_first_durable"]
+    queue.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _floor_and_ceiling(out, root, rank):
+    """The disk's ceiling (write + fsync) and the memcpy floor, for the rank's bytes."""
     src = torch.empty(out["bytes"], dtype=torch.uint8)
     src.fill_(1)
     path = os.path.join(root, f"ceiling-{rank}")
@@ -163,21 +288,12 @@ def _worker(rank, world, port, args, stage, queue):
     out["floor"] = time.perf_counter() - start
     del src, dst
 
-    # DCP, the rank's tensors as a plain dict (each rank its own keys).
+
+def _dcp_rows(state, out, root, rank):
+    """DCP's own save of ``state`` (call to durable), and async_save's call (a thread, and a
+    process where the release has it) and its end."""
     import torch.distributed.checkpoint as dcp
-    state = {}
-    tensors = [p.detach() for p in engine.module.parameters()]
-    flat = getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or \
-        getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or []
-    for i, t in enumerate(flat):
-        state[f"rank{rank}.master.{i}"] = t.detach()
-        opt = engine.optimizer.optimizer.state.get(t, {})
-        for name in ("exp_avg", "exp_avg_sq"):
-            if name in opt:
-                state[f"rank{rank}.{name}.{i}"] = opt[name]
-    if rank == 0 or stage == 3:
-        for i, t in enumerate(tensors):
-            state[f"rank{rank}.model.{i}"] = t
+
     folder = os.path.join(root, "dcp")
     _drop_caches()
     dist.barrier()
@@ -212,9 +328,15 @@ def _worker(rank, world, port, args, stage, queue):
         dist.barrier()
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
-    del state
 
-    # zeroflat's drop-in.
+
+def _zeroflat_deepspeed(engine, out, root, args):
+    """The drop-in's save_checkpoint: first call, a call with the staging reused and the steps
+    while it writes, call to published, and the memory over --saves more saves."""
+    import zeroflat.deepspeed as zd
+    from zeroflat import _save
+
+    rank = dist.get_rank()
     zd.install()
     folder = os.path.join(root, "zeroflat")
     _drop_caches()
@@ -252,9 +374,6 @@ def _worker(rank, world, port, args, stage, queue):
     dist.barrier()
     if rank == 0:
         shutil.rmtree(folder)
-    queue.put((rank, out))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _free_port():
@@ -284,7 +403,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="1,2", help="world sizes, comma-separated")
-    parser.add_argument("--stages", default="2,3", help="ZeRO stages, comma-separated (2, 3)")
+    parser.add_argument("--stages", default="2,3",
+                        help="comma-separated: 2, 3 (ZeRO under DeepSpeed) and fsdp2 (DCP)")
     parser.add_argument("--state-mb", type=float, default=512,
                         help="optimizer state per rank, MiB (default 512)")
     parser.add_argument("--width", type=int, default=1024, help="the layers' width")
@@ -297,7 +417,7 @@ def main():
     base = tempfile.mkdtemp(prefix="zeroflat-save-bench-", dir=args.dir)
     args.dir = base
     try:
-        for stage in [int(s) for s in args.stages.split(",")]:
+        for stage in [s if s == "fsdp2" else int(s) for s in args.stages.split(",")]:
             for world in [int(r) for r in args.ranks.split(",")]:
                 rounds = [_round(world, stage, args) for _ in range(args.rounds)]
                 report(stage, world, rounds, args)
@@ -311,20 +431,30 @@ def report(stage, world, rounds, args):
         return [fn(r[key] for r in ranks) for ranks in rounds]
 
     state = statistics.median(per("bytes", max))
-    print(f"\nZeRO-{stage}, {world} rank(s), AdamW, {state / 2**20:.0f} MiB written by the "
-          f"busiest rank; median of {len(rounds)} fresh-process rounds (range)")
-    rows = [("memcpy of the rank's bytes (floor)", per("floor")),
-            ("zeroflat: call, first save", per("zeroflat_first")),
-            ("zeroflat: call, staging reused", per("zeroflat_call")),
-            ("DeepSpeed save_checkpoint: call", per("deepspeed_call")),
-            ("DCP save", per("dcp_save"))]
+    name = "FSDP2, zeroflat = zeroflat.dcp.Writer under async_save" if stage == "fsdp2" \
+        else f"ZeRO-{stage}, zeroflat = the drop-in's save_checkpoint"
+    print(f"\n{name}, {world} rank(s), AdamW, {state / 2**20:.0f} MiB written by the busiest "
+          f"rank; median of {len(rounds)} fresh-process rounds (range)")
+    have = lambda key: all(key in r for ranks in rounds for r in ranks)  # noqa: E731
+    rows = [("memcpy of the rank's bytes (floor)", per("floor"))]
+    if stage != "fsdp2":
+        rows.append(("zeroflat: call, first save", per("zeroflat_first")))
+    rows.append(("zeroflat: call, staging reused", per("zeroflat_call")))
+    if have("deepspeed_call"):
+        rows.append(("DeepSpeed save_checkpoint: call", per("deepspeed_call")))
+    rows.append(("DCP save", per("dcp_save")))
     for kind in ("thread", "process"):
         if all(f"dcp_async_{kind}" in r for ranks in rounds for r in ranks):
             rows.append((f"DCP async_save ({kind}): call", per(f"dcp_async_{kind}")))
     rows += [("disk ceiling: write + fsync", per("ceiling")),
-             ("zeroflat: call to published", per("zeroflat_durable")),
-             ("DeepSpeed: call to fsync'd", per("deepspeed_durable")),
-             (f"{args.steps} steps, no save", per("steps")),
+             ("zeroflat: call to published", per("zeroflat_durable"))]
+    if have("deepspeed_durable"):
+        rows.append(("DeepSpeed: call to fsync'd", per("deepspeed_durable")))
+    for kind in ("thread", "process"):
+        if have(f"dcp_async_{kind}_durable"):
+            rows.append((f"DCP async_save ({kind}): call to written",
+                         per(f"dcp_async_{kind}_durable")))
+    rows += [(f"{args.steps} steps, no save", per("steps")),
              (f"{args.steps} steps while zeroflat writes", per("steps_during"))]
     for name, values in rows:
         print(f"  {name:42s} {_fmt(values)}")
@@ -334,8 +464,10 @@ def report(stage, world, rounds, args):
         return [x / y for x, y in zip(a, b)]
 
     print("  ratios (per round, median and range):")
-    checks = [("blocking / memcpy floor", ratio(ours, per("floor")), "<= 1.2"),
-              ("DeepSpeed's call / zeroflat's", ratio(per("deepspeed_call"), ours), "printed")]
+    checks = [("blocking / memcpy floor", ratio(ours, per("floor")), "<= 1.2")]
+    if have("deepspeed_call"):
+        checks.append(("DeepSpeed's call / zeroflat's", ratio(per("deepspeed_call"), ours),
+                       "printed"))
     for kind in ("thread", "process"):
         if all(f"dcp_async_{kind}" in r for ranks in rounds for r in ranks):
             checks.append((f"DCP async_save ({kind}) call / zeroflat's",
@@ -344,7 +476,7 @@ def report(stage, world, rounds, args):
                 "<= 1.2"),
                ("steps while writing / without", ratio(per("steps_during"), per("steps")),
                 "<= 1.2")]
-    if world > 1:
+    if world > 1 and stage != "fsdp2":
         r0 = [ranks[0]["zeroflat_bytes"] / statistics.mean(r["zeroflat_bytes"]
                                                             for r in ranks[1:])
               for ranks in rounds]
