@@ -44,7 +44,11 @@ How it runs
   ``save_checkpoint``: the calls in the plain run, and in the drop-in run the calls zeroflat
   served / handed back to DeepSpeed (and raised, if any), as ``plain: served/back``; a call
   counts once, as rank 0 (or the one process without torch.distributed) saw it. The drop-in
-  saves as it does by default: in the background (the next load of the process waits for it). Every
+  saves as it does by default, in the background (the next load of the process waits for it),
+  or with ``--save-in-background no`` as ``install(save_in_background=False)`` makes it: the
+  call returns once the checkpoint is published. A test that reads the checkpoint's files right
+  after ``save_checkpoint`` returned (zero_to_fp32 in the same process) differs on purpose in the
+  first way only (``INTENDED_BACKGROUND``). Every
   collected test is listed; those ``-k`` or pytest.ini's ``-m`` deselect are counted below it.
   Exit status 1 when any test's outcome differs between the two runs (but for the differences
   zeroflat makes on purpose, ``INTENDED``, each listed with its reason), 2 when the run could
@@ -692,10 +696,29 @@ INTENDED = [
 ]
 
 
-def intended(nodeid: str, rec: dict) -> str:
+# The same, for the drop-in's default save (--save-in-background yes): tests that read the files
+# of a checkpoint right after save_checkpoint returned, in the process that saved it.
+_WRITTEN_LATER = (
+    "the test reads the checkpoint's files right after save_checkpoint returned, in the process "
+    "that saved it, without zeroflat.deepspeed.wait(): the drop-in's save returns once the state "
+    "is snapshotted and publishes the tag once it is written (docs/python.md, 'Saving a "
+    "DeepSpeed checkpoint'); with --save-in-background no the drop-in's outcome is plain's")
+INTENDED_BACKGROUND = [
+    ("unit/checkpoint/test_convert_checkpoint.py::TestCheckpointConvert::"
+     "test_convert_zero_checkpoint_to_fp32_state_dict", "Unable to find 'latest' file",
+     "zero_to_fp32's convert_zero_checkpoint_to_fp32_state_dict: " + _WRITTEN_LATER),
+    ("unit/checkpoint/test_shared_weights.py::TestCheckpointSharedWeights::"
+     "test_checkpoint_shared_weights", "doesn't exist",
+     "zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint: " + _WRITTEN_LATER),
+    ("unit/checkpoint/test_autotp_uc_checkpoint.py::TestRealCheckpointUniversalConversionTPxPP::"
+     "test", "mp_rank files, got 0", "a listing of the tag's files: " + _WRITTEN_LATER),
+]
+
+
+def intended(nodeid: str, rec: dict, background: bool = True) -> str:
     """Why the drop-in's outcome of this test differs on purpose, or ""."""
     text = "\n".join(p.get("text") or "" for p in rec.get("phases", []))
-    for prefix, holds, why in INTENDED:
+    for prefix, holds, why in INTENDED + (INTENDED_BACKGROUND if background else []):
         if nodeid.startswith(prefix) and holds in text:
             return why
     return ""
@@ -725,7 +748,7 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
             totals[call]["plain_calls"] += sum(pc.values())
         ran_both = "plain" in args.modes and "dropin" in args.modes
         mark = "DIFF" if ran_both and plain != dropin else ""
-        if mark and intended(nodeid, res.get("dropin") or {}):
+        if mark and intended(nodeid, res.get("dropin") or {}, args.background):
             mark = "intended"
             meant.append(nodeid)
         elif mark:
@@ -756,7 +779,8 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
     if meant:
         print(f"\n{len(meant)} tests differ on purpose (not counted as differing):")
         for nodeid in meant:
-            print(f"  {_short(nodeid)}: {intended(nodeid, results[nodeid].get('dropin') or {})}")
+            why = intended(nodeid, results[nodeid].get("dropin") or {}, args.background)
+            print(f"  {_short(nodeid)}: {why}")
     if differ:
         print(f"\n{len(differ)} tests differ:")
         for nodeid in differ:
@@ -808,7 +832,11 @@ def main() -> int:
     ap.add_argument("--tail", type=int, default=40,
                     help="lines of each differing failure to print")
     ap.add_argument("--list", action="store_true", help="only list the collected tests")
+    ap.add_argument("--save-in-background", choices=("yes", "no"), default="yes",
+                    help="the drop-in's save_checkpoint returns once snapshotted (yes, its "
+                    "default) or once published (no: install(save_in_background=False))")
     args = ap.parse_args()
+    args.background = args.save_in_background == "yes"
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not set(args.modes) <= set(MODES) or not args.modes:
         ap.error(f"--modes: some of {','.join(MODES)}")
@@ -850,7 +878,8 @@ def main() -> int:
         print(f"  {n}")
 
     base_env = dict(os.environ)
-    for var in ("ZF_DS_MODE", "ZF_DS_EVENTS", "ZF_DS_COLLECT", "PYTEST_ADDOPTS"):
+    for var in ("ZF_DS_MODE", "ZF_DS_EVENTS", "ZF_DS_COLLECT", "ZF_DS_SAVE_BACKGROUND",
+                "PYTEST_ADDOPTS"):
         base_env.pop(var, None)
     base_env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(args.threads),
                     MKL_NUM_THREADS=str(args.threads), PYTHONDONTWRITEBYTECODE="1",
@@ -867,6 +896,7 @@ def main() -> int:
         env["ZF_DS_EVENTS"] = str(events)
         if mode:
             env["ZF_DS_MODE"] = mode
+        env["ZF_DS_SAVE_BACKGROUND"] = "1" if args.background else "0"
         return env
 
     # Collection, once.

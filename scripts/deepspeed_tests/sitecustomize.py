@@ -5,7 +5,8 @@ It does nothing unless ZF_DS_MODE ("plain" or "dropin") and ZF_DS_EVENTS (a fold
 runner puts this folder first on PYTHONPATH so that every process, forked or spawned, runs it.
 
 - ZF_DS_MODE=dropin: ``zeroflat.deepspeed.install()`` is called here, at interpreter start, so
-  every rank runs with the drop-in (a rank forked by the forkserver inherits the patched classes).
+  every rank runs with the drop-in (a rank forked by the forkserver inherits the patched classes);
+  ZF_DS_SAVE_BACKGROUND=0 installs it with ``save_in_background=False``.
 - Both modes: ``DeepSpeedEngine.load_checkpoint`` and ``save_checkpoint`` (zeroflat's patches
   of them, in dropin mode) are wrapped once more, outermost, to record each call: load or save,
   the test running (ZF_DS_EVENTS/current_test, written by the runner's pytest plugin), the rank,
@@ -140,7 +141,8 @@ def _setup():
     if _MODE == "dropin":
         try:
             import zeroflat.deepspeed
-            zeroflat.deepspeed.install()
+            zeroflat.deepspeed.install(
+                save_in_background=os.environ.get("ZF_DS_SAVE_BACKGROUND", "1") != "0")
         except BaseException as e:  # noqa: BLE001 - said loudly; the runner checks for it
             with open(os.path.join(_DIR, f"install-error-{os.getpid()}.txt"), "w") as f:
                 f.write(traceback.format_exc())
