@@ -991,3 +991,19 @@ def test_async_saves_staging_is_reused_never_while_a_save_writes_from_it_and_is_
         dcp.load(got, storage_reader=dcp.FileSystemReader(path))
         assert torch.equal(got["a"], torch.full((64, 33), float(v))) and got["n"] == v
         assert not _dcp_writer._staging["busy"]  # freed by the save's write
+
+
+def test_zeroflats_writer_writes_a_views_bytes_not_its_whole_storage(tmp_path):
+    """A tensor that is a view into a larger storage (a slice of a flat buffer) is written as its
+    own bytes, as DCP's writer writes it: the rank's file holds about the view's size, and it
+    loads back equal."""
+    import zeroflat.dcp
+
+    flat = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    view = flat[1000:1256].view(16, 16)
+    path = str(tmp_path / "ck")
+    dcp.save({"v": view}, storage_writer=zeroflat.dcp.Writer(path))
+    assert os.path.getsize(os.path.join(path, "__0_0.distcp")) < 64 << 10
+    got = {"v": torch.empty(16, 16)}
+    dcp.load(got, storage_reader=zeroflat.dcp.Reader(path))
+    assert torch.equal(got["v"], view)

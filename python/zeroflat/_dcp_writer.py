@@ -275,6 +275,9 @@ class Writer(StorageWriter, AsyncStager):
                     tensor = data.detach()
                     if tensor.device.type != "cpu":
                         tensor = tensor.cpu()
+                    if tensor.untyped_storage().nbytes() != tensor.numel() * \
+                            tensor.element_size():
+                        tensor = tensor.clone()  # a view: its own bytes, not its storage's
                     torch.save(tensor, f)
                 length = f.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
