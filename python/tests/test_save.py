@@ -469,3 +469,30 @@ def test_a_save_in_the_background_holds_the_state_at_the_call_and_its_failure_ra
     for name in _files(ours):
         _same_values(torch.load(os.path.join(ours, name), weights_only=False),
                      torch.load(os.path.join(theirs, name), weights_only=False), name)
+
+
+def _exit_worker(rank, world, port, out):
+    import zeroflat.deepspeed as zd
+    from zeroflat import _C
+
+    _init(rank, world, port)
+    engine = _engine(2)
+    train_steps(engine, rank, 1)
+    zd.install()
+    _C.set_save_fault_for_testing("write.0:delay")  # the write outlives the rank's last line
+    engine.save_checkpoint(out, tag="t1")
+    # The rank returns without zeroflat.deepspeed.wait(): torch's spawn ends the process
+    # through multiprocessing, whose os._exit skips atexit; the save is still published.
+
+
+def test_ranks_that_return_without_waiting_still_publish_their_save(tmp_path):
+    """Ranks started by torch.multiprocessing return right after save_checkpoint, their write
+    still running: the processes' ends wait for it (multiprocessing's finalizers, not only
+    atexit), and the tag is published, whole."""
+    out = str(tmp_path / "ck")
+    start_ranks(_exit_worker, 2, out)
+    with open(os.path.join(out, "latest")) as f:
+        assert f.read() == "t1"
+    assert not [n for n in os.listdir(out) if n.startswith(".zeroflat-")]
+    for name in os.listdir(os.path.join(out, "t1")):
+        torch.load(os.path.join(out, "t1", name), map_location="cpu", weights_only=False)

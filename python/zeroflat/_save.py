@@ -205,7 +205,7 @@ STAGING_MARGIN = 256 << 20
 _writer: Optional["_C.BackgroundSave"] = None
 _staging = _snapshot.Staging()
 _pending: Optional[dict] = None  # the save being written: where, tag, when it returned
-_exit_hook = False
+_exit_hooked_pid: Optional[int] = None  # the process whose exit waits for the save
 
 
 def _outcome_error(pending: dict, outcome: dict) -> Optional[BaseException]:
@@ -315,11 +315,25 @@ def _at_exit() -> None:
         log.error("zeroflat: %s", e)
 
 
+def _hook_exit() -> None:
+    """Makes this process's end wait for its save: atexit for an interpreter's ordinary end, and
+    multiprocessing's finalizers for a process multiprocessing started (a pool's worker, the
+    ranks torch.multiprocessing spawns), which ends through os._exit once they ran, without
+    atexit. Once per process (a forked child registers its own)."""
+    global _exit_hooked_pid
+    if _exit_hooked_pid == os.getpid():
+        return
+    _exit_hooked_pid = os.getpid()
+    atexit.register(_at_exit)
+    import multiprocessing.util
+    multiprocessing.util.Finalize(None, _at_exit, exitpriority=100)
+
+
 def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # noqa: B006
                     save_latest=True, exclude_frozen_parameters=False):
     """The drop-in's ``DeepSpeedEngine.save_checkpoint``: DeepSpeed's arguments and return value
     (True); the checkpoint published as the module docstring says."""
-    global _writer, _pending, _exit_hook
+    global _writer, _pending
     args = dict(client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
     reason = _why_not(engine)
     if reason is not None:
@@ -427,9 +441,7 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             _pending["watch"] = threading.Thread(target=_watch, args=(_pending, me, world),
                                                  name="zeroflat-save-progress", daemon=True)
             _pending["watch"].start()
-            if not _exit_hook:
-                atexit.register(_at_exit)
-                _exit_hook = True
+            _hook_exit()
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
     try:
