@@ -748,7 +748,8 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
             totals[call]["plain_calls"] += sum(pc.values())
         ran_both = "plain" in args.modes and "dropin" in args.modes
         mark = "DIFF" if ran_both and plain != dropin else ""
-        if mark and intended(nodeid, res.get("dropin") or {}, args.background):
+        background = (res.get("dropin") or {}).get("save_in_background", True)
+        if mark and intended(nodeid, res.get("dropin") or {}, background):
             mark = "intended"
             meant.append(nodeid)
         elif mark:
@@ -769,6 +770,11 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
           f"{len(deselected)} more deselected (-k, or tests/pytest.ini's -m addopts)")
     for m in MODES:
         print(f"  {m}: " + ", ".join(f"{v} {k}" for k, v in sorted(per_mode[m].items())))
+    ways = Counter("in the background" if (results.get(n, {}).get("dropin") or {}).get(
+        "save_in_background", True) else "waited for (--save-in-background no)"
+        for n in order if (results.get(n, {}).get("dropin") or {}).get("outcome"))
+    if ways:
+        print("  the drop-in's saves: " + ", ".join(f"{v} tests {k}" for k, v in ways.items()))
     for call in CALLS:
         t = totals[call]
         print(f"  {call}_checkpoint calls: plain {t['plain_calls']}; drop-in: {t['served']} "
@@ -779,7 +785,8 @@ def print_report(args, work: Path, order: List[str], deselected: List[str], resu
     if meant:
         print(f"\n{len(meant)} tests differ on purpose (not counted as differing):")
         for nodeid in meant:
-            why = intended(nodeid, results[nodeid].get("dropin") or {}, args.background)
+            rec = results[nodeid].get("dropin") or {}
+            why = intended(nodeid, rec, rec.get("save_in_background", True))
             print(f"  {_short(nodeid)}: {why}")
     if differ:
         print(f"\n{len(differ)} tests differ:")
@@ -946,6 +953,10 @@ def main() -> int:
                       flush=True)
                 run_batch(args, mode, todo, env_for(mode, work / mode), work, tests, py_spy,
                           results)
+                if mode == "dropin":  # how its saves ran, kept with each result (--resume)
+                    for n in todo:
+                        if (results.get(n, {}).get(mode) or {}).get("outcome"):
+                            results[n][mode]["save_in_background"] = args.background
                 save_results(work, results)
                 for path in (work / mode).glob("faulthandler-*.txt"):
                     if path.stat().st_size == 0:  # nothing was dumped from that process
