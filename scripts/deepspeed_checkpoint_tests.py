@@ -48,7 +48,10 @@ How it runs
   or with ``--save-in-background no`` as ``install(save_in_background=False)`` makes it: the
   call returns once the checkpoint is published. A test that reads the checkpoint's files right
   after ``save_checkpoint`` returned (zero_to_fp32 in the same process) differs on purpose in the
-  first way only (``INTENDED_BACKGROUND``). Every
+  first way only (``INTENDED_BACKGROUND``). ``test_universal_checkpoint.py``'s fixture converts
+  its checkpoint (``ds_to_universal``) on rank 0 right after ``save_checkpoint``, the other
+  ranks waiting at a barrier: under background saves rank 0 fails and the others wait until the
+  test's timeout, so that file is run with ``--save-in-background no``. Every
   collected test is listed; those ``-k`` or pytest.ini's ``-m`` deselect are counted below it.
   Exit status 1 when any test's outcome differs between the two runs (but for the differences
   zeroflat makes on purpose, ``INTENDED``, each listed with its reason), 2 when the run could
