@@ -327,8 +327,9 @@ def _carry_over(old: str, new: str) -> None:
 
 def installed_writer_class(base: type, note: Callable[[bool, str], None]) -> type:
     """``base`` (DCP's FileSystemWriter) writing through ``Writer`` while zeroflat.dcp.install()
-    is in place: a subclass (isinstance holds, DCP's staging for ``async_save`` is base's) that
-    serves a save as FileSystemWriter would make it, the old folder's other files kept, and
+    is in place: a subclass (isinstance holds; ``async_save`` stages through Writer's reused
+    staging unless the save is handed back or ``cache_staged_state_dict`` asks for base's own)
+    that serves a save as FileSystemWriter would make it, the old folder's other files kept, and
     hands back to base's own methods what Writer does not serve: several files per rank
     (``single_file_per_rank=False``), stream transforms (``_extensions``), a serialization
     format other than torch.save's, ``overwrite=False`` and saves without collectives.

@@ -55,7 +55,7 @@ import threading
 
 from . import _C, _patches
 from ._dcp_writer import Writer, installed_writer_class
-from ._common import DTYPES, FILE_DTYPES as _DTYPES, native_path
+from ._common import DTYPES, FILE_DTYPES as _DTYPES, bool_option, native_path
 
 __all__ = ["Reader", "Writer", "install", "installed", "uninstall", "is_installed", "stats"]
 
@@ -597,6 +597,7 @@ def install(*, writer: bool = False) -> None:
     Installing twice is harmless (``writer=True`` later adds the writer); nothing is patched at
     import (docs/patches.md)."""
     global _applied, _writer_applied
+    writer = bool_option("writer", writer)
     with _lock:
         if _applied is None:
             _applied = _patches.apply(_patches_now())
