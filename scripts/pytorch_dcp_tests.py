@@ -83,7 +83,10 @@ mode only, the outcomes are listed and the status says whether that run could be
 
 The work folder (``--workdir``, default a new temporary folder, kept): ``tests/`` (the copy
 run), ``site/``, ``zeroflat/``, ``deps/``, ``logs/``, ``junit/``, ``stats/<mode>/<batch>/`` and
-``summary.json`` (what ``--json`` writes too)."""
+``summary.json`` (what ``--json`` writes too).
+
+Past 700 lines on purpose: one file, run against any copy of PyTorch's tests, holding the
+sitecustomize it generates for every process of the runs."""
 
 from __future__ import annotations
 
