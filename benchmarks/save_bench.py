@@ -173,6 +173,14 @@ def _worker(rank, world, port, args, stage, queue):
     dist.destroy_process_group()
 
 
+def _local_bytes(state_dict):
+    """The bytes of a state dict's tensors on this rank (a DTensor's local shard's)."""
+    from zeroflat import _dcp_writer
+
+    return sum(_dcp_writer._local(t).numel() * t.element_size()
+               for t in _dcp_writer._tensors(state_dict))
+
+
 def _fsdp2_worker(rank, world, args, layers, queue):
     """FSDP2 (fully_shard per layer, AdamW, fp32): DCP's own save and async_save of the model and
     optimizer state beside zeroflat.dcp.Writer's, the floor and the ceiling of the rank's bytes."""
@@ -209,8 +217,7 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     steps(1, 0)
     out = {"steps": steps(args.steps, 1)}
     sd = state()
-    out["bytes"] = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
-                       for t in _dcp_writer._tensors(sd))
+    out["bytes"] = _local_bytes(sd)
     root = args.dir
     _floor_and_ceiling(out, root, rank)
     _dcp_rows(sd, out, root, rank)
@@ -219,36 +226,32 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     # training's collectives.
     group = dist.new_group(backend="gloo")
     folder = os.path.join(root, "zeroflat")
-    _drop_caches()
-    dist.barrier()
-    now = state()  # the state dict as the caller has it (DCP's rows are given one too)
-    start = time.perf_counter()
-    dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder),
-                   process_group=group).result()
+
+    def save():
+        """A save through zeroflat's Writer from a quiet page cache: (its future, when it began).
+        The state dict is taken before the clock starts, as DCP's rows are given one."""
+        _drop_caches()
+        dist.barrier()
+        now = state()
+        start = time.perf_counter()
+        return dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder),
+                              process_group=group), start
+
+    future, start = save()
+    future.result()
     out["zeroflat_first_durable"] = _barrier_time(start)
     steps(1, 2)
-    _drop_caches()
-    dist.barrier()
-    now = state()
-    start = time.perf_counter()
-    future = dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder),
-                            process_group=group)
+    future, start = save()
     out["zeroflat_call"] = time.perf_counter() - start
     out["steps_during"] = steps(args.steps, 1)
     future.result()
     dist.barrier()
-    _drop_caches()
-    dist.barrier()
-    now = state()
-    start = time.perf_counter()
-    future = dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder),
-                            process_group=group)
+    future, start = save()
     future.result()
     out["zeroflat_durable"] = _barrier_time(start)
     out["zeroflat_bytes"] = out["bytes"]
     staging = _dcp_writer._staging["copy"]
-    out["staging"] = sum(getattr(t, "_local_tensor", t).numel() * t.element_size()
-                         for t in _dcp_writer._tensors(staging))
+    out["staging"] = _local_bytes(staging)
     rss = []
     for i in range(args.saves):
         steps(1, 10 + i)
