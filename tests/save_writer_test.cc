@@ -1,6 +1,9 @@
 // The background save (save.h): CRC-32, torch.save's zip archive written from staged bytes, and
 // the two-rank write-then-publish through the file system, faults included.
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -9,6 +12,8 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "model/zip.h"
@@ -126,6 +131,76 @@ TEST(TorchWriter, TheArchiveHoldsTorchsRecordsAlignedWithTheirCrcs) {
   write_torch_file(sample_file(again, storages));
   EXPECT_NE(slurp(again), bytes);
   fs::remove_all(dir);
+}
+
+TEST(TorchWriter, AppendedArchivesAreTheArchivesWrittenAloneEachAtItsSpan) {
+  // As DCP's writer appends a rank's items to one file: each archive's slice is byte for byte
+  // the archive write_torch_file writes alone (its offsets its own), raw items their bytes, the
+  // items in a row, whichever of the buffered and the direct paths a record takes.
+  const std::string dir = temp_dir("appended");
+  std::mt19937 gen(11);
+  std::vector<std::string> big(1, std::string(300000, '\0'));  // past the buffered size
+  for (char& c : big[0]) c = static_cast<char>(gen());
+  const std::vector<std::string> small = {"abc", std::string(5000, 'z')};
+  const std::vector<std::string> none = {};
+  const StagedFile a = sample_file("archive", small), b = sample_file("archive", big),
+                   c = sample_file("archive", none);
+  const std::string raw = "raw bytes between archives";
+  std::vector<AppendedItem> items(5);
+  items[0].archive = &a;
+  items[1].data = reinterpret_cast<const std::byte*>(raw.data());
+  items[1].size = raw.size();
+  items[2].archive = &b;
+  items[3].archive = &c;
+  items[4].archive = &a;
+  for (WritePriority low : {WritePriority::kNormal, WritePriority::kIdle, WritePriority::kLow}) {
+    std::atomic<std::uint64_t> written{0};
+    const std::string path = dir + "/__0_0.distcp";
+    const std::vector<ItemSpan> spans = write_appended(path, items, true, low, &written);
+    const std::string bytes = slurp(path);
+    ASSERT_EQ(spans.size(), items.size());
+    EXPECT_EQ(written.load(), bytes.size());
+    EXPECT_EQ(spans.front().offset, 0u);
+    EXPECT_EQ(spans.back().offset + spans.back().length, bytes.size());
+    for (std::size_t i = 0; i + 1 < spans.size(); ++i) EXPECT_EQ(spans[i].offset + spans[i].length, spans[i + 1].offset);
+    EXPECT_EQ(bytes.substr(spans[1].offset, spans[1].length), raw);
+    for (std::size_t i : {0, 2, 3, 4}) {
+      StagedFile alone = *items[i].archive;
+      alone.path = dir + "/archive";
+      write_torch_file(alone);
+      EXPECT_EQ(bytes.substr(spans[i].offset, spans[i].length), slurp(alone.path)) << "item " << i;
+      const std::string piece = bytes.substr(spans[i].offset, spans[i].length);
+      const detail::MemorySource source(
+          std::span<const unsigned char>(reinterpret_cast<const unsigned char*>(piece.data()), piece.size()), "item");
+      const detail::ZipArchive zip = detail::read_zip(source);
+      ASSERT_NE(zip.find("archive/data.pkl"), nullptr) << "item " << i;
+    }
+  }
+  EXPECT_THROW(write_appended(dir + "/missing/x.distcp", items, false), IoError);
+  EXPECT_THROW(write_appended(dir + "/missing/x.distcp", items, false, WritePriority::kIdle), IoError);
+  EXPECT_EQ(parse_write_priority("idle"), WritePriority::kIdle);
+  EXPECT_EQ(parse_write_priority("normal"), WritePriority::kNormal);
+  EXPECT_THROW(parse_write_priority("high"), InvalidArgument);
+  fs::remove_all(dir);
+}
+
+TEST(WritePriority, EachSettingPutsTheCallingThreadWhereItSays) {
+  // Each on a thread of its own (a thread cannot raise its nice again without privileges).
+  auto on_thread = [](WritePriority p) {
+    int policy = -1, nice = -100;
+    std::thread t([&] {
+      set_thread_write_priority(p);
+      policy = sched_getscheduler(0);
+      errno = 0;
+      nice = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+    });
+    t.join();
+    return std::pair<int, int>(policy, nice);
+  };
+  const int base = getpriority(PRIO_PROCESS, 0);
+  EXPECT_EQ(on_thread(WritePriority::kIdle).first, SCHED_IDLE);
+  EXPECT_EQ(on_thread(WritePriority::kLow), std::make_pair(SCHED_OTHER, std::min(19, base + 10)));
+  EXPECT_EQ(on_thread(WritePriority::kNormal), std::make_pair(SCHED_OTHER, base));
 }
 
 TEST(TorchWriter, AStorageKeyThatIsNotAPlainNameIsRefused) {

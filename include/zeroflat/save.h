@@ -167,6 +167,44 @@ class TorchFileWriter {
 // IoError naming the file.
 std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written = nullptr);
 
+// How a background writer's thread competes with the training's threads for the cores.
+//   kIdle    SCHED_IDLE: it runs when a core would otherwise idle (the steps barely notice it;
+//            a write beside steps that keep every core busy takes longer)
+//   kLow     10 nicer than the caller (about a tenth of a core's time when it competes)
+//   kNormal  as the caller's threads (the shortest write, the most felt by the steps)
+enum class WritePriority { kIdle, kLow, kNormal };
+// Parses "idle", "low" or "normal"; InvalidArgument naming the choices otherwise.
+WritePriority parse_write_priority(const std::string& name);
+// Puts the calling thread at `p` (best effort: a system that refuses keeps it as it is).
+void set_thread_write_priority(WritePriority p) noexcept;
+
+// --- Items appended to one file, as DCP's FileSystemWriter writes a rank's file -------------
+
+// One item: a torch.save archive (`archive`; its `path` names the archive's record prefix, as
+// torch.save's "archive" when it writes into a stream) or, without one, `size` bytes at `data`.
+struct AppendedItem {
+  const StagedFile* archive = nullptr;  // the caller's, unchanged until the write returns
+  const std::byte* data = nullptr;
+  std::uint64_t size = 0;
+};
+
+// Where an item went in the file.
+struct ItemSpan {
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+};
+
+// Writes `items` one after the other into a new file at `path` (truncated), each archive's
+// offsets counted from its own start, as torch.save writes into a stream at any position: the
+// slice [offset, offset + length) is an archive that torch.load reads. Small records travel
+// with the headers around them, large ones are written from where they are, write-back started
+// behind. `sync`: fsync'd before it returns. A `priority` other than kNormal: written by a
+// thread of its own at that priority (the caller waits), so that the training's threads come
+// first. Returns each item's span; throws IoError naming the file.
+std::vector<ItemSpan> write_appended(const std::string& path, const std::vector<AppendedItem>& items, bool sync,
+                                     WritePriority priority = WritePriority::kNormal,
+                                     std::atomic<std::uint64_t>* written = nullptr);
+
 // --- A save written in the background ---------------------------------------------------------
 
 // One range of a snapshot: `size` bytes from `from` to `to`.
@@ -188,7 +226,7 @@ struct SaveJob {
   int rank = 0;         // the first rank publishes, once every rank's files are durable
   int world = 1;
   bool save_latest = true;
-  bool low_priority = true;        // the writing thread at nice 10, behind the training
+  WritePriority priority = WritePriority::kIdle;  // the writing thread's, behind the training
   double timeout_seconds = 1800;   // the first rank's wait for the others' files
   std::vector<StagedFile> files;    // written in order
   // Parts of the first rank's shared records that this rank writes (another rank than the

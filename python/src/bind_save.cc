@@ -62,6 +62,41 @@ void bind_save(py::module_& m) {
         return zf::write_torch_file(f);
       },
       py::arg("file"));
+  // items: [(bytes, None)] for a bytes item, [(pickle, [(key, address, size)])] for a torch.save
+  // archive of staged storages (alive until it returns). Returns [(offset, length)].
+  m.def(
+      "write_appended",
+      [](const std::string& path, const py::list& items, bool sync, const std::string& priority) {
+        const zf::WritePriority p = zf::parse_write_priority(priority);
+        std::vector<zf::StagedFile> archives;
+        std::vector<std::string> raw;
+        archives.reserve(items.size());
+        raw.reserve(items.size());
+        std::vector<zf::AppendedItem> out;
+        for (const py::handle& h : items) {
+          const py::tuple t = h.cast<py::tuple>();
+          if (t.size() != 2) throw zf::InvalidArgument("write_appended: each item is (bytes, records or None)");
+          zf::AppendedItem item;
+          if (t[1].is_none()) {
+            raw.push_back(t[0].cast<std::string>());
+            item.data = reinterpret_cast<const std::byte*>(raw.back().data());
+            item.size = raw.back().size();
+          } else {
+            archives.push_back(staged_file_from(py::make_tuple("archive", t[0], t[1])));
+            item.archive = &archives.back();
+          }
+          out.push_back(item);
+        }
+        std::vector<zf::ItemSpan> spans;
+        {
+          py::gil_scoped_release nogil;
+          spans = zf::write_appended(path, out, sync, p);
+        }
+        py::list result;
+        for (const zf::ItemSpan& s : spans) result.append(py::make_tuple(s.offset, s.length));
+        return result;
+      },
+      py::arg("path"), py::arg("items"), py::arg("sync"), py::arg("priority"));
   // Free host memory for this rank (the probe's: MemAvailable and the cgroup's room, shared
   // among the ranks on this host): what a save's staging may take.
   m.def("host_free_bytes", [] {
@@ -97,7 +132,7 @@ void bind_save(py::module_& m) {
       .def(
           "start",
           [](zf::BackgroundSave& self, const std::string& dir, const std::string& partial,
-             const std::string& tag, int rank, int world, bool save_latest, bool low_priority,
+             const std::string& tag, int rank, int world, bool save_latest, const std::string& priority,
              double timeout_seconds, const py::list& files, const py::list& parts) {
             zf::SaveJob job;
             job.dir = dir;
@@ -106,7 +141,7 @@ void bind_save(py::module_& m) {
             job.rank = rank;
             job.world = world;
             job.save_latest = save_latest;
-            job.low_priority = low_priority;
+            job.priority = zf::parse_write_priority(priority);
             job.timeout_seconds = timeout_seconds;
             for (const py::handle& f : files) job.files.push_back(staged_file_from(f.cast<py::tuple>()));
             for (const py::handle& h : parts) {
@@ -121,7 +156,7 @@ void bind_save(py::module_& m) {
             self.start(std::move(job));
           },
           py::arg("dir"), py::arg("partial"), py::arg("tag"), py::arg("rank"), py::arg("world"),
-          py::arg("save_latest"), py::arg("low_priority"), py::arg("timeout_seconds"),
+          py::arg("save_latest"), py::arg("priority"), py::arg("timeout_seconds"),
           py::arg("files"), py::arg("parts") = py::list())
       .def("cancel", &zf::BackgroundSave::cancel)
       .def("wait",

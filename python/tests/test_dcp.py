@@ -117,6 +117,40 @@ def _save_both(rank, mesh, job):
     return {"served": served}
 
 
+def _process_saves(rank, mesh, job):
+    """Three async_saves through zeroflat.dcp.Writer under the process executor (the write in
+    DCP's checkpoint process): whether each save was staged into the process's staging (not a
+    copy of its own), and each folder as DCP's reader loads it."""
+    import zeroflat.dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from zeroflat import _dcp_writer
+
+    def state(v):
+        return {"w": torch.full((256, 64), float(v)), "n": v}
+
+    staged_at = []
+    stage = _dcp_writer.stage
+
+    def spy(sd):
+        out = stage(sd)
+        staged_at.append(out["w"] is _dcp_writer._staging["copy"]["w"])
+        return out
+
+    _dcp_writer.stage = spy
+    loaded = []
+    try:
+        for v in range(3):
+            path = os.path.join(job["path"], str(v))
+            dcp.async_save(state(v), storage_writer=zeroflat.dcp.Writer(path),
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+            got = state(-100)
+            dcp.load(got, storage_reader=dcp.FileSystemReader(path))
+            loaded.append(bool(torch.equal(got["w"], state(v)["w"])) and got["n"] == v)
+    finally:
+        _dcp_writer.stage = stage
+    return {"staged_at": staged_at, "loaded": loaded}
+
+
 def _load_both(rank, mesh, job):
     """The folders of _save_both, each read by DCP's reader and by zeroflat's: the same."""
     import zeroflat.dcp
@@ -279,7 +313,8 @@ def worker(rank, world, port, job):
         mesh = init_device_mesh("cpu", (world,))
     result = {"nothing": lambda *a: {}, "save": _save, "load": _load, "hf_save": _hf_save,
               "hf_load": _hf_load, "broken_load": _broken_load, "save_both": _save_both,
-              "load_both": _load_both}[job["what"]](rank, mesh, job)
+              "load_both": _load_both, "process_saves": _process_saves}[job["what"]](
+                  rank, mesh, job)
     dist.barrier()
     with open(f"{job['out']}.{rank}", "w") as f:
         json.dump(result, f)
@@ -1007,3 +1042,86 @@ def test_zeroflats_writer_writes_a_views_bytes_not_its_whole_storage(tmp_path):
     got = {"v": torch.empty(16, 16)}
     dcp.load(got, storage_reader=zeroflat.dcp.Reader(path))
     assert torch.equal(got["v"], view)
+
+
+def test_each_item_of_zeroflats_writer_is_an_archive_torch_load_reads_safely(tmp_path):
+    """The library writes the rank's file (not torch.save): every tensor item's slice of it, as
+    .metadata places it, is an archive that torch.load(weights_only=True) reads back equal,
+    whatever the tensor (bf16, a transposed one, 0-d, empty, bool, int64, one past 64 KiB that is
+    written from where it is), and a bytes item is its bytes; DCP's own reader loads the whole
+    folder equal too."""
+    import io as _io
+    import zeroflat.dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    big = torch.randn(300, 257)  # 308 KiB: written from the tensor, not through the buffer
+    state = {
+        "bf16": torch.randn(33, 7).to(torch.bfloat16),
+        "t": torch.arange(60, dtype=torch.float32).view(6, 10).t(),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "mask": torch.rand(17) > 0.5,
+        "step": torch.tensor([2 ** 40 + 3], dtype=torch.int64),
+        "big": big,
+        "lr": 0.25,  # bytes items: torch.save's of the values, as DCP's planner makes them
+        "name": "x",
+    }
+    path = str(tmp_path / "ck")
+    dcp.save(state, storage_writer=zeroflat.dcp.Writer(path))
+    md = zeroflat.dcp.Reader(path).read_metadata()
+    with open(os.path.join(path, "__0_0.distcp"), "rb") as f:
+        blob = f.read()
+    seen = set()
+    ends = []
+    for index, info in md.storage_data.items():
+        piece = blob[info.offset:info.offset + info.length]
+        ends.append((info.offset, info.offset + info.length))
+        if not torch.is_tensor(state[index.fqn]):
+            assert torch.load(_io.BytesIO(piece), weights_only=True) == state[index.fqn]
+        else:
+            got = torch.load(_io.BytesIO(piece), weights_only=True)
+            want = state[index.fqn]
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got, want), index.fqn
+        seen.add(index.fqn)
+    assert seen == set(state)
+    ends.sort()
+    assert ends[0][0] == 0 and ends[-1][1] == len(blob)  # the items fill the file, in a row
+    assert all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
+    got = {k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in state.items()}
+    dcp.load(got, storage_reader=FileSystemReader(path))
+    for k, v in state.items():
+        assert torch.equal(got[k], v) if torch.is_tensor(v) else got[k] == v, k
+
+
+def test_async_saves_staging_is_reused_under_the_process_executor(tmp_path):
+    """Under async_save's process executor the write runs in DCP's checkpoint process, where
+    write_data cannot free this process's staging: the staging is free again once DCP lets the
+    staged state go, so that three saves in a row at 2 ranks make it once and reuse it, and each
+    folder loads as saved."""
+    ranks = run(2, {"what": "process_saves", "path": str(tmp_path / "ck")}, str(tmp_path))
+    for r in ranks:
+        assert r["loaded"] == [True, True, True]
+        assert r["staged_at"] == [True, True, True]
+
+
+def test_the_writers_priority_is_one_of_three_and_each_writes_the_same_folder(tmp_path):
+    """Writer(priority=...): "idle", "low" and "normal" each write a folder that loads as saved;
+    anything else is refused before anything is written, naming the choices; so is
+    zeroflat.deepspeed.install(save_priority=...)'s."""
+    import zeroflat.dcp
+    import zeroflat.deepspeed
+
+    state = {"w": torch.randn(64, 64), "n": 3}
+    for p in ("idle", "low", "normal"):
+        path = str(tmp_path / p)
+        dcp.save(state, storage_writer=zeroflat.dcp.Writer(path, priority=p))
+        got = {"w": torch.zeros(64, 64), "n": 0}
+        dcp.load(got, storage_reader=dcp.FileSystemReader(path))
+        assert torch.equal(got["w"], state["w"]) and got["n"] == 3
+    for bad in ("high", 10, None):
+        with pytest.raises(ValueError, match="idle, low, normal"):
+            zeroflat.dcp.Writer(str(tmp_path / "bad"), priority=bad)
+        with pytest.raises(ValueError, match="idle, low, normal"):
+            zeroflat.deepspeed.install(save_priority=bad)
+    assert not os.path.exists(tmp_path / "bad")

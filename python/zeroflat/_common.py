@@ -87,6 +87,17 @@ def bool_option(name: str, value: Any) -> bool:
     raise TypeError(f"{name} is {value!r}: expected True or False")
 
 
+WRITE_PRIORITIES = ("idle", "low", "normal")
+
+
+def priority_option(name: str, value: Any) -> str:
+    """A background writer's priority (include/zeroflat/save.h, WritePriority): "idle" (runs
+    when a core would otherwise idle), "low" (10 nicer) or "normal"."""
+    if isinstance(value, str) and value in WRITE_PRIORITIES:
+        return value
+    raise ValueError(f"{name} is {value!r}: expected one of {', '.join(WRITE_PRIORITIES)}")
+
+
 def dtype_name(dtype: torch.dtype, what: str) -> str:
     if dtype not in DTYPES:
         raise TypeError(f"{what} is {dtype}: zeroflat flattens bfloat16, float16 and float32")

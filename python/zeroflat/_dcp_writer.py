@@ -30,18 +30,24 @@ Under ``async_save`` the Writer is DCP's stager too (``stage``): the state is co
 memory kept from one save to the next (one copy for the process, made the first time and again
 only when the state's tensors change shape, dtype or number, or while the last save still
 writes from it; pinned where the state has a device's tensors, copied without blocking and
-waited for once), the bytes of host tensors copied by the library's threads without the GIL.
+waited for once), the bytes of host tensors copied without the GIL (the large ones by torch's
+own threads, the small ones by the library).
+Each rank's file is then written by the library (include/zeroflat/save.h: write_appended), not
+by ``torch.save``: the tensors' archives laid out and written without the GIL, by a thread at a
+priority that lets the steps beside an ``async_save`` keep the cores and the GIL (``priority``).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import os
 import pickle
 import shutil
 import threading
 import uuid
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
@@ -53,7 +59,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import _C
+from . import _C, _snapshot
+from ._common import priority_option
 from ._errors import InvalidArgument
 
 _SUFFIX = ".distcp"
@@ -63,9 +70,17 @@ _DCP_VERSION = "1.0.0"
 
 
 # The process's staging for async_save (Writer.stage): the copy's structure, the signature of the
-# state it was made for, and whether a save is still writing from it.
-_staging: Dict[str, Any] = {"signature": None, "copy": None, "busy": False}
+# state it was made for, whether a save is still writing from it, and a weak reference to the
+# state dict handed to DCP for that save (its death frees the staging too: under the process
+# executor the write runs in another process, and DCP drops the state dict once it is written).
+_staging: Dict[str, Any] = {"signature": None, "copy": None, "busy": False, "owner": None}
 _staging_lock = threading.Lock()
+
+
+class _StagedDict(dict):
+    """The top of a staged state dict: a dict that a weak reference can follow."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -92,7 +107,7 @@ def _signature(value: Any) -> Any:
 
 def _copy_into(value: Any, staged: Any, copies: list) -> Any:
     """``staged`` (a copy of ``value``'s structure on the host) given ``value``'s contents: host
-    tensors' bytes as (to, from, size) in ``copies`` (copied after, in parallel), others copied
+    tensors as (to, from) in ``copies`` (copied after, together: _copy_host), others copied
     here; plain values copied."""
     if isinstance(value, dict):
         return type(staged)((k, _copy_into(v, staged[k], copies)) for k, v in value.items())
@@ -104,8 +119,7 @@ def _copy_into(value: Any, staged: Any, copies: list) -> Any:
         if src.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous() \
                 and src.dtype == dst.dtype and src.numel() == dst.numel():
             if src.numel():
-                copies.append((dst.data_ptr(), src.data_ptr(),
-                               src.numel() * src.element_size()))
+                copies.append((dst, src))
         else:  # a device's tensor into pinned memory: waited for once, after every copy began
             dst.copy_(src, non_blocking=src.device.type != "cpu" and dst.is_pinned())
         return staged
@@ -116,6 +130,26 @@ def _copy_into(value: Any, staged: Any, copies: list) -> Any:
     return copy.deepcopy(value)
 
 
+# Host tensors at least this big are copied by torch's own threads, one call for all of them;
+# the smaller ones by the library in the calling thread, one call for all of them.
+_TORCH_COPY_BYTES = 1 << 20
+
+
+def _copy_host(pairs: list) -> None:
+    """Copies each (to, from) pair of contiguous host tensors of one dtype and size. The large
+    ones through torch's intra-op threads: a rank's training leaves them spinning for a while
+    after each parallel region, and threads of the library's own would share the cores with
+    them (a third slower on two cores); the small ones in one library call."""
+    large = [(d.view(-1), s.view(-1)) for d, s in pairs
+             if s.numel() * s.element_size() >= _TORCH_COPY_BYTES]
+    small = [(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()) for d, s in pairs
+             if s.numel() * s.element_size() < _TORCH_COPY_BYTES]
+    if large:
+        torch._foreach_copy_([d for d, _ in large], [s for _, s in large])
+    if small:
+        _C.stage_copies(small, 1)
+
+
 def stage(state_dict: Any) -> Any:
     """A host copy of ``state_dict`` for async_save, in the process's reused staging (module
     docstring)."""
@@ -123,6 +157,9 @@ def stage(state_dict: Any) -> Any:
 
     signature = _signature(state_dict)
     with _staging_lock:
+        owner = _staging["owner"]
+        if _staging["busy"] and owner is not None and owner() is None:
+            _staging["busy"] = False  # the save written from it let it go
         reuse = _staging["copy"] is not None and not _staging["busy"] \
             and _staging["signature"] == signature
         if not reuse:
@@ -136,7 +173,15 @@ def stage(state_dict: Any) -> Any:
             _staging["busy"] = True
     copies: list = []
     out = _copy_into(state_dict, made, copies)
-    _C.stage_copies(copies, max(1, torch.get_num_threads()))
+    if type(out) is dict:
+        out = _StagedDict(out)
+    with _staging_lock:
+        if made is _staging["copy"]:
+            try:
+                _staging["owner"] = weakref.ref(out)
+            except TypeError:  # a container without weak references: freed by write_data alone
+                _staging["owner"] = None
+    _copy_host(copies)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return out
@@ -174,12 +219,15 @@ class Writer(StorageWriter, AsyncStager):
     nothing is promised after a crash). ``keep_other_files``: the old folder's files that this
     save does not write are carried into the new one (default: the folder is replaced whole). One
     file per rank; DCP's stream transforms, its safetensors format and saves without collectives
-    (``no_dist``'s per-rank metadata) are not served (InvalidArgument)."""
+    (``no_dist``'s per-rank metadata) are not served (InvalidArgument). ``priority``: how the
+    thread that writes the rank's file competes with the training's threads for the cores:
+    "idle" (only when a core would otherwise idle), "low" (10 nicer) or "normal"."""
 
     def __init__(self, path: Union[str, os.PathLike], sync_files: bool = True,
-                 keep_other_files: bool = False) -> None:
+                 keep_other_files: bool = False, priority: str = "idle") -> None:
         super().__init__()
         self.path = os.fspath(path)
+        self.priority = priority_option("priority", priority)
         self.sync_files = bool(sync_files)
         self.keep_other_files = bool(keep_other_files)
         self.save_id = uuid.uuid4().hex
@@ -264,28 +312,32 @@ class Writer(StorageWriter, AsyncStager):
         return fut
 
     def _write(self, path: str, name: str, plan: SavePlan, planner: SavePlanner) -> list:
-        results = []
-        with open(path, "wb") as f:
-            for item in plan.items:
-                data = planner.resolve_data(item)
-                offset = f.tell()
-                if item.type == WriteItemType.BYTE_IO:
-                    f.write(data.getbuffer())
-                else:
-                    tensor = data.detach()
-                    if tensor.device.type != "cpu":
-                        tensor = tensor.cpu()
-                    if tensor.untyped_storage().nbytes() != tensor.numel() * \
-                            tensor.element_size():
-                        tensor = tensor.clone()  # a view: its own bytes, not its storage's
-                    torch.save(tensor, f)
-                length = f.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
-            f.flush()
-            if self.sync_files:
-                os.fsync(f.fileno())
-        return results
+        # Each item as DCP's writer appends it (a tensor: the archive torch.save writes of it
+        # into a stream; bytes: the bytes), pickled here and written by the library from where
+        # the tensors are, without the GIL, at a low priority (the training's threads first).
+        items = []
+        keep = []  # what the items' addresses point into, alive until written
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                items.append((bytes(data.getbuffer()), None))
+                continue
+            tensor = data.detach()
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                tensor = tensor.clone()  # a view: its own bytes, not its storage's
+            found: list = []
+            buf = io.BytesIO()
+            _snapshot.Pickler(buf, found).dump(tensor)
+            keep.append(tensor)
+            items.append((buf.getvalue(), [(key, storage.data_ptr(), storage.nbytes())
+                                          for key, storage in found]))
+        spans = _C.write_appended(path, items, self.sync_files, self.priority)
+        del keep
+        return [WriteResult(index=item.index, size_in_bytes=length,
+                            storage_data=_StorageInfo(name, offset, length))
+                for item, (offset, length) in zip(plan.items, spans)]
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         metadata.version = _DCP_VERSION

@@ -196,6 +196,8 @@ def _failed_on(rank: int, what: str, where: str, tag: str) -> Error:
 
 # Whether a save returns once its state is snapshotted (install(save_in_background=...)).
 background = True
+# The background writer's thread priority (install(save_priority=...)).
+priority = "idle"
 # How long the first rank waits for the others' files before it gives the save up (seconds).
 WAIT_SECONDS = 1800.0
 # Host memory left free when the staging grows: past (the probe's free memory - this), a rank's
@@ -433,7 +435,7 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         try:
             if _writer is None:
                 _writer = _C.BackgroundSave()
-            _writer.start(os.fspath(save_dir), partial, tag, me, world, bool(save_latest), True,
+            _writer.start(os.fspath(save_dir), partial, tag, me, world, bool(save_latest), priority,
                           float(WAIT_SECONDS), snap.files, snap.parts)
             _pending = {"dir": os.fspath(save_dir), "where": where, "tag": tag,
                         "files": len(snap.files), "parts": len(snap.parts), "blocking": 0.0,

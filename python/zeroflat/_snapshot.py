@@ -101,7 +101,7 @@ class Staging:
 _STORAGES = (torch.storage.TypedStorage, torch.storage.UntypedStorage)
 
 
-class _Pickler(pickle.Pickler):
+class Pickler(pickle.Pickler):
     """torch.save's pickling: storages by persistent id, recorded in ``found``."""
 
     def __init__(self, buf, found: List[Tuple[str, Any]]):
@@ -164,7 +164,7 @@ class Snapshot:
         ``ranks`` ranks together: only this rank's part (part 0) is copied here."""
         found: List[Tuple[str, Any]] = []
         buf = io.BytesIO()
-        _Pickler(buf, found).dump(obj)
+        Pickler(buf, found).dump(obj)
         records = []
         host = []
         device = []

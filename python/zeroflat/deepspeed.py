@@ -31,7 +31,7 @@ import torch
 import zeroflat
 from . import _dropin, _load, _resume, _save, _stage3
 from ._comm import all_reduce_ints
-from ._common import bool_option, engine_threads, select
+from ._common import bool_option, engine_threads, priority_option, select
 from ._save import wait  # noqa: F401 - zeroflat.deepspeed.wait
 from ._dropin import log, round_robin_offsets, stats
 from ._dropin import state as _state
@@ -619,7 +619,7 @@ def _patches(stage_1_and_2) -> List[Patch]:
 
 def install(*, allow_untested: bool = False,
             progress: Optional[Callable[[Any], None]] = None,
-            save_in_background: bool = True) -> None:
+            save_in_background: bool = True, save_priority: str = "idle") -> None:
     """Makes DeepSpeed's ZeRO-1/2 and Stage 3 optimizers build their flat buffers through
     zeroflat.
 
@@ -636,10 +636,15 @@ def install(*, allow_untested: bool = False,
     (``engine.load_checkpoint``), as ``zeroflat.load_param_groups`` takes it; each rank logs the
     same at INFO on the ``zeroflat`` logger, with or without it. ``save_in_background``:
     ``save_checkpoint`` returns once the state is snapshotted (``wait()``); False: once it is
-    published (docs/python.md, "Saving a DeepSpeed checkpoint")."""
+    published (docs/python.md, "Saving a DeepSpeed checkpoint"). ``save_priority``: how the
+    background writer's thread competes with the training's for the cores: "idle" (only when a
+    core would otherwise idle: the steps barely feel it), "low" (10 nicer) or "normal" (the
+    shortest write)."""
     global _applied
     check_callback(progress)
-    _save.background = bool_option("save_in_background", save_in_background)
+    background = bool_option("save_in_background", save_in_background)
+    _save.priority = priority_option("save_priority", save_priority)
+    _save.background = background
     deepspeed, s12 = _deepspeed_modules()
     rules = _release_rules(deepspeed)
     stage3, why = _stage3.patches()

@@ -11,7 +11,6 @@
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "common/thread_pool.h"
@@ -235,7 +234,7 @@ void BackgroundSave::start(SaveJob job) {
   total_.store(total);
   thread_ = detail::start_thread(0, [this] {
     const auto t0 = Clock::now();
-    if (job_.low_priority) (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
+    set_thread_write_priority(job_.priority);
     try {
       run_job(job_, written_, cancelled_, outcome_);
     } catch (const RankFailed& e) {

@@ -11,6 +11,9 @@
 #include <optional>
 #include <string_view>
 
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "zeroflat/save.h"
@@ -22,6 +25,27 @@ std::mutex fault_mutex;
 std::optional<std::string> fault_override;
 
 }  // namespace
+
+WritePriority parse_write_priority(const std::string& name) {
+  if (name == "idle") return WritePriority::kIdle;
+  if (name == "low") return WritePriority::kLow;
+  if (name == "normal") return WritePriority::kNormal;
+  throw InvalidArgument("a writer's priority is idle, low or normal, not '" + printable(name, 40) + "'");
+}
+
+void set_thread_write_priority(WritePriority p) noexcept {
+  const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
+  if (p == WritePriority::kIdle) {
+    sched_param param{};
+    if (::sched_setscheduler(0, SCHED_IDLE, &param) == 0) return;
+    p = WritePriority::kLow;  // a system without it: nice 10
+  }
+  if (p == WritePriority::kLow) {
+    errno = 0;
+    const int now = ::getpriority(PRIO_PROCESS, tid);
+    if (errno == 0) (void)::setpriority(PRIO_PROCESS, tid, std::min(19, now + 10));
+  }
+}
 
 void set_save_fault_for_testing(std::optional<std::string> spec) {
   std::lock_guard<std::mutex> lock(fault_mutex);

@@ -361,6 +361,121 @@ std::uint32_t write_shared_part(const SharedPart& part, std::atomic<std::uint64_
   return crc;
 }
 
+namespace {
+
+// Records at most this big travel in the buffer of the headers around them (one write for a
+// small archive); bigger ones are written from where they are.
+constexpr std::uint64_t kInlineBytes = std::uint64_t{64} << 10;
+// Write-back is started behind every this many bytes written.
+constexpr std::uint64_t kWriteBackBytes = std::uint64_t{8} << 20;
+
+class AppendingFile {
+ public:
+  AppendingFile(const std::string& path, std::atomic<std::uint64_t>* written)
+      : path_(path), fd_(path, O_WRONLY | O_CREAT | O_TRUNC, "write", 0644), written_(written) {}
+
+  std::uint64_t at() const { return at_ + buf_.size(); }
+  void add(const void* data, std::uint64_t n) {
+    if (n <= kInlineBytes) {
+      buf_.append(static_cast<const char*>(data), n);
+      if (buf_.size() >= kPieceBytes) flush();
+      return;
+    }
+    flush();
+    const auto* p = static_cast<const std::byte*>(data);
+    for (std::uint64_t off = 0; off < n; off += kPieceBytes) put(p + off, std::min(kPieceBytes, n - off));
+  }
+  void add(const std::string& s) { add(s.data(), s.size()); }
+  void flush() {
+    const std::string b = std::move(buf_);
+    buf_.clear();
+    if (!b.empty()) put(b.data(), b.size());
+  }
+  void finish(bool sync) {
+    flush();
+    if (sync && ::fsync(fd_.get()) != 0) throw io_error("write (fsync)", path_, errno);
+    fd_.close("write", path_);
+  }
+
+ private:
+  void put(const void* data, std::uint64_t n) {
+    save_io::pwrite_all(fd_.get(), data, n, at_, "write", path_);
+    at_ += n;
+    unsynced_ += n;
+    if (unsynced_ >= kWriteBackBytes) {
+      (void)::sync_file_range(fd_.get(), static_cast<off_t>(at_ - unsynced_), static_cast<off_t>(unsynced_),
+                              SYNC_FILE_RANGE_WRITE);
+      unsynced_ = 0;
+    }
+    if (written_ != nullptr) written_->fetch_add(n, std::memory_order_relaxed);
+  }
+
+  std::string path_;
+  save_io::Fd fd_;
+  std::atomic<std::uint64_t>* written_;
+  std::uint64_t at_ = 0;
+  std::uint64_t unsynced_ = 0;
+  std::string buf_;
+};
+
+// One archive at the file's end, its offsets counted from its own start (as torch.save writes
+// into a stream). Returns its size.
+std::uint64_t append_archive(AppendingFile& out, const StagedFile& file) {
+  Layout l = make_layout(file);
+  const std::uint64_t base = out.at();
+  for (std::size_t i = 0; i + 1 < l.entries.size(); ++i) l.entries[i].crc = crc32(0, l.entries[i].data, l.entries[i].size);
+  l.id = serialization_id(l.entries);
+  Entry& id = l.entries.back();
+  id.data = reinterpret_cast<const std::byte*>(l.id.data());
+  id.crc = crc32(0, l.id.data(), l.id.size());
+  for (const Entry& e : l.entries) {
+    if (out.at() != base + e.header_offset) throw Error("internal: an archive's layout and its writes disagree");
+    out.add(local_header(e));
+    out.add(e.data, e.size);
+  }
+  out.add(central_directory(l));
+  return out.at() - base;
+}
+
+std::vector<ItemSpan> append_items(const std::string& path, const std::vector<AppendedItem>& items, bool sync,
+                                   std::atomic<std::uint64_t>* written) {
+  AppendingFile out(path, written);
+  std::vector<ItemSpan> spans;
+  spans.reserve(items.size());
+  for (const AppendedItem& item : items) {
+    const std::uint64_t begin = out.at();
+    if (item.archive) {
+      append_archive(out, *item.archive);
+    } else {
+      if (item.size > 0 && item.data == nullptr) throw InvalidArgument("an appended item has no bytes");
+      out.add(item.data, item.size);
+    }
+    spans.push_back({begin, out.at() - begin});
+  }
+  out.finish(sync);
+  return spans;
+}
+
+}  // namespace
+
+std::vector<ItemSpan> write_appended(const std::string& path, const std::vector<AppendedItem>& items, bool sync,
+                                     WritePriority priority, std::atomic<std::uint64_t>* written) {
+  if (priority == WritePriority::kNormal) return append_items(path, items, sync, written);
+  std::vector<ItemSpan> spans;
+  std::exception_ptr error;
+  std::thread writer = detail::start_thread(0, [&] {
+    set_thread_write_priority(priority);
+    try {
+      spans = append_items(path, items, sync, written);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  writer.join();
+  if (error) std::rethrow_exception(error);
+  return spans;
+}
+
 std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written) {
   TorchFileWriter w(file);
   if (w.shared_records() != 0) throw InvalidArgument("write_torch_file: a file with shared records needs TorchFileWriter");
