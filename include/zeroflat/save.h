@@ -276,12 +276,17 @@ class BackgroundSave {
   // Data bytes written so far, of `bytes_total()`, for progress.
   std::uint64_t bytes_written() const noexcept { return written_.load(std::memory_order_relaxed); }
   std::uint64_t bytes_total() const noexcept { return total_.load(std::memory_order_relaxed); }
+  // How many of the job's files (in their order) have all their data written: the memory they
+  // were staged in, or the tensors they were written from, is the caller's again (their
+  // headers may come later, from what the writer keeps).
+  std::size_t files_written() const noexcept { return files_written_.load(std::memory_order_acquire); }
 
  private:
   SaveJob job_;
   SaveOutcome outcome_;
   std::atomic<std::uint64_t> written_{0};
   std::atomic<std::uint64_t> total_{0};
+  std::atomic<std::size_t> files_written_{0};
   std::atomic<bool> finished_{true};
   std::atomic<bool> cancelled_{false};
   std::thread thread_;

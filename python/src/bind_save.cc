@@ -170,7 +170,8 @@ void bind_save(py::module_& m) {
            })
       .def_property_readonly("finished", &zf::BackgroundSave::finished)
       .def_property_readonly("bytes_written", &zf::BackgroundSave::bytes_written)
-      .def_property_readonly("bytes_total", &zf::BackgroundSave::bytes_total);
+      .def_property_readonly("bytes_total", &zf::BackgroundSave::bytes_total)
+      .def_property_readonly("files_written", &zf::BackgroundSave::files_written);
   m.def("partial_tag_name", &zf::partial_tag_name, py::arg("tag"));
   m.def(
       "remove_partial",

@@ -1108,7 +1108,8 @@ def test_async_saves_staging_is_reused_under_the_process_executor(tmp_path):
 def test_the_writers_priority_is_one_of_three_and_each_writes_the_same_folder(tmp_path):
     """Writer(priority=...): "idle", "low" and "normal" each write a folder that loads as saved;
     anything else is refused before anything is written, naming the choices; so is
-    zeroflat.deepspeed.install(save_priority=...)'s."""
+    zeroflat.deepspeed.install(save_priority=...)'s, and a save_staging_bytes that is not a
+    number of bytes."""
     import zeroflat.dcp
     import zeroflat.deepspeed
 
@@ -1124,4 +1125,7 @@ def test_the_writers_priority_is_one_of_three_and_each_writes_the_same_folder(tm
             zeroflat.dcp.Writer(str(tmp_path / "bad"), priority=bad)
         with pytest.raises(ValueError, match="idle, low, normal"):
             zeroflat.deepspeed.install(save_priority=bad)
+    for bad in (-1, 1.5, "1G", True):
+        with pytest.raises(ValueError, match="save_staging_bytes"):
+            zeroflat.deepspeed.install(save_staging_bytes=bad)
     assert not os.path.exists(tmp_path / "bad")

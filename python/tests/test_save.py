@@ -425,25 +425,37 @@ def _background_worker(rank, world, port, out, stage, result):
         assert _save._staging.capacity == capacity
     zd.wait()
     # Host memory too short for the staging (the margin above the probe's free memory): the
-    # files are written from the tensors themselves, and the call returns once published.
+    # files are written from the tensors themselves first, and the call returns once their data
+    # is written (a wave), before the save is published (held back here by half a second at
+    # the first rank's sync of the folder): a step right after the call does not reach them.
     kept, _save._staging = _save._staging, _snapshot.Staging()  # as at a process's first save
     _save.STAGING_MARGIN = 1 << 62
+    at_call = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    if rank == 0:
+        _C.set_save_fault_for_testing("sync_tree:delay")
     try:
         engine.save_checkpoint(ours, tag="direct")
         # The host tensors were written in place, not staged.
         assert _save._staging.last_need < kept.last_need, (_save._staging.last_need,
                                                            kept.last_need)
+        if rank == 0:
+            with open(os.path.join(ours, "latest")) as f:
+                assert f.read() == "s3"  # returned before the save was published
+        train_steps(engine, rank, 1, seed=700)
+        zd.wait(every_rank=True)
     finally:
+        _C.set_save_fault_for_testing(None)
         _save.STAGING_MARGIN = 256 << 20
         _save._staging = kept
     if rank == 0:
         with open(os.path.join(ours, "latest")) as f:
-            assert f.read() == "direct"  # published before the call returned
+            assert f.read() == "direct"
     torch.distributed.barrier()
     if stage != 3:  # ZeRO-3's module files hold placeholders
         direct = torch.load(os.path.join(ours, "direct", "mp_rank_00_model_states.pt"),
                             weights_only=False)["module"]
-        for name, value in engine.module.state_dict().items():
+        assert any(not torch.equal(v, engine.module.state_dict()[k]) for k, v in at_call.items())
+        for name, value in at_call.items():
             assert torch.equal(direct[name], value), name
     outcomes = [s for s in zd.stats["saves"] if s["dir"] == ours]
     assert [s["error"] is None for s in outcomes] == [True, False] + [True] * 6

@@ -107,8 +107,8 @@ def _signature(value: Any) -> Any:
 
 def _copy_into(value: Any, staged: Any, copies: list) -> Any:
     """``staged`` (a copy of ``value``'s structure on the host) given ``value``'s contents: host
-    tensors as (to, from) in ``copies`` (copied after, together: _copy_host), others copied
-    here; plain values copied."""
+    tensors as (to, from) in ``copies`` (copied after, together: _snapshot.copy_host), others
+    copied here; plain values copied."""
     if isinstance(value, dict):
         return type(staged)((k, _copy_into(v, staged[k], copies)) for k, v in value.items())
     if isinstance(value, (list, tuple)):
@@ -128,26 +128,6 @@ def _copy_into(value: Any, staged: Any, copies: list) -> Any:
             b.tensor.copy_(a.tensor)
         return staged
     return copy.deepcopy(value)
-
-
-# Host tensors at least this big are copied by torch's own threads, one call for all of them;
-# the smaller ones by the library in the calling thread, one call for all of them.
-_TORCH_COPY_BYTES = 1 << 20
-
-
-def _copy_host(pairs: list) -> None:
-    """Copies each (to, from) pair of contiguous host tensors of one dtype and size. The large
-    ones through torch's intra-op threads: a rank's training leaves them spinning for a while
-    after each parallel region, and threads of the library's own would share the cores with
-    them (a third slower on two cores); the small ones in one library call."""
-    large = [(d.view(-1), s.view(-1)) for d, s in pairs
-             if s.numel() * s.element_size() >= _TORCH_COPY_BYTES]
-    small = [(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()) for d, s in pairs
-             if s.numel() * s.element_size() < _TORCH_COPY_BYTES]
-    if large:
-        torch._foreach_copy_([d for d, _ in large], [s for _, s in large])
-    if small:
-        _C.stage_copies(small, 1)
 
 
 def stage(state_dict: Any) -> Any:
@@ -181,7 +161,7 @@ def stage(state_dict: Any) -> Any:
                 _staging["owner"] = weakref.ref(out)
             except TypeError:  # a container without weak references: freed by write_data alone
                 _staging["owner"] = None
-    _copy_host(copies)
+    _snapshot.copy_host(copies)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return out

@@ -201,8 +201,11 @@ priority = "idle"
 # How long the first rank waits for the others' files before it gives the save up (seconds).
 WAIT_SECONDS = 1800.0
 # Host memory left free when the staging grows: past (the probe's free memory - this), a rank's
-# files are written from its tensors themselves and the save blocks (bytes).
+# files are written from its tensors themselves and the save blocks until they are (bytes).
 STAGING_MARGIN = 256 << 20
+# The most host memory a rank's staging may take (install(save_staging_bytes=...); None: what
+# the probe leaves, above).
+staging_bytes: Optional[int] = None
 
 _writer: Optional["_C.BackgroundSave"] = None
 _staging = _snapshot.Staging()
@@ -376,9 +379,12 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     # (pickled as torch.save would, its tensors' bytes copied into the staging memory): a
     # failure kept, not raised, so that every rank still meets DeepSpeed's collectives.
     ce = engine.checkpoint_engine
-    _staging.begin(pinned=torch.cuda.is_available() and torch.cuda.is_initialized())
-    snap = _snapshot.Snapshot(_staging, torch.get_num_threads(),
-                              free=max(0, _C.host_free_bytes() - STAGING_MARGIN))
+    _staging.begin(pinned=torch.cuda.is_available() and torch.cuda.is_initialized(),
+                   limit=staging_bytes)
+    free = max(0, _C.host_free_bytes() - STAGING_MARGIN)
+    if staging_bytes is not None:
+        free = min(free, max(0, staging_bytes - _staging.capacity))
+    snap = _snapshot.Snapshot(_staging, free=free)
     flats = _shared_flats(engine, world) if share_model else None
     shared = {t.untyped_storage()._cdata: i for i, t in enumerate(flats or [])}
     failure: List[BaseException] = []
@@ -435,8 +441,9 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         try:
             if _writer is None:
                 _writer = _C.BackgroundSave()
+            files, first = snap.ordered()
             _writer.start(os.fspath(save_dir), partial, tag, me, world, bool(save_latest), priority,
-                          float(WAIT_SECONDS), snap.files, snap.parts)
+                          float(WAIT_SECONDS), files, snap.parts)
             _pending = {"dir": os.fspath(save_dir), "where": where, "tag": tag,
                         "files": len(snap.files), "parts": len(snap.parts), "blocking": 0.0,
                         "stop": threading.Event()}
@@ -447,8 +454,8 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
     try:
-        failing, direct = all_reduce_ints([failing_word(error, None), int(snap.direct)], None,
-                                          "max", "the save's start (an all-reduce)", "save-start")
+        failing = all_reduce_ints([failing_word(error, None)], None, "max",
+                                  "the save's start (an all-reduce)", "save-start")[0]
         raise_failed(failing, error, None, "the save's start",
                      lambda r, why: _failed_on(r, f"starting to write its files ({why})", where,
                                                tag))
@@ -457,16 +464,19 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             _writer.cancel()  # written, never published; waited for by the next save
             _pending["cancelled"] = True
         raise
-    if direct:
-        # A rank's state did not fit the free host memory: its files are written from the
-        # tensors themselves, so every rank waits for the write before returning.
+    if first:
+        # This rank's state did not all fit the staging (the free host memory, or
+        # save_staging_bytes): the files that did not are written first, from the tensors
+        # themselves, and the call returns once their data is (a wave); the staged rest is
+        # written in the background. A failure meanwhile raises at the next save, load or wait.
         if "direct" not in _warned:
             _warned.add("direct")
-            log.warning("zeroflat: save_checkpoint(%s): staging a rank's state would take more "
-                        "host memory than is free; this save returns once written", where)
-        settle(agree=True, what=f"save_checkpoint({where}, tag {tag!r})")
-        stats["saves"][-1]["blocking_seconds"] = time.perf_counter() - start
-        return True
+            log.warning("zeroflat: save_checkpoint(%s): staging this rank's state would take "
+                        "more host memory than the staging may (%s); the files that do not fit "
+                        "are written before the call returns", where,
+                        "save_staging_bytes" if staging_bytes is not None else "the free memory")
+        while _writer.files_written < first and not _writer.finished:
+            time.sleep(0.002)
     _pending["blocking"] = time.perf_counter() - start
 
     # 4. Written and published by the library's thread (include/zeroflat/save.h): here, or in

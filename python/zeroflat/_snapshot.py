@@ -5,7 +5,7 @@ in the background (include/zeroflat/save.h: write_torch_file, BackgroundSave).
 ``("storage", <storage class>, <key>, <location>, <numel>)`` and writes each storage's bytes as
 the record ``data/<key>`` of a zip archive. ``Snapshot.add`` does the same pickling (protocol 2,
 storages deduplicated by identity, keys "0", "1", ... in first-seen order) and copies each
-storage's bytes into ``Staging``: memory reused from save to save (pinned host memory when a
+storage's bytes into ``Staging`` (copy_host): memory reused from save to save (pinned host memory when a
 storage is on an accelerator, copied on a side stream), so that the caller may change its
 tensors as soon as ``add`` returns. The library then writes the records from there.
 """
@@ -50,9 +50,13 @@ class Staging:
     def capacity(self) -> int:
         return sum(s.numel() for s in self._segments)
 
-    def begin(self, pinned: bool) -> None:
-        """A new save: the memory it will place into (the last save's bytes must be written)."""
+    def begin(self, pinned: bool, limit: Optional[int] = None) -> None:
+        """A new save: the memory it will place into (the last save's bytes must be written).
+        ``limit``: the most the staging may hold (its segments dropped when they hold more)."""
         pinned = pinned and torch.cuda.is_available()
+        if limit is not None and self.capacity > limit:
+            self._segments = []
+            self.last_need = min(self.last_need, limit)
         if (pinned and not self._pinned) or self.capacity > self.last_need + self.SLACK:
             self._segments = []
             if self.last_need:
@@ -100,6 +104,35 @@ class Staging:
 
 _STORAGES = (torch.storage.TypedStorage, torch.storage.UntypedStorage)
 
+# Host copies at least this big go through torch's own intra-op threads, one call for all of
+# them; the smaller ones through the library in the calling thread, one call for all of them.
+TORCH_COPY_BYTES = 1 << 20
+
+
+def copy_host(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copies each (to, from) pair of contiguous host tensors of one dtype and size, without
+    the GIL. The large ones through torch's intra-op threads: a rank's training leaves them
+    spinning for a while after each parallel region, and threads of the library's own would
+    share the cores with them (a third slower on two cores); the small ones in one library
+    call."""
+    large, small = [], []
+    for d, s in pairs:
+        n = s.numel() * s.element_size()
+        if n >= TORCH_COPY_BYTES:
+            large.append((d.view(-1), s.view(-1)))
+        elif n:
+            small.append((d.data_ptr(), s.data_ptr(), n))
+    if large:
+        torch._foreach_copy_([d for d, _ in large], [s for _, s in large])
+    if small:
+        _C.stage_copies(small, 1)
+
+
+def _bytes_of(storage, begin: int = 0, n: Optional[int] = None) -> torch.Tensor:
+    """A uint8 tensor over ``n`` bytes of ``storage`` from ``begin`` (all of them by default)."""
+    t = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return t[begin:begin + (storage.nbytes() - begin if n is None else n)]
+
 
 class Pickler(pickle.Pickler):
     """torch.save's pickling: storages by persistent id, recorded in ``found``."""
@@ -140,13 +173,14 @@ class Pickler(pickle.Pickler):
 class Snapshot:
     """The files of one save: each one's pickle and its storages' staged bytes."""
 
-    def __init__(self, staging: Staging, threads: int, free: Optional[int] = None):
+    def __init__(self, staging: Staging, free: Optional[int] = None):
         self.staging = staging
-        self.threads = max(1, threads)
         # Host memory the staging may still grow by (None: no limit); past it, a file's host
-        # tensors are written from where they are, and the save blocks until they are.
+        # tensors are written from where they are, and the save blocks until they are (the
+        # writer writes those files first: ordered()).
         self.free = free
         self.direct = False
+        self.file_direct: List[bool] = []
         self._keep: List[Any] = []
         # Each file: (path, pickle, [(key, address, size, parts)]).
         self.files: List[Tuple[str, bytes, list]] = []
@@ -178,7 +212,6 @@ class Snapshot:
             grow = self.staging.growth(sizes)
             if grow > self.free:
                 direct = [storage.device.type == "cpu" for _, storage in found]
-                self.direct = self.direct or any(direct)
             else:
                 self.free -= grow
         places = self.staging.place([0 if d else n for d, n in zip(direct, sizes)], on_device)
@@ -196,16 +229,24 @@ class Snapshot:
             if n == 0 or d:
                 continue
             if on_host:
-                host.append((dst.data_ptr(), storage.data_ptr(), n))
+                host.append((dst, _bytes_of(storage, 0, n)))
             else:
-                src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-                device.append((dst, src[:n]))
+                device.append((dst, _bytes_of(storage, 0, n)))
             self.bytes += n
         if host:
-            _C.stage_copies(host, self.threads)
+            copy_host(host)
         if device:
             self._copy_from_devices(device)
         self.files.append((path, buf.getvalue(), records))
+        self.file_direct.append(any(direct))
+        self.direct = self.direct or any(direct)
+
+    def ordered(self) -> Tuple[List[Tuple[str, bytes, list]], int]:
+        """The files in the order the writer takes them: those written from the tensors
+        themselves first (the save returns once their data is written: a wave), then the staged
+        ones; and how many come first."""
+        first = [f for f, d in zip(self.files, self.file_direct) if d]
+        return first + [f for f, d in zip(self.files, self.file_direct) if not d], len(first)
 
     def stage_parts(self, tensors: List[torch.Tensor], rank: int, ranks: int) -> None:
         """Copies this rank's part of each shared tensor's storage (``tensors[i]``: shared id
@@ -224,13 +265,12 @@ class Snapshot:
             if n == 0:
                 continue
             if storage.device.type == "cpu":
-                host.append((dst.data_ptr(), storage.data_ptr() + begin, n))
+                host.append((dst, _bytes_of(storage, begin, n)))
             else:
-                src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-                device.append((dst, src[begin:begin + n]))
+                device.append((dst, _bytes_of(storage, begin, n)))
             self.bytes += n
         if host:
-            _C.stage_copies(host, self.threads)
+            copy_host(host)
         if device:
             self._copy_from_devices(device)
 

@@ -619,7 +619,8 @@ def _patches(stage_1_and_2) -> List[Patch]:
 
 def install(*, allow_untested: bool = False,
             progress: Optional[Callable[[Any], None]] = None,
-            save_in_background: bool = True, save_priority: str = "idle") -> None:
+            save_in_background: bool = True, save_priority: str = "idle",
+            save_staging_bytes: Optional[int] = None) -> None:
     """Makes DeepSpeed's ZeRO-1/2 and Stage 3 optimizers build their flat buffers through
     zeroflat.
 
@@ -639,12 +640,20 @@ def install(*, allow_untested: bool = False,
     published (docs/python.md, "Saving a DeepSpeed checkpoint"). ``save_priority``: how the
     background writer's thread competes with the training's for the cores: "idle" (only when a
     core would otherwise idle: the steps barely feel it), "low" (10 nicer) or "normal" (the
-    shortest write)."""
+    shortest write). ``save_staging_bytes``: the most host memory a rank's save may stage
+    (default: the probe's free memory less 256 MiB); the files that do not fit are written from
+    the tensors before the call returns, the rest in the background."""
     global _applied
     check_callback(progress)
     background = bool_option("save_in_background", save_in_background)
+    if save_staging_bytes is not None and (
+            isinstance(save_staging_bytes, bool) or not isinstance(save_staging_bytes, int)
+            or save_staging_bytes < 0):
+        raise ValueError(f"save_staging_bytes is {save_staging_bytes!r}: expected a number of "
+                         "bytes (0 or more) or None")
     _save.priority = priority_option("save_priority", save_priority)
     _save.background = background
+    _save.staging_bytes = save_staging_bytes
     deepspeed, s12 = _deepspeed_modules()
     rules = _release_rules(deepspeed)
     stage3, why = _stage3.patches()

@@ -125,8 +125,8 @@ std::vector<std::vector<std::uint32_t>> await_ranks(const SaveJob& job, const st
   return crcs;
 }
 
-void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, const std::atomic<bool>& cancelled,
-             SaveOutcome& out) {
+void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, std::atomic<std::size_t>& files_written,
+             const std::atomic<bool>& cancelled, SaveOutcome& out) {
   const std::string folder = job.dir.empty() ? std::string() : job.dir + "/" + job.partial;
   std::vector<std::unique_ptr<TorchFileWriter>> writers;
   std::vector<std::size_t> shared;  // files with shared records: finished once the others' are in
@@ -138,6 +138,7 @@ void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, const std:
     save_io::fault_point("write." + std::to_string(k + 1), job.files[k].path);
     writers.push_back(std::make_unique<TorchFileWriter>(job.files[k]));
     writers.back()->write_data(&written);
+    files_written.fetch_add(1, std::memory_order_release);  // its data read: the caller's again
     if (writers.back()->shared_records() == 0) {
       writers.back()->finish({});
       out.bytes += writers.back()->bytes_written();
@@ -229,6 +230,7 @@ void BackgroundSave::start(SaveJob job) {
   job_ = std::move(job);
   outcome_ = SaveOutcome{};
   written_.store(0);
+  files_written_.store(0);
   finished_.store(false);
   cancelled_.store(false);
   total_.store(total);
@@ -236,7 +238,7 @@ void BackgroundSave::start(SaveJob job) {
     const auto t0 = Clock::now();
     set_thread_write_priority(job_.priority);
     try {
-      run_job(job_, written_, cancelled_, outcome_);
+      run_job(job_, written_, files_written_, cancelled_, outcome_);
     } catch (const RankFailed& e) {
       outcome_.error = e.what();
       outcome_.failed_rank = e.rank();
