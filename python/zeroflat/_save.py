@@ -397,24 +397,30 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         except Exception as e:  # noqa: BLE001 - kept for the agreement after DeepSpeed's save
             failure.append(e)
 
+    parts_done = None
+    if flats is not None and me != 0:
+        try:  # this rank's part of the model file's groups, copied while the first rank pickles
+            parts_done = snap.stage_parts(flats, me, world)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            error = e
     own = vars(ce).get("save")  # an instance's own save, put back as it was
     ce.save = save
     try:
         original(engine, save_dir, tag=partial, save_latest=False, **args)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
-        error = e
+        error = error or e
     finally:
         if own is None:
             del ce.save
         else:
             ce.save = own
+        if parts_done is not None:
+            try:
+                parts_done()
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it
+                error = error or e
     if error is None and failure:
         error = failure[0]
-    if error is None and flats is not None and me != 0:
-        try:  # this rank's part of the model file's groups, while the first rank may still pickle
-            snap.stage_parts(flats, me, world)
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            error = e
     try:
         # One all-reduce: whether every rank took its snapshot, and the length of the first
         # rank's layout of its shared records (ZeRO-1/2's 16-bit model file: every rank writes

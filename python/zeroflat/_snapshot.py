@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -248,9 +249,13 @@ class Snapshot:
         first = [f for f, d in zip(self.files, self.file_direct) if d]
         return first + [f for f, d in zip(self.files, self.file_direct) if not d], len(first)
 
-    def stage_parts(self, tensors: List[torch.Tensor], rank: int, ranks: int) -> None:
+    def stage_parts(self, tensors: List[torch.Tensor], rank: int,
+                    ranks: int) -> Callable[[], None]:
         """Copies this rank's part of each shared tensor's storage (``tensors[i]``: shared id
-        i), before the first rank's layout says where they go (``place_parts``)."""
+        i), before the first rank's layout says where they go (``place_parts``). The staging is
+        placed here; the host parts are copied by a thread of their own, so that the copy runs
+        while this rank waits at DeepSpeed's barriers for the first rank's model file. Returns
+        what waits for that copy (and raises its failure)."""
         self._staged_parts = {}
         chunks = []
         for i, t in enumerate(tensors):
@@ -269,10 +274,27 @@ class Snapshot:
             else:
                 device.append((dst, _bytes_of(storage, begin, n)))
             self.bytes += n
-        if host:
-            copy_host(host)
         if device:
             self._copy_from_devices(device)
+        if not host:
+            return lambda: None
+        failure: List[BaseException] = []
+
+        def copy() -> None:
+            try:
+                copy_host(host)
+            except BaseException as e:  # noqa: BLE001 - raised by the caller's wait
+                failure.append(e)
+
+        thread = threading.Thread(target=copy, name="zeroflat-save-parts", daemon=True)
+        thread.start()
+
+        def done() -> None:
+            thread.join()
+            if failure:
+                raise failure[0]
+
+        return done
 
     def place_parts(self, plan: List[Tuple[str, int, int, int]], rank: int, ranks: int) -> None:
         """This rank's part of each shared record of ``plan`` ((path, data offset, shared id,
