@@ -382,27 +382,25 @@ def _zeroflat_deepspeed(engine, out, root, args):
     rank = dist.get_rank()
     zd.install()
     folder = os.path.join(root, "zeroflat")
-    _drop_caches()
-    dist.barrier()
-    start = time.perf_counter()
-    engine.save_checkpoint(folder, tag="t1")
-    out["zeroflat_first"] = time.perf_counter() - start
+
+    def save(tag):
+        """A save from a quiet page cache: (when it began, its call's time)."""
+        _drop_caches()
+        dist.barrier()
+        start = time.perf_counter()
+        engine.save_checkpoint(folder, tag=tag)
+        return start, time.perf_counter() - start
+
+    start, out["zeroflat_first"] = save("t1")
     zd.wait(every_rank=True)
     out["zeroflat_first_durable"] = _barrier_time(start)
     _steps(engine, 1, args.width, 2)
     out["steps_before"] = _steps(engine, args.steps, args.width, 1)  # the same state, no write
-    _drop_caches()
-    dist.barrier()
-    start = time.perf_counter()
-    engine.save_checkpoint(folder, tag="t2")
-    out["zeroflat_call"] = time.perf_counter() - start
+    start, out["zeroflat_call"] = save("t2")
     out["steps_during"] = _steps(engine, args.steps, args.width, 1)
     zd.wait(every_rank=True)
     out["zeroflat_bytes"] = zd.stats["saves"][-1]["bytes"]  # what this rank wrote
-    _drop_caches()
-    dist.barrier()
-    start = time.perf_counter()
-    engine.save_checkpoint(folder, tag="t3")
+    start, _ = save("t3")
     zd.wait(every_rank=True)
     out["zeroflat_durable"] = _barrier_time(start)
     out["staging"] = _save._staging.capacity
@@ -421,11 +419,7 @@ def _zeroflat_deepspeed(engine, out, root, args):
     engine.save_checkpoint(folder, tag="w0")
     zd.wait(every_rank=True)
     _steps(engine, 1, args.width, 40)
-    _drop_caches()
-    dist.barrier()
-    start = time.perf_counter()
-    engine.save_checkpoint(folder, tag="w1")
-    out["waves_call"] = time.perf_counter() - start
+    start, out["waves_call"] = save("w1")
     zd.wait(every_rank=True)
     out["waves_durable"] = _barrier_time(start)
     zd.install(save_staging_bytes=None)

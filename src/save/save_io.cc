@@ -38,7 +38,7 @@ void set_thread_write_priority(WritePriority p) noexcept {
   if (p == WritePriority::kIdle) {
     sched_param param{};
     if (::sched_setscheduler(0, SCHED_IDLE, &param) == 0) return;
-    p = WritePriority::kLow;  // a system without it: nice 10
+    p = WritePriority::kLow;  // a system without it: 10 nicer
   }
   if (p == WritePriority::kLow) {
     errno = 0;
