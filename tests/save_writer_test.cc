@@ -162,7 +162,9 @@ TEST(TorchWriter, AppendedArchivesAreTheArchivesWrittenAloneEachAtItsSpan) {
     EXPECT_EQ(written.load(), bytes.size());
     EXPECT_EQ(spans.front().offset, 0u);
     EXPECT_EQ(spans.back().offset + spans.back().length, bytes.size());
-    for (std::size_t i = 0; i + 1 < spans.size(); ++i) EXPECT_EQ(spans[i].offset + spans[i].length, spans[i + 1].offset);
+    for (std::size_t i = 0; i + 1 < spans.size(); ++i) {
+      EXPECT_EQ(spans[i].offset + spans[i].length, spans[i + 1].offset);
+    }
     EXPECT_EQ(bytes.substr(spans[1].offset, spans[1].length), raw);
     for (std::size_t i : {0, 2, 3, 4}) {
       StagedFile alone = *items[i].archive;

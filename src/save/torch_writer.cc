@@ -423,7 +423,9 @@ class AppendingFile {
 std::uint64_t append_archive(AppendingFile& out, const StagedFile& file) {
   Layout l = make_layout(file);
   const std::uint64_t base = out.at();
-  for (std::size_t i = 0; i + 1 < l.entries.size(); ++i) l.entries[i].crc = crc32(0, l.entries[i].data, l.entries[i].size);
+  for (std::size_t i = 0; i + 1 < l.entries.size(); ++i) {
+    l.entries[i].crc = crc32(0, l.entries[i].data, l.entries[i].size);
+  }
   l.id = serialization_id(l.entries);
   Entry& id = l.entries.back();
   id.data = reinterpret_cast<const std::byte*>(l.id.data());
