@@ -5,9 +5,9 @@ in the background (include/zeroflat/save.h: write_torch_file, BackgroundSave).
 ``("storage", <storage class>, <key>, <location>, <numel>)`` and writes each storage's bytes as
 the record ``data/<key>`` of a zip archive. ``Snapshot.add`` does the same pickling (protocol 2,
 storages deduplicated by identity, keys "0", "1", ... in first-seen order) and copies each
-storage's bytes into ``Staging`` (copy_host): memory reused from save to save (pinned host memory when a
-storage is on an accelerator, copied on a side stream), so that the caller may change its
-tensors as soon as ``add`` returns. The library then writes the records from there.
+storage's bytes into ``Staging`` (``copy_host``): memory reused from save to save (pinned host
+memory when a storage is on an accelerator, copied on a side stream), so that the caller may
+change its tensors as soon as ``add`` returns. The library then writes the records from there.
 """
 
 from __future__ import annotations
