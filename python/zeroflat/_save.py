@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from . import _C, _dropin, _progress, _snapshot
 from ._comm import all_reduce_ints, failing_word, raise_agreed, raise_failed
-from ._common import bool_option, path_text
+from ._common import bool_option, path_text, priority_option
 from ._dropin import log, stats
 from ._errors import Error, IoError
 
@@ -206,6 +206,21 @@ STAGING_MARGIN = 256 << 20
 # The most host memory a rank's staging may take (install(save_staging_bytes=...); None: what
 # the probe leaves, above).
 staging_bytes: Optional[int] = None
+
+
+
+def configure(in_background: Any, save_priority: Any, save_staging_bytes: Any) -> None:
+    """install()'s save options, each checked before any is set."""
+    in_bg = bool_option("save_in_background", in_background)
+    level = priority_option("save_priority", save_priority)
+    if save_staging_bytes is not None and (
+            isinstance(save_staging_bytes, bool) or not isinstance(save_staging_bytes, int)
+            or save_staging_bytes < 0):
+        raise ValueError(f"save_staging_bytes is {save_staging_bytes!r}: expected a number of "
+                         "bytes (0 or more) or None")
+    global background, priority, staging_bytes
+    background, priority, staging_bytes = in_bg, level, save_staging_bytes
+
 
 _writer: Optional["_C.BackgroundSave"] = None
 _staging = _snapshot.Staging()

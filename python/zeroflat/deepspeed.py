@@ -31,7 +31,7 @@ import torch
 import zeroflat
 from . import _dropin, _load, _resume, _save, _stage3
 from ._comm import all_reduce_ints
-from ._common import bool_option, engine_threads, priority_option, select
+from ._common import engine_threads, select
 from ._save import wait  # noqa: F401 - zeroflat.deepspeed.wait
 from ._dropin import log, round_robin_offsets, stats
 from ._dropin import state as _state
@@ -617,12 +617,10 @@ def _patches(stage_1_and_2) -> List[Patch]:
     return out
 
 
-def install(*, allow_untested: bool = False,
-            progress: Optional[Callable[[Any], None]] = None,
+def install(*, allow_untested: bool = False, progress: Optional[Callable[[Any], None]] = None,
             save_in_background: bool = True, save_priority: str = "idle",
             save_staging_bytes: Optional[int] = None) -> None:
-    """Makes DeepSpeed's ZeRO-1/2 and Stage 3 optimizers build their flat buffers through
-    zeroflat.
+    """Makes DeepSpeed's ZeRO-1/2 and Stage 3 optimizers build their flat buffers via zeroflat.
 
     Any DeepSpeed from 0.14 on: a release outside SUPPORTED_VERSIONS gets a warning (once;
     ``allow_untested=True`` silences it), and every group is still checked against that
@@ -630,30 +628,18 @@ def install(*, allow_untested: bool = False,
     DeepSpeed itself, with a warning saying why. Older releases are refused (RuntimeError,
     nothing changed). A release whose Stage 3 optimizer lacks the steps the drop-in takes over
     keeps its own Stage 3, with a warning naming the release and why
-    (``stats["stage3_refused"]``); its ZeRO-1/2 are served. Installing twice is harmless. Either
-    every patch is in place or none is (docs/patches.md lists them).
-
-    ``progress``: a callable given a ``zeroflat.Progress`` every 10 s of a long resume
-    (``engine.load_checkpoint``), as ``zeroflat.load_param_groups`` takes it; each rank logs the
-    same at INFO on the ``zeroflat`` logger, with or without it. ``save_in_background``:
-    ``save_checkpoint`` returns once the state is snapshotted (``wait()``); False: once it is
-    published (docs/python.md, "Saving a DeepSpeed checkpoint"). ``save_priority``: how the
-    background writer's thread competes with the training's for the cores: "idle" (only when a
-    core would otherwise idle: the steps barely feel it), "low" (10 nicer) or "normal" (the
-    shortest write). ``save_staging_bytes``: the most host memory a rank's save may stage
-    (default: the probe's free memory less 256 MiB); the files that do not fit are written from
-    the tensors before the call returns, the rest in the background."""
+    (``stats["stage3_refused"]``); its ZeRO-1/2 are served. Installing twice is harmless; every
+    patch is in place or none is (docs/patches.md lists them).
+    ``progress``: a callable given a ``zeroflat.Progress`` every 10 s of a long resume, as
+    ``zeroflat.load_param_groups`` takes it (each rank logs it at INFO anyway).
+    ``save_checkpoint`` returns once the state is snapshotted (``wait()``;
+    ``save_in_background=False``: once published), its writer at ``save_priority`` ("idle",
+    "low", "normal"), its staging at most ``save_staging_bytes`` (default: the free host memory
+    less 256 MiB; what does not fit is written first): docs/python.md, "Saving a DeepSpeed
+    checkpoint"."""
     global _applied
     check_callback(progress)
-    background = bool_option("save_in_background", save_in_background)
-    if save_staging_bytes is not None and (
-            isinstance(save_staging_bytes, bool) or not isinstance(save_staging_bytes, int)
-            or save_staging_bytes < 0):
-        raise ValueError(f"save_staging_bytes is {save_staging_bytes!r}: expected a number of "
-                         "bytes (0 or more) or None")
-    _save.priority = priority_option("save_priority", save_priority)
-    _save.background = background
-    _save.staging_bytes = save_staging_bytes
+    _save.configure(save_in_background, save_priority, save_staging_bytes)
     deepspeed, s12 = _deepspeed_modules()
     rules = _release_rules(deepspeed)
     stage3, why = _stage3.patches()
