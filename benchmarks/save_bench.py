@@ -282,6 +282,14 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     dist.destroy_process_group()
 
 
+def _write_fsync(path, src):
+    """A plain write of ``src``'s bytes to a new file, fsync'd."""
+    with open(path, "wb") as f:
+        f.write(memoryview(src.numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _steps_beside_disk(run_steps, nbytes, root, rank):
     """The steps' time while the disk alone writes the rank's bytes: a plain write + fsync of
     them by a thread at the idle priority the writer takes (what the steps feel of the write
@@ -295,10 +303,7 @@ def _steps_beside_disk(run_steps, nbytes, root, rank):
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError):
             pass
-        with open(path, "wb") as f:
-            f.write(memoryview(src.numpy()))
-            f.flush()
-            os.fsync(f.fileno())
+        _write_fsync(path, src)
 
     _drop_caches()
     dist.barrier()
@@ -318,10 +323,7 @@ def _floor_and_ceiling(out, root, rank):
     _drop_caches()
     dist.barrier()
     start = time.perf_counter()
-    with open(path, "wb") as f:
-        f.write(memoryview(src.numpy()))
-        f.flush()
-        os.fsync(f.fileno())
+    _write_fsync(path, src)
     out["ceiling"] = _barrier_time(start)
     os.remove(path)
     dst = torch.empty_like(src)

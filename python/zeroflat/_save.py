@@ -208,7 +208,6 @@ STAGING_MARGIN = 256 << 20
 staging_bytes: Optional[int] = None
 
 
-
 def configure(in_background: Any, save_priority: Any, save_staging_bytes: Any) -> None:
     """install()'s save options, each checked before any is set."""
     in_bg = bool_option("save_in_background", in_background)

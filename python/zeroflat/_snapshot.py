@@ -180,7 +180,6 @@ class Snapshot:
         # tensors are written from where they are, and the save blocks until they are (the
         # writer writes those files first: ordered()).
         self.free = free
-        self.direct = False
         self.file_direct: List[bool] = []
         self._keep: List[Any] = []
         # Each file: (path, pickle, [(key, address, size, parts)]).
@@ -240,7 +239,6 @@ class Snapshot:
             self._copy_from_devices(device)
         self.files.append((path, buf.getvalue(), records))
         self.file_direct.append(any(direct))
-        self.direct = self.direct or any(direct)
 
     def ordered(self) -> Tuple[List[Tuple[str, bytes, list]], int]:
         """The files in the order the writer takes them: those written from the tensors
