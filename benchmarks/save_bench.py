@@ -28,6 +28,10 @@ Per rank, in each round (after one warm-up step):
   waves      two saves with the staging capped at half the rank's bytes
              (install(save_staging_bytes=...)): the second one's call (the files that do not
              fit written from the tensors before it returns) and call to published
+  priority   with --priorities idle,low,normal: for each writer priority in turn, in the same
+             process, a save's call to published (no steps beside it) and --steps steps while
+             a save is written against --steps steps right before it: the trade-off between
+             the durable time and the steps, side by side
 
 The target folder's pages are dropped before each write where the machine allows it
 (/proc/sys/vm/drop_caches as root), and every folder is removed after its measurement.
@@ -238,14 +242,14 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     group = dist.new_group(backend="gloo")
     folder = os.path.join(root, "zeroflat")
 
-    def save():
+    def save(priority="idle"):
         """A save through zeroflat's Writer from a quiet page cache: (its future, when it began).
         The state dict is taken before the clock starts, as DCP's rows are given one."""
         _drop_caches()
         dist.barrier()
         now = state()
         start = time.perf_counter()
-        return dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder),
+        return dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder, priority=priority),
                               process_group=group), start
 
     future, start = save()
@@ -277,6 +281,17 @@ def _fsdp2_worker(rank, world, args, layers, queue):
         shutil.rmtree(folder)
     # zeroflat_first (the first call, fresh staging) is not taken apart from its write here.
     out["zeroflat_first"] = out["zeroflat_first_durable"]
+
+    def save_at(priority):
+        def run():
+            future, start = save(priority)
+            return start, future.result
+        return run
+
+    _by_priority(out, args, save_at, lambda n: steps(n, 1), lambda: steps(1, 3))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
     queue.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
@@ -425,9 +440,36 @@ def _zeroflat_deepspeed(engine, out, root, args):
     zd.wait(every_rank=True)
     out["waves_durable"] = _barrier_time(start)
     zd.install(save_staging_bytes=None)
+
+    def save_at(priority):
+        def run():
+            zd.install(save_priority=priority)
+            start, _ = save("p")
+            return start, lambda: zd.wait(every_rank=True)
+        return run
+
+    _by_priority(out, args, save_at, lambda n: _steps(engine, n, args.width, 1),
+                 lambda: _steps(engine, 1, args.width, 50))
+    zd.install(save_priority="idle")
     dist.barrier()
     if rank == 0:
         shutil.rmtree(folder)
+
+
+def _by_priority(out, args, save_at, run_steps, one_step):
+    """For each of --priorities: a save's call to published, and the steps while one is
+    written against the steps right before it (``save_at(p)()`` starts a save at priority
+    ``p``: (when it began, a function that waits for it))."""
+    for priority in args.priorities:
+        start, wait = save_at(priority)()
+        wait()
+        out[f"durable_{priority}"] = _barrier_time(start)
+        one_step()
+        out[f"steps_before_{priority}"] = run_steps(args.steps)
+        _, wait = save_at(priority)()
+        out[f"steps_during_{priority}"] = run_steps(args.steps)
+        wait()
+        dist.barrier()
 
 
 def _free_port():
@@ -465,9 +507,16 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="steps timed with and without a save")
     parser.add_argument("--saves", type=int, default=20, help="saves whose memory is tracked")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--priorities", default="",
+                        help="writer priorities to compare side by side, comma-separated "
+                        "(idle, low, normal; default: none, the rows use the default, idle)")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (a temporary "
                         "folder under it; default: the system's temporary folder)")
     args = parser.parse_args()
+    args.priorities = [p for p in args.priorities.split(",") if p]
+    bad = [p for p in args.priorities if p not in ("idle", "low", "normal")]
+    if bad:
+        parser.error(f"--priorities: {', '.join(bad)}: each is idle, low or normal")
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     base = tempfile.mkdtemp(prefix="zeroflat-save-bench-", dir=args.dir)
@@ -554,6 +603,12 @@ def report(stage, world, rounds, args):
                for ranks in rounds]
     growth = [max((r["rss"][-1] - r["rss"][0]) / 2**20 if r["rss"] else 0 for r in ranks)
               for ranks in rounds]
+    for priority in args.priorities:
+        checks += [(f"priority {priority}: durable / disk ceiling",
+                    ratio(per(f"durable_{priority}"), per("ceiling")), "<= 1.2"),
+                   (f"priority {priority}: steps writing / before",
+                    ratio(per(f"steps_during_{priority}"), per(f"steps_before_{priority}")),
+                    "<= 1.2")]
     for name, values, target in checks:
         print(f"  {name:42s} {_fmt(values, 'x')}   target {target}")
     print(f"  {'staging beyond state + 256 MiB (MiB)':42s} {statistics.median(staging):8.1f}"
