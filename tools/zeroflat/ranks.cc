@@ -197,15 +197,29 @@ void run_ranks(std::uint64_t dp, Communicator* world, std::chrono::milliseconds 
     return;
   }
   std::vector<std::exception_ptr> errors(dp);
+  // Every rank's communicator made here, before any thread starts: a rank's failure (a
+  // std::bad_alloc under an address-space limit too) then tells the others without allocating
+  // anything more, and nothing thrown ever leaves a thread.
   std::unique_ptr<LocalGroup> group;
-  if (dp > 1) group = std::make_unique<LocalGroup>(static_cast<int>(dp), timeout);
-  auto one = [&](std::uint64_t r) {
+  std::vector<std::unique_ptr<Communicator>> comms(dp);
+  if (dp > 1) {
+    group = std::make_unique<LocalGroup>(static_cast<int>(dp), timeout);
+    for (std::uint64_t r = 0; r < dp; ++r) comms[r] = group->rank(static_cast<int>(r));
+  }
+  auto fail = [&](std::uint64_t r, const char* what) noexcept {
+    if (!comms[r]) return;
     try {
-      std::unique_ptr<Communicator> c = group ? group->rank(static_cast<int>(r)) : nullptr;
-      body(r, c.get());
+      comms[r]->abort("rank " + std::to_string(r) + what);
+    } catch (...) {  // no memory for the words: the abort alone
+      comms[r]->abort(std::string());
+    }
+  };
+  auto one = [&](std::uint64_t r) noexcept {
+    try {
+      body(r, comms[r].get());
     } catch (...) {
       errors[r] = std::current_exception();
-      if (group) group->rank(static_cast<int>(r))->abort("rank " + std::to_string(r) + " failed");
+      fail(r, " failed");
     }
   };
   std::vector<std::thread> ranks;
@@ -217,7 +231,7 @@ void run_ranks(std::uint64_t dp, Communicator* world, std::chrono::milliseconds 
       // std::system_error, or std::bad_alloc for the thread's own state under an address-space
       // limit. The ranks already started wait for this one in a collective: tell them, and
       // join them.
-      group->rank(0)->abort("rank " + std::to_string(r) + " could not be started");
+      fail(r, " could not be started");
       for (std::thread& t : ranks) t.join();
       throw ResourceExhausted("cannot start the thread of rank " + std::to_string(r) + ": " +
                               e.what() +
