@@ -21,6 +21,7 @@ import deepspeed  # noqa: E402  (the release under test)
 sys.path.insert(0, os.path.dirname(__file__))
 import zeroflat  # noqa: E402
 import zeroflat.deepspeed as zd  # noqa: E402
+from zeroflat import _save  # noqa: E402
 from reference import (end_rank, init_deepspeed_rank,  # noqa: E402
                        spawn_deepspeed_workers, train_steps as train)
 
@@ -396,6 +397,11 @@ def test_other_releases_warn_and_older_ones_are_refused(monkeypatch, caplog):
     monkeypatch.undo()
     zd.install()
     zd.install()  # twice is harmless
+    # Inside installed(), its own save options; after it, the ones of the install before.
+    zd.install(save_priority="low", save_staging_bytes=1 << 20)
+    with zd.installed(save_in_background=False):
+        assert _save.options() == (False, "idle", None)
+    assert _save.options() == (True, "low", 1 << 20)
     zd.uninstall()
     zd.uninstall()
     assert Opt.__init__ is init and Opt.flatten_dense_tensors_aligned is flatten

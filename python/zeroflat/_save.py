@@ -221,6 +221,11 @@ def configure(in_background: Any, save_priority: Any, save_staging_bytes: Any) -
     background, priority, staging_bytes = in_bg, level, save_staging_bytes
 
 
+def options() -> tuple:
+    """The save options in place, as configure() takes them."""
+    return background, priority, staging_bytes
+
+
 _writer: Optional["_C.BackgroundSave"] = None
 _staging = _snapshot.Staging()
 _pending: Optional[dict] = None  # the save being written: where, tag, when it returned

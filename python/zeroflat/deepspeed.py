@@ -632,11 +632,10 @@ def install(*, allow_untested: bool = False, progress: Optional[Callable[[Any], 
     patch is in place or none is (docs/patches.md lists them).
     ``progress``: a callable given a ``zeroflat.Progress`` every 10 s of a long resume, as
     ``zeroflat.load_param_groups`` takes it (each rank logs it at INFO anyway).
-    ``save_checkpoint`` returns once the state is snapshotted (``wait()``;
-    ``save_in_background=False``: once published), its writer at ``save_priority`` ("idle",
+    ``save_checkpoint`` returns once the state is snapshotted (``wait()``; with
+    ``save_in_background=False`` once published), its writer at ``save_priority`` ("idle",
     "low", "normal"), its staging at most ``save_staging_bytes`` (default: the free host memory
-    less 256 MiB; what does not fit is written first): docs/python.md, "Saving a DeepSpeed
-    checkpoint"."""
+    less 256 MiB; what does not fit is written first): docs/python.md, on saving."""
     global _applied
     check_callback(progress)
     _save.configure(save_in_background, save_priority, save_staging_bytes)
@@ -687,8 +686,8 @@ def is_installed() -> bool:
 
 @contextlib.contextmanager
 def installed(**options):
-    """``with zeroflat.deepspeed.installed(): deepspeed.initialize(...)``; install()'s options."""
-    was, before = is_installed(), _dropin.progress
+    """``with zeroflat.deepspeed.installed(): ...``; install()'s options (those before restored)."""
+    was, before, saving = is_installed(), _dropin.progress, _save.options()
     install(**options)
     try:
         yield
@@ -697,3 +696,4 @@ def installed(**options):
             uninstall()
         else:
             _dropin.progress = before
+            _save.configure(*saving)
