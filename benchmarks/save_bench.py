@@ -450,7 +450,7 @@ def _zeroflat_deepspeed(engine, out, root, args):
 
     _by_priority(out, args, save_at, lambda n: _steps(engine, n, args.width, 1),
                  lambda: _steps(engine, 1, args.width, 50))
-    zd.install(save_priority="idle")
+    zd.install()  # the default options again
     dist.barrier()
     if rank == 0:
         shutil.rmtree(folder)
@@ -513,10 +513,13 @@ def main():
     parser.add_argument("--dir", default=None, help="where the checkpoints go (a temporary "
                         "folder under it; default: the system's temporary folder)")
     args = parser.parse_args()
+    from zeroflat._common import WRITE_PRIORITIES  # the writer's own list of them
+
     args.priorities = [p for p in args.priorities.split(",") if p]
-    bad = [p for p in args.priorities if p not in ("idle", "low", "normal")]
+    bad = [p for p in args.priorities if p not in WRITE_PRIORITIES]
     if bad:
-        parser.error(f"--priorities: {', '.join(bad)}: each is idle, low or normal")
+        parser.error(f"--priorities: {', '.join(bad)}: each is one of "
+                     f"{', '.join(WRITE_PRIORITIES)}")
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     base = tempfile.mkdtemp(prefix="zeroflat-save-bench-", dir=args.dir)
