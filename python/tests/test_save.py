@@ -261,13 +261,32 @@ def _save_worker(rank, world, port, ours, theirs, stage):
     zd.install()
     engine = _engine(stage)
     train_steps(engine, rank, 2)
+    # ZeRO-3: the parameters every rank keeps whole are gathered again after the save by the
+    # resume's one all-gather (zeroflat's epilogue), and hold what they held.
+    from zeroflat import _resume_family
+    epilogues = []
+    own_epilogue = _resume_family.Zero3.epilogue
+
+    def epilogue(self):
+        epilogues.append(own_epilogue(self))
+        return epilogues[-1]
+
+    _resume_family.Zero3.epilogue = epilogue
+    persistent = list(getattr(engine.optimizer, "persistent_parameters", None) or [])
+    assert (stage == 3) == bool(persistent), len(persistent)
     # The same engine saved by the drop-in, then by DeepSpeed's own save (a ZeRO-3 engine's
     # padding is not the same from run to run: its flat groups are made uninitialized).
     for out, dropin in ((ours, True), (theirs, False)):
         if not dropin:
             zd.uninstall()
+        whole = [p.data.clone() for p in persistent]
         engine.save_checkpoint(out, tag="t1", client_state={"epoch": 3})
         engine.save_checkpoint(out, tag="t1", client_state={"epoch": 4})  # over itself
+        assert all(_same_bits(p.data, w) and p.ds_status.name == "AVAILABLE"
+                   for p, w in zip(persistent, whole))
+        assert "checkpoint_event_epilogue" not in vars(engine.optimizer)
+    assert epilogues == ([True, True] if stage == 3 else []), epilogues
+    _resume_family.Zero3.epilogue = own_epilogue
     # the first rank publishes: it knows what the rename replaced
     assert [s["replaced"] for s in zd.stats["saves"]] == ([False, True] if rank == 0
                                                           else [False, False])

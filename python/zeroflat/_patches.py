@@ -238,6 +238,10 @@ TABLE: Tuple[Entry, ...] = (
     Entry(f"{_DS}.engine.DeepSpeedEngine: checkpoint_engine (its save, while a save runs), "
           "global_steps, use_node_local_storage", _ALL, "save_checkpoint()",
           "the files each rank writes, recorded to be made durable; the default tag"),
+    Entry("DeepSpeedZeroOptimizer_Stage3.checkpoint_event_epilogue (the instance's, while a "
+          "save runs)", _ALL, "save_checkpoint()",
+          "the persistent parameters gathered whole again after the save in one all-gather, as "
+          "a resume does (else the release's own, one per parameter)"),
     Entry(f"{_DS}.engine.DeepSpeedEngine._broadcast_model", _ALL, "install()",
           "the ranks first compare a checksum of their parameters; where every rank's agrees "
           "(one checkpoint, one seed) the broadcast of the whole model from the first rank is "

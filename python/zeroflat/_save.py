@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import enum
 import os
 import threading
@@ -57,6 +58,7 @@ from ._comm import all_reduce_ints, failing_word, raise_agreed, raise_failed
 from ._common import bool_option, path_text, priority_option
 from ._dropin import log, stats
 from ._errors import Error, IoError
+from ._resume_family import Zero3, optimizer_kind
 
 _warned: set = set()
 
@@ -155,6 +157,37 @@ def _shared_flats(engine, world: int) -> Optional[list]:
     if not all(isinstance(t, torch.Tensor) for t in flats):
         return None
     return list(flats)
+
+
+@contextlib.contextmanager
+def _one_gather_epilogue(engine):
+    """While DeepSpeed's save runs: under ZeRO-3 it ends by gathering the persistent parameters
+    (those kept whole on every rank) whole again, ``checkpoint_event_epilogue``, one all-gather
+    per parameter; at 4 ranks on gloo that is most of the call. The resume's epilogue runs in its
+    place (``Zero3.epilogue``: one all-gather, the same values in the same places), or
+    DeepSpeed's own where that one cannot (hpZ, quantized or NVMe partitions, more than it
+    holds). The optimizer is put back as it was."""
+    opt = getattr(engine, "optimizer", None)
+    if optimizer_kind(engine) != "DeepSpeedZeroOptimizer_Stage3":
+        yield
+        return
+    group = opt.dp_process_group
+    family = Zero3(opt, dist.get_rank(group), dist.get_world_size(group), group)
+    theirs = opt.checkpoint_event_epilogue
+    own = vars(opt).get("checkpoint_event_epilogue")  # an instance's own, put back as it was
+
+    def epilogue():
+        if not family.epilogue():
+            theirs()
+
+    opt.checkpoint_event_epilogue = epilogue
+    try:
+        yield
+    finally:
+        if own is None:
+            del opt.checkpoint_event_epilogue
+        else:
+            opt.checkpoint_event_epilogue = own
 
 
 def _plan_words(snap: _snapshot.Snapshot) -> List[int]:
@@ -425,7 +458,8 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     own = vars(ce).get("save")  # an instance's own save, put back as it was
     ce.save = save
     try:
-        original(engine, save_dir, tag=partial, save_latest=False, **args)
+        with _one_gather_epilogue(engine):
+            original(engine, save_dir, tag=partial, save_latest=False, **args)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         error = error or e
     finally:
