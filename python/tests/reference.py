@@ -40,7 +40,13 @@ def free_port():
     return sys.modules["zeroflat_nodes_harness"].free_port()
 
 
-PRELOAD = ("torch", "torch.distributed", "deepspeed", "zeroflat", "zeroflat.deepspeed")
+# What a rank imports anyway, imported once before the ranks are forked. The last two are
+# imported late by a rank otherwise, each rank again: torch._dynamo by the first optimizer's
+# constructor, and DeepSpeed's Muon module (from 0.18; torch.compile at its import brings in
+# the inductor) by DeepSpeed's check of the optimizer: together about 2 s of CPU per rank, the
+# larger part of a short test's time on 2 cores. A module a release lacks is left out.
+PRELOAD = ("torch", "torch.distributed", "deepspeed", "zeroflat", "zeroflat.deepspeed",
+           "torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer")
 
 
 def start_ranks(worker, world, *args, preload=()):
@@ -71,13 +77,19 @@ def spawn_deepspeed_workers(worker, world):
 
 def fork_deepspeed_ranks(worker, world, *args):
     """``worker(rank, world, port, *args)`` on ``world`` ranks forked from this process once it
-    has imported DeepSpeed (a spawned rank imports torch and DeepSpeed again: seconds per rank,
+    has imported PRELOAD (a spawned rank imports torch and DeepSpeed again: seconds per rank,
     per run, on 2 cores). Meant for a process of its own that has run no torch work yet (a
     script the test starts), not for the test process."""
     import torch.multiprocessing as mp
 
+    import importlib
+
     os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed  # noqa: F401 - before the fork, so that no rank imports it again
+    for name in PRELOAD:  # before the fork, so that no rank imports them again
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
     mp.start_processes(worker, args=(world, free_port(), *args), nprocs=world, join=True,
                        start_method="fork")

@@ -33,7 +33,7 @@ import zipfile
 import pytest
 import torch
 
-from reference import CheckpointModel as Model, fork_deepspeed_ranks
+from reference import CheckpointModel as Model, fork_deepspeed_ranks, start_ranks
 from reference import train_steps
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -535,15 +535,27 @@ def _env(release=None):
     return env
 
 
+def _ranks(release, mode, worker, world, *args):
+    """``worker(rank, world, port, *args)`` on ``world`` fresh ranks: forked by this process's
+    fork server under the environment's own DeepSpeed (no interpreter to start, nothing to
+    import again), or under another release, by this file's ``mode`` in a process of its own
+    with that release on its path."""
+    if release is None:
+        start_ranks(worker, world, *args)
+        return
+    argv = [a if isinstance(a, str) else json.dumps(a) for a in args]
+    r = subprocess.run([sys.executable, str(HERE / "test_resume.py"), mode, argv[0], argv[1],
+                        str(world), *argv[2:]], env=_env(release), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-6000:]
+
+
 def saved(tmp_path_factory, stage, world, release=None, **opts):
     """A checkpoint saved at `world` ranks (cached for the session)."""
     key = (stage, world, release, json.dumps(opts, sort_keys=True))
     if key not in _SAVED:
         out = tmp_path_factory.mktemp(f"resume_z{stage}_w{world}")
-        r = subprocess.run([sys.executable, str(HERE / "test_resume.py"), "save", str(out),
-                            str(stage), str(world), json.dumps(opts)], env=_env(release),
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
+        _ranks(release, "save", _save_worker, world, str(out), stage, opts)
         _SAVED[key] = out
     return _SAVED[key]
 
@@ -579,11 +591,8 @@ def resume(ckpt, stage, world, release=None, **opts):
         # ZeRO-3 steps compared: the reference in a process of its own (see _resume_one).
         roles = ["reference", "ours"]
     for role in roles:
-        r = subprocess.run([sys.executable, str(HERE / "test_resume.py"), "resume", str(ckpt),
-                            str(stage), str(world), json.dumps(dict(opts, role=role)),
-                            str(result)],
-                           env=_env(release), capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stderr[-6000:]
+        _ranks(release, "resume", _resume_worker, world, str(ckpt), stage, dict(opts, role=role),
+               str(result))
     ranks = []
     for rank in range(world):
         with open(f"{result}.{rank}") as f:

@@ -331,6 +331,12 @@ def saved(tmp_path_factory, release, stage, world, dtype="bf16"):
     assert (stage, dtype) in kinds, (stage, dtype, kinds)
     if key not in _SAVED:
         out = tmp_path_factory.mktemp(f"ds_{release or 'own'}_w{world}")
+        if release is None:  # ranks forked by this process's fork server: nothing to import
+            from reference import start_ranks
+
+            start_ranks(_save_worker, world, str(out), kinds)
+            _SAVED[key] = out
+            return out / f"z{stage}_{dtype}"
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         rel = release_path(release)
         env["PYTHONPATH"] = os.pathsep.join(
