@@ -22,7 +22,9 @@ Per rank, in each round (after one warm-up step):
              a second save, that save's call (the staging reused) and the steps while it is
              written (held to the steps right before: the same process, the same memory), and
              a third save's call to the end of zeroflat.deepspeed.wait(every_rank=True)
-             (durable and published)
+             (durable and published), with where each rank's time went: the call, then
+             the background write's phases (its files' data, their fsync, the first rank's
+             wait for the others' files, its publication)
   memory     --saves more saves (state changing between them): the staging's size and the
              resident memory after each
   waves      two saves with the staging capped at half the rank's bytes
@@ -420,6 +422,8 @@ def _zeroflat_deepspeed(engine, out, root, args):
     start, _ = save("t3")
     zd.wait(every_rank=True)
     out["zeroflat_durable"] = _barrier_time(start)
+    out["durable_call"] = zd.stats["saves"][-1]["blocking_seconds"]
+    out["durable_phases"] = zd.stats["saves"][-1]["write_phases"]
     out["staging"] = _save._staging.capacity
     rss = []
     for i in range(args.saves):
@@ -614,6 +618,16 @@ def report(stage, world, rounds, args):
                     "<= 1.2")]
     for name, values, target in checks:
         print(f"  {name:42s} {_fmt(values, 'x')}   target {target}")
+    if have("durable_phases"):
+        # Where the durable save's time went, per rank (the median over the rounds): the call,
+        # then the background write's phases (save.h: SaveOutcome).
+        print("  call to published, per rank (ms): call | write, sync, wait, publish")
+        for rank in range(world):
+            med = lambda f: 1000 * statistics.median(f(ranks[rank]) for ranks in rounds)  # noqa: E731
+            phases = [med(lambda r, k=k: r["durable_phases"][k])
+                      for k in ("write", "sync", "wait", "publish")]
+            print(f"    rank {rank}: {med(lambda r: r['durable_call']):6.0f} | "
+                  + ", ".join(f"{v:.0f}" for v in phases))
     print(f"  {'staging beyond state + 256 MiB (MiB)':42s} {statistics.median(staging):8.1f}"
           f"        target <= 0")
     print(f"  {'resident growth over the saves (MiB)':42s} {statistics.median(growth):8.1f}"

@@ -244,6 +244,13 @@ struct SaveOutcome {
   bool exchanged = false;
   std::uint64_t bytes = 0;  // file bytes this rank wrote (its parts of shared records too)
   double seconds = 0;       // from start to the end of this rank's part
+  // Where those seconds went: writing the files' data and this rank's parts; fsyncing its
+  // files; on the first rank, waiting for the others' markers (on the others, writing theirs);
+  // on the first rank, finishing the shared files, the folder's fsync, its rename and `latest`.
+  double write_seconds = 0;
+  double sync_seconds = 0;
+  double wait_seconds = 0;
+  double publish_seconds = 0;
 };
 
 // A rank's save, written by a thread of its own: this rank's files (write.<k>), its parts of

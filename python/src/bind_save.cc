@@ -35,6 +35,8 @@ py::dict save_outcome_dict(const zf::SaveOutcome& o) {
   d["exchanged"] = o.exchanged;
   d["bytes"] = o.bytes;
   d["seconds"] = o.seconds;
+  d["phases"] = py::dict(py::arg("write") = o.write_seconds, py::arg("sync") = o.sync_seconds,
+                         py::arg("wait") = o.wait_seconds, py::arg("publish") = o.publish_seconds);
   return d;
 }
 

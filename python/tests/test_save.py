@@ -291,6 +291,13 @@ def _save_worker(rank, world, port, ours, theirs, stage):
             assert p.ds_status.name == "AVAILABLE" and _same_bits(p.data, whole), p.ds_shape
     assert epilogues == ([True, True] if stage == 3 else []), epilogues
     _resume_family.Zero3.epilogue = own_epilogue
+    # Where each write's time went: the phases add up to no more than it, and only the first
+    # rank publishes.
+    for s in zd.stats["saves"]:
+        phases = s["write_phases"]
+        assert sorted(phases) == ["publish", "sync", "wait", "write"], phases
+        assert min(phases.values()) >= 0 and sum(phases.values()) <= s["write_seconds"], s
+        assert (phases["publish"] > 0) == (rank == 0), phases
     # the first rank publishes: it knows what the rename replaced
     assert [s["replaced"] for s in zd.stats["saves"]] == ([False, True] if rank == 0
                                                           else [False, False])

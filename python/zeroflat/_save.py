@@ -320,6 +320,7 @@ def _wait_own():
                                "bytes": outcome["bytes"],
                                "blocking_seconds": pending["blocking"],
                                "write_seconds": outcome["seconds"],
+                               "write_phases": outcome["phases"],
                                "published": outcome["published"],
                                "replaced": outcome["replaced"],
                                "exchanged": outcome["exchanged"],

@@ -130,6 +130,12 @@ void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, std::atomi
   const std::string folder = job.dir.empty() ? std::string() : job.dir + "/" + job.partial;
   std::vector<std::unique_ptr<TorchFileWriter>> writers;
   std::vector<std::size_t> shared;  // files with shared records: finished once the others' are in
+  auto mark = Clock::now();
+  auto phase = [&mark](double& seconds) {  // the time since the last phase ended, into `seconds`
+    const auto now = Clock::now();
+    seconds += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  };
   auto sync = [&](std::size_t k) {
     save_io::fault_point("sync_files." + std::to_string(k + 1), job.files[k].path);
     save_io::fsync_path(job.files[k].path, false, "sync_files");
@@ -158,17 +164,21 @@ void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, std::atomi
     std::snprintf(line, sizeof line, "crc %08x\n", crc);
     crcs += line;
   }
+  phase(out.write_seconds);
   for (std::size_t k = 0; k < job.files.size(); ++k) {
     if (writers[k]->shared_records() == 0) sync(k);
   }
+  phase(out.sync_seconds);
   if (folder.empty()) return;
   if (job.rank != 0) {
     const std::string done = marker(folder, "done", job.rank);
     save_io::fault_point("marker", done);
     write_marker(done, crcs, "marker");
+    phase(out.wait_seconds);
     return;
   }
   const std::vector<std::vector<std::uint32_t>> parts = await_ranks(job, folder, cancelled);
+  phase(out.wait_seconds);
   for (std::size_t k : shared) {
     writers[k]->finish(parts);
     out.bytes += writers[k]->bytes_written();
@@ -184,6 +194,7 @@ void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, std::atomi
   out.replaced = p.replaced;
   out.exchanged = p.exchanged;
   if (job.save_latest) write_latest(job.dir, job.tag);
+  phase(out.publish_seconds);
 }
 
 }  // namespace
