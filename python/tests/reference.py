@@ -42,7 +42,7 @@ def free_port():
 
 # What a rank imports anyway, imported once before the ranks are forked. The last two are
 # imported late by a rank otherwise, each rank again: torch._dynamo by the first optimizer's
-# constructor, and DeepSpeed's Muon module (from 0.18; torch.compile at its import brings in
+# constructor, and DeepSpeed's Muon module (from 0.17; torch.compile at its import brings in
 # the inductor) by DeepSpeed's check of the optimizer: together about 2 s of CPU per rank, the
 # larger part of a short test's time on 2 cores. A module a release lacks is left out.
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "zeroflat", "zeroflat.deepspeed",
