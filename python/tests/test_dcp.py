@@ -1129,3 +1129,19 @@ def test_the_writers_priority_is_one_of_three_and_each_writes_the_same_folder(tm
         with pytest.raises(ValueError, match="save_staging_bytes"):
             zeroflat.deepspeed.install(save_staging_bytes=bad)
     assert not os.path.exists(tmp_path / "bad")
+
+
+def test_importing_the_reader_leaves_the_save_and_the_patches_out():
+    """``import zeroflat.dcp`` is what a load's first call pays: the reader alone. The writer
+    and the patch table come in where they are first used (``zeroflat.dcp.Writer``,
+    ``install()``), and ``Writer`` is still the module's name for the writer."""
+    import subprocess
+
+    code = ("import sys, zeroflat.dcp as d\n"
+            "print(sorted(m for m in ('zeroflat._dcp_writer', 'zeroflat._patches', "
+            "'zeroflat._snapshot') if m in sys.modules))\n"
+            "print(d.Writer.__module__, 'Writer' in dir(d), 'Writer' in d.__all__)\n"
+            "d.install(); print('zeroflat._patches' in sys.modules); d.uninstall()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split("\n")[:3] == ["[]", "zeroflat._dcp_writer True True", "True"], \
+        (r.stdout, r.stderr[-2000:])

@@ -37,7 +37,7 @@ import io
 import os
 import uuid
 
-from typing import Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -53,9 +53,11 @@ import contextlib
 import logging
 import threading
 
-from . import _C, _patches
-from ._dcp_writer import Writer, installed_writer_class
+from . import _C
 from ._common import DTYPES, FILE_DTYPES as _DTYPES, bool_option, native_path
+
+if TYPE_CHECKING:
+    from . import _patches
 
 __all__ = ["Reader", "Writer", "install", "installed", "uninstall", "is_installed", "stats"]
 
@@ -432,6 +434,21 @@ log = logging.getLogger("zeroflat.dcp")
 stats = {"served": 0, "handed_back": 0, "handed_back_reasons": [],
          "saves_served": 0, "saves_handed_back": 0, "saves_handed_back_reasons": []}
 
+def __getattr__(name: str) -> Any:
+    """``Writer``, imported where it is first used: a load (``Reader``) pays for the reader
+    alone, not for the save's modules."""
+    if name != "Writer":
+        raise AttributeError(f"module 'zeroflat.dcp' has no attribute {name!r}")
+    from ._dcp_writer import Writer
+
+    globals()["Writer"] = Writer
+    return Writer
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | {"Writer"})
+
+
 _lock = threading.RLock()
 _applied: Optional[_patches.Applied] = None
 _writer_applied: Optional[_patches.Applied] = None
@@ -535,6 +552,8 @@ def _installed_class(base: type, reader_args) -> type:
 def _patches_now() -> List[_patches.Patch]:
     from torch.distributed.checkpoint import filesystem
 
+    from . import _patches
+
     fs = _installed_class(filesystem.FileSystemReader, lambda *a, **k: {})
     out = [_patches.Patch(owner, "FileSystemReader", value=fs, optional=optional)
            for owner, optional in (("torch.distributed.checkpoint", False),
@@ -569,6 +588,9 @@ def _note_save(served: bool, reason: str) -> None:
 
 
 def _writer_patches() -> List[_patches.Patch]:
+    from . import _patches
+    from ._dcp_writer import installed_writer_class
+
     from torch.distributed.checkpoint import filesystem
 
     fs = installed_writer_class(filesystem.FileSystemWriter, _note_save)
@@ -596,6 +618,8 @@ def install(*, writer: bool = False) -> None:
 
     Installing twice is harmless (``writer=True`` later adds the writer); nothing is patched at
     import (docs/patches.md)."""
+    from . import _patches
+
     global _applied, _writer_applied
     writer = bool_option("writer", writer)
     with _lock:
@@ -607,6 +631,8 @@ def install(*, writer: bool = False) -> None:
 
 def uninstall() -> None:
     """Puts DCP's readers (and writer) back. Harmless when not installed."""
+    from . import _patches
+
     global _applied, _writer_applied
     with _lock:
         for applied in (_writer_applied, _applied):
@@ -632,6 +658,8 @@ def installed(*, writer: bool = False):
         if not was:
             uninstall()
         elif not had_writer:
+            from . import _patches
+
             with _lock:
                 if _writer_applied is not None:
                     _patches.restore(_writer_applied)
