@@ -434,6 +434,7 @@ log = logging.getLogger("zeroflat.dcp")
 stats = {"served": 0, "handed_back": 0, "handed_back_reasons": [],
          "saves_served": 0, "saves_handed_back": 0, "saves_handed_back_reasons": []}
 
+
 def __getattr__(name: str) -> Any:
     """``Writer``, imported where it is first used: a load (``Reader``) pays for the reader
     alone, not for the save's modules."""
