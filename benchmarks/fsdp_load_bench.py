@@ -36,7 +36,11 @@ read once (the first step reads them all; Transformers' load maps the files and 
 until then, so its "returned" time is not a load). Both are printed, "ready (returned)". Per rank it also counts the bytes read through
 read()/pread() (/proc/self/io rchar: page-cache hits included; under cold the kernel's bytes
 from storage, read_bytes) against the rank's share (the file bytes of its shards), and the
-growth of its resident memory over the load (VmHWM, reset before).
+growth of its resident memory over the load (VmHWM, reset before). For the DCP rows it also
+prints where the time goes: the reader's import and construction, get_model_state_dict, each
+storage-reader method DCP calls (read_metadata, set_up_storage_reader, the plans, read_data),
+the rest of dcp.load (DCP's planner and collectives) and the touch after it; each phase's
+slowest rank, the median over rounds.
 
 The model: a Qwen3 causal LM of --layers layers of --hidden, --vocab rows of embedding, an
 untied lm_head, bf16 (--moe: a Qwen3-MoE of --experts experts). Targets (issue "FSDP2"):
@@ -146,6 +150,7 @@ def rank_main(rank, world, port, job):
     io0 = proc_io()
     if method == "ceiling":
         return ceiling_rank(rank, world, path, job)
+    phases = {}
     with PeakResident() as peak:
         t0 = time.perf_counter()
         if method == "transformers":
@@ -174,10 +179,18 @@ def rank_main(rank, world, port, job):
             else:
                 reader = HuggingFaceStorageReader(path, thread_count=(
                     job["dcp_threads"] if method == "dcp-best" else 1))
-            dcp.load(get_model_state_dict(model), storage_reader=reader)
+            phases["reader"] = time.perf_counter() - t0
+            for name, phase in READER_PHASES:
+                timed_method(reader, name, phase, phases)
+            t_state = time.perf_counter()
+            state = get_model_state_dict(model)
+            phases["state dict"] = time.perf_counter() - t_state
+            dcp.load(state, storage_reader=reader)
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        if phases:  # DCP's own: its planner, its collectives, what no reader method holds
+            phases["dcp"] = seconds - sum(phases.values())
         # Ready: every local shard read once more, as the first step reads it (a load that
         # maps the files and reads nothing, as Transformers' does, reads them here).
         t1 = time.perf_counter()
@@ -190,13 +203,16 @@ def rank_main(rank, world, port, job):
         if cuda:
             torch.cuda.synchronize()
         touch = time.perf_counter() - t1
+    if phases:
+        phases["touch"] = touch
     io1 = proc_io()
     shards = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
     devices = sorted({str(local(p).device.type) for p in model.parameters()})
     out = {"rank": rank, "seconds": seconds + touch, "returned": seconds,
            "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
            "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
-           "rss": peak.growth, "shards": shards, "digest": digest(model), "devices": devices}
+           "rss": peak.growth, "shards": shards, "digest": digest(model), "devices": devices,
+           "phases": phases}
     rank_done(job, rank, out)
 
 
@@ -266,6 +282,42 @@ def accelerate_load(path, config, rank):
                 if fresh is not None:
                     module.register_buffer(attr, fresh, persistent=False)
     return model
+
+
+# Where a DCP load's time goes: the storage reader's methods, each timed on the instance (the
+# same names on DCP's reader and zeroflat's); "reader" is its import and construction, "state
+# dict" get_model_state_dict, "dcp" the rest of dcp.load (its planner and collectives), "touch"
+# the read of every shard after it.
+READER_PHASES = (("read_metadata", "metadata"), ("set_up_storage_reader", "set up"),
+                 ("prepare_local_plan", "plan"), ("prepare_global_plan", "plan"),
+                 ("read_data", "read"))
+PHASE_ORDER = ("reader", "state dict", "metadata", "set up", "plan", "read", "dcp", "touch")
+
+
+def timed_method(obj, name, phase, phases):
+    """obj.name timed into phases[phase] (summed over calls), on the instance alone."""
+    original = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        start = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - start
+    setattr(obj, name, wrapper)
+
+
+def phase_lines(world, cache, phases):
+    """Per method, each phase's median over rounds of its slowest rank, in ms."""
+    out = []
+    for m, rounds in phases.items():
+        if not rounds or not rounds[0]:
+            continue
+        names = [p for p in PHASE_ORDER if any(p in r for r in rounds)]
+        cells = [f"{p} {1e3 * statistics.median(r.get(p, 0.0) for r in rounds):.1f}"
+                 for p in names]
+        out.append(f"  {world} ranks {cache} {m:>13}: " + ", ".join(cells))
+    return out
 
 
 def built(path, config, on="cpu"):
@@ -388,6 +440,7 @@ def main():
             times = {m: [] for m in methods}
             returned = {m: [] for m in methods}
             worst = {m: {} for m in methods}
+            phases = {m: [] for m in methods}
             digests = {}
             for _ in range(a.repeat):
                 for m in methods:
@@ -397,6 +450,8 @@ def main():
                     res = run_ranks(world, job, a.timeout)
                     times[m].append(max(r["seconds"] for r in res))
                     returned[m].append(max(r["returned"] for r in res))
+                    phases[m].append({p: max(r.get("phases", {}).get(p, 0.0) for r in res)
+                                      for p in {p for r in res for p in r.get("phases", {})}})
                     if m != "ceiling":  # reads bytes, loads no model
                         digests.setdefault(m, [r["digest"] for r in res])
                     read_key = "read_bytes" if cache == "cold" else "rchar"
@@ -422,6 +477,7 @@ def main():
                 if ours in times and theirs in times:
                     row[f"{ours} vs {theirs}"] = [t / o for o, t in
                                                   zip(times[ours], times[theirs])]
+            row["phase_lines"] = phase_lines(world, cache, phases)
             rows.append(row)
             print(line(row), file=sys.stderr, flush=True)
             if a.save:  # after every row: a run stopped midway keeps the rows it finished
@@ -432,6 +488,12 @@ def main():
                     json.dump({"checkpoint_gb": size / 1e9, "args": shown, "rows": rows}, f,
                               indent=1)
     print(table(rows, methods))
+    breakdown = [text for row in rows for text in row["phase_lines"]]
+    if breakdown:
+        print("where a DCP load's time goes (ms; each phase's slowest rank, median over rounds; "
+              "reader: import and construction, dcp: dcp.load's own planning and collectives, "
+              "touch: every shard read after it):")
+        print("\n".join(breakdown))
     if a.plot:
         plot(rows, methods, a.plot, f"{os.path.basename(path)} into FSDP2 shards "
              f"({size / 1e9:.2f} GB)")
