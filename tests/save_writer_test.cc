@@ -6,7 +6,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <memory>
+#include <numeric>
 #include <fstream>
 #include <map>
 #include <random>
@@ -130,6 +137,85 @@ TEST(TorchWriter, TheArchiveHoldsTorchsRecordsAlignedWithTheirCrcs) {
   storages[2] = "xyw";
   write_torch_file(sample_file(again, storages));
   EXPECT_NE(slurp(again), bytes);
+  fs::remove_all(dir);
+}
+
+// Whether the file system under `dir` takes O_DIRECT writes of whole aligned pages.
+bool takes_direct_writes(const std::string& dir) {
+  const std::string path = dir + "/probe";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_DIRECT, 0644);
+  if (fd < 0) return false;
+  void* page = std::aligned_alloc(kDirectAlign, kDirectAlign);
+  std::memset(page, 0, kDirectAlign);
+  const bool ok = ::pwrite(fd, page, kDirectAlign, 0) == static_cast<ssize_t>(kDirectAlign);
+  std::free(page);
+  ::close(fd);
+  fs::remove(path);
+  return ok;
+}
+
+TEST(TorchWriter, LargeRecordsStagedAtTheirPlaceInAPageAreWrittenDirectAndTheBytesAreTheSame) {
+  const std::string dir = temp_dir("direct");
+  // Two large records staged at their data's place within a page of the file, one staged a
+  // byte off it (written through the page cache), and small ones around them.
+  const std::vector<std::uint64_t> sizes = {100, (5u << 20) + 123, 7, (3u << 20) + 4096 * 3, (2u << 20) + 1};
+  const std::vector<bool> at_phase = {false, true, false, true, false};
+  StagedFile f;
+  f.path = dir + "/optim_states.pt";
+  f.pickle = std::string(333, 'p');
+  for (std::size_t i = 0; i < sizes.size(); ++i) f.storages.push_back({std::to_string(i), nullptr, sizes[i]});
+  const std::vector<std::uint64_t> offsets = torch_file_data_offsets(f);
+  std::vector<std::unique_ptr<std::byte, decltype(&std::free)>> buffers;
+  std::mt19937 gen(11);
+  std::uint64_t expect_direct = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const std::uint64_t phase = (offsets[i] % kDirectAlign + (at_phase[i] ? 0 : 64)) % kDirectAlign;
+    buffers.emplace_back(static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, sizes[i] + 2 * kDirectAlign)), &std::free);
+    std::byte* p = buffers.back().get() + phase;
+    for (std::uint64_t k = 0; k < sizes[i]; ++k) p[k] = static_cast<std::byte>(gen());
+    f.storages[i].data = p;
+    const std::uint64_t a = (offsets[i] + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+    const std::uint64_t b = (offsets[i] + sizes[i]) / kDirectAlign * kDirectAlign;
+    if (at_phase[i] && b - a >= kDirectMinBytes) expect_direct += b - a;
+  }
+  ASSERT_GT(expect_direct, 4u << 20);
+  const bool direct_here = takes_direct_writes(dir);
+  TorchFileWriter direct(f);
+  std::atomic<std::uint64_t> written{0};
+  direct.write_data(&written, true);
+  direct.finish({});
+  EXPECT_EQ(direct.direct_bytes(), direct_here ? expect_direct : 0u) << (direct_here ? "" : "(no O_DIRECT here)");
+  const std::uint64_t data = f.pickle.size() + 1 + 2 + 6 + 2;  // the serialization id: in finish()
+  EXPECT_EQ(written.load(), data + std::accumulate(sizes.begin(), sizes.end(), std::uint64_t{0}));
+  const std::string bytes = slurp(f.path);
+  // The same file through the page cache alone: the same bytes.
+  StagedFile g = f;
+  g.path = dir + "/buffered/optim_states.pt";
+  fs::create_directories(dir + "/buffered");
+  TorchFileWriter buffered(g);
+  buffered.write_data(nullptr, false);
+  buffered.finish({});
+  EXPECT_EQ(buffered.direct_bytes(), 0u);
+  EXPECT_EQ(slurp(g.path), bytes);
+  // A file system that refuses O_DIRECT (the fault hook says so): the same bytes again.
+  set_save_fault_for_testing("write.direct:unsupported");
+  g.path = dir + "/refused/optim_states.pt";
+  fs::create_directories(dir + "/refused");
+  TorchFileWriter refused(g);
+  refused.write_data(nullptr, true);
+  refused.finish({});
+  set_save_fault_for_testing(std::nullopt);
+  EXPECT_EQ(refused.direct_bytes(), 0u);
+  EXPECT_EQ(slurp(g.path), bytes);
+  // And each record's bytes are the staged ones.
+  const detail::FileSource source(f.path);
+  const detail::ZipArchive zip = detail::read_zip(source);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const detail::ZipEntry* e = zip.find("optim_states/data/" + std::to_string(i));
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(e->offset, offsets[i]);
+    EXPECT_EQ(bytes.compare(e->offset, sizes[i], reinterpret_cast<const char*>(f.storages[i].data), sizes[i]), 0) << i;
+  }
   fs::remove_all(dir);
 }
 
@@ -265,6 +351,59 @@ TEST(BackgroundSave, TheFirstRankPublishesOnceEveryRanksFilesAreDurable) {
                                              "zero_pp_rank_1_optim_states.pt"}));  // no marker left
   EXPECT_EQ(o0.bytes, fs::file_size(t.dir + "/step1/mp_rank_00_model_states.pt") +
                           fs::file_size(t.dir + "/step1/zero_pp_rank_0_optim_states.pt"));
+  fs::remove_all(t.dir);
+}
+
+TEST(BackgroundSave, AStreamedSaveWritesEachFileAsItComesAndPublishesOnlyOnceSealed) {
+  TwoRanks t{temp_dir("streamed"), {"model", std::string(5000, 'm')}, {"optim", std::string(9000, 'o')}};
+  auto wait_for = [](auto&& ready) {
+    for (int i = 0; i < 5000 && !ready(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return ready();
+  };
+  for (const std::string tag : {"s1", "given-up"}) {
+    fs::create_directories(t.dir + "/" + partial_tag_name(tag));
+    // Each rank's files come one at a time after start(); the first is written before the
+    // second comes, and nothing is published before both ranks have sealed.
+    BackgroundSave r[2];
+    SaveJob jobs[2] = {t.job(0, tag), t.job(1, tag)};
+    for (int k = 0; k < 2; ++k) {
+      SaveJob j = jobs[k];
+      j.files.clear();
+      j.streamed = true;
+      r[k].start(j);
+      r[k].add_file(jobs[k].files[0]);
+    }
+    EXPECT_TRUE(wait_for([&] { return r[0].files_written() == 1 && r[1].files_written() == 1; })) << tag;
+    EXPECT_FALSE(r[0].finished());
+    EXPECT_FALSE(fs::exists(t.dir + "/" + tag));
+    r[0].add_file(jobs[0].files[1], true);
+    EXPECT_TRUE(wait_for([&] { return r[0].pending_first() == 0; }));
+    EXPECT_EQ(r[0].files_written(), 2u);
+    if (tag == "s1") {
+      r[1].seal();
+      r[0].seal();
+    } else {  // a rank could not take its snapshot: every rank gives the save up
+      r[1].cancel();
+      r[0].cancel();
+    }
+    const SaveOutcome o0 = r[0].wait(), o1 = r[1].wait();
+    r[0].add_file(jobs[0].files[0]);  // after the end: dropped
+    if (tag == "s1") {
+      EXPECT_EQ(o0.error, "");
+      EXPECT_EQ(o1.error, "");
+      EXPECT_TRUE(o0.published);
+      EXPECT_EQ(slurp(t.dir + "/latest"), "s1");
+      EXPECT_EQ(o0.bytes, fs::file_size(t.dir + "/s1/mp_rank_00_model_states.pt") +
+                              fs::file_size(t.dir + "/s1/zero_pp_rank_0_optim_states.pt"));
+      EXPECT_TRUE(fs::exists(t.dir + "/s1/zero_pp_rank_1_optim_states.pt"));
+    } else {
+      EXPECT_NE(o0.error.find("given up"), std::string::npos) << o0.error;
+      EXPECT_NE(o1.error.find("given up"), std::string::npos) << o1.error;
+      EXPECT_FALSE(o0.published);
+      EXPECT_FALSE(fs::exists(t.dir + "/" + tag));
+      EXPECT_EQ(slurp(t.dir + "/latest"), "s1");
+    }
+  }
   fs::remove_all(t.dir);
 }
 

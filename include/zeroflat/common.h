@@ -237,6 +237,13 @@ struct RuntimeEnv {
   // ZEROFLAT_GATHER_PARTS: the most parts a rank's read of its slice is split into, each
   // all-gathered while the next is read (ExecuteOptions::gather_parts; 1: read, then gather).
   std::optional<unsigned> gather_parts;
+  // ZEROFLAT_SAVE_IO: how a save writes the staged bytes of its large records. "direct" (the
+  // default): each record's whole 4 KiB pages from its staged bytes with O_DIRECT (no copy into
+  // the page cache: the disk's DMA reads the staging), its first and last partial pages and
+  // every small record through the page cache, and all of it through the page cache where the
+  // file system refuses O_DIRECT; "buffered": all of it through the page cache.
+  enum class SaveIo : std::uint8_t { kDirect, kBuffered };
+  SaveIo save_io = SaveIo::kDirect;
   // ZEROFLAT_TEST_SAVE_FAULT: for tests only, a fault the checkpoint publication acts on
   // ("<step>:<kind>", save.h); empty when unset.
   std::string save_fault;

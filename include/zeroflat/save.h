@@ -130,6 +130,19 @@ struct SharedPart {
 // Returns the part's CRC-32. Throws IoError naming the file.
 std::uint32_t write_shared_part(const SharedPart& part, std::atomic<std::uint64_t>* written = nullptr);
 
+// Direct writes (RuntimeEnv::save_io): a record of at least kDirectMinBytes whose staged bytes
+// lie at the same place within a kDirectAlign-byte page as its data in the file has its whole
+// pages written with O_DIRECT, the disk reading them from the staging (a save's staging places
+// each large record so: torch_file_data_offsets); the partial pages at its ends, the small
+// records and the headers go through the page cache. A file system that refuses O_DIRECT gets
+// every byte through the page cache. The fsync after covers both.
+inline constexpr std::uint64_t kDirectAlign = 4096;
+inline constexpr std::uint64_t kDirectMinBytes = std::uint64_t{1} << 20;
+
+// Where each storage's data will begin in `file`'s archive, in `file.storages`' order: the
+// layout only (keys and sizes; the storages' bytes are not read and need not be staged yet).
+std::vector<std::uint64_t> torch_file_data_offsets(const StagedFile& file);
+
 // A torch.save file written in two steps, so that other ranks may write parts of its shared
 // records between them: write_data() writes every byte this rank has (CRCs beside the writes);
 // finish() combines the other ranks' parts' CRCs into each shared record's, then writes the
@@ -145,12 +158,15 @@ class TorchFileWriter {
   std::vector<std::uint64_t> data_offsets() const;
   // How many storages are shared (parts > 1).
   std::size_t shared_records() const;
-  void write_data(std::atomic<std::uint64_t>* written = nullptr);
+  // direct: whether large records may be written with O_DIRECT (none: RuntimeEnv::save_io).
+  void write_data(std::atomic<std::uint64_t>* written = nullptr, std::optional<bool> direct = std::nullopt);
   // other_parts[k - 1][j]: the CRC-32 of rank k's part of the j-th shared record. Returns the
   // file's size.
   std::uint64_t finish(const std::vector<std::vector<std::uint32_t>>& other_parts);
   // The file's bytes this rank wrote (all of them but the other ranks' parts), once finished.
   std::uint64_t bytes_written() const;
+  // Of those, the bytes written with O_DIRECT.
+  std::uint64_t direct_bytes() const;
 
  private:
   struct State;
@@ -161,11 +177,14 @@ class TorchFileWriter {
 // Writes `file` as one zip archive that torch.load reads: the records torch writes
 // ("<stem>/data.pkl", ".format_version", ".storage_alignment", "byteorder", "data/<key>" for
 // each storage, "version", ".data/serialization_id"), stored, each one's data at a 64-byte
-// boundary, with their CRC-32s and zip64 end records. The data is written first (write-back
-// started behind it) while another thread computes the CRCs; then the headers. Not fsync'd.
+// boundary, with their CRC-32s and zip64 end records. The data is written first (the whole
+// pages of large records with O_DIRECT where they qualify, kDirectAlign; the rest with
+// write-back started behind it) while another thread computes the CRCs; then the headers.
+// Not fsync'd.
 // Adds the bytes of data written to `written` as it goes. Returns the file's size. Throws
 // IoError naming the file.
-std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written = nullptr);
+std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written = nullptr,
+                               std::optional<bool> direct = std::nullopt);
 
 // How a background writer's thread competes with the training's threads for the cores.
 //   kIdle    SCHED_IDLE: it runs when a core would otherwise idle (the steps barely notice it;
@@ -229,6 +248,9 @@ struct SaveJob {
   WritePriority priority = WritePriority::kIdle;  // the writing thread's, behind the training
   double timeout_seconds = 1800;   // the first rank's wait for the others' files
   std::vector<StagedFile> files;    // written in order
+  // More files come after start() (BackgroundSave::add_file), the last with seal(): the writer
+  // starts on each one as it comes, while the caller is still snapshotting the next.
+  bool streamed = false;
   // Parts of the first rank's shared records that this rank writes (another rank than the
   // first): one per shared record, in the order of the first rank's files and their records.
   std::vector<SharedPart> shared_parts;
@@ -243,6 +265,7 @@ struct SaveOutcome {
   bool replaced = false;
   bool exchanged = false;
   std::uint64_t bytes = 0;  // file bytes this rank wrote (its parts of shared records too)
+  std::uint64_t direct_bytes = 0;  // of those, written with O_DIRECT (kDirectAlign)
   double seconds = 0;       // from start to the end of this rank's part
   // Where those seconds went: writing the files' data and this rank's parts; fsyncing its
   // files; on the first rank, waiting for the others' markers (on the others, writing theirs);
@@ -263,6 +286,10 @@ struct SaveOutcome {
 // files with shared records from the parts' CRCs and fsyncs them, removes the markers, then
 // sync_tree, publish_tag and write_latest as above. The ranks share only the file system: no
 // collective runs in the background.
+namespace detail {
+struct SaveQueue;
+}  // namespace detail
+
 class BackgroundSave {
  public:
   BackgroundSave() = default;
@@ -272,23 +299,35 @@ class BackgroundSave {
 
   // Starts writing `job`. Throws Error while a save started before has not been waited for.
   void start(SaveJob job);
+  // A streamed job's next file (its staged bytes the writer's until files_written() passes it),
+  // written after those before it, but a `first` one before every file not yet begun that is
+  // not (a file written from the caller's tensors themselves: the caller waits for those,
+  // pending_first()). Ignored once the save has ended (its failure is in the outcome).
+  void add_file(StagedFile file, bool first = false);
+  // A streamed job's last call: no more files; this rank's parts of the first rank's shared
+  // records. Until it comes the writer waits (cancel() gives the save up).
+  void seal(std::vector<SharedPart> shared_parts = {});
+  // Files added as `first` not yet written.
+  std::size_t pending_first() const;
   // Waits for the save started last and returns how it ended (a default outcome when none was
   // started since the last wait). Its staged bytes are the caller's again.
   SaveOutcome wait();
   // Gives the save up before it is published (another rank could not start its share): the
   // first rank stops waiting for the others' markers. Its files stay in the partial folder.
-  void cancel() noexcept { cancelled_.store(true, std::memory_order_release); }
+  void cancel() noexcept;
   // Whether a started save has ended (wait() then returns at once).
   bool finished() const noexcept { return finished_.load(std::memory_order_acquire); }
   // Data bytes written so far, of `bytes_total()`, for progress.
   std::uint64_t bytes_written() const noexcept { return written_.load(std::memory_order_relaxed); }
   std::uint64_t bytes_total() const noexcept { return total_.load(std::memory_order_relaxed); }
-  // How many of the job's files (in their order) have all their data written: the memory they
-  // were staged in, or the tensors they were written from, is the caller's again (their
-  // headers may come later, from what the writer keeps).
+  // How many of the job's files have all their data written, in the order they are written
+  // (a job's files in order; a streamed job's as add_file says): the memory they were staged in,
+  // or the tensors they were written from, is the caller's again (their headers may come later,
+  // from what the writer keeps).
   std::size_t files_written() const noexcept { return files_written_.load(std::memory_order_acquire); }
 
  private:
+  std::shared_ptr<detail::SaveQueue> queue_;  // a streamed job's files yet to come
   SaveJob job_;
   SaveOutcome outcome_;
   std::atomic<std::uint64_t> written_{0};

@@ -25,6 +25,21 @@ zf::StagedFile staged_file_from(const py::tuple& t) {
   return f;
 }
 
+// [(path, offset, address, size)] -> another rank's parts of the first rank's shared records.
+std::vector<zf::SharedPart> shared_parts_from(const py::list& parts) {
+  std::vector<zf::SharedPart> out;
+  for (const py::handle& h : parts) {
+    const py::tuple t = h.cast<py::tuple>();
+    zf::SharedPart part;
+    part.path = t[0].cast<std::string>();
+    part.offset = t[1].cast<std::uint64_t>();
+    part.data = reinterpret_cast<const std::byte*>(t[2].cast<std::uintptr_t>());
+    part.size = t[3].cast<std::uint64_t>();
+    out.push_back(std::move(part));
+  }
+  return out;
+}
+
 py::dict save_outcome_dict(const zf::SaveOutcome& o) {
   py::dict d;
   d["error"] = o.error;
@@ -34,6 +49,7 @@ py::dict save_outcome_dict(const zf::SaveOutcome& o) {
   d["replaced"] = o.replaced;
   d["exchanged"] = o.exchanged;
   d["bytes"] = o.bytes;
+  d["direct_bytes"] = o.direct_bytes;
   d["seconds"] = o.seconds;
   d["phases"] = py::dict(py::arg("write") = o.write_seconds, py::arg("sync") = o.sync_seconds,
                          py::arg("wait") = o.wait_seconds, py::arg("publish") = o.publish_seconds);
@@ -116,10 +132,14 @@ void bind_save(py::module_& m) {
   m.def(
       "torch_file_data_offsets",
       [](const py::tuple& file) {
-        const zf::StagedFile f = staged_file_from(file);
-        return zf::TorchFileWriter(f).data_offsets();
+        return zf::torch_file_data_offsets(staged_file_from(file));
       },
       py::arg("file"));
+  // Direct writes (save.h): the page size the staged bytes of a large record are placed at the
+  // same place within as the record's data in its file, and how large a record must be.
+  m.attr("SAVE_DIRECT_ALIGN") = zf::kDirectAlign;
+  m.attr("SAVE_DIRECT_MIN_BYTES") = zf::kDirectMinBytes;
+  m.def("save_direct_io", [] { return zf::runtime_env().save_io == zf::RuntimeEnv::SaveIo::kDirect; });
   m.def(
       "crc32",
       [](const py::bytes& data, std::uint32_t crc) {
@@ -135,7 +155,7 @@ void bind_save(py::module_& m) {
           "start",
           [](zf::BackgroundSave& self, const std::string& dir, const std::string& partial,
              const std::string& tag, int rank, int world, bool save_latest, const std::string& priority,
-             double timeout_seconds, const py::list& files, const py::list& parts) {
+             double timeout_seconds, const py::list& files, const py::list& parts, bool streamed) {
             zf::SaveJob job;
             job.dir = dir;
             job.partial = partial;
@@ -146,20 +166,26 @@ void bind_save(py::module_& m) {
             job.priority = zf::parse_write_priority(priority);
             job.timeout_seconds = timeout_seconds;
             for (const py::handle& f : files) job.files.push_back(staged_file_from(f.cast<py::tuple>()));
-            for (const py::handle& h : parts) {
-              const py::tuple t = h.cast<py::tuple>();
-              zf::SharedPart part;
-              part.path = t[0].cast<std::string>();
-              part.offset = t[1].cast<std::uint64_t>();
-              part.data = reinterpret_cast<const std::byte*>(t[2].cast<std::uintptr_t>());
-              part.size = t[3].cast<std::uint64_t>();
-              job.shared_parts.push_back(std::move(part));
-            }
+            job.shared_parts = shared_parts_from(parts);
+            job.streamed = streamed;
             self.start(std::move(job));
           },
           py::arg("dir"), py::arg("partial"), py::arg("tag"), py::arg("rank"), py::arg("world"),
           py::arg("save_latest"), py::arg("priority"), py::arg("timeout_seconds"),
-          py::arg("files"), py::arg("parts") = py::list())
+          py::arg("files"), py::arg("parts") = py::list(), py::arg("streamed") = false)
+      // A streamed save's next file (path, pickle, [(key, address, size, parts)]): its staged
+      // bytes alive and unchanged until files_written passes it; first: written before the
+      // files not yet begun (one written from the caller's tensors: wait for pending_first).
+      .def(
+          "add_file",
+          [](zf::BackgroundSave& self, const py::tuple& file, bool first) {
+            self.add_file(staged_file_from(file), first);
+          },
+          py::arg("file"), py::arg("first") = false)
+      .def(
+          "seal", [](zf::BackgroundSave& self, const py::list& parts) { self.seal(shared_parts_from(parts)); },
+          py::arg("parts") = py::list())
+      .def_property_readonly("pending_first", &zf::BackgroundSave::pending_first)
       .def("cancel", &zf::BackgroundSave::cancel)
       .def("wait",
            [](zf::BackgroundSave& self) {

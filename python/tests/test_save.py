@@ -530,6 +530,79 @@ def test_a_save_in_the_background_holds_the_state_at_the_call_and_its_failure_ra
                      torch.load(os.path.join(theirs, name), weights_only=False), name)
 
 
+def _takes_direct_writes(folder):
+    """Whether the file system under ``folder`` takes an O_DIRECT write of an aligned page."""
+    import mmap
+
+    path = os.path.join(folder, "probe")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    try:
+        page = mmap.mmap(-1, 4096)  # page-aligned
+        return os.pwrite(fd, page, 0) == 4096
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.remove(path)
+
+
+def test_large_tensors_are_staged_at_their_place_in_a_page_and_written_direct(tmp_path):
+    """A save's staging places each tensor of 1 MiB or more at its data's place within a 4 KiB
+    page of its file, so that the writer writes its whole pages with O_DIRECT from the staging
+    (where the file system takes it); the file is the same torch file, and the staging does not
+    grow from save to save."""
+    from zeroflat import _C, _snapshot
+
+    state = {"big": torch.randn(1 << 20), "odd": torch.arange(600_013, dtype=torch.int16),
+             "small": torch.ones(5), "view": torch.randn(3, 1 << 19)[1]}
+    staging = _snapshot.Staging()
+    capacities, direct = [], []
+    for tag in ("a", "b"):
+        staging.begin(pinned=False)
+        snap = _snapshot.Snapshot(staging)
+        partial = _C.partial_tag_name(tag)
+        os.makedirs(tmp_path / partial)
+        snap.add({**state, "tag": tag * 1000}, str(tmp_path / partial / "state.pt"))
+        staging.end()
+        capacities.append(staging.capacity)
+        (path, pickled, records), = snap.files
+        offsets = _C.torch_file_data_offsets((path, pickled, records))
+        expect = 0
+        for (key, address, size, _), off in zip(records, offsets):
+            if size >= _C.SAVE_DIRECT_MIN_BYTES:
+                assert address % 4096 == off % 4096, (key, address, off)
+                expect += (off + size) // 4096 * 4096 - (off + 4095) // 4096 * 4096
+        writer = _C.BackgroundSave()
+        files = snap.files
+        writer.start(str(tmp_path), partial, tag, 0, 1, True, "normal", 60.0, files, snap.parts)
+        outcome = writer.wait()
+        assert not outcome["error"] and outcome["published"], outcome
+        direct.append((outcome["direct_bytes"], expect))
+        loaded = torch.load(tmp_path / tag / "state.pt", weights_only=True)
+        assert loaded["tag"] == tag * 1000
+        for name, value in state.items():
+            assert torch.equal(loaded[name], value), name
+    assert capacities[0] == capacities[1], capacities
+    takes = _takes_direct_writes(str(tmp_path))
+    assert all(got == (want if takes else 0) and want > 3 << 20 for got, want in direct), direct
+    # ZEROFLAT_SAVE_IO=buffered: no phases, every byte through the page cache.
+    probe = ("from zeroflat import _C, _snapshot; import torch; s = _snapshot.Staging(); "
+             "s.begin(False); n = _snapshot.Snapshot(s); n.add({'w': torch.ones(1 << 20)}, "
+             "'/nonexistent/x.pt'); print(_C.save_direct_io(), "
+             "n.files[0][2][0][1] - s._segments[0].data_ptr())")
+    for value, says in (("buffered", "False 0\n"), ("direct", "True")):
+        env = {**os.environ, "ZEROFLAT_SAVE_IO": value}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, check=True).stdout
+        assert out.startswith(says), (value, out)
+    env = {**os.environ, "ZEROFLAT_SAVE_IO": "sometimes"}
+    bad = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "ZEROFLAT_SAVE_IO='sometimes'" in bad.stderr, bad.stderr
+
+
 def _exit_worker(rank, world, port, out):
     import zeroflat.deepspeed as zd
     from zeroflat import _C

@@ -318,6 +318,7 @@ def _wait_own():
         stats["saves"].append({"dir": pending["dir"], "tag": pending["tag"],
                                "files": pending["files"], "parts": pending["parts"],
                                "bytes": outcome["bytes"],
+                               "direct_bytes": outcome["direct_bytes"],
                                "blocking_seconds": pending["blocking"],
                                "write_seconds": outcome["seconds"],
                                "write_phases": outcome["phases"],
@@ -441,12 +442,29 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     flats = _shared_flats(engine, world) if share_model else None
     shared = {t.untyped_storage()._cdata: i for i, t in enumerate(flats or [])}
     failure: List[BaseException] = []
+    # The library's thread writes each file as soon as it is snapshotted, while DeepSpeed's
+    # save goes on to the next; what it writes is published only once every rank has agreed
+    # that its snapshot is whole (below), else given up (cancel: never published).
+    try:
+        if _writer is None:
+            _writer = _C.BackgroundSave()
+        _writer.start(os.fspath(save_dir), partial, tag, me, world, bool(save_latest), priority,
+                      float(WAIT_SECONDS), [], streamed=True)
+        _pending = {"dir": os.fspath(save_dir), "where": where, "tag": tag, "files": 0,
+                    "parts": 0, "blocking": 0.0, "stop": threading.Event()}
+        _pending["watch"] = threading.Thread(target=_watch, args=(_pending, me, world),
+                                             name="zeroflat-save-progress", daemon=True)
+        _pending["watch"].start()
+        _hook_exit()
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it
+        error = e
 
     def save(state_dict: Any, path: str) -> None:
-        if failure:
+        if failure or _pending is None:
             return
         try:
             snap.add(_plain_enums(state_dict), os.fspath(path), shared, world)
+            _writer.add_file(snap.files[-1], snap.file_direct[-1])
         except Exception as e:  # noqa: BLE001 - kept for the agreement after DeepSpeed's save
             failure.append(e)
 
@@ -476,9 +494,10 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     if error is None and failure:
         error = failure[0]
     try:
-        # One all-reduce: whether every rank took its snapshot, and the length of the first
-        # rank's layout of its shared records (ZeRO-1/2's 16-bit model file: every rank writes
-        # its part of the flat groups' bytes, at the offsets that layout gives them).
+        # One all-reduce: whether every rank took its snapshot (and started its writer), and
+        # the length of the first rank's layout of its shared records (ZeRO-1/2's 16-bit model
+        # file: every rank writes its part of the flat groups' bytes, at the offsets that
+        # layout gives them).
         words = _plan_words(snap) if me == 0 and flats is not None and error is None else []
         failing, length = all_reduce_ints([failing_word(error, None), len(words)], None, "max",
                                           "the save's snapshot (an all-reduce)", "save-snapshot")
@@ -493,38 +512,22 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
                     snap.place_parts(plan, me, world)
                 except Exception as e:  # noqa: BLE001 - every rank must learn of it
                     error = e
-    finally:
-        _staging.end()
-
-    # 3. The library's thread starts writing; if any rank could not start, none publishes.
-    if error is None:
-        try:
-            if _writer is None:
-                _writer = _C.BackgroundSave()
-            files, first = snap.ordered()
-            _writer.start(os.fspath(save_dir), partial, tag, me, world, bool(save_latest), priority,
-                          float(WAIT_SECONDS), files, snap.parts)
-            _pending = {"dir": os.fspath(save_dir), "where": where, "tag": tag,
-                        "files": len(snap.files), "parts": len(snap.parts), "blocking": 0.0,
-                        "stop": threading.Event()}
-            _pending["watch"] = threading.Thread(target=_watch, args=(_pending, me, world),
-                                                 name="zeroflat-save-progress", daemon=True)
-            _pending["watch"].start()
-            _hook_exit()
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            error = e
-    try:
-        failing = all_reduce_ints([failing_word(error, None)], None, "max",
-                                  "the save's start (an all-reduce)", "save-start")[0]
-        raise_failed(failing, error, None, "the save's start",
-                     lambda r, why: _failed_on(r, f"starting to write its files ({why})", where,
-                                               tag))
+            failing = all_reduce_ints([failing_word(error, None)], None, "max",
+                                      "the save's parts (an all-reduce)", "save-parts")[0]
+            raise_failed(failing, error, None, "the save's parts",
+                         lambda r, why: _failed_on(r, f"placing its parts ({why})", where, tag))
+        # 3. No more files: the writer writes this rank's parts, fsyncs, and the first rank
+        # publishes once every rank's files are durable.
+        _writer.seal(snap.parts)
+        _pending.update(files=len(snap.files), parts=len(snap.parts))
     except BaseException:
         if _pending is not None:
             _writer.cancel()  # written, never published; waited for by the next save
             _pending["cancelled"] = True
         raise
-    if first:
+    finally:
+        _staging.end()
+    if any(snap.file_direct):
         # This rank's state did not all fit the staging (the free host memory, or
         # save_staging_bytes): the files that did not are written first, from the tensors
         # themselves, and the call returns once their data is (a wave); the staged rest is
@@ -535,7 +538,7 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
                         "more host memory than the staging may (%s); the files that do not fit "
                         "are written before the call returns", where,
                         "save_staging_bytes" if staging_bytes is not None else "the free memory")
-        while _writer.files_written < first and not _writer.finished:
+        while _writer.pending_first and not _writer.finished:
             time.sleep(0.002)
     _pending["blocking"] = time.perf_counter() - start
 

@@ -31,8 +31,10 @@ def _align(n: int) -> int:
 class Staging:
     """Host memory a rank's snapshots are copied into, reused from save to save.
 
-    A save places each file's storages one after the other (64-byte aligned) in the segments
-    there are; what does not fit gets one new segment of exactly the rest of that file. The
+    A save places each file's storages one after the other (64-byte aligned; one of
+    SAVE_DIRECT_MIN_BYTES or more at its data's place within a page of its file, with a page of
+    room for it, so that the writer writes its whole pages with O_DIRECT) in the segments there
+    are; what does not fit gets one new segment of exactly the rest of that file. The
     next save places the same sizes in the same order, so a state of steady size fits the same
     segments again: the staging holds the rank's state (plus at most one storage's tail per
     segment) and never grows. When a save needed 256 MiB less than there is (the state shrank),
@@ -69,9 +71,17 @@ class Staging:
     def _new(self, nbytes: int, pinned: bool) -> torch.Tensor:
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
 
-    def growth(self, sizes: List[int]) -> int:
-        """The bytes ``place(sizes)`` would allocate (0: they fit where there is room)."""
-        aligned = [_align(max(n, 1)) for n in sizes]
+    @staticmethod
+    def _reserved(sizes: List[int], phases: Optional[List[Optional[int]]]) -> List[int]:
+        """The bytes each placement takes: 64-byte aligned, and a page more for one placed at a
+        phase (so that a state of steady size takes the same room whatever its phases)."""
+        phases = phases or [None] * len(sizes)
+        return [_align(max(n, 1)) + (0 if ph is None else _C.SAVE_DIRECT_ALIGN)
+                for n, ph in zip(sizes, phases)]
+
+    def growth(self, sizes: List[int], phases: Optional[List[Optional[int]]] = None) -> int:
+        """The bytes ``place(sizes, phases)`` would allocate (0: they fit where there is room)."""
+        aligned = self._reserved(sizes, phases)
         seg, off = self._at
         for i, size in enumerate(aligned):
             while seg < len(self._segments) and off + size > self._segments[seg].numel():
@@ -81,20 +91,27 @@ class Staging:
             off += size
         return 0
 
-    def place(self, sizes: List[int], pinned: bool) -> List[torch.Tensor]:
-        """Staging for one file's storages: a uint8 tensor of each size."""
+    def place(self, sizes: List[int], pinned: bool,
+              phases: Optional[List[Optional[int]]] = None) -> List[torch.Tensor]:
+        """Staging for one file's storages: a uint8 tensor of each size; one with a phase (not
+        None) begins that many bytes into a page of SAVE_DIRECT_ALIGN bytes (its data's place in
+        its page of the file: the writer writes its whole pages with O_DIRECT, save.h)."""
         pinned = pinned and torch.cuda.is_available()
-        aligned = [_align(max(n, 1)) for n in sizes]
+        aligned = self._reserved(sizes, phases)
+        phases = phases or [None] * len(sizes)
         self.need += sum(aligned)
         out = []
         seg, off = self._at
-        for i, (n, size) in enumerate(zip(sizes, aligned)):
+        for i, (n, size, phase) in enumerate(zip(sizes, aligned, phases)):
             while seg < len(self._segments) and off + size > self._segments[seg].numel():
                 seg, off = seg + 1, 0
             if seg == len(self._segments):
                 self._segments.append(self._new(sum(aligned[i:]), pinned))
                 self._pinned = self._pinned or pinned
-            out.append(self._segments[seg][off:off + n])
+            start = off
+            if phase is not None:
+                start += (phase - self._segments[seg].data_ptr() - off) % _C.SAVE_DIRECT_ALIGN
+            out.append(self._segments[seg][start:start + n])
             off += size
         self._at = (seg, off)
         return out
@@ -178,7 +195,7 @@ class Snapshot:
         self.staging = staging
         # Host memory the staging may still grow by (None: no limit); past it, a file's host
         # tensors are written from where they are, and the save blocks until they are (the
-        # writer writes those files first: ordered()).
+        # writer writes those files first: BackgroundSave.add_file's `first`).
         self.free = free
         self.file_direct: List[bool] = []
         self._keep: List[Any] = []
@@ -206,15 +223,18 @@ class Snapshot:
         ids = [(shared or {}).get(storage._cdata) if ranks > 1 else None for _, storage in found]
         sizes = [storage.nbytes() if i is None else _C.share_range(storage.nbytes(), ranks, 0)[1]
                  for (_, storage), i in zip(found, ids)]
+        pickled = buf.getvalue()
+        phases = self._phases(path, pickled, found, sizes, ids, ranks)
         # Host storages stay where they are when staging them would take more than is free.
         direct = [False] * len(found)
         if self.free is not None:
-            grow = self.staging.growth(sizes)
+            grow = self.staging.growth(sizes, phases)
             if grow > self.free:
                 direct = [storage.device.type == "cpu" for _, storage in found]
             else:
                 self.free -= grow
-        places = self.staging.place([0 if d else n for d, n in zip(direct, sizes)], on_device)
+        places = self.staging.place([0 if d else n for d, n in zip(direct, sizes)], on_device,
+                                    phases)
         for index, ((key, storage), dst, n, i, d) in enumerate(zip(found, places, sizes, ids,
                                                                    direct)):
             on_host = storage.device.type == "cpu"
@@ -237,15 +257,22 @@ class Snapshot:
             copy_host(host)
         if device:
             self._copy_from_devices(device)
-        self.files.append((path, buf.getvalue(), records))
+        self.files.append((path, pickled, records))
         self.file_direct.append(any(direct))
 
-    def ordered(self) -> Tuple[List[Tuple[str, bytes, list]], int]:
-        """The files in the order the writer takes them: those written from the tensors
-        themselves first (the save returns once their data is written: a wave), then the staged
-        ones; and how many come first."""
-        first = [f for f, d in zip(self.files, self.file_direct) if d]
-        return first + [f for f, d in zip(self.files, self.file_direct) if not d], len(first)
+    @staticmethod
+    def _phases(path, pickled, found, sizes, ids, ranks) -> Optional[List[Optional[int]]]:
+        """Where in its page each large storage's staged bytes go: its data's offset in the file
+        modulo SAVE_DIRECT_ALIGN (the layout the writer will make), so that the writer writes
+        its whole pages with O_DIRECT from the staging; None for the small ones, or for all when
+        the writes go through the page cache (ZEROFLAT_SAVE_IO=buffered)."""
+        if not _C.save_direct_io() or max(sizes, default=0) < _C.SAVE_DIRECT_MIN_BYTES:
+            return None
+        records = [(key, 0, storage.nbytes(), 1 if i is None else ranks)
+                   for (key, storage), i in zip(found, ids)]
+        offsets = _C.torch_file_data_offsets((path, pickled, records))
+        return [off % _C.SAVE_DIRECT_ALIGN if n >= _C.SAVE_DIRECT_MIN_BYTES else None
+                for off, n in zip(offsets, sizes)]
 
     def stage_parts(self, tensors: List[torch.Tensor], rank: int,
                     ranks: int) -> Callable[[], None]:

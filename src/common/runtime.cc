@@ -70,10 +70,21 @@ RuntimeEnv::ReadAhead read_ahead_env() {
                         "': expected exact or kernel (unset it for the default, exact)");
 }
 
+RuntimeEnv::SaveIo save_io_env() {
+  const char* v = std::getenv("ZEROFLAT_SAVE_IO");
+  if (v == nullptr || *v == '\0') return RuntimeEnv::SaveIo::kDirect;
+  const std::string s = v;
+  if (s == "direct") return RuntimeEnv::SaveIo::kDirect;
+  if (s == "buffered") return RuntimeEnv::SaveIo::kBuffered;
+  throw InvalidArgument("ZEROFLAT_SAVE_IO='" + s +
+                        "': expected direct or buffered (unset it for the default, direct)");
+}
+
 RuntimeEnv read_env() {
   RuntimeEnv env;
   env.host_memory = host_memory_env();
   env.read_ahead = read_ahead_env();
+  env.save_io = save_io_env();
   env.num_threads = positive_env("ZEROFLAT_NUM_THREADS");
   env.gather_parts = positive_env("ZEROFLAT_GATHER_PARTS");
   if (const char* v = std::getenv("ZEROFLAT_TEST_SAVE_FAULT")) env.save_fault = v;

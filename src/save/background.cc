@@ -4,8 +4,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include <fcntl.h>
@@ -18,6 +21,36 @@
 #include "zeroflat/save.h"
 
 namespace zeroflat {
+
+// A streamed job's files as they come (BackgroundSave::add_file), taken by the writing thread.
+struct detail::SaveQueue {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::deque<StagedFile> firsts;  // not yet taken: written before the others
+  std::deque<StagedFile> rest;
+  std::size_t first_pending = 0;  // `first` files not yet written
+  bool sealed = false;
+  bool cancelled = false;
+  bool closed = false;  // the writer has ended: files added now are dropped
+  std::vector<SharedPart> parts;
+
+  // The next file to write into `out` (a first one before the others); false once sealed and
+  // empty. Throws Error when the save is given up before it is sealed.
+  bool next(std::deque<StagedFile>& out, bool& first) {
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [&] { return cancelled || sealed || !firsts.empty() || !rest.empty(); });
+    std::deque<StagedFile>& from = !firsts.empty() ? firsts : rest;
+    if (!from.empty()) {
+      first = &from == &firsts;
+      out.push_back(std::move(from.front()));
+      from.pop_front();
+      return true;
+    }
+    if (!sealed) throw Error("the save was given up before it was published: a rank could not take its snapshot");
+    return false;
+  }
+};
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -125,9 +158,14 @@ std::vector<std::vector<std::uint32_t>> await_ranks(const SaveJob& job, const st
   return crcs;
 }
 
-void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, std::atomic<std::size_t>& files_written,
-             const std::atomic<bool>& cancelled, SaveOutcome& out) {
+void run_job(const SaveJob& job, detail::SaveQueue* queue, std::atomic<std::uint64_t>& written,
+             std::atomic<std::size_t>& files_written, const std::atomic<bool>& cancelled, SaveOutcome& out) {
   const std::string folder = job.dir.empty() ? std::string() : job.dir + "/" + job.partial;
+  // The files in the order they are written: the job's, then a streamed job's as they come
+  // (kept here, where the writers' references to them stay valid).
+  std::vector<const StagedFile*> files;
+  for (const StagedFile& f : job.files) files.push_back(&f);
+  std::deque<StagedFile> streamed;
   std::vector<std::unique_ptr<TorchFileWriter>> writers;
   std::vector<std::size_t> shared;  // files with shared records: finished once the others' are in
   auto mark = Clock::now();
@@ -137,17 +175,27 @@ void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, std::atomi
     mark = now;
   };
   auto sync = [&](std::size_t k) {
-    save_io::fault_point("sync_files." + std::to_string(k + 1), job.files[k].path);
-    save_io::fsync_path(job.files[k].path, false, "sync_files");
+    save_io::fault_point("sync_files." + std::to_string(k + 1), files[k]->path);
+    save_io::fsync_path(files[k]->path, false, "sync_files");
   };
-  for (std::size_t k = 0; k < job.files.size(); ++k) {
-    save_io::fault_point("write." + std::to_string(k + 1), job.files[k].path);
-    writers.push_back(std::make_unique<TorchFileWriter>(job.files[k]));
+  for (std::size_t k = 0;; ++k) {
+    bool first = false;
+    if (k == files.size()) {
+      if (queue == nullptr || !queue->next(streamed, first)) break;
+      files.push_back(&streamed.back());
+    }
+    save_io::fault_point("write." + std::to_string(k + 1), files[k]->path);
+    writers.push_back(std::make_unique<TorchFileWriter>(*files[k]));
     writers.back()->write_data(&written);
     files_written.fetch_add(1, std::memory_order_release);  // its data read: the caller's again
+    if (first) {
+      std::lock_guard<std::mutex> lock(queue->mutex);
+      --queue->first_pending;
+    }
     if (writers.back()->shared_records() == 0) {
       writers.back()->finish({});
       out.bytes += writers.back()->bytes_written();
+      out.direct_bytes += writers.back()->direct_bytes();
     } else {
       shared.push_back(k);
     }
@@ -155,17 +203,22 @@ void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, std::atomi
   if (!shared.empty() && (job.rank != 0 || folder.empty())) {
     throw InvalidArgument("a file with shared records is the first rank's, in a published save");
   }
+  std::vector<SharedPart> my_parts = job.shared_parts;
+  if (queue != nullptr) {
+    std::lock_guard<std::mutex> lock(queue->mutex);
+    my_parts.insert(my_parts.end(), queue->parts.begin(), queue->parts.end());
+  }
   std::string crcs;
-  for (std::size_t k = 0; k < job.shared_parts.size(); ++k) {
-    save_io::fault_point("write.part." + std::to_string(k + 1), job.shared_parts[k].path);
-    const std::uint32_t crc = write_shared_part(job.shared_parts[k], &written);
-    out.bytes += job.shared_parts[k].size;
+  for (std::size_t k = 0; k < my_parts.size(); ++k) {
+    save_io::fault_point("write.part." + std::to_string(k + 1), my_parts[k].path);
+    const std::uint32_t crc = write_shared_part(my_parts[k], &written);
+    out.bytes += my_parts[k].size;
     char line[16];
     std::snprintf(line, sizeof line, "crc %08x\n", crc);
     crcs += line;
   }
   phase(out.write_seconds);
-  for (std::size_t k = 0; k < job.files.size(); ++k) {
+  for (std::size_t k = 0; k < files.size(); ++k) {
     if (writers[k]->shared_records() == 0) sync(k);
   }
   phase(out.sync_seconds);
@@ -182,6 +235,7 @@ void run_job(const SaveJob& job, std::atomic<std::uint64_t>& written, std::atomi
   for (std::size_t k : shared) {
     writers[k]->finish(parts);
     out.bytes += writers[k]->bytes_written();
+    out.direct_bytes += writers[k]->direct_bytes();
     sync(k);
   }
   for (int r = 1; r < job.world; ++r) {
@@ -238,6 +292,7 @@ void BackgroundSave::start(SaveJob job) {
     for (const StagedStorage& s : f.storages) total += s.parts > 1 ? share_range(s.size, s.parts, 0).end : s.size;
   }
   for (const SharedPart& p : job.shared_parts) total += p.size;
+  queue_ = job.streamed ? std::make_shared<detail::SaveQueue>() : nullptr;
   job_ = std::move(job);
   outcome_ = SaveOutcome{};
   written_.store(0);
@@ -249,7 +304,7 @@ void BackgroundSave::start(SaveJob job) {
     const auto t0 = Clock::now();
     set_thread_write_priority(job_.priority);
     try {
-      run_job(job_, written_, files_written_, cancelled_, outcome_);
+      run_job(job_, queue_.get(), written_, files_written_, cancelled_, outcome_);
     } catch (const RankFailed& e) {
       outcome_.error = e.what();
       outcome_.failed_rank = e.rank();
@@ -269,8 +324,61 @@ void BackgroundSave::start(SaveJob job) {
     }
     outcome_.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     job_.files.clear();  // the staged bytes may be reused once wait() returns
+    if (queue_) {
+      std::lock_guard<std::mutex> lock(queue_->mutex);
+      queue_->closed = true;
+      queue_->firsts.clear();
+      queue_->rest.clear();
+      queue_->first_pending = 0;
+    }
     finished_.store(true, std::memory_order_release);
   });
+}
+
+void BackgroundSave::add_file(StagedFile file, bool first) {
+  if (!queue_) throw Error("add_file: the save being written is not a streamed one");
+  std::uint64_t bytes = file.pickle.size();
+  for (const StagedStorage& s : file.storages) bytes += s.parts > 1 ? share_range(s.size, s.parts, 0).end : s.size;
+  {
+    std::lock_guard<std::mutex> lock(queue_->mutex);
+    if (queue_->closed) return;
+    if (queue_->sealed) throw Error("add_file: the save was sealed");
+    (first ? queue_->firsts : queue_->rest).push_back(std::move(file));
+    if (first) ++queue_->first_pending;
+    total_.fetch_add(bytes, std::memory_order_relaxed);
+  }
+  queue_->changed.notify_all();
+}
+
+void BackgroundSave::seal(std::vector<SharedPart> shared_parts) {
+  if (!queue_) throw Error("seal: the save being written is not a streamed one");
+  std::uint64_t bytes = 0;
+  for (const SharedPart& p : shared_parts) bytes += p.size;
+  {
+    std::lock_guard<std::mutex> lock(queue_->mutex);
+    if (queue_->closed) return;
+    queue_->sealed = true;
+    queue_->parts = std::move(shared_parts);
+    total_.fetch_add(bytes, std::memory_order_relaxed);
+  }
+  queue_->changed.notify_all();
+}
+
+std::size_t BackgroundSave::pending_first() const {
+  if (!queue_) return 0;
+  std::lock_guard<std::mutex> lock(queue_->mutex);
+  return queue_->first_pending;
+}
+
+void BackgroundSave::cancel() noexcept {
+  cancelled_.store(true, std::memory_order_release);
+  if (queue_) {
+    {
+      std::lock_guard<std::mutex> lock(queue_->mutex);
+      queue_->cancelled = true;
+    }
+    queue_->changed.notify_all();
+  }
 }
 
 SaveOutcome BackgroundSave::wait() {

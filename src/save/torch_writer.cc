@@ -102,7 +102,8 @@ const std::string kAlignment = "64";
 const std::string kByteOrder = "little";
 const std::string kVersion = "3\n";
 
-Layout make_layout(const StagedFile& file) {
+// need_bytes: whether every storage must have its bytes (a layout to write, not only offsets).
+Layout make_layout(const StagedFile& file, bool need_bytes = true) {
   Layout l;
   l.id.assign(40, '0');  // its digits once the other records' CRCs are known
   const std::string prefix = archive_name(file.path) + "/";
@@ -121,7 +122,7 @@ Layout make_layout(const StagedFile& file) {
     if (s.key.empty() || s.key.find('/') != std::string::npos) {
       throw InvalidArgument("a storage's key is a plain name, got '" + printable(s.key, 80) + "'");
     }
-    if (s.size > 0 && s.data == nullptr) throw InvalidArgument("storage '" + s.key + "' has no bytes");
+    if (need_bytes && s.size > 0 && s.data == nullptr) throw InvalidArgument("storage '" + s.key + "' has no bytes");
     add("data/" + s.key, s.data, s.size);
   }
   add("version", kVersion.data(), kVersion.size());
@@ -234,8 +235,99 @@ ShareRange share_range(std::uint64_t size, unsigned parts, unsigned k) {
   return {r.begin, r.end};
 }
 
+namespace {
+
+// One run of a record's bytes: [begin, end) of the file from `data` on; its whole pages with
+// O_DIRECT where `direct` (an fd open with it) is given and they qualify (kDirectAlign), the
+// rest through `fd` with write-back started behind it. A direct write the file system refuses
+// (EINVAL) closes `direct` (reset) and goes through the page cache, as does the rest of the file.
+class RecordWrites {
+ public:
+  RecordWrites(int fd, std::optional<save_io::Fd>* direct, const std::string& path,
+               std::atomic<std::uint64_t>* written)
+      : fd_(fd), direct_(direct), path_(path), written_(written) {}
+
+  void write(const std::byte* data, std::uint64_t begin, std::uint64_t end) {
+    std::uint64_t a = (begin + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+    std::uint64_t b = end / kDirectAlign * kDirectAlign;
+    const bool direct = direct_->has_value() && b > a && b - a >= kDirectMinBytes &&
+                        reinterpret_cast<std::uintptr_t>(data + (a - begin)) % kDirectAlign == 0;
+    if (!direct) a = b = end;
+    buffered(data, begin, a);
+    if (a < b) a = direct_write(data + (a - begin), a, b);
+    buffered(data + (a - begin), a, end);
+  }
+  std::uint64_t direct_bytes() const { return direct_bytes_; }
+
+ private:
+  void buffered(const std::byte* data, std::uint64_t begin, std::uint64_t end) {
+    for (std::uint64_t off = begin; off < end; off += kPieceBytes) {
+      const std::uint64_t n = std::min(kPieceBytes, end - off);
+      save_io::pwrite_all(fd_, data + (off - begin), n, off, "write", path_);
+      // Write-back starts now, so that the fsync after has less left to do.
+      (void)::sync_file_range(fd_, static_cast<off_t>(off), static_cast<off_t>(n), SYNC_FILE_RANGE_WRITE);
+      if (written_ != nullptr) written_->fetch_add(n, std::memory_order_relaxed);
+    }
+  }
+  // Returns where the direct writes stopped (end, or the first byte the file system refused).
+  std::uint64_t direct_write(const std::byte* data, std::uint64_t begin, std::uint64_t end) {
+    const int fd = (*direct_)->get();
+    for (std::uint64_t off = begin; off < end;) {
+      const std::size_t want = static_cast<std::size_t>(std::min(kPieceBytes, end - off));
+      const ssize_t got = ::pwrite(fd, data + (off - begin), want, static_cast<off_t>(off));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0 && errno == EINVAL) {  // alignment or O_DIRECT this file system will not take
+        direct_->reset();
+        return off;
+      }
+      if (got < 0) throw io_error("write", path_, errno);
+      // A short direct write (the disk full) leaves the rest to the page cache, which says why.
+      if (got == 0 || static_cast<std::uint64_t>(got) % kDirectAlign != 0) {
+        if (got > 0) account(static_cast<std::uint64_t>(got));
+        direct_->reset();
+        return off + static_cast<std::uint64_t>(std::max<ssize_t>(got, 0));
+      }
+      account(static_cast<std::uint64_t>(got));
+      off += static_cast<std::uint64_t>(got);
+    }
+    return end;
+  }
+  void account(std::uint64_t n) {
+    direct_bytes_ += n;
+    if (written_ != nullptr) written_->fetch_add(n, std::memory_order_relaxed);
+  }
+
+  int fd_;
+  std::optional<save_io::Fd>* direct_;
+  const std::string& path_;
+  std::atomic<std::uint64_t>* written_;
+  std::uint64_t direct_bytes_ = 0;
+};
+
+// Opens `out` on the file at `path` (already created) with O_DIRECT, or leaves it empty where
+// the file system refuses O_DIRECT (or the test fault hook says "write.direct:unsupported").
+void open_direct(const std::string& path, std::optional<save_io::Fd>& out) {
+  if (save_io::fault_point("write.direct", path)) return;
+  try {
+    out.emplace(path, O_WRONLY | O_DIRECT, "write (O_DIRECT)");
+  } catch (const IoError& e) {
+    if (e.code() != EINVAL) throw;  // refused: through the page cache
+    out.reset();
+  }
+}
+
+}  // namespace
+
+std::vector<std::uint64_t> torch_file_data_offsets(const StagedFile& file) {
+  const Layout l = make_layout(file, false);
+  std::vector<std::uint64_t> out;
+  for (std::size_t i = 0; i < file.storages.size(); ++i) out.push_back(l.entries[i + 4].data_offset);
+  return out;
+}
+
 struct TorchFileWriter::State {
   Layout layout;
+  std::uint64_t direct = 0;  // of mine, written with O_DIRECT
   std::uint64_t mine = 0;  // bytes this rank wrote
   std::vector<std::size_t> shared;  // entries written in parts, in the file's order
   std::vector<std::uint64_t> part0;  // bytes of each one this rank writes (part 0)
@@ -266,7 +358,9 @@ std::size_t TorchFileWriter::shared_records() const { return state_->shared.size
 
 std::uint64_t TorchFileWriter::bytes_written() const { return state_->mine; }
 
-void TorchFileWriter::write_data(std::atomic<std::uint64_t>* written) {
+std::uint64_t TorchFileWriter::direct_bytes() const { return state_->direct; }
+
+void TorchFileWriter::write_data(std::atomic<std::uint64_t>* written, std::optional<bool> direct) {
   Layout& l = state_->layout;
   // Other ranks write into this file too when it has shared records: never truncated then (the
   // file is new: a save's folder starts empty).
@@ -293,17 +387,18 @@ void TorchFileWriter::write_data(std::atomic<std::uint64_t>* written) {
       if (t.joinable()) t.join();
     }
   } join{crcs};
+  if (!direct) direct = runtime_env().save_io == RuntimeEnv::SaveIo::kDirect;
+  std::optional<save_io::Fd> direct_fd;
+  if (*direct && std::any_of(mine.begin(), mine.end(), [](std::uint64_t n) { return n >= kDirectMinBytes; })) {
+    open_direct(file_.path, direct_fd);
+  }
+  RecordWrites writes(fd, &direct_fd, file_.path, written);
   for (std::size_t i = 0; i + 1 < l.entries.size(); ++i) {
     const Entry& e = l.entries[i];
-    for (std::uint64_t off = 0; off < mine[i]; off += kPieceBytes) {
-      const std::uint64_t n = std::min(kPieceBytes, mine[i] - off);
-      save_io::pwrite_all(fd, e.data + off, n, e.data_offset + off, "write", file_.path);
-      // Write-back starts now, so that the fsync after has less left to do.
-      (void)::sync_file_range(fd, static_cast<off_t>(e.data_offset + off), static_cast<off_t>(n),
-                              SYNC_FILE_RANGE_WRITE);
-      if (written != nullptr) written->fetch_add(n, std::memory_order_relaxed);
-    }
+    writes.write(e.data, e.data_offset, e.data_offset + mine[i]);
   }
+  state_->direct = writes.direct_bytes();
+  if (direct_fd) direct_fd->close("write (O_DIRECT)", file_.path);
   crcs.join();
   if (crc_error) std::rethrow_exception(crc_error);
 }
@@ -478,10 +573,11 @@ std::vector<ItemSpan> write_appended(const std::string& path, const std::vector<
   return spans;
 }
 
-std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written) {
+std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written,
+                               std::optional<bool> direct) {
   TorchFileWriter w(file);
   if (w.shared_records() != 0) throw InvalidArgument("write_torch_file: a file with shared records needs TorchFileWriter");
-  w.write_data(written);
+  w.write_data(written, direct);
   return w.finish({});
 }
 
