@@ -170,7 +170,9 @@ TEST(TorchWriter, LargeRecordsStagedAtTheirPlaceInAPageAreWrittenDirectAndTheByt
   std::uint64_t expect_direct = 0;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     const std::uint64_t phase = (offsets[i] % kDirectAlign + (at_phase[i] ? 0 : 64)) % kDirectAlign;
-    buffers.emplace_back(static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, sizes[i] + 2 * kDirectAlign)), &std::free);
+    // aligned_alloc's size: a whole number of its alignment.
+    const std::uint64_t room = (sizes[i] + 2 * kDirectAlign) / kDirectAlign * kDirectAlign;
+    buffers.emplace_back(static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, room)), &std::free);
     std::byte* p = buffers.back().get() + phase;
     for (std::uint64_t k = 0; k < sizes[i]; ++k) p[k] = static_cast<std::byte>(gen());
     f.storages[i].data = p;
