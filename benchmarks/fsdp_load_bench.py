@@ -64,7 +64,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from hf_load_bench import (drop_cache, free_port, gloo_rank, rank_done, rank_env,  # noqa: E402
-                           run_rank_job)
+                           run_rank_job, timed_calls)
 from zero3_bench import PeakResident, proc_io  # noqa: E402
 
 MB = 1 << 20
@@ -180,12 +180,12 @@ def rank_main(rank, world, port, job):
                 reader = HuggingFaceStorageReader(path, thread_count=(
                     job["dcp_threads"] if method == "dcp-best" else 1))
             phases["reader"] = time.perf_counter() - t0
-            for name, phase in READER_PHASES:
-                timed_method(reader, name, phase, phases)
+            parts = timed_calls([(reader, name, phase) for name, phase in READER_PHASES])
             t_state = time.perf_counter()
             state = get_model_state_dict(model)
             phases["state dict"] = time.perf_counter() - t_state
             dcp.load(state, storage_reader=reader)
+            phases.update(parts)
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -284,27 +284,14 @@ def accelerate_load(path, config, rank):
     return model
 
 
-# Where a DCP load's time goes: the storage reader's methods, each timed on the instance (the
-# same names on DCP's reader and zeroflat's); "reader" is its import and construction, "state
+# Where a DCP load's time goes: the storage reader's methods, each timed on the instance
+# (timed_calls; the same names on DCP's reader and zeroflat's); "reader" is its import and construction, "state
 # dict" get_model_state_dict, "dcp" the rest of dcp.load (its planner and collectives), "touch"
 # the read of every shard after it.
 READER_PHASES = (("read_metadata", "metadata"), ("set_up_storage_reader", "set up"),
                  ("prepare_local_plan", "plan"), ("prepare_global_plan", "plan"),
                  ("read_data", "read"))
 PHASE_ORDER = ("reader", "state dict", "metadata", "set up", "plan", "read", "dcp", "touch")
-
-
-def timed_method(obj, name, phase, phases):
-    """obj.name timed into phases[phase] (summed over calls), on the instance alone."""
-    original = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        start = time.perf_counter()
-        try:
-            return original(*a, **k)
-        finally:
-            phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - start
-    setattr(obj, name, wrapper)
 
 
 def phase_lines(world, cache, phases):

@@ -183,8 +183,7 @@ class TorchFileWriter {
 // Not fsync'd.
 // Adds the bytes of data written to `written` as it goes. Returns the file's size. Throws
 // IoError naming the file.
-std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written = nullptr,
-                               std::optional<bool> direct = std::nullopt);
+std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written = nullptr);
 
 // How a background writer's thread competes with the training's threads for the cores.
 //   kIdle    SCHED_IDLE: it runs when a core would otherwise idle (the steps barely notice it;
@@ -300,9 +299,9 @@ class BackgroundSave {
   // Starts writing `job`. Throws Error while a save started before has not been waited for.
   void start(SaveJob job);
   // A streamed job's next file (its staged bytes the writer's until files_written() passes it),
-  // written after those before it, but a `first` one before every file not yet begun that is
-  // not (a file written from the caller's tensors themselves: the caller waits for those,
-  // pending_first()). Ignored once the save has ended (its failure is in the outcome).
+  // written after those before it. `first`: one the caller waits for (written from its tensors
+  // themselves: pending_first()); it adds those before the others. Ignored once the save has
+  // ended (its failure is in the outcome).
   void add_file(StagedFile file, bool first = false);
   // A streamed job's last call: no more files; this rank's parts of the first rank's shared
   // records. Until it comes the writer waits (cancel() gives the save up).

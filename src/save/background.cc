@@ -26,24 +26,22 @@ namespace zeroflat {
 struct detail::SaveQueue {
   std::mutex mutex;
   std::condition_variable changed;
-  std::deque<StagedFile> firsts;  // not yet taken: written before the others
-  std::deque<StagedFile> rest;
+  std::deque<std::pair<StagedFile, bool>> files;  // not yet taken, in order; whether `first`
   std::size_t first_pending = 0;  // `first` files not yet written
   bool sealed = false;
   bool cancelled = false;
   bool closed = false;  // the writer has ended: files added now are dropped
   std::vector<SharedPart> parts;
 
-  // The next file to write into `out` (a first one before the others); false once sealed and
-  // empty. Throws Error when the save is given up before it is sealed.
+  // The next file to write, into `out`; false once sealed and empty. Throws Error when the
+  // save is given up before it is sealed.
   bool next(std::deque<StagedFile>& out, bool& first) {
     std::unique_lock<std::mutex> lock(mutex);
-    changed.wait(lock, [&] { return cancelled || sealed || !firsts.empty() || !rest.empty(); });
-    std::deque<StagedFile>& from = !firsts.empty() ? firsts : rest;
-    if (!from.empty()) {
-      first = &from == &firsts;
-      out.push_back(std::move(from.front()));
-      from.pop_front();
+    changed.wait(lock, [&] { return cancelled || sealed || !files.empty(); });
+    if (!files.empty()) {
+      out.push_back(std::move(files.front().first));
+      first = files.front().second;
+      files.pop_front();
       return true;
     }
     if (!sealed) throw Error("the save was given up before it was published: a rank could not take its snapshot");
@@ -327,8 +325,7 @@ void BackgroundSave::start(SaveJob job) {
     if (queue_) {
       std::lock_guard<std::mutex> lock(queue_->mutex);
       queue_->closed = true;
-      queue_->firsts.clear();
-      queue_->rest.clear();
+      queue_->files.clear();
       queue_->first_pending = 0;
     }
     finished_.store(true, std::memory_order_release);
@@ -343,7 +340,7 @@ void BackgroundSave::add_file(StagedFile file, bool first) {
     std::lock_guard<std::mutex> lock(queue_->mutex);
     if (queue_->closed) return;
     if (queue_->sealed) throw Error("add_file: the save was sealed");
-    (first ? queue_->firsts : queue_->rest).push_back(std::move(file));
+    queue_->files.emplace_back(std::move(file), first);
     if (first) ++queue_->first_pending;
     total_.fetch_add(bytes, std::memory_order_relaxed);
   }

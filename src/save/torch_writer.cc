@@ -573,11 +573,10 @@ std::vector<ItemSpan> write_appended(const std::string& path, const std::vector<
   return spans;
 }
 
-std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written,
-                               std::optional<bool> direct) {
+std::uint64_t write_torch_file(const StagedFile& file, std::atomic<std::uint64_t>* written) {
   TorchFileWriter w(file);
   if (w.shared_records() != 0) throw InvalidArgument("write_torch_file: a file with shared records needs TorchFileWriter");
-  w.write_data(written, direct);
+  w.write_data(written);
   return w.finish({});
 }
 
