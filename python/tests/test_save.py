@@ -403,6 +403,85 @@ def _killed_worker(rank, world, port, out, stage, faulty, step):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _tags_worker(rank, world, port, out, result):
+    import deepspeed.comm as ds_comm
+
+    import zeroflat.deepspeed as zd
+
+    _init(rank, world, port)
+    engine = _engine(2)
+    train_steps(engine, rank, 1)
+    zd.install()
+    ds_barrier = ds_comm.barrier
+    # One save: DeepSpeed's barriers and its tag check's all-reduces are not made (the
+    # snapshot's agreement checks the tag); the drop-in's own collectives are counted.
+    counts = {"barrier": 0, "all_reduce": 0, "tag check": 0}
+    theirs = (torch.distributed.barrier, torch.distributed.all_reduce,
+              type(engine)._checkpoint_tag_validation)
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    torch.distributed.barrier = counted("barrier", theirs[0])
+    torch.distributed.all_reduce = counted("all_reduce", theirs[1])
+    type(engine)._checkpoint_tag_validation = counted("tag check", theirs[2])
+    seen = []
+    try:
+        for tag in ("t", "t2"):
+            engine.save_checkpoint(os.path.join(out, "same"), tag=tag)
+            seen.append(dict(counts))
+            counts.update({k: 0 for k in counts})
+            zd.wait()
+    finally:
+        torch.distributed.barrier, torch.distributed.all_reduce = theirs[:2]
+        type(engine)._checkpoint_tag_validation = theirs[2]
+    zd.wait(every_rank=True)
+    assert ds_comm.barrier is ds_barrier  # put back
+    # The snapshot's agreement, and at the first save the first rank's layout of the model
+    # file (the second save's is the same: the other ranks still hold it).
+    assert seen == [{"barrier": 0, "all_reduce": 2, "tag check": 0},
+                    {"barrier": 0, "all_reduce": 1, "tag check": 0}], seen
+    # Tags that differ between the ranks: DeepSpeed's own save under its default (WARN), each
+    # rank's files under its own tag; an AssertionError on every rank under FAIL, nothing saved.
+    warned = os.path.join(out, "warn")
+    assert engine.save_checkpoint(warned, tag=f"tag-{rank}") is True
+    assert zd.stats["save_fallbacks"] == ["the ranks' checkpoint tags differ"]
+    engine.checkpoint_tag_validation_fail = lambda: True
+    try:
+        with pytest.raises(AssertionError, match="not every rank's"):
+            engine.save_checkpoint(os.path.join(out, "fail"), tag=f"tag-{rank}")
+    finally:
+        del engine.checkpoint_tag_validation_fail
+    torch.distributed.barrier()
+    if rank == 0:
+        result.put({name: sorted(_files(os.path.join(out, name)))
+                    for name in ("same", "warn", "fail") if os.path.exists(os.path.join(out, name))})
+    _done()
+
+
+def test_tags_are_checked_by_the_snapshot_agreement_and_a_difference_is_deepspeeds_own(tmp_path):
+    """The drop-in's save makes one agreement where DeepSpeed makes two barriers and two
+    all-reduces; where the ranks' tags differ, what DeepSpeed's tag_validation does."""
+    import multiprocessing
+
+    result = multiprocessing.get_context("forkserver").Manager().Queue()
+    start_ranks(_tags_worker, 2, str(tmp_path), result)
+    folders = result.get(timeout=5)
+    assert "fail" not in folders or folders["fail"] == [], folders
+    assert [n for n in folders["same"] if not n.endswith(".py")] == ["latest"] + [
+        f"{t}/{n}" for t in ("t", "t2") for n in ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                                 "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                                                 "mp_rank_00_model_states.pt")], folders
+    assert "zero_to_fp32.py" in folders["same"], folders  # DeepSpeed's recovery script
+    warn = [n for n in folders["warn"] if not n.endswith(".py")]
+    assert "latest" in warn and "tag-0/mp_rank_00_model_states.pt" in warn, warn
+    assert "tag-1/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in warn, warn
+    assert not any(".zeroflat-" in n for n in folders["warn"]), folders
+
+
 @pytest.mark.parametrize("faulty,step", [(1, "write.1"), (0, "publish.exchange"),
                                          (0, "latest.rename")])
 def test_a_rank_killed_during_a_save_over_the_last_tag_leaves_it_loadable(tmp_path, faulty, step):

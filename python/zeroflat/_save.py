@@ -14,7 +14,9 @@ and values), but:
    ``.zeroflat-partial-<tag>`` is snapshotted instead (_snapshot.py: torch.save's pickling, the
    tensors' bytes copied into staging memory reused from save to save). Under ZeRO-1/2 the
    16-bit model file is laid out by the first rank and every rank stages its part of the flat
-   groups' bytes. A failure on any rank raises on every rank;
+   groups' bytes. One all-reduce after DeepSpeed's save (whose barriers and tag check it
+   replaces) tells every rank whether any rank failed, from step 1 on: a failure on any rank
+   raises on every rank;
 3. the library's thread (include/zeroflat/save.h: BackgroundSave) writes the files, fsyncs them,
    and the first rank, once every other rank's marker says its files are durable, makes the
    folder durable, visible under the tag's name in one rename (an existing tag swapped out
@@ -35,8 +37,9 @@ DeepSpeed's loads, ``zero_to_fp32`` and ``ds_to_universal`` compare the stage as
 devices) is written as DeepSpeed writes it, with a warning naming its key: that file then needs
 ``weights_only=False``. What the drop-in does not serve is DeepSpeed's own save, with one warning saying why
 (``stats["save_fallbacks"]``): a checkpoint engine other than DeepSpeed's torch engine (the
-decoupled, fast and Nebula engines commit on their own terms), and node-local storage (each
-node's first rank writes its own ``latest``).
+decoupled, fast and Nebula engines commit on their own terms), node-local storage (each
+node's first rank writes its own ``latest``), and tags that differ between the ranks (found at
+the snapshot's agreement; under DeepSpeed's tag_validation FAIL an AssertionError instead).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import atexit
 import collections
 import contextlib
 import enum
+import hashlib
 import os
 import threading
 import time
@@ -190,15 +194,17 @@ def _one_gather_epilogue(engine):
             opt.checkpoint_event_epilogue = own
 
 
-def _plan_words(snap: _snapshot.Snapshot) -> List[int]:
-    """The first rank's shared records as integers, for an all-reduce (``_parse_plan``)."""
+def _plan_words(snap: _snapshot.Snapshot, folder: str) -> List[int]:
+    """The first rank's shared records as integers, for an all-reduce (``_parse_plan``), each
+    file's path relative to the tag's ``folder``."""
     words: List[int] = []
     paths = {}
     offsets = {}  # each file laid out once (the layout copies its pickle into the library)
     for f, index, i, size in snap.shared:
         if f not in offsets:
             offsets[f] = _C.torch_file_data_offsets(snap.files[f])
-        paths.setdefault(snap.files[f][0], []).append((offsets[f][index], i, size))
+        path = os.path.relpath(snap.files[f][0], folder)
+        paths.setdefault(path, []).append((offsets[f][index], i, size))
     for path, records in paths.items():
         raw = os.fsencode(path)
         words += [len(raw), len(records)]
@@ -208,8 +214,9 @@ def _plan_words(snap: _snapshot.Snapshot) -> List[int]:
     return words
 
 
-def _parse_plan(words: List[int]) -> list:
-    """[(path, data offset, shared id, size)] from ``_plan_words``' integers."""
+def _parse_plan(words: List[int], folder: str) -> list:
+    """[(path, data offset, shared id, size)] from ``_plan_words``' integers, the paths under
+    this rank's ``folder``."""
     plan, at = [], 0
     while at < len(words):
         length, count = words[at], words[at + 1]
@@ -217,9 +224,52 @@ def _parse_plan(words: List[int]) -> list:
         raw = b"".join(w.to_bytes(7, "little") for w in words[at:at + (length + 6) // 7])[:length]
         at += (length + 6) // 7
         for _ in range(count):
-            plan.append((os.fsdecode(raw), words[at], words[at + 1], words[at + 2]))
+            plan.append((os.path.join(folder, os.fsdecode(raw)), words[at], words[at + 1],
+                         words[at + 2]))
             at += 3
     return plan
+
+
+_DIGEST_MAX = (1 << 56) - 1
+
+
+def _digest(data: bytes) -> int:
+    """56 bits of ``data``'s hash: a value that every rank must hold the same goes into an
+    all-reduce (max) as [d, _DIGEST_MAX - d] (``_same``), and was the same on every rank when
+    the two maxima add up to _DIGEST_MAX."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+def _same(words: List[int]) -> bool:
+    return words[0] == _DIGEST_MAX - words[1]
+
+
+def _words_digest(words: List[int]) -> int:
+    return _digest(b"".join(w.to_bytes(8, "little") for w in words))
+
+
+# The other ranks' last copy of the first rank's layout of its shared records, as (its digest,
+# its words): the layout seldom changes from save to save (a file's records move only when its
+# pickle crosses a 64-byte boundary), and then needs no all-reduce of its own.
+_plan_cache: tuple = (0, [])
+
+
+def _place_parts(snap: _snapshot.Snapshot, folder: str, me: int, world: int, length: int,
+                 digest: int, cached: List[int], words: List[int]) -> None:
+    """This rank's parts of the first rank's shared records placed by its layout (``words`` on
+    the first rank, ``length`` long, ``digest`` its digest): from the save before where every
+    other rank holds it (``cached``: the maxima of their copies' [d, _DIGEST_MAX - d]), else
+    by one more all-reduce."""
+    global _plan_cache
+    if cached[0] != digest or _DIGEST_MAX - cached[1] != digest:
+        words = all_reduce_ints(words + [0] * (length - len(words)), None, "max",
+                                "the save's shared records", "save-share")
+        if me != 0:
+            _plan_cache = (digest, words)
+    if me != 0:
+        # Cannot fail where the sizes agreed; if it does, the writer's failure tells the first
+        # rank (nothing published) and this rank raises.
+        snap.place_parts(_parse_plan(_plan_cache[1], folder), me, world)
 
 
 def _failed_on(rank: int, what: str, where: str, tag: str) -> Error:
@@ -315,6 +365,8 @@ def _wait_own():
         if pending.get("watch") is not None:
             pending["watch"].join()
         _pending = None
+        if pending.get("cancelled"):  # given up at its call, which raised: never written
+            return None, pending, None
         stats["saves"].append({"dir": pending["dir"], "tag": pending["tag"],
                                "files": pending["files"], "parts": pending["parts"],
                                "bytes": outcome["bytes"],
@@ -326,10 +378,7 @@ def _wait_own():
                                "replaced": outcome["replaced"],
                                "exchanged": outcome["exchanged"],
                                "error": outcome["error"] or None})
-        if not pending.get("cancelled"):  # a save given up was raised by its own call
-            error = _outcome_error(pending, outcome)
-        else:
-            outcome = None
+        error = _outcome_error(pending, outcome)
     return error, pending, outcome
 
 
@@ -388,6 +437,90 @@ def _hook_exit() -> None:
     multiprocessing.util.Finalize(None, _at_exit, exitpriority=100)
 
 
+def _writes_during_save(engine) -> bool:
+    """Whether DeepSpeed's save writes files itself, snapshot or not (NVMe offload's copies)."""
+    nvme = getattr(engine, "zero_nvme_offload_optimizer", None)
+    try:
+        return bool(nvme()) if callable(nvme) else False
+    except Exception:  # noqa: BLE001 - a release without it: no NVMe offload there
+        return False
+
+
+@contextlib.contextmanager
+def _snapshotting(engine, save, scripts):
+    """While DeepSpeed's save runs in the calling thread: its checkpoint engine's ``save``
+    snapshots each file (``save(state_dict, path)``); its folders are made on the first rank
+    alone (the others' are made when their files are handed to the writer, after the first
+    rank's clean-up); its barriers, which order the ranks' writes of files that nobody writes
+    during the call, do nothing; its tag check (two all-reduces) is the snapshot agreement's;
+    its copies of the recovery scripts into the folder are kept in ``scripts`` (the folders),
+    made once every rank agreed (``_copy_scripts``). Each is put back as it was."""
+    import deepspeed.comm as ds_comm
+
+    ce = engine.checkpoint_engine
+    caller = threading.get_ident()
+    theirs_barrier = ds_comm.barrier
+
+    def barrier(*args, **kwargs):
+        if threading.get_ident() != caller:
+            return theirs_barrier(*args, **kwargs)
+        return None
+
+    def makedirs(path, exist_ok=False):
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=exist_ok)
+
+    patched = [(ce, "save", save), (engine, "_checkpoint_tag_validation", lambda tag: None),
+               (engine, "_copy_recovery_script", scripts.append)]
+    if not _writes_during_save(engine):
+        patched.append((ce, "makedirs", makedirs))
+    owns = [(obj, name, vars(obj).get(name, _ABSENT)) for obj, name, _ in patched]
+    for obj, name, value in patched:
+        setattr(obj, name, value)
+    ds_comm.barrier = barrier
+    try:
+        yield
+    finally:
+        ds_comm.barrier = theirs_barrier
+        for obj, name, own in owns:
+            if own is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
+
+
+_ABSENT = object()
+
+
+def _copy_scripts(engine, scripts) -> None:
+    """DeepSpeed's copies of its recovery scripts (zero_to_fp32.py) into the checkpoint folder,
+    which its save makes on the first rank, made after the snapshot's agreement."""
+    for folder in scripts:
+        engine._copy_recovery_script(folder)
+
+
+def _tags_differ(original, engine, save_dir, tag, save_latest, args) -> bool:
+    """The ranks called save_checkpoint with different tags: what DeepSpeed does then. Under
+    its ``checkpoint.tag_validation`` FAIL, an AssertionError on every rank; else (WARN, its
+    default, or IGNORE) DeepSpeed's own save, each rank's files under its own tag, not
+    published atomically (there is no one tag to publish), with DeepSpeed's warning."""
+    fail = getattr(engine, "checkpoint_tag_validation_fail", None)
+    enabled = getattr(engine, "checkpoint_tag_validation_enabled", None)
+    if callable(enabled) and enabled() and callable(fail) and fail():
+        raise AssertionError(f"save_checkpoint: the checkpoint tag {tag!r} of rank "
+                             f"{dist.get_rank()} is not every rank's (checkpoint.tag_validation "
+                             "is FAIL); nothing was saved")
+    _wait_own()  # the given-up save's writer ended; its empty folder goes
+    if dist.get_rank() == 0:
+        _C.remove_partials(os.fspath(save_dir))
+    why = "the ranks' checkpoint tags differ"
+    stats["save_fallbacks"].append(why)
+    if why not in _warned:
+        _warned.add(why)
+        log.warning("zeroflat: save_checkpoint is DeepSpeed's own: %s", why)
+    return original(engine, save_dir, tag=tag, save_latest=save_latest, **args)
+
+
 def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # noqa: B006
                     save_latest=True, exclude_frozen_parameters=False):
     """The drop-in's ``DeepSpeedEngine.save_checkpoint``: DeepSpeed's arguments and return value
@@ -411,9 +544,10 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     _warn_client_state(client_state)
     me, world = dist.get_rank(), dist.get_world_size()
 
-    # 1. The save before this one written, on every rank, and the folder ready (a crashed
-    # save's leftovers gone); one all-reduce tells every rank of a failure of either: the last
-    # save's raises here.
+    # 1. The save before this one written on this rank, and on the first rank the folder ready
+    # (a crashed save's leftovers gone). A failure of either is kept: every rank learns of it at
+    # the snapshot's agreement below, the one collective of the call (no rank writes in the
+    # folder before it: DeepSpeed's folders are made by the first rank alone until then).
     error, _, _ = _wait_own()
     if me == 0 and error is None:
         try:
@@ -421,18 +555,19 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             _C.remove_partials(os.fspath(save_dir))  # this tag's, and failed saves' of others
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
-    failing = all_reduce_ints([failing_word(error, None)], None, "max",
-                              "the save's beginning (an all-reduce)", "save-begin")[0]
-    raise_failed(failing, error, None, "the save's start",
-                 lambda r, words: Error(f"save_checkpoint({where}, tag {tag!r}): the last save's "
-                                        f"background write or this one's folder failed on rank "
-                                        f"{r} ({words}); nothing was published: 'latest' names "
-                                        "a complete checkpoint"))
+    # DeepSpeed's NVMe offload copies its swap files into the tag's folder during the save
+    # itself, on every rank: those must not meet the first rank's clean-up, so that case keeps
+    # an agreement before DeepSpeed's save.
+    if _writes_during_save(engine):
+        failing = all_reduce_ints([failing_word(error, None)], None, "max",
+                                  "the save's beginning (an all-reduce)", "save-begin")[0]
+        raise_failed(failing, error, None, "the save's start",
+                     lambda r, words: _failed_on(r, f"the last save's background write or this "
+                                                    f"one's folder ({words})", where, tag))
 
     # 2. DeepSpeed's own save into the partial folder, each file it writes snapshotted instead
     # (pickled as torch.save would, its tensors' bytes copied into the staging memory): a
     # failure kept, not raised, so that every rank still meets DeepSpeed's collectives.
-    ce = engine.checkpoint_engine
     _staging.begin(pinned=torch.cuda.is_available() and torch.cuda.is_initialized(),
                    limit=staging_bytes)
     free = max(0, _C.host_free_bytes() - STAGING_MARGIN)
@@ -441,7 +576,7 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     snap = _snapshot.Snapshot(_staging, free=free)
     flats = _shared_flats(engine, world) if share_model else None
     shared = {t.untyped_storage()._cdata: i for i, t in enumerate(flats or [])}
-    failure: List[BaseException] = []
+    failure: List[BaseException] = [error] if error is not None else []
     # The library's thread is started now and takes the files once every rank has agreed that
     # its snapshot is whole (below), else the save is given up (cancel: nothing published): a
     # writer that failed to start is one more failure that agreement tells every rank of.
@@ -449,6 +584,8 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     # made the call a third longer at 2 ranks on 2 cores, the writer's CRCs and submissions
     # beside the copies, and the durable time no shorter: docs/performance.md.)
     try:
+        if error is not None:
+            raise error
         if _writer is None:
             _writer = _C.BackgroundSave()
         _writer.start(os.fspath(save_dir), partial, tag, me, world, bool(save_latest), priority,
@@ -470,24 +607,19 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         except Exception as e:  # noqa: BLE001 - kept for the agreement after DeepSpeed's save
             failure.append(e)
 
+    scripts: List[str] = []
     parts_done = None
-    if flats is not None and me != 0:
+    if flats is not None and me != 0 and error is None:
         try:  # this rank's part of the model file's groups, copied while the first rank pickles
             parts_done = snap.stage_parts(flats, me, world)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
-    own = vars(ce).get("save")  # an instance's own save, put back as it was
-    ce.save = save
     try:
-        with _one_gather_epilogue(engine):
+        with _snapshotting(engine, save, scripts), _one_gather_epilogue(engine):
             original(engine, save_dir, tag=partial, save_latest=False, **args)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         error = error or e
     finally:
-        if own is None:
-            del ce.save
-        else:
-            ce.save = own
         if parts_done is not None:
             try:
                 parts_done()
@@ -496,31 +628,42 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
     if error is None and failure:
         error = failure[0]
     try:
-        # One all-reduce: whether every rank took its snapshot (and started its writer), and
-        # the length of the first rank's layout of its shared records (ZeRO-1/2's 16-bit model
-        # file: every rank writes its part of the flat groups' bytes, at the offsets that
-        # layout gives them).
-        words = _plan_words(snap) if me == 0 and flats is not None and error is None else []
-        failing, length = all_reduce_ints([failing_word(error, None), len(words)], None, "max",
-                                          "the save's snapshot (an all-reduce)", "save-snapshot")
+        # One all-reduce: whether every rank took its snapshot (its last save written, its
+        # writer started); whether every rank saves under the same tag (DeepSpeed's own tag
+        # check, made here instead of by its two all-reduces); and under ZeRO-1/2, whose 16-bit
+        # model file every rank writes its part of (at the offsets the first rank's layout of
+        # it gives), whether every rank holds flat groups of the same sizes, the layout's length
+        # and digest, and whether every other rank holds it from the save before.
+        folder = os.path.join(os.fspath(save_dir), partial)
+        words = _plan_words(snap, folder) if me == 0 and flats is not None and error is None else []
+        cached = [0, 0] if me == 0 else [_plan_cache[0], _DIGEST_MAX - _plan_cache[0]]
+        sizes = _digest(repr([t.untyped_storage().nbytes() for t in flats or []]).encode())
+        digests = [_digest(tag.encode()), sizes]
+        agreed = all_reduce_ints(
+            [failing_word(error, None), len(words), _words_digest(words) if words else 0] + cached
+            + [w for d in digests for w in (d, _DIGEST_MAX - d)], None, "max",
+            "the save's snapshot (an all-reduce)", "save-snapshot")
+        failing, length, plan_digest = agreed[:3]
         raise_failed(failing, error, None, "the save's snapshot",
-                     lambda r, why: _failed_on(r, f"taking its state's snapshot ({why})", where,
+                     lambda r, why: _failed_on(r, f"its last save's background write, this "
+                                                  f"one's folder or its snapshot ({why})", where,
                                                tag))
+        if not _same(agreed[5:7]):  # not every rank's tag is this one's
+            _writer.cancel()
+            _pending["cancelled"] = True
+            return _tags_differ(original, engine, save_dir, tag, save_latest, args)
+        if not _same(agreed[7:9]):
+            raise Error(f"save_checkpoint({where}, tag {tag!r}): the ranks' flat 16-bit groups "
+                        "differ in size; nothing was saved")
         if flats is not None:
-            plan = _parse_plan(all_reduce_ints(words + [0] * (length - len(words)), None, "max",
-                                               "the save's shared records", "save-share"))
-            if me != 0:
-                try:
-                    snap.place_parts(plan, me, world)
-                except Exception as e:  # noqa: BLE001 - every rank must learn of it
-                    error = e
-            failing = all_reduce_ints([failing_word(error, None)], None, "max",
-                                      "the save's parts (an all-reduce)", "save-parts")[0]
-            raise_failed(failing, error, None, "the save's parts",
-                         lambda r, why: _failed_on(r, f"placing its parts ({why})", where, tag))
+            _place_parts(snap, folder, me, world, length, plan_digest, agreed[3:5], words)
         # 3. The writer takes the files (those written from the tensors themselves first: the
         # call waits for them below), then this rank's parts; it fsyncs them, and the first
         # rank publishes once every rank's files are durable.
+        _copy_scripts(engine, scripts)
+        for folder in sorted({os.path.dirname(f[0]) for f in snap.files} |
+                             {os.path.join(os.fspath(save_dir), partial)}):
+            os.makedirs(folder, exist_ok=True)  # the markers go in the partial folder
         for file, first in sorted(zip(snap.files, snap.file_direct), key=lambda f: not f[1]):
             _writer.add_file(file, first)
         _writer.seal(snap.parts)
