@@ -165,12 +165,15 @@ def _setup():
         if getattr(inner, "__zf_test_runner__", False):
             return
 
-        def method(self, folder, *args, **kwargs):
+        def method(self, *args, **kwargs):
+            # The folder is the first argument, positional or by its name (save_dir, load_dir:
+            # DeepSpeed's own tests pass it either way).
+            folder = args[0] if args else kwargs.get("save_dir", kwargs.get("load_dir"))
             stats = zf_stats()
             before = (len(stats[served_key]), len(stats[fallback_key])) if stats else None
             rank, world = rank_world()
             base = {"pid": os.getpid(), "mode": _MODE, "call": call, "test": current_test(),
-                    "rank": rank, "world": world, "dir": os.fspath(folder),
+                    "rank": rank, "world": world, "dir": os.fspath(folder) if folder is not None else None,
                     "tag": kwargs.get("tag"), "start": time.time()}
             enter = dict(base, event="enter")
             try:
@@ -180,7 +183,7 @@ def _setup():
                 pass
             entry = dict(base, event="call")
             try:
-                result = method.__wrapped__(self, folder, *args, **kwargs)
+                result = method.__wrapped__(self, *args, **kwargs)
             except BaseException as e:
                 entry.update(outcome="raised", error=f"{type(e).__name__}: {e}",
                              traceback=traceback.format_exc()[-6000:])
