@@ -183,7 +183,7 @@ def _worker(rank, world, port, args, stage, queue):
     if rank == 0 or stage == 3:
         for i, t in enumerate(tensors):
             state[f"rank{rank}.model.{i}"] = t
-    _dcp_rows(state, out, root, rank)
+    _dcp_rows(state, out, root, rank, args.dcp_executors)
     del state
     _zeroflat_deepspeed(engine, out, root, args)
     queue.put((rank, out))
@@ -239,7 +239,7 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     root = args.dir
     _floor_and_ceiling(out, root, rank)
     out["steps_disk"] = _steps_beside_disk(lambda: steps(args.steps, 1), out["bytes"], root, rank)
-    _dcp_rows(sd, out, root, rank)
+    _dcp_rows(sd, out, root, rank, args.dcp_executors)
 
     # The saves' collectives on a group of their own, as DCP asks of an async_save beside
     # training's collectives.
@@ -352,16 +352,18 @@ def _floor_and_ceiling(out, root, rank):
     memcpy = ctypes.CDLL(None).memcpy
     memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     times = []
-    for copy in (lambda: dst.copy_(src),
-                 lambda: memcpy(dst.data_ptr(), src.data_ptr(), src.numel())) * 2:
+    for use_memcpy in (False, True) * 2:
         start = time.perf_counter()
-        copy()
+        if use_memcpy:
+            memcpy(dst.data_ptr(), src.data_ptr(), src.numel())
+        else:
+            dst.copy_(src)
         times.append(time.perf_counter() - start)
     out["floor"] = min(times)
     del src, dst
 
 
-def _dcp_rows(state, out, root, rank):
+def _dcp_rows(state, out, root, rank, executors=("thread", "process")):
     """DCP's own save of ``state`` (call to durable), and async_save's call (a thread, and a
     process where the release has it) and its end."""
     import torch.distributed.checkpoint as dcp
@@ -375,7 +377,7 @@ def _dcp_rows(state, out, root, rank):
     dist.barrier()
     if rank == 0:
         shutil.rmtree(folder)
-    for kind in ("thread", "process"):
+    for kind in executors:
         folder = os.path.join(root, f"dcp-{kind}")
         kwargs = {}
         if kind == "process":
@@ -524,12 +526,20 @@ def main():
     parser.add_argument("--priorities", default="",
                         help="writer priorities to compare side by side, comma-separated "
                         "(idle, low, normal; default: none, the rows use the default, idle)")
+    parser.add_argument("--dcp-executors", default="thread,process",
+                        help="DCP async_save's executors timed beside (thread, process; "
+                        "comma-separated, or none: the process executor holds another copy "
+                        "of the state in a process of its own, which a large state may not "
+                        "leave room for)")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (a temporary "
                         "folder under it; default: the system's temporary folder)")
     args = parser.parse_args()
     from zeroflat._common import WRITE_PRIORITIES  # the writer's own list of them
 
     args.priorities = [p for p in args.priorities.split(",") if p]
+    args.dcp_executors = [e for e in args.dcp_executors.split(",") if e and e != "none"]
+    if any(e not in ("thread", "process") for e in args.dcp_executors):
+        parser.error(f"--dcp-executors: {args.dcp_executors}: each is thread or process")
     bad = [p for p in args.priorities if p not in WRITE_PRIORITIES]
     if bad:
         parser.error(f"--priorities: {', '.join(bad)}: each is one of "
