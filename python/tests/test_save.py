@@ -444,6 +444,22 @@ def _tags_worker(rank, world, port, out, result):
     # file (the second save's is the same: the other ranks still hold it).
     assert seen == [{"barrier": 0, "all_reduce": 2, "tag check": 0},
                     {"barrier": 0, "all_reduce": 1, "tag check": 0}], seen
+    # DeepSpeed's recovery scripts, copied after the agreement: a copy that fails is said, and
+    # the checkpoint is published all the same.
+    scripts = type(engine)._copy_recovery_script
+
+    def refused(self, folder):
+        raise PermissionError(f"no writing in {folder}")
+
+    type(engine)._copy_recovery_script = refused
+    try:
+        engine.save_checkpoint(os.path.join(out, "same"), tag="t3")
+        zd.wait(every_rank=True)
+    finally:
+        type(engine)._copy_recovery_script = scripts
+    if rank == 0:
+        with open(os.path.join(out, "same", "latest")) as f:
+            assert f.read() == "t3"
     # Tags that differ between the ranks: DeepSpeed's own save under its default (WARN), each
     # rank's files under its own tag; an AssertionError on every rank under FAIL, nothing saved.
     warned = os.path.join(out, "warn")
@@ -472,7 +488,7 @@ def test_tags_are_checked_by_the_snapshot_agreement_and_a_difference_is_deepspee
     folders = result.get(timeout=5)
     assert "fail" not in folders or folders["fail"] == [], folders
     assert [n for n in folders["same"] if not n.endswith(".py")] == ["latest"] + [
-        f"{t}/{n}" for t in ("t", "t2") for n in ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        f"{t}/{n}" for t in ("t", "t2", "t3") for n in ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                                  "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
                                                  "mp_rank_00_model_states.pt")], folders
     assert "zero_to_fp32.py" in folders["same"], folders  # DeepSpeed's recovery script

@@ -494,9 +494,15 @@ _ABSENT = object()
 
 def _copy_scripts(engine, scripts) -> None:
     """DeepSpeed's copies of its recovery scripts (zero_to_fp32.py) into the checkpoint folder,
-    which its save makes on the first rank, made after the snapshot's agreement."""
+    which its save makes on the first rank, made after the snapshot's agreement. A copy that
+    fails is said, not raised: the agreement is behind, the checkpoint's own files do not need
+    the scripts, and a folder that cannot be written fails the save's write itself."""
     for folder in scripts:
-        engine._copy_recovery_script(folder)
+        try:
+            engine._copy_recovery_script(folder)
+        except Exception as e:  # noqa: BLE001 - see above
+            log.warning("zeroflat: DeepSpeed's recovery scripts were not copied into %s: %s",
+                        path_text(folder), e)
 
 
 def _tags_differ(original, engine, save_dir, tag, save_latest, args) -> bool:
