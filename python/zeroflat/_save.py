@@ -244,10 +244,6 @@ def _same(words: List[int]) -> bool:
     return words[0] == _DIGEST_MAX - words[1]
 
 
-def _words_digest(words: List[int]) -> int:
-    return _digest(b"".join(w.to_bytes(8, "little") for w in words))
-
-
 # The other ranks' last copy of the first rank's layout of its shared records, as (its digest,
 # its words): the layout seldom changes from save to save (a file's records move only when its
 # pickle crosses a 64-byte boundary), and then needs no all-reduce of its own.
@@ -439,11 +435,8 @@ def _hook_exit() -> None:
 
 def _writes_during_save(engine) -> bool:
     """Whether DeepSpeed's save writes files itself, snapshot or not (NVMe offload's copies)."""
-    nvme = getattr(engine, "zero_nvme_offload_optimizer", None)
-    try:
-        return bool(nvme()) if callable(nvme) else False
-    except Exception:  # noqa: BLE001 - a release without it: no NVMe offload there
-        return False
+    nvme = getattr(engine, "zero_nvme_offload_optimizer", None)  # from 0.16 on
+    return bool(nvme()) if callable(nvme) else False
 
 
 @contextlib.contextmanager
@@ -646,7 +639,8 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         sizes = _digest(repr([t.untyped_storage().nbytes() for t in flats or []]).encode())
         digests = [_digest(tag.encode()), sizes]
         agreed = all_reduce_ints(
-            [failing_word(error, None), len(words), _words_digest(words) if words else 0] + cached
+            [failing_word(error, None), len(words),
+             _digest(b"".join(w.to_bytes(8, "little") for w in words)) if words else 0] + cached
             + [w for d in digests for w in (d, _DIGEST_MAX - d)], None, "max",
             "the save's snapshot (an all-reduce)", "save-snapshot")
         failing, length, plan_digest = agreed[:3]
