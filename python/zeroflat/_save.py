@@ -194,54 +194,23 @@ def _one_gather_epilogue(engine):
             opt.checkpoint_event_epilogue = own
 
 
-def _plan_words(snap: _snapshot.Snapshot, folder: str) -> List[int]:
-    """The first rank's shared records as integers, for an all-reduce (``_parse_plan``), each
-    file's path relative to the tag's ``folder``."""
-    words: List[int] = []
-    paths = {}
-    offsets = {}  # each file laid out once (the layout copies its pickle into the library)
-    for f, index, i, size in snap.shared:
-        if f not in offsets:
-            offsets[f] = _C.torch_file_data_offsets(snap.files[f])
-        path = os.path.relpath(snap.files[f][0], folder)
-        paths.setdefault(path, []).append((offsets[f][index], i, size))
-    for path, records in paths.items():
-        raw = os.fsencode(path)
-        words += [len(raw), len(records)]
-        words += [int.from_bytes(raw[k:k + 7], "little") for k in range(0, len(raw), 7)]
-        for record in records:
-            words += list(record)
-    return words
-
-
-def _parse_plan(words: List[int], folder: str) -> list:
-    """[(path, data offset, shared id, size)] from ``_plan_words``' integers, the paths under
-    this rank's ``folder``."""
-    plan, at = [], 0
-    while at < len(words):
-        length, count = words[at], words[at + 1]
-        at += 2
-        raw = b"".join(w.to_bytes(7, "little") for w in words[at:at + (length + 6) // 7])[:length]
-        at += (length + 6) // 7
-        for _ in range(count):
-            plan.append((os.path.join(folder, os.fsdecode(raw)), words[at], words[at + 1],
-                         words[at + 2]))
-            at += 3
-    return plan
-
-
 _DIGEST_MAX = (1 << 56) - 1
 
 
 def _digest(data: bytes) -> int:
     """56 bits of ``data``'s hash: a value that every rank must hold the same goes into an
-    all-reduce (max) as [d, _DIGEST_MAX - d] (``_same``), and was the same on every rank when
-    the two maxima add up to _DIGEST_MAX."""
+    all-reduce (max) as ``_pair(d)``, and was the same on every rank when the two maxima add
+    up to _DIGEST_MAX (``_agreed``)."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
-def _same(words: List[int]) -> bool:
-    return words[0] == _DIGEST_MAX - words[1]
+def _pair(digest: int) -> List[int]:
+    return [digest, _DIGEST_MAX - digest]
+
+
+def _agreed(maxima: List[int]) -> Optional[int]:
+    """The digest every rank gave (its ``_pair`` after the all-reduce), else None."""
+    return maxima[0] if maxima[0] == _DIGEST_MAX - maxima[1] else None
 
 
 # The other ranks' last copy of the first rank's layout of its shared records, as (its digest,
@@ -254,10 +223,10 @@ def _place_parts(snap: _snapshot.Snapshot, folder: str, me: int, world: int, len
                  digest: int, cached: List[int], words: List[int]) -> None:
     """This rank's parts of the first rank's shared records placed by its layout (``words`` on
     the first rank, ``length`` long, ``digest`` its digest): from the save before where every
-    other rank holds it (``cached``: the maxima of their copies' [d, _DIGEST_MAX - d]), else
-    by one more all-reduce."""
+    other rank holds it (``cached``: the maxima of their copies' ``_pair``), else by one more
+    all-reduce."""
     global _plan_cache
-    if cached[0] != digest or _DIGEST_MAX - cached[1] != digest:
+    if _agreed(cached) != digest:
         words = all_reduce_ints(words + [0] * (length - len(words)), None, "max",
                                 "the save's shared records", "save-share")
         if me != 0:
@@ -265,7 +234,7 @@ def _place_parts(snap: _snapshot.Snapshot, folder: str, me: int, world: int, len
     if me != 0:
         # Cannot fail where the sizes agreed; if it does, the writer's failure tells the first
         # rank (nothing published) and this rank raises.
-        snap.place_parts(_parse_plan(_plan_cache[1], folder), me, world)
+        snap.place_parts(_plan_cache[1], folder, me, world)
 
 
 def _failed_on(rank: int, what: str, where: str, tag: str) -> Error:
@@ -459,8 +428,10 @@ def _snapshotting(engine, save, scripts):
             return theirs_barrier(*args, **kwargs)
         return None
 
+    first = dist.get_rank() == 0
+
     def makedirs(path, exist_ok=False):
-        if dist.get_rank() == 0:
+        if first:
             os.makedirs(path, exist_ok=exist_ok)
 
     patched = [(ce, "save", save), (engine, "_checkpoint_tag_validation", lambda tag: None),
@@ -634,25 +605,24 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
         # it gives), whether every rank holds flat groups of the same sizes, the layout's length
         # and digest, and whether every other rank holds it from the save before.
         folder = os.path.join(os.fspath(save_dir), partial)
-        words = _plan_words(snap, folder) if me == 0 and flats is not None and error is None else []
-        cached = [0, 0] if me == 0 else [_plan_cache[0], _DIGEST_MAX - _plan_cache[0]]
+        words = snap.layout_words(folder) if me == 0 and flats is not None and error is None else []
+        cached = [0, 0] if me == 0 else _pair(_plan_cache[0])
         sizes = _digest(repr([t.untyped_storage().nbytes() for t in flats or []]).encode())
-        digests = [_digest(tag.encode()), sizes]
         agreed = all_reduce_ints(
             [failing_word(error, None), len(words),
              _digest(b"".join(w.to_bytes(8, "little") for w in words)) if words else 0] + cached
-            + [w for d in digests for w in (d, _DIGEST_MAX - d)], None, "max",
+            + _pair(_digest(tag.encode())) + _pair(sizes), None, "max",
             "the save's snapshot (an all-reduce)", "save-snapshot")
         failing, length, plan_digest = agreed[:3]
         raise_failed(failing, error, None, "the save's snapshot",
                      lambda r, why: _failed_on(r, f"its last save's background write, this "
                                                   f"one's folder or its snapshot ({why})", where,
                                                tag))
-        if not _same(agreed[5:7]):  # not every rank's tag is this one's
+        if _agreed(agreed[5:7]) is None:  # not every rank's tag is this one's
             _writer.cancel()
             _pending["cancelled"] = True
             return _tags_differ(original, engine, save_dir, tag, save_latest, args)
-        if not _same(agreed[7:9]):
+        if _agreed(agreed[7:9]) is None:
             raise Error(f"save_checkpoint({where}, tag {tag!r}): the ranks' flat 16-bit groups "
                         "differ in size; nothing was saved")
         if flats is not None:

@@ -13,6 +13,7 @@ change its tensors as soon as ``add`` returns. The library then writes the recor
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -323,16 +324,45 @@ class Snapshot:
 
         return done
 
-    def place_parts(self, plan: List[Tuple[str, int, int, int]], rank: int, ranks: int) -> None:
-        """This rank's part of each shared record of ``plan`` ((path, data offset, shared id,
-        size), the first rank's layout), from what ``stage_parts`` copied."""
-        for path, offset, i, size in plan:
-            if i not in self._staged_parts or self._staged_parts[i][3] != size:
-                held = self._staged_parts.get(i, (0, 0, 0, None))[3]
-                raise RuntimeError(f"shared storage {i} holds {held} bytes here, {size} on the "
-                                   "first rank")
-            address, begin, n, _ = self._staged_parts[i]
-            self.parts.append((path, offset + begin, address, n))
+    def layout_words(self, folder: str) -> List[int]:
+        """The shared records' places in their files (the first rank's layout), as integers for
+        an all-reduce: each file's path (relative to the tag's ``folder``), then its records'
+        (data offset, shared id, size). ``place_parts`` reads them back."""
+        words: List[int] = []
+        paths: Dict[str, list] = {}
+        offsets = {}  # each file laid out once (the layout copies its pickle into the library)
+        for f, index, i, size in self.shared:
+            if f not in offsets:
+                offsets[f] = _C.torch_file_data_offsets(self.files[f])
+            path = os.path.relpath(self.files[f][0], folder)
+            paths.setdefault(path, []).append((offsets[f][index], i, size))
+        for path, records in paths.items():
+            raw = os.fsencode(path)
+            words += [len(raw), len(records)]
+            words += [int.from_bytes(raw[k:k + 7], "little") for k in range(0, len(raw), 7)]
+            for record in records:
+                words += list(record)
+        return words
+
+    def place_parts(self, words: List[int], folder: str, rank: int, ranks: int) -> None:
+        """This rank's part of each shared record at its place in the first rank's layout
+        (``layout_words``, the paths under this rank's ``folder``), from what ``stage_parts``
+        copied."""
+        at = 0
+        while at < len(words):
+            length, count = words[at], words[at + 1]
+            at += 2
+            raw = b"".join(w.to_bytes(7, "little") for w in words[at:at + (length + 6) // 7])
+            path = os.path.join(folder, os.fsdecode(raw[:length]))
+            at += (length + 6) // 7
+            for offset, i, size in zip(*[iter(words[at:at + 3 * count])] * 3):
+                if i not in self._staged_parts or self._staged_parts[i][3] != size:
+                    held = self._staged_parts.get(i, (0, 0, 0, None))[3]
+                    raise RuntimeError(f"shared storage {i} holds {held} bytes here, {size} on "
+                                       "the first rank")
+                address, begin, n, _ = self._staged_parts[i]
+                self.parts.append((path, offset + begin, address, n))
+            at += 3 * count
 
     @staticmethod
     def _copy_from_devices(pairs) -> None:
