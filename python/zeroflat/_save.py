@@ -578,10 +578,9 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             failure.append(e)
 
     scripts: List[str] = []
-    parts_done = None
     if flats is not None and me != 0 and error is None:
-        try:  # this rank's part of the model file's groups, copied while the first rank pickles
-            parts_done = snap.stage_parts(flats, me, world)
+        try:  # this rank's part of the model file's groups
+            snap.stage_parts(flats, me, world)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             error = e
     try:
@@ -589,12 +588,6 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             original(engine, save_dir, tag=partial, save_latest=False, **args)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         error = error or e
-    finally:
-        if parts_done is not None:
-            try:
-                parts_done()
-            except Exception as e:  # noqa: BLE001 - every rank must learn of it
-                error = error or e
     if error is None and failure:
         error = failure[0]
     try:

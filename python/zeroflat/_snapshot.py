@@ -15,8 +15,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -277,13 +276,9 @@ class Snapshot:
         return [off % _C.SAVE_DIRECT_ALIGN if n >= _C.SAVE_DIRECT_MIN_BYTES else None
                 for off, n in zip(offsets, sizes)]
 
-    def stage_parts(self, tensors: List[torch.Tensor], rank: int,
-                    ranks: int) -> Callable[[], None]:
+    def stage_parts(self, tensors: List[torch.Tensor], rank: int, ranks: int) -> None:
         """Copies this rank's part of each shared tensor's storage (``tensors[i]``: shared id
-        i), before the first rank's layout says where they go (``place_parts``). The staging is
-        placed here; the host parts are copied by a thread of their own, so that the copy runs
-        while this rank waits at DeepSpeed's barriers for the first rank's model file. Returns
-        what waits for that copy (and raises its failure)."""
+        i), before the first rank's layout says where they go (``place_parts``)."""
         self._staged_parts = {}
         chunks = []
         for i, t in enumerate(tensors):
@@ -304,25 +299,8 @@ class Snapshot:
             self.bytes += n
         if device:
             self._copy_from_devices(device)
-        if not host:
-            return lambda: None
-        failure: List[BaseException] = []
-
-        def copy() -> None:
-            try:
-                copy_host(host)
-            except BaseException as e:  # noqa: BLE001 - raised by the caller's wait
-                failure.append(e)
-
-        thread = threading.Thread(target=copy, name="zeroflat-save-parts", daemon=True)
-        thread.start()
-
-        def done() -> None:
-            thread.join()
-            if failure:
-                raise failure[0]
-
-        return done
+        if host:
+            copy_host(host)
 
     def layout_words(self, folder: str) -> List[int]:
         """The shared records' places in their files (the first rank's layout), as integers for
