@@ -27,8 +27,9 @@ Per rank, in each round (after one warm-up step):
              the background write's phases (its files' data, their fsync, the first rank's
              wait for the others' files, its publication)
   own work   --saves calls of DeepSpeed's save_checkpoint with nothing saved, run as the
-             drop-in runs it (its state dicts; under ZeRO-3 its epilogue): the part of the
-             call that is neither the copies nor the ranks' agreement
+             drop-in runs it (its state dicts; under ZeRO-3 the parameters partitioned before
+             and the persistent ones gathered after): the part of the call that is neither
+             the copies nor the ranks' agreement
   memory     --saves more saves (a step between them), each waited for before the next:
              the staging's size, the resident memory after each, and each one's call (their
              median is the blocking held to the floor: both medians of repeated copies)
@@ -417,8 +418,9 @@ def _dcp_rows(state, out, root, rank, executors=("thread", "process")):
 def _deepspeeds_own_work(engine, folder, args):
     """DeepSpeed's save_checkpoint with nothing saved, as the drop-in's call runs it (its
     checkpoint engine's save a no-op, its barriers, tag check and script copies the drop-in's):
-    its state dicts and its ZeRO-3 epilogue, the part of the call that is neither the copies nor
-    the agreement. The median of --saves calls."""
+    its state dicts and, under ZeRO-3, its partitioning of every parameter before the save and
+    the drop-in's gathering of the persistent ones after it; the part of the call that is
+    neither the copies nor the agreement. The median of --saves calls."""
     from zeroflat import _save
 
     times = []
