@@ -219,8 +219,8 @@ def _agreed(maxima: List[int]) -> Optional[int]:
 _plan_cache: tuple = (0, [])
 
 
-def _place_parts(snap: _snapshot.Snapshot, folder: str, me: int, world: int, length: int,
-                 digest: int, cached: List[int], words: List[int]) -> None:
+def _place_parts(snap: _snapshot.Snapshot, folder: str, me: int, length: int, digest: int,
+                 cached: List[int], words: List[int]) -> None:
     """This rank's parts of the first rank's shared records placed by its layout (``words`` on
     the first rank, ``length`` long, ``digest`` its digest): from the save before where every
     other rank holds it (``cached``: the maxima of their copies' ``_pair``), else by one more
@@ -234,7 +234,7 @@ def _place_parts(snap: _snapshot.Snapshot, folder: str, me: int, world: int, len
     if me != 0:
         # Cannot fail where the sizes agreed; if it does, the writer's failure tells the first
         # rank (nothing published) and this rank raises.
-        snap.place_parts(_plan_cache[1], folder, me, world)
+        snap.place_parts(_plan_cache[1], folder)
 
 
 def _failed_on(rank: int, what: str, where: str, tag: str) -> Error:
@@ -619,7 +619,7 @@ def save_checkpoint(original, engine, save_dir, tag=None, client_state={},  # no
             raise Error(f"save_checkpoint({where}, tag {tag!r}): the ranks' flat 16-bit groups "
                         "differ in size; nothing was saved")
         if flats is not None:
-            _place_parts(snap, folder, me, world, length, plan_digest, agreed[3:5], words)
+            _place_parts(snap, folder, me, length, plan_digest, agreed[3:5], words)
         # 3. The writer takes the files (those written from the tensors themselves first: the
         # call waits for them below), then this rank's parts; it fsyncs them, and the first
         # rank publishes once every rank's files are durable.

@@ -322,7 +322,7 @@ class Snapshot:
                 words += list(record)
         return words
 
-    def place_parts(self, words: List[int], folder: str, rank: int, ranks: int) -> None:
+    def place_parts(self, words: List[int], folder: str) -> None:
         """This rank's part of each shared record at its place in the first rank's layout
         (``layout_words``, the paths under this rank's ``folder``), from what ``stage_parts``
         copied."""
