@@ -12,7 +12,8 @@ over the ranks); the model is --width-wide square Linear layers, as many as that
 Per rank, in each round (after one warm-up step):
   steps      --steps training steps, no save running (the step's time without a write)
   deepspeed  DeepSpeed's own save_checkpoint: the call, then its files fsync'd (durable)
-  ceiling    the same bytes as one file: write + fsync
+  ceiling    the same bytes as one file: write + fsync, through the page cache and with
+             O_DIRECT (64 MiB writes); the ceiling is the faster of the two
   beside     --steps steps while a thread at idle priority writes + fsyncs those bytes (what
              the steps feel of the disk's write itself, whoever writes)
   floor      a memcpy of the same bytes into memory already touched (the faster of
@@ -53,6 +54,7 @@ the staging's size and the resident memory over --saves more saves), no DeepSpee
 """
 import argparse
 import ctypes
+import mmap
 import os
 import shutil
 import statistics
@@ -112,6 +114,23 @@ def _fsync(paths):
 def _barrier_time(start):
     dist.barrier()
     return time.perf_counter() - start
+
+
+def _saves_loop(out, n, before, call):
+    """``n`` saves, each after ``before(i)`` and a barrier (so that no rank's call takes in
+    another's skew out of its steps); ``call(i)`` saves and returns what waits for its write.
+    Records the calls' median (``zeroflat_steady``) and the resident memory after each save."""
+    rss, calls = [], []
+    for i in range(n):
+        before(i)
+        dist.barrier()
+        start = time.perf_counter()
+        wait = call(i)
+        calls.append(time.perf_counter() - start)
+        wait()
+        rss.append(_rss())
+    out["rss"] = rss
+    out["zeroflat_steady"] = statistics.median(calls)
 
 
 def _engine(stage, width, layers):
@@ -277,19 +296,19 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     out["zeroflat_bytes"] = out["bytes"]
     staging = _dcp_writer._staging["copy"]
     out["staging"] = _local_bytes(staging)
-    rss, calls = [], []
-    for i in range(args.saves):
-        steps(1, 10 + i)
-        now = state()
-        start = time.perf_counter()
-        future = dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder),
+
+    def steady(i):
+        future = dcp.async_save(box.pop(), storage_writer=zeroflat.dcp.Writer(folder),
                                 process_group=group)
-        calls.append(time.perf_counter() - start)
-        future.result()
-        rss.append(_rss())
-        assert _dcp_writer._staging["copy"] is staging, "the staging was made again"
-    out["rss"] = rss
-    out["zeroflat_steady"] = statistics.median(calls)
+        return future.result
+
+    def before(i):
+        steps(1, 10 + i)
+        box.append(state())  # taken before the clock starts, as above
+
+    box = []
+    _saves_loop(out, args.saves, before, steady)
+    assert _dcp_writer._staging["copy"] is staging, "the staging was made again"
     dist.barrier()
     if rank == 0:
         shutil.rmtree(folder)
@@ -344,8 +363,32 @@ def _steps_beside_disk(run_steps, nbytes, root, rank):
     return took
 
 
+def _write_fsync_direct(path, nbytes):
+    """``nbytes`` (rounded up to whole 4 KiB pages) written to a new file with O_DIRECT, 64 MiB
+    at a time from page-aligned memory, fsync'd; False where the file system refuses O_DIRECT."""
+    piece = 64 << 20
+    nbytes = (nbytes + 4095) // 4096 * 4096
+    buf = mmap.mmap(-1, min(piece, nbytes))
+    buf.write(b"\1" * len(buf))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except (AttributeError, OSError):
+        return False
+    try:
+        for off in range(0, nbytes, piece):
+            os.pwrite(fd, memoryview(buf)[:min(piece, nbytes - off)], off)
+        os.fsync(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        buf.close()
+    return True
+
+
 def _floor_and_ceiling(out, root, rank):
-    """The disk's ceiling (write + fsync) and the memcpy floor, for the rank's bytes."""
+    """The disk's ceiling (write + fsync; the faster of the page cache and O_DIRECT, each the
+    slowest rank's) and the memcpy floor, for the rank's bytes."""
     src = torch.empty(out["bytes"], dtype=torch.uint8)
     src.fill_(1)
     path = os.path.join(root, f"ceiling-{rank}")
@@ -353,8 +396,15 @@ def _floor_and_ceiling(out, root, rank):
     dist.barrier()
     start = time.perf_counter()
     _write_fsync(path, src)
-    out["ceiling"] = _barrier_time(start)
+    out["ceiling_buffered"] = _barrier_time(start)
     os.remove(path)
+    _drop_caches()
+    dist.barrier()
+    start = time.perf_counter()
+    direct = _write_fsync_direct(path, out["bytes"])
+    out["ceiling_direct"] = _barrier_time(start) if direct else float("inf")
+    if os.path.exists(path):
+        os.remove(path)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touched
     # The faster of torch's copy_ (its intra-op threads) and the C library's memcpy (one
@@ -472,17 +522,12 @@ def _zeroflat_deepspeed(engine, out, root, args):
     out["durable_call"] = zd.stats["saves"][-1]["blocking_seconds"]
     out["durable_phases"] = zd.stats["saves"][-1]["write_phases"]
     out["staging"] = _save._staging.capacity
-    rss, calls = [], []
-    for i in range(args.saves):
-        _steps(engine, 1, args.width, 10 + i)
-        start = time.perf_counter()
+    def steady(i):
         engine.save_checkpoint(folder, tag=f"s{i % 2}")
-        calls.append(time.perf_counter() - start)
-        zd.wait(every_rank=True)
-        rss.append(_rss())
-        assert _save._staging.capacity == out["staging"], "the staging grew"
-    out["rss"] = rss
-    out["zeroflat_steady"] = statistics.median(calls)
+        return lambda: zd.wait(every_rank=True)
+
+    _saves_loop(out, args.saves, lambda i: _steps(engine, 1, args.width, 10 + i), steady)
+    assert _save._staging.capacity == out["staging"], "the staging grew"
     out["staging_after"] = _save._staging.capacity
     # Waves: the staging capped at half the rank's bytes; the files that do not fit are written
     # from the tensors before the call returns (the first capped save makes the staging).
@@ -600,6 +645,8 @@ def main():
 def report(stage, world, rounds, args):
     def per(key, fn=max):
         """Per round, the key over the ranks (the slowest rank's by default)."""
+        if key == "ceiling":  # the faster way the disk writes them, each the slowest rank's
+            return [min(x, y) for x, y in zip(per("ceiling_buffered"), per("ceiling_direct"))]
         return [fn(r[key] for r in ranks) for ranks in rounds]
 
     state = statistics.median(per("bytes", max))
@@ -621,7 +668,9 @@ def report(stage, world, rounds, args):
     for kind in ("thread", "process"):
         if all(f"dcp_async_{kind}" in r for ranks in rounds for r in ranks):
             rows.append((f"DCP async_save ({kind}): call", per(f"dcp_async_{kind}")))
-    rows += [("disk ceiling: write + fsync", per("ceiling")),
+    rows += [("disk: write + fsync, page cache", per("ceiling_buffered")),
+             ("disk: write + fsync, O_DIRECT", per("ceiling_direct")),
+             ("disk ceiling: the faster of the two", per("ceiling")),
              ("zeroflat: call to published", per("zeroflat_durable"))]
     if have("deepspeed_durable"):
         rows.append(("DeepSpeed: call to fsync'd", per("deepspeed_durable")))
