@@ -33,7 +33,9 @@ Per rank, in each round (after one warm-up step):
              the copies nor the ranks' agreement
   memory     --saves more saves (a step between them), each waited for before the next:
              the staging's size, the resident memory after each, and each one's call (their
-             median is the blocking held to the floor: both medians of repeated copies)
+             median is the blocking held to the floor: both medians of repeated copies;
+             under FSDP2 also the part of each call in zeroflat.dcp.Writer.stage, the copy,
+             the rest being DCP's async_save itself)
   waves      two saves with the staging capped at half the rank's bytes
              (install(save_staging_bytes=...)): the second one's call (the files that do not
              fit written from the tensors before it returns) and call to published
@@ -306,8 +308,22 @@ def _fsdp2_worker(rank, world, args, layers, queue):
         steps(1, 10 + i)
         box.append(state())  # taken before the clock starts, as above
 
-    box = []
-    _saves_loop(out, args.saves, before, steady)
+    box, staged = [], []
+    stage = _dcp_writer.stage
+
+    def timed_stage(state_dict):  # zeroflat's part of the call: the copy into the staging
+        start = time.perf_counter()
+        try:
+            return stage(state_dict)
+        finally:
+            staged.append(time.perf_counter() - start)
+
+    _dcp_writer.stage = timed_stage
+    try:
+        _saves_loop(out, args.saves, before, steady)
+    finally:
+        _dcp_writer.stage = stage
+    out["zeroflat_stage"] = statistics.median(staged)
     assert _dcp_writer._staging["copy"] is staging, "the staging was made again"
     dist.barrier()
     if rank == 0:
@@ -662,6 +678,8 @@ def report(stage, world, rounds, args):
     rows.append((f"zeroflat: call, median of {args.saves} saves", per("zeroflat_steady")))
     if have("deepspeed_own"):
         rows.append(("  DeepSpeed's own work in it (nothing saved)", per("deepspeed_own")))
+    if have("zeroflat_stage"):
+        rows.append(("  of it, zeroflat's staging (Writer.stage)", per("zeroflat_stage")))
     if have("deepspeed_call"):
         rows.append(("DeepSpeed save_checkpoint: call", per("deepspeed_call")))
     rows.append(("DCP save", per("dcp_save")))
@@ -702,6 +720,9 @@ def report(stage, world, rounds, args):
         checks.append(("  blocking / (floor + DeepSpeed's own work)",
                        ratio(per("zeroflat_steady"), [f + d for f, d in zip(
                            per("floor"), per("deepspeed_own"))]), "printed"))
+    if have("zeroflat_stage"):
+        checks.append(("  staging alone / memcpy floor", ratio(per("zeroflat_stage"),
+                                                                per("floor")), "printed"))
     if have("deepspeed_call"):
         checks.append(("DeepSpeed's call / zeroflat's", ratio(per("deepspeed_call"), ours),
                        "printed"))
