@@ -11,7 +11,11 @@ over the ranks); the model is --width-wide square Linear layers, as many as that
 
 Per rank, in each round (after one warm-up step):
   steps      --steps training steps, no save running (the step's time without a write)
-  deepspeed  DeepSpeed's own save_checkpoint: the call, then its files fsync'd (durable)
+  deepspeed  DeepSpeed's own save_checkpoint: the call, then its files fsync'd (durable);
+             last in the round, the same through DeepSpeed's own checkpoint writers
+             (--deepspeed-writers: "fast", written in the call; "decoupled", handed to a
+             writer process without a copy and committed right after the call, as the next
+             step would: the training is held for the call and that commit), where they run
   ceiling    the same bytes as one file: write + fsync, through the page cache and with
              O_DIRECT (64 MiB writes); the ceiling is the faster of the two
   beside     --steps steps while a thread at idle priority writes + fsyncs those bytes (what
@@ -160,7 +164,8 @@ def _steps(engine, n, width, seed):
 
 def _worker(rank, world, port, args, stage, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+                      CROSS_RANK="0", CROSS_SIZE="1")  # one node, as DeepSpeed's launcher says
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     per_layer = args.width * (args.width + 1)
     layers = max(1, round(args.state_mb * 2**20 * world / 12 / per_layer))
@@ -212,6 +217,10 @@ def _worker(rank, world, port, args, stage, queue):
     _dcp_rows(state, out, root, rank, args.dcp_executors)
     del state
     _zeroflat_deepspeed(engine, out, root, args)
+    # Last: these engines share the optimizer's tensors with a process or leave the model
+    # file to every rank; the drop-in leaves such engines' saves to DeepSpeed.
+    for kind in args.deepspeed_writers:
+        _deepspeed_writer(engine, out, root, kind)
     queue.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
@@ -504,6 +513,57 @@ def _deepspeeds_own_work(engine, folder, args):
     return statistics.median(times)
 
 
+def _deepspeed_writer(engine, out, root, kind):
+    """DeepSpeed's own save_checkpoint through its checkpoint writer (its "checkpoint":
+    {"writer": ...} configuration, the python writer type: the FAST type's DeepNVMe buffer is
+    pinned memory, which takes an accelerator's driver): "fast" writes in the call, "decoupled"
+    hands the state to a writer process and commits at the next step (here: right after the
+    call, as the next step would). The call, and the call to committed and fsync'd; a writer
+    this DeepSpeed lacks or that fails records why."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    folder = os.path.join(root, f"deepspeed-{kind}")
+    try:
+        from deepspeed.runtime.model_checkpointing.config import get_checkpoint_writer_config
+        from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_WRITER
+    except ImportError as e:
+        out[f"ds_{kind}_error"] = f"this DeepSpeed has no checkpoint writer ({e})"
+        return
+    writer = {"type": "python", "decoupled": kind == "decoupled", "data_parallel": "replica"}
+    engine._config.checkpoint_config[CHECKPOINT_WRITER] = get_checkpoint_writer_config(
+        {"writer": writer})
+    engine._configure_checkpointing()
+    try:
+        # A first save, untimed: the writer process started and warm, as in a long run.
+        engine.save_checkpoint(folder, tag="w")
+        if engine.checkpoint_engine.is_decoupled():
+            engine._commit_decoupled_checkpoint()
+        _drop_caches()
+        dist.barrier()
+        start = time.perf_counter()
+        engine.save_checkpoint(folder, tag="t")
+        out[f"ds_{kind}_call"] = time.perf_counter() - start
+        if engine.checkpoint_engine.is_decoupled():
+            engine._commit_decoupled_checkpoint()
+        # What holds the training: the call, and the decoupled writer's commit, which the
+        # next step waits for (it shares the live tensors with its process: no copy).
+        out[f"ds_{kind}_held"] = time.perf_counter() - start
+    except Exception as e:  # the same on every rank: DeepSpeed's own failure, reported
+        out[f"ds_{kind}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        out.pop(f"ds_{kind}_call", None)
+    else:
+        tag = os.path.join(folder, "t")
+        _fsync([os.path.join(tag, n) for i, n in enumerate(sorted(os.listdir(tag)))
+                if i % world == rank])
+        out[f"ds_{kind}_durable"] = _barrier_time(start)
+    finally:
+        cleanup = getattr(engine.checkpoint_engine, "cleanup", None)
+        if kind == "decoupled" and cleanup is not None:
+            cleanup()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _zeroflat_deepspeed(engine, out, root, args):
     """The drop-in's save_checkpoint: first call, a call with the staging reused and the steps
     while it writes, call to published, and the memory over --saves more saves."""
@@ -632,6 +692,10 @@ def main():
                         "comma-separated, or none: the process executor holds another copy "
                         "of the state in a process of its own, which a large state may not "
                         "leave room for)")
+    parser.add_argument("--deepspeed-writers", default="fast,decoupled",
+                        help="DeepSpeed's own checkpoint writers timed beside its default "
+                        "engine (fast, decoupled; comma-separated, or none), with its python "
+                        "writer type: its DeepNVMe type needs an accelerator's driver")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (a temporary "
                         "folder under it; default: the system's temporary folder)")
     args = parser.parse_args()
@@ -641,6 +705,9 @@ def main():
     args.dcp_executors = [e for e in args.dcp_executors.split(",") if e and e != "none"]
     if any(e not in ("thread", "process") for e in args.dcp_executors):
         parser.error(f"--dcp-executors: {args.dcp_executors}: each is thread or process")
+    args.deepspeed_writers = [w for w in args.deepspeed_writers.split(",") if w and w != "none"]
+    if any(w not in ("fast", "decoupled") for w in args.deepspeed_writers):
+        parser.error(f"--deepspeed-writers: {args.deepspeed_writers}: each is fast or decoupled")
     bad = [p for p in args.priorities if p not in WRITE_PRIORITIES]
     if bad:
         parser.error(f"--priorities: {', '.join(bad)}: each is one of "
@@ -672,6 +739,7 @@ def report(stage, world, rounds, args):
           f"rank; median of {len(rounds)} fresh-process rounds (range)")
     have = lambda key: all(key in r for ranks in rounds for r in ranks)  # noqa: E731
     rows = [("memcpy of the rank's bytes (floor)", per("floor"))]
+    notes = []
     if stage != "fsdp2":
         rows.append(("zeroflat: call, first save", per("zeroflat_first")))
     rows.append(("zeroflat: call, staging reused", per("zeroflat_call")))
@@ -682,6 +750,16 @@ def report(stage, world, rounds, args):
         rows.append(("  of it, zeroflat's staging (Writer.stage)", per("zeroflat_stage")))
     if have("deepspeed_call"):
         rows.append(("DeepSpeed save_checkpoint: call", per("deepspeed_call")))
+    for kind in args.deepspeed_writers if stage != "fsdp2" else ():
+        if have(f"ds_{kind}_call"):
+            rows += [(f"DeepSpeed, {kind} writer: call", per(f"ds_{kind}_call"))]
+            if kind == "decoupled":
+                rows.append(("  the same + its commit (the next step's)", per("ds_decoupled_held")))
+            rows.append((f"DeepSpeed, {kind} writer: call to fsync'd", per(f"ds_{kind}_durable")))
+        else:
+            why = next((r[f"ds_{kind}_error"] for ranks in rounds for r in ranks
+                        if f"ds_{kind}_error" in r), "not run")
+            notes.append(f"DeepSpeed, {kind} writer: did not run here: {why}")
     rows.append(("DCP save", per("dcp_save")))
     for kind in ("thread", "process"):
         if all(f"dcp_async_{kind}" in r for ranks in rounds for r in ranks):
@@ -705,6 +783,8 @@ def report(stage, world, rounds, args):
              (f"{args.steps} steps while zeroflat writes", per("steps_during"))]
     for name, values in rows:
         print(f"  {name:42s} {_fmt(values)}")
+    for note in notes:
+        print(f"  {note}")
     ours = per("zeroflat_call")
 
     def ratio(a, b):
@@ -726,6 +806,12 @@ def report(stage, world, rounds, args):
     if have("deepspeed_call"):
         checks.append(("DeepSpeed's call / zeroflat's", ratio(per("deepspeed_call"), ours),
                        "printed"))
+    for kind in args.deepspeed_writers if stage != "fsdp2" else ():
+        if have(f"ds_{kind}_call"):
+            checks += [(f"  DeepSpeed {kind}: training held / ours",
+                        ratio(per(f"ds_{kind}_held"), ours), "printed"),
+                       (f"  DeepSpeed {kind}: fsync'd / our published",
+                        ratio(per(f"ds_{kind}_durable"), per("zeroflat_durable")), "printed")]
     for kind in ("thread", "process"):
         if all(f"dcp_async_{kind}" in r for ranks in rounds for r in ranks):
             checks.append((f"DCP async_save ({kind}) call / zeroflat's",
