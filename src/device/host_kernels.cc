@@ -16,7 +16,7 @@ namespace zeroflat::detail {
 namespace {
 
 constexpr std::size_t kLine = 64;
-// Below this size a segment is copied with ordinary stores: the streaming body would be a few
+// Below this size a range is zeroed with ordinary stores: the streaming body would be a few
 // lines at most, and the head and tail already use ordinary stores.
 constexpr std::size_t kStreamMin = 256;
 // Ordinary stores go in pieces of this many bytes: glibc's memcpy and memset switch to streaming
@@ -24,35 +24,6 @@ constexpr std::size_t kStreamMin = 256;
 constexpr std::uint64_t kPlainPiece = std::uint64_t{64} << 10;
 
 #if ZEROFLAT_X86
-void stream_copy_body(unsigned char* dst, const unsigned char* src, std::size_t n) noexcept {
-  // dst is 64-byte aligned; n is a multiple of 64.
-  for (std::size_t i = 0; i < n; i += kLine) {
-    const auto* s = reinterpret_cast<const __m128i*>(src + i);
-    auto* d = reinterpret_cast<__m128i*>(dst + i);
-    __m128i a = _mm_loadu_si128(s + 0);
-    __m128i b = _mm_loadu_si128(s + 1);
-    __m128i c = _mm_loadu_si128(s + 2);
-    __m128i e = _mm_loadu_si128(s + 3);
-    _mm_stream_si128(d + 0, a);
-    _mm_stream_si128(d + 1, b);
-    _mm_stream_si128(d + 2, c);
-    _mm_stream_si128(d + 3, e);
-  }
-}
-
-__attribute__((target("avx"))) void stream_copy_body_avx(unsigned char* dst,
-                                                         const unsigned char* src,
-                                                         std::size_t n) noexcept {
-  for (std::size_t i = 0; i < n; i += kLine) {
-    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
-  }
-}
-
-const bool kHaveAvx = cpu_features().avx;
-
 void stream_zero_body(unsigned char* dst, std::size_t n) noexcept {
   const __m128i z = _mm_setzero_si128();
   for (std::size_t i = 0; i < n; i += kLine) {
@@ -66,28 +37,6 @@ void stream_zero_body(unsigned char* dst, std::size_t n) noexcept {
 #endif
 
 }  // namespace
-
-void copy_bytes(void* dst_v, const void* src_v, std::size_t n, bool streaming) noexcept {
-  auto* dst = static_cast<unsigned char*>(dst_v);
-  const auto* src = static_cast<const unsigned char*>(src_v);
-#if ZEROFLAT_X86
-  if (streaming && n >= kStreamMin) {
-    std::size_t head = (kLine - reinterpret_cast<std::uintptr_t>(dst) % kLine) % kLine;
-    std::memcpy(dst, src, head);
-    std::size_t body = (n - head) & ~(kLine - 1);
-    if (kHaveAvx) {
-      stream_copy_body_avx(dst + head, src + head, body);
-    } else {
-      stream_copy_body(dst + head, src + head, body);
-    }
-    std::memcpy(dst + head + body, src + head + body, n - head - body);
-    return;
-  }
-#else
-  (void)streaming;
-#endif
-  std::memcpy(dst, src, n);
-}
 
 void copy_ordinary(void* dst_v, const void* src_v, std::size_t n) noexcept {
   auto* dst = static_cast<unsigned char*>(dst_v);
@@ -120,14 +69,6 @@ void zero_bytes(void* dst_v, std::size_t n, bool streaming) noexcept {
   (void)streaming;
 #endif
   std::memset(dst, 0, n);
-}
-
-void store_fence() noexcept {
-#if ZEROFLAT_X86
-  _mm_sfence();
-#else
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-#endif
 }
 
 namespace {
@@ -175,11 +116,7 @@ void gather_lines(unsigned char* dst, std::span<const Segment> segments, std::ui
       const std::uint64_t run_end = std::min(end, line + (seg_end - line) / kLine * kLine);
       if (run_end > line) {
         const auto* src = static_cast<const unsigned char*>(it->src) + (line - it->dst_offset);
-        if (kHaveAvx) {
-          stream_copy_body_avx(dst + line, src, run_end - line);
-        } else {
-          stream_copy_body(dst + line, src, run_end - line);
-        }
+        stream_lines(dst + line, src, run_end - line);
         line = run_end;
         continue;
       }
@@ -203,7 +140,7 @@ void gather_lines(unsigned char* dst, std::span<const Segment> segments, std::ui
                     static_cast<const unsigned char*>(j->src) + (lo - j->dst_offset), hi - lo);
       }
     }
-    stream_copy_body(dst + line, tmp, kLine);
+    stream_lines(dst + line, tmp, kLine);
     line += kLine;
   }
 }
@@ -275,25 +212,8 @@ void check_gather_segments(const void* dst, std::uint64_t num_bytes,
   }
 }
 
-namespace {
-
-bool streaming_size(std::uint64_t num_bytes) noexcept {
-  // Past the last-level cache, ordinary stores cost a read of every destination line as well
-  // as the write; streaming stores skip that read.
-  static const std::uint64_t threshold = [] {
-    long llc = -1;
-#ifdef _SC_LEVEL3_CACHE_SIZE
-    llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
-#endif
-    return llc > 0 ? static_cast<std::uint64_t>(llc) : std::uint64_t{32} << 20;
-  }();
-  return num_bytes >= threshold;
-}
-
-}  // namespace
-
 bool use_streaming_stores(const void* dst, std::uint64_t num_bytes) noexcept {
-  return streaming_size(num_bytes) && !mostly_untouched(dst, num_bytes);
+  return larger_than_cache(num_bytes) && !mostly_untouched(dst, num_bytes);
 }
 
 }  // namespace zeroflat::detail

@@ -1,4 +1,5 @@
-// Host memory kernels: copy and zero-fill with streaming stores, a gather over a range.
+// Host memory kernels: copy (common/stream_copy.h) and zero-fill with streaming stores, a
+// gather over a range.
 #pragma once
 
 #include <cstddef>
@@ -9,16 +10,11 @@
 // because the model's checkpoint writer uses them too; the kernels' users get them from here.
 #include "common/convert.h"
 #include "common/prefault.h"
+#include "common/stream_copy.h"  // copy_bytes, store_fence, larger_than_cache
 #include "zeroflat/common.h"
 #include "zeroflat/device.h"
 
 namespace zeroflat::detail {
-
-// Copies n bytes. With streaming = true, 64-byte-aligned destination lines are written with
-// non-temporal stores (no read-for-ownership, no cache pollution): the right choice when the
-// destination is far larger than the caches. The caller must issue store_fence() before another
-// thread reads the destination.
-void copy_bytes(void* dst, const void* src, std::size_t n, bool streaming) noexcept;
 
 // Copies n bytes with ordinary stores only, in pieces small enough that memcpy does not stream
 // them: for a destination never touched (see use_streaming_stores).
@@ -29,9 +25,6 @@ void copy_fresh(void* dst, const void* src, std::size_t n) noexcept;
 
 // Writes n zero bytes, with the same streaming rule.
 void zero_bytes(void* dst, std::size_t n, bool streaming) noexcept;
-
-// Orders this thread's streaming stores before its later stores (sfence on x86).
-void store_fence() noexcept;
 
 // Writes the byte range [begin, end) of a gather into dst (dst points at byte 0 of the whole
 // destination): the parts of segments inside the range are copied, the rest is zeroed. Without
