@@ -123,8 +123,9 @@ class Staging:
 _STORAGES = (torch.storage.TypedStorage, torch.storage.UntypedStorage)
 
 # Host copies at least this big go through torch's own intra-op threads where it has more than
-# one, one call for all of them; the rest through the library in the calling thread (glibc's
-# memcpy: a fifth faster than torch's copy_ on one thread here), one call for all of them.
+# one, one call for all of them; the rest through the library in the calling thread, one call
+# for all of them (into staging reused past the cache, streaming stores: 0.6 x glibc's memcpy
+# here, which is a fifth faster than torch's copy_ on one thread).
 TORCH_COPY_BYTES = 1 << 20
 
 
