@@ -124,14 +124,15 @@ def _barrier_time(start):
 
 def _saves_loop(out, n, before, call):
     """``n`` saves, each after ``before(i)`` and a barrier (so that no rank's call takes in
-    another's skew out of its steps); ``call(i)`` saves and returns what waits for its write.
-    Records the calls' median (``zeroflat_steady``) and the resident memory after each save."""
+    another's skew out of its steps); ``call(i, before(i)'s value)`` saves and returns what
+    waits for its write. Records the calls' median (``zeroflat_steady``) and the resident
+    memory after each save."""
     rss, calls = [], []
     for i in range(n):
-        before(i)
+        ready = before(i)
         dist.barrier()
         start = time.perf_counter()
-        wait = call(i)
+        wait = call(i, ready)
         calls.append(time.perf_counter() - start)
         wait()
         rss.append(_rss())
@@ -308,16 +309,20 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     staging = _dcp_writer._staging["copy"]
     out["staging"] = _local_bytes(staging)
 
-    def steady(i):
-        future = dcp.async_save(box.pop(), storage_writer=zeroflat.dcp.Writer(folder),
+    def steady(i, now):
+        future = dcp.async_save(now, storage_writer=zeroflat.dcp.Writer(folder),
                                 process_group=group)
-        return future.result
+
+        def wait():
+            future.result()
+            assert _dcp_writer._staging["copy"] is staging, "the staging was made again"
+        return wait
 
     def before(i):
         steps(1, 10 + i)
-        box.append(state())  # taken before the clock starts, as above
+        return state()  # taken before the clock starts, as above
 
-    box, staged = [], []
+    staged = []
     stage = _dcp_writer.stage
 
     def timed_stage(state_dict):  # zeroflat's part of the call: the copy into the staging
@@ -333,7 +338,6 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     finally:
         _dcp_writer.stage = stage
     out["zeroflat_stage"] = statistics.median(staged)
-    assert _dcp_writer._staging["copy"] is staging, "the staging was made again"
     dist.barrier()
     if rank == 0:
         shutil.rmtree(folder)
@@ -556,9 +560,8 @@ def _deepspeed_writer(engine, out, root, kind):
                 if i % world == rank])
         out[f"ds_{kind}_durable"] = _barrier_time(start)
     finally:
-        cleanup = getattr(engine.checkpoint_engine, "cleanup", None)
-        if kind == "decoupled" and cleanup is not None:
-            cleanup()
+        if engine.checkpoint_engine.is_decoupled():
+            engine.checkpoint_engine.cleanup()  # its writer process ended
     dist.barrier()
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
@@ -598,12 +601,15 @@ def _zeroflat_deepspeed(engine, out, root, args):
     out["durable_call"] = zd.stats["saves"][-1]["blocking_seconds"]
     out["durable_phases"] = zd.stats["saves"][-1]["write_phases"]
     out["staging"] = _save._staging.capacity
-    def steady(i):
+    def steady(i, _):
         engine.save_checkpoint(folder, tag=f"s{i % 2}")
-        return lambda: zd.wait(every_rank=True)
+
+        def wait():
+            zd.wait(every_rank=True)
+            assert _save._staging.capacity == out["staging"], "the staging grew"
+        return wait
 
     _saves_loop(out, args.saves, lambda i: _steps(engine, 1, args.width, 10 + i), steady)
-    assert _save._staging.capacity == out["staging"], "the staging grew"
     out["staging_after"] = _save._staging.capacity
     # Waves: the staging capped at half the rank's bytes; the files that do not fit are written
     # from the tensors before the call returns (the first capped save makes the staging).
