@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -511,6 +512,35 @@ TEST(StageCopies, EveryRangeIsCopiedWhateverTheSplit) {
     }
     stage_copies(copies, threads);
     EXPECT_EQ(to, from) << threads << " threads";
+  }
+}
+
+TEST(StageCopies, StreamingStoresCopyEveryByteAtAnyAlignment) {
+  // Source and destination at every offset within a cache line, so the streaming body starts
+  // after an ordinary head and ends before an ordinary tail; the runs cross the threads' cuts.
+  std::vector<unsigned char> from((5 << 20) + 64), to(from.size() + 64);
+  std::mt19937 gen(7);
+  for (unsigned char& c : from) c = static_cast<unsigned char>(gen());
+  for (StageStores stores : {StageStores::Streaming, StageStores::Ordinary}) {
+    for (unsigned threads : {1u, 2u, 3u}) {
+      for (std::size_t skew : {0u, 1u, 17u, 63u}) {
+        std::fill(to.begin(), to.end(), 0);
+        const std::size_t sizes[] = {(3 << 20) + 5, 300, 255, 1, (2 << 20) - 600};
+        std::vector<StageCopy> copies;
+        std::size_t at = 0;
+        for (std::size_t n : sizes) {
+          copies.push_back({reinterpret_cast<std::byte*>(to.data() + skew + at),
+                            reinterpret_cast<const std::byte*>(from.data() + at), n});
+          at += n;
+        }
+        stage_copies(copies, threads, stores);
+        ASSERT_TRUE(std::equal(from.begin(), from.begin() + at, to.begin() + skew))
+            << "threads " << threads << ", skew " << skew;
+        const auto zero = [](unsigned char c) { return c == 0; };
+        EXPECT_TRUE(std::all_of(to.begin(), to.begin() + skew, zero));
+        EXPECT_TRUE(std::all_of(to.begin() + skew + at, to.end(), zero));
+      }
+    }
   }
 }
 

@@ -232,9 +232,17 @@ struct StageCopy {
   std::uint64_t size = 0;
 };
 
+// How stage_copies writes the staging. Automatic: streaming (non-temporal) stores when the bytes
+// are past the last-level cache and the staging has been written before (a save's reused
+// staging: no read of each destination line before its write, no eviction of the training's
+// working set); ordinary stores otherwise (fresh pages, small saves).
+enum class StageStores { Automatic, Ordinary, Streaming };
+
 // Copies every range, the bytes split evenly over `threads` threads (1: the caller's alone): the
-// snapshot a save takes of a rank's state before it returns.
-void stage_copies(const std::vector<StageCopy>& copies, unsigned threads);
+// snapshot a save takes of a rank's state before it returns. Every store is visible to other
+// threads when it returns.
+void stage_copies(const std::vector<StageCopy>& copies, unsigned threads,
+                  StageStores stores = StageStores::Automatic);
 
 // What one rank writes of a checkpoint, and (`dir` not empty) how it is published.
 struct SaveJob {

@@ -63,7 +63,8 @@ void copy_bytes(void* dst_v, const void* src_v, std::size_t n, bool streaming) n
   auto* dst = static_cast<unsigned char*>(dst_v);
   const auto* src = static_cast<const unsigned char*>(src_v);
   if (streaming && n >= kCopyStreamMin) {
-    const std::size_t head = (kCopyLine - reinterpret_cast<std::uintptr_t>(dst) % kCopyLine) % kCopyLine;
+    const std::uintptr_t misalign = reinterpret_cast<std::uintptr_t>(dst) % kCopyLine;
+    const std::size_t head = (kCopyLine - misalign) % kCopyLine;
     std::memcpy(dst, src, head);
     const std::size_t body = (n - head) & ~(kCopyLine - 1);
     stream_lines(dst + head, src + head, body);

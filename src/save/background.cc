@@ -253,7 +253,7 @@ void run_job(const SaveJob& job, detail::SaveQueue* queue, std::atomic<std::uint
 
 }  // namespace
 
-void stage_copies(const std::vector<StageCopy>& copies, unsigned threads) {
+void stage_copies(const std::vector<StageCopy>& copies, unsigned threads, StageStores stores) {
   std::uint64_t total = 0;
   const StageCopy* largest = nullptr;
   for (const StageCopy& c : copies) {
@@ -261,19 +261,23 @@ void stage_copies(const std::vector<StageCopy>& copies, unsigned threads) {
     if (largest == nullptr || c.size > largest->size) largest = &c;
   }
   threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(total >> 22) + 1));
-  // A snapshot past the cache into staging already touched (a save's reused staging) is written
-  // with streaming stores: no read of each destination line before its write, no eviction of
-  // the training's working set (0.6 x the time of glibc's memcpy of the same 510 MB here, one
-  // process or two at once). Into fresh staging, ordinary stores (use_streaming_stores).
-  const bool streaming = largest != nullptr && detail::larger_than_cache(total) &&
-                         !detail::mostly_untouched(largest->to, largest->size, 3);
+  // Streaming stores: 0.6 x the time of glibc's memcpy of the same 510 MB into reused staging
+  // on the development machine, one process or two at once (docs/performance.md). Into fresh
+  // pages they gain nothing: the page faults dominate.
+  bool streaming = stores == StageStores::Streaming;
+  if (stores == StageStores::Automatic) {
+    streaming = largest != nullptr && detail::larger_than_cache(total) &&
+                !detail::mostly_untouched(largest->to, largest->size, 3);
+  }
   auto copy_part = [&](unsigned t) {
     // Part t of the bytes as if the ranges were one run.
     const detail::Range part = detail::split_range(total, threads, t, 4096);
     std::uint64_t at = 0;
     for (const StageCopy& c : copies) {
       const std::uint64_t begin = std::max(at, part.begin), end = std::min(at + c.size, part.end);
-      if (begin < end) detail::copy_bytes(c.to + (begin - at), c.from + (begin - at), end - begin, streaming);
+      if (begin < end) {
+        detail::copy_bytes(c.to + (begin - at), c.from + (begin - at), end - begin, streaming);
+      }
       at += c.size;
       if (at >= part.end) break;
     }
