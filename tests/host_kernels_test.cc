@@ -3,11 +3,14 @@
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <string>
@@ -41,6 +44,41 @@ TEST(HostKernels, CopyAndZeroAtEveryAlignmentAndSize) {
       }
     }
   }
+}
+
+// A sysfs cache tree under a temporary folder: index<i>/{level,type,size,shared_cpu_list}.
+struct FakeCpuDir {
+  std::string dir;
+  FakeCpuDir() {
+    char tmpl[] = "/tmp/zeroflat-cpu-XXXXXX";
+    dir = ::mkdtemp(tmpl);
+  }
+  ~FakeCpuDir() { std::filesystem::remove_all(dir); }
+  void cache(int index, const std::string& level, const std::string& type,
+             const std::string& size, const std::string& cpus) const {
+    const std::string d = dir + "/cache/index" + std::to_string(index);
+    std::filesystem::create_directories(d);
+    const std::pair<const char*, std::string> files[] = {
+        {"level", level}, {"type", type}, {"size", size}, {"shared_cpu_list", cpus}};
+    for (const auto& [name, text] : files) std::ofstream(d + "/" + name) << text << "\n";
+  }
+};
+
+TEST(StreamCopy, TheCacheShareIsTheLastLevelOverTheCpusSharingIt) {
+  FakeCpuDir cpu;
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 0u) << "no cache tree";
+  cpu.cache(0, "1", "Data", "32K", "0");
+  cpu.cache(1, "1", "Instruction", "32K", "0");
+  cpu.cache(2, "2", "Unified", "1024K", "0-1");
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 512u << 10);
+  cpu.cache(3, "3", "Unified", "32768K", "0-3,8,10-12");  // 8 CPUs
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 4u << 20);
+  cpu.cache(4, "4", "Instruction", "1G", "0");  // not a data cache: ignored
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 4u << 20);
+  cpu.cache(3, "3", "Unified", "1M", "garbage");  // unreadable sharing: counted as one CPU
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 1u << 20);
+  cpu.cache(3, "3", "Unified", "12Q", "0");  // an unknown unit: the level below
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 512u << 10);
 }
 
 // Reference: the gather written the obvious way.

@@ -122,31 +122,17 @@ class Staging:
 
 _STORAGES = (torch.storage.TypedStorage, torch.storage.UntypedStorage)
 
-# Host copies at least this big go through torch's own intra-op threads where it has more than
-# one, one call for all of them; the rest through the library in the calling thread, one call
-# for all of them (into staging reused past the cache, streaming stores: 0.6 x glibc's memcpy
-# here, which is a fifth faster than torch's copy_ on one thread).
-TORCH_COPY_BYTES = 1 << 20
-
 
 def copy_host(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copies each (to, from) pair of contiguous host tensors of one dtype and size, without
-    the GIL. With more than one intra-op thread, the large ones through torch's: a rank's
-    training leaves them spinning for a while after each parallel region, and threads of the
-    library's own would share the cores with them (a third slower on two cores); the others in
-    one library call in this thread."""
-    large, small = [], []
-    threads = torch.get_num_threads() > 1
-    for d, s in pairs:
-        n = s.numel() * s.element_size()
-        if threads and n >= TORCH_COPY_BYTES:
-            large.append((d.view(-1), s.view(-1)))
-        elif n:
-            small.append((d.data_ptr(), s.data_ptr(), n))
-    if large:
-        torch._foreach_copy_([d for d, _ in large], [s for _, s in large])
-    if small:
-        _C.stage_copies(small, 1)
+    """Copies each (to, from) pair of contiguous host tensors of one dtype and size in one
+    library call without the GIL, split over as many threads as torch's intra-op pool has (the
+    caller's alone when it has one). Into staging reused past the cache the library writes with
+    streaming stores: a 517 MiB ZeRO-2 state right after a training step took 28 ms on two
+    threads against 36 ms for torch's own ``_foreach_copy_`` (docs/performance.md)."""
+    todo = [(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()) for d, s in pairs]
+    todo = [t for t in todo if t[2]]
+    if todo:
+        _C.stage_copies(todo, max(1, torch.get_num_threads()))
 
 
 def _bytes_of(storage, begin: int = 0, n: Optional[int] = None) -> torch.Tensor:

@@ -3,8 +3,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include "common/cpu_features.h"
 
@@ -82,15 +87,95 @@ void store_fence() noexcept {
 #endif
 }
 
+namespace {
+
+// The first line of a small file, or "" where it cannot be read.
+std::string first_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// The number of CPUs in a cpulist ("0-3,8,10-11"), 0 where it is not one.
+std::uint64_t cpus_in_list(const std::string& list) {
+  std::uint64_t count = 0;
+  std::size_t at = 0;
+  while (at < list.size()) {
+    std::size_t end = list.find(',', at);
+    if (end == std::string::npos) end = list.size();
+    const std::string item = list.substr(at, end - at);
+    at = end + 1;
+    unsigned long lo = 0, hi = 0;
+    char tail = 0;
+    if (std::sscanf(item.c_str(), "%lu-%lu%c", &lo, &hi, &tail) == 2 && lo <= hi) {
+      count += hi - lo + 1;
+    } else if (std::sscanf(item.c_str(), "%lu%c", &lo, &tail) == 1) {
+      count += 1;
+    } else {
+      return 0;
+    }
+  }
+  return count;
+}
+
+// A sysfs cache size ("32768K", "1M", "512"), in bytes; 0 where it is not one.
+std::uint64_t cache_size(const std::string& text) {
+  unsigned long long n = 0;
+  char unit = 0, tail = 0;
+  const int got = std::sscanf(text.c_str(), "%llu%c%c", &n, &unit, &tail);
+  if (got == 1) return n;
+  if (got != 2) return 0;
+  if (unit == 'K') return n << 10;
+  if (unit == 'M') return n << 20;
+  if (unit == 'G') return n << 30;
+  return 0;
+}
+
+}  // namespace
+
+std::uint64_t cache_share_bytes(const char* cpu_dir) noexcept {
+  try {
+    int best_level = 0;
+    std::uint64_t share = 0;
+    for (int i = 0; i < 16; ++i) {
+      const std::string dir = std::string(cpu_dir) + "/cache/index" + std::to_string(i) + "/";
+      const std::string level = first_line(dir + "level");
+      if (level.empty()) break;
+      const std::string type = first_line(dir + "type");
+      if (type != "Unified" && type != "Data") continue;
+      const int l = std::atoi(level.c_str());
+      const std::uint64_t size = cache_size(first_line(dir + "size"));
+      const std::uint64_t cpus = cpus_in_list(first_line(dir + "shared_cpu_list"));
+      if (l > best_level && size > 0) {
+        best_level = l;
+        share = size / std::max<std::uint64_t>(cpus, 1);
+      }
+    }
+    return share;
+  } catch (...) {
+    return 0;
+  }
+}
+
 bool larger_than_cache(std::uint64_t num_bytes) noexcept {
-  // Past the last-level cache, ordinary stores cost a read of every destination line as well
-  // as the write; streaming stores skip that read.
+  // Past the cache, ordinary stores cost a read of every destination line as well as the
+  // write, and evict the caller's working set; streaming stores do neither. The share of one
+  // CPU, not the whole cache: every core of the socket may be copying at once (a rank per
+  // accelerator), and the destination is not read again soon. On the development machine
+  // (32 MiB shared by 2 CPUs) streaming was faster than memcpy from 8 MiB up
+  // (docs/performance.md). Where sysfs does not say, sysconf's size over the online CPUs.
   static const std::uint64_t threshold = [] {
-    long llc = -1;
+    std::uint64_t share = cache_share_bytes("/sys/devices/system/cpu/cpu0");
+    if (share == 0) {
+      long llc = -1;
 #ifdef _SC_LEVEL3_CACHE_SIZE
-    llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+      llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
 #endif
-    return llc > 0 ? static_cast<std::uint64_t>(llc) : std::uint64_t{32} << 20;
+      const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+      if (llc > 0) share = static_cast<std::uint64_t>(llc / std::max(cpus, 1L));
+    }
+    return std::max<std::uint64_t>(share, std::uint64_t{4} << 20);
   }();
   return num_bytes >= threshold;
 }
