@@ -1028,6 +1028,43 @@ def test_async_saves_staging_is_reused_never_while_a_save_writes_from_it_and_is_
         assert not _dcp_writer._staging["busy"]  # freed by the save's write
 
 
+def test_async_saves_staging_is_one_mapping_outside_the_heap_each_tensor_its_own_storage():
+    """Writer.stage's host copy: every tensor carved out of one anonymous mapping (not the C
+    library's heap, where the staging would sit among the training's short-lived allocations),
+    each with a storage of exactly its own bytes (as torch.save writes it), none overlapping,
+    the values those of the state, 0-dim, empty, bool and bfloat16 tensors included."""
+    from zeroflat import _dcp_writer
+
+    state = {f"w{i}": torch.randn(64 + i, 1024 + 3 * i) for i in range(5)}
+    state.update(half=torch.randn(333, 7).to(torch.bfloat16), flags=torch.rand(17) > 0.5,
+                 scalar=torch.tensor(2.5), empty=torch.empty(0, 4), step=3)
+    staged = _dcp_writer.stage(state)
+    try:
+        assert staged["step"] == 3
+        spans = []
+        for key, t in state.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            got = staged[key]
+            assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), key
+            if t.numel():
+                n = t.numel() * t.element_size()
+                assert got.untyped_storage().nbytes() == n, key
+                spans.append((got.data_ptr(), got.data_ptr() + n))
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "staged tensors overlap"
+        maps = []
+        with open("/proc/self/maps") as f:
+            for line in f:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                maps.append((lo, hi, line.split()[-1] if len(line.split()) > 5 else ""))
+        holding = {next((m for m in maps if m[0] <= a and b <= m[1]), None) for a, b in spans}
+        assert len(holding) == 1 and None not in holding, holding
+        assert next(iter(holding))[2] != "[heap]"
+    finally:
+        _dcp_writer._staging_free(staged)
+
+
 def test_zeroflats_writer_writes_a_views_bytes_not_its_whole_storage(tmp_path):
     """A tensor that is a view into a larger storage (a slice of a flat buffer) is written as its
     own bytes, as DCP's writer writes it: the rank's file holds about the view's size, and it
