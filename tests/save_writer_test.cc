@@ -275,6 +275,67 @@ TEST(TorchWriter, AppendedArchivesAreTheArchivesWrittenAloneEachAtItsSpan) {
   fs::remove_all(dir);
 }
 
+TEST(TorchWriter, AppendedLargeRecordsStartAtTheirMemorysPlaceInAPageAndLoadBack) {
+  // A record of 1 MiB and more: its archive starts at a page (zeros before it, outside every
+  // span) and its data at the same offset within a page as its bytes in memory (64-byte aligned
+  // within the archive), so that its whole pages go with O_DIRECT; memory that is not 64-byte
+  // aligned keeps torch's layout. Every archive reads back with its records' bytes and CRCs.
+  const std::string dir = temp_dir("appended_large");
+  const std::size_t n = (3 << 20) + 100;
+  auto* region = static_cast<unsigned char*>(std::aligned_alloc(4096, 4 * n + 3 * 4096));
+  std::mt19937 gen(12);
+  for (std::size_t i = 0; i < 4 * n + 3 * 4096; ++i) region[i] = static_cast<unsigned char>(gen());
+  const auto up = [](std::size_t x) { return (x + 4095) / 4096 * 4096; };
+  const std::size_t starts[] = {0, up(n) + 640, up(2 * up(n) + 640 + n) + 8};  // page, 64, odd
+  std::vector<StagedFile> files(3);
+  for (std::size_t k = 0; k < 3; ++k) {
+    files[k].path = "archive";
+    files[k].pickle = std::string(37 + k * 11, 'p');
+    files[k].storages.push_back({"0", reinterpret_cast<const std::byte*>(region + starts[k]), n});
+    files[k].storages.push_back({"1", reinterpret_cast<const std::byte*>(region), 5});
+  }
+  const std::string raw = "an odd number of raw bytes";
+  std::vector<AppendedItem> items(4);
+  items[0].data = reinterpret_cast<const std::byte*>(raw.data());
+  items[0].size = raw.size();
+  for (std::size_t k = 0; k < 3; ++k) items[k + 1].archive = &files[k];
+  const bool direct = runtime_env().save_io == RuntimeEnv::SaveIo::kDirect;  // the default
+  for (WritePriority priority : {WritePriority::kIdle, WritePriority::kNormal}) {
+    const std::string io = direct ? "direct" : "buffered";
+    const std::string path = dir + "/__0_0.distcp";
+    std::atomic<std::uint64_t> written{0};
+    const std::vector<ItemSpan> spans = write_appended(path, items, true, priority, &written);
+    const std::string bytes = slurp(path);
+    EXPECT_EQ(written.load(), bytes.size()) << io;
+    EXPECT_EQ(bytes.substr(spans[0].offset, spans[0].length), raw);
+    for (std::size_t k = 0; k < 3; ++k) {
+      const ItemSpan& span = spans[k + 1];
+      const std::uint64_t before = spans[k].offset + spans[k].length;
+      ASSERT_LE(before, span.offset);
+      EXPECT_EQ(bytes.find_first_not_of('\0', before), before < span.offset ? span.offset : before);
+      const std::string piece = bytes.substr(span.offset, span.length);
+      const auto* first = reinterpret_cast<const unsigned char*>(piece.data());
+      const detail::MemorySource source(std::span<const unsigned char>(first, piece.size()),
+                                        "item");
+      const detail::ZipArchive zip = detail::read_zip(source);
+      const detail::ZipEntry* e = zip.find("archive/data/0");
+      ASSERT_NE(e, nullptr) << io << " item " << k;
+      EXPECT_EQ(e->offset % 64, 0u);
+      const auto* want = reinterpret_cast<const char*>(files[k].storages[0].data);
+      EXPECT_EQ(piece.compare(e->offset, n, want, n), 0);
+      std::uint32_t crc = 0;  // the local header's
+      std::memcpy(&crc, piece.data() + e->header + 14, 4);
+      EXPECT_EQ(crc, crc32(0, files[k].storages[0].data, n));
+      if (direct && k < 2) {
+        EXPECT_EQ(span.offset % 4096, 0u) << "item " << k;
+        EXPECT_EQ((span.offset + e->offset) % 4096, starts[k] % 4096) << "item " << k;
+      }
+    }
+  }
+  std::free(region);
+  fs::remove_all(dir);
+}
+
 TEST(WritePriority, EachSettingPutsTheCallingThreadWhereItSays) {
   // Each on a thread of its own (a thread cannot raise its nice again without privileges).
   auto on_thread = [](WritePriority p) {

@@ -216,7 +216,11 @@ struct ItemSpan {
 // offsets counted from its own start, as torch.save writes into a stream at any position: the
 // slice [offset, offset + length) is an archive that torch.load reads. Small records travel
 // with the headers around them, large ones are written from where they are, write-back started
-// behind. `sync`: fsync'd before it returns. A `priority` other than kNormal: written by a
+// behind. An archive with a record of kDirectMinBytes and more starts at a page (zeros before
+// it, outside every span) and that record's data at its bytes' offset within a page in memory
+// (still 64-byte aligned in the archive where the memory is), so that its whole pages go with
+// O_DIRECT (ZEROFLAT_SAVE_IO, where the file system takes it); the records' CRC-32s are
+// computed by a second thread ahead of the writes. `sync`: fsync'd before it returns. A `priority` other than kNormal: written by a
 // thread of its own at that priority (the caller waits), so that the training's threads come
 // first. Returns each item's span; throws IoError naming the file.
 std::vector<ItemSpan> write_appended(const std::string& path, const std::vector<AppendedItem>& items, bool sync,

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <optional>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include <fcntl.h>
@@ -103,7 +105,12 @@ const std::string kByteOrder = "little";
 const std::string kVersion = "3\n";
 
 // need_bytes: whether every storage must have its bytes (a layout to write, not only offsets).
-Layout make_layout(const StagedFile& file, bool need_bytes = true) {
+// direct_base (kDirectAlign-aligned): where the archive starts in its file, when its large
+// records' data are to start at the same offset within a page as their bytes in memory, so
+// that their whole pages go with O_DIRECT (each still at a 64-byte boundary of the archive:
+// only where the memory is 64-byte aligned).
+Layout make_layout(const StagedFile& file, bool need_bytes = true,
+                   std::optional<std::uint64_t> direct_base = std::nullopt) {
   Layout l;
   l.id.assign(40, '0');  // its digits once the other records' CRCs are known
   const std::string prefix = archive_name(file.path) + "/";
@@ -133,7 +140,13 @@ Layout make_layout(const StagedFile& file, bool need_bytes = true) {
   for (Entry& e : l.entries) {
     e.header_offset = at;
     const std::uint64_t bare = 30 + e.name.size() + (e.zip64() ? 20 : 0) + 4;
-    e.pad = static_cast<std::uint16_t>((kAlign - (at + bare) % kAlign) % kAlign);
+    const auto phase = reinterpret_cast<std::uintptr_t>(e.data) % kDirectAlign;
+    if (direct_base && e.size >= kDirectMinBytes && phase % kAlign == 0) {
+      const std::uint64_t here = (*direct_base + at + bare) % kDirectAlign;
+      e.pad = static_cast<std::uint16_t>((phase + kDirectAlign - here) % kDirectAlign);
+    } else {
+      e.pad = static_cast<std::uint16_t>((kAlign - (at + bare) % kAlign) % kAlign);
+    }
     e.data_offset = at + bare + e.pad;
     at = e.data_offset + e.size;
   }
@@ -466,10 +479,14 @@ constexpr std::uint64_t kWriteBackBytes = std::uint64_t{8} << 20;
 
 class AppendingFile {
  public:
-  AppendingFile(const std::string& path, std::atomic<std::uint64_t>* written)
-      : path_(path), fd_(path, O_WRONLY | O_CREAT | O_TRUNC, "write", 0644), written_(written) {}
+  // direct: the large runs' whole pages written with O_DIRECT where the file system takes it.
+  AppendingFile(const std::string& path, std::atomic<std::uint64_t>* written, bool direct)
+      : path_(path), fd_(path, O_WRONLY | O_CREAT | O_TRUNC, "write", 0644), written_(written) {
+    if (direct) open_direct(path_, direct_);
+  }
 
   std::uint64_t at() const { return at_ + buf_.size(); }
+  bool direct() const { return direct_.has_value(); }
   void add(const void* data, std::uint64_t n) {
     if (n <= kInlineBytes) {
       buf_.append(static_cast<const char*>(data), n);
@@ -478,9 +495,17 @@ class AppendingFile {
     }
     flush();
     const auto* p = static_cast<const std::byte*>(data);
+    if (direct_) {
+      RecordWrites writes(fd_.get(), &direct_, path_, written_);
+      writes.write(p, at_, at_ + n);
+      at_ += n;
+      return;
+    }
     for (std::uint64_t off = 0; off < n; off += kPieceBytes) put(p + off, std::min(kPieceBytes, n - off));
   }
   void add(const std::string& s) { add(s.data(), s.size()); }
+  // Zeros up to the next multiple of `align` (a gap between two items).
+  void pad_to(std::uint64_t align) { buf_.append((align - at() % align) % align, '\0'); }
   void flush() {
     const std::string b = std::move(buf_);
     buf_.clear();
@@ -488,6 +513,7 @@ class AppendingFile {
   }
   void finish(bool sync) {
     flush();
+    if (direct_) direct_->close("write (O_DIRECT)", path_);
     if (sync && ::fsync(fd_.get()) != 0) throw io_error("write (fsync)", path_, errno);
     fd_.close("write", path_);
   }
@@ -507,19 +533,83 @@ class AppendingFile {
 
   std::string path_;
   save_io::Fd fd_;
+  std::optional<save_io::Fd> direct_;
   std::atomic<std::uint64_t>* written_;
   std::uint64_t at_ = 0;
   std::uint64_t unsynced_ = 0;
   std::string buf_;
 };
 
+std::uint32_t storage_crc(const StagedStorage& st) {
+  return st.size > 0 && st.data != nullptr ? crc32(0, st.data, st.size) : 0;
+}
+
+bool has_large_storage(const StagedFile& file) {
+  return std::any_of(file.storages.begin(), file.storages.end(),
+                     [](const StagedStorage& st) { return st.size >= kDirectMinBytes; });
+}
+
+// The CRC-32s of every archive's storages, computed by a thread of their own ahead of the
+// writes (the writer waits only where it catches up with it).
+class StorageCrcs {
+ public:
+  StorageCrcs(const std::vector<AppendedItem>& items, WritePriority priority)
+      : crcs_(items.size()) {
+    thread_ = detail::start_thread(0, [this, &items, priority] {
+      if (priority != WritePriority::kNormal) set_thread_write_priority(priority);
+      try {
+        for (std::size_t i = 0; i < items.size(); ++i) {
+          if (items[i].archive != nullptr) {
+            for (const StagedStorage& st : items[i].archive->storages) {
+              if (stop_.load(std::memory_order_relaxed)) return;
+              crcs_[i].push_back(storage_crc(st));
+            }
+          }
+          const std::lock_guard<std::mutex> lock(mutex_);
+          done_ = i + 1;
+          ready_.notify_all();
+        }
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(mutex_);
+        error_ = std::current_exception();
+        done_ = crcs_.size();
+        ready_.notify_all();
+      }
+    });
+  }
+  ~StorageCrcs() {
+    stop_.store(true, std::memory_order_relaxed);
+    if (thread_.joinable()) thread_.join();
+  }
+  // Item i's storages' CRCs, once computed.
+  const std::vector<std::uint32_t>& of(std::size_t i) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    ready_.wait(lock, [&] { return done_ > i; });
+    if (error_) std::rethrow_exception(error_);
+    return crcs_[i];
+  }
+
+ private:
+  std::vector<std::vector<std::uint32_t>> crcs_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::size_t done_ = 0;
+  std::exception_ptr error_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
 // One archive at the file's end, its offsets counted from its own start (as torch.save writes
-// into a stream). Returns its size.
-std::uint64_t append_archive(AppendingFile& out, const StagedFile& file) {
-  Layout l = make_layout(file);
+// into a stream), its storages' CRCs given. Returns its size.
+std::uint64_t append_archive(AppendingFile& out, const StagedFile& file,
+                             const std::vector<std::uint32_t>& storage_crcs) {
   const std::uint64_t base = out.at();
+  Layout l = make_layout(file, true, out.direct() && base % kDirectAlign == 0
+                                         ? std::optional<std::uint64_t>(base) : std::nullopt);
   for (std::size_t i = 0; i + 1 < l.entries.size(); ++i) {
-    l.entries[i].crc = crc32(0, l.entries[i].data, l.entries[i].size);
+    const bool storage = i >= 4 && i - 4 < file.storages.size();
+    const Entry& e = l.entries[i];
+    l.entries[i].crc = storage ? storage_crcs.at(i - 4) : crc32(0, e.data, e.size);
   }
   l.id = serialization_id(l.entries);
   Entry& id = l.entries.back();
@@ -535,14 +625,31 @@ std::uint64_t append_archive(AppendingFile& out, const StagedFile& file) {
 }
 
 std::vector<ItemSpan> append_items(const std::string& path, const std::vector<AppendedItem>& items, bool sync,
-                                   std::atomic<std::uint64_t>* written) {
-  AppendingFile out(path, written);
+                                   WritePriority priority, std::atomic<std::uint64_t>* written) {
+  const bool large = std::any_of(items.begin(), items.end(), [](const AppendedItem& item) {
+    return item.archive != nullptr && has_large_storage(*item.archive);
+  });
+  AppendingFile out(path, written, large && runtime_env().save_io == RuntimeEnv::SaveIo::kDirect);
+  std::optional<StorageCrcs> crcs;
+  if (large) crcs.emplace(items, priority);
   std::vector<ItemSpan> spans;
   spans.reserve(items.size());
-  for (const AppendedItem& item : items) {
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const AppendedItem& item = items[i];
+    // An archive with a large storage starts at a page (a gap of zeros before it, which no
+    // item's span covers), so that its storage's pages can go with O_DIRECT.
+    if (item.archive != nullptr && out.direct() && has_large_storage(*item.archive)) {
+      out.pad_to(kDirectAlign);
+    }
     const std::uint64_t begin = out.at();
     if (item.archive) {
-      append_archive(out, *item.archive);
+      std::vector<std::uint32_t> own;
+      if (!crcs) {
+        for (const StagedStorage& st : item.archive->storages) {
+          own.push_back(storage_crc(st));
+        }
+      }
+      append_archive(out, *item.archive, crcs ? crcs->of(i) : own);
     } else {
       if (item.size > 0 && item.data == nullptr) throw InvalidArgument("an appended item has no bytes");
       out.add(item.data, item.size);
@@ -557,13 +664,13 @@ std::vector<ItemSpan> append_items(const std::string& path, const std::vector<Ap
 
 std::vector<ItemSpan> write_appended(const std::string& path, const std::vector<AppendedItem>& items, bool sync,
                                      WritePriority priority, std::atomic<std::uint64_t>* written) {
-  if (priority == WritePriority::kNormal) return append_items(path, items, sync, written);
+  if (priority == WritePriority::kNormal) return append_items(path, items, sync, priority, written);
   std::vector<ItemSpan> spans;
   std::exception_ptr error;
   std::thread writer = detail::start_thread(0, [&] {
     set_thread_write_priority(priority);
     try {
-      spans = append_items(path, items, sync, written);
+      spans = append_items(path, items, sync, priority, written);
     } catch (...) {
       error = std::current_exception();
     }
