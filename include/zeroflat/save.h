@@ -220,9 +220,10 @@ struct ItemSpan {
 // it, outside every span) and that record's data at its bytes' offset within a page in memory
 // (still 64-byte aligned in the archive where the memory is), so that its whole pages go with
 // O_DIRECT (ZEROFLAT_SAVE_IO, where the file system takes it); the records' CRC-32s are
-// computed by a second thread ahead of the writes. `sync`: fsync'd before it returns. A `priority` other than kNormal: written by a
-// thread of its own at that priority (the caller waits), so that the training's threads come
-// first. Returns each item's span; throws IoError naming the file.
+// computed by a second thread ahead of the writes. `sync`: fsync'd before it returns. A
+// `priority` other than kNormal: written by a thread of its own at that priority (the caller
+// waits), so that the training's threads come first. Returns each item's span; throws IoError
+// naming the file.
 std::vector<ItemSpan> write_appended(const std::string& path, const std::vector<AppendedItem>& items, bool sync,
                                      WritePriority priority = WritePriority::kNormal,
                                      std::atomic<std::uint64_t>* written = nullptr);
