@@ -282,9 +282,10 @@ TEST(TorchWriter, AppendedLargeRecordsStartAtTheirMemorysPlaceInAPageAndLoadBack
   // aligned keeps torch's layout. Every archive reads back with its records' bytes and CRCs.
   const std::string dir = temp_dir("appended_large");
   const std::size_t n = (3 << 20) + 100;
-  auto* region = static_cast<unsigned char*>(std::aligned_alloc(4096, 4 * n + 3 * 4096));
+  const std::size_t region_bytes = (4 * n + 3 * 4096 + 4095) / 4096 * 4096;  // whole pages
+  auto* region = static_cast<unsigned char*>(std::aligned_alloc(4096, region_bytes));
   std::mt19937 gen(12);
-  for (std::size_t i = 0; i < 4 * n + 3 * 4096; ++i) region[i] = static_cast<unsigned char>(gen());
+  for (std::size_t i = 0; i < region_bytes; ++i) region[i] = static_cast<unsigned char>(gen());
   const auto up = [](std::size_t x) { return (x + 4095) / 4096 * 4096; };
   const std::size_t starts[] = {0, up(n) + 640, up(2 * up(n) + 640 + n) + 8};  // page, 64, odd
   std::vector<StagedFile> files(3);
