@@ -16,14 +16,9 @@
 namespace zeroflat::detail {
 namespace {
 
-constexpr std::size_t kCopyLine = 64;
-// Below this size a copy uses ordinary stores: the streaming body would be a few lines at most,
-// and the head and tail already use ordinary stores.
-constexpr std::size_t kCopyStreamMin = 256;
-
 #if ZEROFLAT_X86
 void stream_lines_sse(unsigned char* dst, const unsigned char* src, std::size_t n) noexcept {
-  for (std::size_t i = 0; i < n; i += kCopyLine) {
+  for (std::size_t i = 0; i < n; i += kStreamLine) {
     const auto* s = reinterpret_cast<const __m128i*>(src + i);
     auto* d = reinterpret_cast<__m128i*>(dst + i);
     __m128i a = _mm_loadu_si128(s + 0);
@@ -39,7 +34,7 @@ void stream_lines_sse(unsigned char* dst, const unsigned char* src, std::size_t 
 
 __attribute__((target("avx"))) void stream_lines_avx(unsigned char* dst, const unsigned char* src,
                                                      std::size_t n) noexcept {
-  for (std::size_t i = 0; i < n; i += kCopyLine) {
+  for (std::size_t i = 0; i < n; i += kStreamLine) {
     __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
@@ -67,11 +62,11 @@ void stream_lines(unsigned char* dst, const unsigned char* src, std::size_t n) n
 void copy_bytes(void* dst_v, const void* src_v, std::size_t n, bool streaming) noexcept {
   auto* dst = static_cast<unsigned char*>(dst_v);
   const auto* src = static_cast<const unsigned char*>(src_v);
-  if (streaming && n >= kCopyStreamMin) {
-    const std::uintptr_t misalign = reinterpret_cast<std::uintptr_t>(dst) % kCopyLine;
-    const std::size_t head = (kCopyLine - misalign) % kCopyLine;
+  if (streaming && n >= kStreamMinBytes) {
+    const std::uintptr_t misalign = reinterpret_cast<std::uintptr_t>(dst) % kStreamLine;
+    const std::size_t head = (kStreamLine - misalign) % kStreamLine;
     std::memcpy(dst, src, head);
-    const std::size_t body = (n - head) & ~(kCopyLine - 1);
+    const std::size_t body = (n - head) & ~(kStreamLine - 1);
     stream_lines(dst + head, src + head, body);
     std::memcpy(dst + head + body, src + head + body, n - head - body);
     return;

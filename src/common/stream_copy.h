@@ -7,6 +7,12 @@
 
 namespace zeroflat::detail {
 
+// A cache line: what streaming stores write whole.
+inline constexpr std::size_t kStreamLine = 64;
+// Below this many bytes a copy or a fill uses ordinary stores: the streaming body would be a few
+// lines at most, and the head and tail use ordinary stores anyway.
+inline constexpr std::size_t kStreamMinBytes = 256;
+
 // Copies n bytes. With streaming = true, 64-byte-aligned destination lines are written with
 // non-temporal stores (no read-for-ownership, no cache pollution): the right choice when the
 // destination is far larger than the caches. The caller must issue store_fence() before another

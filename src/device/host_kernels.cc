@@ -15,10 +15,6 @@
 namespace zeroflat::detail {
 namespace {
 
-constexpr std::size_t kLine = 64;
-// Below this size a range is zeroed with ordinary stores: the streaming body would be a few
-// lines at most, and the head and tail already use ordinary stores.
-constexpr std::size_t kStreamMin = 256;
 // Ordinary stores go in pieces of this many bytes: glibc's memcpy and memset switch to streaming
 // stores themselves for a single call past a share of the cache.
 constexpr std::uint64_t kPlainPiece = std::uint64_t{64} << 10;
@@ -26,7 +22,7 @@ constexpr std::uint64_t kPlainPiece = std::uint64_t{64} << 10;
 #if ZEROFLAT_X86
 void stream_zero_body(unsigned char* dst, std::size_t n) noexcept {
   const __m128i z = _mm_setzero_si128();
-  for (std::size_t i = 0; i < n; i += kLine) {
+  for (std::size_t i = 0; i < n; i += kStreamLine) {
     auto* d = reinterpret_cast<__m128i*>(dst + i);
     _mm_stream_si128(d + 0, z);
     _mm_stream_si128(d + 1, z);
@@ -57,10 +53,11 @@ void copy_fresh(void* dst_v, const void* src_v, std::size_t n) noexcept {
 void zero_bytes(void* dst_v, std::size_t n, bool streaming) noexcept {
   auto* dst = static_cast<unsigned char*>(dst_v);
 #if ZEROFLAT_X86
-  if (streaming && n >= kStreamMin) {
-    std::size_t head = (kLine - reinterpret_cast<std::uintptr_t>(dst) % kLine) % kLine;
+  if (streaming && n >= kStreamMinBytes) {
+    const std::uintptr_t misalign = reinterpret_cast<std::uintptr_t>(dst) % kStreamLine;
+    std::size_t head = (kStreamLine - misalign) % kStreamLine;
     std::memset(dst, 0, head);
-    std::size_t body = (n - head) & ~(kLine - 1);
+    std::size_t body = (n - head) & ~(kStreamLine - 1);
     stream_zero_body(dst + head, body);
     std::memset(dst + head + body, 0, n - head - body);
     return;
@@ -113,7 +110,8 @@ void gather_lines(unsigned char* dst, std::span<const Segment> segments, std::ui
     if (it != segments.end() && it->dst_offset <= line) {
       // Whole lines inside this segment.
       const std::uint64_t seg_end = it->dst_offset + it->num_bytes;
-      const std::uint64_t run_end = std::min(end, line + (seg_end - line) / kLine * kLine);
+      const std::uint64_t whole = (seg_end - line) / kStreamLine * kStreamLine;
+      const std::uint64_t run_end = std::min(end, line + whole);
       if (run_end > line) {
         const auto* src = static_cast<const unsigned char*>(it->src) + (line - it->dst_offset);
         stream_lines(dst + line, src, run_end - line);
@@ -123,7 +121,7 @@ void gather_lines(unsigned char* dst, std::span<const Segment> segments, std::ui
     } else {
       // Whole lines of padding before the next segment.
       const std::uint64_t next = it == segments.end() ? end : it->dst_offset;
-      const std::uint64_t run_end = std::min(end, line + (next - line) / kLine * kLine);
+      const std::uint64_t run_end = std::min(end, line + (next - line) / kStreamLine * kStreamLine);
       if (run_end > line) {
         stream_zero_body(dst + line, run_end - line);
         line = run_end;
@@ -131,17 +129,17 @@ void gather_lines(unsigned char* dst, std::span<const Segment> segments, std::ui
       }
     }
     // A line where pieces meet.
-    alignas(16) unsigned char tmp[kLine] = {};
-    for (auto j = it; j != segments.end() && j->dst_offset < line + kLine; ++j) {
+    alignas(16) unsigned char tmp[kStreamLine] = {};
+    for (auto j = it; j != segments.end() && j->dst_offset < line + kStreamLine; ++j) {
       const std::uint64_t lo = std::max(j->dst_offset, line);
-      const std::uint64_t hi = std::min(j->dst_offset + j->num_bytes, line + kLine);
+      const std::uint64_t hi = std::min(j->dst_offset + j->num_bytes, line + kStreamLine);
       if (hi > lo) {
         std::memcpy(tmp + (lo - line),
                     static_cast<const unsigned char*>(j->src) + (lo - j->dst_offset), hi - lo);
       }
     }
-    stream_lines(dst + line, tmp, kLine);
-    line += kLine;
+    stream_lines(dst + line, tmp, kStreamLine);
+    line += kStreamLine;
   }
 }
 #endif
@@ -156,8 +154,8 @@ void gather_range(unsigned char* dst, std::span<const Segment> segments, std::ui
     // Ordinary stores up to the first 64-byte line of memory and after the last one; whole
     // lines streamed in between.
     const auto base = reinterpret_cast<std::uintptr_t>(dst);
-    const std::uintptr_t lo_abs = (base + begin + kLine - 1) / kLine * kLine;
-    const std::uintptr_t hi_abs = (base + end) / kLine * kLine;
+    const std::uintptr_t lo_abs = (base + begin + kStreamLine - 1) / kStreamLine * kStreamLine;
+    const std::uintptr_t hi_abs = (base + end) / kStreamLine * kStreamLine;
     if (lo_abs < hi_abs) {
       const std::uint64_t lo = lo_abs - base;
       const std::uint64_t hi = hi_abs - base;
