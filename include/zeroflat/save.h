@@ -11,8 +11,9 @@
 //      the files it wrote (their data on storage), then all ranks meet;
 //   2. one rank publishes: sync_tree(partial) (every file and folder under it), then
 //      publish_tag(): a new tag is the partial folder renamed; an existing tag is exchanged
-//      with it in one atomic rename (renameat2 RENAME_EXCHANGE), then the old one removed;
-//      then the folder `dir` itself is fsync'd;
+//      with it in one atomic rename (renameat2 RENAME_EXCHANGE); then the folder `dir` itself
+//      is fsync'd, and the old one, out of sight under the partial name, is removed by the
+//      library's thread after publish_tag has returned (finish_removals);
 //   3. write_latest(): `latest.tmp` written and fsync'd, renamed over `latest`, `dir` fsync'd.
 //
 // After a crash at any point, `latest` names a complete tag: the one before, or the new one
@@ -28,7 +29,9 @@
 // second more). The steps: write.<k>, write.part.<k> and sync_files.<k> (k from 1: each file,
 // each shared part of this rank), marker, sync_tree, publish.aside, publish.rename,
 // publish.exchange, publish.remove, publish.fsync, latest.write, latest.fsync, latest.rename,
-// latest.fsync_dir, and the caller's own (save_step). Read once per process (runtime_env);
+// latest.fsync_dir, and the caller's own (save_step); publish.remove acts in the thread that
+// removes a replaced folder (a failure there leaves the folder to finish_removals, a kill comes
+// after the publication). Read once per process (runtime_env);
 // nothing but these steps acts on it.
 #pragma once
 
@@ -68,13 +71,19 @@ void sync_tree(const std::string& dir);
 
 // How publish_tag made the tag visible.
 struct Published {
-  bool replaced = false;   // a tag of that name was there before (and is removed)
+  bool replaced = false;   // a tag of that name was there before (removed after the return)
   bool exchanged = false;  // ... swapped in one atomic rename (else renamed aside, then in)
 };
 
 // Makes `dir/partial` visible as `dir/tag`, as above; `dir` fsync'd. Throws IoError naming the
 // step and the paths; on a failure before the new tag is in place, the old one is still there.
 Published publish_tag(const std::string& dir, const std::string& partial, const std::string& tag);
+
+// Waits until the folders that publications replaced are removed (the library removes them in a
+// thread after publish_tag returns, so that a save's time does not include them; the process's
+// exit, remove_partial, remove_partials and publish_tag wait for it too). A folder that thread
+// could not remove is tried again here: IoError, naming it, if it still cannot be.
+void finish_removals();
 
 // Replaces `dir/latest` with `tag` (its bytes alone, as DeepSpeed writes it) by write, fsync,
 // rename and fsync of `dir`. Throws IoError naming the step.

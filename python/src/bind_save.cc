@@ -215,6 +215,10 @@ void bind_save(py::module_& m) {
         return zf::remove_partials(dir);
       },
       py::arg("dir"));
+  m.def("finish_removals", [] {
+    py::gil_scoped_release nogil;
+    zf::finish_removals();
+  });
   m.def(
       "sync_files",
       [](const std::vector<std::string>& paths) {

@@ -395,7 +395,9 @@ class Writer(StorageWriter, AsyncStager):
             _carry_over(old, folder)
         if self.sync_files:
             _C.sync_tree(folder)
-        _C.publish_tag(parent, partial, name)
+        replaced, _ = _C.publish_tag(parent, partial, name)
+        if replaced:  # the old checkpoint is removed in the library's thread
+            _snapshot.finish_removals_at_exit()
 
 
 def _carry_over(old: str, new: str) -> None:

@@ -377,8 +377,12 @@ def wait(*, every_rank: bool = False) -> None:
     that stopped the publication. Local to the rank, unless ``every_rank=True``: then a
     collective that every rank calls, after which every rank has returned (the checkpoint
     published) or raised (a rank's failure: that rank its own, the others ``zeroflat.Error``
-    naming it). Harmless when nothing is being written."""
+    naming it). Harmless when nothing is being written. On return, the tag that a save over an
+    existing one replaced is removed too (the library removes it in a thread once the new one is
+    published); one that cannot be removed is said in a warning and left to the next save's
+    clean-up."""
     settle(agree=bool_option("every_rank", every_rank), what="zeroflat.deepspeed.wait()")
+    _snapshot.finish_removals()
 
 
 def _at_exit() -> None:
@@ -386,6 +390,7 @@ def _at_exit() -> None:
         settle(agree=False)
     except Exception as e:  # noqa: BLE001 - the process is ending: said, not raised
         log.error("zeroflat: %s", e)
+    _snapshot.finish_removals()
 
 
 def _hook_exit() -> None:

@@ -135,6 +135,36 @@ def copy_host(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         _C.stage_copies(todo, max(1, torch.get_num_threads()))
 
 
+_removals_hooked_pid: Optional[int] = None
+
+
+def finish_removals() -> None:
+    """Waits for the library's removal of the checkpoints that publications replaced (it runs
+    in a thread once the new one is published). One it could not remove is said in a warning
+    and left to the next save's clean-up, which tries again: the new checkpoint is whole."""
+    import logging
+
+    try:
+        _C.finish_removals()
+    except Exception as e:  # noqa: BLE001 - said, not raised: nothing saved is at stake
+        logging.getLogger("zeroflat").warning(
+            "zeroflat: the checkpoint a save replaced was not removed (the next save's clean-up "
+            "tries again): %s", e)
+
+
+def finish_removals_at_exit() -> None:
+    """Makes this process's end wait for ``finish_removals``: the library's own exit handler
+    covers an interpreter's ordinary end; a process that multiprocessing started ends through
+    ``os._exit`` after its finalizers, so one is registered there. Once per process."""
+    global _removals_hooked_pid
+    if _removals_hooked_pid == os.getpid():
+        return
+    _removals_hooked_pid = os.getpid()
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, finish_removals, exitpriority=90)
+
+
 def _bytes_of(storage, begin: int = 0, n: Optional[int] = None) -> torch.Tensor:
     """A uint8 tensor over ``n`` bytes of ``storage`` from ``begin`` (all of them by default)."""
     t = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
