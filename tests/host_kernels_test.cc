@@ -24,10 +24,14 @@ namespace zeroflat::detail {
 namespace {
 
 TEST(HostKernels, CopyAndZeroAtEveryAlignmentAndSize) {
-  std::vector<unsigned char> src(4096 + 128), dst(4096 + 128);
-  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 7 + 1);
+  // Random bytes: a line or a 4 KiB block written to the wrong place shows (the streaming body
+  // goes out four 4 KiB blocks at a time, a line of each in turn, then the rest line by line).
+  std::vector<unsigned char> src(65536 + 128), dst(65536 + 128);
+  std::mt19937 gen(11);
+  for (unsigned char& c : src) c = static_cast<unsigned char>(gen());
   for (bool streaming : {false, true}) {
-    for (std::size_t n : {0u, 1u, 63u, 64u, 255u, 256u, 257u, 1000u, 4096u}) {
+    for (std::size_t n : {0u, 1u, 63u, 64u, 255u, 256u, 257u, 1000u, 4096u, 16384u, 16384u + 64u * 5u + 3u,
+                          3u * 16384u + 4096u + 100u, 65536u}) {
       for (std::size_t d_off = 0; d_off < 64; d_off += 7) {
         for (std::size_t s_off : {0u, 1u, 33u}) {
           std::fill(dst.begin(), dst.end(), 0xEE);
