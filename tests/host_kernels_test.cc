@@ -68,21 +68,25 @@ struct FakeCpuDir {
   }
 };
 
-TEST(StreamCopy, TheCacheShareIsTheLastLevelOverTheCpusSharingIt) {
+TEST(StreamCopy, TheCacheShareIsTheLeastShareOfTheLevelsFromTwoUp) {
   FakeCpuDir cpu;
   EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 0u) << "no cache tree";
   cpu.cache(0, "1", "Data", "32K", "0");
   cpu.cache(1, "1", "Instruction", "32K", "0");
-  cpu.cache(2, "2", "Unified", "1024K", "0-1");
-  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 512u << 10);
-  cpu.cache(3, "3", "Unified", "32768K", "0-3,8,10-12");  // 8 CPUs
-  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 4u << 20);
-  cpu.cache(4, "4", "Instruction", "1G", "0");  // not a data cache: ignored
-  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 4u << 20);
-  cpu.cache(3, "3", "Unified", "1M", "garbage");  // unreadable sharing: counted as one CPU
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 0u) << "the first level alone says nothing";
+  cpu.cache(2, "2", "Unified", "2048K", "0");
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 2u << 20);
+  // A virtual machine's view of its host's last level: larger than the level below per CPU.
+  cpu.cache(3, "3", "Unified", "491520K", "0-1");
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 2u << 20);
+  cpu.cache(3, "3", "Unified", "8M", "0-3,8,10-12");  // 8 CPUs: 1 MiB each, under the L2
   EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 1u << 20);
-  cpu.cache(3, "3", "Unified", "12Q", "0");  // an unknown unit: the level below
-  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 512u << 10);
+  cpu.cache(4, "4", "Instruction", "1K", "0");  // not a data cache: ignored
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 1u << 20);
+  cpu.cache(3, "3", "Unified", "1536K", "garbage");  // unreadable sharing: counted as one CPU
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 1536u << 10);
+  cpu.cache(3, "3", "Unified", "12Q", "0");  // an unknown unit: that level says nothing
+  EXPECT_EQ(cache_share_bytes(cpu.dir.c_str()), 2u << 20);
 }
 
 // Reference: the gather written the obvious way.

@@ -155,21 +155,17 @@ std::uint64_t cache_size(const std::string& text) {
 
 std::uint64_t cache_share_bytes(const char* cpu_dir) noexcept {
   try {
-    int best_level = 0;
     std::uint64_t share = 0;
     for (int i = 0; i < 16; ++i) {
       const std::string dir = std::string(cpu_dir) + "/cache/index" + std::to_string(i) + "/";
       const std::string level = first_line(dir + "level");
       if (level.empty()) break;
       const std::string type = first_line(dir + "type");
-      if (type != "Unified" && type != "Data") continue;
-      const int l = std::atoi(level.c_str());
+      if ((type != "Unified" && type != "Data") || std::atoi(level.c_str()) < 2) continue;
       const std::uint64_t size = cache_size(first_line(dir + "size"));
       const std::uint64_t cpus = cpus_in_list(first_line(dir + "shared_cpu_list"));
-      if (l > best_level && size > 0) {
-        best_level = l;
-        share = size / std::max<std::uint64_t>(cpus, 1);
-      }
+      const std::uint64_t mine = size / std::max<std::uint64_t>(cpus, 1);
+      if (mine > 0 && (share == 0 || mine < share)) share = mine;
     }
     return share;
   } catch (...) {
@@ -181,9 +177,11 @@ bool larger_than_cache(std::uint64_t num_bytes) noexcept {
   // Past the cache, ordinary stores cost a read of every destination line as well as the
   // write, and evict the caller's working set; streaming stores do neither. The share of one
   // CPU, not the whole cache: every core of the socket may be copying at once (a rank per
-  // accelerator), and the destination is not read again soon. On the development machine
-  // (32 MiB shared by 2 CPUs) streaming was faster than memcpy from 8 MiB up
-  // (docs/performance.md). Where sysfs does not say, sysconf's size over the online CPUs.
+  // accelerator), and the destination is not read again soon. The least share of the levels
+  // from 2 up: a virtual machine may report its host's whole last-level cache (480 MiB over 2
+  // CPUs on a Xeon VM, where streaming beat memcpy from 4 MiB up even into a destination just
+  // written, and from 1 MiB up into one the caches had forgotten; docs/performance.md). Where
+  // sysfs does not say, sysconf's last-level size over the online CPUs; at least 4 MiB.
   static const std::uint64_t threshold = [] {
     std::uint64_t share = cache_share_bytes("/sys/devices/system/cpu/cpu0");
     if (share == 0) {

@@ -26,13 +26,13 @@ void stream_lines(unsigned char* dst, const unsigned char* src, std::size_t n) n
 // Orders this thread's streaming stores before its later stores (sfence on x86).
 void store_fence() noexcept;
 
-// Whether num_bytes written in a row are past this CPU's share of the last-level cache
-// (cache_share_bytes of the running machine, read once).
+// Whether num_bytes written in a row are past the cache this CPU can count on
+// (cache_share_bytes of the running machine, read once; at least 4 MiB).
 bool larger_than_cache(std::uint64_t num_bytes) noexcept;
 
-// This CPU's share of the last-level cache, from the sysfs tree at cpu_dir (as
-// /sys/devices/system/cpu/cpu0): the highest-level data or unified cache's size over the number
-// of CPUs that share it; 0 where the tree does not say.
+// The cache this CPU can count on, from the sysfs tree at cpu_dir (as
+// /sys/devices/system/cpu/cpu0): over its data and unified caches of level 2 and up, the least
+// of a cache's size over the number of CPUs that share it; 0 where the tree does not say.
 std::uint64_t cache_share_bytes(const char* cpu_dir) noexcept;
 
 }  // namespace zeroflat::detail
