@@ -36,7 +36,8 @@ Per rank, in each round (after one warm-up step):
              and the persistent ones gathered after): the part of the call that is neither
              the copies nor the ranks' agreement
   memory     --saves more saves (a step between them), each waited for before the next:
-             the staging's size, the resident memory after each, and each one's call (their
+             the staging's size, the resident memory after each (and the C library's heap
+             in use, apart from the free memory it keeps), and each one's call (their
              median is the blocking held to the floor: both medians of repeated copies;
              under FSDP2 also the part of each call in zeroflat.dcp.Writer.stage, the copy,
              the rest being DCP's async_save itself)
@@ -79,6 +80,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _heap_in_use():
+    """The C library's heap in use (glibc's mallinfo2: allocated, not the free memory it keeps
+    mapped), or None where there is no mallinfo2. Resident memory also counts what the heap
+    keeps free after the training's own short-lived buffers, which a save does not own."""
+    try:
+        import ctypes
+
+        class _Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                "uordblks", "fordblks", "keepcost")]
+        f = ctypes.CDLL(None).mallinfo2
+        f.restype = _Info
+        info = f()
+        return info.uordblks + info.hblkhd
+    except (AttributeError, OSError):
+        return None
 
 
 def _drop_caches():
@@ -127,7 +147,7 @@ def _saves_loop(out, n, before, call):
     another's skew out of its steps); ``call(i, before(i)'s value)`` saves and returns what
     waits for its write. Records the calls' median (``zeroflat_steady``) and the resident
     memory after each save."""
-    rss, calls = [], []
+    rss, heap, calls = [], [], []
     for i in range(n):
         ready = before(i)
         dist.barrier()
@@ -136,7 +156,9 @@ def _saves_loop(out, n, before, call):
         calls.append(time.perf_counter() - start)
         wait()
         rss.append(_rss())
+        heap.append(_heap_in_use())
     out["rss"] = rss
+    out["heap"] = heap
     out["zeroflat_steady"] = statistics.median(calls)
 
 
@@ -843,6 +865,8 @@ def report(stage, world, rounds, args):
                for ranks in rounds]
     growth = [max((r["rss"][-1] - r["rss"][0]) / 2**20 if r["rss"] else 0 for r in ranks)
               for ranks in rounds]
+    heap = [max((r["heap"][-1] - r["heap"][0]) / 2**20 for r in ranks)
+            for ranks in rounds if all(r.get("heap") and None not in r["heap"] for r in ranks)]
     for priority in args.priorities:
         checks += [(f"priority {priority}: durable / disk ceiling",
                     ratio(per(f"durable_{priority}"), per("ceiling")), "<= 1.2"),
@@ -865,6 +889,9 @@ def report(stage, world, rounds, args):
           f"        target <= 0")
     print(f"  {'resident growth over the saves (MiB)':42s} {statistics.median(growth):8.1f}"
           f"        over {args.saves} saves")
+    if heap:
+        print(f"  {'  of it, the heap in use (MiB)':42s} {statistics.median(heap):8.1f}"
+              f"        the rest is free memory the C library keeps")
     sys.stdout.flush()
 
 
