@@ -53,13 +53,15 @@ The target folder's pages are dropped before each write where the machine allows
 (/proc/sys/vm/drop_caches as root), and every folder is removed after its measurement.
 
 With --stages fsdp2 the model is FSDP2's (fully_shard per layer, fp32 AdamW, the same
-layers) and the state is get_state_dict's: DCP's own save and async_save beside
-zeroflat.dcp.Writer under async_save (its call, the steps while it writes, call to published;
-the staging's size and the resident memory over --saves more saves), no DeepSpeed rows.
+layers) and the state is get_state_dict's: DCP's own save and async_save (in fresh processes
+of their own, each round) beside zeroflat.dcp.Writer under async_save (its call, the steps
+while it writes, call to published and where it went; the staging's size and the resident
+memory over --saves more saves), no DeepSpeed rows.
 
   python benchmarks/save_bench.py --ranks 1,2 --stages 2,3,fsdp2 --state-mb 512 --rounds 3
 """
 import argparse
+import contextlib
 import ctypes
 import mmap
 import os
@@ -192,8 +194,8 @@ def _worker(rank, world, port, args, stage, queue):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     per_layer = args.width * (args.width + 1)
     layers = max(1, round(args.state_mb * 2**20 * world / 12 / per_layer))
-    if stage == "fsdp2":
-        _fsdp2_worker(rank, world, args, layers, queue)
+    if stage in ("fsdp2", "fsdp2-dcp"):
+        _fsdp2_worker(rank, world, args, layers, queue, dcp_only=stage == "fsdp2-dcp")
         return
     import deepspeed
 
@@ -257,9 +259,12 @@ def _local_bytes(state_dict):
                for t in _dcp_writer._tensors(state_dict))
 
 
-def _fsdp2_worker(rank, world, args, layers, queue):
-    """FSDP2 (fully_shard per layer, AdamW, fp32): DCP's own save and async_save of the model and
-    optimizer state beside zeroflat.dcp.Writer's, the floor and the ceiling of the rank's bytes."""
+def _fsdp2_worker(rank, world, args, layers, queue, dcp_only=False):
+    """FSDP2 (fully_shard per layer, AdamW, fp32): zeroflat.dcp.Writer's saves, the floor and the
+    ceiling of the rank's bytes; with ``dcp_only``, in processes of their own, DCP's own save and
+    async_save of the same state (run in zeroflat's processes, before its saves, they left the
+    process so that the first collective of zeroflat's next save took 0.13 s longer at 1 rank;
+    run after, DCP's own save took half as long again: each system in a fresh process)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -295,9 +300,14 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     sd = state()
     out["bytes"] = _local_bytes(sd)
     root = args.dir
+    if dcp_only:
+        _dcp_rows(sd, out, root, rank, args.dcp_executors)
+        queue.put((rank, {k: v for k, v in out.items() if k.startswith("dcp_")}))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     _floor_and_ceiling(out, root, rank)
     out["steps_disk"] = _steps_beside_disk(lambda: steps(args.steps, 1), out["bytes"], root, rank)
-    _dcp_rows(sd, out, root, rank, args.dcp_executors)
 
     # The saves' collectives on a group of their own, as DCP asks of an async_save beside
     # training's collectives.
@@ -324,9 +334,20 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     out["steps_during"] = steps(args.steps, 1)
     future.result()
     dist.barrier()
-    future, start = save()
-    future.result()
+    with _writer_marks() as marks:
+        future, start = save()
+        call_end = time.perf_counter()
+        future.result()
+        done = time.perf_counter()
     out["zeroflat_durable"] = _barrier_time(start)
+    # Where it went: the call, DCP's planning, the items pickled, the file written and fsync'd,
+    # DCP's gathering of the results, then the .metadata and the publication (the first
+    # rank's; the others wait for them) until the future completes.
+    if {"write_data", "write_appended"} <= marks.keys():
+        points = [start, call_end, marks["write_data"][0], marks["write_appended"][0],
+                  marks["write_appended"][1]]
+        points += [marks.get("finish", (points[-1],))[0], done]
+        out["durable_phases_dcp"] = [b - a for a, b in zip(points, points[1:])]
     out["zeroflat_bytes"] = out["bytes"]
     staging = _dcp_writer._staging["copy"]
     out["staging"] = _local_bytes(staging)
@@ -379,6 +400,35 @@ def _fsdp2_worker(rank, world, args, layers, queue):
     queue.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _writer_marks():
+    """While inside: when zeroflat.dcp.Writer's write_data and finish and the library's
+    write_appended began and ended, {name: (begin, end)} (perf_counter), the last of each."""
+    from zeroflat import _dcp_writer
+
+    marks = {}
+
+    def timed(owner, name):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                marks[name] = (begin, time.perf_counter())
+        setattr(owner, name, wrapper)
+        return owner, name, original
+
+    undo = [timed(_dcp_writer.Writer, "write_data"), timed(_dcp_writer.Writer, "finish"),
+            timed(_dcp_writer._C, "write_appended")]
+    try:
+        yield marks
+    finally:
+        for owner, name, original in undo:
+            setattr(owner, name, original)
 
 
 def _write_fsync(path, src):
@@ -688,6 +738,9 @@ def _round(world, stage, args):
     mp.start_processes(_worker, args=(world, _free_port(), args, stage, queue), nprocs=world,
                        start_method="spawn")
     got = dict(queue.get(timeout=60) for _ in range(world))
+    if stage == "fsdp2":  # DCP's own rows in processes of their own (_fsdp2_worker)
+        for rank, dcp_out in enumerate(_round(world, "fsdp2-dcp", args)):
+            got[rank].update(dcp_out)
     return [got[r] for r in range(world)]
 
 
@@ -875,6 +928,16 @@ def report(stage, world, rounds, args):
                     "<= 1.2")]
     for name, values, target in checks:
         print(f"  {name:42s} {_fmt(values, 'x')}   target {target}")
+    if have("durable_phases_dcp"):
+        print("  call to published, per rank (ms): call | DCP's planning, the items pickled, "
+              "the file, DCP's gathering, .metadata + publication")
+        for rank in range(world):
+            if not all("durable_phases_dcp" in ranks[rank] for ranks in rounds):
+                continue
+            phases = [1000 * statistics.median(ranks[rank]["durable_phases_dcp"][k]
+                                               for ranks in rounds) for k in range(6)]
+            print(f"    rank {rank}: {phases[0]:6.0f} | "
+                  + ", ".join(f"{v:.0f}" for v in phases[1:]))
     if have("durable_phases"):
         # Where the durable save's time went, per rank (the median over the rounds): the call,
         # then the background write's phases (save.h: SaveOutcome).
