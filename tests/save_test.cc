@@ -2,6 +2,8 @@
 // a complete checkpoint (the one before, or the new one), and the next save succeeds.
 #include "zeroflat/save.h"
 
+#include "common/thread_pool.h"
+
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -13,6 +15,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace zeroflat {
@@ -271,6 +274,12 @@ TEST(Save, TheReplacedTagIsRemovedAfterThePublicationAndAFailedRemovalIsTriedAga
   EXPECT_FALSE(fs::exists(dir + "/" + partial_tag_name("a")));
   EXPECT_EQ(complete(dir, &why), std::optional<int>(4)) << why;
   EXPECT_EQ(slurp(dir + "/a/f0"), file_text(3, 0));
+  // Where the system refuses the thread, the publication removes the old tag itself.
+  detail::set_thread_start_hook([](unsigned) { throw std::system_error(EAGAIN, std::generic_category()); });
+  save(dir, "a", 5);
+  detail::set_thread_start_hook({});
+  EXPECT_FALSE(fs::exists(dir + "/" + partial_tag_name("a")));
+  EXPECT_EQ(slurp(dir + "/a/f0"), file_text(5, 0));
   fs::remove_all(dir);
 }
 

@@ -2,6 +2,7 @@
 // replaced last. Every step checks the test fault hook first.
 #include "zeroflat/save.h"
 
+#include "common/thread_pool.h"
 #include "save/save_io.h"
 
 #include <cerrno>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -112,11 +114,16 @@ class Retired {
   }
 
   void add(std::string path) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
     todo_.push_back(std::move(path));
     if (running_) return;
     running_ = true;
-    std::thread([this] { work(); }).detach();
+    try {
+      detail::start_thread(0, [this] { work(); }).detach();
+    } catch (const std::system_error&) {  // no thread to be had: removed here, as before
+      lock.unlock();
+      work();
+    }
   }
 
   // Every folder added so far removed or given up on; returns those given up on (each once).
