@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 import zeroflat
-from . import _dropin, _load, _resume, _save, _snapshot, _stage3
+from . import _dropin, _load, _resume, _save, _stage3
 from ._comm import all_reduce_ints
 from ._common import engine_threads, select
 from ._save import wait  # noqa: F401 - zeroflat.deepspeed.wait
@@ -668,11 +668,9 @@ def install(*, allow_untested: bool = False, progress: Optional[Callable[[Any], 
 
 
 def uninstall() -> None:
-    """Waits for a save being written (and the removal of a tag it replaced), then puts
-    DeepSpeed back as it was (harmless if not)."""
+    """Waits for a save being written and a replaced tag's removal, then puts DeepSpeed back."""
     global _applied
-    _save.settle(agree=False)
-    _snapshot.finish_removals()
+    wait()  # this rank's save, and a replaced tag's removal
     with _lock:
         if _applied is None:
             return
